@@ -1,0 +1,277 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    UINT16: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    STOP: _ClassVar[FinishReason]
+    LENGTH: _ClassVar[FinishReason]
+    CANCELLED: _ClassVar[FinishReason]
+
+class AudioEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUDIO_ENCODING_UNSPECIFIED: _ClassVar[AudioEncoding]
+    AUDIO_PCM16: _ClassVar[AudioEncoding]
+    AUDIO_FLOAT32: _ClassVar[AudioEncoding]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+BFLOAT16: DType
+FLOAT16: DType
+INT64: DType
+INT32: DType
+UINT16: DType
+BOOL: DType
+FINISH_REASON_UNSPECIFIED: FinishReason
+STOP: FinishReason
+LENGTH: FinishReason
+CANCELLED: FinishReason
+AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
+AUDIO_PCM16: AudioEncoding
+AUDIO_FLOAT32: AudioEncoding
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PayloadChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "repetition_penalty")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    repetition_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "samples")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    samples: int
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ThinkerStart(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TALKER_ROWS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: TokenIds
+    text: str
+    audio_features: _containers.RepeatedCompositeFieldContainer[Tensor]
+    sampling: Sampling
+    max_tokens: int
+    min_tokens: int
+    talker_rows: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ...) -> None: ...
+
+class ThinkerRequest(_message.Message):
+    __slots__ = ("start", "chunk", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: ThinkerStart
+    chunk: PayloadChunk
+    cancel: Cancel
+    def __init__(self, start: _Optional[_Union[ThinkerStart, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+
+class TextDelta(_message.Message):
+    __slots__ = ("index", "token_ids", "text", "embeddings")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    embeddings: Tensor
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class TalkerPrompt(_message.Message):
+    __slots__ = ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special")
+    USER_ROWS_FIELD_NUMBER: _ClassVar[int]
+    USER_MM_MASK_FIELD_NUMBER: _ClassVar[int]
+    USER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ASSISTANT_HEAD_FIELD_NUMBER: _ClassVar[int]
+    ASSISTANT_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TTS_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    user_rows: Tensor
+    user_mm_mask: Tensor
+    user_token_ids: Tensor
+    assistant_head: Tensor
+    assistant_prefix: Tensor
+    tts_special: Tensor
+    def __init__(self, user_rows: _Optional[_Union[Tensor, _Mapping]] = ..., user_mm_mask: _Optional[_Union[Tensor, _Mapping]] = ..., user_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_head: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_prefix: _Optional[_Union[Tensor, _Mapping]] = ..., tts_special: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ThinkerResponse(_message.Message):
+    __slots__ = ("talker_prompt", "text", "chunk", "finished")
+    TALKER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    talker_prompt: TalkerPrompt
+    text: TextDelta
+    chunk: PayloadChunk
+    finished: Finished
+    def __init__(self, talker_prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+
+class TalkerStart(_message.Message):
+    __slots__ = ("request_id", "prompt", "speaker", "sampling", "max_frames", "min_frames")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: TalkerPrompt
+    speaker: str
+    sampling: Sampling
+    max_frames: int
+    min_frames: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ...) -> None: ...
+
+class TextRows(_message.Message):
+    __slots__ = ("token_ids", "rows")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    rows: Tensor
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class TextEnd(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TalkerRequest(_message.Message):
+    __slots__ = ("start", "rows", "text_end", "chunk", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_END_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: TalkerStart
+    rows: TextRows
+    text_end: TextEnd
+    chunk: PayloadChunk
+    cancel: Cancel
+    def __init__(self, start: _Optional[_Union[TalkerStart, _Mapping]] = ..., rows: _Optional[_Union[TextRows, _Mapping]] = ..., text_end: _Optional[_Union[TextEnd, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+
+class CodecFrames(_message.Message):
+    __slots__ = ("index", "codes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    codes: Tensor
+    def __init__(self, index: _Optional[int] = ..., codes: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class TalkerResponse(_message.Message):
+    __slots__ = ("frames", "finished")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    frames: CodecFrames
+    finished: Finished
+    def __init__(self, frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+
+class Code2WavStart(_message.Message):
+    __slots__ = ("request_id", "encoding", "first_chunk_frames", "chunk_frames")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    encoding: AudioEncoding
+    first_chunk_frames: int
+    chunk_frames: int
+    def __init__(self, request_id: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ...) -> None: ...
+
+class FramesEnd(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Code2WavRequest(_message.Message):
+    __slots__ = ("start", "frames", "frames_end", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_END_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: Code2WavStart
+    frames: CodecFrames
+    frames_end: FramesEnd
+    cancel: Cancel
+    def __init__(self, start: _Optional[_Union[Code2WavStart, _Mapping]] = ..., frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., frames_end: _Optional[_Union[FramesEnd, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+
+class AudioChunk(_message.Message):
+    __slots__ = ("sample_offset", "sample_rate", "encoding", "data", "num_samples")
+    SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    sample_offset: int
+    sample_rate: int
+    encoding: AudioEncoding
+    data: bytes
+    num_samples: int
+    def __init__(self, sample_offset: _Optional[int] = ..., sample_rate: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., data: _Optional[bytes] = ..., num_samples: _Optional[int] = ...) -> None: ...
+
+class Code2WavResponse(_message.Message):
+    __slots__ = ("audio", "finished")
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    audio: AudioChunk
+    finished: Finished
+    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...

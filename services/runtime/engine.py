@@ -1,0 +1,154 @@
+"""The engine loop shared by the three stages.
+
+One thread per service owns the model and runs `step()` whenever a request has work; gRPC
+handlers (asyncio) talk to it only through `submit`, `notify` and each request's `Outbox`.
+Requests join and leave between steps (continuous batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageError:
+    """A failure to surface to one request's client as a gRPC status."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+class Outbox:
+    """Thread-safe hand-off from the engine thread to the request's asyncio handler."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the client is gone
+            pass
+
+    async def get(self) -> Any:
+        return await self._queue.get()
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    outbox: Outbox
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    done: bool = False
+
+
+class StageEngine:
+    """Subclasses implement `has_work()` and `step()`; both run with `self.lock` held only for
+    bookkeeping, never during model compute."""
+
+    name = "stage"
+
+    def __init__(self, max_active: int) -> None:
+        self.max_active = max_active
+        self.lock = threading.Condition()
+        self.waiting: list[EngineRequest] = []
+        self.running: list[EngineRequest] = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ---- called from handlers
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stop = True
+            self.lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def submit(self, req: EngineRequest) -> None:
+        with self.lock:
+            self.waiting.append(req)
+            self.lock.notify_all()
+
+    def notify(self) -> None:
+        with self.lock:
+            self.lock.notify_all()
+
+    def cancel(self, req: EngineRequest) -> None:
+        with self.lock:
+            req.cancelled = True
+            self.lock.notify_all()
+
+    @property
+    def active(self) -> int:
+        with self.lock:
+            return len(self.waiting) + len(self.running)
+
+    # ---- engine thread
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stop and not self._reap_and_check():
+                    self.lock.wait(timeout=1.0)
+                if self._stop:
+                    break
+            try:
+                self.step()
+                self.steps += 1
+            except Exception as exc:  # a bug or a bad input that passed validation: fail the batch, keep serving
+                log.exception("%s engine step failed", self.name)
+                with self.lock:
+                    victims = self.running + self.waiting
+                    self.running, self.waiting = [], []
+                for r in victims:
+                    self.finish(r, StageError(grpc.StatusCode.INTERNAL, f"{self.name} step failed: {exc}"))
+        with self.lock:
+            victims = self.running + self.waiting
+            self.running, self.waiting = [], []
+        for r in victims:
+            self.finish(r, StageError(grpc.StatusCode.UNAVAILABLE, f"{self.name} is shutting down"))
+
+    def _reap_and_check(self) -> bool:
+        for lst in (self.waiting, self.running):
+            for r in [r for r in lst if r.cancelled]:
+                lst.remove(r)
+                self.release(r)
+                r.done = True
+        return self.has_work()
+
+    def finish(self, req: EngineRequest, final: Any) -> None:
+        """Send the last item (a Finished message or a StageError) and free the request's resources."""
+        with self.lock:
+            if req in self.running:
+                self.running.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+        self.release(req)
+        if not req.done:
+            req.done = True
+            req.outbox.put(final)
+
+    # ---- subclass hooks
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def release(self, req: EngineRequest) -> None:
+        """Free the request's slot / cache. Must be idempotent."""

@@ -1,0 +1,192 @@
+"""KV caches. A cache decides what each new query attends to; attention layers call
+`cache.attend(layer, q, k, v, scale)` with q: [B, Hq, S, D] and k, v: [B, Hkv, S, D] (already
+rotated) and get [B, Hq, S, D] back.
+
+- `SlotKVCache`: one preallocated slot per running sequence (thinker, talker). A step is
+  described by a `SlotStep` (which slots, where each sequence's new tokens start).
+- `GrowingCache`: a throwaway cache for short self-contained sequences (the code predictor's
+  16-position frame, tests).
+- `SlidingWindowCache`: a per-slot ring of the last `window` keys (code2wav's pre-transformer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionCache(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          causal: bool = False) -> torch.Tensor:
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
+
+
+@dataclass
+class SlotStep:
+    """Where one engine step's tokens go: sequence b writes S tokens at positions
+    start[b] .. start[b] + S - 1 of cache slot slots[b] and attends to everything before."""
+
+    slots: torch.Tensor   # [B] int64
+    start: torch.Tensor   # [B] int64
+    new_tokens: int       # S
+    kv_len: int           # max(start) + S: the attended prefix length
+    mask: torch.Tensor    # [B, 1, S, kv_len] bool, True = attend
+
+    @classmethod
+    def build(cls, slots: list[int], start: list[int], new_tokens: int, device: torch.device) -> "SlotStep":
+        kv_len = max(start) + new_tokens
+        st = torch.tensor(start, dtype=torch.long, device=device)
+        q_pos = st[:, None] + torch.arange(new_tokens, device=device)[None, :]          # [B, S]
+        k_pos = torch.arange(kv_len, device=device)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)                # [B, 1, S, L]
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), st, new_tokens, kv_len, mask)
+
+
+class SlotKVCache:
+    """Per-layer K/V tensors [slots, Hkv, max_len, D]; `bind(step)` returns the view layers use."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots, self.max_len = num_slots, max_len
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free KV slot")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
+
+    def bind(self, step: SlotStep) -> "_BoundSlotCache":
+        return _BoundSlotCache(self, step)
+
+    def bytes_per_token(self) -> int:
+        k = self.k[0]
+        return 2 * len(self.k) * k.shape[1] * k.shape[3] * k.element_size()
+
+
+class _BoundSlotCache:
+    def __init__(self, cache: SlotKVCache, step: SlotStep) -> None:
+        self.cache, self.step = cache, step
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        st = self.step
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if st.new_tokens == 1:
+            kc[st.slots, :, st.start] = k[:, :, 0]
+            vc[st.slots, :, st.start] = v[:, :, 0]
+        else:
+            for b, (slot, start) in enumerate(zip(st.slots.tolist(), st.start.tolist())):
+                kc[slot, :, start:start + st.new_tokens] = k[b]
+                vc[slot, :, start:start + st.new_tokens] = v[b]
+        if st.slots.numel() == 1:
+            slot = int(st.slots[0])
+            keys, values = kc[slot:slot + 1, :, :st.kv_len], vc[slot:slot + 1, :, :st.kv_len]
+        else:
+            keys, values = kc[st.slots, :, :st.kv_len], vc[st.slots, :, :st.kv_len]
+        return _sdpa(q, keys, values, st.mask, scale)
+
+
+class GrowingCache:
+    """Appends every call's keys; new queries attend causally to all earlier keys."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if layer in self.k:
+            k = torch.cat((self.k[layer], k), dim=2)
+            v = torch.cat((self.v[layer], v), dim=2)
+        self.k[layer], self.v[layer] = k, v
+        s, total = q.shape[2], k.shape[2]
+        if s == 1:
+            return _sdpa(q, k, v, None, scale)
+        q_pos = torch.arange(total - s, total, device=q.device)
+        mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+        return _sdpa(q, k, v, mask, scale)
+
+
+class SlidingWindowCache:
+    """Per slot, the keys/values of the last `window` positions in a ring (index = pos % window).
+
+    A query at position p attends keys at positions p - window < pos <= p. A step appends S
+    frames to each of B slots (all at their own positions)."""
+
+    def __init__(self, num_layers: int, num_slots: int, window: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_slots, num_kv_heads, window, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.pos = torch.full((num_slots, window), -1, dtype=torch.long, device=device)  # -1: empty
+        self.window = window
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free code2wav slot")
+        slot = self._free.pop()
+        self.pos[slot] = -1
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
+
+    def bind(self, slots: list[int], start: list[int], new_tokens: int) -> "_BoundWindowCache":
+        return _BoundWindowCache(self, slots, start, new_tokens)
+
+
+class _BoundWindowCache:
+    def __init__(self, cache: SlidingWindowCache, slots: list[int], start: list[int], s: int) -> None:
+        dev = cache.pos.device
+        self.cache, self.s = cache, s
+        self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
+        st = torch.tensor(start, dtype=torch.long, device=dev)
+        self.new_pos = st[:, None] + torch.arange(s, device=dev)[None, :]                 # [B, S]
+        old_pos = cache.pos[self.slots]                                                   # [B, W]
+        key_pos = torch.cat((old_pos, self.new_pos), dim=1)                               # [B, W + S]
+        q = self.new_pos[:, :, None]
+        kp = key_pos[:, None, :]
+        self.mask = ((kp >= 0) & (kp <= q) & (kp > q - cache.window)).unsqueeze(1)       # [B, 1, S, W + S]
+        self.ring_idx = self.new_pos % cache.window                                       # [B, S]
+        self._committed = False
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        c = self.cache
+        keys = torch.cat((c.k[layer][self.slots], k), dim=2)
+        values = torch.cat((c.v[layer][self.slots], v), dim=2)
+        out = _sdpa(q, keys, values, self.mask, scale)
+        # keep only the last `window` new entries (earlier ones would be overwritten anyway)
+        keep = slice(max(0, self.s - c.window), self.s)
+        rows = self.slots[:, None].expand(-1, self.s)[:, keep]
+        ring = self.ring_idx[:, keep]
+        c.k[layer][rows, :, ring] = k[:, :, keep].transpose(1, 2)
+        c.v[layer][rows, :, ring] = v[:, :, keep].transpose(1, 2)
+        if not self._committed and layer == len(c.k) - 1:
+            c.pos[rows, ring] = self.new_pos[:, keep]
+            self._committed = True
+        return out

@@ -1,0 +1,222 @@
+"""The layer library every stage is built from.
+
+Shapes use B = sequences in the step, S = new tokens per sequence, H = hidden size,
+Hq / Hkv = query / key-value heads, D = head_dim, E = experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DecoderConfig, RopeConfig
+from .kv_cache import AttentionCache
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as the reference)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE, optionally 3-D interleaved MRoPE (t, h, w position ids per token).
+
+    With `mrope_section` (t, h, w) the frequency slots are assigned round-robin t, h, w, t, h, w, ...
+    for the first 3 * min(sections) slots and to t for the rest, exactly as Qwen3-Omni does.
+    Positions: [B, S] (1-D) or [3, B, S] (MRoPE). Returns cos, sin of shape [B, S, D].
+    """
+
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        # a plain CPU tensor (not a buffer) so modules can be built on the meta device
+        self._inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+        self._inv_on: dict[torch.device, torch.Tensor] = {}
+        self.mrope_section = rope.mrope_section
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self._inv_on.get(positions.device)
+        if inv is None:
+            inv = self._inv_on[positions.device] = self._inv_freq.to(positions.device)
+        if self.mrope_section is None:
+            freqs = positions[..., None].float() * inv                      # [B, S, D/2]
+        else:
+            if positions.ndim == 2:
+                positions = positions.unsqueeze(0).expand(3, -1, -1)
+            axes = positions[..., None].float() * inv                       # [3, B, S, D/2]
+            freqs = axes[0].clone()
+            for axis in (1, 2):
+                idx = slice(axis, self.mrope_section[axis] * 3, 3)
+                freqs[..., idx] = axes[axis][..., idx]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, S, D]; cos/sin: [B, S, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention with optional per-head q/k RMSNorm; the cache decides what is attended."""
+
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, bias: bool = False) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, S, D]
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = cache.attend(self.layer_idx, q, k, v, self.scale)              # [B, Hq, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """E gated experts stored fused: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; top_idx, top_w: [T, K]. Sum over each token's experts of w * expert(x)."""
+        out = torch.zeros_like(x)
+        flat = top_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        token_of = order // top_idx.shape[1]
+        weight_of = top_w.reshape(-1)[order]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of[start:start + n]
+            gate, up = F.linear(x[tok], self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert]) * weight_of[start:start + n, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+            start += n
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (softmax in float32, optional renormalisation) plus an optional
+    sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.shared_expert_size:
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_idx, top_w.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        top_idx, top_w = self.route(flat)
+        out = self.experts(flat, top_idx, top_w)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x)). MLP is MoE when the config has experts."""
+
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = SparseMoE(cfg) if cfg.num_experts else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Layers + final norm + rotary; `forward` can also return chosen intermediate hidden states
+    (index 0 = the input embeddings, i = output of layer i - 1), as transformers numbers them."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
+                keep_hidden: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rope = self.rotary(positions, x.dtype)
+        kept = x if keep_hidden == 0 else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache)
+            if keep_hidden == i + 1:
+                kept = x
+        x = self.norm(x)
+        if keep_hidden == len(self.layers):
+            kept = x  # transformers reports the normed output as the last hidden state
+        return x, kept

@@ -1,0 +1,203 @@
+"""gRPC plumbing shared by the three stage servers: the aio server with health, reflection and
+graceful SIGTERM; and the per-stream pattern (first message = Start, optional payload chunks,
+engine outputs streamed back, cancellation and disconnects freeing the request)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from voxpipe.v1 import stages_pb2 as pb
+
+from .engine import EngineRequest, StageEngine, StageError
+from .tensors import Reassembler, TensorError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerOptions:
+    host: str = "[::]"
+    port: int = 0
+    max_message_bytes: int = 64 * 1024 * 1024   # one gRPC message, either direction
+    max_payload_bytes: int = 512 * 1024 * 1024  # one request's tensors, reassembled
+    max_queue: int = 256                         # requests waiting for a slot before RESOURCE_EXHAUSTED
+    grace_seconds: float = 30.0                  # drain time on SIGTERM
+    max_connection_age_s: float | None = 300.0   # clients reconnect (and rebalance) this often
+
+
+class Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class StageServicer:
+    """Base of the Thinker / Talker / Code2Wav servicers."""
+
+    def __init__(self, engine: StageEngine, opts: ServerOptions) -> None:
+        self.engine, self.opts = engine, opts
+        self.draining = False
+
+    def admit(self) -> None:
+        if self.draining:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"{self.engine.name} is draining (shutting down)")
+        if len(self.engine.waiting) >= self.opts.max_queue:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self.engine.name} queue is full ({self.opts.max_queue} requests waiting)")
+
+    async def read_head(self, it: AsyncIterator, start_field: str, chunk_field: str) -> Any:
+        """The Start message of a stream, with its tensors' continuation chunks appended."""
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request stream: the first message must be start")
+        if first.WhichOneof("kind") != start_field:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the first message must be {start_field}, got {first.WhichOneof('kind')}")
+        start = getattr(first, start_field)
+        try:
+            asm = Reassembler(start, self.opts.max_payload_bytes)
+        except TensorError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        while not asm.complete:
+            try:
+                msg = await it.__anext__()
+            except StopAsyncIteration:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before the start payload was complete")
+            if msg.WhichOneof("kind") != chunk_field:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"expected {chunk_field} continuation bytes, got {msg.WhichOneof('kind')}")
+            try:
+                asm.add(getattr(msg, chunk_field).data)
+            except TensorError as e:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return start
+
+    async def serve_request(self, req: EngineRequest, context: grpc.aio.ServicerContext,
+                            reader: Callable[[], Any] | None) -> AsyncIterator[Any]:
+        """Submit `req`, run `reader` (the rest of the request stream) beside it, and yield the
+        engine's outputs until the final one. Frees the request on cancel or disconnect."""
+        self.engine.submit(req)
+        task = asyncio.ensure_future(self._guard(reader, req)) if reader is not None else None
+        try:
+            while True:
+                item = await req.outbox.get()
+                if isinstance(item, StageError):
+                    await context.abort(item.code, item.message)
+                yield item
+                if item.WhichOneof("kind") == "finished":
+                    return
+        finally:
+            if not req.done:
+                self.engine.cancel(req)
+            if task is not None and not task.done():
+                task.cancel()
+
+    async def _guard(self, reader: Callable[[], Any], req: EngineRequest) -> None:
+        try:
+            await reader()
+        except Abort as e:
+            self.engine.cancel(req)
+            req.outbox.put(StageError(e.code, e.message))
+        except TensorError as e:
+            self.engine.cancel(req)
+            req.outbox.put(StageError(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the client went away mid-read
+            log.debug("request reader ended: %r", e)
+            self.engine.cancel(req)
+
+    def cancelled(self) -> pb.Finished:
+        return pb.Finished(reason=pb.CANCELLED)
+
+
+async def abort_on(context: grpc.aio.ServicerContext, exc: Abort) -> None:
+    await context.abort(exc.code, exc.message)
+
+
+async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc.aio.Server], None],
+                     service_name: str, opts: ServerOptions, ready: Callable[[int], None] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then: health NOT_SERVING, refuse new streams, let in-flight
+    streams finish for up to `grace_seconds`, stop the engine."""
+    options = [
+        ("grpc.max_send_message_length", opts.max_message_bytes),
+        ("grpc.max_receive_message_length", opts.max_message_bytes),
+    ]
+    if opts.max_connection_age_s:
+        options += [("grpc.max_connection_age_ms", int(opts.max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(opts.grace_seconds * 1000))]
+    server = grpc.aio.server(options=options)
+    add_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    if port == 0:
+        raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
+    servicer.engine.start()
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s serving on port %d", service_name, port)
+    if ready is not None:
+        ready(port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+    log.info("%s draining (up to %.0f s)", service_name, opts.grace_seconds)
+    servicer.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    deadline = loop.time() + opts.grace_seconds
+    while servicer.engine.active and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=max(0.0, deadline - loop.time()))
+    servicer.engine.stop()
+    log.info("%s stopped", service_name)
+
+
+def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) -> None:
+    parser.add_argument("--model", help="checkpoint folder (config.json + safetensors); default: the tiny checkpoint")
+    parser.add_argument("--host", default="[::]")
+    parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: full-size random weights built on the device from config.json")
+    parser.add_argument("--max-batch", type=int, default=16, help="concurrent streams in the engine")
+    parser.add_argument("--max-len", type=int, default=default_max_len, help="KV cache length per stream")
+    parser.add_argument("--max-queue", type=int, default=256, help="waiting streams before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message")
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=None,
+                        help="cap this process's share of the GPU memory (CUDA caching allocator)")
+
+
+def server_options(args) -> ServerOptions:
+    return ServerOptions(host=args.host, port=args.port, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
+                         max_queue=args.max_queue, grace_seconds=args.grace)
+
+
+def run_async(coro) -> None:
+    """asyncio.run on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)

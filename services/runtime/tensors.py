@@ -1,0 +1,141 @@
+"""Tensors on the wire: raw little-endian bytes + dtype + shape, and the splitting of large
+messages into a head message plus PayloadChunk continuations (see proto/voxpipe/v1/stages.proto)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from google.protobuf.message import Message
+
+from voxpipe.v1 import stages_pb2 as pb
+
+_TO_TORCH = {
+    pb.FLOAT32: torch.float32, pb.BFLOAT16: torch.bfloat16, pb.FLOAT16: torch.float16, pb.INT64: torch.int64,
+    pb.INT32: torch.int32, pb.UINT16: torch.uint16, pb.BOOL: torch.bool,
+}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_ITEMSIZE = {k: torch.tensor([], dtype=v).element_size() for k, v in _TO_TORCH.items()}
+assert sys.byteorder == "little", "voxpipe assumes a little-endian host"
+
+
+class TensorError(ValueError):
+    """A tensor on the wire is malformed (unknown dtype, byte count not matching its shape...)."""
+
+
+def to_proto(t: torch.Tensor) -> pb.Tensor:
+    t = t.detach()
+    if t.dtype not in _FROM_TORCH:
+        raise TensorError(f"dtype {t.dtype} cannot travel")
+    raw = t.contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return pb.Tensor(dtype=_FROM_TORCH[t.dtype], shape=list(t.shape), data=raw)
+
+
+def nbytes(msg: pb.Tensor) -> int:
+    if msg.dtype not in _ITEMSIZE:
+        raise TensorError(f"unknown tensor dtype {msg.dtype}")
+    n = 1
+    for d in msg.shape:
+        if d < 0:
+            raise TensorError(f"negative dimension in shape {list(msg.shape)}")
+        n *= d
+    return n * _ITEMSIZE[msg.dtype]
+
+
+def from_proto(msg: pb.Tensor, *, dtype: torch.dtype | None = None, shape: tuple[int | None, ...] | None = None,
+               name: str = "tensor") -> torch.Tensor:
+    """Decode and validate: `dtype` (if given) must match; `shape` entries that are not None must match."""
+    if msg.dtype not in _TO_TORCH:
+        raise TensorError(f"{name}: unknown dtype {msg.dtype}")
+    want = nbytes(msg)
+    if len(msg.data) != want:
+        raise TensorError(f"{name}: {len(msg.data)} bytes for shape {list(msg.shape)} "
+                          f"{pb.DType.Name(msg.dtype)} (expected {want})")
+    got = _TO_TORCH[msg.dtype]
+    if dtype is not None and got != dtype:
+        raise TensorError(f"{name}: dtype {pb.DType.Name(msg.dtype)}, expected {pb.DType.Name(_FROM_TORCH[dtype])}")
+    if shape is not None:
+        if len(shape) != len(msg.shape) or any(s is not None and s != d for s, d in zip(shape, msg.shape)):
+            pretty = ["*" if s is None else s for s in shape]
+            raise TensorError(f"{name}: shape {list(msg.shape)}, expected {pretty}")
+    if want == 0:
+        return torch.empty(tuple(msg.shape), dtype=got)
+    buf = np.frombuffer(msg.data, dtype=np.uint8).copy()
+    return torch.from_numpy(buf).view(got).reshape(tuple(msg.shape))
+
+
+def _is_repeated(fd) -> bool:
+    flag = getattr(fd, "is_repeated", None)
+    return bool(flag) if flag is not None else fd.label == fd.LABEL_REPEATED
+
+
+def _tensor_fields(msg: Message) -> Iterator[pb.Tensor]:
+    """The Tensor fields of `msg` in declaration order, recursively (set fields only)."""
+    for fd in msg.DESCRIPTOR.fields:
+        if fd.message_type is None:
+            continue
+        if _is_repeated(fd):
+            values = getattr(msg, fd.name)
+        elif msg.HasField(fd.name):
+            values = [getattr(msg, fd.name)]
+        else:
+            continue
+        for v in values:
+            if isinstance(v, pb.Tensor):
+                yield v
+            elif isinstance(v, Message):
+                yield from _tensor_fields(v)
+
+
+def split_message(msg: Message, limit: int) -> tuple[Message, list[bytes]]:
+    """If `msg` serializes above `limit`, move its tensor bytes (in declaration order) into
+    continuation chunks of at most `limit` / 2 bytes each. Returns (head, chunks)."""
+    if msg.ByteSize() <= limit:
+        return msg, []
+    head = type(msg)()
+    head.CopyFrom(msg)
+    payload = bytearray()
+    for t in _tensor_fields(head):
+        payload += t.data
+        t.data = b""
+    step = max(1, limit // 2)
+    return head, [bytes(payload[i:i + step]) for i in range(0, len(payload), step)]
+
+
+class Reassembler:
+    """Receives a head message whose tensors may be truncated, then PayloadChunk bytes until
+    every tensor is complete. Raises TensorError on overflow."""
+
+    def __init__(self, head: Message, max_bytes: int) -> None:
+        self.head = head
+        self._tensors = list(_tensor_fields(head))
+        self._need = [nbytes(t) for t in self._tensors]
+        total = sum(self._need)
+        if total > max_bytes:
+            raise TensorError(f"payload of {total} bytes exceeds the limit of {max_bytes}")
+        for t, need in zip(self._tensors, self._need):
+            if len(t.data) > need:
+                raise TensorError(f"tensor has {len(t.data)} bytes, its shape needs {need}")
+        self._i = 0
+        self._advance()
+
+    def _advance(self) -> None:
+        while self._i < len(self._tensors) and len(self._tensors[self._i].data) == self._need[self._i]:
+            self._i += 1
+
+    @property
+    def complete(self) -> bool:
+        return self._i >= len(self._tensors)
+
+    def add(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view.nbytes:
+            if self.complete:
+                raise TensorError("more payload bytes than the message's tensors need")
+            t = self._tensors[self._i]
+            take = min(view.nbytes, self._need[self._i] - len(t.data))
+            t.data = t.data + bytes(view[:take])
+            view = view[take:]
+            self._advance()

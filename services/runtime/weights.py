@@ -1,0 +1,183 @@
+"""Weight loading: Hugging Face safetensors checkpoints (one file or many shards, released
+per-expert tensor names) or full-size dummy weights built directly on the target device.
+
+Our modules use the checkpoint's own names below each stage prefix (`thinker.`, `talker.`,
+`code2wav.`), except that per-expert tensors `...mlp.experts.{e}.{gate,up,down}_proj.weight`
+are fused into `...mlp.experts.gate_up` [E, 2I, H] and `...mlp.experts.down` [E, H, I].
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+_EXPERT = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+class WeightError(ValueError):
+    pass
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_empty(factory: Callable[[], nn.Module], device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """Construct on the meta device (no memory, no init), then allocate uninitialised storage."""
+    with default_dtype(dtype), torch.device("meta"):
+        module = factory()
+    return module.to_empty(device=device).eval().requires_grad_(False)
+
+
+def checkpoint_files(model_dir: Path, prefix: str) -> list[Path]:
+    """The safetensors files holding tensors under `prefix` (reads the shard index when present)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted({f for name, f in weight_map.items() if name.startswith(prefix)})
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def load_stage(module: nn.Module, model_dir: str | Path, prefix: str, *, ignore: tuple[str, ...] = ()) -> float:
+    """Copy every `prefix*` tensor of the checkpoint into `module` (which must already live on its
+    device in its dtype). Missing or unexpected tensors raise WeightError. Returns seconds taken."""
+    t0 = time.perf_counter()
+    model_dir = Path(model_dir)
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in checkpoint_files(model_dir, prefix):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if not key.startswith(prefix):
+                    continue
+                name = key[len(prefix):]
+                if any(name.startswith(i) for i in ignore):
+                    continue
+                target = _copy_tensor(params, name, lambda: f.get_tensor(key))
+                if target is None:
+                    unexpected.append(key)
+                else:
+                    loaded.add(target)
+    missing = [n for n in params if n not in loaded]
+    if unexpected:
+        raise WeightError(f"{len(unexpected)} unexpected tensors under {prefix!r}, e.g. {unexpected[:3]}")
+    if missing:
+        raise WeightError(f"{len(missing)} tensors missing under {prefix!r}, e.g. {missing[:3]}")
+    return time.perf_counter() - t0
+
+
+def _copy_tensor(params: dict[str, nn.Parameter], name: str, read: Callable[[], torch.Tensor]) -> str | None:
+    """Copy one checkpoint tensor into its parameter; returns the parameter name it completes
+    (per-expert tensors complete their fused parameter only when all slices arrived)."""
+    if (m := _EXPERT.match(name)) is not None:
+        base, e, proj = m["base"], int(m["e"]), m["proj"]
+        if proj == "down_proj":
+            target = params.get(base + ".down")
+            if target is None:
+                return None
+            target.data[e].copy_(read())
+            key = base + ".down"
+        else:
+            target = params.get(base + ".gate_up")
+            if target is None:
+                return None
+            half = target.shape[1] // 2
+            rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
+            target.data[e, rows].copy_(read())
+            key = base + ".gate_up"
+        _SLICES.setdefault(id(target), set()).add((e, proj))
+        expected = target.shape[0] * (1 if key.endswith(".down") else 2)
+        if len(_SLICES[id(target)]) == expected:
+            del _SLICES[id(target)]
+            return key
+        return f"{key}#partial"
+    if (m := _FUSED.match(name)) is not None:
+        key = m["base"] + (".gate_up" if m["proj"] == "gate_up_proj" else ".down")
+        target = params.get(key)
+        if target is None:
+            return None
+        target.data.copy_(read())
+        return key
+    target = params.get(name)
+    if target is None:
+        return None
+    tensor = read()
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise WeightError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+    target.data.copy_(tensor)
+    return name
+
+
+_SLICES: dict[int, set[tuple[int, str]]] = {}
+
+
+def init_dummy(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place, on the module's device: norms and scales 1 (layer scales
+    keep their config value), biases 0, everything else N(0, std)."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    for name, p in module.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("bias",) or name.endswith((".alpha", ".beta")):
+            p.data.zero_()
+        elif "norm" in name or leaf in ("scale", "gamma"):
+            p.data.fill_(1.0 if leaf != "scale" else 0.01)
+        else:
+            p.data.normal_(0.0, std, generator=gen)
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_module(factory: Callable[[], nn.Module], model_dir: str | Path, prefix: str, *, device: torch.device,
+                dtype: torch.dtype, load_format: str = "auto", ignore: tuple[str, ...] = (), seed: int = 0) -> nn.Module:
+    """Build a stage module on `device` in `dtype` and fill it from the checkpoint (`auto`) or
+    with random values (`dummy`, full size, no files read but config.json)."""
+    t0 = time.perf_counter()
+    module = build_empty(factory, device, dtype)
+    if load_format == "dummy":
+        init_dummy(module, seed=seed)
+    elif load_format == "auto":
+        load_stage(module, model_dir, prefix, ignore=ignore)
+    else:
+        raise ValueError(f"unknown load format {load_format!r} (auto or dummy)")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    log.info("%s weights (%s): %.2f GB in %.1f s", prefix.rstrip("."), load_format,
+             parameter_bytes(module) / 1e9, time.perf_counter() - t0)
+    return module

@@ -1,0 +1,131 @@
+"""Talker gRPC service: `voxpipe talker --model DIR --port N`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import uuid
+
+import grpc
+import torch
+
+from voxpipe.v1 import stages_pb2 as pb
+from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+from ..runtime.config import OmniConfig
+from ..runtime.engine import Outbox
+from ..runtime.sampling import SamplingParams
+from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
+from ..runtime.tensors import TensorError, from_proto
+from ..runtime.weights import load_module, resolve_device, resolve_dtype
+from .engine import TalkerEngine, TalkerJob
+from .model import TalkerModel
+
+DEFAULT_MAX_FRAMES = 4096          # transformers' talker_max_new_tokens default
+DEFAULT_REPETITION_PENALTY = 1.05  # transformers' talker_repetition_penalty default
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rows(t: pb.Tensor, hidden: int, name: str, count: int | None = None) -> torch.Tensor:
+    x = from_proto(t, shape=(count, hidden), name=name)
+    if x.dtype not in ROW_DTYPES:
+        raise TensorError(f"{name}: rows must be float32, bfloat16 or float16")
+    return x
+
+
+class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
+    def __init__(self, engine: TalkerEngine, opts, cfg: OmniConfig) -> None:
+        super().__init__(engine, opts)
+        self.cfg = cfg
+
+    async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
+        it = request_iterator.__aiter__()
+        try:
+            self.admit()
+            start = await self.read_head(it, "start", "chunk")
+            job = self.make_job(start)
+        except Abort as e:
+            await context.abort(e.code, e.message)
+            return
+        hidden = self.cfg.talker.thinker_hidden_size
+
+        async def reader() -> None:
+            async for msg in it:
+                kind = msg.WhichOneof("kind")
+                if kind == "rows":
+                    if job.text_done:
+                        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "rows after text_end")
+                    rows = _rows(msg.rows.rows, hidden, "rows")
+                    if len(msg.rows.token_ids) not in (0, rows.shape[0]):
+                        raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{len(msg.rows.token_ids)} token ids for {rows.shape[0]} rows")
+                    self.engine.add_rows(job, rows)
+                elif kind == "text_end":
+                    self.engine.end_text(job)
+                elif kind == "cancel":
+                    self.engine.cancel(job)
+                    job.outbox.put(pb.TalkerResponse(finished=self.cancelled()))
+                    return
+                else:
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")
+            if not job.text_done:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before text_end")
+
+        async for item in self.serve_request(job, context, reader):
+            yield item
+
+    def make_job(self, start: pb.TalkerStart) -> TalkerJob:
+        cfg = self.cfg.talker
+        h = cfg.thinker_hidden_size
+        speaker = start.speaker.lower() or "ethan"
+        if speaker not in cfg.speakers:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"unknown speaker {start.speaker!r}; valid: {', '.join(sorted(cfg.speakers))}")
+        if not start.HasField("prompt"):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt is required")
+        p = start.prompt
+        try:
+            user = _rows(p.user_rows, h, "prompt.user_rows")
+            mm = from_proto(p.user_mm_mask, dtype=torch.bool, shape=(user.shape[0],), name="prompt.user_mm_mask")
+            from_proto(p.user_token_ids, dtype=torch.int64, shape=(user.shape[0],), name="prompt.user_token_ids")
+            head = _rows(p.assistant_head, h, "prompt.assistant_head", 3)
+            prefix = _rows(p.assistant_prefix, h, "prompt.assistant_prefix") if p.HasField("assistant_prefix") else None
+            special = _rows(p.tts_special, h, "prompt.tts_special", 3)
+            params = SamplingParams.from_proto(start.sampling, default_repetition_penalty=DEFAULT_REPETITION_PENALTY)
+        except (TensorError, ValueError) as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        max_frames = start.max_frames or DEFAULT_MAX_FRAMES
+        if start.min_frames > max_frames:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_frames {start.min_frames} > max_frames {max_frames}")
+        length = user.shape[0] + 9 + max_frames
+        if length > self.engine.max_len:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{user.shape[0]} user rows + 9 + max_frames {max_frames} exceed the talker context of {self.engine.max_len}")
+        job = TalkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
+                        user_rows=user, user_mm_mask=mm, head=head, special=special, speaker_id=cfg.speakers[speaker],
+                        params=params, max_frames=max_frames, min_frames=start.min_frames)
+        if prefix is not None and prefix.shape[0]:
+            job.rows.extend(prefix.unbind(0))
+        return job
+
+
+def build(args) -> TalkerServicer:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if args.gpu_memory_fraction and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction, device)
+    cfg = OmniConfig.load(args.model)
+    model = load_module(lambda: TalkerModel(cfg.talker), args.model, "talker.", device=device, dtype=dtype,
+                        load_format=args.load_format)
+    engine = TalkerEngine(model, cfg.talker, device=device, max_active=args.max_batch, max_len=args.max_len)
+    return TalkerServicer(engine, server_options(args), cfg)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stage_arguments(parser, default_port=50052, default_max_len=8192)
+
+
+def run(args) -> None:
+    servicer = build(args)
+    run_async(run_server(servicer, pb_grpc.add_TalkerServicer_to_server, "voxpipe.v1.Talker", servicer.opts,
+                         ready=lambda port: print(f"talker ready on port {port}", flush=True)))

@@ -1,0 +1,145 @@
+"""Thinker: the audio encoder and the MoE text decoder.
+
+Parameter names follow the checkpoint below `thinker.` (`model.*`, `lm_head.*`, `audio_tower.*`);
+the vision tower is not implemented (image/video input is refused by the service).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..runtime.config import AudioEncoderConfig, ThinkerConfig
+from ..runtime.kv_cache import AttentionCache
+from ..runtime.layers import DecoderStack
+
+
+def audio_output_length(frames: int, n_window: int) -> int:
+    """Tokens the audio encoder makes from `frames` mel frames (chunks of 2 * n_window frames,
+    three stride-2 convolutions each)."""
+    chunk = 2 * n_window
+    rest = frames % chunk
+    after = (rest - 1) // 2 + 1
+    return ((after - 1) // 2 + 1 - 1) // 2 + 1 + (frames // chunk) * 13 if rest else (frames // chunk) * 13
+
+
+def _conv_out_len(n: int) -> int:
+    for _ in range(3):
+        n = (n - 1) // 2 + 1
+    return n
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    inc = math.log(max_timescale) / (channels // 2 - 1)
+    inv = torch.exp(-inc * torch.arange(channels // 2, dtype=torch.float, device="cpu"))
+    t = torch.arange(length, dtype=torch.float, device="cpu")[:, None] * inv[None, :]
+    return torch.cat((torch.sin(t), torch.cos(t)), dim=1)
+
+
+class AudioEncoderLayer(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.num_heads = cfg.num_heads
+        self.self_attn = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            setattr(self.self_attn, name, nn.Linear(d, d, bias=True))
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.ffn_dim)
+        self.fc2 = nn.Linear(cfg.ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, block_mask: torch.Tensor) -> torch.Tensor:
+        """x: [N, d]; block_mask: [N, N] bool (attention stays inside each window)."""
+        n, d = x.shape
+        a = self.self_attn
+        h = self.self_attn_layer_norm(x)
+        q, k, v = (p(h).view(n, self.num_heads, -1).transpose(0, 1).unsqueeze(0) for p in (a.q_proj, a.k_proj, a.v_proj))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask, scale=(d // self.num_heads) ** -0.5)
+        x = x + a.out_proj(o[0].transpose(0, 1).reshape(n, d))
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class AudioEncoder(nn.Module):
+    """Whisper-style encoder: per 2*n_window-frame chunk, three stride-2 convs + sinusoid positions;
+    then transformer layers attending within windows of n_window_infer frames; then projection
+    to the thinker's hidden size."""
+
+    def __init__(self, cfg: AudioEncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        c = cfg.downsample_hidden_size
+        self.conv2d1 = nn.Conv2d(1, c, 3, 2, padding=1)
+        self.conv2d2 = nn.Conv2d(c, c, 3, 2, padding=1)
+        self.conv2d3 = nn.Conv2d(c, c, 3, 2, padding=1)
+        freq = ((((cfg.num_mel_bins + 1) // 2 + 1) // 2 + 1) // 2)
+        self.conv_out = nn.Linear(c * freq, cfg.d_model, bias=False)
+        self.layers = nn.ModuleList(AudioEncoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.ln_post = nn.LayerNorm(cfg.d_model)
+        self.proj1 = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
+        self._positions = sinusoids(cfg.max_source_positions, cfg.d_model)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [num_mel_bins, frames] (one audio) -> [audio_output_length(frames), output_dim]."""
+        cfg = self.cfg
+        chunks = features.split(2 * cfg.n_window, dim=1)
+        lengths = [ch.shape[1] for ch in chunks]
+        longest = max(lengths)
+        padded = features.new_zeros(len(chunks), 1, features.shape[0], longest)
+        for i, ch in enumerate(chunks):
+            padded[i, 0, :, : ch.shape[1]] = ch
+        padded = padded.to(self.conv2d1.weight.dtype)
+        outs = []
+        for part in padded.split(cfg.conv_chunksize, dim=0):
+            h = F.gelu(self.conv2d1(part))
+            h = F.gelu(self.conv2d2(h))
+            outs.append(F.gelu(self.conv2d3(h)))
+        h = torch.cat(outs, dim=0)
+        b, c, f, t = h.shape
+        h = self.conv_out(h.permute(0, 3, 1, 2).reshape(b, t, c * f))
+        h = h + self._positions[:t].to(h.device, h.dtype)
+        valid = [_conv_out_len(n) for n in lengths]
+        x = torch.cat([h[i, :n] for i, n in enumerate(valid)], dim=0)               # [N, d]
+        window = max(valid) * (cfg.n_window_infer // (2 * cfg.n_window))
+        window_id = torch.arange(x.shape[0], device=x.device) // window
+        block_mask = window_id[:, None] == window_id[None, :]
+        for layer in self.layers:
+            x = layer(x, block_mask)
+        x = self.proj1(self.ln_post(x))
+        return self.proj2(F.gelu(x))
+
+
+class ThinkerTextModel(DecoderStack):
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+
+
+class ThinkerModel(nn.Module):
+    def __init__(self, cfg: ThinkerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = ThinkerTextModel(cfg.text)
+        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        self.audio_tower = AudioEncoder(cfg.audio)
+
+    def embed(self, token_ids: torch.Tensor, audio_features: list[torch.Tensor] = ()) -> torch.Tensor:
+        """Input embeddings [S, H]; audio placeholder positions take the audio encoder's outputs
+        in order (the caller checked the counts)."""
+        x = self.model.embed_tokens(token_ids)
+        if audio_features:
+            audio = torch.cat([self.audio_tower(f) for f in audio_features], dim=0).to(x.dtype)
+            mask = token_ids == self.cfg.tokens.audio_token
+            x = x.clone()
+            x[mask] = audio
+        return x
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
+                keep_hidden: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """embeds [B, S, H] -> (last-position logits [B, V], kept hidden state [B, S, H] or None)."""
+        h, kept = self.model(embeds, positions, cache, keep_hidden=keep_hidden)
+        return self.lm_head(h[:, -1]), kept

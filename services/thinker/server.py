@@ -1,0 +1,133 @@
+"""Thinker gRPC service: `voxpipe thinker --model DIR --port N`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import uuid
+
+import grpc
+import torch
+
+from voxpipe.v1 import stages_pb2 as pb
+from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+from ..runtime.config import OmniConfig
+from ..runtime.engine import Outbox
+from ..runtime.sampling import SamplingParams
+from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
+from ..runtime.tensors import TensorError, from_proto
+from ..runtime.weights import load_module, resolve_device, resolve_dtype
+from .engine import ThinkerEngine, ThinkerJob, assistant_head_index
+from .model import ThinkerModel, audio_output_length
+from .prompt import ChatMessage, ChatPart, render
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_TOKENS = 1024
+
+
+class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
+    def __init__(self, engine: ThinkerEngine, opts, tokenizer, cfg: OmniConfig) -> None:
+        super().__init__(engine, opts)
+        self.tokenizer, self.cfg = tokenizer, cfg
+
+    async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
+        it = request_iterator.__aiter__()
+        try:
+            self.admit()
+            start = await self.read_head(it, "start", "chunk")
+            job = self.make_job(start)
+        except Abort as e:
+            await context.abort(e.code, e.message)
+            return
+
+        async def reader() -> None:
+            async for msg in it:
+                kind = msg.WhichOneof("kind")
+                if kind == "cancel":
+                    self.engine.cancel(job)
+                    job.outbox.put(pb.ThinkerResponse(finished=self.cancelled()))
+                    return
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")
+
+        async for item in self.serve_request(job, context, reader):
+            yield item
+
+    def make_job(self, start: pb.ThinkerStart) -> ThinkerJob:
+        th = self.cfg.thinker
+        try:
+            audio = [from_proto(t, dtype=torch.float32, shape=(th.audio.num_mel_bins, None), name=f"audio_features[{i}]")
+                     for i, t in enumerate(start.audio_features)]
+            params = SamplingParams.from_proto(start.sampling)
+        except (TensorError, ValueError) as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if any(a.shape[1] == 0 for a in audio):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features with zero frames")
+        kind = start.WhichOneof("prompt")
+        if kind == "text":
+            parts = [ChatPart(features=a) for a in audio] + [ChatPart(text=start.text)]
+            try:
+                ids = render(self.tokenizer, th, [ChatMessage("user", parts)]).token_ids
+            except ValueError as e:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        elif kind == "token_ids":
+            ids = list(start.token_ids.ids)
+        else:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "start needs a prompt: token_ids or text")
+        if not ids:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
+        vocab = th.text.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id {bad} out of range [0, {vocab})")
+        tok = th.tokens
+        if tok.image_token in ids or tok.video_token in ids:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "image and video input are not supported")
+        want = sum(audio_output_length(a.shape[1], th.audio.n_window) for a in audio)
+        if ids.count(tok.audio_token) != want:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"prompt has {ids.count(tok.audio_token)} audio placeholder tokens but the "
+                        f"{len(audio)} audio feature tensors make {want}")
+        if start.talker_rows and assistant_head_index(th, ids) is None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        "talker_rows needs a prompt ending in an assistant turn start ('<|im_start|>assistant\\n'): "
+                        "render with add_generation_prompt")
+        max_tokens = start.max_tokens or DEFAULT_MAX_TOKENS
+        if start.min_tokens > max_tokens:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_tokens {start.min_tokens} > max_tokens {max_tokens}")
+        if len(ids) + max_tokens > self.engine.max_len:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}")
+        return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
+                          prompt=ids, audio=audio, params=params, max_tokens=max_tokens, min_tokens=start.min_tokens,
+                          talker_rows=start.talker_rows)
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def build(args) -> tuple[ThinkerServicer, OmniConfig]:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if args.gpu_memory_fraction and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction, device)
+    cfg = OmniConfig.load(args.model)
+    model = load_module(lambda: ThinkerModel(cfg.thinker), args.model, "thinker.", device=device, dtype=dtype,
+                        load_format=args.load_format, ignore=("visual.",))
+    engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model), device=device, max_active=args.max_batch,
+                           max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,))
+    return ThinkerServicer(engine, server_options(args), engine.tokenizer, cfg), cfg
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stage_arguments(parser, default_port=50051)
+
+
+def run(args) -> None:
+    servicer, _ = build(args)
+    run_async(run_server(servicer, pb_grpc.add_ThinkerServicer_to_server, "voxpipe.v1.Thinker",
+                           servicer.opts, ready=lambda port: print(f"thinker ready on port {port}", flush=True)))

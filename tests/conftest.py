@@ -1,0 +1,49 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny random Qwen3-Omni checkpoint (seed 0), built once per test session."""
+    from voxpipe.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-omni"), seed=0)
+
+
+# ---------------------------------------------------------------- the three services as processes
+
+import socket  # noqa: E402
+
+STAGES = ("thinker", "talker", "code2wav")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model_dir):
+    """Thinker, Talker and Code2Wav as three real processes on localhost ports."""
+    from voxpipe.cli import LocalStack
+
+    ports = [free_port() for _ in STAGES]
+    st = LocalStack(tiny_model_dir, "127.0.0.1", ports[0], "cpu")
+    st.ports = dict(zip(STAGES, ports))
+    st.start(timeout=240)
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from voxpipe.services.thinker.server import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def omni_config(tiny_model_dir):
+    from voxpipe.services.runtime.config import OmniConfig
+
+    return OmniConfig.load(tiny_model_dir)

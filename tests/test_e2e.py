@@ -1,0 +1,101 @@
+"""End to end through three real service processes: greedy text ids, codec codes and waveform
+equal transformers' `generate(..., return_audio=True)` on the same tiny checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from oracle import audio_features, reference_generate
+from voxpipe.client import PipelineClient, SpeechRequest
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
+from voxpipe.v1 import stages_pb2 as pb
+
+
+def client_for(stack) -> PipelineClient:
+    return PipelineClient(stack.address("thinker"), stack.address("talker"), stack.address("code2wav"))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _collect(stack, req: SpeechRequest):
+    async with client_for(stack) as client:
+        return await client.collect(req)
+
+
+def assert_matches(result, ref) -> None:
+    assert result.text_ids == ref.text_ids
+    assert torch.equal(result.codes, ref.codes), (result.codes.shape, ref.codes.shape)
+    assert result.audio.shape[0] == ref.wav.shape[0] == 1920 * ref.codes.shape[0] - 555
+    err = float(np.abs(result.audio - ref.wav.numpy()).max())
+    assert err < 1e-4, err
+
+
+def text_prompt(tokenizer, omni_config, text: str) -> list[int]:
+    return render(tokenizer, omni_config.thinker, [ChatMessage.text("user", text)]).token_ids
+
+
+@pytest.mark.parametrize("text,max_tokens,max_frames,min_frames", [
+    ("Hello there, how are you?", 8, 14, 6),
+    ("Tell me a story.", 5, 20, 0),
+])
+def test_text_prompt_equals_reference(stack, tiny_model_dir, tokenizer, omni_config, text, max_tokens, max_frames,
+                                      min_frames):
+    ids = text_prompt(tokenizer, omni_config, text)
+    ref = reference_generate(tiny_model_dir, ids, max_tokens=max_tokens, max_frames=max_frames, min_frames=min_frames)
+    res = run(_collect(stack, SpeechRequest(token_ids=ids, max_tokens=max_tokens, max_frames=max_frames,
+                                            min_frames=min_frames, encoding=pb.AUDIO_FLOAT32)))
+    assert_matches(res, ref)
+    assert res.done.frames == ref.codes.shape[0]
+
+
+def test_audio_prompt_equals_reference(stack, tiny_model_dir, tokenizer, omni_config):
+    t = np.arange(int(1.3 * 16000)) / 16000.0
+    wav = (0.4 * np.sin(2 * np.pi * 440 * t) * np.exp(-t)).astype(np.float32)
+    feats = audio_features(wav)
+    prompt = render(tokenizer, omni_config.thinker,
+                    [ChatMessage("user", [ChatPart(features=feats), ChatPart(text="What is this sound?")])])
+    ref = reference_generate(tiny_model_dir, prompt.token_ids, input_features=feats, max_tokens=6, max_frames=12,
+                             min_frames=4)
+    res = run(_collect(stack, SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features,
+                                            max_tokens=6, max_frames=12, min_frames=4, encoding=pb.AUDIO_FLOAT32)))
+    assert_matches(res, ref)
+
+
+def test_four_concurrent_requests_each_equal_their_reference(stack, tiny_model_dir, tokenizer, omni_config):
+    cases = [("One.", 4, 10, 3, "ethan"), ("Two, please!", 7, 12, 0, "chelsie"),
+             ("Three is a longer prompt than the others.", 5, 16, 8, "aiden"), ("Four?", 9, 9, 2, "ethan")]
+    prompts = [text_prompt(tokenizer, omni_config, c[0]) for c in cases]
+    refs = [reference_generate(tiny_model_dir, p, speaker=c[4], max_tokens=c[1], max_frames=c[2], min_frames=c[3])
+            for p, c in zip(prompts, cases)]
+
+    async def all_at_once():
+        async with client_for(stack) as client:
+            reqs = [SpeechRequest(token_ids=p, speaker=c[4], max_tokens=c[1], max_frames=c[2], min_frames=c[3],
+                                  encoding=pb.AUDIO_FLOAT32) for p, c in zip(prompts, cases)]
+            return await asyncio.gather(*(client.collect(r) for r in reqs))
+
+    results = run(all_at_once())
+    for res, ref in zip(results, refs):
+        assert_matches(res, ref)
+
+
+def test_ignore_eos_forces_lengths_and_pcm16(stack, tokenizer, omni_config):
+    ids = text_prompt(tokenizer, omni_config, "Say something long.")
+    res = run(_collect(stack, SpeechRequest(token_ids=ids, max_tokens=6, min_tokens=6, max_frames=9, min_frames=9)))
+    assert len(res.text_ids) == 6
+    assert res.codes.shape == (8, 16)
+    assert res.audio.shape[0] == 1920 * 8 - 555
+    assert np.abs(res.audio).max() > 0.01
+
+
+def test_text_only_request(stack, tokenizer, omni_config):
+    ids = text_prompt(tokenizer, omni_config, "Just text.")
+    res = run(_collect(stack, SpeechRequest(token_ids=ids, audio=False, max_tokens=5, min_tokens=5)))
+    assert len(res.text_ids) == 5 and res.audio.size == 0
+    assert res.done.text_finish == pb.LENGTH

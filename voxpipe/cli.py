@@ -1,0 +1,276 @@
+"""`voxpipe` command line: the three stage services, the local stack, and a speaking client."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_HOME = Path(os.environ.get("VOXPIPE_HOME", Path.home() / ".cache" / "voxpipe"))
+STAGES = ("thinker", "talker", "code2wav")
+STAGE_SERVICES = {"thinker": "voxpipe.v1.Thinker", "talker": "voxpipe.v1.Talker", "code2wav": "voxpipe.v1.Code2Wav"}
+
+
+def default_model_dir() -> Path:
+    """The tiny random-weight checkpoint, made on first use."""
+    path = DEFAULT_HOME / "tiny-seed0"
+    if not (path / "config.json").exists():
+        from voxpipe.tiny import make_tiny
+
+        print(f"making the tiny checkpoint in {path}", file=sys.stderr, flush=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny(tmp, seed=0)
+        tmp.rename(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- stage services
+
+def _stage_main(stage: str):
+    def run(args) -> None:
+        if args.model is None:
+            args.model = str(default_model_dir())
+        if stage == "thinker":
+            from voxpipe.services.thinker import server
+        elif stage == "talker":
+            from voxpipe.services.talker import server
+        else:
+            from voxpipe.services.code2wav import server
+        server.run(args)
+    return run
+
+
+def _stage_arguments(stage: str, parser: argparse.ArgumentParser) -> None:
+    if stage == "thinker":
+        from voxpipe.services.thinker.server import add_arguments
+    elif stage == "talker":
+        from voxpipe.services.talker.server import add_arguments
+    else:
+        from voxpipe.services.code2wav.server import add_arguments
+    add_arguments(parser)
+
+
+# ----------------------------------------------------------------------------- health
+
+def cmd_health(args) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    addrs = [args.addr] if args.addr else [f"localhost:{p}" for p in (50051, 50052, 50053)]
+    for addr in addrs:
+        try:
+            with grpc.insecure_channel(addr) as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                            timeout=args.timeout)
+            if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                print(f"{addr}: SERVING")
+                return 0
+            print(f"{addr}: {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}")
+        except grpc.RpcError as e:
+            print(f"{addr}: {e.code().name}")
+    return 1
+
+
+# ----------------------------------------------------------------------------- up
+
+class LocalStack:
+    """The three stage services as separate processes on this machine."""
+
+    def __init__(self, model: Path, host: str, base_port: int, device: str, extra: list[str] | None = None) -> None:
+        self.model, self.host, self.device = model, host, device
+        self.ports = {s: base_port + i for i, s in enumerate(STAGES)}
+        self.extra = extra or []
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def address(self, stage: str) -> str:
+        return f"{self.host}:{self.ports[stage]}"
+
+    def start(self, timeout: float = 300.0) -> None:
+        for stage in STAGES:
+            cmd = [sys.executable, "-m", "voxpipe.cli", stage, "--model", str(self.model), "--host", self.host,
+                   "--port", str(self.ports[stage]), "--device", self.device] + self.extra
+            self.procs[stage] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+        deadline = time.monotonic() + timeout
+        for stage, proc in self.procs.items():
+            while True:
+                line = proc.stdout.readline()
+                if "ready on port" in line:
+                    break
+                if not line and proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"{stage} exited with code {proc.returncode} before it was ready")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"{stage} not ready after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for stage, proc in self.procs.items():
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def cmd_up(args) -> int:
+    model = Path(args.model) if args.model else default_model_dir()
+    host = "127.0.0.1" if args.host in ("localhost", "127.0.0.1") else args.host
+    stack = LocalStack(model, host, args.base_port, args.device)
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stack.start()
+    for stage in STAGES:
+        print(f"{stage:9s} {stack.address(stage)}  (pid {stack.procs[stage].pid})", flush=True)
+    try:
+        if args.say is not None:
+            args.thinker, args.talker, args.code2wav = (stack.address(s) for s in STAGES)
+            args.model = str(model)
+            return cmd_say(args)
+        print("all services up; Ctrl-C stops them", flush=True)
+        while not stop["now"] and all(p.poll() is None for p in stack.procs.values()):
+            time.sleep(0.2)
+        dead = [s for s, p in stack.procs.items() if p.poll() is not None]
+        if dead and not stop["now"]:
+            print(f"stopped: {', '.join(dead)} exited", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        stack.stop()
+
+
+# ----------------------------------------------------------------------------- say
+
+def _add_say_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", default="reply.wav", help="where to write the 24 kHz mono 16-bit wav")
+    p.add_argument("--voice", default="ethan", help="a checkpoint speaker (chelsie, ethan, aiden)")
+    p.add_argument("--max-tokens", type=int, default=64, help="thinker max_new_tokens")
+    p.add_argument("--max-frames", type=int, default=128,
+                   help="talker max_new_tokens (codec steps; at the limit max_frames - 1 frames are spoken)")
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--min-frames", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="min = max for text tokens and codec frames")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--audio", help="a wav file to include as an audio part of the user turn")
+
+
+def cmd_say(args) -> int:
+    from voxpipe.services.runtime.config import OmniConfig
+    from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
+    from voxpipe.services.thinker.server import load_tokenizer
+    from voxpipe.audio import read_wav, resample, write_wav
+    from voxpipe.client import PipelineClient, PipelineError, SpeechRequest
+
+    model = Path(args.model) if args.model else default_model_dir()
+    cfg = OmniConfig.load(model)
+    tokenizer = load_tokenizer(str(model))
+    parts = []
+    if args.audio:
+        wav, rate = read_wav(Path(args.audio).read_bytes())
+        parts.append(ChatPart(audio=resample(wav, rate, 16000)))
+    parts.append(ChatPart(text=args.text if hasattr(args, "text") and args.text is not None else args.say))
+    prompt = render(tokenizer, cfg.thinker, [ChatMessage("user", parts)], FeatureExtractor(str(model)))
+    req = SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=args.voice,
+                        max_tokens=args.max_tokens, min_tokens=args.max_tokens if args.ignore_eos else args.min_tokens,
+                        max_frames=args.max_frames, min_frames=args.max_frames if args.ignore_eos else args.min_frames,
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+    async def go():
+        async with PipelineClient(args.thinker, args.talker, args.code2wav) as client:
+            t0 = time.perf_counter()
+            first = None
+            text, chunks = "", []
+            async for ev in client.stream(req):
+                if hasattr(ev, "samples") and hasattr(ev, "sample_offset"):
+                    first = first or time.perf_counter() - t0
+                    chunks.append(ev.samples)
+                elif hasattr(ev, "text"):
+                    text += ev.text
+                elif hasattr(ev, "text_finish"):
+                    done = ev
+            return text, chunks, done, first, time.perf_counter() - t0
+
+    try:
+        text, chunks, done, first, total = asyncio.run(go())
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import numpy as np
+
+    audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    rate = cfg.code2wav.sample_rate
+    write_wav(args.output, audio, rate)
+    print(f"text: {text!r}")
+    print(f"wrote {args.output}: {done.frames} frames, {audio.shape[0]} samples, {audio.shape[0] / rate:.2f} s "
+          f"(first audio after {first or 0:.3f} s, total {total:.2f} s)")
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="voxpipe", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("VOXPIPE_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    for stage in STAGES:
+        p = sub.add_parser(stage, help=f"run the {stage} gRPC service")
+        _stage_arguments(stage, p)
+        p.set_defaults(func=_stage_main(stage))
+
+    p = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint in the released format")
+    from voxpipe.tiny import add_arguments as tiny_args, run as tiny_run
+
+    tiny_args(p)
+    p.set_defaults(func=tiny_run)
+
+    p = sub.add_parser("up", help="start the three services locally (tiny checkpoint by default)")
+    p.add_argument("--model", help="checkpoint folder (default: the tiny checkpoint, made on first use)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--base-port", type=int, default=50051, help="thinker port; talker +1, code2wav +2")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--say", metavar="TEXT", help="speak TEXT through the stack, write -o, then stop everything")
+    _add_say_options(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("say", help="speak a reply to TEXT through running services into a wav")
+    p.add_argument("text")
+    p.add_argument("--model", help="checkpoint folder for the tokenizer and config (default: the tiny checkpoint)")
+    p.add_argument("--thinker", default="127.0.0.1:50051")
+    p.add_argument("--talker", default="127.0.0.1:50052")
+    p.add_argument("--code2wav", default="127.0.0.1:50053")
+    _add_say_options(p)
+    p.set_defaults(func=cmd_say)
+
+    p = sub.add_parser("health", help="check a service's grpc.health.v1 status")
+    p.add_argument("--addr", help="host:port (default: try localhost:50051..50053)")
+    p.add_argument("--service", default="")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(func=cmd_health)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The pipeline client: chains the Thinker, Talker and Code2Wav streams for one request.
+
+    async with PipelineClient(thinker="localhost:50051", talker="localhost:50052",
+                              code2wav="localhost:50053") as client:
+        async for event in client.stream(SpeechRequest(token_ids=ids, speaker="ethan")):
+            ...   # TextEvent / AudioEvent / DoneEvent
+
+The thinker's talker rows go to the talker as they arrive; every codec frame goes to code2wav
+the moment it exists; audio comes back chunk by chunk. Cancelling the iteration (or an error
+in any stage) cancels all three calls, which frees the request's slot in every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
+from voxpipe.v1 import stages_pb2 as pb
+from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class SpeechRequest:
+    token_ids: list[int] | None = None        # rendered prompt (see services.thinker.prompt.render)
+    text: str | None = None                   # or: one user turn, rendered by the thinker
+    audio_features: list[torch.Tensor] = field(default_factory=list)
+    speaker: str = "ethan"
+    audio: bool = True                        # False: text only (the talker and code2wav are not used)
+    max_tokens: int = 0
+    min_tokens: int = 0
+    max_frames: int = 0
+    min_frames: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    encoding: int = pb.AUDIO_PCM16
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def sampling(self) -> pb.Sampling:
+        s = pb.Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        if self.seed is not None:
+            s.seed = self.seed
+        return s
+
+
+@dataclass
+class TextEvent:
+    index: int
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class AudioEvent:
+    sample_offset: int
+    sample_rate: int
+    samples: np.ndarray            # float32 in [-1, 1] (decoded from the wire encoding)
+    data: bytes                    # the wire bytes (pcm16 or float32 little-endian)
+
+
+@dataclass
+class FramesEvent:
+    index: int
+    codes: torch.Tensor            # [n, num_code_groups] int64
+
+
+@dataclass
+class DoneEvent:
+    text_finish: int               # pb.FinishReason
+    audio_finish: int | None
+    prompt_tokens: int
+    completion_tokens: int
+    frames: int
+    samples: int
+
+
+class PipelineError(RuntimeError):
+    def __init__(self, stage: str, code: grpc.StatusCode | None, details: str) -> None:
+        super().__init__(f"{stage}: {code.name if code else 'ERROR'}: {details}")
+        self.stage, self.code, self.details = stage, code, details
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+class _Pool:
+    """Channels to one stage's replicas; each stream goes to the replica with the fewest
+    streams in flight from this client."""
+
+    def __init__(self, addresses: str | list[str], max_message_bytes: int) -> None:
+        if isinstance(addresses, str):
+            addresses = [a for a in addresses.split(",") if a]
+        if not addresses:
+            raise ValueError("no address")
+        self.channels = [grpc.aio.insecure_channel(a, options=_options(max_message_bytes)) for a in addresses]
+        self.addresses = addresses
+        self.in_flight = [0] * len(addresses)
+        self._rr = itertools.count()
+
+    def pick(self) -> int:
+        low = min(self.in_flight)
+        candidates = [i for i, n in enumerate(self.in_flight) if n == low]
+        return candidates[next(self._rr) % len(candidates)]
+
+    async def close(self) -> None:
+        for c in self.channels:
+            await c.close()
+
+
+def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
+    if chunk.encoding == pb.AUDIO_FLOAT32:
+        return np.frombuffer(chunk.data, dtype="<f4").astype(np.float32)
+    return np.frombuffer(chunk.data, dtype="<i2").astype(np.float32) / 32767.0
+
+
+class PipelineClient:
+    def __init__(self, thinker: str | list[str], talker: str | list[str] | None = None,
+                 code2wav: str | list[str] | None = None, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.thinker = _Pool(thinker, max_message_bytes)
+        self.talker = _Pool(talker, max_message_bytes) if talker else None
+        self.code2wav = _Pool(code2wav, max_message_bytes) if code2wav else None
+        self.metadata = metadata
+
+    async def __aenter__(self) -> "PipelineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for p in (self.thinker, self.talker, self.code2wav):
+            if p is not None:
+                await p.close()
+
+    async def _write(self, call, msg, chunk_type, wrap) -> None:
+        """Write `wrap(msg)`, split into a head and PayloadChunk continuations when too large."""
+        head, chunks = split_message(msg, self.max_message_bytes - 1024)
+        await call.write(wrap(head))
+        for data in chunks:
+            await call.write(chunk_type(data))
+
+    async def stream(self, req: SpeechRequest) -> AsyncIterator[TextEvent | FramesEvent | AudioEvent | DoneEvent]:
+        if req.audio and (self.talker is None or self.code2wav is None):
+            raise ValueError("audio output needs talker and code2wav addresses")
+        start = pb.ThinkerStart(request_id=req.request_id, sampling=req.sampling(), max_tokens=req.max_tokens,
+                                min_tokens=req.min_tokens, talker_rows=req.audio,
+                                audio_features=[to_proto(f.float()) for f in req.audio_features])
+        if req.token_ids is not None:
+            start.token_ids.ids.extend(req.token_ids)
+        else:
+            start.text = req.text or ""
+        events: asyncio.Queue = asyncio.Queue()
+        calls: list = []
+        pools: list[tuple[_Pool, int]] = []
+
+        def open_call(pool: _Pool, method: str):
+            i = pool.pick()
+            pool.in_flight[i] += 1
+            pools.append((pool, i))
+            stub_cls = {"Generate": pb_grpc.ThinkerStub if pool is self.thinker else pb_grpc.TalkerStub,
+                        "Decode": pb_grpc.Code2WavStub}[method]
+            call = getattr(stub_cls(pool.channels[i]), method)(metadata=self.metadata)
+            calls.append(call)
+            return call
+
+        async def guarded(stage: str, coro):
+            try:
+                await coro
+            except grpc.aio.AioRpcError as e:
+                await events.put(PipelineError(stage, e.code(), e.details()))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - surfaced to the caller
+                await events.put(PipelineError(stage, None, repr(e)))
+
+        done = {"text": None, "audio": None}
+        usage = {"prompt": 0, "completion": 0, "frames": 0, "samples": 0}
+
+        async def run_thinker() -> None:
+            th = open_call(self.thinker, "Generate")
+            await self._write(th, start, lambda d: pb.ThinkerRequest(chunk=pb.PayloadChunk(data=d)),
+                              lambda m: pb.ThinkerRequest(start=m))
+            await th.done_writing()
+            ta = None
+            async for resp in th:
+                kind = resp.WhichOneof("kind")
+                if kind == "talker_prompt":
+                    ta = open_call(self.talker, "Generate")
+                    tasks.append(asyncio.ensure_future(guarded("talker", run_talker(ta))))
+                    ts = pb.TalkerStart(request_id=req.request_id, prompt=resp.talker_prompt, speaker=req.speaker,
+                                        sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames)
+                    await self._write(ta, ts, lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)),
+                                      lambda m: pb.TalkerRequest(start=m))
+                elif kind == "text":
+                    t = resp.text
+                    await events.put(TextEvent(t.index, list(t.token_ids), t.text))
+                    if ta is not None:
+                        await ta.write(pb.TalkerRequest(rows=pb.TextRows(token_ids=t.token_ids, rows=t.embeddings)))
+                elif kind == "finished":
+                    usage["prompt"], usage["completion"] = resp.finished.prompt_tokens, resp.finished.completion_tokens
+                    done["text"] = resp.finished.reason
+                    if ta is not None:
+                        await ta.write(pb.TalkerRequest(text_end=pb.TextEnd()))
+                        await ta.done_writing()
+            if req.audio and ta is None:
+                raise PipelineError("thinker", None, "the thinker finished without a talker prompt")
+            await events.put("thinker-done")
+
+        async def run_talker(ta) -> None:
+            cw = open_call(self.code2wav, "Decode")
+            tasks.append(asyncio.ensure_future(guarded("code2wav", run_code2wav(cw))))
+            await cw.write(pb.Code2WavRequest(start=pb.Code2WavStart(request_id=req.request_id, encoding=req.encoding)))
+            async for resp in ta:
+                kind = resp.WhichOneof("kind")
+                if kind == "frames":
+                    usage["frames"] += resp.frames.codes.shape[0]
+                    await cw.write(pb.Code2WavRequest(frames=resp.frames))
+                    await events.put(FramesEvent(resp.frames.index, from_proto(resp.frames.codes).to(torch.int64)))
+                elif kind == "finished":
+                    done["audio"] = resp.finished.reason
+            await cw.write(pb.Code2WavRequest(frames_end=pb.FramesEnd()))
+            await cw.done_writing()
+
+        async def run_code2wav(cw) -> None:
+            async for resp in cw:
+                if resp.WhichOneof("kind") == "audio":
+                    a = resp.audio
+                    usage["samples"] += a.num_samples
+                    await events.put(AudioEvent(a.sample_offset, a.sample_rate, _decode_audio(a), a.data))
+            await events.put("code2wav-done")
+
+        tasks: list[asyncio.Task] = []
+        tasks.append(asyncio.ensure_future(guarded("thinker", run_thinker())))
+        pending = {"thinker-done"} | ({"code2wav-done"} if req.audio else set())
+        try:
+            while pending:
+                ev = await events.get()
+                if isinstance(ev, PipelineError):
+                    raise ev
+                if isinstance(ev, str):
+                    pending.discard(ev)
+                    continue
+                yield ev
+            yield DoneEvent(done["text"], done["audio"], usage["prompt"], usage["completion"], usage["frames"],
+                            usage["samples"])
+        finally:
+            for c in calls:
+                c.cancel()
+            for t in tasks:
+                t.cancel()
+            for pool, i in pools:
+                pool.in_flight[i] -= 1
+
+    async def collect(self, req: SpeechRequest) -> "SpeechResult":
+        res = SpeechResult()
+        async for ev in self.stream(req):
+            if isinstance(ev, TextEvent):
+                res.text_ids.extend(ev.token_ids)
+                res.text += ev.text
+            elif isinstance(ev, AudioEvent):
+                res.chunks.append(ev.samples)
+            elif isinstance(ev, FramesEvent):
+                res.frames.append(ev.codes)
+            else:
+                res.done = ev
+        res.audio = np.concatenate(res.chunks) if res.chunks else np.zeros(0, np.float32)
+        return res
+
+
+@dataclass
+class SpeechResult:
+    text_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    chunks: list[np.ndarray] = field(default_factory=list)
+    frames: list[torch.Tensor] = field(default_factory=list)
+    audio: np.ndarray | None = None
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return torch.cat(self.frames) if self.frames else torch.zeros(0, 16, dtype=torch.int64)
+    done: DoneEvent | None = None
