@@ -28,7 +28,8 @@ def stack(tiny_model_dir):
     from voxpipe.cli import LocalStack
 
     ports = [free_port() for _ in STAGES]
-    st = LocalStack(tiny_model_dir, "127.0.0.1", ports[0], "cpu")
+    st = LocalStack(tiny_model_dir, "127.0.0.1", ports[0], "cpu",
+                    metrics_ports={s: free_port() for s in STAGES})
     st.ports = dict(zip(STAGES, ports))
     st.start(timeout=240)
     yield st

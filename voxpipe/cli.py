@@ -82,9 +82,11 @@ def cmd_health(args) -> int:
 class LocalStack:
     """The three stage services as separate processes on this machine."""
 
-    def __init__(self, model: Path, host: str, base_port: int, device: str, extra: list[str] | None = None) -> None:
+    def __init__(self, model: Path, host: str, base_port: int, device: str, extra: list[str] | None = None,
+                 metrics_ports: dict[str, int] | None = None) -> None:
         self.model, self.host, self.device = model, host, device
         self.ports = {s: base_port + i for i, s in enumerate(STAGES)}
+        self.metrics_ports = metrics_ports or {}
         self.extra = extra or []
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -95,6 +97,8 @@ class LocalStack:
         for stage in STAGES:
             cmd = [sys.executable, "-m", "voxpipe.cli", stage, "--model", str(self.model), "--host", self.host,
                    "--port", str(self.ports[stage]), "--device", self.device] + self.extra
+            if self.metrics_ports.get(stage):
+                cmd += ["--metrics-port", str(self.metrics_ports[stage])]
             self.procs[stage] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
         deadline = time.monotonic() + timeout
         for stage, proc in self.procs.items():

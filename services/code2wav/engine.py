@@ -86,6 +86,7 @@ class Code2WavEngine(StageEngine):
             while self.waiting and self.cache.free_slots > 0:
                 job = self.waiting.pop(0)
                 job.state = StreamState(slot=self.cache.allocate())
+                job.mark_started()
                 self.running.append(job)
             for job in list(self.running):
                 n = job.ready_frames()
@@ -101,6 +102,7 @@ class Code2WavEngine(StageEngine):
             wav = self.model.decode(codes, [j.state for j in jobs], self.cache, first).float().cpu().numpy()
             for job, samples in zip(jobs, wav):
                 job.frames_decoded += n
+                job.mark_output()
                 job.outbox.put(pb.Code2WavResponse(audio=pb.AudioChunk(
                     sample_offset=job.samples_sent, sample_rate=self.cfg.sample_rate, encoding=job.encoding,
                     data=encode_samples(samples, job.encoding), num_samples=samples.shape[0])))

@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 
+from . import metrics
+
 log = logging.getLogger(__name__)
 
 
@@ -48,9 +50,19 @@ class Outbox:
 class EngineRequest:
     request_id: str
     outbox: Outbox
-    arrived: float = field(default_factory=time.perf_counter)
+    arrived: float = field(default_factory=time.perf_counter)   # submitted to the engine
+    started: float | None = None                                  # left the queue (got a slot)
+    first_output: float | None = None                             # first token / frame / audio out
+    finished_at: float | None = None
     cancelled: bool = False
     done: bool = False
+
+    def mark_started(self) -> None:
+        self.started = time.perf_counter()
+
+    def mark_output(self) -> None:
+        if self.first_output is None:
+            self.first_output = time.perf_counter()
 
 
 class StageEngine:
@@ -84,6 +96,11 @@ class StageEngine:
         with self.lock:
             self.waiting.append(req)
             self.lock.notify_all()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        metrics.ACTIVE.labels(self.name).set(len(self.waiting) + len(self.running))
+        metrics.QUEUE.labels(self.name).set(len(self.waiting))
 
     def notify(self) -> None:
         with self.lock:
@@ -108,7 +125,9 @@ class StageEngine:
                 if self._stop:
                     break
             try:
+                t0 = time.perf_counter()
                 self.step()
+                metrics.STEP.labels(self.name).observe(time.perf_counter() - t0)
                 self.steps += 1
             except Exception as exc:  # a bug or a bad input that passed validation: fail the batch, keep serving
                 log.exception("%s engine step failed", self.name)
@@ -128,7 +147,10 @@ class StageEngine:
             for r in [r for r in lst if r.cancelled]:
                 lst.remove(r)
                 self.release(r)
-                r.done = True
+                if not r.done:
+                    r.done = True
+                    metrics.STREAMS.labels(self.name, "cancelled").inc()
+        self._gauges()
         return self.has_work()
 
     def finish(self, req: EngineRequest, final: Any) -> None:
@@ -139,9 +161,25 @@ class StageEngine:
             if req in self.waiting:
                 self.waiting.remove(req)
         self.release(req)
+        self._gauges()
         if not req.done:
             req.done = True
+            req.finished_at = time.perf_counter()
+            self._observe(req, final)
             req.outbox.put(final)
+
+    def _observe(self, req: EngineRequest, final: Any) -> None:
+        if isinstance(final, StageError):
+            outcome = "error"
+        else:
+            outcome = {1: "stop", 2: "length", 3: "cancelled"}.get(final.finished.reason, "other")
+        metrics.STREAMS.labels(self.name, outcome).inc()
+        lat = metrics.LATENCY
+        if req.started is not None:
+            lat.labels(self.name, "queue_wait").observe(req.started - req.arrived)
+        if req.first_output is not None:
+            lat.labels(self.name, "first_output").observe(req.first_output - req.arrived)
+        lat.labels(self.name, "total").observe(req.finished_at - req.arrived)
 
     # ---- subclass hooks
     def has_work(self) -> bool:

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from voxpipe.v1 import stages_pb2 as pb
 
 from .engine import EngineRequest, StageEngine, StageError
+from .metrics import serve_metrics
 from .tensors import Reassembler, TensorError
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class ServerOptions:
     max_queue: int = 256                         # requests waiting for a slot before RESOURCE_EXHAUSTED
     grace_seconds: float = 30.0                  # drain time on SIGTERM
     max_connection_age_s: float | None = 300.0   # clients reconnect (and rebalance) this often
+    metrics_port: int = 0                        # Prometheus /metrics (0: off)
 
 
 class Abort(Exception):
@@ -146,6 +148,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     if port == 0:
         raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
     servicer.engine.start()
+    serve_metrics(opts.metrics_port)
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -184,13 +187,14 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
     parser.add_argument("--max-queue", type=int, default=256, help="waiting streams before RESOURCE_EXHAUSTED")
     parser.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=None,
                         help="cap this process's share of the GPU memory (CUDA caching allocator)")
 
 
 def server_options(args) -> ServerOptions:
     return ServerOptions(host=args.host, port=args.port, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
-                         max_queue=args.max_queue, grace_seconds=args.grace)
+                         max_queue=args.max_queue, grace_seconds=args.grace, metrics_port=args.metrics_port)
 
 
 def run_async(coro) -> None:

@@ -115,6 +115,7 @@ class TalkerEngine(StageEngine):
                         job = None
                     else:
                         job.slot = self.cache.allocate()
+                        job.mark_started()
                         self.running.append(job)
             decoding = [j for j in self.running if j is not job and self._decode_ready(j)]
             trailing = [self._trailing(j) for j in decoding]
@@ -202,6 +203,7 @@ class TalkerEngine(StageEngine):
             for i, job in enumerate(jobs):
                 job.pending = nxt[i]
         for i, job in enumerate(jobs):
+            job.mark_output()
             job.outbox.put(pb.TalkerResponse(frames=pb.CodecFrames(index=job.frames_sent,
                                                                     codes=to_proto(frames_cpu[i:i + 1]))))
             job.frames_sent += 1

@@ -99,6 +99,7 @@ class ThinkerEngine(StageEngine):
             job = self.waiting.pop(0) if self.waiting and self.cache.free_slots > 0 else None
             if job is not None:
                 job.slot = self.cache.allocate()
+                job.mark_started()
                 self.running.append(job)
             decoding = [r for r in self.running if r is not job and r.generated]
         if job is not None:
@@ -150,6 +151,7 @@ class ThinkerEngine(StageEngine):
             delta = pb.TextDelta(index=index, token_ids=[tok], text=self._detokenize(j))
             if j.talker_rows:
                 delta.embeddings.CopyFrom(to_proto(embeds[i:i + 1]))
+            j.mark_output()
             j.outbox.put(pb.ThinkerResponse(text=delta))
             if tok in self.eos_ids and len(j.generated) >= j.min_tokens:
                 reason = pb.STOP
