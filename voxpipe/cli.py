@@ -35,7 +35,12 @@ def default_model_dir() -> Path:
 def _stage_main(stage: str):
     def run(args) -> None:
         if args.model is None:
-            args.model = str(default_model_dir())
+            if args.load_format == "dummy":
+                from voxpipe.services.runtime.config import released_config_path
+
+                args.model = str(released_config_path())
+            else:
+                args.model = str(default_model_dir())
         if stage == "thinker":
             from voxpipe.services.thinker import server
         elif stage == "talker":
@@ -260,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--code2wav", default="127.0.0.1:50053")
     _add_say_options(p)
     p.set_defaults(func=cmd_say)
+
+    p = sub.add_parser("bench", help="benchmark split / in-process voxpipe against transformers (BENCHMARK.md)")
+    from voxpipe.bench.harness import add_arguments as bench_args, run as bench_run
+
+    bench_args(p)
+    p.set_defaults(func=bench_run)
 
     p = sub.add_parser("health", help="check a service's grpc.health.v1 status")
     p.add_argument("--addr", help="host:port (default: try localhost:50051..50053)")

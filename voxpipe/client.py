@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import torch
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
+from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
@@ -154,7 +158,14 @@ class PipelineClient:
         for data in chunks:
             await call.write(chunk_type(data))
 
-    async def stream(self, req: SpeechRequest) -> AsyncIterator[TextEvent | FramesEvent | AudioEvent | DoneEvent]:
+    async def stream(self, req: SpeechRequest, *, metadata: tuple[tuple[str, str], ...] = (),
+                     context: otel_context.Context | None = None,
+                     ) -> AsyncIterator[TextEvent | FramesEvent | AudioEvent | DoneEvent]:
+        """`metadata`: extra gRPC metadata for the three calls. `context`: the OpenTelemetry context
+        to trace under (default: the current one). The thinker call is a child span of it, the
+        talker call a child of the thinker call, the code2wav call a child of the talker call;
+        each call carries its span as W3C `traceparent` metadata."""
+        parent_context = context if context is not None else otel_context.get_current()
         if req.audio and (self.talker is None or self.code2wav is None):
             raise ValueError("audio output needs talker and code2wav addresses")
         start = pb.ThinkerStart(request_id=req.request_id, sampling=req.sampling(), max_tokens=req.max_tokens,
@@ -168,31 +179,50 @@ class PipelineClient:
         calls: list = []
         pools: list[tuple[_Pool, int]] = []
 
-        def open_call(pool: _Pool, method: str):
+        spans: dict[str, trace.Span] = {}
+
+        def open_call(pool: _Pool, method: str, parent: otel_context.Context):
             i = pool.pick()
             pool.in_flight[i] += 1
             pools.append((pool, i))
             stub_cls = {"Generate": pb_grpc.ThinkerStub if pool is self.thinker else pb_grpc.TalkerStub,
                         "Decode": pb_grpc.Code2WavStub}[method]
-            call = getattr(stub_cls(pool.channels[i]), method)(metadata=self.metadata)
+            service = stub_cls.__name__.removesuffix("Stub")
+            stage = service.lower()
+            span = tracing.tracer().start_span(
+                f"voxpipe.v1.{service}/{method}", context=parent, kind=SpanKind.CLIENT,
+                attributes={"rpc.system": "grpc", "rpc.service": f"voxpipe.v1.{service}", "rpc.method": method,
+                            "server.address": pool.addresses[i], "voxpipe.request_id": req.request_id})
+            spans[stage] = span
+            span_context = trace.set_span_in_context(span, parent)
+            call = getattr(stub_cls(pool.channels[i]), method)(
+                metadata=tuple(self.metadata) + tuple(metadata) + tracing.inject_metadata(span_context))
             calls.append(call)
-            return call
+            return call, span_context
 
         async def guarded(stage: str, coro):
             try:
                 await coro
             except grpc.aio.AioRpcError as e:
+                if stage in spans:
+                    tracing.grpc_error(spans[stage], e.code(), e.details() or "")
                 await events.put(PipelineError(stage, e.code(), e.details()))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - surfaced to the caller
+                if stage in spans:
+                    tracing.grpc_error(spans[stage], None, repr(e))
                 await events.put(PipelineError(stage, None, repr(e)))
+            finally:
+                span = spans.pop(stage, None)
+                if span is not None:
+                    span.end()
 
         done = {"text": None, "audio": None}
         usage = {"prompt": 0, "completion": 0, "frames": 0, "samples": 0}
 
         async def run_thinker() -> None:
-            th = open_call(self.thinker, "Generate")
+            th, thinker_context = open_call(self.thinker, "Generate", parent_context)
             await self._write(th, start, lambda d: pb.ThinkerRequest(chunk=pb.PayloadChunk(data=d)),
                               lambda m: pb.ThinkerRequest(start=m))
             await th.done_writing()
@@ -200,8 +230,8 @@ class PipelineClient:
             async for resp in th:
                 kind = resp.WhichOneof("kind")
                 if kind == "talker_prompt":
-                    ta = open_call(self.talker, "Generate")
-                    tasks.append(asyncio.ensure_future(guarded("talker", run_talker(ta))))
+                    ta, talker_context = open_call(self.talker, "Generate", thinker_context)
+                    tasks.append(asyncio.ensure_future(guarded("talker", run_talker(ta, talker_context))))
                     ts = pb.TalkerStart(request_id=req.request_id, prompt=resp.talker_prompt, speaker=req.speaker,
                                         sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames)
                     await self._write(ta, ts, lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)),
@@ -221,8 +251,8 @@ class PipelineClient:
                 raise PipelineError("thinker", None, "the thinker finished without a talker prompt")
             await events.put("thinker-done")
 
-        async def run_talker(ta) -> None:
-            cw = open_call(self.code2wav, "Decode")
+        async def run_talker(ta, talker_context: otel_context.Context) -> None:
+            cw, _ = open_call(self.code2wav, "Decode", talker_context)
             tasks.append(asyncio.ensure_future(guarded("code2wav", run_code2wav(cw))))
             await cw.write(pb.Code2WavRequest(start=pb.Code2WavStart(request_id=req.request_id, encoding=req.encoding)))
             async for resp in ta:
@@ -263,6 +293,10 @@ class PipelineClient:
                 c.cancel()
             for t in tasks:
                 t.cancel()
+            for span in spans.values():
+                span.set_attribute("voxpipe.cancelled", True)
+                span.end()
+            spans.clear()
             for pool, i in pools:
                 pool.in_flight[i] -= 1
 

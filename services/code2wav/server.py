@@ -15,6 +15,7 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 from ..runtime.config import OmniConfig
 from ..runtime.engine import Outbox
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
+from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.tensors import TensorError, from_proto
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import Code2WavEngine, Code2WavJob
@@ -29,6 +30,7 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
         self.cfg = cfg
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
 
+    @traced_rpc("voxpipe.v1.Code2Wav", "Decode")
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
         try:
@@ -102,6 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> None:
+    setup_tracing("voxpipe-code2wav")
     servicer = build(args)
     run_async(run_server(servicer, pb_grpc.add_Code2WavServicer_to_server, "voxpipe.v1.Code2Wav", servicer.opts,
                          ready=lambda port: print(f"code2wav ready on port {port}", flush=True)))

@@ -167,8 +167,22 @@ class OmniConfig:
         return cls(thinker=thinker, talker=talker, code2wav=code2wav, raw=cfg)
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "OmniConfig":
-        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    def load(cls, model: str | Path) -> "OmniConfig":
+        """`model`: a checkpoint folder (its config.json) or a config .json file."""
+        path = Path(model)
+        return cls.from_dict(json.loads((path if path.is_file() else path / "config.json").read_text()))
+
+    @property
+    def role_ids(self) -> dict[str, int]:
+        return {"system": self.raw["system_token_id"], "user": self.raw["user_token_id"],
+                "assistant": self.raw["assistant_token_id"]}
+
+
+def released_config_path() -> Path:
+    """The shipped config.json of Qwen3-Omni-30B-A3B-Instruct (for --load-format dummy)."""
+    from importlib.resources import files
+
+    return Path(str(files("voxpipe.configs") / "qwen3-omni-30b-a3b-instruct.json"))
 
 
 def _rope(d: dict) -> RopeConfig:

@@ -20,6 +20,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from .engine import EngineRequest, StageEngine, StageError
 from .metrics import serve_metrics
 from .tensors import Reassembler, TensorError
+from . import tracing
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +91,23 @@ class StageServicer:
         engine's outputs until the final one. Frees the request on cancel or disconnect."""
         self.engine.submit(req)
         task = asyncio.ensure_future(self._guard(reader, req)) if reader is not None else None
+        final = None
         try:
             while True:
                 item = await req.outbox.get()
                 if isinstance(item, StageError):
+                    final = item
                     await context.abort(item.code, item.message)
                 yield item
                 if item.WhichOneof("kind") == "finished":
+                    final = item
                     return
         finally:
             if not req.done:
                 self.engine.cancel(req)
             if task is not None and not task.done():
                 task.cancel()
+            tracing.record_phases(self.engine.name, req, final)
 
     async def _guard(self, reader: Callable[[], Any], req: EngineRequest) -> None:
         try:

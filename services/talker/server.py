@@ -16,6 +16,7 @@ from ..runtime.config import OmniConfig
 from ..runtime.engine import Outbox
 from ..runtime.sampling import SamplingParams
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
+from ..runtime.tracing import annotate, setup_tracing, traced_rpc
 from ..runtime.tensors import TensorError, from_proto
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import TalkerEngine, TalkerJob
@@ -38,6 +39,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         super().__init__(engine, opts)
         self.cfg = cfg
 
+    @traced_rpc("voxpipe.v1.Talker", "Generate")
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
         try:
@@ -81,6 +83,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         if speaker not in cfg.speakers:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"unknown speaker {start.speaker!r}; valid: {', '.join(sorted(cfg.speakers))}")
+        annotate(voice=speaker, request_id=start.request_id)
         if not start.HasField("prompt"):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt is required")
         p = start.prompt
@@ -126,6 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> None:
+    setup_tracing("voxpipe-talker")
     servicer = build(args)
     run_async(run_server(servicer, pb_grpc.add_TalkerServicer_to_server, "voxpipe.v1.Talker", servicer.opts,
                          ready=lambda port: print(f"talker ready on port {port}", flush=True)))

@@ -17,6 +17,7 @@ from ..runtime.config import OmniConfig
 from ..runtime.engine import Outbox
 from ..runtime.sampling import SamplingParams
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
+from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.tensors import TensorError, from_proto
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import ThinkerEngine, ThinkerJob, assistant_head_index
@@ -32,6 +33,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         super().__init__(engine, opts)
         self.tokenizer, self.cfg = tokenizer, cfg
 
+    @traced_rpc("voxpipe.v1.Thinker", "Generate")
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
         try:
@@ -104,10 +106,12 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                           talker_rows=start.talker_rows)
 
 
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
+def load_tokenizer(model: str, cfg: OmniConfig | None = None):
+    """The checkpoint's tokenizer, or the ChatML byte tokenizer for a bare config (dummy weights)."""
+    from .tokenizer import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    cfg = cfg or OmniConfig.load(model)
+    return load(model, cfg.thinker, cfg.role_ids)
 
 
 def build(args) -> tuple[ThinkerServicer, OmniConfig]:
@@ -118,7 +122,7 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     cfg = OmniConfig.load(args.model)
     model = load_module(lambda: ThinkerModel(cfg.thinker), args.model, "thinker.", device=device, dtype=dtype,
                         load_format=args.load_format, ignore=("visual.",))
-    engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model), device=device, max_active=args.max_batch,
+    engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=device, max_active=args.max_batch,
                            max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,))
     return ThinkerServicer(engine, server_options(args), engine.tokenizer, cfg), cfg
 
@@ -128,6 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> None:
+    setup_tracing("voxpipe-thinker")
     servicer, _ = build(args)
     run_async(run_server(servicer, pb_grpc.add_ThinkerServicer_to_server, "voxpipe.v1.Thinker",
                            servicer.opts, ready=lambda port: print(f"thinker ready on port {port}", flush=True)))

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Run a voxpipe command on the GPU machine (device tool) without installing the package:
+#   bash bench/device.sh voxpipe bench --quick
+# Expects the missing wheels in .whl/ (../shared/device/wheels.sh) carried along; maps the repo
+# folders onto the `voxpipe` package the way pyproject.toml does.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+if ls "$root"/.whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl/*.whl
+fi
+pkg=/tmp/vp/voxpipe
+rm -rf /tmp/vp && mkdir -p "$pkg"
+cp -r "$root"/voxpipe/. "$pkg"/
+ln -s "$root/services" "$pkg/services"
+ln -s "$root/gateway" "$pkg/gateway"
+ln -s "$root/kernels" "$pkg/kernels"
+ln -s "$root/bench" "$pkg/bench"
+ln -s "$root/proto/voxpipe/v1" "$pkg/v1"
+export PYTHONPATH=/tmp/vp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+if [ "${1:-}" = "voxpipe" ]; then shift; exec python3 -m voxpipe.cli "$@"; fi
+exec "$@"

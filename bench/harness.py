@@ -1,0 +1,224 @@
+"""`voxpipe bench`: the BENCHMARK.md workload against voxpipe split (three services over loopback
+gRPC) and in-process (the same engines, no gRPC), with transformers' reference measured in the
+same run. Prints one table and writes JSON + markdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .workload import LevelResult, Workload, run_level
+
+STAGES = ("thinker", "talker", "code2wav")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint folder or config.json (default: the released config, dummy weights)")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--modes", default="split,inprocess", help="comma list of split, inprocess")
+    p.add_argument("--concurrency", default="1,16,32,64")
+    p.add_argument("--requests", type=int, default=0, help="per level (default max(20, 5 x c); --quick: max(8, 2 x c))")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="fewer requests, fits one 10-minute device call")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time transformers' generate at c=1 in a separate process")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--extra", default="", help="extra flags for every stage service (split and in-process)")
+    p.add_argument("--out", default="bench/out")
+    p.add_argument("--base-port", type=int, default=52051)
+
+
+def copy_bandwidth(device: str) -> float:
+    import torch
+
+    if not device.startswith("cuda"):
+        return float("nan")
+    n = 1 << 30  # 1 GiB x 2 bytes
+    a = torch.empty(n, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 10 * 2 * a.numel() * a.element_size() / (time.perf_counter() - t)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def active_bytes(cfg) -> dict[str, float]:
+    """Bytes of weights read per thinker token and per talker frame at batch 1 (bf16)."""
+    def attn(d):
+        return d.hidden_size * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads)
+
+    def moe(d):
+        routed = d.experts_per_token * 3 * d.hidden_size * d.moe_intermediate_size
+        shared = 3 * d.hidden_size * d.shared_expert_size + d.hidden_size if d.shared_expert_size else 0
+        return routed + shared + d.num_experts * d.hidden_size
+
+    th = cfg.thinker.text
+    thinker = th.num_layers * (attn(th) + moe(th)) + th.vocab_size * th.hidden_size
+    tk, cp = cfg.talker.text, cfg.talker.code_predictor
+    talker_step = tk.num_layers * (attn(tk) + moe(tk)) + tk.vocab_size * tk.hidden_size
+    pred_pass = cp.num_layers * (attn(cp) + 3 * cp.hidden_size * cp.intermediate_size) + cp.vocab_size * cp.hidden_size
+    return {"thinker_token": 2.0 * thinker, "talker_frame": 2.0 * (talker_step + (cfg.talker.num_code_groups - 1) * pred_pass)}
+
+
+def gpu_memory_by_pid() -> dict[int, float]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    mem = {}
+    for line in out.strip().splitlines():
+        pid, used = (x.strip() for x in line.split(","))
+        mem[int(pid)] = float(used) / 1024.0
+    return mem
+
+
+async def _levels(stream_fn, cfg, wl: Workload, args, mode: str) -> list[LevelResult]:
+    out = []
+    for c in [int(x) for x in args.concurrency.split(",") if x]:
+        n = args.requests or (max(8, 2 * c) if args.quick else max(20, 5 * c))
+        warm = min(args.warmup, 2) if args.quick else args.warmup
+        records, wall = await run_level(stream_fn, cfg, wl, c, n, warm if c == 1 else min(warm, c))
+        res = LevelResult.of(mode, c, records, wall)
+        errors = [r.error for r in records if r.error]
+        print(f"[{mode}] c={c}: {res.req_per_s:.2f} req/s, TTFP p50 {res.ttfp_ms['p50']:.1f} ms, "
+              f"RTF p50 {res.rtf['p50']:.3f}, failed {res.failed}" + (f" ({errors[0]})" if errors else ""), flush=True)
+        out.append(res)
+    return out
+
+
+def run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], dict]:
+    from voxpipe.cli import LocalStack
+    from voxpipe.client import PipelineClient
+
+    extra = ["--load-format", args.load_format, "--max-batch", str(args.max_batch)] + args.extra.split()
+    stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra)
+    t0 = time.perf_counter()
+    stack.start(timeout=600)
+    info = {"startup_s": time.perf_counter() - t0}
+    mem = gpu_memory_by_pid()
+    info["gpu_mem_gb"] = {s: mem.get(stack.procs[s].pid) for s in STAGES}
+    try:
+        async def go():
+            async with PipelineClient(*(stack.address(s) for s in STAGES)) as client:
+                return await _levels(client.stream, cfg, wl, args, "split")
+        return asyncio.run(go()), info
+    finally:
+        stack.stop()
+
+
+def run_inprocess(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
+    from voxpipe.cli import build_parser
+
+    from .inprocess import InProcessPipeline
+
+    ns = build_parser().parse_args(["thinker", "--model", model, "--device", args.device, "--load-format",
+                                    args.load_format, "--max-batch", str(args.max_batch)] + args.extra.split())
+
+    async def go():
+        pipe = InProcessPipeline(ns)
+        try:
+            return await _levels(pipe.stream, cfg, wl, args, "inprocess")
+        finally:
+            pipe.close()
+    return asyncio.run(go())
+
+
+def table(results: list[LevelResult], ref: dict | None, bw: float, nbytes: dict[str, float]) -> str:
+    rows = ["| mode | c | req/s | TTFP p50 / p90 / p99 ms | RTF p50 / p90 | E2EL p50 s | TTFT p50 ms | thinker tok/s | "
+            "talker frames/s | thinker BW | talker BW | failed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        tbw = nbytes["thinker_token"] * r.thinker_tok_s
+        fbw = nbytes["talker_frame"] * r.talker_frames_s
+        rows.append(f"| {r.mode} | {r.concurrency} | {r.req_per_s:.2f} | {r.ttfp_ms['p50']:.1f} / {r.ttfp_ms['p90']:.1f} / "
+                    f"{r.ttfp_ms['p99']:.1f} | {r.rtf['p50']:.3f} / {r.rtf['p90']:.3f} | {r.e2el_s['p50']:.2f} | "
+                    f"{r.ttft_ms['p50']:.1f} | {r.thinker_tok_s:.1f} | {r.talker_frames_s:.1f} | "
+                    f"{tbw / 1e12:.2f} TB/s ({tbw / bw:.0%}) | {fbw / 1e12:.2f} TB/s ({fbw / bw:.0%}) | {r.failed} |")
+    if ref:
+        rows.append(f"| transformers | 1 | {1 / ref['ttfp_s']:.3f} | {ref['ttfp_s'] * 1000:.0f} | {ref['rtf']:.3f} | "
+                    f"{ref['ttfp_s']:.2f} | {ref['prefill_plus_1_ms']:.1f} (prefill+1) | {ref['thinker_tok_s']:.1f} | | | | 0 |")
+    return "\n".join(rows)
+
+
+def ratios(results: list[LevelResult], ref: dict | None) -> list[str]:
+    lines = []
+    c1 = {r.mode: r for r in results if r.concurrency == 1}
+    if ref and "split" in c1:
+        s = c1["split"]
+        lines.append(f"- split vs transformers at c=1: TTFP {ref['ttfp_s'] * 1000 / s.ttfp_ms['p50']:.0f}x faster, "
+                     f"RTF {ref['rtf'] / s.rtf['p50']:.1f}x lower, thinker {s.thinker_tok_s / ref['thinker_tok_s']:.1f}x tok/s")
+    for c in sorted({r.concurrency for r in results}):
+        pair = {r.mode: r for r in results if r.concurrency == c}
+        if "split" in pair and "inprocess" in pair:
+            a, b = pair["split"], pair["inprocess"]
+            lines.append(f"- c={c}: split / in-process TTFP p50 = {a.ttfp_ms['p50'] / b.ttfp_ms['p50']:.3f}, "
+                         f"req/s = {a.req_per_s / max(b.req_per_s, 1e-9):.3f}")
+    return lines
+
+
+def run(args) -> int:
+    from voxpipe.services.runtime.config import OmniConfig, released_config_path
+
+    model = args.model or str(released_config_path())
+    cfg = OmniConfig.load(model)
+    wl = Workload()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device_name = ""
+    if args.device.startswith("cuda"):
+        import torch
+
+        device_name = torch.cuda.get_device_name(0)
+    bw = copy_bandwidth(args.device)
+    print(f"copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
+    ref = None
+    if args.reference:
+        cfg_path = model if model.endswith(".json") else str(Path(model) / "config.json")
+        proc = subprocess.run([sys.executable, "-m", "voxpipe.bench.reference", "--config", cfg_path,
+                               "--device", args.device], capture_output=True, text=True, timeout=900)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+        if proc.returncode == 0 and lines:
+            ref = json.loads(lines[-1])
+            print(f"transformers reference: {ref}", flush=True)
+        else:
+            print(f"transformers reference failed: {proc.stderr[-2000:]}", flush=True)
+    results: list[LevelResult] = []
+    info = {}
+    modes = [m for m in args.modes.split(",") if m]
+    if "split" in modes:
+        res, info = run_split(args, cfg, wl, model)
+        results += res
+        print(f"split startup {info['startup_s']:.1f} s, GPU memory per service (GB): {info['gpu_mem_gb']}", flush=True)
+    if "inprocess" in modes:
+        results += run_inprocess(args, cfg, wl, model)
+    nbytes = active_bytes(cfg)
+    md = table(results, ref, bw, nbytes)
+    summary = "\n".join(ratios(results, ref))
+    cmd = "voxpipe bench " + " ".join(sys.argv[2:])
+    header = (f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · commit {commit} · {device_name or args.device}\n\n"
+              f"`{cmd}` — workload {wl.name}: {wl.prompt_tokens}-token prompt, {wl.text_tokens} text tokens, "
+              f"{wl.frames} frames forced, greedy, speaker {wl.speaker}; copy bandwidth {bw / 1e12:.2f} TB/s; "
+              f"TTFP measured at the pipeline client (gRPC) for split, at the in-process driver otherwise.\n")
+    text = header + "\n" + md + "\n\n" + summary + "\n"
+    print("\n" + text, flush=True)
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({"commit": commit, "device": device_name, "command": cmd,
+                                                   "copy_bandwidth": bw, "reference": ref, "split_info": info,
+                                                   "levels": [r.as_dict() for r in results]}, indent=1))
+    return 0

@@ -1,0 +1,108 @@
+"""All three stage engines in one process, chained without gRPC: the baseline that tells what the
+three-service split costs. Same engines, same servicer validation, same messages."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+
+import torch
+
+from voxpipe.client import AudioEvent, DoneEvent, FramesEvent, SpeechRequest, TextEvent, _decode_audio
+from voxpipe.services.code2wav import server as code2wav_server
+from voxpipe.services.runtime.tensors import from_proto
+from voxpipe.services.talker import server as talker_server
+from voxpipe.services.thinker import server as thinker_server
+from voxpipe.v1 import stages_pb2 as pb
+
+
+class InProcessPipeline:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.thinker, self.cfg = thinker_server.build(args)
+        self.talker = talker_server.build(args)
+        args_c2w = argparse.Namespace(**{**vars(args), "first_chunk_frames": 1, "chunk_frames": 1})
+        self.code2wav = code2wav_server.build(args_c2w)
+        for s in (self.thinker, self.talker, self.code2wav):
+            s.engine.start()
+
+    def close(self) -> None:
+        for s in (self.thinker, self.talker, self.code2wav):
+            s.engine.stop()
+
+    async def stream(self, req: SpeechRequest) -> AsyncIterator:
+        start = pb.ThinkerStart(request_id=req.request_id, sampling=req.sampling(), max_tokens=req.max_tokens,
+                                min_tokens=req.min_tokens, talker_rows=True)
+        start.token_ids.ids.extend(req.token_ids)
+        tj = self.thinker.make_job(start)
+        self.thinker.engine.submit(tj)
+        ta_job = cw_job = None
+        text_done = audio_done = False
+        frames = samples = 0
+        reason_text = reason_audio = None
+        import asyncio
+
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(job, tag):
+            while True:
+                item = await job.outbox.get()
+                await merged.put((tag, item))
+                if not hasattr(item, "WhichOneof") or item.WhichOneof("kind") == "finished":
+                    return
+
+        tasks = [asyncio.ensure_future(pump(tj, "thinker"))]
+        try:
+            while not (text_done and audio_done):
+                tag, item = await merged.get()
+                if not hasattr(item, "WhichOneof"):
+                    raise RuntimeError(f"{tag}: {item}")
+                kind = item.WhichOneof("kind")
+                if tag == "thinker":
+                    if kind == "talker_prompt":
+                        ts = pb.TalkerStart(request_id=req.request_id, prompt=item.talker_prompt, speaker=req.speaker,
+                                            sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames)
+                        ta_job = self.talker.make_job(ts)
+                        self.talker.engine.submit(ta_job)
+                        tasks.append(asyncio.ensure_future(pump(ta_job, "talker")))
+                        cw_job = code2wav_server.Code2WavJob(request_id=req.request_id, outbox=_outbox(),
+                                                             encoding=req.encoding)
+                        self.code2wav.engine.submit(cw_job)
+                        tasks.append(asyncio.ensure_future(pump(cw_job, "code2wav")))
+                    elif kind == "text":
+                        t = item.text
+                        yield TextEvent(t.index, list(t.token_ids), t.text)
+                        self.talker.engine.add_rows(ta_job, from_proto(t.embeddings))
+                    elif kind == "finished":
+                        text_done, reason_text = True, item.finished.reason
+                        self.talker.engine.end_text(ta_job)
+                elif tag == "talker":
+                    if kind == "frames":
+                        codes = from_proto(item.frames.codes).to(torch.int64)
+                        frames += codes.shape[0]
+                        self.code2wav.engine.add_frames(cw_job, codes)
+                        yield FramesEvent(item.frames.index, codes)
+                    elif kind == "finished":
+                        reason_audio = item.finished.reason
+                        self.code2wav.engine.end_frames(cw_job)
+                elif tag == "code2wav":
+                    if kind == "audio":
+                        samples += item.audio.num_samples
+                        yield AudioEvent(item.audio.sample_offset, item.audio.sample_rate, _decode_audio(item.audio),
+                                         item.audio.data)
+                    elif kind == "finished":
+                        audio_done = True
+            yield DoneEvent(reason_text, reason_audio, len(req.token_ids), req.max_tokens, frames, samples)
+        finally:
+            for job, engine in ((tj, self.thinker.engine), (ta_job, self.talker.engine), (cw_job, self.code2wav.engine)):
+                if job is not None and not job.done:
+                    engine.cancel(job)
+            for t in tasks:
+                t.cancel()
+
+
+def _outbox():
+    import asyncio
+
+    from voxpipe.services.runtime.engine import Outbox
+
+    return Outbox(asyncio.get_running_loop())

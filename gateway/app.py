@@ -1,0 +1,249 @@
+"""The gateway's FastAPI app: shared state, auth, errors, health/readiness, models and metrics;
+the OpenAI chat and speech routes come from openai_chat.py and speech.py, the realtime
+WebSocket route from realtime.py when it exposes a `router`.
+
+`app.state.gateway` is the GatewayState every API uses: the pipeline client, the tokenizer and
+feature extractor for rendering prompts, the SessionLimiter shared by HTTP and realtime, the
+metrics and the store of assistant audio transcripts."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from voxpipe.client import PipelineClient, PipelineError
+from voxpipe.services.runtime.config import OmniConfig
+from voxpipe.services.thinker.prompt import FeatureExtractor
+
+from .config import GatewayConfig
+from .errors import APIError, from_pipeline_error, too_many_sessions
+from .metrics import GatewayMetrics
+from .transcripts import TranscriptStore
+
+log = logging.getLogger(__name__)
+STAGES = ("thinker", "talker", "code2wav")
+
+
+class Session:
+    """One admitted session; `release()` (or leaving the `with`) frees its slot, once."""
+
+    def __init__(self, limiter: "SessionLimiter") -> None:
+        self._limiter: SessionLimiter | None = limiter
+
+    def release(self) -> None:
+        if self._limiter is not None:
+            self._limiter.active -= 1
+            self._limiter = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class SessionLimiter:
+    """Concurrent sessions across the HTTP generations and realtime connections (0: no limit).
+    `acquire()` admits one or raises the 429 APIError; `try_acquire()` returns None instead."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.active = limit, 0
+
+    def try_acquire(self) -> Session | None:
+        if self.limit and self.active >= self.limit:
+            return None
+        self.active += 1
+        return Session(self)
+
+    def acquire(self) -> Session:
+        session = self.try_acquire()
+        if session is None:
+            raise too_many_sessions(self.limit)
+        return session
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    omni: OmniConfig
+    tokenizer: Any
+    features: FeatureExtractor
+    sessions: SessionLimiter
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    transcripts: TranscriptStore | None = None
+    pipeline: PipelineClient | None = None          # opened on startup, on the serving event loop
+    tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def load(cls, config: GatewayConfig) -> "GatewayState":
+        from voxpipe.services.thinker.server import load_tokenizer
+
+        return cls(config=config, omni=OmniConfig.load(config.model_dir), tokenizer=load_tokenizer(config.model_dir),
+                   features=FeatureExtractor(config.model_dir), sessions=SessionLimiter(config.max_sessions),
+                   transcripts=TranscriptStore(config.audio_expiry_s, config.max_stored_audio))
+
+    @property
+    def speakers(self) -> dict[str, int]:
+        return self.omni.talker.speakers
+
+    def open_pipeline(self) -> PipelineClient:
+        self.pipeline = PipelineClient(self.config.thinker, self.config.talker, self.config.code2wav)
+        return self.pipeline
+
+
+def authorized(config: GatewayConfig, authorization: str | None) -> bool:
+    """`Authorization: Bearer <key>` matches the configured key (always true when none is set)."""
+    if not config.api_key:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
+
+
+def gateway_state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def require_api_key(request: Request) -> None:
+    if not authorized(gateway_state(request).config, request.headers.get("authorization")):
+        raise APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+class RequestMetrics:
+    """ASGI middleware counting HTTP requests by route template and status."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_with_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status["code"])).inc()
+
+
+async def stage_health(addresses: str, timeout: float = 2.0) -> dict[str, str]:
+    """grpc.health.v1 status of every replica in a comma-separated address list."""
+    async def check(addr: str) -> str:
+        try:
+            async with grpc.aio.insecure_channel(addr) as ch:
+                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+
+    addrs = [a for a in addresses.split(",") if a]
+    return dict(zip(addrs, await asyncio.gather(*(check(a) for a in addrs))))
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(PipelineError)
+    async def pipeline_error(request: Request, exc: PipelineError) -> JSONResponse:
+        return from_pipeline_error(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return APIError(400, f"invalid request: {exc.errors()}").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind).response()
+
+
+def _add_basic_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        cfg = gateway_state(request).config
+        stages = dict(zip(STAGES, await asyncio.gather(*(stage_health(getattr(cfg, s)) for s in STAGES))))
+        ok = all(status == "SERVING" for per_stage in stages.values() for status in per_stage.values())
+        return JSONResponse({"ready": ok, "stages": stages}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(gateway_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    async def list_models(request: Request) -> dict:
+        st = gateway_state(request)
+        return {"object": "list", "data": [_model(st)]}
+
+    @app.get("/v1/models/{model_id}", dependencies=[Depends(require_api_key)])
+    async def get_model(model_id: str, request: Request) -> dict:
+        st = gateway_state(request)
+        if model_id != st.config.model_id:
+            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return _model(st)
+
+
+def _model(st: GatewayState) -> dict:
+    return {"id": st.config.model_id, "object": "model", "created": st.created, "owned_by": "voxpipe"}
+
+
+def _optional_router(module: str):
+    """The router of a sibling API module that may not exist yet (realtime is built separately)."""
+    try:
+        return getattr(importlib.import_module(f"voxpipe.gateway.{module}"), "router", None)
+    except ImportError as e:
+        log.debug("no %s API: %s", module, e)
+        return None
+
+
+def create_app(config: GatewayConfig, state: GatewayState | None = None) -> FastAPI:
+    state = state or GatewayState.load(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.open_pipeline()
+        try:
+            yield
+        finally:
+            await state.pipeline.close()
+
+    app = FastAPI(title="voxpipe gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = state
+    app.add_middleware(RequestMetrics, metrics=state.metrics)
+    _add_error_handlers(app)
+    _add_basic_routes(app)
+    from . import openai_chat, speech
+
+    app.include_router(openai_chat.router, dependencies=[Depends(require_api_key)])
+    app.include_router(speech.router, dependencies=[Depends(require_api_key)])
+    realtime = _optional_router("realtime")
+    if realtime is not None:
+        app.include_router(realtime)
+    return app

@@ -1,0 +1,37 @@
+"""The gateway's settings (from the command line of `voxpipe gateway`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    thinker: str                       # host:port[,host:port...] (replicas)
+    talker: str
+    code2wav: str
+    model_dir: str                     # tokenizer, config.json, feature extractor (for rendering prompts)
+    model_id: str = ""                 # the id clients send as `model` (default: the checkpoint folder name)
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 0                 # the Converse gRPC API (0: off)
+    api_key: str | None = None         # when set, every /v1 request needs `Authorization: Bearer <key>`
+    max_sessions: int = 64             # concurrent generations (HTTP and realtime) before 429
+    max_body_bytes: int = 32 * 1024 * 1024
+    audio_expiry_s: int = 3600         # how long an assistant audio id stays usable in later turns
+    max_stored_audio: int = 10000      # transcripts kept for multi-turn audio references
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            path = Path(self.model_dir)
+            object.__setattr__(self, "model_id", path.stem if path.is_file() else path.name)
+
+    @classmethod
+    def from_args(cls, args) -> "GatewayConfig":
+        return cls(thinker=args.thinker, talker=args.talker, code2wav=args.code2wav, model_dir=str(args.model),
+                   model_id=args.served_model_name or "", host=args.host, http_port=args.http_port,
+                   grpc_port=args.grpc_port or 0, api_key=args.api_key or os.environ.get("VOXPIPE_API_KEY") or None,
+                   max_sessions=args.max_sessions, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                   audio_expiry_s=args.audio_expiry)

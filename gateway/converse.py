@@ -1,0 +1,294 @@
+"""The gateway's gRPC pipeline API: `voxpipe.v1.Gateway/Converse` (proto/voxpipe/v1/gateway.proto).
+
+One call is one conversation turn: ConverseStart (text and/or audio in, voice, output modalities,
+sampling, lengths) -> text deltas and 24 kHz audio chunks as the pipeline makes them -> Done.
+A Cancel message, or the client cancelling the call, stops the turn and frees it in every stage.
+Served with grpc.health.v1 and server reflection on the gateway's --grpc-port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
+
+from voxpipe.audio import resample
+from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, TextEvent
+from voxpipe.services.runtime import tracing
+from voxpipe.services.runtime.config import OmniConfig
+from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart, FeatureExtractor, render
+from voxpipe.v1 import gateway_pb2 as gw
+from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
+from voxpipe.v1 import stages_pb2 as pb
+
+from .audio_formats import decode_clip
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "voxpipe.v1.Gateway"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_AUDIO_SECONDS = 600.0
+PCM16_RATES = (1000, 384000)            # accepted input sample rates, inclusive
+DEFAULT_VOICE = "ethan"
+
+
+class InvalidInput(ValueError):
+    """The client's ConverseStart is unusable; becomes INVALID_ARGUMENT."""
+
+
+@dataclass
+class ConverseBackend:
+    """What a Converse call needs from the gateway process."""
+
+    client: PipelineClient
+    tokenizer: Any
+    config: OmniConfig
+    features: FeatureExtractor
+    sessions: asyncio.Semaphore | None = None    # shared with the HTTP API: concurrent generations
+
+
+@dataclass
+class ConverseTurn:
+    messages: list[ChatMessage]
+    speech: SpeechRequest                         # token_ids filled in by render()
+
+
+# ----------------------------------------------------------------------------- input checking
+
+def _pcm16(audio: gw.Pcm16Audio, name: str) -> np.ndarray:
+    if not audio.data:
+        raise InvalidInput(f"{name}.data is empty")
+    if len(audio.data) % 2:
+        raise InvalidInput(f"{name}.data has an odd number of bytes ({len(audio.data)}); pcm16 is 2 bytes a sample")
+    lo, hi = PCM16_RATES
+    if not lo <= audio.sample_rate <= hi:
+        raise InvalidInput(f"{name}.sample_rate must be in [{lo}, {hi}] Hz, got {audio.sample_rate}")
+    x = np.frombuffer(audio.data, dtype="<i2").astype(np.float32) / 32768.0
+    return resample(x, audio.sample_rate, FEATURE_SAMPLE_RATE)
+
+
+def _audio_part(a: gw.AudioInput, name: str) -> np.ndarray:
+    fmt = a.WhichOneof("format")
+    if fmt == "pcm16":
+        wav = _pcm16(a.pcm16, f"{name}.pcm16")
+    elif fmt == "wav":
+        if not a.wav:
+            raise InvalidInput(f"{name}.wav is empty")
+        try:
+            wav = decode_clip(a.wav)
+        except ValueError as e:
+            raise InvalidInput(f"{name}.wav: {e}") from None
+    else:
+        raise InvalidInput(f"{name} needs pcm16 or wav")
+    if wav.size / FEATURE_SAMPLE_RATE > MAX_AUDIO_SECONDS:
+        raise InvalidInput(f"{name} is {wav.size / FEATURE_SAMPLE_RATE:.0f} s long; the limit is "
+                           f"{MAX_AUDIO_SECONDS:.0f} s")
+    return wav
+
+
+def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
+    """Check a ConverseStart and turn it into chat messages and a SpeechRequest (not yet rendered)."""
+    modalities = set(start.output_modalities) or {gw.MODALITY_TEXT, gw.MODALITY_AUDIO}
+    unknown = modalities - {gw.MODALITY_TEXT, gw.MODALITY_AUDIO}
+    if unknown:
+        raise InvalidInput(f"output_modalities: {sorted(unknown)} are not MODALITY_TEXT (1) or MODALITY_AUDIO (2)")
+    want_audio = gw.MODALITY_AUDIO in modalities
+    if start.audio_encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
+        raise InvalidInput(f"audio_encoding {start.audio_encoding} is not AUDIO_PCM16 (1) or AUDIO_FLOAT32 (2)")
+    voice = (start.voice or DEFAULT_VOICE).lower()
+    speakers = {s.lower() for s in cfg.talker.speakers}
+    if want_audio and voice not in speakers:
+        raise InvalidInput(f"unknown voice {start.voice!r}; valid voices: {', '.join(sorted(speakers))}")
+    if not start.text and not start.audio:
+        raise InvalidInput("the turn is empty: give text and/or audio")
+    if start.ignore_eos and not start.max_tokens:
+        raise InvalidInput("ignore_eos needs max_tokens")
+    if start.ignore_eos and want_audio and not start.max_frames:
+        raise InvalidInput("ignore_eos with audio output needs max_frames")
+    if start.max_tokens and start.min_tokens > start.max_tokens:
+        raise InvalidInput(f"min_tokens {start.min_tokens} > max_tokens {start.max_tokens}")
+    if start.max_frames and start.min_frames > start.max_frames:
+        raise InvalidInput(f"min_frames {start.min_frames} > max_frames {start.max_frames}")
+    s = start.sampling
+    if s.HasField("temperature") and not 0.0 <= s.temperature <= 2.0:
+        raise InvalidInput(f"sampling.temperature must be between 0 and 2, got {s.temperature:g}")
+    if s.HasField("top_p") and not 0.0 < s.top_p <= 1.0:
+        raise InvalidInput(f"sampling.top_p must be in (0, 1], got {s.top_p:g}")
+    if s.HasField("top_k") and s.top_k < 0:
+        raise InvalidInput(f"sampling.top_k must be >= 0, got {s.top_k}")
+
+    parts = [ChatPart(audio=_audio_part(a, f"audio[{i}]")) for i, a in enumerate(start.audio)]
+    if start.text:
+        parts.append(ChatPart(text=start.text))
+    messages = [ChatMessage.text("system", start.instructions)] if start.instructions else []
+    messages.append(ChatMessage("user", parts))
+    speech = SpeechRequest(
+        speaker=voice, audio=want_audio, max_tokens=start.max_tokens,
+        min_tokens=start.max_tokens if start.ignore_eos else start.min_tokens,
+        max_frames=start.max_frames, min_frames=start.max_frames if start.ignore_eos else start.min_frames,
+        temperature=s.temperature if s.HasField("temperature") else 0.0,
+        top_k=s.top_k if s.HasField("top_k") else 0, top_p=s.top_p if s.HasField("top_p") else 1.0,
+        seed=s.seed if s.HasField("seed") else None, encoding=start.audio_encoding or pb.AUDIO_PCM16,
+        request_id=start.request_id or uuid.uuid4().hex)
+    return ConverseTurn(messages, speech)
+
+
+# ----------------------------------------------------------------------------- the servicer
+
+_END = object()
+_CANCEL = object()
+
+
+class ConverseServicer(gw_grpc.GatewayServicer):
+    def __init__(self, backend: ConverseBackend) -> None:
+        self.backend = backend
+
+    def _render(self, turn: ConverseTurn) -> None:
+        b = self.backend
+        try:
+            prompt = render(b.tokenizer, b.config.thinker, turn.messages, b.features)
+        except ValueError as e:
+            raise InvalidInput(str(e)) from None
+        turn.speech.token_ids = prompt.token_ids
+        turn.speech.audio_features = prompt.audio_features
+
+    @tracing.traced_rpc(SERVICE_NAME, "Converse")
+    async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request stream: the first message must be start")
+            return
+        if first.WhichOneof("kind") != "start":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the first message must be start, got {first.WhichOneof('kind')}")
+            return
+        try:
+            turn = parse_start(first.start, self.backend.config)
+            await asyncio.to_thread(self._render, turn)
+        except InvalidInput as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        speech = turn.speech
+        tracing.annotate(request_id=speech.request_id, voice=speech.speaker if speech.audio else None)
+        # the trace to join: this call's span, or (tracing off here) the caller's traceparent as is
+        trace_context = (otel_context.get_current() if tracing.enabled()
+                         else tracing.extract_metadata(context.invocation_metadata()))
+
+        sessions = self.backend.sessions
+        if sessions is not None and sessions.locked():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent sessions; retry later")
+            return
+        if sessions is not None:
+            await sessions.acquire()
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for ev in self.backend.client.stream(speech, context=trace_context):
+                    await events.put(ev)
+                await events.put(_END)
+            except PipelineError as e:
+                await events.put(e)
+
+        async def read_rest() -> None:
+            try:
+                async for msg in it:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "cancel":
+                        await events.put(_CANCEL)
+                        return
+                    await events.put(InvalidInput(f"unexpected {kind} after start (only cancel may follow)"))
+                    return
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                return
+
+        pump_task = asyncio.ensure_future(pump())
+        read_task = asyncio.ensure_future(read_rest())
+        usage = gw.Usage()
+        text_finish = audio_finish = pb.FINISH_REASON_UNSPECIFIED
+        sent_output = False
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, TextEvent):
+                    sent_output = True
+                    usage.completion_tokens += len(ev.token_ids)
+                    yield gw.ConverseResponse(text=gw.TextOutput(index=ev.index, token_ids=ev.token_ids, text=ev.text))
+                elif isinstance(ev, AudioEvent):
+                    sent_output = True
+                    n = int(ev.samples.shape[0])
+                    usage.audio_samples += n
+                    yield gw.ConverseResponse(audio=pb.AudioChunk(
+                        sample_offset=ev.sample_offset, sample_rate=ev.sample_rate, encoding=speech.encoding,
+                        data=ev.data, num_samples=n))
+                elif isinstance(ev, DoneEvent):
+                    text_finish, audio_finish = ev.text_finish or 0, ev.audio_finish or 0
+                    usage.prompt_tokens, usage.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+                    usage.audio_frames, usage.audio_samples = ev.frames, ev.samples
+                elif ev is _END:
+                    break
+                elif ev is _CANCEL:
+                    pump_task.cancel()          # closes the pipeline stream: every stage frees the request
+                    text_finish = text_finish or pb.CANCELLED
+                    audio_finish = (audio_finish or pb.CANCELLED) if speech.audio else audio_finish
+                    tracing.annotate(cancelled=True)
+                    break
+                elif isinstance(ev, InvalidInput):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(ev))
+                elif isinstance(ev, PipelineError):
+                    code = ev.code or grpc.StatusCode.INTERNAL
+                    message = f"{ev.stage}: {ev.details}"
+                    if sent_output:
+                        yield gw.ConverseResponse(error=gw.ConverseError(code=code.name, message=message,
+                                                                         stage=ev.stage))
+                    await context.abort(code, message)
+            yield gw.ConverseResponse(done=gw.ConverseDone(request_id=speech.request_id, text_finish=text_finish,
+                                                           audio_finish=audio_finish, usage=usage))
+        finally:
+            for task in (pump_task, read_task):
+                task.cancel()
+            await asyncio.gather(pump_task, read_task, return_exceptions=True)
+            if sessions is not None:
+                sessions.release()
+
+
+# ----------------------------------------------------------------------------- serving
+
+@dataclass
+class ConverseServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def start_converse_server(backend: ConverseBackend, port: int, host: str = "[::]") -> ConverseServer:
+    """Start Converse (+ health, reflection) on host:port (0: any free port) and return at once."""
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    gw_grpc.add_GatewayServicer_to_server(ConverseServicer(backend), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind the Converse gRPC port {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("Converse gRPC API on port %d", bound)
+    return ConverseServer(server, bound, health_servicer)

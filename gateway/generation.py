@@ -1,0 +1,69 @@
+"""Shared by the HTTP (and realtime) APIs: rendering a conversation into a prompt off the event
+loop, and running one pipeline request with the gateway's metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from voxpipe.client import AudioEvent, DoneEvent, FramesEvent, SpeechRequest, TextEvent
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, RenderedPrompt, render
+from voxpipe.v1 import stages_pb2 as pb
+
+from .errors import bad_request
+from .params import GenerationParams
+
+STAGE_OF_EVENT = {TextEvent: "thinker", FramesEvent: "talker", AudioEvent: "code2wav"}
+
+
+def _render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
+    # features in this worker thread; the tokenizer (not thread-safe) under the state's lock
+    parts = [[ChatPart(text=p.text) if p.audio is None else ChatPart(features=state.features(p.audio))
+              for p in m.parts] for m in messages]
+    with state.tokenizer_lock:
+        return render(state.tokenizer, state.omni.thinker, [ChatMessage(m.role, ps) for m, ps in zip(messages, parts)])
+
+
+async def render_prompt(state, messages: list[ChatMessage]) -> RenderedPrompt:
+    try:
+        return await asyncio.to_thread(_render_now, state, messages)
+    except ValueError as e:
+        raise bad_request(f"could not render the conversation: {e}", param="messages") from None
+
+
+def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str, audio: bool) -> SpeechRequest:
+    return SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=voice, audio=audio,
+                         max_tokens=params.max_tokens, min_tokens=params.min_tokens, max_frames=params.max_frames,
+                         min_frames=params.min_frames, temperature=params.temperature, top_k=params.top_k,
+                         top_p=params.top_p, seed=params.seed, encoding=pb.AUDIO_PCM16)
+
+
+async def run_pipeline(state, req: SpeechRequest, arrived: float
+                       ) -> AsyncIterator[TextEvent | FramesEvent | AudioEvent | DoneEvent]:
+    """`state.pipeline.stream(req)` with the active-streams gauge, each stage's first-output
+    latency, time to first audio and the real-time factor recorded (`arrived`: perf_counter at
+    the request's arrival). Raises PipelineError as the client does."""
+    m = state.metrics
+    seen: set[str] = set()
+    samples, rate = 0, state.omni.code2wav.sample_rate
+    m.active_streams.inc()
+    try:
+        async with aclosing(state.pipeline.stream(req)) as events:
+            async for ev in events:
+                stage = STAGE_OF_EVENT.get(type(ev))
+                if stage is not None and stage not in seen:
+                    seen.add(stage)
+                    elapsed = time.perf_counter() - arrived
+                    m.stage_first_output.labels(stage).observe(elapsed)
+                    if stage == "code2wav":
+                        m.ttfp.observe(elapsed)
+                if isinstance(ev, AudioEvent):
+                    samples += ev.samples.shape[0]
+                    rate = ev.sample_rate or rate
+                yield ev
+        if samples:
+            m.rtf.observe((time.perf_counter() - arrived) / (samples / rate))
+    finally:
+        m.active_streams.dec()

@@ -1,0 +1,128 @@
+from voxpipe.v1 import stages_pb2 as _stages_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODALITY_UNSPECIFIED: _ClassVar[Modality]
+    MODALITY_TEXT: _ClassVar[Modality]
+    MODALITY_AUDIO: _ClassVar[Modality]
+MODALITY_UNSPECIFIED: Modality
+MODALITY_TEXT: Modality
+MODALITY_AUDIO: Modality
+
+class Pcm16Audio(_message.Message):
+    __slots__ = ("data", "sample_rate")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    sample_rate: int
+    def __init__(self, data: _Optional[bytes] = ..., sample_rate: _Optional[int] = ...) -> None: ...
+
+class AudioInput(_message.Message):
+    __slots__ = ("pcm16", "wav")
+    PCM16_FIELD_NUMBER: _ClassVar[int]
+    WAV_FIELD_NUMBER: _ClassVar[int]
+    pcm16: Pcm16Audio
+    wav: bytes
+    def __init__(self, pcm16: _Optional[_Union[Pcm16Audio, _Mapping]] = ..., wav: _Optional[bytes] = ...) -> None: ...
+
+class ConverseStart(_message.Message):
+    __slots__ = ("request_id", "instructions", "audio", "text", "voice", "output_modalities", "sampling", "max_tokens", "min_tokens", "max_frames", "min_frames", "ignore_eos", "audio_encoding")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    instructions: str
+    audio: _containers.RepeatedCompositeFieldContainer[AudioInput]
+    text: str
+    voice: str
+    output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
+    sampling: _stages_pb2.Sampling
+    max_tokens: int
+    min_tokens: int
+    max_frames: int
+    min_frames: int
+    ignore_eos: bool
+    audio_encoding: _stages_pb2.AudioEncoding
+    def __init__(self, request_id: _Optional[str] = ..., instructions: _Optional[str] = ..., audio: _Optional[_Iterable[_Union[AudioInput, _Mapping]]] = ..., text: _Optional[str] = ..., voice: _Optional[str] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_stages_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., audio_encoding: _Optional[_Union[_stages_pb2.AudioEncoding, str]] = ...) -> None: ...
+
+class ConverseRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: ConverseStart
+    cancel: _stages_pb2.Cancel
+    def __init__(self, start: _Optional[_Union[ConverseStart, _Mapping]] = ..., cancel: _Optional[_Union[_stages_pb2.Cancel, _Mapping]] = ...) -> None: ...
+
+class TextOutput(_message.Message):
+    __slots__ = ("index", "token_ids", "text")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "audio_frames", "audio_samples")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    audio_frames: int
+    audio_samples: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., audio_frames: _Optional[int] = ..., audio_samples: _Optional[int] = ...) -> None: ...
+
+class ConverseDone(_message.Message):
+    __slots__ = ("request_id", "text_finish", "audio_finish", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FINISH_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FINISH_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text_finish: _stages_pb2.FinishReason
+    audio_finish: _stages_pb2.FinishReason
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., text_finish: _Optional[_Union[_stages_pb2.FinishReason, str]] = ..., audio_finish: _Optional[_Union[_stages_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class ConverseError(_message.Message):
+    __slots__ = ("code", "message", "stage")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    stage: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...
+
+class ConverseResponse(_message.Message):
+    __slots__ = ("text", "audio", "done", "error")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    text: TextOutput
+    audio: _stages_pb2.AudioChunk
+    done: ConverseDone
+    error: ConverseError
+    def __init__(self, text: _Optional[_Union[TextOutput, _Mapping]] = ..., audio: _Optional[_Union[_stages_pb2.AudioChunk, _Mapping]] = ..., done: _Optional[_Union[ConverseDone, _Mapping]] = ..., error: _Optional[_Union[ConverseError, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,82 @@
+"""Tokenizers for the thinker.
+
+A real checkpoint folder carries its tokenizer files and we load them with transformers. A
+bare config (full-size dummy weights for benchmarks) has none; then `ChatMLByteTokenizer`
+stands in: the ChatML special tokens carry the config's ids and every other byte of text is
+the token with that byte's value. Benchmarks force lengths, so the text content is moot.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from ..runtime.config import ThinkerConfig
+
+log = logging.getLogger(__name__)
+
+
+class ChatMLByteTokenizer:
+    def __init__(self, cfg: ThinkerConfig, role_ids: dict[str, int]) -> None:
+        t = cfg.tokens
+        self.special = {"<|im_start|>": t.im_start, "<|im_end|>": t.im_end, "<|audio_start|>": t.audio_start,
+                        "<|audio_end|>": t.audio_end, "<|audio_pad|>": t.audio_token, "<|image_pad|>": t.image_token,
+                        "<|video_pad|>": t.video_token, "<|tts_pad|>": t.tts_pad, "<|tts_bos|>": t.tts_bos,
+                        "<|tts_eos|>": t.tts_eos}
+        self.role_ids = role_ids
+        self.eos_token_id = t.im_end
+        self._by_id = {v: k for k, v in self.special.items()}
+        self._split = re.compile("(" + "|".join(re.escape(s) for s in self.special) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in self._split.split(text):
+            if piece in self.special:
+                ids.append(self.special[piece])
+            elif piece:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True, tokenize: bool = True, **_):
+        ids: list[int] = []
+        for m in conversation:
+            role = m["role"]
+            ids.append(self.special["<|im_start|>"])
+            ids.extend([self.role_ids[role]] if role in self.role_ids else self.encode(role))
+            ids.extend(self.encode("\n"))
+            content = m["content"]
+            if isinstance(content, str):
+                ids.extend(self.encode(content))
+            else:
+                for part in content:
+                    if part.get("type") == "text":
+                        ids.extend(self.encode(part["text"]))
+                    elif part.get("type") in ("audio", "input_audio"):
+                        ids.extend(self.encode("<|audio_start|><|audio_pad|><|audio_end|>"))
+            ids.append(self.special["<|im_end|>"])
+            ids.extend(self.encode("\n"))
+        if add_generation_prompt:
+            ids += [self.special["<|im_start|>"], self.role_ids["assistant"]] + self.encode("\n")
+        return ids if tokenize else self.decode(ids)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        out = bytearray()
+        for i in ids:
+            if i < 256:
+                out.append(i)
+            elif not skip_special_tokens and i in self._by_id:
+                out += self._by_id[i].encode()
+        return out.decode("utf-8", errors="replace")
+
+
+def load_tokenizer(model: str | Path, cfg: ThinkerConfig | None = None, role_ids: dict[str, int] | None = None):
+    path = Path(model)
+    if path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    if cfg is None:
+        raise FileNotFoundError(f"no tokenizer files in {model}")
+    log.warning("no tokenizer in %s: using the ChatML byte tokenizer (for dummy weights)", model)
+    return ChatMLByteTokenizer(cfg, role_ids or {})
