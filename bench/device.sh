@@ -18,5 +18,6 @@ ln -s "$root/bench" "$pkg/bench"
 ln -s "$root/proto/voxpipe/v1" "$pkg/v1"
 export PYTHONPATH=/tmp/vp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+cd /tmp/vp  # so that `python -m` does not pick up the repo's bare voxpipe/ folder
 if [ "${1:-}" = "voxpipe" ]; then shift; exec python3 -m voxpipe.cli "$@"; fi
 exec "$@"

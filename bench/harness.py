@@ -179,7 +179,9 @@ def run(args) -> int:
     wl = Workload()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    repo = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     device_name = ""
     if args.device.startswith("cuda"):
         import torch
