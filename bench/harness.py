@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra", default="", help="extra flags for every stage service (split and in-process)")
     p.add_argument("--out", default="bench/out")
     p.add_argument("--base-port", type=int, default=52051)
+    p.add_argument("--text-tokens", type=int, default=48, help="forced text tokens (workload default 48)")
+    p.add_argument("--frames", type=int, default=125, help="forced codec frames (workload default 125)")
 
 
 def copy_bandwidth(device: str) -> float:
@@ -108,7 +110,9 @@ def run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], d
     extra = ["--load-format", args.load_format, "--max-batch", str(args.max_batch)] + args.extra.split()
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra)
     t0 = time.perf_counter()
-    stack.start(timeout=600)
+    print("split: starting the three services", flush=True)
+    stack.start(timeout=300)
+    print(f"split: services ready after {time.perf_counter() - t0:.1f} s", flush=True)
     info = {"startup_s": time.perf_counter() - t0}
     mem = gpu_memory_by_pid()
     info["gpu_mem_gb"] = {s: mem.get(stack.procs[s].pid) for s in STAGES}
@@ -130,6 +134,7 @@ def run_inprocess(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
                                     args.load_format, "--max-batch", str(args.max_batch)] + args.extra.split())
 
     async def go():
+        print("inprocess: building the engines", flush=True)
         pipe = InProcessPipeline(ns)
         try:
             return await _levels(pipe.stream, cfg, wl, args, "inprocess")
@@ -176,7 +181,7 @@ def run(args) -> int:
 
     model = args.model or str(released_config_path())
     cfg = OmniConfig.load(model)
-    wl = Workload()
+    wl = Workload(text_tokens=args.text_tokens, frames=args.frames)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     repo = Path(__file__).resolve().parents[1]
@@ -192,8 +197,10 @@ def run(args) -> int:
     ref = None
     if args.reference:
         cfg_path = model if model.endswith(".json") else str(Path(model) / "config.json")
+        print("transformers reference: starting", flush=True)
         proc = subprocess.run([sys.executable, "-m", "voxpipe.bench.reference", "--config", cfg_path,
-                               "--device", args.device], capture_output=True, text=True, timeout=900)
+                               "--device", args.device, "--text-tokens", str(wl.text_tokens), "--frames", str(wl.frames)],
+                              capture_output=True, text=True, timeout=420)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
         if proc.returncode == 0 and lines:
             ref = json.loads(lines[-1])
