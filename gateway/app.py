@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib
+import importlib.util
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from voxpipe.client import PipelineClient, PipelineError
+from voxpipe.services.runtime.tracing import TracingMiddleware
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.thinker.prompt import FeatureExtractor
 
@@ -216,11 +218,11 @@ def _model(st: GatewayState) -> dict:
 
 def _optional_router(module: str):
     """The router of a sibling API module that may not exist yet (realtime is built separately)."""
-    try:
-        return getattr(importlib.import_module(f"voxpipe.gateway.{module}"), "router", None)
-    except ImportError as e:
-        log.debug("no %s API: %s", module, e)
+    name = f"voxpipe.gateway.{module}"
+    if importlib.util.find_spec(name) is None:
+        log.info("no %s API in this build", module)
         return None
+    return getattr(importlib.import_module(name), "router", None)
 
 
 def create_app(config: GatewayConfig, state: GatewayState | None = None) -> FastAPI:
@@ -237,6 +239,7 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     app = FastAPI(title="voxpipe gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state
     app.add_middleware(RequestMetrics, metrics=state.metrics)
+    app.add_middleware(TracingMiddleware)   # outermost: one span per request, honouring `traceparent`
     _add_error_handlers(app)
     _add_basic_routes(app)
     from . import openai_chat, speech

@@ -50,7 +50,8 @@ def decode_clip(raw: bytes) -> np.ndarray:
         try:  # formats libsndfile rejects but our reader knows (e.g. odd wav chunk layouts)
             samples, rate = read_wav(raw)
         except ValueError:
-            raise ValueError(f"could not decode the audio ({sf_error})") from None
+            reason = str(sf_error).rsplit(": ", 1)[-1].rstrip(".") or "unknown format"
+            raise ValueError(f"could not decode the audio ({reason}); send wav, mp3, flac or ogg") from None
     if samples.size == 0:
         raise ValueError("the audio has no samples")
     if not np.all(np.isfinite(samples)):

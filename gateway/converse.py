@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,15 +23,16 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
 
 from voxpipe.audio import resample
-from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, TextEvent
+from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, TextEvent
 from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.config import OmniConfig
-from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart, FeatureExtractor, render
+from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart, render
 from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
 
 from .audio_formats import decode_clip
+from .generation import run_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +45,6 @@ DEFAULT_VOICE = "ethan"
 
 class InvalidInput(ValueError):
     """The client's ConverseStart is unusable; becomes INVALID_ARGUMENT."""
-
-
-@dataclass
-class ConverseBackend:
-    """What a Converse call needs from the gateway process."""
-
-    client: PipelineClient
-    tokenizer: Any
-    config: OmniConfig
-    features: FeatureExtractor
-    sessions: asyncio.Semaphore | None = None    # shared with the HTTP API: concurrent generations
 
 
 @dataclass
@@ -148,15 +140,22 @@ _CANCEL = object()
 
 
 class ConverseServicer(gw_grpc.GatewayServicer):
-    def __init__(self, backend: ConverseBackend) -> None:
-        self.backend = backend
+    """Serves Converse from the gateway's GatewayState (gateway/app.py): its pipeline client,
+    tokenizer and feature extractor, session limit (shared with HTTP and realtime) and metrics."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
 
     def _render(self, turn: ConverseTurn) -> None:
-        b = self.backend
+        st = self.state
         try:
-            prompt = render(b.tokenizer, b.config.thinker, turn.messages, b.features)
+            parts = [[p if p.audio is None else ChatPart(features=st.features(p.audio)) for p in m.parts]
+                     for m in turn.messages]
+            with st.tokenizer_lock:
+                prompt = render(st.tokenizer, st.omni.thinker,
+                                [ChatMessage(m.role, ps) for m, ps in zip(turn.messages, parts)])
         except ValueError as e:
-            raise InvalidInput(str(e)) from None
+            raise InvalidInput(f"could not render the turn: {e}") from None
         turn.speech.token_ids = prompt.token_ids
         turn.speech.audio_features = prompt.audio_features
 
@@ -166,14 +165,16 @@ class ConverseServicer(gw_grpc.GatewayServicer):
         try:
             first = await it.__anext__()
         except StopAsyncIteration:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request stream: the first message must be start")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "empty request stream: the first message must be start")
             return
         if first.WhichOneof("kind") != "start":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the first message must be start, got {first.WhichOneof('kind')}")
             return
+        arrived = time.perf_counter()
         try:
-            turn = parse_start(first.start, self.backend.config)
+            turn = parse_start(first.start, self.state.omni)
             await asyncio.to_thread(self._render, turn)
         except InvalidInput as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -184,18 +185,19 @@ class ConverseServicer(gw_grpc.GatewayServicer):
         trace_context = (otel_context.get_current() if tracing.enabled()
                          else tracing.extract_metadata(context.invocation_metadata()))
 
-        sessions = self.backend.sessions
-        if sessions is not None and sessions.locked():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent sessions; retry later")
+        session = self.state.sessions.try_acquire()
+        if session is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many concurrent sessions (the limit is {self.state.sessions.limit}); retry later")
             return
-        if sessions is not None:
-            await sessions.acquire()
         events: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
+            otel_context.attach(trace_context)      # this task's own context: the pipeline calls join the trace
             try:
-                async for ev in self.backend.client.stream(speech, context=trace_context):
-                    await events.put(ev)
+                async with aclosing(run_pipeline(self.state, speech, arrived)) as stream:
+                    async for ev in stream:
+                        await events.put(ev)
                 await events.put(_END)
             except PipelineError as e:
                 await events.put(e)
@@ -258,8 +260,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
             for task in (pump_task, read_task):
                 task.cancel()
             await asyncio.gather(pump_task, read_task, return_exceptions=True)
-            if sessions is not None:
-                sessions.release()
+            session.release()
 
 
 # ----------------------------------------------------------------------------- serving
@@ -275,11 +276,13 @@ class ConverseServer:
         await self.server.stop(grace)
 
 
-async def start_converse_server(backend: ConverseBackend, port: int, host: str = "[::]") -> ConverseServer:
-    """Start Converse (+ health, reflection) on host:port (0: any free port) and return at once."""
+async def serve_converse(app_state: Any, port: int, host: str = "[::]") -> ConverseServer:
+    """Start Converse (+ health, reflection) on host:port (0: any free port) on the running event
+    loop (the one serving the HTTP app: they share the pipeline client) and return at once;
+    `await server.stop(grace)` on shutdown. `app_state`: the gateway's GatewayState."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-    gw_grpc.add_GatewayServicer_to_server(ConverseServicer(backend), server)
+    gw_grpc.add_GatewayServicer_to_server(ConverseServicer(app_state), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -20,7 +20,8 @@ STAGE_OF_EVENT = {TextEvent: "thinker", FramesEvent: "talker", AudioEvent: "code
 
 def _render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
     # features in this worker thread; the tokenizer (not thread-safe) under the state's lock
-    parts = [[ChatPart(text=p.text) if p.audio is None else ChatPart(features=state.features(p.audio))
+    # (a part that already carries features, e.g. a realtime user turn, is kept as it is)
+    parts = [[p if p.audio is None else ChatPart(features=state.features(p.audio))
               for p in m.parts] for m in messages]
     with state.tokenizer_lock:
         return render(state.tokenizer, state.omni.thinker, [ChatMessage(m.role, ps) for m, ps in zip(messages, parts)])

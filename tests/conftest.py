@@ -48,3 +48,48 @@ def omni_config(tiny_model_dir):
     from voxpipe.services.runtime.config import OmniConfig
 
     return OmniConfig.load(tiny_model_dir)
+
+
+# ---------------------------------------------------------------- the gateway as a process
+
+class GatewayProcess:
+    """`voxpipe gateway` as a real subprocess on a free localhost port."""
+
+    def __init__(self, model_dir, thinker: str, talker: str, code2wav: str, *extra: str, timeout: float = 120) -> None:
+        import subprocess
+        import sys
+        import time
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(model_dir), "--host", "127.0.0.1",
+               "--http-port", str(self.port), "--thinker", thinker, "--talker", talker, "--code2wav", code2wav,
+               *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.proc.stdout.readline()
+            if "ready on port" in line:
+                return
+            if (not line and self.proc.poll() is not None) or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the gateway did not start (exit code {self.proc.returncode})")
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def gateway(stack, tiny_model_dir):
+    """The gateway (OpenAI HTTP API) in front of `stack`, no API key."""
+    gw = GatewayProcess(tiny_model_dir, *(stack.address(s) for s in STAGES))
+    yield gw
+    gw.stop()

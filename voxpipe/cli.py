@@ -88,11 +88,12 @@ class LocalStack:
     """The three stage services as separate processes on this machine."""
 
     def __init__(self, model: Path, host: str, base_port: int, device: str, extra: list[str] | None = None,
-                 metrics_ports: dict[str, int] | None = None) -> None:
+                 metrics_ports: dict[str, int] | None = None, http_port: int = 0) -> None:
         self.model, self.host, self.device = model, host, device
         self.ports = {s: base_port + i for i, s in enumerate(STAGES)}
         self.metrics_ports = metrics_ports or {}
         self.extra = extra or []
+        self.http_port = http_port          # > 0: also run the gateway (OpenAI HTTP API) on this port
         self.procs: dict[str, subprocess.Popen] = {}
 
     def address(self, stage: str) -> str:
@@ -107,18 +108,34 @@ class LocalStack:
             self.procs[stage] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
         deadline = time.monotonic() + timeout
         for stage, proc in self.procs.items():
-            while True:
-                line = proc.stdout.readline()
-                if "ready on port" in line:
-                    break
-                if not line and proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"{stage} exited with code {proc.returncode} before it was ready")
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"{stage} not ready after {timeout:.0f} s")
+            self._wait_ready(stage, proc, deadline, timeout)
+        if self.http_port:
+            cmd = [sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(self.model), "--host", self.host,
+                   "--http-port", str(self.http_port)] + [f"--{s}={self.address(s)}" for s in STAGES]
+            self.procs["gateway"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+            self._wait_ready("gateway", self.procs["gateway"], deadline, timeout)
+
+    def _wait_ready(self, name: str, proc: subprocess.Popen, deadline: float, timeout: float) -> None:
+        while True:
+            line = proc.stdout.readline()
+            if "ready on port" in line:
+                return
+            if not line and proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} not ready after {timeout:.0f} s")
 
     def stop(self, timeout: float = 30.0) -> None:
+        gateway = self.procs.get("gateway")
+        if gateway is not None and gateway.poll() is None:  # the gateway first: no new requests reach the stages
+            gateway.send_signal(signal.SIGTERM)
+            try:
+                gateway.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
+                gateway.wait()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -133,7 +150,8 @@ class LocalStack:
 def cmd_up(args) -> int:
     model = Path(args.model) if args.model else default_model_dir()
     host = "127.0.0.1" if args.host in ("localhost", "127.0.0.1") else args.host
-    stack = LocalStack(model, host, args.base_port, args.device)
+    http_port = 0 if args.say is not None else args.http_port     # --say is one request: no gateway
+    stack = LocalStack(model, host, args.base_port, args.device, http_port=http_port)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -144,6 +162,8 @@ def cmd_up(args) -> int:
     stack.start()
     for stage in STAGES:
         print(f"{stage:9s} {stack.address(stage)}  (pid {stack.procs[stage].pid})", flush=True)
+    if http_port:
+        print(f"gateway   http://{host}:{http_port}/v1  (pid {stack.procs['gateway'].pid})", flush=True)
     try:
         if args.say is not None:
             args.thinker, args.talker, args.code2wav = (stack.address(s) for s in STAGES)
@@ -253,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--base-port", type=int, default=50051, help="thinker port; talker +1, code2wav +2")
     p.add_argument("--device", default="auto")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the gateway's OpenAI HTTP API port (0: no gateway; none with --say)")
     p.add_argument("--say", metavar="TEXT", help="speak TEXT through the stack, write -o, then stop everything")
     _add_say_options(p)
     p.set_defaults(func=cmd_up)
@@ -271,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_args(p)
     p.set_defaults(func=bench_run)
+
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway in front of the three services")
+    from voxpipe.gateway.server import add_arguments as gateway_args, run as gateway_run
+
+    gateway_args(p)
+    p.set_defaults(func=gateway_run)
 
     p = sub.add_parser("health", help="check a service's grpc.health.v1 status")
     p.add_argument("--addr", help="host:port (default: try localhost:50051..50053)")

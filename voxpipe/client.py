@@ -200,9 +200,20 @@ class PipelineClient:
             calls.append(call)
             return call, span_context
 
+        async def to_stage(stage: str, write) -> None:
+            """A write into `stage`'s call: when it fails, the failure is that stage's, not the writer's."""
+            try:
+                await write
+            except grpc.aio.AioRpcError as e:
+                raise PipelineError(stage, e.code(), e.details()) from None
+
         async def guarded(stage: str, coro):
             try:
                 await coro
+            except PipelineError as e:
+                if e.stage in spans:
+                    tracing.grpc_error(spans[e.stage], e.code, e.details or "")
+                await events.put(e)
             except grpc.aio.AioRpcError as e:
                 if stage in spans:
                     tracing.grpc_error(spans[stage], e.code(), e.details() or "")
@@ -234,19 +245,21 @@ class PipelineClient:
                     tasks.append(asyncio.ensure_future(guarded("talker", run_talker(ta, talker_context))))
                     ts = pb.TalkerStart(request_id=req.request_id, prompt=resp.talker_prompt, speaker=req.speaker,
                                         sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames)
-                    await self._write(ta, ts, lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)),
-                                      lambda m: pb.TalkerRequest(start=m))
+                    await to_stage("talker", self._write(
+                        ta, ts, lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)),
+                        lambda m: pb.TalkerRequest(start=m)))
                 elif kind == "text":
                     t = resp.text
                     await events.put(TextEvent(t.index, list(t.token_ids), t.text))
                     if ta is not None:
-                        await ta.write(pb.TalkerRequest(rows=pb.TextRows(token_ids=t.token_ids, rows=t.embeddings)))
+                        await to_stage("talker", ta.write(
+                            pb.TalkerRequest(rows=pb.TextRows(token_ids=t.token_ids, rows=t.embeddings))))
                 elif kind == "finished":
                     usage["prompt"], usage["completion"] = resp.finished.prompt_tokens, resp.finished.completion_tokens
                     done["text"] = resp.finished.reason
                     if ta is not None:
-                        await ta.write(pb.TalkerRequest(text_end=pb.TextEnd()))
-                        await ta.done_writing()
+                        await to_stage("talker", ta.write(pb.TalkerRequest(text_end=pb.TextEnd())))
+                        await to_stage("talker", ta.done_writing())
             if req.audio and ta is None:
                 raise PipelineError("thinker", None, "the thinker finished without a talker prompt")
             await events.put("thinker-done")
@@ -254,17 +267,18 @@ class PipelineClient:
         async def run_talker(ta, talker_context: otel_context.Context) -> None:
             cw, _ = open_call(self.code2wav, "Decode", talker_context)
             tasks.append(asyncio.ensure_future(guarded("code2wav", run_code2wav(cw))))
-            await cw.write(pb.Code2WavRequest(start=pb.Code2WavStart(request_id=req.request_id, encoding=req.encoding)))
+            await to_stage("code2wav", cw.write(
+                pb.Code2WavRequest(start=pb.Code2WavStart(request_id=req.request_id, encoding=req.encoding))))
             async for resp in ta:
                 kind = resp.WhichOneof("kind")
                 if kind == "frames":
                     usage["frames"] += resp.frames.codes.shape[0]
-                    await cw.write(pb.Code2WavRequest(frames=resp.frames))
+                    await to_stage("code2wav", cw.write(pb.Code2WavRequest(frames=resp.frames)))
                     await events.put(FramesEvent(resp.frames.index, from_proto(resp.frames.codes).to(torch.int64)))
                 elif kind == "finished":
                     done["audio"] = resp.finished.reason
-            await cw.write(pb.Code2WavRequest(frames_end=pb.FramesEnd()))
-            await cw.done_writing()
+            await to_stage("code2wav", cw.write(pb.Code2WavRequest(frames_end=pb.FramesEnd())))
+            await to_stage("code2wav", cw.done_writing())
 
         async def run_code2wav(cw) -> None:
             async for resp in cw:

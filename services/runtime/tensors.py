@@ -58,8 +58,8 @@ def from_proto(msg: pb.Tensor, *, dtype: torch.dtype | None = None, shape: tuple
         raise TensorError(f"{name}: dtype {pb.DType.Name(msg.dtype)}, expected {pb.DType.Name(_FROM_TORCH[dtype])}")
     if shape is not None:
         if len(shape) != len(msg.shape) or any(s is not None and s != d for s, d in zip(shape, msg.shape)):
-            pretty = ["*" if s is None else s for s in shape]
-            raise TensorError(f"{name}: shape {list(msg.shape)}, expected {pretty}")
+            pretty = ", ".join("*" if s is None else str(s) for s in shape)
+            raise TensorError(f"{name}: shape {list(msg.shape)}, expected [{pretty}]")
     if want == 0:
         return torch.empty(tuple(msg.shape), dtype=got)
     buf = np.frombuffer(msg.data, dtype=np.uint8).copy()

@@ -140,15 +140,18 @@ def traced_rpc(service: str, method: str) -> Callable:
     def wrap(handler: Callable) -> Callable:
         @functools.wraps(handler)
         async def traced(self, request_iterator, context: grpc.aio.ServicerContext):
+            inner = handler(self, request_iterator, context)
             if not _enabled:
-                async for item in handler(self, request_iterator, context):
-                    yield item
+                try:
+                    async for item in inner:
+                        yield item
+                finally:
+                    await inner.aclose()    # at once, also when the caller closes us early
                 return
             parent = extract_metadata(context.invocation_metadata())
             span = tracer().start_span(f"{service}/{method}", context=parent, kind=SpanKind.SERVER,
                                        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method})
             token = otel_context.attach(trace.set_span_in_context(span, parent))
-            inner = handler(self, request_iterator, context)
             try:
                 async for item in inner:
                     yield item
@@ -166,10 +169,7 @@ def traced_rpc(service: str, method: str) -> Callable:
             finally:
                 await inner.aclose()
                 span.end()
-                try:
-                    otel_context.detach(token)
-                except Exception:  # noqa: BLE001 - closed from another context: nothing to restore
-                    pass
+                otel_context.detach(token)
 
         return traced
 

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_OURS_FUSED = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<proj>gate_up|down)$")
 
 
 class WeightError(ValueError):
@@ -62,13 +63,17 @@ def checkpoint_files(model_dir: Path, prefix: str) -> list[Path]:
 
 def load_stage(module: nn.Module, model_dir: str | Path, prefix: str, *, ignore: tuple[str, ...] = ()) -> float:
     """Copy every `prefix*` tensor of the checkpoint into `module` (which must already live on its
-    device in its dtype). Missing or unexpected tensors raise WeightError. Returns seconds taken."""
+    device in its dtype). Missing, unexpected or wrongly shaped tensors raise WeightError. Returns
+    seconds taken."""
     t0 = time.perf_counter()
     model_dir = Path(model_dir)
     params = dict(module.named_parameters())
     loaded: set[str] = set()
+    slices: dict[str, set[tuple[int, str]]] = {}   # fused expert parameter -> (expert, proj) slices copied
     unexpected: list[str] = []
     for path in checkpoint_files(model_dir, prefix):
+        if not path.is_file():
+            raise WeightError(f"{path.name} (listed in the shard index) is missing from {model_dir}")
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if not key.startswith(prefix):
@@ -76,68 +81,75 @@ def load_stage(module: nn.Module, model_dir: str | Path, prefix: str, *, ignore:
                 name = key[len(prefix):]
                 if any(name.startswith(i) for i in ignore):
                     continue
-                target = _copy_tensor(params, name, lambda: f.get_tensor(key))
+                target = _copy_tensor(params, name, key, f, slices)
                 if target is None:
                     unexpected.append(key)
                 else:
                     loaded.add(target)
-    missing = [n for n in params if n not in loaded]
     if unexpected:
         raise WeightError(f"{len(unexpected)} unexpected tensors under {prefix!r}, e.g. {unexpected[:3]}")
+    missing: list[str] = []
+    for n, p in params.items():
+        if n in loaded:
+            continue
+        if (m := _OURS_FUSED.match(n)) is not None:  # name the absent per-expert tensors
+            projs = ("down_proj",) if m["proj"] == "down" else ("gate_proj", "up_proj")
+            got = slices.get(n, set())
+            missing += [f"{prefix}{m['base']}.{e}.{proj}.weight" for e in range(p.shape[0]) for proj in projs
+                        if (e, proj) not in got]
+        else:
+            missing.append(prefix + n)
     if missing:
         raise WeightError(f"{len(missing)} tensors missing under {prefix!r}, e.g. {missing[:3]}")
     return time.perf_counter() - t0
 
 
-def _copy_tensor(params: dict[str, nn.Parameter], name: str, read: Callable[[], torch.Tensor]) -> str | None:
-    """Copy one checkpoint tensor into its parameter; returns the parameter name it completes
-    (per-expert tensors complete their fused parameter only when all slices arrived)."""
+def _copy_tensor(params: dict[str, nn.Parameter], name: str, key: str, f,
+                 slices: dict[str, set[tuple[int, str]]]) -> str | None:
+    """Copy checkpoint tensor `key` (`name` below the stage prefix) of the open file `f` into its
+    parameter; returns the parameter name it completes (per-expert tensors complete their fused
+    parameter only when all slices arrived), None when the model has no such tensor."""
+    shape = tuple(f.get_slice(key).get_shape())
     if (m := _EXPERT.match(name)) is not None:
         base, e, proj = m["base"], int(m["e"]), m["proj"]
-        if proj == "down_proj":
-            target = params.get(base + ".down")
-            if target is None:
-                return None
-            target.data[e].copy_(read())
-            key = base + ".down"
-        else:
-            target = params.get(base + ".gate_up")
-            if target is None:
-                return None
-            half = target.shape[1] // 2
-            rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
-            target.data[e, rows].copy_(read())
-            key = base + ".gate_up"
-        _SLICES.setdefault(id(target), set()).add((e, proj))
-        expected = target.shape[0] * (1 if key.endswith(".down") else 2)
-        if len(_SLICES[id(target)]) == expected:
-            del _SLICES[id(target)]
-            return key
-        return f"{key}#partial"
-    if (m := _FUSED.match(name)) is not None:
-        key = m["base"] + (".gate_up" if m["proj"] == "gate_up_proj" else ".down")
-        target = params.get(key)
-        if target is None:
+        pname = base + (".down" if proj == "down_proj" else ".gate_up")
+        target = params.get(pname)
+        if target is None or e >= target.shape[0]:
             return None
-        target.data.copy_(read())
-        return key
-    target = params.get(name)
+        if proj == "down_proj":
+            dest = target.data[e]
+        else:
+            half = target.shape[1] // 2
+            dest = target.data[e, :half] if proj == "gate_proj" else target.data[e, half:]
+        _check_shape(key, shape, tuple(dest.shape))
+        dest.copy_(f.get_tensor(key))
+        got = slices.setdefault(pname, set())
+        got.add((e, proj))
+        return pname if len(got) == target.shape[0] * (1 if proj == "down_proj" else 2) else f"{pname}#partial"
+    if (m := _FUSED.match(name)) is not None:
+        pname = m["base"] + (".gate_up" if m["proj"] == "gate_up_proj" else ".down")
+    else:
+        pname = name
+    target = params.get(pname)
     if target is None:
         return None
-    tensor = read()
-    if tuple(tensor.shape) != tuple(target.shape):
-        raise WeightError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
-    target.data.copy_(tensor)
-    return name
+    _check_shape(key, shape, tuple(target.shape))
+    target.data.copy_(f.get_tensor(key))
+    return pname
 
 
-_SLICES: dict[int, set[tuple[int, str]]] = {}
+def _check_shape(key: str, checkpoint: tuple[int, ...], model: tuple[int, ...]) -> None:
+    if checkpoint != model:
+        raise WeightError(f"{key}: checkpoint shape {list(checkpoint)} != model shape {list(model)}")
 
 
 def init_dummy(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights in place, on the module's device: norms and scales 1 (layer scales
     keep their config value), biases 0, everything else N(0, std)."""
-    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    device = next(module.parameters()).device
+    if device.type == "meta":  # shapes only: nothing to fill
+        return
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in module.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("bias",) or name.endswith((".alpha", ".beta")):

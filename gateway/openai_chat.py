@@ -1,0 +1,189 @@
+"""POST /v1/chat/completions, as OpenAI's: text or text + audio out, streamed (SSE) or not.
+
+Audio replies: `message.audio = {id, data, expires_at, transcript}` with `content` null; in a
+stream, `delta.audio` pieces carry the transcript and pcm16 24 kHz data as soon as each exists
+(id and expires_at in the first). The id names the reply's transcript in later turns."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, TextEvent
+from voxpipe.v1 import stages_pb2 as pb
+
+from . import audio_formats
+from .app import GatewayState, gateway_state
+from .chat_messages import parse_messages
+from .errors import bad_request, from_pipeline_error
+from .generation import render_prompt, run_pipeline, speech_request
+from .params import GenerationParams, check_model, generation_params, optional, read_json, resolve_voice
+from .streaming import CancellableStream, sse, until_disconnect
+
+router = APIRouter()
+CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    audio_out: bool
+    voice: str
+    audio_format: str
+    stream: bool
+    include_usage: bool
+    params: GenerationParams
+
+
+def chat_options(body: dict, st: GatewayState) -> ChatOptions:
+    check_model(body, st.config.model_id)
+    modalities = optional(body, "modalities", list, ["text"])
+    if not modalities or any(m not in ("text", "audio") for m in modalities):
+        raise bad_request(f"'modalities' must be ['text'] or ['text', 'audio'], got {modalities}", param="modalities",
+                          code="invalid_value")
+    audio_out = "audio" in modalities
+    stream = optional(body, "stream", bool, False)
+    voice, fmt = "", "pcm16"
+    if audio_out:
+        audio = body.get("audio")
+        if not isinstance(audio, dict):
+            raise bad_request("audio output needs 'audio': {'voice': ..., 'format': ...}", param="audio",
+                              code="missing_required_parameter")
+        voice = resolve_voice(audio.get("voice"), st.speakers, "audio.voice")
+        fmt = audio.get("format")
+        if fmt not in CHAT_AUDIO_FORMATS:
+            raise bad_request(f"'audio.format' must be one of {', '.join(CHAT_AUDIO_FORMATS)}, got {fmt!r}",
+                              param="audio.format", code="invalid_value")
+        if stream and fmt != "pcm16":
+            raise bad_request(f"streaming audio supports only the 'pcm16' format, got {fmt!r}",
+                              param="audio.format", code="unsupported_value")
+    stream_options = optional(body, "stream_options", dict, {})
+    return ChatOptions(audio_out=audio_out, voice=voice, audio_format=fmt, stream=stream,
+                       include_usage=bool(stream_options.get("include_usage")), params=generation_params(body))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    arrived = time.perf_counter()
+    st = gateway_state(request)
+    body = await read_json(request, st.config.max_body_bytes)
+    opts = chat_options(body, st)
+    session, handed_over = st.sessions.acquire(), False
+    try:
+        messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts)
+        prompt = await render_prompt(st, messages)
+        req = speech_request(prompt, opts.params, opts.voice, opts.audio_out)
+        reply = Reply(st, opts, req, arrived, count_audio_tokens(st, prompt.token_ids))
+        if opts.stream:  # the response releases the session when it closes
+            handed_over = True
+            return CancellableStream(reply.sse(), on_close=session.release, media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        try:
+            return JSONResponse(await until_disconnect(request.receive, reply.completion()))
+        except ClientDisconnect:
+            return Response(status_code=499)
+    finally:
+        if not handed_over:
+            session.release()
+
+
+def count_audio_tokens(st: GatewayState, token_ids: list[int]) -> int:
+    pad = st.omni.thinker.tokens.audio_token
+    return sum(1 for t in token_ids if t == pad)
+
+
+class Reply:
+    """One assistant reply to a chat request, as a whole completion or as chunks."""
+
+    def __init__(self, st: GatewayState, opts: ChatOptions, req: SpeechRequest, arrived: float,
+                 prompt_audio_tokens: int) -> None:
+        self.st, self.opts, self.req, self.arrived = st, opts, req, arrived
+        self.prompt_audio_tokens = prompt_audio_tokens
+        self.id = f"chatcmpl-{req.request_id}"
+        self.created = int(time.time())
+        self.audio_id, self.expires_at = st.transcripts.new_id()
+
+    def envelope(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.st.config.model_id,
+                "system_fingerprint": None}
+
+    def finish_reason(self, done: DoneEvent) -> str:
+        length = done.text_finish == pb.LENGTH or (self.opts.audio_out and done.audio_finish == pb.LENGTH)
+        return "length" if length else "stop"
+
+    def usage(self, done: DoneEvent) -> dict:
+        audio_tokens = done.frames if self.opts.audio_out else 0
+        completion = done.completion_tokens + audio_tokens
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": done.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": self.prompt_audio_tokens},
+                "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": audio_tokens,
+                                              "text_tokens": done.completion_tokens,
+                                              "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}}
+
+    async def completion(self) -> dict:
+        text, pcm, done = [], bytearray(), None
+        async with aclosing(run_pipeline(self.st, self.req, self.arrived)) as events:
+            async for ev in events:
+                if isinstance(ev, TextEvent):
+                    text.append(ev.text)
+                elif isinstance(ev, AudioEvent):
+                    pcm += ev.data
+                elif isinstance(ev, DoneEvent):
+                    done = ev
+        transcript = "".join(text)
+        message = {"role": "assistant", "content": transcript, "refusal": None, "annotations": []}
+        if self.opts.audio_out:
+            rate = self.st.omni.code2wav.sample_rate
+            data = await asyncio.to_thread(audio_formats.encode, bytes(pcm), rate, self.opts.audio_format)
+            self.st.transcripts.put(self.audio_id, transcript, self.expires_at)
+            message["content"] = None
+            message["audio"] = {"id": self.audio_id, "data": base64.b64encode(data).decode(),
+                                "expires_at": self.expires_at, "transcript": transcript}
+        return {**self.envelope("chat.completion"),
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": self.finish_reason(done)}],
+                "usage": self.usage(done)}
+
+    def chunk(self, delta: dict, finish_reason: str | None = None) -> str:
+        return sse({**self.envelope("chat.completion.chunk"),
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]})
+
+    async def sse(self):
+        yield self.chunk({"role": "assistant", "content": None if self.opts.audio_out else "", "refusal": None})
+        first_audio = {"id": self.audio_id, "expires_at": self.expires_at}
+        transcript, done = [], None
+        try:
+            async with aclosing(run_pipeline(self.st, self.req, self.arrived)) as events:
+                async for ev in events:
+                    if isinstance(ev, DoneEvent):
+                        done = ev
+                        continue
+                    if isinstance(ev, TextEvent) and ev.text:
+                        transcript.append(ev.text)
+                        if not self.opts.audio_out:
+                            yield self.chunk({"content": ev.text})
+                            continue
+                        audio = {"transcript": ev.text}
+                    elif isinstance(ev, AudioEvent) and ev.data:
+                        audio = {"data": base64.b64encode(ev.data).decode()}
+                    else:
+                        continue
+                    yield self.chunk({"audio": {**first_audio, **audio}})
+                    first_audio = {}
+        except PipelineError as e:
+            yield sse(from_pipeline_error(e).body())
+            return
+        if self.opts.audio_out:
+            self.st.transcripts.put(self.audio_id, "".join(transcript), self.expires_at)
+        yield self.chunk({}, self.finish_reason(done))
+        if self.opts.include_usage:
+            yield sse({**self.envelope("chat.completion.chunk"), "choices": [], "usage": self.usage(done)})
+        yield sse("[DONE]")

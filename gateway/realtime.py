@@ -1,0 +1,318 @@
+"""The realtime voice API: `GET /v1/realtime?model=...` upgraded to a WebSocket speaking OpenAI's
+Realtime protocol (GA event names; the beta names with the `OpenAI-Beta: realtime=v1` header).
+
+One connection is one session: its settings, its conversation, its input audio buffer with
+server VAD, at most one response at a time, and a bounded send queue drained by its own task.
+Each concurrent session holds a slot of the gateway's SessionLimiter while it is open."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import APIRouter, WebSocket
+from fastapi.responses import JSONResponse
+
+from voxpipe.audio import resample
+from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE
+
+from .app import GatewayState, authorized
+from .realtime_events import (INPUT_SAMPLE_RATE, ClientEvent, Dialect, InputAudioAppend, InputAudioClear,
+                              InputAudioCommit, ItemCreate, ItemDelete, ItemRetrieve, ItemTruncate, ProtocolError,
+                              ResponseCancel, ResponseCreate, ResponseOverrides, SessionUpdate, parse_client_event)
+from .realtime_outbox import Outbox, Outgoing
+from .realtime_response import ResponseRun
+from .realtime_server_events import (Error, InputAudioCleared, InputAudioCommitted, ItemAdded, ItemDeleted, ItemDone,
+                                     ItemRetrieved, ItemTruncated, ServerEvent, SessionCreated, SessionUpdated,
+                                     SpeechStartedEvent, SpeechStoppedEvent, new_id)
+from .realtime_session import (MIN_COMMIT_MS, Conversation, ConversationItem, InputAudioBuffer, ItemContent,
+                               ResponseSettings, SessionConfig, default_voice, ms_to_samples, new_item_content,
+                               samples_to_ms)
+from .vad import FRAME_MS, ServerVad, SpeechStarted, SpeechStopped
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+SEND_TIMEOUT_S = 30.0          # a client that takes no event for this long is disconnected
+API_KEY_SUBPROTOCOL = "openai-insecure-api-key."
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+
+
+def _dialect(ws: WebSocket) -> Dialect:
+    beta = "realtime=v1" in ws.headers.get("openai-beta", "") or BETA_SUBPROTOCOL in ws.scope.get("subprotocols", [])
+    return Dialect.BETA if beta else Dialect.GA
+
+
+def _authorization(ws: WebSocket) -> str | None:
+    """`Authorization: Bearer KEY`, or the browser form: subprotocol `openai-insecure-api-key.KEY`."""
+    for proto in ws.scope.get("subprotocols", []):
+        if proto.startswith(API_KEY_SUBPROTOCOL):
+            return f"Bearer {proto[len(API_KEY_SUBPROTOCOL):]}"
+    return ws.headers.get("authorization")
+
+
+async def _refuse(ws: WebSocket, dialect: Dialect, error: ProtocolError, close_code: int) -> None:
+    await ws.send_text(json.dumps(Error.of(error).wire(dialect)))
+    await ws.close(close_code, error.message[:120])
+
+
+@router.websocket("/v1/realtime")
+async def realtime(ws: WebSocket, model: str | None = None) -> None:
+    state: GatewayState = ws.app.state.gateway
+    dialect = _dialect(ws)
+    if not authorized(state.config, _authorization(ws)):
+        body = {"error": {"message": "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
+                          "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+        try:
+            await ws.send_denial_response(JSONResponse(body, status_code=401))
+        except RuntimeError:       # the server cannot answer the handshake with a response
+            await ws.close(1008, "invalid_api_key")
+        return
+    offered = ws.scope.get("subprotocols", [])
+    await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
+    if model is not None and model != state.config.model_id:
+        await _refuse(ws, dialect, ProtocolError(f"the model {model!r} does not exist; this server serves "
+                                                 f"{state.config.model_id!r}", code="model_not_found", param="model"),
+                      1008)
+        return
+    slot = state.sessions.try_acquire()
+    if slot is None:
+        await _refuse(ws, dialect, ProtocolError(f"too many concurrent sessions (the limit is {state.sessions.limit}); "
+                                                 "retry later", code="session_limit_reached", type="rate_limit_error"),
+                      1013)
+        return
+    with slot:
+        await RealtimeConnection(ws, state, dialect).serve()
+
+
+class RealtimeConnection:
+    def __init__(self, ws: WebSocket, state: GatewayState, dialect: Dialect) -> None:
+        self.ws, self.state, self.dialect = ws, state, dialect
+        self.session = SessionConfig(id=new_id("sess"), model=state.config.model_id,
+                                     voice=default_voice(state.speakers))
+        self.conversation = Conversation()
+        self.conversation_id = new_id("conv")
+        self.buffer = InputAudioBuffer()
+        self.vad: ServerVad | None = None          # made in serve() (the first one loads the model)
+        self.speech_item_id: str | None = None     # announced at speech_started, committed at speech_stopped
+        self.speech_start = 0                       # timeline sample where that utterance begins (with padding)
+        self.response: ResponseRun | None = None
+        self.outbox = Outbox()
+
+    # ------------------------------------------------------------------------- plumbing
+
+    async def emit(self, event: ServerEvent, *, response_id: str | None = None, audio_samples: int = 0,
+                   on_sent=None) -> None:
+        body = event.wire(self.dialect)
+        if body is not None:
+            await self.outbox.put(Outgoing(json.dumps(body, separators=(",", ":")), response_id, audio_samples, on_sent))
+
+    async def _send_loop(self) -> None:
+        try:
+            while (item := await self.outbox.get()) is not None:
+                await asyncio.wait_for(self.ws.send_text(item.text), SEND_TIMEOUT_S)
+                self.outbox.sent(item)
+        except asyncio.TimeoutError:
+            log.warning("realtime session %s: the client took no event for %.0f s; closing", self.session.id,
+                        SEND_TIMEOUT_S)
+        except (OSError, RuntimeError):      # the client went away
+            pass
+        finally:
+            await self.outbox.close()
+
+    async def serve(self) -> None:
+        sender = asyncio.ensure_future(self._send_loop())
+        try:
+            self.vad = await asyncio.to_thread(self._new_vad)
+            await self.emit(SessionCreated(self.session))
+            while not self.outbox.closed:
+                receive = asyncio.ensure_future(self.ws.receive())
+                await asyncio.wait({receive, sender}, return_when=asyncio.FIRST_COMPLETED)
+                if not receive.done():
+                    receive.cancel()
+                    break
+                message = receive.result()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("text") is not None:
+                    await self.handle(message["text"])
+                else:
+                    await self.emit(Error.of(ProtocolError("binary messages are not supported; send JSON text",
+                                                           code="invalid_json")))
+        finally:
+            if self.response is not None and self.response.active:
+                self.response.task.cancel()                 # frees the request in all three stages
+                await asyncio.gather(self.response.task, return_exceptions=True)
+            await self.outbox.close()
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+
+    async def handle(self, text: str) -> None:
+        try:
+            event = parse_client_event(text)
+        except ProtocolError as e:
+            await self.emit(Error.of(e))
+            return
+        try:
+            await self.dispatch(event)
+        except ProtocolError as e:
+            e.event_id = e.event_id or event.event_id
+            await self.emit(Error.of(e))
+
+    async def dispatch(self, event: ClientEvent) -> None:
+        if isinstance(event, InputAudioAppend):
+            await self.append_audio(event)
+        elif isinstance(event, SessionUpdate):
+            await self.update_session(event)
+        elif isinstance(event, InputAudioCommit):
+            await self.commit_audio()
+        elif isinstance(event, InputAudioClear):
+            self.buffer.clear()
+            self._forget_speech()
+            await self.emit(InputAudioCleared())
+        elif isinstance(event, ItemCreate):
+            await self.create_item(event)
+        elif isinstance(event, ItemTruncate):
+            await self.truncate_item(event)
+        elif isinstance(event, ItemDelete):
+            self._check_not_generating(event.item_id)
+            self.conversation.delete(event.item_id)
+            await self.emit(ItemDeleted(event.item_id))
+        elif isinstance(event, ItemRetrieve):
+            await self.emit(ItemRetrieved(self.conversation.find(event.item_id)))
+        elif isinstance(event, ResponseCreate):
+            await self.create_response(event.overrides)
+        elif isinstance(event, ResponseCancel):
+            await self.cancel_response(event)
+
+    # ------------------------------------------------------------------------- session and audio
+
+    def _new_vad(self) -> ServerVad | None:
+        params = self.session.turn_detection
+        return None if params is None else ServerVad(params, INPUT_SAMPLE_RATE, origin_ms=self.buffer.end_ms)
+
+    def _forget_speech(self) -> None:
+        self.speech_item_id = None
+        if self.vad is not None:
+            self.vad = self._new_vad()
+
+    async def update_session(self, event: SessionUpdate) -> None:
+        old = self.session.turn_detection
+        self.session = self.session.updated(event.patch, self.state.speakers)
+        if self.session.turn_detection != old:
+            self.speech_item_id = None
+            self.vad = await asyncio.to_thread(self._new_vad)
+        await self.emit(SessionUpdated(self.session))
+
+    async def append_audio(self, event: InputAudioAppend) -> None:
+        self.buffer.append(event.audio)
+        if self.vad is None:
+            return
+        for vad_event in await asyncio.to_thread(self.vad.feed, event.audio):
+            if isinstance(vad_event, SpeechStarted):
+                await self._speech_started(vad_event)
+            elif isinstance(vad_event, SpeechStopped):
+                await self._speech_stopped(vad_event)
+        if self.speech_item_id is None and self.vad is not None:      # idle: keep only the prefix padding
+            keep_ms = self.vad.params.prefix_padding_ms + 2 * FRAME_MS
+            self.buffer.drop_before(self.buffer.end - ms_to_samples(keep_ms))
+
+    async def _speech_started(self, ev: SpeechStarted) -> None:
+        params = self.vad.params
+        self.speech_start = max(self.buffer.start, ms_to_samples(max(0, ev.onset_ms - params.prefix_padding_ms)))
+        self.speech_item_id = new_id("item")
+        await self.emit(SpeechStartedEvent(samples_to_ms(self.speech_start), self.speech_item_id))
+        if params.interrupt_response and self.response is not None and self.response.active:
+            await self.response.cancel("turn_detected")
+
+    async def _speech_stopped(self, ev: SpeechStopped) -> None:
+        params = self.vad.params
+        item_id = self.speech_item_id or new_id("item")
+        self.speech_item_id = None
+        await self.emit(SpeechStoppedEvent(ev.end_ms, item_id))
+        end = min(ms_to_samples(ev.end_ms), self.buffer.end)
+        if end - max(self.speech_start, self.buffer.start) < ms_to_samples(MIN_COMMIT_MS):
+            return
+        await self._commit(self.buffer.take(self.speech_start, end), item_id)
+        if not params.create_response:
+            return
+        if self.response is not None and self.response.active:
+            await self.emit(Error.of(ProtocolError(
+                "the speech ended while a response is in progress (interrupt_response is off); no new response "
+                "was created", code="conversation_already_has_active_response")))
+            return
+        await self.create_response(ResponseOverrides())
+
+    async def commit_audio(self) -> None:
+        have_ms = samples_to_ms(self.buffer.size)
+        if have_ms < MIN_COMMIT_MS:
+            raise ProtocolError(f"buffer too small: expected at least {MIN_COMMIT_MS} ms of audio, but the buffer "
+                                f"has {have_ms} ms", code="input_audio_buffer_commit_empty")
+        item_id = self.speech_item_id or new_id("item")
+        self.speech_item_id = None
+        await self._commit(self.buffer.take(), item_id)
+
+    def _features(self, audio_24k):
+        return self.state.features(resample(audio_24k, INPUT_SAMPLE_RATE, FEATURE_SAMPLE_RATE))
+
+    async def _commit(self, clip, item_id: str) -> None:
+        """The whole utterance, encoded once, becomes a user item."""
+        features = await asyncio.to_thread(self._features, clip)
+        item = ConversationItem(item_id, "user", [ItemContent("input_audio", features=features,
+                                                              audio_samples=len(clip))])
+        previous = self.conversation.insert(item)
+        await self.emit(InputAudioCommitted(previous, item_id))
+        await self.emit(ItemAdded(previous, item))
+        await self.emit(ItemDone(previous, item))
+
+    # ------------------------------------------------------------------------- conversation
+
+    async def create_item(self, event: ItemCreate) -> None:
+        if event.previous_item_id not in (None, "root"):
+            self.conversation.find(event.previous_item_id, "previous_item_id")
+        content = await asyncio.to_thread(new_item_content, event.item, self._features)
+        item = ConversationItem(event.item.id or new_id("item"), event.item.role, content)
+        previous = self.conversation.insert(item, event.previous_item_id)
+        await self.emit(ItemAdded(previous, item))
+        await self.emit(ItemDone(previous, item))
+
+    def _check_not_generating(self, item_id: str) -> None:
+        if self.response is not None and self.response.active and self.response.item.id == item_id:
+            raise ProtocolError(f"item {item_id!r} is being generated; cancel the response first",
+                                code="item_in_progress", param="item_id")
+
+    async def truncate_item(self, event: ItemTruncate) -> None:
+        self._check_not_generating(event.item_id)
+        item = self.conversation.find(event.item_id)
+        if item.role != "assistant":
+            raise ProtocolError("only assistant messages can be truncated", param="item_id")
+        if not 0 <= event.content_index < len(item.content) or item.content[event.content_index].kind != "output_audio":
+            raise ProtocolError(f"content_index {event.content_index} is not an audio part of item {item.id!r}",
+                                param="content_index")
+        content = item.content[event.content_index]
+        have_ms = samples_to_ms(content.audio_samples)
+        if event.audio_end_ms > have_ms:
+            raise ProtocolError(f"audio_end_ms {event.audio_end_ms} is beyond the item's audio ({have_ms} ms)",
+                                param="audio_end_ms")
+        content.truncate_audio(ms_to_samples(event.audio_end_ms))
+        await self.emit(ItemTruncated(item.id, event.content_index, event.audio_end_ms))
+
+    # ------------------------------------------------------------------------- responses
+
+    async def create_response(self, overrides: ResponseOverrides) -> None:
+        if self.response is not None and self.response.active:
+            raise ProtocolError(f"the conversation already has an active response ({self.response.id}); cancel it "
+                                "or wait for response.done", code="conversation_already_has_active_response")
+        settings = ResponseSettings.resolve(self.session, overrides, self.state.speakers)
+        self.response = ResponseRun(self, settings, self.conversation.messages(settings.instructions))
+        self.response.start()
+
+    async def cancel_response(self, event: ResponseCancel) -> None:
+        run = self.response
+        if run is None or not run.active:
+            raise ProtocolError("there is no response in progress to cancel", code="response_cancel_not_active")
+        if event.response_id is not None and event.response_id != run.id:
+            raise ProtocolError(f"response {event.response_id!r} is not in progress (the active one is {run.id})",
+                                code="response_cancel_not_active", param="response_id")
+        await run.cancel("client_cancelled")

@@ -1,0 +1,441 @@
+"""The realtime API's client events, parsed from JSON into dataclasses (every problem a
+ProtocolError naming the parameter), in both dialects: OpenAI's GA Realtime API and the older
+beta (`OpenAI-Beta: realtime=v1`). Server events live in realtime_server_events.py."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from .vad import ServerVadParams
+
+INPUT_SAMPLE_RATE = 24000      # pcm16 mono, as OpenAI's realtime API
+
+
+class Dialect(enum.Enum):
+    GA = "ga"
+    BETA = "beta"
+
+
+class ProtocolError(Exception):
+    """A client event the server cannot act on; answered with an `error` event, the session goes on."""
+
+    def __init__(self, message: str, *, code: str = "invalid_value", param: str | None = None,
+                 type: str = "invalid_request_error", event_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.code, self.param, self.type, self.event_id = message, code, param, type, event_id
+
+
+class Unset(enum.Enum):
+    UNSET = "unset"
+
+
+UNSET = Unset.UNSET
+
+
+# ----------------------------------------------------------------------------- client events
+
+@dataclass(frozen=True)
+class SessionPatch:
+    """The fields a session.update sets; None (or UNSET for turn_detection, where null means
+    manual turns) leaves a field as it is."""
+
+    voice: str | None = None
+    audio_out: bool | None = None              # output modalities: ["audio"] (with transcript) or ["text"]
+    instructions: str | None = None
+    turn_detection: ServerVadParams | None | Unset = UNSET
+    max_output_tokens: int | None = None       # 0: no limit ("inf")
+    temperature: float | None = None           # vendor fields (beta has temperature too)
+    ignore_eos: bool | None = None
+    max_audio_frames: int | None = None
+
+
+@dataclass(frozen=True)
+class ResponseOverrides:
+    """response.create's `response` object: per-response settings over the session's."""
+
+    voice: str | None = None
+    audio_out: bool | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    ignore_eos: bool | None = None
+    max_audio_frames: int | None = None
+    out_of_band: bool = False                  # conversation: "none" - the reply is not added to the conversation
+    metadata: dict[str, str] | None = None
+
+
+PartKind = Literal["input_text", "input_audio", "output_text", "output_audio"]
+
+
+@dataclass(frozen=True)
+class NewPart:
+    kind: PartKind
+    text: str | None = None                    # input_text / output_text; the transcript of output_audio
+    audio: np.ndarray | None = None            # input_audio: float32 mono at INPUT_SAMPLE_RATE
+
+
+@dataclass(frozen=True)
+class NewItem:
+    id: str | None
+    role: Literal["user", "assistant", "system"]
+    parts: tuple[NewPart, ...]
+
+
+@dataclass(frozen=True)
+class SessionUpdate:
+    event_id: str | None
+    patch: SessionPatch
+
+
+@dataclass(frozen=True)
+class InputAudioAppend:
+    event_id: str | None
+    audio: np.ndarray                          # float32 mono at INPUT_SAMPLE_RATE
+
+
+@dataclass(frozen=True)
+class InputAudioCommit:
+    event_id: str | None
+
+
+@dataclass(frozen=True)
+class InputAudioClear:
+    event_id: str | None
+
+
+@dataclass(frozen=True)
+class ItemCreate:
+    event_id: str | None
+    previous_item_id: str | None
+    item: NewItem
+
+
+@dataclass(frozen=True)
+class ItemTruncate:
+    event_id: str | None
+    item_id: str
+    content_index: int
+    audio_end_ms: int
+
+
+@dataclass(frozen=True)
+class ItemDelete:
+    event_id: str | None
+    item_id: str
+
+
+@dataclass(frozen=True)
+class ItemRetrieve:
+    event_id: str | None
+    item_id: str
+
+
+@dataclass(frozen=True)
+class ResponseCreate:
+    event_id: str | None
+    overrides: ResponseOverrides = field(default_factory=ResponseOverrides)
+
+
+@dataclass(frozen=True)
+class ResponseCancel:
+    event_id: str | None
+    response_id: str | None
+
+
+ClientEvent = (SessionUpdate | InputAudioAppend | InputAudioCommit | InputAudioClear | ItemCreate | ItemTruncate
+               | ItemDelete | ItemRetrieve | ResponseCreate | ResponseCancel)
+
+
+# ----------------------------------------------------------------------------- checked reading
+
+def _kind_name(kinds: tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", dict: "an object",
+             list: "an array"}
+    return "a number" if set(kinds) == {int, float} else " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _get(obj: dict, key: str, kinds: type | tuple[type, ...], path: str, required: bool = False) -> Any:
+    value = obj.get(key)
+    name = f"{path}.{key}" if path else key
+    if value is None:
+        if required:
+            raise ProtocolError(f"missing required parameter: '{name}'", code="missing_required_parameter",
+                                param=name)
+        return None
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ProtocolError(f"'{name}' must be {_kind_name(kinds)}, not {type(value).__name__}",
+                            code="invalid_type", param=name)
+    return value
+
+
+def _positive_int(obj: dict, key: str, path: str) -> int | None:
+    value = _get(obj, key, int, path)
+    if value is not None and value < 1:
+        raise ProtocolError(f"'{path}.{key}' must be a positive integer, got {value}", param=f"{path}.{key}")
+    return value
+
+
+def _max_tokens(obj: dict, key: str, path: str) -> int | None:
+    """An integer >= 1 or "inf" (-> 0: no limit)."""
+    value = obj.get(key)
+    if value == "inf":
+        return 0
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ProtocolError(f"'{path}.{key}' must be a positive integer or \"inf\", got {value!r}",
+                            param=f"{path}.{key}")
+    return value
+
+
+def _temperature(obj: dict, path: str) -> float | None:
+    value = _get(obj, "temperature", (int, float), path)
+    if value is not None and not 0.0 <= value <= 2.0:
+        raise ProtocolError(f"'{path}.temperature' must be between 0 and 2, got {value}", param=f"{path}.temperature")
+    return None if value is None else float(value)
+
+
+def _modalities(obj: dict, path: str) -> bool | None:
+    """GA `output_modalities` or beta `modalities` -> whether the reply is spoken."""
+    for key in ("output_modalities", "modalities"):
+        value = _get(obj, key, list, path)
+        if value is None:
+            continue
+        if not value or any(m not in ("text", "audio") for m in value):
+            raise ProtocolError(f"'{path}.{key}' must be [\"audio\"] or [\"text\"], got {value!r}",
+                                param=f"{path}.{key}")
+        return "audio" in value
+    return None
+
+
+def _audio_format(value: Any, param: str) -> None:
+    """Only 24 kHz pcm16 is spoken here: GA {"type": "audio/pcm", "rate": 24000} or beta "pcm16"."""
+    if value is None or value == "pcm16":
+        return
+    if isinstance(value, dict) and value.get("type", "audio/pcm") == "audio/pcm" \
+            and value.get("rate", INPUT_SAMPLE_RATE) == INPUT_SAMPLE_RATE:
+        return
+    raise ProtocolError(f"'{param}' {value!r} is not supported; use {{\"type\": \"audio/pcm\", \"rate\": 24000}} "
+                        "(beta: \"pcm16\")", param=param)
+
+
+def _turn_detection(value: Any, param: str) -> ServerVadParams | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"'{param}' must be an object or null", code="invalid_type", param=param)
+    kind = value.get("type", "server_vad")
+    if kind != "server_vad":
+        raise ProtocolError(f"'{param}.type' {kind!r} is not supported; use \"server_vad\" or null", param=f"{param}.type")
+    d = ServerVadParams()
+    threshold = _get(value, "threshold", (int, float), param)
+    if threshold is not None and not 0.0 <= threshold <= 1.0:
+        raise ProtocolError(f"'{param}.threshold' must be between 0 and 1, got {threshold}", param=f"{param}.threshold")
+    prefix = _get(value, "prefix_padding_ms", int, param)
+    silence = _get(value, "silence_duration_ms", int, param)
+    for key, ms in (("prefix_padding_ms", prefix), ("silence_duration_ms", silence)):
+        if ms is not None and not 0 <= ms <= 10000:
+            raise ProtocolError(f"'{param}.{key}' must be between 0 and 10000, got {ms}", param=f"{param}.{key}")
+    create = _get(value, "create_response", bool, param)
+    interrupt = _get(value, "interrupt_response", bool, param)
+    return ServerVadParams(threshold=d.threshold if threshold is None else float(threshold),
+                           prefix_padding_ms=d.prefix_padding_ms if prefix is None else prefix,
+                           silence_duration_ms=d.silence_duration_ms if silence is None else silence,
+                           create_response=d.create_response if create is None else create,
+                           interrupt_response=d.interrupt_response if interrupt is None else interrupt)
+
+
+def _voice(value: Any, param: str) -> str | None:
+    if isinstance(value, dict):                 # GA custom voice form {"id": name}
+        value = value.get("id")
+        param = f"{param}.id"
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(f"'{param}' must be a voice name", code="invalid_type", param=param)
+    return value
+
+
+def decode_pcm16(data: Any, param: str) -> np.ndarray:
+    """base64 pcm16 little-endian mono -> float32 in [-1, 1]."""
+    if not isinstance(data, str):
+        raise ProtocolError(f"'{param}' must be a base64 string", code="invalid_type", param=param)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ProtocolError(f"'{param}' is not valid base64 ({e})", code="invalid_base64", param=param) from None
+    if len(raw) % 2:
+        raise ProtocolError(f"'{param}' has an odd number of bytes; pcm16 samples are 2 bytes each",
+                            param=param)
+    return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def _session_patch(s: Any) -> SessionPatch:
+    if not isinstance(s, dict):
+        raise ProtocolError("'session' must be an object", code="invalid_type", param="session")
+    if s.get("type", "realtime") != "realtime":
+        raise ProtocolError(f"'session.type' {s.get('type')!r} is not supported; use \"realtime\"",
+                            param="session.type")
+    if s.get("tools"):
+        raise ProtocolError("tools (function calling) are not supported", param="session.tools")
+    audio = _get(s, "audio", dict, "session") or {}
+    audio_in = _get(audio, "input", dict, "session.audio") or {}
+    audio_out = _get(audio, "output", dict, "session.audio") or {}
+    _audio_format(audio_in.get("format"), "session.audio.input.format")
+    _audio_format(audio_out.get("format"), "session.audio.output.format")
+    _audio_format(s.get("input_audio_format"), "session.input_audio_format")
+    _audio_format(s.get("output_audio_format"), "session.output_audio_format")
+    if "turn_detection" in audio_in:
+        turn: ServerVadParams | None | Unset = _turn_detection(audio_in["turn_detection"],
+                                                                "session.audio.input.turn_detection")
+    elif "turn_detection" in s:
+        turn = _turn_detection(s["turn_detection"], "session.turn_detection")
+    else:
+        turn = UNSET
+    voice = _voice(audio_out.get("voice"), "session.audio.output.voice") or _voice(s.get("voice"), "session.voice")
+    max_tokens = _max_tokens(s, "max_output_tokens", "session")
+    if max_tokens is None:
+        max_tokens = _max_tokens(s, "max_response_output_tokens", "session")
+    ignore_eos = _get(s, "ignore_eos", bool, "session")
+    return SessionPatch(voice=voice, audio_out=_modalities(s, "session"),
+                        instructions=_get(s, "instructions", str, "session"), turn_detection=turn,
+                        max_output_tokens=max_tokens, temperature=_temperature(s, "session"), ignore_eos=ignore_eos,
+                        max_audio_frames=_positive_int(s, "max_audio_frames", "session"))
+
+
+def _response_overrides(r: Any) -> ResponseOverrides:
+    if r is None:
+        return ResponseOverrides()
+    if not isinstance(r, dict):
+        raise ProtocolError("'response' must be an object", code="invalid_type", param="response")
+    if r.get("tools"):
+        raise ProtocolError("tools (function calling) are not supported", param="response.tools")
+    if r.get("input") is not None:
+        raise ProtocolError("'response.input' is not supported; the reply always reads the conversation",
+                            param="response.input")
+    conversation = r.get("conversation", "auto")
+    if conversation not in ("auto", "none", None):
+        raise ProtocolError(f"'response.conversation' must be \"auto\" or \"none\", got {conversation!r}",
+                            param="response.conversation")
+    audio = _get(r, "audio", dict, "response") or {}
+    audio_out = _get(audio, "output", dict, "response.audio") or {}
+    _audio_format(audio_out.get("format"), "response.audio.output.format")
+    _audio_format(r.get("output_audio_format"), "response.output_audio_format")
+    voice = _voice(audio_out.get("voice"), "response.audio.output.voice") or _voice(r.get("voice"), "response.voice")
+    max_tokens = _max_tokens(r, "max_output_tokens", "response")
+    if max_tokens is None:
+        max_tokens = _max_tokens(r, "max_response_output_tokens", "response")
+    metadata = _get(r, "metadata", dict, "response")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ProtocolError("'response.metadata' must map strings to strings", code="invalid_type",
+                            param="response.metadata")
+    return ResponseOverrides(voice=voice, audio_out=_modalities(r, "response"),
+                             instructions=_get(r, "instructions", str, "response"), max_output_tokens=max_tokens,
+                             temperature=_temperature(r, "response"), ignore_eos=_get(r, "ignore_eos", bool, "response"),
+                             max_audio_frames=_positive_int(r, "max_audio_frames", "response"),
+                             out_of_band=conversation == "none", metadata=metadata)
+
+
+_USER_KINDS = {"input_text": "input_text", "input_audio": "input_audio"}
+_ASSISTANT_KINDS = {"output_text": "output_text", "text": "output_text", "output_audio": "output_audio",
+                    "audio": "output_audio"}
+
+
+def _part(p: Any, role: str, path: str) -> NewPart:
+    if not isinstance(p, dict):
+        raise ProtocolError(f"'{path}' must be an object", code="invalid_type", param=path)
+    kind = p.get("type")
+    allowed = _USER_KINDS if role == "user" else _ASSISTANT_KINDS if role == "assistant" else {"input_text": "input_text"}
+    if kind not in allowed:
+        raise ProtocolError(f"'{path}.type' {kind!r} is not supported for a {role} message; use one of: "
+                            f"{', '.join(allowed)}", param=f"{path}.type")
+    norm = allowed[kind]
+    if norm == "input_audio":
+        audio = decode_pcm16(p.get("audio"), f"{path}.audio")
+        if audio.size == 0:
+            raise ProtocolError(f"'{path}.audio' is empty", param=f"{path}.audio")
+        return NewPart("input_audio", audio=audio)
+    if norm == "output_audio":
+        return NewPart("output_audio", text=_get(p, "transcript", str, path) or "")
+    return NewPart(norm, text=_get(p, "text", str, path, required=True))
+
+
+def _new_item(item: Any) -> NewItem:
+    if not isinstance(item, dict):
+        raise ProtocolError("'item' must be an object", code="invalid_type", param="item")
+    if item.get("type", "message") != "message":
+        raise ProtocolError(f"'item.type' {item.get('type')!r} is not supported; use \"message\"", param="item.type")
+    role = item.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise ProtocolError(f"'item.role' must be user, assistant or system, got {role!r}", param="item.role")
+    content = _get(item, "content", list, "item", required=True)
+    if not content:
+        raise ProtocolError("'item.content' must not be empty", param="item.content")
+    parts = tuple(_part(p, role, f"item.content[{i}]") for i, p in enumerate(content))
+    item_id = _get(item, "id", str, "item")
+    if item_id is not None and not 0 < len(item_id) <= 64:
+        raise ProtocolError("'item.id' must be 1 to 64 characters", param="item.id")
+    return NewItem(item_id, role, parts)
+
+
+def _parse(e: dict, kind: str, event_id: str | None) -> ClientEvent:
+    if kind == "session.update":
+        return SessionUpdate(event_id, _session_patch(e.get("session")))
+    if kind == "input_audio_buffer.append":
+        if e.get("audio") is None:
+            raise ProtocolError("missing required parameter: 'audio'", code="missing_required_parameter", param="audio")
+        return InputAudioAppend(event_id, decode_pcm16(e["audio"], "audio"))
+    if kind == "input_audio_buffer.commit":
+        return InputAudioCommit(event_id)
+    if kind == "input_audio_buffer.clear":
+        return InputAudioClear(event_id)
+    if kind == "conversation.item.create":
+        return ItemCreate(event_id, _get(e, "previous_item_id", str, ""), _new_item(e.get("item")))
+    if kind == "conversation.item.truncate":
+        content_index = _get(e, "content_index", int, "", required=True)
+        audio_end_ms = _get(e, "audio_end_ms", int, "", required=True)
+        if audio_end_ms < 0:
+            raise ProtocolError(f"'audio_end_ms' must be >= 0, got {audio_end_ms}", param="audio_end_ms")
+        return ItemTruncate(event_id, _get(e, "item_id", str, "", required=True), content_index, audio_end_ms)
+    if kind == "conversation.item.delete":
+        return ItemDelete(event_id, _get(e, "item_id", str, "", required=True))
+    if kind == "conversation.item.retrieve":
+        return ItemRetrieve(event_id, _get(e, "item_id", str, "", required=True))
+    if kind == "response.create":
+        return ResponseCreate(event_id, _response_overrides(e.get("response")))
+    if kind == "response.cancel":
+        return ResponseCancel(event_id, _get(e, "response_id", str, ""))
+    raise ProtocolError(f"unknown event type {kind!r}", code="invalid_value", param="type")
+
+
+CLIENT_EVENT_TYPES = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
+                      "input_audio_buffer.clear", "conversation.item.create", "conversation.item.truncate",
+                      "conversation.item.delete", "conversation.item.retrieve", "response.create", "response.cancel")
+
+
+def parse_client_event(text: str) -> ClientEvent:
+    try:
+        e = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ProtocolError(f"the message is not valid JSON ({err})", code="invalid_json") from None
+    if not isinstance(e, dict):
+        raise ProtocolError("an event must be a JSON object", code="invalid_json")
+    event_id = e.get("event_id") if isinstance(e.get("event_id"), str) else None
+    kind = e.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError("missing required parameter: 'type'", code="missing_required_parameter", param="type",
+                            event_id=event_id)
+    if kind not in CLIENT_EVENT_TYPES:
+        raise ProtocolError(f"unknown event type {kind!r}; supported: {', '.join(CLIENT_EVENT_TYPES)}",
+                            code="unknown_event_type", param="type", event_id=event_id)
+    try:
+        return _parse(e, kind, event_id)
+    except ProtocolError as err:
+        err.event_id = event_id
+        raise

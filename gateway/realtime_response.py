@@ -1,0 +1,226 @@
+"""One realtime response: render the conversation, stream it through the pipeline, send the
+response events, and finish it as completed, incomplete (max_output_tokens), cancelled
+(client_cancelled / turn_detected) or failed.
+
+A cancelled spoken reply keeps what reached the client: its queued audio is dropped, its item
+is truncated to the audio delivered (`conversation.item.truncated`), and its transcript keeps the
+text made up to the cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from voxpipe.audio import resample
+from voxpipe.client import AudioEvent, DoneEvent, FramesEvent, PipelineError, TextEvent
+from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt
+from voxpipe.v1 import stages_pb2 as pb
+
+from .errors import APIError, from_pipeline_error
+from .generation import render_prompt, run_pipeline, speech_request
+from .params import GenerationParams
+from .realtime_events import INPUT_SAMPLE_RATE, Dialect
+from .realtime_server_events import (AudioDelta, AudioDone, ContentPart, ContentPartAdded, ContentPartDone, ItemAdded,
+                                     ItemDone, ItemTruncated, OutputItemAdded, OutputItemDone, ResponseCreated,
+                                     ResponseDone, TextDelta, TextDone, TranscriptDelta, TranscriptDone, new_id)
+from .realtime_session import ConversationItem, ItemContent, ResponseSettings, samples_to_ms
+
+if TYPE_CHECKING:
+    from .realtime import RealtimeConnection
+
+log = logging.getLogger(__name__)
+OUTPUT_SAMPLE_RATE = INPUT_SAMPLE_RATE        # OpenAI's realtime audio: pcm16 24 kHz both ways
+CancelReason = Literal["client_cancelled", "turn_detected"]
+
+
+class ResponseRun:
+    def __init__(self, conn: "RealtimeConnection", settings: ResponseSettings, messages: list[ChatMessage]) -> None:
+        self.conn, self.settings, self.messages = conn, settings, messages
+        self.id = new_id("resp")
+        self.arrived = time.perf_counter()
+        kind = "output_audio" if settings.audio_out else "output_text"
+        self.item = ConversationItem(new_id("item"), "assistant", [ItemContent(kind)], status="in_progress")
+        self.status, self.status_details = "in_progress", None
+        self.usage: dict[str, int] | None = None
+        self.prompt: RenderedPrompt | None = None
+        self.text_tokens = self.frames = 0
+        self.produced_samples = self.sent_samples = 0
+        self.cancel_reason: CancelReason | None = None
+        self.previous_item_id: str | None = None
+        self.in_conversation = False
+        self.started = self.finishing = False
+        self.task: asyncio.Task | None = None
+
+    @property
+    def content(self) -> ItemContent:
+        return self.item.content[0]
+
+    @property
+    def active(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self._run())
+
+    async def cancel(self, reason: CancelReason) -> bool:
+        """Stop generating (the three stage calls are cancelled) and finish as cancelled."""
+        if not self.active:
+            return False
+        if not self.finishing:
+            self.cancel_reason = reason
+            if self.started:          # (not started yet: it sees cancel_reason and stops before generating)
+                self.task.cancel()
+        try:
+            await self.task
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+        return True
+
+    # ------------------------------------------------------------------------- wire
+
+    def wire(self, dialect: Dialect) -> dict[str, Any]:
+        s = self.settings
+        body: dict[str, Any] = {
+            "object": "realtime.response", "id": self.id, "status": self.status, "status_details": self.status_details,
+            "output": [self.item.wire(dialect)] if self.status != "in_progress" else [],
+            "conversation_id": None if s.out_of_band else self.conn.conversation_id,
+            "max_output_tokens": s.max_output_tokens or "inf", "metadata": s.metadata, "usage": self.usage}
+        if dialect is Dialect.BETA:
+            body.update(modalities=["audio", "text"] if s.audio_out else ["text"], voice=s.voice,
+                        output_audio_format="pcm16", temperature=s.temperature)
+        else:
+            body.update(output_modalities=["audio"] if s.audio_out else ["text"],
+                        audio={"output": {"format": {"type": "audio/pcm", "rate": OUTPUT_SAMPLE_RATE},
+                                          "voice": s.voice}})
+        return body
+
+    def _part_ids(self) -> dict[str, Any]:
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
+
+    # ------------------------------------------------------------------------- running
+
+    async def _run(self) -> None:
+        emit = self.conn.emit
+        self.started = True
+        try:
+            await emit(ResponseCreated(self))
+            await emit(OutputItemAdded(self.id, 0, self.item))
+            if not self.settings.out_of_band:
+                self.previous_item_id = self.conn.conversation.insert(self.item)
+                self.in_conversation = True
+                await emit(ItemAdded(self.previous_item_id, self.item))
+            await emit(ContentPartAdded(**self._part_ids(), part=ContentPart(self.settings.audio_out)))
+            if self.cancel_reason is not None:
+                raise asyncio.CancelledError
+            outcome = await self._generate()
+        except asyncio.CancelledError:
+            if self.cancel_reason is None:        # the connection is going away: no more events
+                raise
+            asyncio.current_task().uncancel()
+            outcome = ("cancelled", {"type": "cancelled", "reason": self.cancel_reason})
+        self.finishing = True
+        await self._finish(*outcome)
+
+    async def _generate(self) -> tuple[str, dict[str, Any] | None]:
+        st = self.conn.state
+        s = self.settings
+        try:
+            self.prompt = await render_prompt(st, self.messages)
+            params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if s.ignore_eos else 0,
+                                      max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if s.ignore_eos else 0,
+                                      temperature=s.temperature)
+            req = speech_request(self.prompt, params, s.voice, s.audio_out)
+            req.request_id = self.id
+            finish = None
+            async with aclosing(run_pipeline(st, req, self.arrived)) as events:
+                async for ev in events:
+                    if isinstance(ev, TextEvent):
+                        await self._on_text(ev)
+                    elif isinstance(ev, AudioEvent):
+                        await self._on_audio(ev)
+                    elif isinstance(ev, FramesEvent):
+                        self.frames += ev.codes.shape[0]
+                    elif isinstance(ev, DoneEvent):
+                        finish = ev.text_finish
+        except PipelineError as e:
+            return self._failed(from_pipeline_error(e))
+        except APIError as e:
+            return self._failed(e)
+        if finish == pb.LENGTH:
+            return "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
+        return "completed", None
+
+    def _failed(self, e: APIError) -> tuple[str, dict[str, Any]]:
+        log.info("realtime response %s failed: %s", self.id, e.message)
+        return "failed", {"type": "failed", "error": {"type": e.type, "code": e.code, "message": e.message}}
+
+    async def _on_text(self, ev: TextEvent) -> None:
+        self.text_tokens += len(ev.token_ids)
+        if not ev.text:
+            return
+        self.content.text += ev.text
+        delta = TranscriptDelta if self.settings.audio_out else TextDelta
+        await self.conn.emit(delta(**self._part_ids(), delta=ev.text))
+
+    async def _on_audio(self, ev: AudioEvent) -> None:
+        pcm = ev.data
+        if ev.sample_rate and ev.sample_rate != OUTPUT_SAMPLE_RATE:
+            x = resample(ev.samples, ev.sample_rate, OUTPUT_SAMPLE_RATE)
+            pcm = (np.clip(x, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+        n = len(pcm) // 2
+        if not n:
+            return
+        self.produced_samples += n
+        self.content.text_marks.append((self.produced_samples, len(self.content.text)))
+        await self.conn.emit(AudioDelta(**self._part_ids(), delta=base64.b64encode(pcm).decode("ascii")),
+                             response_id=self.id, audio_samples=n, on_sent=self._on_sent)
+
+    def _on_sent(self, samples: int) -> None:
+        if not self.finishing:
+            self.sent_samples += samples
+
+    # ------------------------------------------------------------------------- finishing
+
+    async def _finish(self, status: str, details: dict[str, Any] | None) -> None:
+        emit, content = self.conn.emit, self.content
+        truncated = False
+        if status == "cancelled":
+            await self.conn.outbox.drop_audio(self.id)
+            delivered = self.sent_samples + self.conn.outbox.in_flight_audio(self.id)
+            truncated = self.settings.audio_out and delivered < self.produced_samples
+            content.audio_samples = delivered
+            content.text_marks.append((delivered, len(content.text)))
+        else:
+            content.audio_samples = self.produced_samples
+        self.status, self.status_details = status, details
+        self.item.status = "completed" if status == "completed" else "incomplete"
+        self.usage = self._usage()
+        ids = self._part_ids()
+        if self.settings.audio_out:
+            await emit(AudioDone(**ids))
+            await emit(TranscriptDone(**ids, transcript=content.text))
+        else:
+            await emit(TextDone(**ids, text=content.text))
+        await emit(ContentPartDone(**ids, part=ContentPart(self.settings.audio_out, content.text)))
+        await emit(OutputItemDone(self.id, 0, self.item))
+        if self.in_conversation:
+            await emit(ItemDone(self.previous_item_id, self.item))
+        await emit(ResponseDone(self))
+        if truncated and self.in_conversation and self.conn.conversation.has(self.item.id):
+            await emit(ItemTruncated(self.item.id, 0, samples_to_ms(content.audio_samples)))
+
+    def _usage(self) -> dict[str, Any]:
+        ids = self.prompt.token_ids if self.prompt is not None else []
+        audio_in = ids.count(self.conn.state.omni.thinker.tokens.audio_token)
+        out = self.text_tokens + self.frames
+        return {"total_tokens": len(ids) + out, "input_tokens": len(ids), "output_tokens": out,
+                "input_token_details": {"text_tokens": len(ids) - audio_in, "audio_tokens": audio_in,
+                                        "cached_tokens": 0},
+                "output_token_details": {"text_tokens": self.text_tokens, "audio_tokens": self.frames}}

@@ -1,0 +1,273 @@
+"""A realtime session's state: its settings, its conversation (the items every reply reads) and
+its input audio buffer. No I/O here; realtime.py drives it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
+
+from .params import DEFAULT_TEMPERATURE
+from .realtime_events import (INPUT_SAMPLE_RATE, UNSET, Dialect, NewItem, PartKind, ProtocolError, ResponseOverrides,
+                              SessionPatch)
+from .vad import ServerVadParams
+
+PCM_FORMAT = {"type": "audio/pcm", "rate": INPUT_SAMPLE_RATE}
+PREFERRED_VOICE = "ethan"
+MAX_INPUT_SECONDS = 120            # the input audio buffer's cap (one user turn)
+MIN_COMMIT_MS = 100                # OpenAI's smallest committable buffer
+
+
+def ms_to_samples(ms: int) -> int:
+    return ms * INPUT_SAMPLE_RATE // 1000
+
+
+def samples_to_ms(n: int) -> int:
+    return n * 1000 // INPUT_SAMPLE_RATE
+
+
+def default_voice(speakers: dict[str, int]) -> str:
+    return PREFERRED_VOICE if PREFERRED_VOICE in speakers or not speakers else sorted(speakers)[0]
+
+
+def check_voice(voice: str, speakers: dict[str, int], param: str) -> str:
+    name = voice.lower()
+    if speakers and name not in speakers:
+        raise ProtocolError(f"unknown voice {voice!r}; valid voices: {', '.join(sorted(speakers))}", param=param)
+    return name
+
+
+# ----------------------------------------------------------------------------- settings
+
+@dataclass(frozen=True)
+class SessionConfig:
+    id: str
+    model: str
+    voice: str
+    audio_out: bool = True
+    instructions: str = ""
+    turn_detection: ServerVadParams | None = field(default_factory=ServerVadParams)
+    max_output_tokens: int = 0                 # 0: "inf" (the thinker's default)
+    temperature: float = DEFAULT_TEMPERATURE
+    ignore_eos: bool = False
+    max_audio_frames: int = 0                  # 0: the talker's default
+
+    def updated(self, patch: SessionPatch, speakers: dict[str, int]) -> "SessionConfig":
+        changes: dict[str, Any] = {}
+        if patch.voice is not None:
+            changes["voice"] = check_voice(patch.voice, speakers, "session.audio.output.voice")
+        if patch.turn_detection is not UNSET:
+            changes["turn_detection"] = patch.turn_detection
+        for name in ("audio_out", "instructions", "max_output_tokens", "temperature", "ignore_eos", "max_audio_frames"):
+            value = getattr(patch, name)
+            if value is not None:
+                changes[name] = value
+        return replace(self, **changes)
+
+    def wire(self, dialect: Dialect) -> dict[str, Any]:
+        turn = None if self.turn_detection is None else {"type": "server_vad", **vars(self.turn_detection)}
+        limit = self.max_output_tokens or "inf"
+        vendor = {"temperature": self.temperature, "ignore_eos": self.ignore_eos,
+                  "max_audio_frames": self.max_audio_frames or None}
+        if dialect is Dialect.BETA:
+            return {"id": self.id, "object": "realtime.session", "model": self.model,
+                    "modalities": ["audio", "text"] if self.audio_out else ["text"], "instructions": self.instructions,
+                    "voice": self.voice, "input_audio_format": "pcm16", "output_audio_format": "pcm16",
+                    "input_audio_transcription": None, "turn_detection": turn, "tools": [], "tool_choice": "auto",
+                    "max_response_output_tokens": limit, **vendor}
+        return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
+                "output_modalities": ["audio"] if self.audio_out else ["text"], "instructions": self.instructions,
+                "audio": {"input": {"format": PCM_FORMAT, "transcription": None, "noise_reduction": None,
+                                    "turn_detection": turn},
+                          "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0}},
+                "tools": [], "tool_choice": "auto", "max_output_tokens": limit, **vendor}
+
+
+@dataclass(frozen=True)
+class ResponseSettings:
+    """One response's settings: the session's with the response.create overrides on top."""
+
+    voice: str
+    audio_out: bool
+    instructions: str
+    max_output_tokens: int
+    temperature: float
+    ignore_eos: bool
+    max_audio_frames: int
+    out_of_band: bool = False
+    metadata: dict[str, str] | None = None
+
+    @classmethod
+    def resolve(cls, session: SessionConfig, o: ResponseOverrides, speakers: dict[str, int]) -> "ResponseSettings":
+        def pick(name: str):
+            value = getattr(o, name)
+            return getattr(session, name) if value is None else value
+
+        voice = session.voice if o.voice is None else check_voice(o.voice, speakers, "response.audio.output.voice")
+        s = cls(voice=voice, audio_out=pick("audio_out"), instructions=pick("instructions"),
+                max_output_tokens=pick("max_output_tokens"), temperature=pick("temperature"),
+                ignore_eos=pick("ignore_eos"), max_audio_frames=pick("max_audio_frames"),
+                out_of_band=o.out_of_band, metadata=o.metadata)
+        if s.ignore_eos and not s.max_output_tokens:
+            raise ProtocolError("ignore_eos needs a finite max_output_tokens", param="response.max_output_tokens")
+        if s.ignore_eos and s.audio_out and not s.max_audio_frames:
+            raise ProtocolError("ignore_eos needs max_audio_frames for a spoken reply", param="response.max_audio_frames")
+        return s
+
+
+# ----------------------------------------------------------------------------- conversation
+
+ItemStatus = Literal["completed", "incomplete", "in_progress"]
+
+
+@dataclass
+class ItemContent:
+    kind: PartKind
+    text: str = ""                             # input_text / output_text; the transcript of output_audio
+    features: torch.Tensor | None = None       # input_audio: the whole clip's log-mel features [mel_bins, frames]
+    audio_samples: int = 0                     # input_audio / output_audio: 24 kHz samples (after truncation)
+    text_marks: list[tuple[int, int]] = field(default_factory=list)  # output_audio: (samples made, len(text))
+
+    def wire(self, dialect: Dialect) -> dict[str, Any]:
+        if self.kind == "input_text":
+            return {"type": "input_text", "text": self.text}
+        if self.kind == "input_audio":
+            return {"type": "input_audio", "transcript": None}
+        beta = dialect is Dialect.BETA
+        if self.kind == "output_text":
+            return {"type": "text" if beta else "output_text", "text": self.text}
+        return {"type": "audio" if beta else "output_audio", "transcript": self.text}
+
+    def truncate_audio(self, samples: int) -> None:
+        """Keep the first `samples` of the audio and the transcript made by the time the chunk
+        holding the last kept sample was made (the text runs ahead of the audio)."""
+        keep = 0 if samples <= 0 else next((chars for made, chars in self.text_marks if made >= samples),
+                                           len(self.text))
+        self.text, self.audio_samples = self.text[:keep], samples
+        self.text_marks = [(made, min(chars, keep)) for made, chars in self.text_marks if made < samples]
+        self.text_marks.append((samples, keep))
+
+
+@dataclass
+class ConversationItem:
+    id: str
+    role: Literal["user", "assistant", "system"]
+    content: list[ItemContent]
+    status: ItemStatus = "completed"
+
+    def wire(self, dialect: Dialect) -> dict[str, Any]:
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role, "status": self.status,
+                "content": [c.wire(dialect) for c in self.content]}
+
+    def chat_message(self) -> ChatMessage | None:
+        """This item as a prompt turn: user audio as its stored features; an assistant turn as
+        its (possibly truncated) text; None when nothing of it is left."""
+        if self.role == "user":
+            parts = [ChatPart(features=c.features) if c.kind == "input_audio" else ChatPart(text=c.text)
+                     for c in self.content]
+            return ChatMessage("user", parts)
+        text = "".join(c.text for c in self.content)
+        return ChatMessage.text(self.role, text) if text or self.role == "system" else None
+
+
+class Conversation:
+    def __init__(self) -> None:
+        self.items: list[ConversationItem] = []
+
+    def find(self, item_id: str, param: str = "item_id") -> ConversationItem:
+        for item in self.items:
+            if item.id == item_id:
+                return item
+        raise ProtocolError(f"no item with id {item_id!r} in the conversation", code="item_not_found", param=param)
+
+    def has(self, item_id: str) -> bool:
+        return any(item.id == item_id for item in self.items)
+
+    def insert(self, item: ConversationItem, previous_item_id: str | None = None) -> str | None:
+        """Append, or place after `previous_item_id` ("root": first). Returns the id before it."""
+        if self.has(item.id):
+            raise ProtocolError(f"an item with id {item.id!r} already exists", code="duplicate_item_id", param="item.id")
+        if previous_item_id is None:
+            at = len(self.items)
+        elif previous_item_id == "root":
+            at = 0
+        else:
+            at = self.items.index(self.find(previous_item_id, "previous_item_id")) + 1
+        self.items.insert(at, item)
+        return self.items[at - 1].id if at else None
+
+    def delete(self, item_id: str) -> None:
+        self.items.remove(self.find(item_id))
+
+    def messages(self, instructions: str) -> list[ChatMessage]:
+        head = [ChatMessage.text("system", instructions)] if instructions else []
+        return head + [m for m in (item.chat_message() for item in self.items) if m is not None]
+
+
+def new_item_content(item: NewItem, features_of) -> list[ItemContent]:
+    """A client's item parts -> stored content; `features_of(audio_24k)` encodes audio."""
+    out = []
+    for p in item.parts:
+        if p.kind == "input_audio":
+            out.append(ItemContent("input_audio", features=features_of(p.audio), audio_samples=len(p.audio)))
+        elif p.kind == "output_audio":
+            out.append(ItemContent("output_audio", text=p.text or ""))
+        else:
+            out.append(ItemContent(p.kind, text=p.text or ""))
+    return out
+
+
+# ----------------------------------------------------------------------------- input audio
+
+class InputAudioBuffer:
+    """The session's input audio not yet committed, on the session's timeline (samples at 24 kHz
+    since the first append)."""
+
+    def __init__(self, max_seconds: int = MAX_INPUT_SECONDS) -> None:
+        self.max_samples = max_seconds * INPUT_SAMPLE_RATE
+        self.chunks: list[np.ndarray] = []
+        self.start = 0                # timeline index of the first buffered sample
+        self.end = 0                  # timeline index after the last appended sample
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def end_ms(self) -> int:
+        return samples_to_ms(self.end)
+
+    def append(self, samples: np.ndarray) -> None:
+        if self.size + len(samples) > self.max_samples:
+            raise ProtocolError(f"the input audio buffer holds at most {self.max_samples // INPUT_SAMPLE_RATE} s; "
+                                "commit or clear it", code="input_audio_buffer_full", param="audio")
+        self.chunks.append(samples.astype(np.float32))
+        self.end += len(samples)
+
+    def _all(self) -> np.ndarray:
+        if len(self.chunks) != 1:
+            self.chunks = [np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)]
+        return self.chunks[0]
+
+    def take(self, start: int | None = None, end: int | None = None) -> np.ndarray:
+        """The samples in [start, end) of the timeline (clamped to what is buffered); everything
+        before `end` leaves the buffer."""
+        start = self.start if start is None else min(max(start, self.start), self.end)
+        end = self.end if end is None else min(max(end, start), self.end)
+        everything = self._all()
+        clip = everything[start - self.start:end - self.start].copy()
+        self.chunks = [everything[end - self.start:]]
+        self.start = end
+        return clip
+
+    def drop_before(self, position: int) -> None:
+        """Forget audio older than `position` (while no speech is going on)."""
+        if position > self.start:
+            self.take(end=position)
+
+    def clear(self) -> None:
+        self.chunks, self.start = [], self.end

@@ -1,0 +1,92 @@
+"""`voxpipe gateway`: the OpenAI-compatible HTTP API (and realtime WebSocket, and the Converse
+gRPC API when built) in front of the Thinker, Talker and Code2Wav services."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--thinker", default="127.0.0.1:50051",
+                        help="host:port of the thinker (comma-separated replicas)")
+    parser.add_argument("--talker", default="127.0.0.1:50052", help="host:port[,host:port...] of the talker")
+    parser.add_argument("--code2wav", default="127.0.0.1:50053", help="host:port[,host:port...] of code2wav")
+    parser.add_argument("--model", help="checkpoint folder for the tokenizer, config and feature extractor "
+                                        "(default: the tiny checkpoint)")
+    parser.add_argument("--served-model-name", help="the model id clients use (default: the checkpoint folder name)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=0, help="serve the Converse gRPC API here (0: off)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: "
+                                                        "$VOXPIPE_API_KEY; unset: no auth)")
+    parser.add_argument("--max-sessions", type=int, default=64,
+                        help="concurrent generations and realtime sessions before 429 (0: no limit)")
+    parser.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body (413 above)")
+    parser.add_argument("--audio-expiry", type=int, default=3600,
+                        help="seconds an assistant audio id stays usable in later turns")
+
+
+async def serve(args) -> None:
+    import uvicorn
+
+    from .app import create_app
+    from .config import GatewayConfig
+
+    config = GatewayConfig.from_args(args)
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, loop="none",
+                                           http="auto", ws="auto", log_level=args.log_level.lower(),
+                                           access_log=False, timeout_graceful_shutdown=10))
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if serving.done():  # failed to start (port taken ...): surface the error
+        await serving
+        raise SystemExit(1)
+    converse = await _start_converse(app.state.gateway, config.grpc_port)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    print(f"gateway ready on port {port}", flush=True)
+    try:
+        await serving
+    finally:
+        if converse is not None:
+            await converse.stop(5.0)
+
+
+async def _start_converse(state, port: int):
+    """The Converse gRPC API, when gateway/converse.py provides `serve_converse(app_state, port)`
+    (it starts the server on this loop and returns it; `await server.stop(grace)` stops it)."""
+    if not port:
+        return None
+    name = "voxpipe.gateway.converse"
+    serve_converse = getattr(importlib.import_module(name), "serve_converse", None) \
+        if importlib.util.find_spec(name) else None
+    if serve_converse is None:
+        log.warning("--grpc-port %d given but this build has no Converse API; ignoring it", port)
+        return None
+    return await serve_converse(state, port)
+
+
+def run(args) -> None:
+    from voxpipe.services.runtime.tracing import setup_tracing
+
+    setup_tracing("voxpipe-gateway")
+    if args.model is None:
+        from voxpipe.cli import default_model_dir
+
+        args.model = str(default_model_dir())
+    if not getattr(args, "api_key", None):
+        args.api_key = os.environ.get("VOXPIPE_API_KEY") or None
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(args))
+    else:
+        uvloop.run(serve(args))

@@ -1,0 +1,388 @@
+"""Bad requests against the three real stage processes (raw gRPC stubs): each gets a clear status whose
+details name the problem, and afterwards the stage is still SERVING, its active-stream gauge is back to
+0 and a small real request succeeds."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from voxpipe.services.runtime.tensors import split_message, to_proto
+from voxpipe.v1 import stages_pb2 as pb
+from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+# the tiny checkpoint (checked against the config in test_the_tiny_numbers)
+HIDDEN = 64          # thinker hidden size = talker rows width
+VOCAB = 448
+MEL = 128
+GROUPS = 16
+CODEBOOK = 2048
+IM_START, IM_END, USER, ASSISTANT = 388, 389, 268, 272
+AUDIO_PAD, IMAGE_PAD, VIDEO_PAD = 392, 393, 394
+NL = 198             # any ordinary token
+SERVER_MAX_MESSAGE = 64 * 1024 * 1024
+THINKER_CONTEXT, TALKER_CONTEXT = 4096, 8192
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024),
+                   ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+STUBS = {"thinker": (pb_grpc.ThinkerStub, "Generate"), "talker": (pb_grpc.TalkerStub, "Generate"),
+         "code2wav": (pb_grpc.Code2WavStub, "Decode")}
+SERVICE = {"thinker": "voxpipe.v1.Thinker", "talker": "voxpipe.v1.Talker", "code2wav": "voxpipe.v1.Code2Wav"}
+
+
+def test_the_tiny_numbers(omni_config, stack):
+    c = omni_config
+    assert (c.thinker.text.hidden_size, c.thinker.text.vocab_size, c.thinker.audio.num_mel_bins) == (HIDDEN, VOCAB, MEL)
+    assert (c.talker.thinker_hidden_size, c.talker.num_code_groups, c.code2wav.codebook_size) == (HIDDEN, GROUPS, CODEBOOK)
+    t = c.thinker.tokens
+    assert (t.im_start, t.im_end, t.user, t.assistant) == (IM_START, IM_END, USER, ASSISTANT)
+    assert (t.audio_token, t.image_token, t.video_token) == (AUDIO_PAD, IMAGE_PAD, VIDEO_PAD)
+    assert sorted(c.talker.speakers) == ["aiden", "chelsie", "ethan"]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def channels(stack):
+    chans = {s: grpc.insecure_channel(stack.address(s), options=CHANNEL_OPTIONS) for s in STUBS}
+    yield chans
+    for c in chans.values():
+        c.close()
+
+
+def call(channels, stage: str, messages: list, timeout: float = 60.0) -> tuple[list, grpc.RpcError | None]:
+    stub_cls, method = STUBS[stage]
+    responses = []
+    try:
+        for r in getattr(stub_cls(channels[stage]), method)(iter(messages), timeout=timeout):
+            responses.append(r)
+    except grpc.RpcError as e:
+        return responses, e
+    return responses, None
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rows(n: int, width: int = HIDDEN, seed: int = 0, dtype=torch.float32) -> pb.Tensor:
+    return to_proto(torch.randn(n, width, generator=gen(seed)).to(dtype))
+
+
+def prompt_ids(n_text: int = 4) -> list[int]:
+    return [IM_START, USER] + [NL + i for i in range(n_text)] + [IM_END, IM_START, ASSISTANT, NL]
+
+
+def thinker_start(**kw) -> pb.ThinkerRequest:
+    kw.setdefault("token_ids", pb.TokenIds(ids=prompt_ids()))
+    return pb.ThinkerRequest(start=pb.ThinkerStart(**kw))
+
+
+def talker_prompt(users: int = 5, **override) -> pb.TalkerPrompt:
+    p = pb.TalkerPrompt(user_rows=rows(users, seed=1), user_mm_mask=to_proto(torch.zeros(users, dtype=torch.bool)),
+                        user_token_ids=to_proto(torch.arange(users, dtype=torch.int64)),
+                        assistant_head=rows(3, seed=2), assistant_prefix=rows(0), tts_special=rows(3, seed=3))
+    for k, v in override.items():
+        if v is None:
+            p.ClearField(k)
+        else:
+            getattr(p, k).CopyFrom(v)
+    return p
+
+
+def talker_start(prompt: pb.TalkerPrompt | None = None, **kw) -> pb.TalkerRequest:
+    kw.setdefault("speaker", "ethan")
+    kw.setdefault("max_frames", 4)
+    kw.setdefault("min_frames", 4)
+    start = pb.TalkerStart(prompt=prompt if prompt is not None else talker_prompt(), **kw)
+    return pb.TalkerRequest(start=start)
+
+
+def text_rows(n: int, **kw) -> pb.TalkerRequest:
+    return pb.TalkerRequest(rows=pb.TextRows(rows=rows(n, seed=4), **kw))
+
+
+TEXT_END = pb.TalkerRequest(text_end=pb.TextEnd())
+
+
+def codes(n: int, low: int = 0, high: int = CODEBOOK, dtype=torch.uint16, groups: int = GROUPS) -> pb.Tensor:
+    return to_proto(torch.randint(low, high, (n, groups), generator=gen(5)).to(dtype))
+
+
+def frames(n: int = 2, **kw) -> pb.Code2WavRequest:
+    tensor = kw.pop("tensor", None)
+    return pb.Code2WavRequest(frames=pb.CodecFrames(codes=tensor if tensor is not None else codes(n, **kw)))
+
+
+C2W_START = pb.Code2WavRequest(start=pb.Code2WavStart(encoding=pb.AUDIO_FLOAT32))
+FRAMES_END = pb.Code2WavRequest(frames_end=pb.FramesEnd())
+
+
+def bad_bytes(t: pb.Tensor, delta: int) -> pb.Tensor:
+    out = pb.Tensor()
+    out.CopyFrom(t)
+    out.data = t.data[:delta] if delta < 0 else t.data + b"\0" * delta
+    return out
+
+
+def with_dtype(t: pb.Tensor, dtype: int) -> pb.Tensor:
+    out = pb.Tensor()
+    out.CopyFrom(t)
+    out.dtype = dtype
+    return out
+
+
+def good_request(stage: str) -> list:
+    if stage == "thinker":
+        return [thinker_start(max_tokens=2)]
+    if stage == "talker":
+        return [talker_start(), text_rows(2), TEXT_END]
+    return [C2W_START, frames(2), FRAMES_END]
+
+
+def active_streams(stack, stage: str) -> float:
+    url = f"http://127.0.0.1:{stack.metrics_ports[stage]}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    m = re.search(rf'^voxpipe_active_streams\{{stage="{stage}"\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def assert_still_serving(stack, channels, stage: str) -> None:
+    resp = health_pb2_grpc.HealthStub(channels[stage]).Check(
+        health_pb2.HealthCheckRequest(service=SERVICE[stage]), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    deadline = time.monotonic() + 10
+    while active_streams(stack, stage) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert active_streams(stack, stage) == 0, f"{stage} still counts an active stream after the bad request"
+    responses, err = call(channels, stage, good_request(stage))
+    assert err is None, (err.code(), err.details())
+    assert responses[-1].WhichOneof("kind") == "finished"
+    if stage != "thinker":
+        assert any(r.WhichOneof("kind") in ("frames", "audio") for r in responses)
+
+
+# ---------------------------------------------------------------------------------------------- cases
+
+
+@dataclass
+class Case:
+    stage: str
+    name: str
+    messages: Callable[[], list]
+    match: str                       # regex the status details must contain
+    code: grpc.StatusCode = INVALID
+
+
+def _thinker_audio(frames_: int = 100, pads: int = 13, **tensor) -> list:
+    feats = to_proto(torch.randn(MEL, frames_, generator=gen(6)))
+    if "shape" in tensor:
+        del feats.shape[:]
+        feats.shape.extend(tensor.pop("shape"))
+    for k, v in tensor.items():
+        setattr(feats, k, v)
+    ids = [IM_START, USER, 390] + [AUDIO_PAD] * pads + [391, IM_END, IM_START, ASSISTANT, NL]
+    return [thinker_start(token_ids=pb.TokenIds(ids=ids), audio_features=[feats], max_tokens=2)]
+
+
+def _incomplete_start_then(*after) -> list:
+    """A TalkerStart whose user_rows bytes are cut short (as a split head) followed by `after`."""
+    head = talker_start(talker_prompt(users=40))
+    head.start.prompt.user_rows.data = head.start.prompt.user_rows.data[:100]
+    return [head, *after]
+
+
+LONG = dict(max_tokens=60, min_tokens=60)  # keeps the stream open while the reader sees the bad message
+
+CASES = [
+    # ------------------------------------------------------------------ thinker
+    Case("thinker", "empty-stream", lambda: [], r"empty request stream"),
+    Case("thinker", "first-not-start", lambda: [pb.ThinkerRequest(chunk=pb.PayloadChunk(data=b"x"))],
+         r"first message must be start, got chunk"),
+    Case("thinker", "cancel-first", lambda: [pb.ThinkerRequest(cancel=pb.Cancel())], r"first message must be start"),
+    Case("thinker", "no-prompt", lambda: [pb.ThinkerRequest(start=pb.ThinkerStart(max_tokens=2))], r"needs a prompt"),
+    Case("thinker", "empty-prompt", lambda: [thinker_start(token_ids=pb.TokenIds())], r"empty prompt"),
+    Case("thinker", "token-out-of-range", lambda: [thinker_start(token_ids=pb.TokenIds(ids=[IM_START, VOCAB]))],
+         rf"token id {VOCAB} out of range \[0, {VOCAB}\)"),
+    Case("thinker", "huge-token-id", lambda: [thinker_start(token_ids=pb.TokenIds(ids=[2**32 - 1]))],
+         r"token id 4294967295 out of range"),
+    Case("thinker", "image-token", lambda: [thinker_start(token_ids=pb.TokenIds(ids=prompt_ids() + [IMAGE_PAD]))],
+         r"image and video input are not supported"),
+    Case("thinker", "video-token", lambda: [thinker_start(token_ids=pb.TokenIds(ids=[VIDEO_PAD] + prompt_ids()))],
+         r"image and video input are not supported"),
+    Case("thinker", "audio-pad-count", lambda: _thinker_audio(pads=12),
+         r"12 audio placeholder tokens but the 1 audio feature tensors make 13"),
+    Case("thinker", "audio-pads-without-features",
+         lambda: [thinker_start(token_ids=pb.TokenIds(ids=prompt_ids() + [AUDIO_PAD] * 2))],
+         r"2 audio placeholder tokens but the 0 audio feature tensors make 0"),
+    Case("thinker", "audio-wrong-shape", lambda: _thinker_audio(shape=[64, 200]),
+         r"audio_features\[0\]: shape \[64, 200\], expected \[128, \*\]"),
+    Case("thinker", "audio-1d", lambda: _thinker_audio(shape=[MEL * 100]), r"audio_features\[0\]: shape \[12800\]"),
+    Case("thinker", "audio-wrong-dtype", lambda: _thinker_audio(dtype=pb.INT32),
+         r"audio_features\[0\]: dtype INT32, expected FLOAT32"),
+    Case("thinker", "audio-unknown-dtype", lambda: _thinker_audio(dtype=99), r"unknown tensor dtype 99"),
+    Case("thinker", "audio-unspecified-dtype", lambda: _thinker_audio(dtype=pb.DTYPE_UNSPECIFIED),
+         r"unknown tensor dtype 0"),
+    Case("thinker", "audio-extra-bytes", lambda: _thinker_audio(data=bytes(MEL * 100 * 4 + 3)),
+         r"tensor has 51203 bytes, its shape needs 51200"),
+    Case("thinker", "audio-short-bytes-stream-ends", lambda: _thinker_audio(data=bytes(MEL * 100 * 4 - 4)),
+         r"request stream ended before the start payload was complete"),
+    Case("thinker", "audio-zero-frames", lambda: _thinker_audio(frames_=0, pads=0), r"zero frames"),
+    Case("thinker", "negative-dim", lambda: _thinker_audio(shape=[MEL, -100]), r"negative dimension"),
+    Case("thinker", "min-over-max", lambda: [thinker_start(max_tokens=3, min_tokens=5)],
+         r"min_tokens 5 > max_tokens 3"),
+    Case("thinker", "prompt-too-long",
+         lambda: [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 100)), max_tokens=200)],
+         rf"prompt of {THINKER_CONTEXT - 100} tokens \+ max_tokens 200 exceeds the context of {THINKER_CONTEXT}"),
+    Case("thinker", "talker-rows-without-assistant-turn",
+         lambda: [thinker_start(token_ids=pb.TokenIds(ids=[IM_START, USER, NL]), talker_rows=True, max_tokens=2)],
+         r"talker_rows needs a prompt ending in an assistant turn"),
+    Case("thinker", "bad-top-p", lambda: [thinker_start(max_tokens=2, sampling=pb.Sampling(temperature=1.0, top_p=0.0))],
+         r"top_p must be in \(0, 1\]"),
+    Case("thinker", "negative-temperature", lambda: [thinker_start(max_tokens=2, sampling=pb.Sampling(temperature=-1))],
+         r"temperature must be in \[0, 100\]"),
+    Case("thinker", "second-start", lambda: [thinker_start(**LONG), thinker_start(**LONG)], r"unexpected start after start"),
+    Case("thinker", "chunk-after-complete-start",
+         lambda: [thinker_start(**LONG), pb.ThinkerRequest(chunk=pb.PayloadChunk(data=b"abc"))],
+         r"unexpected chunk after start"),
+    Case("thinker", "oversize-message",
+         lambda: [thinker_start(audio_features=[to_proto(torch.zeros(MEL, SERVER_MAX_MESSAGE // (4 * MEL) + 10))])],
+         r"larger than max", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    # ------------------------------------------------------------------ talker
+    Case("talker", "empty-stream", lambda: [], r"empty request stream"),
+    Case("talker", "first-not-start", lambda: [text_rows(2), TEXT_END], r"first message must be start, got rows"),
+    Case("talker", "unknown-speaker", lambda: [talker_start(speaker="Bob"), text_rows(2), TEXT_END],
+         r"unknown speaker 'Bob'; valid: aiden, chelsie, ethan"),
+    Case("talker", "no-prompt", lambda: [pb.TalkerRequest(start=pb.TalkerStart(speaker="ethan"))],
+         r"start\.prompt is required"),
+    Case("talker", "user-rows-wrong-width", lambda: [talker_start(talker_prompt(user_rows=rows(5, width=32)))],
+         r"prompt\.user_rows: shape \[5, 32\], expected \[\*, 64\]"),
+    Case("talker", "user-rows-int", lambda: [talker_start(talker_prompt(
+        user_rows=to_proto(torch.zeros(5, HIDDEN, dtype=torch.int64))))],
+         r"prompt\.user_rows: rows must be float32, bfloat16 or float16"),
+    Case("talker", "mm-mask-length", lambda: [talker_start(talker_prompt(
+        user_mm_mask=to_proto(torch.zeros(4, dtype=torch.bool))))],
+         r"prompt\.user_mm_mask: shape \[4\], expected \[5\]"),
+    Case("talker", "mm-mask-dtype", lambda: [talker_start(talker_prompt(user_mm_mask=to_proto(torch.zeros(5))))],
+         r"prompt\.user_mm_mask: dtype FLOAT32, expected BOOL"),
+    Case("talker", "head-shape", lambda: [talker_start(talker_prompt(assistant_head=rows(2)))],
+         r"prompt\.assistant_head: shape \[2, 64\], expected \[3, 64\]"),
+    Case("talker", "tts-special-missing", lambda: [talker_start(talker_prompt(tts_special=None))],
+         r"prompt\.tts_special"),
+    Case("talker", "user-rows-unknown-dtype",
+         lambda: [talker_start(talker_prompt(user_rows=with_dtype(rows(5), 77)))], r"unknown tensor dtype 77"),
+    Case("talker", "rows-wrong-bytes",
+         lambda: [talker_start(), pb.TalkerRequest(rows=pb.TextRows(rows=bad_bytes(rows(2), -8))), TEXT_END],
+         r"rows: 504 bytes for shape \[2, 64\] FLOAT32 \(expected 512\)"),
+    Case("talker", "rows-wrong-shape", lambda: [talker_start(), pb.TalkerRequest(rows=pb.TextRows(rows=rows(2, 32)))],
+         r"rows: shape \[2, 32\], expected \[\*, 64\]"),
+    Case("talker", "rows-wrong-dtype",
+         lambda: [talker_start(), pb.TalkerRequest(rows=pb.TextRows(rows=to_proto(torch.zeros(2, HIDDEN, dtype=torch.int32))))],
+         r"rows must be float32, bfloat16 or float16"),
+    Case("talker", "rows-unknown-dtype",
+         lambda: [talker_start(), pb.TalkerRequest(rows=pb.TextRows(rows=with_dtype(rows(2), 42)))],
+         r"rows: unknown dtype 42"),
+    Case("talker", "rows-token-count", lambda: [talker_start(), text_rows(2, token_ids=[1, 2, 3]), TEXT_END],
+         r"3 token ids for 2 rows"),
+    Case("talker", "rows-after-text-end",
+         lambda: [talker_start(max_frames=60, min_frames=60), text_rows(3), TEXT_END, text_rows(1)],
+         r"rows after text_end"),
+    Case("talker", "ends-before-text-end", lambda: [talker_start(), text_rows(1)],
+         r"request stream ended before text_end"),
+    Case("talker", "ends-before-payload-complete", lambda: _incomplete_start_then(),
+         r"request stream ended before the start payload was complete"),
+    Case("talker", "payload-then-rows",
+         lambda: _incomplete_start_then(text_rows(2)), r"expected chunk continuation bytes, got rows"),
+    Case("talker", "payload-overflow",
+         lambda: _incomplete_start_then(pb.TalkerRequest(chunk=pb.PayloadChunk(data=bytes(40 * HIDDEN * 4)))),
+         r"more payload bytes than the message's tensors need"),
+    Case("talker", "min-over-max", lambda: [talker_start(max_frames=4, min_frames=9)],
+         r"min_frames 9 > max_frames 4"),
+    Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=500, min_frames=0)],
+         rf"8000 user rows \+ 9 \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}"),
+    Case("talker", "bad-repetition-penalty",
+         lambda: [talker_start(sampling=pb.Sampling(repetition_penalty=0.0))], r"repetition_penalty must be > 0"),
+    Case("talker", "second-start",
+         lambda: [talker_start(max_frames=60, min_frames=60), text_rows(3), talker_start()],
+         r"unexpected start after start"),
+    Case("talker", "oversize-message",
+         lambda: [talker_start(talker_prompt(users=SERVER_MAX_MESSAGE // (4 * HIDDEN) + 10))],
+         r"larger than max", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    # ------------------------------------------------------------------ code2wav
+    Case("code2wav", "empty-stream", lambda: [], r"empty request stream"),
+    Case("code2wav", "first-not-start", lambda: [frames(2), FRAMES_END], r"first message must be start, got frames"),
+    Case("code2wav", "unknown-encoding",
+         lambda: [pb.Code2WavRequest(start=pb.Code2WavStart(encoding=7)), frames(1), FRAMES_END],
+         r"unknown audio encoding 7"),
+    Case("code2wav", "code-too-large", lambda: [C2W_START, frames(3, low=CODEBOOK, high=CODEBOOK + 1), FRAMES_END],
+         rf"codec codes must be in \[0, {CODEBOOK}\), got {CODEBOOK}\.\.{CODEBOOK}"),
+    Case("code2wav", "code-negative",
+         lambda: [C2W_START, frames(3, low=-5, high=-4, dtype=torch.int32), FRAMES_END],
+         rf"codec codes must be in \[0, {CODEBOOK}\), got -5\.\.-5"),
+    Case("code2wav", "wrong-groups", lambda: [C2W_START, frames(2, groups=15), FRAMES_END],
+         r"frames\.codes: shape \[2, 15\], expected \[\*, 16\]"),
+    Case("code2wav", "float-codes", lambda: [C2W_START, frames(2, dtype=torch.float32), FRAMES_END],
+         r"frames\.codes must be uint16, int32 or int64"),
+    Case("code2wav", "wrong-bytes", lambda: [C2W_START, frames(tensor=bad_bytes(codes(2), 2)), FRAMES_END],
+         r"frames\.codes: 66 bytes for shape \[2, 16\] UINT16 \(expected 64\)"),
+    Case("code2wav", "unknown-dtype", lambda: [C2W_START, frames(tensor=with_dtype(codes(2), 12)), FRAMES_END],
+         r"frames\.codes: unknown dtype 12"),
+    Case("code2wav", "frames-after-end", lambda: [C2W_START, frames(64), FRAMES_END, frames(1)],
+         r"frames after frames_end"),
+    Case("code2wav", "ends-before-frames-end", lambda: [C2W_START, frames(2)],
+         r"request stream ended before frames_end"),
+    Case("code2wav", "second-start", lambda: [C2W_START, frames(64), C2W_START], r"unexpected start after start"),
+    Case("code2wav", "oversize-message",
+         lambda: [C2W_START, frames(SERVER_MAX_MESSAGE // (2 * GROUPS) + 10), FRAMES_END],
+         r"larger than max", grpc.StatusCode.RESOURCE_EXHAUSTED),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.stage}-{c.name}" for c in CASES])
+def test_bad_request_gets_a_clear_status_and_the_stage_keeps_serving(stack, channels, case):
+    responses, err = call(channels, case.stage, case.messages())
+    assert err is not None, f"accepted: {[r.WhichOneof('kind') for r in responses]}"
+    assert err.code() == case.code, (err.code(), err.details())
+    assert re.search(case.match, err.details() or ""), err.details()
+    assert not any(r.WhichOneof("kind") == "finished" for r in responses)
+    assert_still_serving(stack, channels, case.stage)
+
+
+# ---------------------------------------------------------------------------------------------- large, chunked
+
+
+def test_chunked_talker_start_with_3000_user_rows_is_accepted(stack, channels):
+    start = talker_start(talker_prompt(users=3000), max_frames=5, min_frames=5).start
+    head, chunks = split_message(start, 128 * 1024)
+    assert len(chunks) >= 6 and head.ByteSize() < 128 * 1024
+    msgs = [pb.TalkerRequest(start=head)] + [pb.TalkerRequest(chunk=pb.PayloadChunk(data=c)) for c in chunks]
+    responses, err = call(channels, "talker", msgs + [text_rows(3), TEXT_END])
+    assert err is None, (err.code(), err.details())
+    kinds = [r.WhichOneof("kind") for r in responses]
+    assert kinds == ["frames"] * 4 + ["finished"]
+    assert responses[-1].finished.reason == pb.LENGTH
+    assert_still_serving(stack, channels, "talker")
+
+
+def test_chunked_thinker_start_with_audio_features(stack, channels):
+    feats = torch.randn(MEL, 1000, generator=gen(8))  # 1000 frames -> 130 audio tokens
+    ids = [IM_START, USER, 390] + [AUDIO_PAD] * 130 + [391, IM_END, IM_START, ASSISTANT, NL]
+    start = pb.ThinkerStart(token_ids=pb.TokenIds(ids=ids), audio_features=[to_proto(feats)], max_tokens=3,
+                            min_tokens=3)
+    head, chunks = split_message(start, 100 * 1024)
+    assert len(chunks) >= 5
+    msgs = [pb.ThinkerRequest(start=head)] + [pb.ThinkerRequest(chunk=pb.PayloadChunk(data=c)) for c in chunks]
+    responses, err = call(channels, "thinker", msgs)
+    assert err is None, (err.code(), err.details())
+    assert [r.WhichOneof("kind") for r in responses] == ["text"] * 3 + ["finished"]
+    assert responses[-1].finished.prompt_tokens == len(ids)

@@ -1,0 +1,323 @@
+"""The gateway's gRPC pipeline API, voxpipe.v1.Gateway/Converse, on a real gateway process
+(--grpc-port) in front of the session's three stage processes; and a Node.js client of it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import queue
+import shutil
+import subprocess
+import time
+import urllib.request
+import wave
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conftest import STAGES, GatewayProcess, free_port
+from voxpipe.client import PipelineClient, SpeechRequest
+from voxpipe.v1 import gateway_pb2 as gw
+from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
+from voxpipe.v1 import stages_pb2 as pb
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE_CLIENT = ROOT / "tests" / "node"
+TEXT = "Hello there, how are you?"
+
+
+@pytest.fixture(scope="module")
+def converse_gateway(stack, tiny_model_dir):
+    """`voxpipe gateway --grpc-port M` as a process in front of `stack`; yields the Converse address."""
+    grpc_port = free_port()
+    process = GatewayProcess(tiny_model_dir, *(stack.address(s) for s in STAGES), "--grpc-port", str(grpc_port))
+    yield f"127.0.0.1:{grpc_port}"
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def channel(converse_gateway):
+    with grpc.insecure_channel(converse_gateway) as ch:
+        grpc.channel_ready_future(ch).result(timeout=30)
+        yield ch
+
+
+def start(**kw) -> gw.ConverseRequest:
+    kw.setdefault("sampling", pb.Sampling(temperature=0.0))
+    return gw.ConverseRequest(start=gw.ConverseStart(**kw))
+
+
+def converse(channel, *requests: gw.ConverseRequest, timeout: float = 120) -> list[gw.ConverseResponse]:
+    return list(gw_grpc.GatewayStub(channel).Converse(iter(requests), timeout=timeout))
+
+
+def split(responses):
+    kinds = [r.WhichOneof("kind") for r in responses]
+    text = [r.text for r in responses if r.WhichOneof("kind") == "text"]
+    audio = [r.audio for r in responses if r.WhichOneof("kind") == "audio"]
+    assert kinds[-1] == "done" and kinds.count("done") == 1, kinds
+    return text, audio, responses[-1].done
+
+
+def check_audio_chunks(audio: list[pb.AudioChunk], encoding: int) -> int:
+    """Contiguous offsets, 24 kHz, sample counts matching the bytes; returns the total samples."""
+    width = 4 if encoding == pb.AUDIO_FLOAT32 else 2
+    offset = 0
+    for chunk in audio:
+        assert chunk.sample_rate == 24000 and chunk.encoding == encoding
+        assert chunk.sample_offset == offset and chunk.num_samples == len(chunk.data) // width > 0
+        offset += chunk.num_samples
+    return offset
+
+
+def pipeline_reference(stack, **kw):
+    async def go():
+        async with PipelineClient(*(stack.address(s) for s in STAGES)) as client:
+            return await client.collect(SpeechRequest(**kw))
+    return asyncio.run(go())
+
+
+def stage_metric(stack, stage: str, prefix: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports[stage]}/metrics", timeout=5).read()
+    for line in body.decode().splitlines():
+        if line.startswith(prefix):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def active_streams(stack) -> dict[str, float]:
+    return {s: stage_metric(stack, s, f'voxpipe_active_streams{{stage="{s}"}}') for s in STAGES}
+
+
+def cancelled_streams(stack) -> dict[str, float]:
+    return {s: stage_metric(stack, s, f'voxpipe_streams_total{{outcome="cancelled",stage="{s}"}}') for s in STAGES}
+
+
+def wait_all_free(stack, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        active = active_streams(stack)
+        if all(v == 0 for v in active.values()) or time.monotonic() > deadline:
+            return active
+        time.sleep(0.05)
+
+
+def tone(seconds: float, rate: int) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.4 * np.sin(2 * np.pi * 440 * t) * np.exp(-t)).astype(np.float32)
+
+
+def pcm16_bytes(x: np.ndarray) -> bytes:
+    return (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def wav_file(x: np.ndarray, rate: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm16_bytes(x))
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------- text in, text + audio out
+
+def test_text_in_text_and_audio_out_equals_the_pipeline(channel, stack):
+    responses = converse(channel, start(text=TEXT, voice="chelsie", max_tokens=6, max_frames=9, ignore_eos=True,
+                                        request_id="converse-1"))
+    text, audio, done = split(responses)
+    frames = 8                                          # ignore_eos: max_frames - 1 frames spoken
+    assert sum(len(t.token_ids) for t in text) == 6
+    assert [t.index for t in text] == list(range(len(text)))
+    assert check_audio_chunks(audio, pb.AUDIO_PCM16) == 1920 * frames - 555
+    assert done.request_id == "converse-1"
+    assert done.text_finish == pb.LENGTH and done.audio_finish == pb.LENGTH
+    assert done.usage.completion_tokens == 6 and done.usage.audio_frames == frames
+    assert done.usage.audio_samples == 1920 * frames - 555 and done.usage.prompt_tokens > 0
+
+    # the same turn straight through the pipeline client: same tokens, same pcm16 bytes
+    ref = pipeline_reference(stack, text=TEXT, speaker="chelsie", max_tokens=6, min_tokens=6, max_frames=9,
+                             min_frames=9, encoding=pb.AUDIO_PCM16)
+    assert [i for t in text for i in t.token_ids] == ref.text_ids
+    assert "".join(t.text for t in text) == ref.text
+    ref_pcm = (np.clip(ref.audio, -1, 1) * 32767).round().astype("<i2")
+    got_pcm = np.frombuffer(b"".join(a.data for a in audio), dtype="<i2")
+    assert got_pcm.shape == ref_pcm.shape and np.abs(got_pcm.astype(int) - ref_pcm).max() <= 1
+
+
+def test_float32_audio_and_text_only_modality(channel):
+    _, audio, done = split(converse(channel, start(text=TEXT, max_tokens=4, max_frames=6, ignore_eos=True,
+                                                   audio_encoding=pb.AUDIO_FLOAT32)))
+    assert check_audio_chunks(audio, pb.AUDIO_FLOAT32) == 1920 * 5 - 555
+    samples = np.frombuffer(b"".join(a.data for a in audio), dtype="<f4")
+    assert np.isfinite(samples).all() and np.abs(samples).max() <= 1.0 and np.abs(samples).max() > 0
+
+    text, audio, done = split(converse(channel, start(text=TEXT, max_tokens=5, ignore_eos=True,
+                                                      output_modalities=[gw.MODALITY_TEXT])))
+    assert not audio and sum(len(t.token_ids) for t in text) == 5
+    assert done.audio_finish == pb.FINISH_REASON_UNSPECIFIED and done.usage.audio_samples == 0
+
+
+# ----------------------------------------------------------------------------- audio in
+
+def test_audio_in_as_pcm16_or_wav_is_the_same_prompt(channel):
+    clip = tone(1.2, 24000)
+    as_pcm = gw.AudioInput(pcm16=gw.Pcm16Audio(data=pcm16_bytes(clip), sample_rate=24000))
+    as_wav = gw.AudioInput(wav=wav_file(clip, 24000))
+    results = []
+    for audio_in in (as_pcm, as_wav):
+        text, audio, done = split(converse(channel, start(audio=[audio_in], text="What is this sound?",
+                                                          max_tokens=4, max_frames=6, ignore_eos=True)))
+        results.append(([i for t in text for i in t.token_ids], done.usage.prompt_tokens))
+        assert check_audio_chunks(audio, pb.AUDIO_PCM16) == 1920 * 5 - 555
+    text_only = split(converse(channel, start(text="What is this sound?", max_tokens=1,
+                                              output_modalities=[gw.MODALITY_TEXT])))[2]
+    assert results[0] == results[1]
+    assert results[0][1] > text_only.usage.prompt_tokens + 10      # the clip's audio placeholders
+
+    # audio alone (no text) is a valid turn
+    text, _, done = split(converse(channel, start(audio=[as_pcm], max_tokens=3, ignore_eos=True,
+                                                  output_modalities=[gw.MODALITY_TEXT])))
+    assert done.usage.completion_tokens == 3
+
+
+# ----------------------------------------------------------------------------- cancel
+
+def test_cancel_message_ends_the_turn_and_frees_every_stage(channel, stack):
+    before = cancelled_streams(stack)
+    requests: queue.Queue = queue.Queue()
+    requests.put(start(text=TEXT, max_tokens=8, max_frames=12, ignore_eos=True))
+
+    def request_stream():
+        while (item := requests.get()) is not None:
+            yield item
+
+    got = []
+    for resp in gw_grpc.GatewayStub(channel).Converse(request_stream(), timeout=120):
+        got.append(resp)
+        if len(got) == 1:                      # the first text delta: cancel while everything still runs
+            assert resp.WhichOneof("kind") == "text"
+            requests.put(gw.ConverseRequest(cancel=pb.Cancel()))
+            requests.put(None)
+    text, audio, done = split(got)
+    assert done.text_finish == pb.CANCELLED and done.audio_finish == pb.CANCELLED
+    assert check_audio_chunks(audio, pb.AUDIO_PCM16) < 1920 * 11 - 555
+    assert wait_all_free(stack) == {s: 0 for s in STAGES}
+    after = cancelled_streams(stack)
+    assert after["talker"] == before["talker"] + 1 and after["code2wav"] == before["code2wav"] + 1, (before, after)
+
+
+def test_client_cancelling_the_call_frees_every_stage(channel, stack):
+    before = cancelled_streams(stack)
+    call = gw_grpc.GatewayStub(channel).Converse(iter([start(text=TEXT, max_tokens=8, max_frames=12,
+                                                             ignore_eos=True)]), timeout=120)
+    first = next(call)
+    assert first.WhichOneof("kind") == "text"
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert wait_all_free(stack) == {s: 0 for s in STAGES}
+    after = cancelled_streams(stack)
+    assert after["talker"] == before["talker"] + 1 and after["code2wav"] == before["code2wav"] + 1, (before, after)
+    # and the gateway still serves
+    assert split(converse(channel, start(text=TEXT, max_tokens=2, output_modalities=[gw.MODALITY_TEXT])))[2]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD = [
+    ([], "the first message must be start"),
+    ([gw.ConverseRequest(cancel=pb.Cancel())], "the first message must be start"),
+    ([start()], "the turn is empty"),
+    ([start(text="hi", voice="nobody")], "unknown voice 'nobody'"),
+    ([start(audio=[gw.AudioInput(pcm16=gw.Pcm16Audio(data=b"\x01\x02\x03", sample_rate=16000))])],
+     "odd number of bytes"),
+    ([start(audio=[gw.AudioInput(pcm16=gw.Pcm16Audio(data=b"\x01\x02", sample_rate=0))])], "sample_rate"),
+    ([start(audio=[gw.AudioInput(wav=b"RIFF this is not a wav file")])], "audio[0].wav"),
+    ([start(audio=[gw.AudioInput()])], "audio[0] needs pcm16 or wav"),
+    ([start(text="hi", ignore_eos=True)], "ignore_eos needs max_tokens"),
+    ([start(text="hi", output_modalities=[gw.MODALITY_UNSPECIFIED])], "output_modalities"),
+    ([start(text="hi", audio_encoding=7)], "audio_encoding"),
+    ([start(text="hi", sampling=pb.Sampling(temperature=5.0))], "temperature"),
+    ([start(text="hi", max_tokens=2, min_tokens=3)], "min_tokens 3 > max_tokens 2"),
+    ([start(text="hi", max_tokens=2), start(text="again")], "unexpected start after start"),
+]
+
+
+@pytest.mark.parametrize("requests,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_is_invalid_argument(channel, requests, message):
+    with pytest.raises(grpc.RpcError) as err:
+        converse(channel, *requests)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert message in err.value.details()
+
+
+def test_a_stage_refusal_is_its_status_with_the_stage_named(channel):
+    # the thinker's context is 4096 tokens: a longer max_tokens is the thinker's INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        converse(channel, start(text="hi", max_tokens=100000))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("thinker: ") and "exceeds the context" in err.value.details()
+
+
+def test_health_and_reflection(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "voxpipe.v1.Gateway"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    [resp] = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                            timeout=5))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"voxpipe.v1.Gateway", "grpc.health.v1.Health"} <= names
+
+
+# ----------------------------------------------------------------------------- a Node.js client
+
+@pytest.fixture(scope="module")
+def node_client(tmp_path_factory) -> Path:
+    """tests/node installed (npm install) into a temporary folder."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are not installed")
+    workdir = tmp_path_factory.mktemp("node-client")
+    for name in ("package.json", "converse.js"):
+        shutil.copy(NODE_CLIENT / name, workdir / name)
+    proc = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=workdir,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        out = proc.stdout + proc.stderr
+        unreachable = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "ECONNRESET", "network")
+        if any(s in out for s in unreachable):
+            pytest.skip(f"the npm registry is unreachable: {out.strip()[-300:]}")
+        raise AssertionError(f"npm install failed:\n{out}")
+    return workdir
+
+
+def test_node_client_converses(converse_gateway, node_client):
+    max_frames = 9
+    proc = subprocess.run(["node", "converse.js", converse_gateway, "--text", TEXT, "--voice", "aiden",
+                           "--max-tokens", "5", "--max-frames", str(max_frames), "--proto-root", str(ROOT / "proto")],
+                          cwd=node_client, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    frames = summary["usage"]["audio_frames"]
+    assert 1 <= frames <= max_frames - 1
+    assert summary["audio_samples"] == 1920 * frames - 555 == int(summary["usage"]["audio_samples"])
+    assert summary["sample_rate"] == 24000 and summary["chunks"] >= 1 and summary["first_offsets_ok"]
+    assert summary["token_count"] >= 1 and summary["text_finish"] in ("STOP", "LENGTH")
+    assert summary["audio_finish"] in ("STOP", "LENGTH") and summary["request_id"]
+
+
+def test_node_client_reports_invalid_argument(converse_gateway, node_client):
+    proc = subprocess.run(["node", "converse.js", converse_gateway, "--voice", "nobody",
+                           "--proto-root", str(ROOT / "proto")],
+                          cwd=node_client, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "INVALID_ARGUMENT" in proc.stderr and "unknown voice 'nobody'" in proc.stderr

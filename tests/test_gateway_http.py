@@ -1,0 +1,367 @@
+"""The gateway's OpenAI-compatible HTTP API, driven by the unmodified `openai` SDK (and raw httpx
+where the SDK hides the wire), against real gateway and stage processes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile
+
+from conftest import STAGES, GatewayProcess, free_port
+from voxpipe.audio import resample
+from voxpipe.client import AudioEvent, PipelineClient, SpeechRequest, TextEvent
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
+
+MODEL = "tiny-checkpoint"          # the strict gateway's --served-model-name
+GREEDY = {"temperature": 0, "max_tokens": 6}
+FORCED = {"ignore_eos": True, "max_audio_frames": 10}   # 9 frames (max_new_tokens semantics)
+SAMPLES_PER_FRAME, FIRST_CHUNK_SHORTFALL = 1920, 555
+
+
+@pytest.fixture(scope="module")
+def client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(gateway) -> str:
+    return httpx.get(f"{gateway.base_url}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def strict_gateway(stack, tiny_model_dir):
+    """API key, one session at a time, 64 KB bodies, and a code2wav address nobody listens on."""
+    gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("talker"), f"127.0.0.1:{free_port()}",
+                        "--api-key", "sesame", "--max-sessions", "1", "--max-body-mb", "0.0625",
+                        "--served-model-name", MODEL)
+    yield gw
+    gw.stop()
+
+
+def pipeline_result(stack, prompt, **kw):
+    """What the pipeline client makes for the same request (the reference for the gateway)."""
+    async def go():
+        async with PipelineClient(*(stack.address(s) for s in STAGES)) as pc:
+            text, pcm = "", bytearray()
+            async for ev in pc.stream(SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features,
+                                                    **kw)):
+                if isinstance(ev, TextEvent):
+                    text += ev.text
+                elif isinstance(ev, AudioEvent):
+                    pcm += ev.data
+            return text, np.frombuffer(bytes(pcm), dtype="<i2")
+    return asyncio.run(go())
+
+
+def encoded_base64(samples: np.ndarray, rate: int, fmt: str) -> str:
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, rate, format=fmt.upper(), subtype={"wav": "PCM_16", "mp3": "MPEG_LAYER_III"}[fmt])
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# ----------------------------------------------------------------------------- the happy paths
+
+def test_models_health_and_ready(gateway, tiny_model_dir):
+    models = httpx.get(f"{gateway.base_url}/v1/models").json()
+    assert models["object"] == "list"
+    [m] = models["data"]
+    assert m["id"] == tiny_model_dir.name and m["object"] == "model" and m["owned_by"] and m["created"] > 0
+    assert httpx.get(f"{gateway.base_url}/health").status_code == 200
+    ready = httpx.get(f"{gateway.base_url}/ready")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+
+
+def test_chat_audio_wav(client, model):
+    resp = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "wav"}, extra_body=FORCED, **GREEDY)
+    msg = resp.choices[0].message
+    assert resp.object == "chat.completion" and msg.role == "assistant" and msg.content is None
+    assert msg.audio.id.startswith("audio_") and msg.audio.expires_at > time.time()
+    assert len(msg.audio.transcript) > 0
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(msg.audio.data)), dtype="int16")
+    frames = resp.usage.completion_tokens_details.audio_tokens
+    assert rate == 24000 and samples.ndim == 1
+    assert frames == 9 and samples.shape[0] == SAMPLES_PER_FRAME * frames - FIRST_CHUNK_SHORTFALL
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens_details.text_tokens == 6
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_stream_pcm16_equals_pipeline_client(client, model, stack, tokenizer, omni_config):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about rivers."}]
+    stream = client.chat.completions.create(
+        model=model, messages=messages, modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+        stream=True, stream_options={"include_usage": True}, extra_body=FORCED, **GREEDY)
+    pcm, transcript, ids, expiries, finish, usage = bytearray(), "", set(), [], None, None
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            audio = choice.delta.audio
+            if audio is None:
+                continue
+            if audio.id:
+                ids.add(audio.id)
+            if audio.expires_at:
+                expiries.append(audio.expires_at)
+            pcm += base64.b64decode(audio.data or "")
+            transcript += audio.transcript or ""
+    prompt = render(tokenizer, omni_config.thinker, [ChatMessage.text("system", "Be brief."),
+                                                     ChatMessage.text("user", "Tell me about rivers.")])
+    ref_text, ref_pcm = pipeline_result(stack, prompt, speaker="ethan", max_tokens=6, min_tokens=6, max_frames=10,
+                                        min_frames=10)
+    got = np.frombuffer(bytes(pcm), dtype="<i2")
+    assert got.shape[0] == SAMPLES_PER_FRAME * 9 - FIRST_CHUNK_SHORTFALL
+    assert np.array_equal(got, ref_pcm)
+    assert transcript == ref_text and len(ids) == 1 and len(expiries) == 1
+    assert finish == "length" and usage.completion_tokens_details.audio_tokens == 9
+
+
+def test_chat_text_only_stream_equals_pipeline_client(client, model, stack, tokenizer, omni_config):
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Just text."}],
+                                            stream=True, temperature=0, max_completion_tokens=5,
+                                            extra_body={"ignore_eos": True})
+    pieces, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert choice.delta.audio is None
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    prompt = render(tokenizer, omni_config.thinker, [ChatMessage.text("user", "Just text.")])
+    ref_text, ref_pcm = pipeline_result(stack, prompt, audio=False, max_tokens=5, min_tokens=5)
+    assert "".join(pieces) == ref_text and ref_pcm.size == 0 and finish == "length"
+    assert sum(1 for p in pieces if p) >= 2       # streamed piece by piece
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3"])
+def test_chat_input_audio_part(client, model, stack, tokenizer, omni_config, tiny_model_dir, fmt):
+    rate = 22050
+    t = np.arange(int(0.8 * rate)) / rate
+    clip = (0.3 * np.sin(2 * np.pi * 330 * t)).astype(np.float32)
+    data = encoded_base64(clip, rate, fmt)
+    resp = client.chat.completions.create(
+        model=model, max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": data, "format": fmt}},
+                                               {"type": "text", "text": "What is this sound?"}]}])
+    # the same clip as the gateway sees it: decoded, resampled to 16 kHz
+    decoded, _ = soundfile.read(io.BytesIO(base64.b64decode(data)), dtype="float32")
+    prompt = render(tokenizer, omni_config.thinker,
+                    [ChatMessage("user", [ChatPart(audio=resample(decoded, rate, 16000)),
+                                          ChatPart(text="What is this sound?")])],
+                    FeatureExtractor(str(tiny_model_dir)))
+    ref_text, _ = pipeline_result(stack, prompt, audio=False, max_tokens=4)
+    assert resp.choices[0].message.content == ref_text
+    assert resp.usage.prompt_tokens == len(prompt.token_ids)
+    assert resp.usage.prompt_tokens_details.audio_tokens > 0
+
+
+def test_multi_turn_refers_to_earlier_audio_by_id(client, model, gateway):
+    first = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi!"}], modalities=["text", "audio"],
+        audio={"voice": "aiden", "format": "flac"}, max_tokens=4, temperature=0, extra_body={"max_audio_frames": 4})
+    audio = first.choices[0].message.audio
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(audio.data)))
+    assert rate == 24000 and samples.size > 0
+    follow_up = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "audio": {"id": audio.id}},
+                 {"role": "user", "content": "Again?"}]
+    second = client.chat.completions.create(model=model, messages=follow_up, max_tokens=4, temperature=0)
+    # the earlier reply's transcript is part of the prompt: same prompt as sending that text
+    as_text = [follow_up[0], {"role": "assistant", "content": audio.transcript}, follow_up[2]]
+    third = client.chat.completions.create(model=model, messages=as_text, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens == third.usage.prompt_tokens
+    assert second.choices[0].message.content == third.choices[0].message.content
+
+
+def test_speech_wav(client, model):
+    resp = client.audio.speech.create(model=model, voice="Aiden", input="Read this aloud.", response_format="wav",
+                                      extra_body={"max_tokens": 4, "max_audio_frames": 8, "ignore_eos": True,
+                                                  "temperature": 0})
+    assert resp.response.headers["content-type"].startswith("audio/wav")
+    samples, rate = soundfile.read(io.BytesIO(resp.content), dtype="int16")
+    assert rate == 24000 and samples.shape[0] == SAMPLES_PER_FRAME * 7 - FIRST_CHUNK_SHORTFALL
+
+
+def test_speech_sse_equals_pcm_stream(gateway, model):
+    body = {"model": model, "voice": "chelsie", "input": "Stream this.", "response_format": "pcm", "max_tokens": 4,
+            "max_audio_frames": 8, "ignore_eos": True, "temperature": 0}
+    raw = httpx.post(f"{gateway.base_url}/v1/audio/speech", json=body, timeout=60)
+    assert raw.status_code == 200 and raw.headers["content-type"] == "audio/pcm"
+    events = []
+    with httpx.stream("POST", f"{gateway.base_url}/v1/audio/speech", json={**body, "stream_format": "sse"},
+                      timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) >= 2 and events[-1]["type"] == "speech.audio.done"
+    usage = events[-1]["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"] > 0
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert pcm == raw.content and len(pcm) == 2 * (SAMPLES_PER_FRAME * 7 - FIRST_CHUNK_SHORTFALL)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def post(gateway, path: str, content: bytes | str, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{gateway.base_url}{path}", content=content,
+                      headers={"content-type": "application/json", **(headers or {})}, timeout=60)
+
+
+def assert_openai_error(resp: httpx.Response, status: int, pattern: str) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert re.search(pattern, err["message"]), err["message"]
+    return err
+
+
+def chat_body(model: str, **kw) -> str:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw})
+
+
+def test_bad_json(gateway):
+    assert_openai_error(post(gateway, "/v1/chat/completions", "{not json"), 400, "not valid JSON")
+
+
+def test_unknown_voice_names_the_valid_ones(gateway, model):
+    body = chat_body(model, modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+    err = assert_openai_error(post(gateway, "/v1/chat/completions", body), 400, "alloy")
+    assert all(v in err["message"] for v in ("aiden", "chelsie", "ethan")) and err["param"] == "audio.voice"
+    speech = json.dumps({"model": model, "input": "hi", "voice": "nova"})
+    assert_openai_error(post(gateway, "/v1/audio/speech", speech), 400, "chelsie")
+
+
+def test_unknown_model(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="gpt-4o-audio-preview", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 400 and e.value.code == "model_not_found"
+
+
+def test_bad_base64_and_undecodable_audio(gateway, model):
+    for data, pattern in (("%%% not base64 %%%", "base64"), (base64.b64encode(b"hello, not audio").decode(),
+                                                             "could not decode")):
+        part = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": [part]}]})
+        err = assert_openai_error(post(gateway, "/v1/chat/completions", body), 400, pattern)
+        assert err["param"] == "messages[0].content[0].input_audio.data"
+
+
+def test_unknown_audio_id(gateway, model):
+    body = json.dumps({"model": model, "messages": [{"role": "assistant", "audio": {"id": "audio_123"}},
+                                                     {"role": "user", "content": "and?"}]})
+    assert_openai_error(post(gateway, "/v1/chat/completions", body), 400, "audio_123")
+
+
+def test_streaming_needs_pcm16(client, model):
+    with pytest.raises(openai.BadRequestError, match="pcm16"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], stream=True,
+                                       modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+
+
+def test_bad_sampling_parameters(gateway, model):
+    assert_openai_error(post(gateway, "/v1/chat/completions", chat_body(model, temperature=7)), 400, "temperature")
+    assert_openai_error(post(gateway, "/v1/chat/completions", chat_body(model, max_tokens=0)), 400, "max_tokens")
+    assert_openai_error(post(gateway, "/v1/chat/completions", chat_body(model, max_tokens=100000)), 400, "context")
+
+
+def test_api_key(strict_gateway):
+    url = f"{strict_gateway.base_url}/v1/models"
+    assert_openai_error(httpx.get(url), 401, "API key")
+    assert_openai_error(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401, "API key")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{strict_gateway.base_url}/v1", api_key="wrong", max_retries=0).models.list()
+    sdk = openai.OpenAI(base_url=f"{strict_gateway.base_url}/v1", api_key="sesame", max_retries=0)
+    assert [m.id for m in sdk.models.list()] == [MODEL]
+    assert httpx.get(f"{strict_gateway.base_url}/health").status_code == 200    # probes need no key
+
+
+def test_oversize_body(strict_gateway):
+    body = chat_body(MODEL, user="x" * 100_000)
+    resp = post(strict_gateway, "/v1/chat/completions", body, {"Authorization": "Bearer sesame"})
+    assert_openai_error(resp, 413, "exceeds")
+
+
+def test_too_many_sessions(strict_gateway):
+    async def burst():
+        async with httpx.AsyncClient(timeout=60, headers={"Authorization": "Bearer sesame"}) as http:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                    "ignore_eos": True}
+            return await asyncio.gather(*(http.post(f"{strict_gateway.base_url}/v1/chat/completions", json=body)
+                                          for _ in range(4)))
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses[0] == 200 and statuses[-1] == 429, statuses
+    limited = next(r for r in responses if r.status_code == 429)
+    assert_openai_error(limited, 429, "concurrent sessions")
+
+
+def test_stage_down_is_503(strict_gateway):
+    sdk = openai.OpenAI(base_url=f"{strict_gateway.base_url}/v1", api_key="sesame", max_retries=0)
+    audio = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], modalities=["text", "audio"],
+                 audio={"voice": "ethan", "format": "pcm16"}, max_tokens=2, extra_body={"max_audio_frames": 3})
+    with pytest.raises(openai.APIStatusError) as e:
+        sdk.chat.completions.create(**audio)
+    assert e.value.status_code == 503 and "code2wav" in e.value.message
+    with pytest.raises(openai.APIError, match="code2wav"):
+        for _ in sdk.chat.completions.create(**audio, stream=True):
+            pass
+    ready = httpx.get(f"{strict_gateway.base_url}/ready")
+    assert ready.status_code == 503 and ready.json()["ready"] is False
+
+
+# ----------------------------------------------------------------------------- disconnects and metrics
+
+def stage_metric(stack, stage: str, name: str = "voxpipe_active_streams", labels: str = "") -> float:
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports[stage]}/metrics").text
+    m = re.search(rf'^{name}{{{labels}stage="{stage}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def cancelled_streams(stack) -> float:
+    return sum(stage_metric(stack, s, "voxpipe_streams_total", 'outcome="cancelled",') for s in STAGES)
+
+
+def test_disconnect_mid_stream_frees_every_stage(gateway, model, stack):
+    body = {"model": model, "messages": [{"role": "user", "content": "Talk for a while."}],
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "stream": True,
+            "max_tokens": 8, "max_audio_frames": 12, "ignore_eos": True}
+    cancelled_before = cancelled_streams(stack)
+    with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"data":' in line:      # the first audio chunk
+                break
+    deadline = time.monotonic() + 5
+    while any(stage_metric(stack, s) for s in STAGES) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [stage_metric(stack, s) for s in STAGES] == [0, 0, 0]
+    # cancelled, not run to the end: (at least) code2wav still had frames to decode
+    assert cancelled_streams(stack) > cancelled_before
+    metrics = httpx.get(f"{gateway.base_url}/metrics").text
+    assert re.search(r"^voxpipe_gateway_active_streams 0\.0$", metrics, re.M)
+
+
+def test_gateway_metrics(gateway, client, model):
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                   modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+                                   extra_body={"max_audio_frames": 3})
+    text = httpx.get(f"{gateway.base_url}/metrics").text
+    assert re.search(r'^voxpipe_gateway_requests_total\{route="/v1/chat/completions",status="200"\} [1-9]', text,
+                     re.M)
+    for name in ("voxpipe_gateway_audio_ttfp_seconds_count", "voxpipe_gateway_audio_rtf_count"):
+        assert float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)) >= 1
+    for stage in STAGES:
+        assert re.search(rf'^voxpipe_gateway_stage_first_output_seconds_count\{{stage="{stage}"\}} [1-9]', text, re.M)

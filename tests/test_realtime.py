@@ -1,0 +1,456 @@
+"""The realtime voice API (`/v1/realtime` WebSocket, OpenAI's Realtime protocol) on the real
+gateway process in front of the session's three stage processes, driven by a plain `websockets`
+client. Every server event is checked against the `openai` SDK's types for its dialect; replies
+are compared with what the pipeline client makes for the same prompt; spoken input is real
+speech from espeak-ng."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import typing
+
+from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
+from openai.types.realtime import RealtimeServerEvent
+from websockets.asyncio.client import connect
+
+from conftest import STAGES, GatewayProcess
+from voxpipe.audio import read_wav, resample
+from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, SpeechRequest, TextEvent
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
+from voxpipe.v1 import stages_pb2 as pb
+
+RATE = 24000
+MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}, "temperature": 0}
+SERVER_VAD = {"type": "realtime", "temperature": 0,
+              "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}   # OpenAI's defaults
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _event_types(union) -> dict[str, type]:
+    """The SDK's server event union -> {event type: its pydantic model}."""
+    members = typing.get_args(typing.get_args(union)[0] if typing.get_origin(union) is typing.Annotated else union)
+    return {name: m for m in members for name in typing.get_args(m.model_fields["type"].annotation)}
+
+
+GA_EVENTS, BETA_EVENTS = _event_types(RealtimeServerEvent), _event_types(BetaServerEvent)
+
+
+def check_event(event: dict, beta: bool) -> None:
+    """The event is one the SDK knows, in the shape its types describe."""
+    table = BETA_EVENTS if beta else GA_EVENTS
+    assert event["type"] in table, f"{event['type']} is not a {'beta' if beta else 'GA'} server event"
+    if beta and event["type"] in ("session.created", "session.updated"):
+        # the beta types list OpenAI's model names only; ours is the checkpoint's
+        event = {**event, "session": {k: v for k, v in event["session"].items() if k != "model"}}
+    table[event["type"]].model_validate(event)
+
+
+class Realtime:
+    """One WebSocket session; every event received is validated against the SDK's types."""
+
+    def __init__(self, ws, beta: bool) -> None:
+        self.ws, self.beta, self.seen = ws, beta, []
+
+    async def send(self, type: str, **fields) -> None:
+        await self.ws.send(json.dumps({"type": type, **fields}))
+
+    async def recv(self, timeout: float = 60) -> dict:
+        event = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+        check_event(event, self.beta)
+        self.seen.append(event)
+        return event
+
+    async def until(self, type: str, timeout: float = 60) -> list[dict]:
+        """Events up to and including the next one of `type`."""
+        events = []
+        deadline = time.monotonic() + timeout
+        while True:
+            events.append(await self.recv(max(0.1, deadline - time.monotonic())))
+            if events[-1]["type"] == type:
+                return events
+
+    async def update(self, **session) -> dict:
+        await self.send("session.update", session=session)
+        return (await self.until("session.updated"))[-1]["session"]
+
+
+class session:
+    def __init__(self, gateway, beta: bool = False, query: str = "", headers: dict | None = None) -> None:
+        self.url = f"ws://127.0.0.1:{gateway.port}/v1/realtime{query}"
+        self.headers = dict(headers or {}, **({"OpenAI-Beta": "realtime=v1"} if beta else {}))
+        self.beta = beta
+
+    async def __aenter__(self) -> Realtime:
+        self.cm = connect(self.url, additional_headers=self.headers, max_size=None)
+        rt = Realtime(await self.cm.__aenter__(), self.beta)
+        created = await rt.recv()
+        assert created["type"] == "session.created"
+        return rt
+
+    async def __aexit__(self, *exc) -> None:
+        await self.cm.__aexit__(*exc)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def of(events: list[dict], type: str) -> list[dict]:
+    return [e for e in events if e["type"] == type]
+
+
+def pcm16_base64(samples: np.ndarray) -> str:
+    return base64.b64encode((np.clip(samples, -1, 1) * 32767).round().astype("<i2").tobytes()).decode()
+
+
+def decoded(deltas: list[dict]) -> np.ndarray:
+    return np.frombuffer(b"".join(base64.b64decode(d["delta"]) for d in deltas), dtype="<i2")
+
+
+def speech(text: str) -> np.ndarray:
+    """Real speech from espeak-ng, as 24 kHz float32."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install -y espeak-ng); it makes the spoken input")
+    wav = subprocess.run(["espeak-ng", "--stdout", "-s", "160", text], check=True, capture_output=True).stdout
+    x, rate = read_wav(wav)
+    return resample(x, rate, RATE)
+
+
+async def stream_audio(rt: Realtime, audio: np.ndarray, chunk_ms: int = 40) -> None:
+    step = RATE * chunk_ms // 1000
+    for i in range(0, len(audio), step):
+        await rt.send("input_audio_buffer.append", audio=pcm16_base64(audio[i:i + step]))
+
+
+def active_streams(stack) -> dict[str, float]:
+    out = {}
+    for stage in STAGES:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports[stage]}/metrics", timeout=5).read()
+        m = re.search(rf'^voxpipe_active_streams\{{stage="{stage}"\}} (\S+)$', body.decode(), re.M)
+        out[stage] = float(m.group(1))
+    return out
+
+
+def assert_stages_idle(stack, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while (streams := active_streams(stack)) != {s: 0.0 for s in STAGES}:
+        assert time.monotonic() < deadline, f"streams still active in the stages: {streams}"
+        time.sleep(0.1)
+
+
+def reference(stack, tokenizer, omni_config, messages: list[ChatMessage], **kw):
+    """(text, pcm16 samples, DoneEvent) the pipeline client makes for the same prompt."""
+    prompt = render(tokenizer, omni_config.thinker, messages)
+
+    async def go():
+        async with PipelineClient(*(stack.address(s) for s in STAGES)) as pc:
+            text, pcm, done = "", bytearray(), None
+            async for ev in pc.stream(SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features,
+                                                    encoding=pb.AUDIO_PCM16, **kw)):
+                if isinstance(ev, TextEvent):
+                    text += ev.text
+                elif isinstance(ev, AudioEvent):
+                    pcm += ev.data
+                elif isinstance(ev, DoneEvent):
+                    done = ev
+            return text, np.frombuffer(bytes(pcm), dtype="<i2"), done
+    return run(go())
+
+
+def expected_status(done: DoneEvent) -> str:
+    return "incomplete" if done.text_finish == pb.LENGTH else "completed"
+
+
+async def text_turn(rt: Realtime, text: str, **response) -> list[dict]:
+    await rt.send("conversation.item.create",
+                  item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+    await rt.until("conversation.item.created" if rt.beta else "conversation.item.done")
+    await rt.send("response.create", response=response)
+    return await rt.until("response.done")
+
+
+# ----------------------------------------------------------------------------- turns
+
+def test_text_turn_speaks_what_the_pipeline_makes(gateway, stack, tokenizer, omni_config):
+    text = "Hello there, how are you?"
+
+    async def go():
+        async with session(gateway) as rt:
+            s = await rt.update(**MANUAL, max_audio_frames=10, voice="chelsie")
+            assert s["audio"]["input"]["turn_detection"] is None and s["audio"]["output"]["voice"] == "chelsie"
+            return await text_turn(rt, text, max_output_tokens=6)
+
+    events = run(go())
+    ref_text, ref_pcm, ref_done = reference(stack, tokenizer, omni_config, [ChatMessage.text("user", text)],
+                                            speaker="chelsie", max_tokens=6, max_frames=10)
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.output_item.added", "conversation.item.added",
+                         "response.content_part.added"], kinds
+    audio, transcript = of(events, "response.output_audio.delta"), of(events, "response.output_audio_transcript.delta")
+    assert audio and transcript
+    assert "".join(d["delta"] for d in transcript) == ref_text
+    assert np.array_equal(decoded(audio), ref_pcm)
+    assert of(events, "response.output_audio_transcript.done")[0]["transcript"] == ref_text
+    done = events[-1]["response"]
+    assert done["status"] == expected_status(ref_done)
+    if done["status"] == "incomplete":
+        assert done["status_details"]["reason"] == "max_output_tokens"
+    item = done["output"][0]
+    assert item["role"] == "assistant" and item["content"][0] == {"type": "output_audio", "transcript": ref_text}
+    assert done["usage"]["output_token_details"] == {"text_tokens": ref_done.completion_tokens,
+                                                     "audio_tokens": ref_done.frames}
+    assert done["usage"]["input_tokens"] == ref_done.prompt_tokens
+
+
+def test_text_only_reply_in_the_beta_dialect(gateway, stack, tokenizer, omni_config):
+    async def go():
+        async with session(gateway, beta=True) as rt:
+            s = await rt.update(modalities=["text"], turn_detection=None, temperature=0,
+                                instructions="Be brief.")
+            assert s["modalities"] == ["text"] and s["turn_detection"] is None
+            return await text_turn(rt, "Tell me a story.", max_response_output_tokens=5)
+
+    events = run(go())
+    ref_text, _, ref_done = reference(stack, tokenizer, omni_config,
+                                      [ChatMessage.text("system", "Be brief."), ChatMessage.text("user", "Tell me a story.")],
+                                      audio=False, max_tokens=5)
+    assert not of(events, "response.audio.delta") and not of(events, "response.output_audio.delta")
+    assert "".join(d["delta"] for d in of(events, "response.text.delta")) == ref_text
+    assert of(events, "response.text.done")[0]["text"] == ref_text
+    assert of(events, "conversation.item.created")
+    assert events[-1]["response"]["output"][0]["content"][0] == {"type": "text", "text": ref_text}
+
+
+def test_spoken_turn_with_server_vad(gateway, stack, tokenizer, omni_config, tiny_model_dir):
+    words = speech("What is the weather like today?")
+    lead = np.zeros(RATE * 3 // 10, np.float32)
+    stream = np.concatenate([lead, words, np.zeros(RATE, np.float32)])
+
+    async def go():
+        async with session(gateway) as rt:
+            s = await rt.update(**SERVER_VAD, max_output_tokens=4, max_audio_frames=8)
+            assert s["audio"]["input"]["turn_detection"] == {
+                "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+                "create_response": True, "interrupt_response": True}
+            await stream_audio(rt, stream, chunk_ms=40)
+            return await rt.until("response.done")
+
+    events = run(go())
+    kinds = [e["type"] for e in events]
+    order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+             "input_audio_buffer.committed", "conversation.item.added", "response.created", "response.done"]
+    assert [kinds.index(k) for k in order] == sorted(kinds.index(k) for k in order), kinds
+    started, stopped = of(events, "input_audio_buffer.speech_started")[0], of(events, "input_audio_buffer.speech_stopped")[0]
+    voiced = np.flatnonzero(np.abs(stream) > 0.02)            # espeak pads its output with some silence
+    onset_ms, speech_end_ms = voiced[0] * 1000 // RATE, voiced[-1] * 1000 // RATE
+    assert onset_ms - 300 - 64 <= started["audio_start_ms"] <= onset_ms   # 300 ms of padding before the speech
+    assert speech_end_ms + 400 <= stopped["audio_end_ms"] <= speech_end_ms + 800   # after 500 ms of silence
+    assert of(events, "input_audio_buffer.committed")[0]["item_id"] == started["item_id"] == stopped["item_id"]
+    user = of(events, "conversation.item.added")[0]["item"]
+    assert user["role"] == "user" and user["content"] == [{"type": "input_audio", "transcript": None}]
+    assert of(events, "response.output_audio.delta")
+
+    # the thinker heard exactly the utterance: the same reply as the pipeline for those samples
+    clip = stream[started["audio_start_ms"] * RATE // 1000:stopped["audio_end_ms"] * RATE // 1000]
+    features = FeatureExtractor(str(tiny_model_dir))(resample(clip, RATE, 16000))
+    ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, [ChatMessage("user", [ChatPart(features=features)])],
+                                     max_tokens=4, max_frames=8)
+    assert "".join(d["delta"] for d in of(events, "response.output_audio_transcript.delta")) == ref_text
+    assert np.array_equal(decoded(of(events, "response.output_audio.delta")), ref_pcm)
+
+
+def test_manual_commit_then_multi_turn(gateway, stack, tokenizer, omni_config, tiny_model_dir):
+    """Without VAD: commit, reply, then a second text turn whose prompt holds the first turn's
+    audio (re-encoded from stored features) and the assistant's reply text."""
+    words = speech("Good morning.")
+
+    async def go():
+        async with session(gateway) as rt:
+            await rt.update(**MANUAL, max_audio_frames=6)
+            await stream_audio(rt, words, chunk_ms=100)
+            await rt.send("input_audio_buffer.commit")
+            committed = await rt.until("conversation.item.done")
+            assert of(committed, "input_audio_buffer.committed")
+            await rt.send("input_audio_buffer.commit")          # nothing left
+            error = (await rt.until("error"))[-1]["error"]
+            assert error["code"] == "input_audio_buffer_commit_empty"
+            await rt.send("response.create", response={"max_output_tokens": 3})
+            first = await rt.until("response.done")
+            second = await text_turn(rt, "And then?", max_output_tokens=4)
+            return first, second
+
+    first, second = run(go())
+    first_text = first[-1]["response"]["output"][0]["content"][0]["transcript"]
+    features = FeatureExtractor(str(tiny_model_dir))(resample(words, RATE, 16000))
+    messages = [ChatMessage("user", [ChatPart(features=features)]), ChatMessage.text("assistant", first_text),
+                ChatMessage.text("user", "And then?")]
+    if not first_text:
+        messages.pop(1)
+    ref_text, _, _ = reference(stack, tokenizer, omni_config, messages, max_tokens=4, max_frames=6)
+    assert second[-1]["response"]["output"][0]["content"][0]["transcript"] == ref_text
+
+
+# ----------------------------------------------------------------------------- interruptions
+
+def test_barge_in_cancels_and_truncates_to_what_was_sent(gateway, stack):
+    words = speech("Wait, stop, I have a question.")
+
+    async def go():
+        async with session(gateway) as rt:
+            await rt.update(**SERVER_VAD, max_output_tokens=8, max_audio_frames=8)
+            await rt.send("conversation.item.create", item={"type": "message", "role": "user",
+                                                            "content": [{"type": "input_text", "text": "Talk a while."}]})
+            await rt.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True,
+                                                        "max_audio_frames": 60})
+            before = await rt.until("response.output_audio.delta")
+            await stream_audio(rt, np.concatenate([words, np.zeros(RATE, np.float32)]), chunk_ms=20)
+            events = before + await rt.until("conversation.item.truncated")
+            events += await rt.until("response.done")          # the reply to the interruption
+            item_id = of(events, "response.output_item.added")[0]["item"]["id"]
+            await rt.send("conversation.item.retrieve", item_id=item_id)
+            events += await rt.until("conversation.item.retrieved")
+            return events
+
+    events = run(go())
+    first_id = events[0]["response"]["id"]
+    kinds = [e["type"] for e in events]
+    cancelled = next(e["response"] for e in events if e["type"] == "response.done")
+    assert cancelled["id"] == first_id and cancelled["status"] == "cancelled"
+    assert cancelled["status_details"]["reason"] == "turn_detected"
+    assert kinds.index("input_audio_buffer.speech_started") < kinds.index("response.done")
+    mine = [e for e in events if e.get("response_id") == first_id]
+    heard = decoded(of(mine, "response.output_audio.delta"))
+    assert 0 < len(heard) < 1920 * 59 - 555                     # cut short of the 59 frames asked for
+    truncated = of(events, "conversation.item.truncated")[0]
+    assert truncated["item_id"] == cancelled["output"][0]["id"]
+    assert truncated["audio_end_ms"] == len(heard) * 1000 // RATE
+    said = "".join(d["delta"] for d in of(mine, "response.output_audio_transcript.delta"))
+    assert cancelled["output"][0]["content"][0]["transcript"] == said
+    assert of(events, "conversation.item.retrieved")[0]["item"]["content"][0]["transcript"] == said
+    # the interruption was committed and answered
+    replies = [e["response"] for e in of(events, "response.done") if e["response"]["id"] != first_id]
+    assert replies and replies[0]["status"] in ("completed", "incomplete")
+    assert_stages_idle(stack)
+
+
+def test_response_cancel(gateway, stack):
+    async def go():
+        async with session(gateway) as rt:
+            await rt.update(**MANUAL, max_audio_frames=12)
+            await rt.send("conversation.item.create", item={"type": "message", "role": "user",
+                                                            "content": [{"type": "input_text", "text": "Hi."}]})
+            await rt.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True})
+            await rt.send("response.cancel")
+            events = await rt.until("response.done")
+            await rt.send("response.cancel")                    # nothing in progress any more
+            events += await rt.until("error")
+            return events
+
+    events = run(go())
+    done = of(events, "response.done")[0]["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
+    assert done["output"][0]["status"] == "incomplete"
+    assert events[-1]["error"]["code"] == "response_cancel_not_active"
+    assert_stages_idle(stack)
+
+
+def test_disconnect_mid_reply_frees_the_stages(gateway, stack):
+    async def go():
+        async with session(gateway) as rt:
+            await rt.update(**MANUAL, max_audio_frames=12)
+            await text_turn_started(rt)
+
+    async def text_turn_started(rt):
+        await rt.send("conversation.item.create", item={"type": "message", "role": "user",
+                                                        "content": [{"type": "input_text", "text": "Go on."}]})
+        await rt.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True})
+        await rt.until("response.created")
+
+    run(go())
+    assert_stages_idle(stack)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_events_get_errors_and_the_session_goes_on(gateway):
+    async def go():
+        async with session(gateway) as rt:
+            errors = []
+            await rt.ws.send("{not json")
+            errors.append((await rt.until("error"))[-1]["error"])
+            await rt.send("no.such.event", event_id="evt_1")
+            errors.append((await rt.until("error"))[-1]["error"])
+            await rt.send("input_audio_buffer.append", audio="@@not base64@@", event_id="evt_2")
+            errors.append((await rt.until("error"))[-1]["error"])
+            await rt.send("session.update", session={"type": "realtime", "audio": {"output": {"voice": "nobody"}}})
+            errors.append((await rt.until("error"))[-1]["error"])
+            await rt.send("conversation.item.create", item={"type": "message", "role": "user", "content": []})
+            errors.append((await rt.until("error"))[-1]["error"])
+            await rt.send("conversation.item.truncate", item_id="item_missing", content_index=0, audio_end_ms=0)
+            errors.append((await rt.until("error"))[-1]["error"])
+            await rt.update(**MANUAL, max_audio_frames=4)
+            turn = await text_turn(rt, "Still there?", max_output_tokens=2)
+            return errors, turn
+
+    errors, turn = run(go())
+    assert [e["code"] for e in errors] == ["invalid_json", "unknown_event_type", "invalid_base64", "invalid_value",
+                                           "invalid_value", "item_not_found"]
+    assert errors[1]["event_id"] == "evt_1" and errors[2]["event_id"] == "evt_2"
+    assert all(e["type"] == "invalid_request_error" and e["message"] for e in errors)
+    assert turn[-1]["response"]["status"] in ("completed", "incomplete")
+    assert of(turn, "response.output_audio.delta")
+
+
+def test_unknown_model_is_refused(gateway):
+    async def go():
+        async with connect(f"ws://127.0.0.1:{gateway.port}/v1/realtime?model=gpt-nope") as ws:
+            event = json.loads(await ws.recv())
+            check_event(event, beta=False)
+            await ws.wait_closed()
+            return event, ws.close_code
+
+    event, code = run(go())
+    assert event["type"] == "error" and event["error"]["code"] == "model_not_found"
+    assert code == 1008
+
+
+@pytest.fixture(scope="module")
+def capped_gateway(stack, tiny_model_dir):
+    gw = GatewayProcess(tiny_model_dir, *(stack.address(s) for s in STAGES), "--max-sessions", "1",
+                        "--api-key", "sesame")
+    yield gw
+    gw.stop()
+
+
+def test_session_cap_and_api_key(capped_gateway):
+    from websockets.exceptions import InvalidStatus
+
+    key = {"Authorization": "Bearer sesame"}
+
+    async def go():
+        with pytest.raises(InvalidStatus) as refused:
+            async with session(capped_gateway, headers={"Authorization": "Bearer wrong"}):
+                pass
+        async with session(capped_gateway, headers=key):
+            async with connect(f"ws://127.0.0.1:{capped_gateway.port}/v1/realtime", additional_headers=key) as second:
+                event = json.loads(await second.recv())
+                await second.wait_closed()
+        async with session(capped_gateway, headers=key) as again:       # the slot is free again
+            await again.update(**MANUAL)
+        return refused.value.response.status_code, event, second.close_code
+
+    status, event, code = run(go())
+    assert status == 401
+    assert event["type"] == "error" and event["error"]["type"] == "rate_limit_error"
+    assert code == 1013

@@ -1,0 +1,341 @@
+"""One request is one trace across the gateway and the three stages.
+
+An OTLP/gRPC receiver (the real collector protocol: TraceService/Export) runs in the test on a
+free port; thinker, talker, code2wav and the gateway run as real processes exporting to it
+(configured only by OTEL_* variables). A chat completion with a client `traceparent` must come
+back as spans from all four services in the client's trace, chained gateway -> thinker ->
+talker -> code2wav through the parent links, with per-stage phase spans."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from conftest import STAGES, free_port
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_PARENT_SPAN = "00f067aa0ba902b7"
+SERVICE_NAMES = {"thinker": "test-thinker", "talker": "test-talker", "code2wav": "test-code2wav",
+                 "gateway": "test-gateway"}
+
+
+@dataclass
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: dict
+    status_code: int
+
+
+def _value(v) -> object:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """A minimal OTLP trace collector: keeps every exported span."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self.lock = threading.Lock()
+
+    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context):
+        got = []
+        for rs in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    got.append(ReceivedSpan(
+                        service=str(resource.get("service.name")), name=s.name, trace_id=s.trace_id.hex(),
+                        span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(), kind=s.kind,
+                        start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
+                        attributes={a.key: _value(a.value) for a in s.attributes}, status_code=s.status.code))
+        with self.lock:
+            self.spans.extend(got)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def snapshot(self) -> list[ReceivedSpan]:
+        with self.lock:
+            return list(self.spans)
+
+
+@pytest.fixture(scope="module")
+def otlp_receiver():
+    receiver = OtlpReceiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    receiver.port = port
+    yield receiver
+    server.stop(grace=None)
+
+
+def otel_env(service_name: str, receiver_port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver_port}", OTEL_EXPORTER_OTLP_INSECURE="true",
+               OTEL_BSP_SCHEDULE_DELAY="200", OTEL_SERVICE_NAME=service_name)
+    return env
+
+
+class Processes:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], env: dict[str, str], ready: str, timeout: float = 240.0) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=None, text=True)
+        self.procs.append(proc)
+        deadline = time.monotonic() + timeout
+        while True:
+            line = proc.stdout.readline()
+            if ready in line:
+                break
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"{cmd[3]} exited with code {proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[3]} not ready after {timeout:.0f} s")
+        # keep draining stdout so a chatty process never blocks on a full pipe
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass
+class TracedGateway:
+    http: str          # base URL of the OpenAI HTTP API
+    grpc: str          # host:port of the Converse API
+
+
+@pytest.fixture(scope="module")
+def traced_gateway(tiny_model_dir, otlp_receiver):
+    """thinker, talker, code2wav and the gateway as processes that export spans to the receiver."""
+    procs = Processes()
+    ports = {s: free_port() for s in STAGES}
+    try:
+        for stage in STAGES:
+            procs.start([sys.executable, "-m", "voxpipe.cli", stage, "--model", str(tiny_model_dir),
+                         "--host", "127.0.0.1", "--port", str(ports[stage]), "--device", "cpu", "--grace", "2"],
+                        otel_env(SERVICE_NAMES[stage], otlp_receiver.port), "ready on port")
+        http_port, grpc_port = free_port(), free_port()
+        procs.start([sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(tiny_model_dir),
+                     "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+                     "--thinker", f"127.0.0.1:{ports['thinker']}", "--talker", f"127.0.0.1:{ports['talker']}",
+                     "--code2wav", f"127.0.0.1:{ports['code2wav']}"],
+                    otel_env(SERVICE_NAMES["gateway"], otlp_receiver.port), "ready on port")
+        yield TracedGateway(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+    finally:
+        procs.stop()
+
+
+def wait_for_spans(receiver: OtlpReceiver, trace_id: str, services: set[str], timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = [s for s in receiver.snapshot() if s.trace_id == trace_id]
+        names = {s.service for s in spans}
+        # all services reported, and the last span in (the stages end their server span last)
+        if services <= names and all(any(s.service == svc and s.kind == trace_pb2.Span.SPAN_KIND_SERVER
+                                         for s in spans) for svc in services):
+            time.sleep(0.5)     # a batch may still be in flight
+            return [s for s in receiver.snapshot() if s.trace_id == trace_id]
+        if time.monotonic() > deadline:
+            return spans
+        time.sleep(0.1)
+
+
+def ancestors(span: ReceivedSpan, by_id: dict[str, ReceivedSpan]) -> list[ReceivedSpan]:
+    chain = []
+    while span.parent_span_id and span.parent_span_id in by_id:
+        span = by_id[span.parent_span_id]
+        chain.append(span)
+    return chain
+
+
+def server_span(spans: list[ReceivedSpan], service: str, rpc: str) -> ReceivedSpan:
+    found = [s for s in spans if s.service == service and s.kind == trace_pb2.Span.SPAN_KIND_SERVER and s.name == rpc]
+    assert len(found) == 1, [(s.service, s.name) for s in spans]
+    return found[0]
+
+
+def test_chat_completion_is_one_trace_across_all_services(traced_gateway, otlp_receiver):
+    traceparent = f"00-{TRACE_ID}-{CLIENT_PARENT_SPAN}-01"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello, trace me."}],
+            "modalities": ["text", "audio"], "audio": {"voice": "chelsie", "format": "pcm16"},
+            "max_tokens": 6, "max_audio_frames": 8, "temperature": 0}
+    with httpx.Client(timeout=120) as http:
+        models = http.get(f"{traced_gateway.http}/v1/models").json()
+        body["model"] = models["data"][0]["id"]
+        resp = http.post(f"{traced_gateway.http}/v1/chat/completions", json=body, headers={"traceparent": traceparent})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["audio"]["data"]
+
+    services = set(SERVICE_NAMES.values())
+    spans = wait_for_spans(otlp_receiver, TRACE_ID, services)
+    assert {s.service for s in spans} == services, sorted({(s.service, s.name) for s in spans})
+    by_id = {s.span_id: s for s in spans}
+    assert all(s.status_code != trace_pb2.Status.STATUS_CODE_ERROR for s in spans)
+
+    # the gateway's request span is a child of the client's span
+    request_span = next(s for s in spans if s.service == SERVICE_NAMES["gateway"]
+                        and s.kind == trace_pb2.Span.SPAN_KIND_SERVER)
+    assert request_span.parent_span_id == CLIENT_PARENT_SPAN
+    assert "/v1/chat/completions" in request_span.name
+
+    thinker = server_span(spans, SERVICE_NAMES["thinker"], "voxpipe.v1.Thinker/Generate")
+    talker = server_span(spans, SERVICE_NAMES["talker"], "voxpipe.v1.Talker/Generate")
+    code2wav = server_span(spans, SERVICE_NAMES["code2wav"], "voxpipe.v1.Code2Wav/Decode")
+
+    # thinker server span: parent is the gateway's thinker call, under the request span
+    thinker_call = by_id[thinker.parent_span_id]
+    assert thinker_call.service == SERVICE_NAMES["gateway"] and thinker_call.kind == trace_pb2.Span.SPAN_KIND_CLIENT
+    assert request_span in ancestors(thinker, by_id)
+    # talker: its call hangs off the thinker hop; code2wav's off the talker hop
+    talker_chain = ancestors(talker, by_id)
+    assert thinker_call in talker_chain and request_span in talker_chain
+    code2wav_chain = ancestors(code2wav, by_id)
+    talker_call = by_id[talker.parent_span_id]
+    assert talker_call in code2wav_chain and thinker_call in code2wav_chain and request_span in code2wav_chain
+
+    # per-stage phases as children of each server span, inside it in time
+    for server, first_phase in ((thinker, "prefill"), (talker, "prefill"), (code2wav, "first_chunk_out")):
+        phases = {s.name: s for s in spans if s.parent_span_id == server.span_id}
+        assert {"queue_wait", first_phase, "decode"} <= set(phases), (server.service, sorted(phases))
+        for p in phases.values():
+            assert server.start_ns <= p.start_ns <= p.end_ns <= server.end_ns
+        assert phases["queue_wait"].end_ns <= phases[first_phase].start_ns + 1000
+        assert phases[first_phase].end_ns <= phases["decode"].start_ns + 1000
+
+    # what each hop did
+    assert thinker.attributes["voxpipe.tokens"] >= 1
+    assert thinker.attributes["voxpipe.finish_reason"] in ("stop", "length")
+    assert talker.attributes["voxpipe.voice"] == "chelsie"
+    frames = talker.attributes["voxpipe.frames"]
+    assert 1 <= frames <= 7
+    assert code2wav.attributes["voxpipe.frames"] == frames
+    assert code2wav.attributes["voxpipe.samples"] == 1920 * frames - 555
+    request_ids = {s.attributes.get("voxpipe.request_id") for s in (thinker, talker, code2wav)}
+    assert len(request_ids) == 1 and None not in request_ids
+
+
+def test_converse_call_joins_the_callers_trace(traced_gateway, otlp_receiver):
+    from voxpipe.v1 import gateway_pb2 as gw
+    from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
+    from voxpipe.v1 import stages_pb2 as pb
+
+    trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    start = gw.ConverseStart(text="Hi.", voice="aiden", max_tokens=4, max_frames=6, sampling=pb.Sampling(temperature=0))
+    with grpc.insecure_channel(traced_gateway.grpc) as ch:
+        responses = list(gw_grpc.GatewayStub(ch).Converse(iter([gw.ConverseRequest(start=start)]), timeout=60,
+                                                          metadata=(("traceparent", f"00-{trace_id}-{parent}-01"),)))
+    assert responses[-1].WhichOneof("kind") == "done" and responses[-1].done.usage.audio_samples > 0
+
+    spans = wait_for_spans(otlp_receiver, trace_id, set(SERVICE_NAMES.values()))
+    by_id = {s.span_id: s for s in spans}
+    converse = server_span(spans, SERVICE_NAMES["gateway"], "voxpipe.v1.Gateway/Converse")
+    assert converse.parent_span_id == parent and converse.attributes["voxpipe.voice"] == "aiden"
+    code2wav = server_span(spans, SERVICE_NAMES["code2wav"], "voxpipe.v1.Code2Wav/Decode")
+    assert converse in ancestors(code2wav, by_id)
+    assert [s.service for s in reversed(ancestors(code2wav, by_id))].count(SERVICE_NAMES["gateway"]) == 4
+
+
+def test_a_refused_request_is_an_error_span_in_the_stage_and_the_gateway(traced_gateway, otlp_receiver):
+    trace_id = "5b8efff798038103d269b633813fc60c"
+    body = {"messages": [{"role": "user", "content": "Too long."}], "max_tokens": 100000}
+    with httpx.Client(timeout=60) as http:
+        body["model"] = http.get(f"{traced_gateway.http}/v1/models").json()["data"][0]["id"]
+        resp = http.post(f"{traced_gateway.http}/v1/chat/completions", json=body,
+                         headers={"traceparent": f"00-{trace_id}-eee19b7ec3c1b174-01"})
+    assert resp.status_code == 400, resp.text
+    spans = wait_for_spans(otlp_receiver, trace_id, {SERVICE_NAMES["thinker"], SERVICE_NAMES["gateway"]})
+    thinker = server_span(spans, SERVICE_NAMES["thinker"], "voxpipe.v1.Thinker/Generate")
+    assert thinker.status_code == trace_pb2.Status.STATUS_CODE_ERROR
+    assert thinker.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    call = next(s for s in spans if s.span_id == thinker.parent_span_id)
+    assert call.kind == trace_pb2.Span.SPAN_KIND_CLIENT and call.status_code == trace_pb2.Status.STATUS_CODE_ERROR
+    assert not [s for s in spans if s.service in (SERVICE_NAMES["talker"], SERVICE_NAMES["code2wav"])]
+
+
+def test_tracing_is_off_without_an_otlp_endpoint(monkeypatch):
+    from opentelemetry import trace
+
+    from voxpipe.services.runtime import tracing
+
+    provider = trace.get_tracer_provider()
+    for name in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    assert tracing.setup_tracing("voxpipe-test") is False
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert tracing.setup_tracing("voxpipe-test") is False
+    monkeypatch.delenv("OTEL_SDK_DISABLED")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert tracing.setup_tracing("voxpipe-test") is False
+    assert not tracing.enabled() and trace.get_tracer_provider() is provider
+    # off, a caller's traceparent still passes through unchanged to the next hop
+    ctx = tracing.extract_metadata([("traceparent", f"00-{TRACE_ID}-{CLIENT_PARENT_SPAN}-01")])
+    span = tracing.tracer().start_span("hop", context=ctx)
+    assert dict(tracing.inject_metadata(trace.set_span_in_context(span)))["traceparent"] == \
+        f"00-{TRACE_ID}-{CLIENT_PARENT_SPAN}-01"
+
+
+def test_a_cancelled_turn_ends_every_hop_span_as_cancelled(traced_gateway, otlp_receiver):
+    import queue
+
+    from voxpipe.v1 import gateway_pb2 as gw
+    from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
+    from voxpipe.v1 import stages_pb2 as pb
+
+    trace_id = "7d0e4a6b1c2f3e4d5a6b7c8d9e0f1a2b"
+    requests: queue.Queue = queue.Queue()
+    requests.put(gw.ConverseRequest(start=gw.ConverseStart(text="Hello there, how are you?", max_tokens=8,
+                                                           max_frames=12, ignore_eos=True)))
+
+    def request_stream():
+        while (item := requests.get()) is not None:
+            yield item
+
+    with grpc.insecure_channel(traced_gateway.grpc) as ch:
+        call = gw_grpc.GatewayStub(ch).Converse(request_stream(), timeout=60,
+                                                metadata=(("traceparent", f"00-{trace_id}-{CLIENT_PARENT_SPAN}-01"),))
+        kinds = []
+        for resp in call:
+            kinds.append(resp.WhichOneof("kind"))
+            if len(kinds) == 1:
+                requests.put(gw.ConverseRequest(cancel=pb.Cancel()))
+                requests.put(None)
+    assert kinds[-1] == "done"
+    spans = wait_for_spans(otlp_receiver, trace_id, set(SERVICE_NAMES.values()))
+    for service, rpc in ((SERVICE_NAMES["talker"], "voxpipe.v1.Talker/Generate"),
+                         (SERVICE_NAMES["code2wav"], "voxpipe.v1.Code2Wav/Decode")):
+        span = server_span(spans, service, rpc)
+        assert span.attributes["voxpipe.finish_reason"] == "cancelled", (service, span.attributes)
+        assert span.status_code != trace_pb2.Status.STATUS_CODE_ERROR
+        assert "queue_wait" in {s.name for s in spans if s.parent_span_id == span.span_id}
+    converse = server_span(spans, SERVICE_NAMES["gateway"], "voxpipe.v1.Gateway/Converse")
+    assert converse.attributes["voxpipe.cancelled"] is True
