@@ -22,13 +22,20 @@ class AttentionCache(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-          causal: bool = False) -> torch.Tensor:
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Grouped-query attention without materialising repeated K/V: the `rep` query heads sharing a
+    KV head attend as `rep * S` queries of that head. q [B, Hq, S, D], k/v [B, Hkv, L, D],
+    mask [B, 1, S, L] bool or None."""
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    if hq == hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    rep = hq // hkv
+    qg = q.reshape(b, hkv, rep * s, d)
+    if mask is not None:
+        mask = mask.unsqueeze(2).expand(b, 1, rep, s, mask.shape[-1]).reshape(b, 1, rep * s, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, hq, s, d)
 
 
 @dataclass
@@ -61,20 +68,40 @@ class SlotKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.used = 0                      # slots 0 .. used-1 are taken: running sequences stay compact
+        self.owners: list[object | None] = [None] * num_slots
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.num_slots - self.used
 
-    def allocate(self) -> int:
-        if not self._free:
+    def allocate(self, owner: object) -> int:
+        if self.used >= self.num_slots:
             raise RuntimeError("no free KV slot")
-        return self._free.pop()
+        slot = self.used
+        self.owners[slot] = owner
+        self.used += 1
+        return slot
 
-    def release(self, slot: int) -> None:
-        if slot not in self._free:
-            self._free.append(slot)
+    def release(self, slot: int) -> object | None:
+        """Free `slot`, moving the highest taken slot into it so that 0 .. used-1 stay taken.
+        Returns the owner whose slot changed (now `slot`), or None."""
+        last = self.used - 1
+        self.used -= 1
+        moved = None
+        if slot != last:
+            for kc, vc in zip(self.k, self.v):
+                kc[slot].copy_(kc[last])
+                vc[slot].copy_(vc[last])
+            moved = self.owners[last]
+            self.owners[slot] = moved
+        self.owners[last] = None
+        return moved
+
+    def decode_view(self, n: int, kv_len: int, start: torch.Tensor) -> "_DenseDecode":
+        """One new token for each of the sequences in slots 0 .. n-1; start [n] = their positions.
+        Shapes depend only on (n, kv_len): the view can be captured in a CUDA graph."""
+        return _DenseDecode(self, n, kv_len, start)
 
     def bind(self, step: SlotStep) -> "_BoundSlotCache":
         return _BoundSlotCache(self, step)
@@ -106,6 +133,20 @@ class _BoundSlotCache:
         return _sdpa(q, keys, values, st.mask, scale)
 
 
+class _DenseDecode:
+    def __init__(self, cache: SlotKVCache, n: int, kv_len: int, start: torch.Tensor) -> None:
+        self.cache, self.n, self.kv_len, self.start = cache, n, kv_len, start
+        self.rows = torch.arange(n, device=start.device)
+        k_pos = torch.arange(kv_len, device=start.device)
+        self.mask = (k_pos[None, :] <= start[:, None])[:, None, None, :]               # [n, 1, 1, L]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc[self.rows, :, self.start] = k[:, :, 0]
+        vc[self.rows, :, self.start] = v[:, :, 0]
+        return _sdpa(q, kc[: self.n, :, : self.kv_len], vc[: self.n, :, : self.kv_len], self.mask, scale)
+
+
 class GrowingCache:
     """Appends every call's keys; new queries attend causally to all earlier keys."""
 
@@ -122,8 +163,8 @@ class GrowingCache:
         if s == 1:
             return _sdpa(q, k, v, None, scale)
         q_pos = torch.arange(total - s, total, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
-        return _sdpa(q, k, v, mask, scale)
+        mask = (torch.arange(total, device=q.device)[None, :] <= q_pos[:, None])[None, None]
+        return _sdpa(q, k, v, mask.expand(q.shape[0], 1, s, total), scale)
 
 
 class SlidingWindowCache:

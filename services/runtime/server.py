@@ -4,6 +4,7 @@ engine outputs streamed back, cancellation and disconnects freeing the request).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -193,6 +194,8 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
     parser.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="capture decode steps as CUDA graphs (CUDA devices only)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=None,
                         help="cap this process's share of the GPU memory (CUDA caching allocator)")
 

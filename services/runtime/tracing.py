@@ -219,6 +219,19 @@ def record_phases(stage: str, req: Any, final: Any) -> None:
 
 # ----------------------------------------------------------------------------- HTTP / WebSocket (ASGI)
 
+def fastapi_tracing_off() -> dict:
+    """FastAPI() keyword arguments that turn off FastAPI's own request spans (FastAPI >= 0.16x
+    makes them natively when a tracer provider is set): TracingMiddleware makes the one request
+    span, the same on every FastAPI version. Empty for FastAPI versions without native telemetry."""
+    import inspect
+
+    from fastapi import FastAPI
+
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False}}
+
+
 class TracingMiddleware:
     """ASGI middleware: one SERVER span per HTTP request or WebSocket session, parented on a
     client-supplied `traceparent` header and current while the app handles it (so pipeline

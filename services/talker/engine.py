@@ -18,9 +18,10 @@ import torch
 from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.config import TalkerConfig
+from ..runtime.cuda_graphs import GraphedStep, buckets
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache, SlotStep
-from ..runtime.sampling import SamplingParams, apply_repetition_penalty, choose
+from ..runtime.sampling import SamplingParams, choose
 from ..runtime.tensors import to_proto
 from .model import TalkerModel
 
@@ -62,7 +63,7 @@ class TalkerEngine(StageEngine):
     name = "talker"
 
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
-                 max_len: int) -> None:
+                 max_len: int, cuda_graphs: bool = True) -> None:
         super().__init__(max_active)
         self.model, self.cfg, self.device = model, cfg, device
         self.dtype = next(model.parameters()).dtype
@@ -73,6 +74,29 @@ class TalkerEngine(StageEngine):
         suppress[list(cfg.suppressed_tokens)] = True
         suppress[cfg.codec.eos] = False
         self.suppress = suppress
+        self.seen = torch.zeros(max_active, t.vocab_size, dtype=torch.bool, device=device)  # codec-0 ids per slot
+        self.step_graphs = self.predictor_graphs = None
+        if cuda_graphs and device.type == "cuda":
+            with torch.inference_mode():
+                h = t.hidden_size
+                self.step_graphs = GraphedStep(
+                    self._step_fn, (torch.zeros(max_active, 1, h, dtype=self.dtype, device=device),
+                                    torch.zeros(max_active, dtype=torch.long, device=device)),
+                    buckets(max_active), buckets(max_len, min(256, max_len)), "talker step")
+                self.predictor_graphs = GraphedStep(
+                    self._predict_fn, (torch.zeros(max_active, h, dtype=self.dtype, device=device),
+                                       torch.zeros(max_active, dtype=torch.long, device=device)),
+                    buckets(max_active), [1], "code predictor (15 steps)")
+
+    def _step_fn(self, n: int, kv_len: int, x: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One codec step for the sequences in slots 0..n-1: x [n, 1, H] inputs, start [n] positions."""
+        return self.model(x, start[:, None], self.cache.decode_view(n, kv_len, start))
+
+    def _predict_fn(self, n: int, _kv: int, hidden: torch.Tensor, code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy residual codes [n, G-1] and the next input's codec part (sum of all G embeddings) [n, H]."""
+        code0_embed = self.model.model.codec_embedding(code0)
+        residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, lambda logits, g: logits.argmax(-1))
+        return residual, torch.stack([code0_embed] + embeds, dim=1).sum(1)
 
     # ---- inputs from the handler
     def add_rows(self, job: TalkerJob, rows: torch.Tensor) -> None:
@@ -99,7 +123,11 @@ class TalkerEngine(StageEngine):
 
     def release(self, req: TalkerJob) -> None:
         if req.slot is not None:
-            self.cache.release(req.slot)
+            last = self.cache.used - 1
+            moved = self.cache.release(req.slot)
+            if moved is not None:
+                self.seen[req.slot] = self.seen[last]
+                moved.slot = req.slot
             req.slot = None
 
     @torch.inference_mode()
@@ -114,26 +142,40 @@ class TalkerEngine(StageEngine):
                         self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP)))
                         job = None
                     else:
-                        job.slot = self.cache.allocate()
+                        job.slot = self.cache.allocate(job)
+                        self.seen[job.slot] = False
                         job.mark_started()
                         self.running.append(job)
-            decoding = [j for j in self.running if j is not job and self._decode_ready(j)]
-            trailing = [self._trailing(j) for j in decoding]
+            owners = [self.cache.owners[i] for i in range(self.cache.used)]
+            ready = [j is not job and self._decode_ready(j) for j in owners]
+            trailing = [self._trailing(j) if r else None for j, r in zip(owners, ready)]
         results: list[tuple[TalkerJob, torch.Tensor, torch.Tensor]] = []
         if job is not None:
             logits, hidden = self._prefill(job)
             results.append((job, logits[0], hidden[0]))
-        if decoding:
-            x = torch.stack([j.pending for j in decoding]) + self._project(trailing)
-            start = [j.prompt_len + len(j.codes0) - 1 for j in decoding]
-            step = SlotStep.build([j.slot for j in decoding], start, 1, self.device)
-            positions = torch.tensor(start, device=self.device)[:, None]
-            for j in decoding:
-                j.pending = None
-            logits, hidden = self.model(x[:, None], positions, self.cache.bind(step))
-            results.extend(zip(decoding, logits, hidden))
+        if any(ready):
+            results.extend(self._decode(owners, ready, trailing))
         if results:
             self._sample(results)
+
+    def _decode(self, owners: list[TalkerJob], ready: list[bool], trailing: list) -> list:
+        """One step over every slot 0..n-1 (dense, graph-friendly); rows not ready compute garbage
+        at a position they will overwrite later, and their results are dropped."""
+        n, h = len(owners), self.cfg.text.hidden_size
+        x = torch.zeros(n, h, device=self.device, dtype=self.dtype)
+        idx = [i for i, r in enumerate(ready) if r]
+        rows = torch.tensor(idx, device=self.device)
+        x[rows] = torch.stack([owners[i].pending for i in idx]) + self._project([trailing[i] for i in idx])
+        start_list = [j.prompt_len + max(len(j.codes0) - 1, 0) for j in owners]
+        start = torch.tensor(start_list).to(self.device, non_blocking=True)
+        kv_len = max(start_list) + 1
+        for i in idx:
+            owners[i].pending = None
+        if self.step_graphs is not None and self.step_graphs.fits(n, kv_len):
+            logits, hidden = self.step_graphs(n, kv_len, x[:, None], start)
+        else:
+            logits, hidden = self._step_fn(n, kv_len, x[:, None], start)
+        return [(owners[i], logits[i], hidden[i]) for i in idx]
 
     def _trailing(self, job: TalkerJob) -> torch.Tensor:
         """The thinker-space text row for the step about to run (trailing index = frames made)."""
@@ -172,36 +214,52 @@ class TalkerEngine(StageEngine):
 
     def _sample(self, results: list[tuple[TalkerJob, torch.Tensor, torch.Tensor]]) -> None:
         eos = self.cfg.codec.eos
-        framing: list[tuple[TalkerJob, int, torch.Tensor]] = []
-        for job, logits, hidden in results:
-            row = logits.float()
-            if job.codes0:
-                row = apply_repetition_penalty(row, torch.tensor(job.codes0, device=row.device),
-                                               job.params.repetition_penalty)
-            row = row.masked_fill(self.suppress, float("-inf"))
-            if len(job.codes0) < job.min_frames:
-                row[eos] = float("-inf")
-            code0 = choose(row, job.params, job.generator)
-            job.codes0.append(code0)
-            if code0 == eos:
+        jobs = [r[0] for r in results]
+        logits = torch.stack([r[1] for r in results]).float()
+        hidden = torch.stack([r[2] for r in results])
+        slots = torch.tensor([j.slot for j in jobs], device=self.device)
+        penalty = torch.tensor([j.params.repetition_penalty for j in jobs], device=self.device)[:, None]
+        seen = self.seen[slots]
+        logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+        logits = logits.masked_fill(self.suppress, float("-inf"))
+        ban = [i for i, j in enumerate(jobs) if len(j.codes0) < j.min_frames]
+        if ban:
+            logits[torch.tensor(ban, device=self.device), eos] = float("-inf")
+        greedy = all(j.params.greedy for j in jobs)
+        if greedy:
+            code0 = logits.argmax(-1)
+            codes0 = code0.tolist()
+        else:
+            codes0 = [choose(row, j.params, j.generator) for j, row in zip(jobs, logits)]
+            code0 = torch.tensor(codes0, device=self.device)
+        self.seen[slots, code0] = True
+        framing = []
+        for i, (job, c0) in enumerate(zip(jobs, codes0)):
+            job.codes0.append(c0)
+            if c0 == eos:
                 self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP, completion_tokens=job.frames_sent)))
             elif len(job.codes0) >= job.max_frames:
                 self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.LENGTH, completion_tokens=job.frames_sent)))
             else:
-                framing.append((job, code0, hidden))
+                framing.append(i)
         if not framing:
             return
-        jobs = [f[0] for f in framing]
-        code0 = torch.tensor([f[1] for f in framing], device=self.device)
-        hidden = torch.stack([f[2] for f in framing])
-        code0_embed = self.model.model.codec_embedding(code0)
-        residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, self._picker(jobs))
-        frames = torch.cat((code0[:, None], residual), dim=1).to(torch.int64)            # [B, G]
-        nxt = torch.stack([code0_embed] + embeds, dim=1).sum(1)                           # [B, Hk]
-        frames_cpu = frames.cpu().to(torch.uint16)
+        jobs = [jobs[i] for i in framing]
+        rows = torch.tensor(framing, device=self.device)
+        code0, hidden = code0[rows], hidden[rows]
+        n = len(jobs)
+        if greedy and self.predictor_graphs is not None and self.predictor_graphs.fits(n, 1):
+            residual, nxt = self.predictor_graphs(n, 1, hidden, code0)
+        elif greedy:
+            residual, nxt = self._predict_fn(n, 1, hidden, code0)
+        else:
+            code0_embed = self.model.model.codec_embedding(code0)
+            residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, self._picker(jobs))
+            nxt = torch.stack([code0_embed] + embeds, dim=1).sum(1)
+        frames_cpu = torch.cat((code0[:, None], residual), dim=1).to(torch.int64).cpu().to(torch.uint16)
         with self.lock:
             for i, job in enumerate(jobs):
-                job.pending = nxt[i]
+                job.pending = nxt[i].clone()
         for i, job in enumerate(jobs):
             job.mark_output()
             job.outbox.put(pb.TalkerResponse(frames=pb.CodecFrames(index=job.frames_sent,

@@ -31,6 +31,8 @@ def _rows(t: pb.Tensor, hidden: int, name: str, count: int | None = None) -> tor
     x = from_proto(t, shape=(count, hidden), name=name)
     if x.dtype not in ROW_DTYPES:
         raise TensorError(f"{name}: rows must be float32, bfloat16 or float16")
+    if not bool(torch.isfinite(x).all()):
+        raise TensorError(f"{name}: rows contain NaN or infinity")
     return x
 
 
@@ -120,7 +122,8 @@ def build(args) -> TalkerServicer:
     cfg = OmniConfig.load(args.model)
     model = load_module(lambda: TalkerModel(cfg.talker), args.model, "talker.", device=device, dtype=dtype,
                         load_format=args.load_format)
-    engine = TalkerEngine(model, cfg.talker, device=device, max_active=args.max_batch, max_len=args.max_len)
+    engine = TalkerEngine(model, cfg.talker, device=device, max_active=args.max_batch, max_len=args.max_len,
+                          cuda_graphs=args.cuda_graphs)
     return TalkerServicer(engine, server_options(args), cfg)
 
 

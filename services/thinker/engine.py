@@ -11,6 +11,7 @@ import torch
 from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.config import ThinkerConfig
+from ..runtime.cuda_graphs import GraphedStep, buckets
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache, SlotStep
 from ..runtime.sampling import SamplingParams, apply_repetition_penalty, choose
@@ -73,7 +74,7 @@ class ThinkerEngine(StageEngine):
     name = "thinker"
 
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, tokenizer, *, device: torch.device,
-                 max_active: int, max_len: int, eos_ids: tuple[int, ...]) -> None:
+                 max_active: int, max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True) -> None:
         super().__init__(max_active)
         self.model, self.cfg, self.tokenizer, self.device = model, cfg, tokenizer, device
         dtype = next(model.parameters()).dtype
@@ -82,15 +83,30 @@ class ThinkerEngine(StageEngine):
         self.max_len = max_len
         self.eos_ids = eos_ids
         special = torch.tensor([cfg.tokens.tts_bos, cfg.tokens.tts_eos, cfg.tokens.tts_pad], device=device)
+        self.eos = torch.tensor(eos_ids, device=device)
         with torch.inference_mode():
             self.tts_special = model.model.embed_tokens(special).cpu()
+            self.graphs = None
+            if cuda_graphs and device.type == "cuda":
+                example = (torch.zeros(max_active, 1, dtype=torch.long, device=device),
+                           torch.zeros(max_active, dtype=torch.long, device=device))
+                self.graphs = GraphedStep(self._decode_fn, example, buckets(max_active),
+                                          buckets(max_len, min(256, max_len)), "thinker decode")
+
+    def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor]:
+        """One token for each sequence in slots 0..n-1: ids [n, 1], start [n] (their positions)."""
+        view = self.cache.decode_view(n, kv_len, start)
+        logits, _ = self.model(self.model.model.embed_tokens(ids), start[:, None], view)
+        return (logits,)
 
     def has_work(self) -> bool:
         return bool(self.running) or (bool(self.waiting) and self.cache.free_slots > 0)
 
     def release(self, req: ThinkerJob) -> None:
         if req.slot is not None:
-            self.cache.release(req.slot)
+            moved = self.cache.release(req.slot)
+            if moved is not None:
+                moved.slot = req.slot
             req.slot = None
 
     @torch.inference_mode()
@@ -98,14 +114,13 @@ class ThinkerEngine(StageEngine):
         with self.lock:
             job = self.waiting.pop(0) if self.waiting and self.cache.free_slots > 0 else None
             if job is not None:
-                job.slot = self.cache.allocate()
+                job.slot = self.cache.allocate(job)
                 job.mark_started()
                 self.running.append(job)
-            decoding = [r for r in self.running if r is not job and r.generated]
         if job is not None:
             self._prefill(job)
-        if decoding:
-            self._decode(decoding)
+        if self.cache.used:
+            self._decode([self.cache.owners[i] for i in range(self.cache.used)])
 
     def _prefill(self, job: ThinkerJob) -> None:
         ids = torch.tensor(job.prompt, device=self.device)
@@ -124,15 +139,25 @@ class ThinkerEngine(StageEngine):
         self._emit([job], logits)
 
     def _decode(self, jobs: list[ThinkerJob]) -> None:
-        last = torch.tensor([[j.generated[-1]] for j in jobs], device=self.device)
-        start = [len(j.prompt) + len(j.generated) - 1 for j in jobs]
-        step = SlotStep.build([j.slot for j in jobs], start, 1, self.device)
-        positions = torch.tensor(start, device=self.device)[:, None]
-        logits, _ = self.model(self.model.model.embed_tokens(last), positions, self.cache.bind(step))
+        """Jobs are the owners of slots 0..n-1, in slot order."""
+        n = len(jobs)
+        ids = torch.tensor([[j.generated[-1]] for j in jobs]).to(self.device, non_blocking=True)
+        start_list = [len(j.prompt) + len(j.generated) - 1 for j in jobs]
+        start = torch.tensor(start_list).to(self.device, non_blocking=True)
+        kv_len = max(start_list) + 1
+        if self.graphs is not None and self.graphs.fits(n, kv_len):
+            (logits,) = self.graphs(n, kv_len, ids, start)
+        else:
+            (logits,) = self._decode_fn(n, kv_len, ids, start)
         self._emit(jobs, logits)
 
-    def _emit(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> None:
-        logits = logits.float()
+    def _choose(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> list[int]:
+        if all(j.params.greedy and j.params.repetition_penalty == 1.0 for j in jobs):
+            ban = [i for i, j in enumerate(jobs) if len(j.generated) < j.min_tokens]
+            if ban:
+                rows = torch.tensor(ban, device=logits.device)
+                logits[rows[:, None], self.eos[None, :]] = float("-inf")
+            return logits.argmax(-1).tolist()
         tokens = []
         for j, row in zip(jobs, logits):
             if len(j.generated) < j.min_tokens:
@@ -142,6 +167,10 @@ class ThinkerEngine(StageEngine):
                 seen = torch.tensor(j.prompt + j.generated, device=row.device)
                 row = apply_repetition_penalty(row, seen, j.params.repetition_penalty)
             tokens.append(choose(row, j.params, j.generator))
+        return tokens
+
+    def _emit(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> None:
+        tokens = self._choose(jobs, logits.float())
         embeds = None
         if any(j.talker_rows for j in jobs):
             embeds = self.model.model.embed_tokens(torch.tensor(tokens, device=self.device)).cpu()

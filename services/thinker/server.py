@@ -66,6 +66,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if any(a.shape[1] == 0 for a in audio):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features with zero frames")
+        if any(not bool(torch.isfinite(a).all()) for a in audio):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features contain NaN or infinity")
         kind = start.WhichOneof("prompt")
         if kind == "text":
             parts = [ChatPart(features=a) for a in audio] + [ChatPart(text=start.text)]
@@ -123,7 +125,8 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     model = load_module(lambda: ThinkerModel(cfg.thinker), args.model, "thinker.", device=device, dtype=dtype,
                         load_format=args.load_format, ignore=("visual.",))
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=device, max_active=args.max_batch,
-                           max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,))
+                           max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
+                           cuda_graphs=args.cuda_graphs)
     return ThinkerServicer(engine, server_options(args), engine.tokenizer, cfg), cfg
 
 

@@ -1,0 +1,64 @@
+"""CUDA graphs for decode steps: one graph per (batch bucket, KV-length bucket), captured at
+start into one shared memory pool, largest first; a step replays the smallest bucket that fits
+(padding rows compute garbage that nobody reads)."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def buckets(limit: int, first: int = 1) -> list[int]:
+    """first, 2*first, 4*first, ... up to and including `limit`."""
+    out, b = [], first
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit)
+    return out
+
+
+class GraphedStep:
+    """`fn(n, kv_len, *inputs) -> tuple of tensors` captured for each n in `batch_sizes` and each
+    kv_len in `kv_lens`. `inputs` are tensors whose first dimension is the batch."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: tuple[torch.Tensor, ...],
+                 batch_sizes: list[int], kv_lens: list[int], name: str) -> None:
+        self.fn, self.name = fn, name
+        self.batch_sizes, self.kv_lens = sorted(batch_sizes), sorted(kv_lens)
+        self.static = tuple(t.clone() for t in example)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for n in reversed(self.batch_sizes):
+            for kv in reversed(self.kv_lens):
+                ins = tuple(t[:n] for t in self.static)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fn(n, kv, *ins)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = fn(n, kv, *ins)
+                self.graphs[(n, kv)] = (graph, out)
+        torch.cuda.synchronize()
+        log.info("%s: captured %d CUDA graphs in %.1f s", name, len(self.graphs), time.perf_counter() - t0)
+
+    def fits(self, n: int, kv_len: int) -> bool:
+        return n <= self.batch_sizes[-1] and kv_len <= self.kv_lens[-1]
+
+    def __call__(self, n: int, kv_len: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        nb = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        kb = self.kv_lens[bisect.bisect_left(self.kv_lens, kv_len)]
+        for dst, src in zip(self.static, inputs):
+            dst[:n].copy_(src, non_blocking=True)
+        graph, out = self.graphs[(nb, kb)]
+        graph.replay()
+        return tuple(o[:n] for o in out)
