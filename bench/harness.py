@@ -185,8 +185,8 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     repo = Path(__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = os.environ.get("VOXPIPE_COMMIT") or subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device_name = ""
     if args.device.startswith("cuda"):
         import torch
@@ -219,7 +219,8 @@ def run(args) -> int:
     nbytes = active_bytes(cfg)
     md = table(results, ref, bw, nbytes)
     summary = "\n".join(ratios(results, ref))
-    cmd = "voxpipe bench " + " ".join(sys.argv[2:])
+    argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else sys.argv[1:]
+    cmd = "voxpipe bench " + " ".join(argv)
     header = (f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · commit {commit} · {device_name or args.device}\n\n"
               f"`{cmd}` — workload {wl.name}: {wl.prompt_tokens}-token prompt, {wl.text_tokens} text tokens, "
               f"{wl.frames} frames forced, greedy, speaker {wl.speaker}; copy bandwidth {bw / 1e12:.2f} TB/s; "

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from voxpipe.client import PipelineClient, PipelineError
-from voxpipe.services.runtime.tracing import TracingMiddleware
+from voxpipe.services.runtime.tracing import TracingMiddleware, fastapi_tracing_off
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.thinker.prompt import FeatureExtractor
 
@@ -236,7 +236,8 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
         finally:
             await state.pipeline.close()
 
-    app = FastAPI(title="voxpipe gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="voxpipe gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  **fastapi_tracing_off())
     app.state.gateway = state
     app.add_middleware(RequestMetrics, metrics=state.metrics)
     app.add_middleware(TracingMiddleware)   # outermost: one span per request, honouring `traceparent`

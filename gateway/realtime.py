@@ -13,6 +13,7 @@ import logging
 
 from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
+from starlette.websockets import WebSocketDisconnect
 
 from voxpipe.audio import resample
 from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE
@@ -116,7 +117,7 @@ class RealtimeConnection:
         except asyncio.TimeoutError:
             log.warning("realtime session %s: the client took no event for %.0f s; closing", self.session.id,
                         SEND_TIMEOUT_S)
-        except (OSError, RuntimeError):      # the client went away
+        except (OSError, RuntimeError, WebSocketDisconnect):      # the client went away
             pass
         finally:
             await self.outbox.close()
@@ -159,6 +160,10 @@ class RealtimeConnection:
         except ProtocolError as e:
             e.event_id = e.event_id or event.event_id
             await self.emit(Error.of(e))
+        except Exception:  # a bug here must not end the session: say so and go on
+            log.exception("realtime session %s: handling %s failed", self.session.id, type(event).__name__)
+            await self.emit(Error.of(ProtocolError("the server failed to handle this event", code="server_error",
+                                                   type="server_error", event_id=event.event_id)))
 
     async def dispatch(self, event: ClientEvent) -> None:
         if isinstance(event, InputAudioAppend):

@@ -153,6 +153,10 @@ class ResponseRun:
             return self._failed(from_pipeline_error(e))
         except APIError as e:
             return self._failed(e)
+        except Exception:
+            log.exception("realtime response %s failed", self.id)
+            return self._failed(APIError(500, "the server failed while generating this response", type="server_error",
+                                         code="server_error"))
         if finish == pb.LENGTH:
             return "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         return "completed", None
@@ -194,7 +198,7 @@ class ResponseRun:
         if status == "cancelled":
             await self.conn.outbox.drop_audio(self.id)
             delivered = self.sent_samples + self.conn.outbox.in_flight_audio(self.id)
-            truncated = self.settings.audio_out and delivered < self.produced_samples
+            truncated = self.settings.audio_out
             content.audio_samples = delivered
             content.text_marks.append((delivered, len(content.text)))
         else:

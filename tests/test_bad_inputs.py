@@ -202,7 +202,7 @@ def _incomplete_start_then(*after) -> list:
     return [head, *after]
 
 
-LONG = dict(max_tokens=60, min_tokens=60)  # keeps the stream open while the reader sees the bad message
+LONG = dict(max_tokens=200, min_tokens=200)  # keeps the stream open while the reader sees the bad message
 
 CASES = [
     # ------------------------------------------------------------------ thinker
@@ -230,15 +230,19 @@ CASES = [
     Case("thinker", "audio-1d", lambda: _thinker_audio(shape=[MEL * 100]), r"audio_features\[0\]: shape \[12800\]"),
     Case("thinker", "audio-wrong-dtype", lambda: _thinker_audio(dtype=pb.INT32),
          r"audio_features\[0\]: dtype INT32, expected FLOAT32"),
-    Case("thinker", "audio-unknown-dtype", lambda: _thinker_audio(dtype=99), r"unknown tensor dtype 99"),
+    Case("thinker", "audio-unknown-dtype", lambda: _thinker_audio(dtype=99),
+         r"audio_features\[0\]: unknown tensor dtype 99"),
     Case("thinker", "audio-unspecified-dtype", lambda: _thinker_audio(dtype=pb.DTYPE_UNSPECIFIED),
-         r"unknown tensor dtype 0"),
+         r"audio_features\[0\]: unknown tensor dtype 0"),
     Case("thinker", "audio-extra-bytes", lambda: _thinker_audio(data=bytes(MEL * 100 * 4 + 3)),
-         r"tensor has 51203 bytes, its shape needs 51200"),
+         r"audio_features\[0\]: 51203 bytes, its shape \[128, 100\] FLOAT32 needs 51200"),
     Case("thinker", "audio-short-bytes-stream-ends", lambda: _thinker_audio(data=bytes(MEL * 100 * 4 - 4)),
          r"request stream ended before the start payload was complete"),
+    Case("thinker", "audio-nan", lambda: _thinker_audio(data=torch.full((MEL, 100), float("nan")).numpy().tobytes()),
+         r"audio_features contain NaN or infinity"),
     Case("thinker", "audio-zero-frames", lambda: _thinker_audio(frames_=0, pads=0), r"zero frames"),
-    Case("thinker", "negative-dim", lambda: _thinker_audio(shape=[MEL, -100]), r"negative dimension"),
+    Case("thinker", "negative-dim", lambda: _thinker_audio(shape=[MEL, -100]),
+         r"audio_features\[0\]: negative dimension"),
     Case("thinker", "min-over-max", lambda: [thinker_start(max_tokens=3, min_tokens=5)],
          r"min_tokens 5 > max_tokens 3"),
     Case("thinker", "prompt-too-long",
@@ -280,7 +284,14 @@ CASES = [
     Case("talker", "tts-special-missing", lambda: [talker_start(talker_prompt(tts_special=None))],
          r"prompt\.tts_special"),
     Case("talker", "user-rows-unknown-dtype",
-         lambda: [talker_start(talker_prompt(user_rows=with_dtype(rows(5), 77)))], r"unknown tensor dtype 77"),
+         lambda: [talker_start(talker_prompt(user_rows=with_dtype(rows(5), 77)))], r"prompt\.user_rows: unknown tensor dtype 77"),
+    Case("talker", "user-rows-nan", lambda: [talker_start(talker_prompt(
+        user_rows=to_proto(torch.full((5, HIDDEN), float("nan"))))), text_rows(2), TEXT_END],
+         r"prompt\.user_rows: rows contain NaN or infinity"),
+    Case("talker", "rows-inf", lambda: [talker_start(sampling=pb.Sampling(temperature=0.9, seed=1)),
+                                        pb.TalkerRequest(rows=pb.TextRows(rows=to_proto(
+                                            torch.tensor([[float("inf")] * HIDDEN] * 2)))), TEXT_END],
+         r"rows: rows contain NaN or infinity"),
     Case("talker", "rows-wrong-bytes",
          lambda: [talker_start(), pb.TalkerRequest(rows=pb.TextRows(rows=bad_bytes(rows(2), -8))), TEXT_END],
          r"rows: 504 bytes for shape \[2, 64\] FLOAT32 \(expected 512\)"),
@@ -295,7 +306,7 @@ CASES = [
     Case("talker", "rows-token-count", lambda: [talker_start(), text_rows(2, token_ids=[1, 2, 3]), TEXT_END],
          r"3 token ids for 2 rows"),
     Case("talker", "rows-after-text-end",
-         lambda: [talker_start(max_frames=60, min_frames=60), text_rows(3), TEXT_END, text_rows(1)],
+         lambda: [talker_start(max_frames=200, min_frames=200), text_rows(3), TEXT_END, text_rows(1)],
          r"rows after text_end"),
     Case("talker", "ends-before-text-end", lambda: [talker_start(), text_rows(1)],
          r"request stream ended before text_end"),
@@ -306,6 +317,9 @@ CASES = [
     Case("talker", "payload-overflow",
          lambda: _incomplete_start_then(pb.TalkerRequest(chunk=pb.PayloadChunk(data=bytes(40 * HIDDEN * 4)))),
          r"more payload bytes than the message's tensors need"),
+    Case("talker", "declared-payload-over-limit",
+         lambda: [talker_start(talker_prompt(user_rows=pb.Tensor(dtype=pb.FLOAT32, shape=[3_000_000, HIDDEN])))],
+         rf"payload of {3_000_000 * HIDDEN * 4 + 5 + 40 + 2 * 3 * HIDDEN * 4} bytes exceeds the limit of {512 * 1024 * 1024}"),
     Case("talker", "min-over-max", lambda: [talker_start(max_frames=4, min_frames=9)],
          r"min_frames 9 > max_frames 4"),
     Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=500, min_frames=0)],
@@ -313,7 +327,7 @@ CASES = [
     Case("talker", "bad-repetition-penalty",
          lambda: [talker_start(sampling=pb.Sampling(repetition_penalty=0.0))], r"repetition_penalty must be > 0"),
     Case("talker", "second-start",
-         lambda: [talker_start(max_frames=60, min_frames=60), text_rows(3), talker_start()],
+         lambda: [talker_start(max_frames=200, min_frames=200), text_rows(3), talker_start()],
          r"unexpected start after start"),
     Case("talker", "oversize-message",
          lambda: [talker_start(talker_prompt(users=SERVER_MAX_MESSAGE // (4 * HIDDEN) + 10))],
@@ -337,11 +351,11 @@ CASES = [
          r"frames\.codes: 66 bytes for shape \[2, 16\] UINT16 \(expected 64\)"),
     Case("code2wav", "unknown-dtype", lambda: [C2W_START, frames(tensor=with_dtype(codes(2), 12)), FRAMES_END],
          r"frames\.codes: unknown dtype 12"),
-    Case("code2wav", "frames-after-end", lambda: [C2W_START, frames(64), FRAMES_END, frames(1)],
+    Case("code2wav", "frames-after-end", lambda: [C2W_START, frames(300), FRAMES_END, frames(1)],
          r"frames after frames_end"),
     Case("code2wav", "ends-before-frames-end", lambda: [C2W_START, frames(2)],
          r"request stream ended before frames_end"),
-    Case("code2wav", "second-start", lambda: [C2W_START, frames(64), C2W_START], r"unexpected start after start"),
+    Case("code2wav", "second-start", lambda: [C2W_START, frames(300), C2W_START], r"unexpected start after start"),
     Case("code2wav", "oversize-message",
          lambda: [C2W_START, frames(SERVER_MAX_MESSAGE // (2 * GROUPS) + 10), FRAMES_END],
          r"larger than max", grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -386,3 +400,27 @@ def test_chunked_thinker_start_with_audio_features(stack, channels):
     assert err is None, (err.code(), err.details())
     assert [r.WhichOneof("kind") for r in responses] == ["text"] * 3 + ["finished"]
     assert responses[-1].finished.prompt_tokens == len(ids)
+
+
+def test_bad_requests_do_not_disturb_a_running_request(stack, channels):
+    """While a long greedy request streams, every bad thinker request above is refused; the running one
+    finishes with all its tokens."""
+    import threading
+
+    result: dict = {}
+
+    def long_request() -> None:
+        result["out"] = call(channels, "thinker", [thinker_start(max_tokens=300, min_tokens=300)], timeout=120)
+
+    runner = threading.Thread(target=long_request)
+    runner.start()
+    try:
+        for case in (c for c in CASES if c.stage == "thinker" and c.code == INVALID):
+            _, err = call(channels, "thinker", case.messages())
+            assert err is not None and err.code() == INVALID, case.name
+    finally:
+        runner.join(timeout=120)
+    responses, err = result["out"]
+    assert err is None, (err.code(), err.details())
+    assert [r.WhichOneof("kind") for r in responses] == ["text"] * 300 + ["finished"]
+    assert responses[-1].finished.reason == pb.LENGTH

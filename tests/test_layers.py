@@ -41,7 +41,6 @@ def cfg(tiny_model_dir) -> OmniConfig:
 
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
-    torch.manual_seed(0)
     return load_reference_model(tiny_model_dir)
 
 
@@ -157,35 +156,49 @@ def test_attention_causal_prefill_growing_cache(ref, thinker, cfg):
 
 
 def test_attention_slot_cache_prefill_then_batched_decode(ref, thinker, cfg):
-    """Two sequences of different lengths in different slots: each prefilled on its own, then decoded
-    together (one token, then three tokens per step), equal to the full causal forward."""
+    """Two sequences of different lengths: each prefilled on its own into its slot; a batched one-token
+    step (SlotStep); the slot before them released (the cache compacts: the last slot's keys move);
+    a dense one-token decode over slots 0..n-1 (decode_view, the engine's decode path); a batched
+    three-token step. Everything equals the full causal forward."""
     ours = thinker.model.layers[1].self_attn
     theirs = ref.thinker.model.language_model.layers[1]
     rotary = thinker.model.rotary
     h = cfg.thinker.text
     lengths = (5, 11)
-    total = 4  # new tokens after the prompt: 1 single-token step + one 3-token step
-    xs = [torch.randn(1, n + total, h.hidden_size, generator=gen(10 + n)) for n in lengths]
+    xs = [torch.randn(1, n + 5, h.hidden_size, generator=gen(10 + n)) for n in lengths]
     cache = SlotKVCache(h.num_layers, 4, 32, h.num_kv_heads, h.head_dim, torch.float32, CPU)
-    slots = [cache.allocate() for _ in range(3)][1:]  # not slot 0: slot ids must really be used
+    placeholder, seq_a, seq_b = "placeholder", "a", "b"
+    slot_of = {who: cache.allocate(who) for who in (placeholder, seq_a, seq_b)}
+    slots = [slot_of[seq_a], slot_of[seq_b]]
+    assert slots == [1, 2]
     got: list[list[torch.Tensor]] = [[], []]
     with torch.no_grad():
         for b, (n, x) in enumerate(zip(lengths, xs)):
             step = SlotStep.build([slots[b]], [0], n, CPU)
             got[b].append(ours(x[:, :n], rotary(torch.arange(n)[None], torch.float32), cache.bind(step)))
-        # batched decode of one token each, at their own positions
+        # batched step: one token each, at their own positions
         start = list(lengths)
         x1 = torch.cat([x[:, n:n + 1] for n, x in zip(lengths, xs)])
-        step = SlotStep.build(slots, start, 1, CPU)
-        out = ours(x1, rotary(torch.tensor(start)[:, None], torch.float32), cache.bind(step))
+        out = ours(x1, rotary(torch.tensor(start)[:, None], torch.float32), cache.bind(SlotStep.build(slots, start, 1, CPU)))
         for b in range(2):
             got[b].append(out[b:b + 1])
+        # free slot 0: the last slot (seq b) moves into it
+        assert cache.release(slot_of[placeholder]) == seq_b
+        slots = [1, 0]
+        order = [seq_b, seq_a]                      # slot 0, slot 1
+        assert cache.owners[:2] == order and cache.used == 2
+        # dense decode of slots 0..1 (seq b, seq a), one token each
+        start_by_slot = torch.tensor([lengths[1] + 1, lengths[0] + 1])
+        x_by_slot = torch.cat([xs[1][:, lengths[1] + 1:lengths[1] + 2], xs[0][:, lengths[0] + 1:lengths[0] + 2]])
+        view = cache.decode_view(2, int(start_by_slot.max()) + 1, start_by_slot)
+        out = ours(x_by_slot, rotary(start_by_slot[:, None], torch.float32), view)
+        got[1].append(out[0:1])
+        got[0].append(out[1:2])
         # batched step of three tokens each
-        start = [n + 1 for n in lengths]
-        x3 = torch.cat([x[:, n + 1:n + 4] for n, x in zip(lengths, xs)])
-        step = SlotStep.build(slots, start, 3, CPU)
+        start = [n + 2 for n in lengths]
+        x3 = torch.cat([x[:, n + 2:n + 5] for n, x in zip(lengths, xs)])
         pos = torch.tensor(start)[:, None] + torch.arange(3)
-        out = ours(x3, rotary(pos, torch.float32), cache.bind(step))
+        out = ours(x3, rotary(pos, torch.float32), cache.bind(SlotStep.build(slots, start, 3, CPU)))
         for b in range(2):
             got[b].append(out[b:b + 1])
         for b, x in enumerate(xs):
@@ -244,11 +257,11 @@ def test_thinker_decoder_logits_and_accept_hidden_layer(ref, thinker, cfg):
 
 
 def test_thinker_prefill_then_decode_in_slot_cache(ref, thinker, cfg):
-    """Two prompts of different lengths: prefill each, then decode 3 steps batched."""
+    """Two prompts of different lengths: prefill each, two dense decode steps, one batched two-token step."""
     t = cfg.thinker.text
-    seqs = [torch.randint(0, t.vocab_size, (n,), generator=gen(7 + n)) for n in (6, 10)]
+    seqs = [torch.randint(0, t.vocab_size, (n,), generator=gen(7 + n)) for n in (8, 12)]
     cache = SlotKVCache(t.num_layers, 2, 16, t.num_kv_heads, t.head_dim, torch.float32, CPU)
-    slots = [cache.allocate(), cache.allocate()]
+    slots = [cache.allocate("a"), cache.allocate("b")]
     with torch.no_grad():
         want = [ref.thinker.lm_head(ref.thinker.model.language_model(input_ids=s[None], use_cache=False)
                                     .last_hidden_state)[0] for s in seqs]
@@ -258,13 +271,21 @@ def test_thinker_prefill_then_decode_in_slot_cache(ref, thinker, cfg):
             step = SlotStep.build([slots[b]], [0], n, CPU)
             logits, _ = thinker(thinker.model.embed_tokens(s[None, :n]), torch.arange(n)[None], cache.bind(step))
             close(logits[0], want[b][n - 1])
-        for i in range(2):
-            start = [p + i for p in prompt]
-            tok = torch.stack([s[p:p + 1] for s, p in zip(seqs, start)])
-            step = SlotStep.build(slots, start, 1, CPU)
-            logits, _ = thinker(thinker.model.embed_tokens(tok), torch.tensor(start)[:, None], cache.bind(step))
+        for i in range(2):  # the engine's dense decode over slots 0..n-1
+            start = torch.tensor([p + i for p in prompt])
+            tok = torch.stack([s[p:p + 1] for s, p in zip(seqs, start.tolist())])
+            view = cache.decode_view(2, int(start.max()) + 1, start)
+            logits, _ = thinker(thinker.model.embed_tokens(tok), start[:, None], view)
             for b in range(2):
-                close(logits[b], want[b][start[b]])
+                close(logits[b], want[b][int(start[b])])
+        start = [p + 2 for p in prompt]  # and a batched two-token step
+        tok = torch.stack([s[p:p + 2] for s, p in zip(seqs, start)])
+        step = SlotStep.build(slots, start, 2, CPU)
+        h, _ = thinker.model(thinker.model.embed_tokens(tok), torch.tensor(start)[:, None] + torch.arange(2),
+                             cache.bind(step))
+        logits = thinker.lm_head(h)
+        for b in range(2):
+            close(logits[b], want[b][start[b]:start[b] + 2])
 
 
 @pytest.mark.parametrize("frames", [37, 100, 230, 1000])

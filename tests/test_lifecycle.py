@@ -312,3 +312,69 @@ def test_sigterm_with_a_stream_longer_than_the_grace_still_exits_0(tiny_model_di
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------- neighbours
+
+
+def _thinker_prompt(i: int) -> pb.ThinkerRequest:
+    ids = [388, 268] + [200 + 7 * i + j for j in range(3 + 2 * i)] + [389, 388, 272, 198]
+    return pb.ThinkerRequest(start=pb.ThinkerStart(token_ids=pb.TokenIds(ids=ids), max_tokens=40, min_tokens=40))
+
+
+def _talker_request(i: int) -> list:
+    g = torch.Generator().manual_seed(100 + i)
+    f32 = lambda n: to_proto(torch.randn(n, HIDDEN, generator=g))  # noqa: E731
+    prompt = pb.TalkerPrompt(user_rows=f32(3 + i), user_mm_mask=to_proto(torch.zeros(3 + i, dtype=torch.bool)),
+                             user_token_ids=to_proto(torch.arange(3 + i)), assistant_head=f32(3), tts_special=f32(3))
+    return [pb.TalkerRequest(start=pb.TalkerStart(prompt=prompt, speaker="ethan", max_frames=25, min_frames=25)),
+            pb.TalkerRequest(rows=pb.TextRows(rows=f32(4))), pb.TalkerRequest(text_end=pb.TextEnd())]
+
+
+def _outputs(responses: list) -> list:
+    kinds = [r.WhichOneof("kind") for r in responses]
+    assert kinds[-1] == "finished"
+    if "text" in kinds:
+        return [t for r in responses if r.WhichOneof("kind") == "text" for t in r.text.token_ids]
+    return [bytes(r.frames.codes.data) for r in responses if r.WhichOneof("kind") == "frames"]
+
+
+@pytest.mark.parametrize("stage,how", [("thinker", "cancel"), ("thinker", "disconnect"), ("talker", "cancel"),
+                                       ("talker", "disconnect")])
+def test_stopping_one_stream_leaves_its_neighbours_exact(stack, stage, how):
+    """Three streams run together; the first (slot 0) is stopped mid-stream, so the engine moves another
+    sequence's cache into its slot. The other two still produce exactly what they produce alone."""
+    make = (lambda i: [_thinker_prompt(i)]) if stage == "thinker" else _talker_request
+    wait_idle(stack, stage)
+
+    async def alone(i: int) -> list:
+        async with grpc.aio.insecure_channel(stack.address(stage)) as ch:
+            call = open_call(ch, stage)
+            for m in make(i):
+                await call.write(m)
+            await call.done_writing()
+            return _outputs(await read_rest(call))
+
+    async def together() -> list:
+        async with grpc.aio.insecure_channel(stack.address(stage)) as ch:
+            calls, seen = [], []
+            for i in range(3):
+                call = open_call(ch, stage)
+                for m in make(i):
+                    await call.write(m)
+                seen.append([await call.read()])  # running before the next one starts: stream 0 holds slot 0
+                calls.append(call)
+            for c, s in zip(calls[1:], seen[1:]):
+                s.append(await c.read())
+            if how == "cancel":
+                await calls[0].write(CANCEL[stage])
+                assert (await read_rest(calls[0]))[-1].finished.reason == pb.CANCELLED
+            else:
+                calls[0].cancel()
+            rest = await asyncio.gather(*(read_rest(c) for c in calls[1:]))
+            return [s + r for s, r in zip(seen[1:], rest)]
+
+    solo = [run(alone(i)) for i in (1, 2)]
+    for i, (responses, want) in enumerate(zip(run(together()), solo), start=1):
+        assert _outputs(responses) == want, i
+    wait_idle(stack, stage)

@@ -18,6 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 import typing
+from contextlib import asynccontextmanager
 
 from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
 from openai.types.realtime import RealtimeServerEvent
@@ -85,21 +86,14 @@ class Realtime:
         return (await self.until("session.updated"))[-1]["session"]
 
 
-class session:
-    def __init__(self, gateway, beta: bool = False, query: str = "", headers: dict | None = None) -> None:
-        self.url = f"ws://127.0.0.1:{gateway.port}/v1/realtime{query}"
-        self.headers = dict(headers or {}, **({"OpenAI-Beta": "realtime=v1"} if beta else {}))
-        self.beta = beta
-
-    async def __aenter__(self) -> Realtime:
-        self.cm = connect(self.url, additional_headers=self.headers, max_size=None)
-        rt = Realtime(await self.cm.__aenter__(), self.beta)
-        created = await rt.recv()
-        assert created["type"] == "session.created"
-        return rt
-
-    async def __aexit__(self, *exc) -> None:
-        await self.cm.__aexit__(*exc)
+@asynccontextmanager
+async def realtime(gateway, beta: bool = False, headers: dict | None = None):
+    """A session on the gateway's /v1/realtime (after its session.created)."""
+    headers = dict(headers or {}, **({"OpenAI-Beta": "realtime=v1"} if beta else {}))
+    async with connect(f"ws://127.0.0.1:{gateway.port}/v1/realtime", additional_headers=headers, max_size=None) as ws:
+        rt = Realtime(ws, beta)
+        assert (await rt.recv())["type"] == "session.created"
+        yield rt
 
 
 def run(coro):
@@ -168,6 +162,13 @@ def reference(stack, tokenizer, omni_config, messages: list[ChatMessage], **kw):
     return run(go())
 
 
+def assert_same_audio(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal pcm16, give or take one step of rounding (the stages' float math is not bit-stable
+    from one run to the next)."""
+    assert got.shape == want.shape and got.size > 0
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
 def expected_status(done: DoneEvent) -> str:
     return "incomplete" if done.text_finish == pb.LENGTH else "completed"
 
@@ -186,7 +187,7 @@ def test_text_turn_speaks_what_the_pipeline_makes(gateway, stack, tokenizer, omn
     text = "Hello there, how are you?"
 
     async def go():
-        async with session(gateway) as rt:
+        async with realtime(gateway) as rt:
             s = await rt.update(**MANUAL, max_audio_frames=10, voice="chelsie")
             assert s["audio"]["input"]["turn_detection"] is None and s["audio"]["output"]["voice"] == "chelsie"
             return await text_turn(rt, text, max_output_tokens=6)
@@ -200,7 +201,7 @@ def test_text_turn_speaks_what_the_pipeline_makes(gateway, stack, tokenizer, omn
     audio, transcript = of(events, "response.output_audio.delta"), of(events, "response.output_audio_transcript.delta")
     assert audio and transcript
     assert "".join(d["delta"] for d in transcript) == ref_text
-    assert np.array_equal(decoded(audio), ref_pcm)
+    assert_same_audio(decoded(audio), ref_pcm)
     assert of(events, "response.output_audio_transcript.done")[0]["transcript"] == ref_text
     done = events[-1]["response"]
     assert done["status"] == expected_status(ref_done)
@@ -215,7 +216,7 @@ def test_text_turn_speaks_what_the_pipeline_makes(gateway, stack, tokenizer, omn
 
 def test_text_only_reply_in_the_beta_dialect(gateway, stack, tokenizer, omni_config):
     async def go():
-        async with session(gateway, beta=True) as rt:
+        async with realtime(gateway, beta=True) as rt:
             s = await rt.update(modalities=["text"], turn_detection=None, temperature=0,
                                 instructions="Be brief.")
             assert s["modalities"] == ["text"] and s["turn_detection"] is None
@@ -238,7 +239,7 @@ def test_spoken_turn_with_server_vad(gateway, stack, tokenizer, omni_config, tin
     stream = np.concatenate([lead, words, np.zeros(RATE, np.float32)])
 
     async def go():
-        async with session(gateway) as rt:
+        async with realtime(gateway) as rt:
             s = await rt.update(**SERVER_VAD, max_output_tokens=4, max_audio_frames=8)
             assert s["audio"]["input"]["turn_detection"] == {
                 "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
@@ -267,7 +268,7 @@ def test_spoken_turn_with_server_vad(gateway, stack, tokenizer, omni_config, tin
     ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, [ChatMessage("user", [ChatPart(features=features)])],
                                      max_tokens=4, max_frames=8)
     assert "".join(d["delta"] for d in of(events, "response.output_audio_transcript.delta")) == ref_text
-    assert np.array_equal(decoded(of(events, "response.output_audio.delta")), ref_pcm)
+    assert_same_audio(decoded(of(events, "response.output_audio.delta")), ref_pcm)
 
 
 def test_manual_commit_then_multi_turn(gateway, stack, tokenizer, omni_config, tiny_model_dir):
@@ -276,8 +277,12 @@ def test_manual_commit_then_multi_turn(gateway, stack, tokenizer, omni_config, t
     words = speech("Good morning.")
 
     async def go():
-        async with session(gateway) as rt:
+        async with realtime(gateway) as rt:
             await rt.update(**MANUAL, max_audio_frames=6)
+            noise = np.random.default_rng(0).normal(0, 0.1, RATE // 2).astype(np.float32)
+            await stream_audio(rt, noise, chunk_ms=100)
+            await rt.send("input_audio_buffer.clear")             # the noise never reaches the model
+            await rt.until("input_audio_buffer.cleared")
             await stream_audio(rt, words, chunk_ms=100)
             await rt.send("input_audio_buffer.commit")
             committed = await rt.until("conversation.item.done")
@@ -301,13 +306,64 @@ def test_manual_commit_then_multi_turn(gateway, stack, tokenizer, omni_config, t
     assert second[-1]["response"]["output"][0]["content"][0]["transcript"] == ref_text
 
 
+def test_created_items_build_the_prompt(gateway, stack, tokenizer, omni_config, tiny_model_dir):
+    """Instructions, a user item with audio and text, an assistant item placed after it, a deleted
+    item: the reply is the pipeline's for exactly that conversation. Then the client truncates
+    the reply's audio."""
+    hello = speech("Hello.")
+
+    def message(item_id: str, role: str, *content) -> dict:
+        return {"id": item_id, "type": "message", "role": role, "content": list(content)}
+
+    async def go():
+        async with realtime(gateway) as rt:
+            await rt.update(**MANUAL, instructions="You are terse.", max_audio_frames=6)
+            await rt.send("conversation.item.create", item=message(
+                "u1", "user", {"type": "input_audio", "audio": pcm16_base64(hello)},
+                {"type": "input_text", "text": "What did I say?"}))
+            await rt.send("conversation.item.create", item=message("gone", "user", {"type": "input_text", "text": "x"}))
+            await rt.send("conversation.item.create", previous_item_id="u1",
+                          item=message("a1", "assistant", {"type": "output_text", "text": "You said hello."}))
+            await rt.send("conversation.item.create", item=message("u2", "user", {"type": "input_text", "text": "And?"}))
+            await rt.send("conversation.item.delete", item_id="gone")
+            events = await rt.until("conversation.item.deleted")
+            await rt.send("response.create", response={"max_output_tokens": 4})
+            events += await rt.until("response.done")
+            reply = events[-1]["response"]["output"][0]
+            await rt.send("conversation.item.truncate", item_id=reply["id"], content_index=0, audio_end_ms=100)
+            events += await rt.until("conversation.item.truncated")
+            await rt.send("conversation.item.truncate", item_id=reply["id"], content_index=0, audio_end_ms=10 ** 6)
+            events += await rt.until("error")
+            await rt.send("conversation.item.retrieve", item_id=reply["id"])
+            events += await rt.until("conversation.item.retrieved")
+            return events
+
+    events = run(go())
+    added = {e["item"]["id"]: e for e in of(events, "conversation.item.added")}
+    assert added["a1"]["previous_item_id"] == "u1" and added["u2"]["previous_item_id"] == "gone"
+    assert added["u1"]["item"]["content"] == [{"type": "input_audio", "transcript": None},
+                                              {"type": "input_text", "text": "What did I say?"}]
+    features = FeatureExtractor(str(tiny_model_dir))(resample(hello, RATE, 16000))
+    ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, [
+        ChatMessage.text("system", "You are terse."),
+        ChatMessage("user", [ChatPart(features=features), ChatPart(text="What did I say?")]),
+        ChatMessage.text("assistant", "You said hello."), ChatMessage.text("user", "And?")], max_tokens=4, max_frames=6)
+    transcript = of(events, "response.output_audio_transcript.done")[0]["transcript"]
+    assert transcript == ref_text
+    assert_same_audio(decoded(of(events, "response.output_audio.delta")), ref_pcm)
+    assert of(events, "conversation.item.truncated")[0]["audio_end_ms"] == 100
+    assert of(events, "error")[0]["error"]["param"] == "audio_end_ms"
+    kept = of(events, "conversation.item.retrieved")[0]["item"]["content"][0]["transcript"]
+    assert transcript.startswith(kept) and len(kept) <= len(transcript)
+
+
 # ----------------------------------------------------------------------------- interruptions
 
 def test_barge_in_cancels_and_truncates_to_what_was_sent(gateway, stack):
     words = speech("Wait, stop, I have a question.")
 
     async def go():
-        async with session(gateway) as rt:
+        async with realtime(gateway) as rt:
             await rt.update(**SERVER_VAD, max_output_tokens=8, max_audio_frames=8)
             await rt.send("conversation.item.create", item={"type": "message", "role": "user",
                                                             "content": [{"type": "input_text", "text": "Talk a while."}]})
@@ -323,7 +379,7 @@ def test_barge_in_cancels_and_truncates_to_what_was_sent(gateway, stack):
             return events
 
     events = run(go())
-    first_id = events[0]["response"]["id"]
+    first_id = of(events, "response.created")[0]["response"]["id"]
     kinds = [e["type"] for e in events]
     cancelled = next(e["response"] for e in events if e["type"] == "response.done")
     assert cancelled["id"] == first_id and cancelled["status"] == "cancelled"
@@ -346,7 +402,7 @@ def test_barge_in_cancels_and_truncates_to_what_was_sent(gateway, stack):
 
 def test_response_cancel(gateway, stack):
     async def go():
-        async with session(gateway) as rt:
+        async with realtime(gateway) as rt:
             await rt.update(**MANUAL, max_audio_frames=12)
             await rt.send("conversation.item.create", item={"type": "message", "role": "user",
                                                             "content": [{"type": "input_text", "text": "Hi."}]})
@@ -365,27 +421,53 @@ def test_response_cancel(gateway, stack):
     assert_stages_idle(stack)
 
 
-def test_disconnect_mid_reply_frees_the_stages(gateway, stack):
-    async def go():
-        async with session(gateway) as rt:
-            await rt.update(**MANUAL, max_audio_frames=12)
-            await text_turn_started(rt)
+def streams_total(stack, stage: str, outcome: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports[stage]}/metrics", timeout=5).read().decode()
+    m = re.search(rf'^voxpipe_streams_total\{{(?=[^}}]*stage="{stage}")(?=[^}}]*outcome="{outcome}")[^}}]*\}} (\S+)$',
+                  body, re.M)
+    return float(m.group(1)) if m else 0.0
 
-    async def text_turn_started(rt):
-        await rt.send("conversation.item.create", item={"type": "message", "role": "user",
-                                                        "content": [{"type": "input_text", "text": "Go on."}]})
-        await rt.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True})
-        await rt.until("response.created")
+
+def test_disconnect_mid_reply_frees_the_stages(gateway, stack):
+    """Hanging up after the first audio of a long reply cancels its talker and code2wav streams."""
+    before = {s: streams_total(stack, s, "cancelled") for s in ("talker", "code2wav")}
+
+    async def go():
+        async with realtime(gateway) as rt:
+            await rt.update(**MANUAL)
+            await rt.send("conversation.item.create", item={"type": "message", "role": "user",
+                                                            "content": [{"type": "input_text", "text": "Go on."}]})
+            await rt.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True,
+                                                        "max_audio_frames": 60})
+            await rt.until("response.output_audio.delta")
 
     run(go())
     assert_stages_idle(stack)
+    assert all(streams_total(stack, s, "cancelled") > before[s] for s in before)
+
+
+def test_a_client_that_does_not_read_stalls_only_itself(gateway):
+    async def go():
+        async with realtime(gateway) as idle, realtime(gateway) as busy:
+            await idle.update(**MANUAL, max_audio_frames=12)
+            await idle.send("conversation.item.create", item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": "Hi."}]})
+            await idle.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True})
+            await busy.update(**MANUAL, max_audio_frames=12)      # `idle` is not read from here on
+            turn = await text_turn(busy, "Hello?", max_output_tokens=8, ignore_eos=True)
+            late = await idle.until("response.done")             # and then catches up
+            return turn, late
+
+    turn, late = run(go())
+    assert turn[-1]["response"]["status"] == "incomplete" and of(turn, "response.output_audio.delta")
+    assert late[-1]["response"]["status"] == "incomplete" and of(late, "response.output_audio.delta")
 
 
 # ----------------------------------------------------------------------------- bad input
 
 def test_bad_events_get_errors_and_the_session_goes_on(gateway):
     async def go():
-        async with session(gateway) as rt:
+        async with realtime(gateway) as rt:
             errors = []
             await rt.ws.send("{not json")
             errors.append((await rt.until("error"))[-1]["error"])
@@ -440,13 +522,13 @@ def test_session_cap_and_api_key(capped_gateway):
 
     async def go():
         with pytest.raises(InvalidStatus) as refused:
-            async with session(capped_gateway, headers={"Authorization": "Bearer wrong"}):
+            async with realtime(capped_gateway, headers={"Authorization": "Bearer wrong"}):
                 pass
-        async with session(capped_gateway, headers=key):
+        async with realtime(capped_gateway, headers=key):
             async with connect(f"ws://127.0.0.1:{capped_gateway.port}/v1/realtime", additional_headers=key) as second:
                 event = json.loads(await second.recv())
                 await second.wait_closed()
-        async with session(capped_gateway, headers=key) as again:       # the slot is free again
+        async with realtime(capped_gateway, headers=key) as again:       # the slot is free again
             await again.update(**MANUAL)
         return refused.value.response.status_code, event, second.close_code
 

@@ -4,7 +4,9 @@ An OTLP/gRPC receiver (the real collector protocol: TraceService/Export) runs in
 free port; thinker, talker, code2wav and the gateway run as real processes exporting to it
 (configured only by OTEL_* variables). A chat completion with a client `traceparent` must come
 back as spans from all four services in the client's trace, chained gateway -> thinker ->
-talker -> code2wav through the parent links, with per-stage phase spans."""
+talker -> code2wav through the parent links, with per-stage phase spans; the same for a
+Converse gRPC call (traceparent metadata) and a realtime WebSocket session (handshake header);
+refusals are ERROR spans and cancelled turns end every hop's span as cancelled."""
 
 from __future__ import annotations
 
@@ -202,10 +204,11 @@ def test_chat_completion_is_one_trace_across_all_services(traced_gateway, otlp_r
     assert all(s.status_code != trace_pb2.Status.STATUS_CODE_ERROR for s in spans)
 
     # the gateway's request span is a child of the client's span
-    request_span = next(s for s in spans if s.service == SERVICE_NAMES["gateway"]
-                        and s.kind == trace_pb2.Span.SPAN_KIND_SERVER)
+    [request_span] = [s for s in spans if s.service == SERVICE_NAMES["gateway"]
+                      and s.kind == trace_pb2.Span.SPAN_KIND_SERVER]
     assert request_span.parent_span_id == CLIENT_PARENT_SPAN
-    assert "/v1/chat/completions" in request_span.name
+    assert request_span.name == "POST /v1/chat/completions"
+    assert request_span.attributes["http.response.status_code"] == 200
 
     thinker = server_span(spans, SERVICE_NAMES["thinker"], "voxpipe.v1.Thinker/Generate")
     talker = server_span(spans, SERVICE_NAMES["talker"], "voxpipe.v1.Talker/Generate")
@@ -339,3 +342,43 @@ def test_a_cancelled_turn_ends_every_hop_span_as_cancelled(traced_gateway, otlp_
         assert "queue_wait" in {s.name for s in spans if s.parent_span_id == span.span_id}
     converse = server_span(spans, SERVICE_NAMES["gateway"], "voxpipe.v1.Gateway/Converse")
     assert converse.attributes["voxpipe.cancelled"] is True
+
+
+def test_realtime_websocket_session_joins_the_callers_trace(traced_gateway, otlp_receiver):
+    import asyncio
+    import json
+
+    from websockets.asyncio.client import connect
+
+    trace_id, parent = "1f2e3d4c5b6a79880796a5b4c3d2e1f0", "a1b2c3d4e5f60718"
+    url = traced_gateway.http.replace("http://", "ws://") + "/v1/realtime"
+
+    async def one_turn() -> dict:
+        headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
+        async with connect(url, additional_headers=headers, max_size=None) as ws:
+            async def until(kind: str) -> dict:
+                while True:
+                    event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                    assert event["type"] != "error", event
+                    if event["type"] == kind:
+                        return event
+            await ws.send(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "temperature": 0, "audio": {"input": {"turn_detection": None}},
+                "max_audio_frames": 6}}))
+            await until("session.updated")
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]}}))
+            await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 4}}))
+            return await until("response.done")
+
+    done = asyncio.run(one_turn())
+    assert done["response"]["output"]
+    spans = wait_for_spans(otlp_receiver, trace_id, set(SERVICE_NAMES.values()))
+    by_id = {s.span_id: s for s in spans}
+    [session] = [s for s in spans
+                 if s.service == SERVICE_NAMES["gateway"] and s.kind == trace_pb2.Span.SPAN_KIND_SERVER]
+    assert session.name == "WEBSOCKET /v1/realtime" and session.parent_span_id == parent
+    for service, rpc in ((SERVICE_NAMES["thinker"], "voxpipe.v1.Thinker/Generate"),
+                         (SERVICE_NAMES["talker"], "voxpipe.v1.Talker/Generate"),
+                         (SERVICE_NAMES["code2wav"], "voxpipe.v1.Code2Wav/Decode")):
+        assert session in ancestors(server_span(spans, service, rpc), by_id)

@@ -207,6 +207,16 @@ class PipelineClient:
             except grpc.aio.AioRpcError as e:
                 raise PipelineError(stage, e.code(), e.details()) from None
 
+        async def to_talker(ta, msg: pb.TalkerRequest | None) -> None:
+            """Text for the talker (None: half-close). A talker that has finished (max_frames reached
+            before the text ended) takes no more: the write is dropped, not an error."""
+            if done["audio"] is not None:
+                return
+            try:
+                await to_stage("talker", ta.write(msg) if msg is not None else ta.done_writing())
+            except asyncio.InvalidStateError:  # it finished while this write was on its way
+                pass
+
         async def guarded(stage: str, coro):
             try:
                 await coro
@@ -252,14 +262,14 @@ class PipelineClient:
                     t = resp.text
                     await events.put(TextEvent(t.index, list(t.token_ids), t.text))
                     if ta is not None:
-                        await to_stage("talker", ta.write(
-                            pb.TalkerRequest(rows=pb.TextRows(token_ids=t.token_ids, rows=t.embeddings))))
+                        await to_talker(ta, pb.TalkerRequest(rows=pb.TextRows(token_ids=t.token_ids,
+                                                                               rows=t.embeddings)))
                 elif kind == "finished":
                     usage["prompt"], usage["completion"] = resp.finished.prompt_tokens, resp.finished.completion_tokens
                     done["text"] = resp.finished.reason
                     if ta is not None:
-                        await to_stage("talker", ta.write(pb.TalkerRequest(text_end=pb.TextEnd())))
-                        await to_stage("talker", ta.done_writing())
+                        await to_talker(ta, pb.TalkerRequest(text_end=pb.TextEnd()))
+                        await to_talker(ta, None)
             if req.audio and ta is None:
                 raise PipelineError("thinker", None, "the thinker finished without a talker prompt")
             await events.put("thinker-done")

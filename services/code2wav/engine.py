@@ -84,10 +84,11 @@ class Code2WavEngine(StageEngine):
         groups: dict[tuple[bool, int], list[tuple[Code2WavJob, list[torch.Tensor]]]] = defaultdict(list)
         with self.lock:
             while self.waiting and self.cache.free_slots > 0:
-                job = self.waiting.pop(0)
+                job = self.waiting[0]
                 job.state = StreamState(slot=self.cache.allocate())
                 job.mark_started()
                 self.running.append(job)
+                self.waiting.pop(0)
             for job in list(self.running):
                 n = job.ready_frames()
                 if n:

@@ -73,20 +73,26 @@ def _is_repeated(fd) -> bool:
 
 def _tensor_fields(msg: Message) -> Iterator[pb.Tensor]:
     """The Tensor fields of `msg` in declaration order, recursively (set fields only)."""
+    for _, t in _named_tensor_fields(msg):
+        yield t
+
+
+def _named_tensor_fields(msg: Message, prefix: str = "") -> Iterator[tuple[str, pb.Tensor]]:
+    """(field path such as 'prompt.user_rows' or 'audio_features[1]', tensor), as `_tensor_fields`."""
     for fd in msg.DESCRIPTOR.fields:
         if fd.message_type is None:
             continue
         if _is_repeated(fd):
-            values = getattr(msg, fd.name)
+            values = [(f"{prefix}{fd.name}[{i}]", v) for i, v in enumerate(getattr(msg, fd.name))]
         elif msg.HasField(fd.name):
-            values = [getattr(msg, fd.name)]
+            values = [(prefix + fd.name, getattr(msg, fd.name))]
         else:
             continue
-        for v in values:
+        for name, v in values:
             if isinstance(v, pb.Tensor):
-                yield v
+                yield name, v
             elif isinstance(v, Message):
-                yield from _tensor_fields(v)
+                yield from _named_tensor_fields(v, name + ".")
 
 
 def split_message(msg: Message, limit: int) -> tuple[Message, list[bytes]]:
@@ -110,19 +116,34 @@ class Reassembler:
 
     def __init__(self, head: Message, max_bytes: int) -> None:
         self.head = head
-        self._tensors = list(_tensor_fields(head))
-        self._need = [nbytes(t) for t in self._tensors]
+        named = list(_named_tensor_fields(head))
+        self._tensors = [t for _, t in named]
+        self._need = []
+        for name, t in named:
+            try:
+                self._need.append(nbytes(t))
+            except TensorError as e:
+                raise TensorError(f"{name}: {e}") from None
         total = sum(self._need)
         if total > max_bytes:
             raise TensorError(f"payload of {total} bytes exceeds the limit of {max_bytes}")
-        for t, need in zip(self._tensors, self._need):
+        for (name, t), need in zip(named, self._need):
             if len(t.data) > need:
-                raise TensorError(f"tensor has {len(t.data)} bytes, its shape needs {need}")
+                raise TensorError(f"{name}: {len(t.data)} bytes, its shape {list(t.shape)} "
+                                  f"{pb.DType.Name(t.dtype)} needs {need}")
         self._i = 0
+        self._buf: bytearray | None = None   # the current tensor's bytes while chunks arrive
         self._advance()
 
     def _advance(self) -> None:
-        while self._i < len(self._tensors) and len(self._tensors[self._i].data) == self._need[self._i]:
+        while self._i < len(self._tensors):
+            t = self._tensors[self._i]
+            have = len(self._buf) if self._buf is not None else len(t.data)
+            if have < self._need[self._i]:
+                return
+            if self._buf is not None:
+                t.data = bytes(self._buf)
+                self._buf = None
             self._i += 1
 
     @property
@@ -134,8 +155,9 @@ class Reassembler:
         while view.nbytes:
             if self.complete:
                 raise TensorError("more payload bytes than the message's tensors need")
-            t = self._tensors[self._i]
-            take = min(view.nbytes, self._need[self._i] - len(t.data))
-            t.data = t.data + bytes(view[:take])
+            if self._buf is None:
+                self._buf = bytearray(self._tensors[self._i].data)
+            take = min(view.nbytes, self._need[self._i] - len(self._buf))
+            self._buf += view[:take]
             view = view[take:]
             self._advance()

@@ -137,15 +137,15 @@ class TalkerEngine(StageEngine):
             if self.cache.free_slots > 0:
                 job = next((j for j in self.waiting if self._prefill_ready(j)), None)
                 if job is not None:
-                    self.waiting.remove(job)
                     if job.row_state(0) != "row":      # the thinker said nothing speakable
                         self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP)))
                         job = None
-                    else:
+                    else:  # leaves `waiting` only once it holds a slot and sits in `running`
                         job.slot = self.cache.allocate(job)
                         self.seen[job.slot] = False
                         job.mark_started()
                         self.running.append(job)
+                        self.waiting.remove(job)
             owners = [self.cache.owners[i] for i in range(self.cache.used)]
             ready = [j is not job and self._decode_ready(j) for j in owners]
             trailing = [self._trailing(j) if r else None for j, r in zip(owners, ready)]

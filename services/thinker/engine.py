@@ -112,11 +112,12 @@ class ThinkerEngine(StageEngine):
     @torch.inference_mode()
     def step(self) -> None:
         with self.lock:
-            job = self.waiting.pop(0) if self.waiting and self.cache.free_slots > 0 else None
-            if job is not None:
+            job = self.waiting[0] if self.waiting and self.cache.free_slots > 0 else None
+            if job is not None:  # leaves `waiting` only once it holds a slot and sits in `running`
                 job.slot = self.cache.allocate(job)
                 job.mark_started()
                 self.running.append(job)
+                self.waiting.pop(0)
         if job is not None:
             self._prefill(job)
         if self.cache.used:
