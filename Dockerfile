@@ -53,6 +53,7 @@ COPY proto/ proto/
 COPY services/ services/
 COPY gateway/ gateway/
 COPY kernels/ kernels/
+COPY bench/ bench/
 RUN pip install . \
     && python -c "import torch, voxpipe, voxpipe.v1.stages_pb2; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
@@ -130,6 +131,7 @@ COPY proto/ proto/
 COPY services/ services/
 COPY gateway/ gateway/
 COPY kernels/ kernels/
+COPY bench/ bench/
 RUN pip install . \
     && python -c "import torch, voxpipe, voxpipe.v1.stages_pb2; assert not torch.version.cuda"
 

@@ -107,7 +107,8 @@ class RealtimeConnection:
                    on_sent=None) -> None:
         body = event.wire(self.dialect)
         if body is not None:
-            await self.outbox.put(Outgoing(json.dumps(body, separators=(",", ":")), response_id, audio_samples, on_sent))
+            text = json.dumps(body, separators=(",", ":"))
+            await self.outbox.put(Outgoing(text, response_id, audio_samples, on_sent))
 
     async def _send_loop(self) -> None:
         try:

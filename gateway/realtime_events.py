@@ -232,7 +232,8 @@ def _turn_detection(value: Any, param: str) -> ServerVadParams | None:
         raise ProtocolError(f"'{param}' must be an object or null", code="invalid_type", param=param)
     kind = value.get("type", "server_vad")
     if kind != "server_vad":
-        raise ProtocolError(f"'{param}.type' {kind!r} is not supported; use \"server_vad\" or null", param=f"{param}.type")
+        raise ProtocolError(f"'{param}.type' {kind!r} is not supported; use \"server_vad\" or null",
+                            param=f"{param}.type")
     d = ServerVadParams()
     threshold = _get(value, "threshold", (int, float), param)
     if threshold is not None and not 0.0 <= threshold <= 1.0:
@@ -337,12 +338,14 @@ def _response_overrides(r: Any) -> ResponseOverrides:
                             param="response.metadata")
     return ResponseOverrides(voice=voice, audio_out=_modalities(r, "response"),
                              instructions=_get(r, "instructions", str, "response"), max_output_tokens=max_tokens,
-                             temperature=_temperature(r, "response"), ignore_eos=_get(r, "ignore_eos", bool, "response"),
+                             temperature=_temperature(r, "response"),
+                             ignore_eos=_get(r, "ignore_eos", bool, "response"),
                              max_audio_frames=_positive_int(r, "max_audio_frames", "response"),
                              out_of_band=conversation == "none", metadata=metadata)
 
 
 _USER_KINDS = {"input_text": "input_text", "input_audio": "input_audio"}
+_SYSTEM_KINDS = {"input_text": "input_text"}
 _ASSISTANT_KINDS = {"output_text": "output_text", "text": "output_text", "output_audio": "output_audio",
                     "audio": "output_audio"}
 
@@ -351,7 +354,7 @@ def _part(p: Any, role: str, path: str) -> NewPart:
     if not isinstance(p, dict):
         raise ProtocolError(f"'{path}' must be an object", code="invalid_type", param=path)
     kind = p.get("type")
-    allowed = _USER_KINDS if role == "user" else _ASSISTANT_KINDS if role == "assistant" else {"input_text": "input_text"}
+    allowed = {"user": _USER_KINDS, "assistant": _ASSISTANT_KINDS}.get(role, _SYSTEM_KINDS)
     if kind not in allowed:
         raise ProtocolError(f"'{path}.type' {kind!r} is not supported for a {role} message; use one of: "
                             f"{', '.join(allowed)}", param=f"{path}.type")

@@ -133,8 +133,9 @@ class ResponseRun:
         s = self.settings
         try:
             self.prompt = await render_prompt(st, self.messages)
-            params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if s.ignore_eos else 0,
-                                      max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if s.ignore_eos else 0,
+            forced = s.ignore_eos
+            params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if forced else 0,
+                                      max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if forced else 0,
                                       temperature=s.temperature)
             req = speech_request(self.prompt, params, s.voice, s.audio_out)
             req.request_id = self.id

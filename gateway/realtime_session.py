@@ -115,7 +115,8 @@ class ResponseSettings:
         if s.ignore_eos and not s.max_output_tokens:
             raise ProtocolError("ignore_eos needs a finite max_output_tokens", param="response.max_output_tokens")
         if s.ignore_eos and s.audio_out and not s.max_audio_frames:
-            raise ProtocolError("ignore_eos needs max_audio_frames for a spoken reply", param="response.max_audio_frames")
+            raise ProtocolError("ignore_eos needs max_audio_frames for a spoken reply",
+                                param="response.max_audio_frames")
         return s
 
 
@@ -190,7 +191,8 @@ class Conversation:
     def insert(self, item: ConversationItem, previous_item_id: str | None = None) -> str | None:
         """Append, or place after `previous_item_id` ("root": first). Returns the id before it."""
         if self.has(item.id):
-            raise ProtocolError(f"an item with id {item.id!r} already exists", code="duplicate_item_id", param="item.id")
+            raise ProtocolError(f"an item with id {item.id!r} already exists", code="duplicate_item_id",
+                                param="item.id")
         if previous_item_id is None:
             at = len(self.items)
         elif previous_item_id == "root":

@@ -173,9 +173,12 @@ def expected_status(done: DoneEvent) -> str:
     return "incomplete" if done.text_finish == pb.LENGTH else "completed"
 
 
+def user_text(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
 async def text_turn(rt: Realtime, text: str, **response) -> list[dict]:
-    await rt.send("conversation.item.create",
-                  item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+    await rt.send("conversation.item.create", item=user_text(text))
     await rt.until("conversation.item.created" if rt.beta else "conversation.item.done")
     await rt.send("response.create", response=response)
     return await rt.until("response.done")
@@ -223,9 +226,8 @@ def test_text_only_reply_in_the_beta_dialect(gateway, stack, tokenizer, omni_con
             return await text_turn(rt, "Tell me a story.", max_response_output_tokens=5)
 
     events = run(go())
-    ref_text, _, ref_done = reference(stack, tokenizer, omni_config,
-                                      [ChatMessage.text("system", "Be brief."), ChatMessage.text("user", "Tell me a story.")],
-                                      audio=False, max_tokens=5)
+    messages = [ChatMessage.text("system", "Be brief."), ChatMessage.text("user", "Tell me a story.")]
+    ref_text, _, ref_done = reference(stack, tokenizer, omni_config, messages, audio=False, max_tokens=5)
     assert not of(events, "response.audio.delta") and not of(events, "response.output_audio.delta")
     assert "".join(d["delta"] for d in of(events, "response.text.delta")) == ref_text
     assert of(events, "response.text.done")[0]["text"] == ref_text
@@ -252,7 +254,8 @@ def test_spoken_turn_with_server_vad(gateway, stack, tokenizer, omni_config, tin
     order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
              "input_audio_buffer.committed", "conversation.item.added", "response.created", "response.done"]
     assert [kinds.index(k) for k in order] == sorted(kinds.index(k) for k in order), kinds
-    started, stopped = of(events, "input_audio_buffer.speech_started")[0], of(events, "input_audio_buffer.speech_stopped")[0]
+    started = of(events, "input_audio_buffer.speech_started")[0]
+    stopped = of(events, "input_audio_buffer.speech_stopped")[0]
     voiced = np.flatnonzero(np.abs(stream) > 0.02)            # espeak pads its output with some silence
     onset_ms, speech_end_ms = voiced[0] * 1000 // RATE, voiced[-1] * 1000 // RATE
     assert onset_ms - 300 - 64 <= started["audio_start_ms"] <= onset_ms   # 300 ms of padding before the speech
@@ -265,8 +268,8 @@ def test_spoken_turn_with_server_vad(gateway, stack, tokenizer, omni_config, tin
     # the thinker heard exactly the utterance: the same reply as the pipeline for those samples
     clip = stream[started["audio_start_ms"] * RATE // 1000:stopped["audio_end_ms"] * RATE // 1000]
     features = FeatureExtractor(str(tiny_model_dir))(resample(clip, RATE, 16000))
-    ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, [ChatMessage("user", [ChatPart(features=features)])],
-                                     max_tokens=4, max_frames=8)
+    heard = [ChatMessage("user", [ChatPart(features=features)])]
+    ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, heard, max_tokens=4, max_frames=8)
     assert "".join(d["delta"] for d in of(events, "response.output_audio_transcript.delta")) == ref_text
     assert_same_audio(decoded(of(events, "response.output_audio.delta")), ref_pcm)
 
@@ -324,7 +327,8 @@ def test_created_items_build_the_prompt(gateway, stack, tokenizer, omni_config, 
             await rt.send("conversation.item.create", item=message("gone", "user", {"type": "input_text", "text": "x"}))
             await rt.send("conversation.item.create", previous_item_id="u1",
                           item=message("a1", "assistant", {"type": "output_text", "text": "You said hello."}))
-            await rt.send("conversation.item.create", item=message("u2", "user", {"type": "input_text", "text": "And?"}))
+            await rt.send("conversation.item.create",
+                          item=message("u2", "user", {"type": "input_text", "text": "And?"}))
             await rt.send("conversation.item.delete", item_id="gone")
             events = await rt.until("conversation.item.deleted")
             await rt.send("response.create", response={"max_output_tokens": 4})
@@ -365,8 +369,7 @@ def test_barge_in_cancels_and_truncates_to_what_was_sent(gateway, stack):
     async def go():
         async with realtime(gateway) as rt:
             await rt.update(**SERVER_VAD, max_output_tokens=8, max_audio_frames=8)
-            await rt.send("conversation.item.create", item={"type": "message", "role": "user",
-                                                            "content": [{"type": "input_text", "text": "Talk a while."}]})
+            await rt.send("conversation.item.create", item=user_text("Talk a while."))
             await rt.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True,
                                                         "max_audio_frames": 60})
             before = await rt.until("response.output_audio.delta")
@@ -404,8 +407,7 @@ def test_response_cancel(gateway, stack):
     async def go():
         async with realtime(gateway) as rt:
             await rt.update(**MANUAL, max_audio_frames=12)
-            await rt.send("conversation.item.create", item={"type": "message", "role": "user",
-                                                            "content": [{"type": "input_text", "text": "Hi."}]})
+            await rt.send("conversation.item.create", item=user_text("Hi."))
             await rt.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True})
             await rt.send("response.cancel")
             events = await rt.until("response.done")
@@ -435,8 +437,7 @@ def test_disconnect_mid_reply_frees_the_stages(gateway, stack):
     async def go():
         async with realtime(gateway) as rt:
             await rt.update(**MANUAL)
-            await rt.send("conversation.item.create", item={"type": "message", "role": "user",
-                                                            "content": [{"type": "input_text", "text": "Go on."}]})
+            await rt.send("conversation.item.create", item=user_text("Go on."))
             await rt.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True,
                                                         "max_audio_frames": 60})
             await rt.until("response.output_audio.delta")
@@ -450,8 +451,7 @@ def test_a_client_that_does_not_read_stalls_only_itself(gateway):
     async def go():
         async with realtime(gateway) as idle, realtime(gateway) as busy:
             await idle.update(**MANUAL, max_audio_frames=12)
-            await idle.send("conversation.item.create", item={"type": "message", "role": "user",
-                                                              "content": [{"type": "input_text", "text": "Hi."}]})
+            await idle.send("conversation.item.create", item=user_text("Hi."))
             await idle.send("response.create", response={"max_output_tokens": 8, "ignore_eos": True})
             await busy.update(**MANUAL, max_audio_frames=12)      # `idle` is not read from here on
             turn = await text_turn(busy, "Hello?", max_output_tokens=8, ignore_eos=True)
@@ -536,3 +536,52 @@ def test_session_cap_and_api_key(capped_gateway):
     assert status == 401
     assert event["type"] == "error" and event["error"]["type"] == "rate_limit_error"
     assert code == 1013
+
+
+# ----------------------------------------------------------------------------- the parts on their own
+
+def test_server_vad_finds_the_utterance_in_real_speech():
+    from voxpipe.gateway.vad import ServerVad, ServerVadParams, SpeechStarted, SpeechStopped
+
+    words = speech("Good evening, everybody.")
+    stream = np.concatenate([np.zeros(RATE // 2, np.float32), words, np.zeros(RATE, np.float32)])
+    voiced = np.flatnonzero(np.abs(stream) > 0.02) * 1000 // RATE
+    vad = ServerVad(ServerVadParams(silence_duration_ms=300), RATE)
+    events = [e for i in range(0, len(stream), 480) for e in vad.feed(stream[i:i + 480])]   # 20 ms pieces
+    assert [type(e) for e in events] == [SpeechStarted, SpeechStopped]
+    assert voiced[0] - 64 <= events[0].onset_ms <= voiced[0] + 100
+    assert voiced[-1] + 250 <= events[1].end_ms <= voiced[-1] + 500
+
+
+def test_stream_resampler_matches_linear_interpolation_of_the_whole():
+    from voxpipe.gateway.vad import StreamResampler
+
+    x = np.random.default_rng(1).normal(size=RATE).astype(np.float32)
+    r = StreamResampler(RATE, 16000)
+    cuts = [0, 1, 7, 480, 481, 5000, 12345, RATE]
+    y = np.concatenate([r(x[a:b]) for a, b in zip(cuts, cuts[1:])])
+    want = np.interp(np.arange(len(y)) * 1.5, np.arange(len(x)), x)
+    assert len(y) == 16000 and np.abs(y - want).max() < 1e-5
+
+
+def test_outbox_is_bounded_and_drops_a_cancelled_replys_audio():
+    from voxpipe.gateway.realtime_outbox import Outbox, Outgoing
+
+    async def go():
+        box = Outbox(max_events=2)
+        await box.put(Outgoing("a1", "r1", audio_samples=10))
+        await box.put(Outgoing("t1", "r1"))
+        third = asyncio.ensure_future(box.put(Outgoing("a2", "r1", audio_samples=20)))
+        await asyncio.sleep(0.05)
+        assert not third.done()                       # full: the producer waits
+        first = await box.get()
+        await asyncio.wait_for(third, 1)
+        assert first.text == "a1" and box.in_flight_audio("r1") == 10
+        assert await box.drop_audio("r1") == 20       # the queued audio delta, not the transcript
+        assert (await box.get()).text == "t1"
+        await box.close()
+        await box.put(Outgoing("late"))               # dropped, never blocks
+        return await box.get()
+
+    assert run(go()) is None
+
