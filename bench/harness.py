@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -34,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra", default="", help="extra flags for every stage service (split and in-process)")
     p.add_argument("--out", default="bench/out")
     p.add_argument("--base-port", type=int, default=52051)
+    p.add_argument("--mps", action="store_true",
+                   help="split mode: run the three services under a CUDA MPS daemon started (and quit) by the bench")
     p.add_argument("--text-tokens", type=int, default=48, help="forced text tokens (workload default 48)")
     p.add_argument("--frames", type=int, default=125, help="forced codec frames (workload default 125)")
 
@@ -104,6 +107,38 @@ async def _levels(stream_fn, cfg, wl: Workload, args, mode: str) -> list[LevelRe
 
 
 def run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], dict]:
+    if args.mps:
+        with mps_daemon():
+            return _run_split(args, cfg, wl, model)
+    return _run_split(args, cfg, wl, model)
+
+
+@contextlib.contextmanager
+def mps_daemon():
+    """A private CUDA MPS control daemon (pipe/log dirs in a temp folder) for the services we start."""
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="voxpipe-mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(tmp, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(tmp, "log")}
+    for d in env.values():
+        os.makedirs(d)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
+    print("split: CUDA MPS daemon started", flush=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, timeout=30)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        print("split: CUDA MPS daemon stopped", flush=True)
+
+
+def _run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], dict]:
     from voxpipe.cli import LocalStack
     from voxpipe.client import PipelineClient
 
