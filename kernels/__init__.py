@@ -1,0 +1,29 @@
+"""Triton kernels for the hot elementwise / reduction paths, each beside a plain-PyTorch `reference()`
+with the same contract (see each module's docstring):
+
+- `rmsnorm`: RMSNorm and fused "residual add + RMSNorm" (decoder pre-norm pattern)
+- `snakebeta`: Code2Wav's SnakeBeta activation over [B, C, T]
+- `sampling`: greedy "suppress mask + banned id + argmax" over [B, V] logits
+
+Every module has `reference(...)`, `kernel(...)` (Triton) and `run(...)` which launches the kernel
+for eligible inputs and falls back to `reference` otherwise. Importing this package does not import
+Triton; a submodule is loaded on first attribute access (`voxpipe.kernels.rmsnorm`).
+
+`ENABLED` is the module-level switch the layers check before dispatching CUDA tensors here
+(default True; environment `VOXPIPE_KERNELS=0` turns it off). `run()` honours it too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+ENABLED: bool = os.environ.get("VOXPIPE_KERNELS", "1") != "0"
+
+KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling")
+
+
+def __getattr__(name: str):
+    if name in KERNEL_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # importing sets the attribute for next time
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -235,6 +235,21 @@ def test_text_only_reply_in_the_beta_dialect(gateway, stack, tokenizer, omni_con
     assert events[-1]["response"]["output"][0]["content"][0] == {"type": "text", "text": ref_text}
 
 
+def test_audio_limit_reached_before_the_text_ends(gateway):
+    """The talker stops at max_audio_frames while the thinker still writes: the reply is whole
+    text with short audio, not an error."""
+    async def go():
+        async with realtime(gateway) as rt:
+            await rt.update(**MANUAL)
+            return await text_turn(rt, "Say a lot.", max_output_tokens=8, ignore_eos=True, max_audio_frames=2)
+
+    events = run(go())
+    done = events[-1]["response"]
+    assert done["status"] == "incomplete", done["status_details"]
+    assert done["usage"]["output_token_details"] == {"text_tokens": 8, "audio_tokens": 1}
+    assert len(decoded(of(events, "response.output_audio.delta"))) == 1920 - 555
+
+
 def test_spoken_turn_with_server_vad(gateway, stack, tokenizer, omni_config, tiny_model_dir):
     words = speech("What is the weather like today?")
     lead = np.zeros(RATE * 3 // 10, np.float32)
@@ -528,8 +543,15 @@ def test_session_cap_and_api_key(capped_gateway):
             async with connect(f"ws://127.0.0.1:{capped_gateway.port}/v1/realtime", additional_headers=key) as second:
                 event = json.loads(await second.recv())
                 await second.wait_closed()
-        async with realtime(capped_gateway, headers=key) as again:       # the slot is free again
-            await again.update(**MANUAL)
+        for attempt in range(50):       # the slot is free again once the server has seen the hang-up
+            try:
+                async with realtime(capped_gateway, headers=key) as again:
+                    await again.update(**MANUAL)
+                break
+            except AssertionError:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the session's slot was not given back")
         return refused.value.response.status_code, event, second.close_code
 
     status, event, code = run(go())

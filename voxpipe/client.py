@@ -13,7 +13,6 @@ in any stage) cancels all three calls, which frees the request's slot in every s
 from __future__ import annotations
 
 import asyncio
-import itertools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from voxpipe.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer
 from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
 from voxpipe.v1 import stages_pb2 as pb
@@ -90,9 +90,12 @@ class DoneEvent:
 
 
 class PipelineError(RuntimeError):
-    def __init__(self, stage: str, code: grpc.StatusCode | None, details: str) -> None:
+    """A stage failed the request. `replica`: the address of the stage replica it was on (for
+    logs; not part of the message, which clients may see)."""
+
+    def __init__(self, stage: str, code: grpc.StatusCode | None, details: str, replica: str | None = None) -> None:
         super().__init__(f"{stage}: {code.name if code else 'ERROR'}: {details}")
-        self.stage, self.code, self.details = stage, code, details
+        self.stage, self.code, self.details, self.replica = stage, code, details, replica
 
 
 def _options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -100,28 +103,13 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", max_message_bytes)]
 
 
-class _Pool:
-    """Channels to one stage's replicas; each stream goes to the replica with the fewest
-    streams in flight from this client."""
+HEALTH_SERVICES = {"thinker": "voxpipe.v1.Thinker", "talker": "voxpipe.v1.Talker", "code2wav": "voxpipe.v1.Code2Wav"}
 
-    def __init__(self, addresses: str | list[str], max_message_bytes: int) -> None:
-        if isinstance(addresses, str):
-            addresses = [a for a in addresses.split(",") if a]
-        if not addresses:
-            raise ValueError("no address")
-        self.channels = [grpc.aio.insecure_channel(a, options=_options(max_message_bytes)) for a in addresses]
-        self.addresses = addresses
-        self.in_flight = [0] * len(addresses)
-        self._rr = itertools.count()
 
-    def pick(self) -> int:
-        low = min(self.in_flight)
-        candidates = [i for i, n in enumerate(self.in_flight) if n == low]
-        return candidates[next(self._rr) % len(candidates)]
-
-    async def close(self) -> None:
-        for c in self.channels:
-            await c.close()
+def _balancer(stage: str, addresses: str | list[str], max_message_bytes: int,
+              options: BalancerOptions | None) -> StageBalancer:
+    return StageBalancer(stage, addresses, channel_options=_options(max_message_bytes), options=options,
+                         health_service=HEALTH_SERVICES[stage])
 
 
 def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
@@ -133,11 +121,14 @@ def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
 class PipelineClient:
     def __init__(self, thinker: str | list[str], talker: str | list[str] | None = None,
                  code2wav: str | list[str] | None = None, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 metadata: tuple[tuple[str, str], ...] = (), balancing: BalancerOptions | None = None) -> None:
+        """Each stage: `host:port` and/or `dns:///name:port` entries, comma-separated or a list; every
+        address (every DNS record) is one replica (see voxpipe.balancer). `balancing`: re-resolution,
+        health cool-down and retry settings."""
         self.max_message_bytes = max_message_bytes
-        self.thinker = _Pool(thinker, max_message_bytes)
-        self.talker = _Pool(talker, max_message_bytes) if talker else None
-        self.code2wav = _Pool(code2wav, max_message_bytes) if code2wav else None
+        self.thinker = _balancer("thinker", thinker, max_message_bytes, balancing)
+        self.talker = _balancer("talker", talker, max_message_bytes, balancing) if talker else None
+        self.code2wav = _balancer("code2wav", code2wav, max_message_bytes, balancing) if code2wav else None
         self.metadata = metadata
 
     async def __aenter__(self) -> "PipelineClient":
@@ -176,36 +167,47 @@ class PipelineClient:
         else:
             start.text = req.text or ""
         events: asyncio.Queue = asyncio.Queue()
-        calls: list = []
-        pools: list[tuple[_Pool, int]] = []
+        streams: dict[str, BalancedStream] = {}
 
         spans: dict[str, trace.Span] = {}
 
-        def open_call(pool: _Pool, method: str, parent: otel_context.Context):
-            i = pool.pick()
-            pool.in_flight[i] += 1
-            pools.append((pool, i))
-            stub_cls = {"Generate": pb_grpc.ThinkerStub if pool is self.thinker else pb_grpc.TalkerStub,
-                        "Decode": pb_grpc.Code2WavStub}[method]
+        async def open_call(balancer: StageBalancer, method: str, parent: otel_context.Context):
+            """A stream on one replica of the stage (BalancedStream: moved to another replica if
+            refused before its first response)."""
+            stage = balancer.stage
+            stub_cls = {"thinker": pb_grpc.ThinkerStub, "talker": pb_grpc.TalkerStub,
+                        "code2wav": pb_grpc.Code2WavStub}[stage]
             service = stub_cls.__name__.removesuffix("Stub")
-            stage = service.lower()
             span = tracing.tracer().start_span(
                 f"voxpipe.v1.{service}/{method}", context=parent, kind=SpanKind.CLIENT,
                 attributes={"rpc.system": "grpc", "rpc.service": f"voxpipe.v1.{service}", "rpc.method": method,
-                            "server.address": pool.addresses[i], "voxpipe.request_id": req.request_id})
+                            "voxpipe.request_id": req.request_id})
             spans[stage] = span
             span_context = trace.set_span_in_context(span, parent)
-            call = getattr(stub_cls(pool.channels[i]), method)(
-                metadata=tuple(self.metadata) + tuple(metadata) + tracing.inject_metadata(span_context))
-            calls.append(call)
-            return call, span_context
+            call_metadata = tuple(self.metadata) + tuple(metadata) + tracing.inject_metadata(span_context)
+
+            def on_replica(replica: Replica) -> None:
+                span.set_attribute("server.address", replica.address)
+
+            stream = BalancedStream(balancer, lambda channel: getattr(stub_cls(channel), method)(
+                metadata=call_metadata), on_replica)
+            streams[stage] = stream
+            try:
+                await stream.open()
+            except NoReplicaError as e:
+                raise PipelineError(stage, grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            return stream, span_context
+
+        def replica_of(stage: str) -> str | None:
+            stream = streams.get(stage)
+            return stream.replica.address if stream is not None and stream.replica is not None else None
 
         async def to_stage(stage: str, write) -> None:
             """A write into `stage`'s call: when it fails, the failure is that stage's, not the writer's."""
             try:
                 await write
             except grpc.aio.AioRpcError as e:
-                raise PipelineError(stage, e.code(), e.details()) from None
+                raise PipelineError(stage, e.code(), e.details(), replica_of(stage)) from None
 
         async def to_talker(ta, msg: pb.TalkerRequest | None) -> None:
             """Text for the talker (None: half-close). A talker that has finished (max_frames reached
@@ -216,6 +218,14 @@ class PipelineClient:
                 await to_stage("talker", ta.write(msg) if msg is not None else ta.done_writing())
             except asyncio.InvalidStateError:  # it finished while this write was on its way
                 pass
+            except PipelineError:
+                # The talker may have finished (max_frames) and closed its stream before its Finished
+                # message was read here: let the reader catch up, then only a real failure counts.
+                reader = talker_task.get("task")
+                if reader is not None:
+                    await asyncio.wait([reader], timeout=10)
+                if done["audio"] is None:
+                    raise
 
         async def guarded(stage: str, coro):
             try:
@@ -227,7 +237,7 @@ class PipelineClient:
             except grpc.aio.AioRpcError as e:
                 if stage in spans:
                     tracing.grpc_error(spans[stage], e.code(), e.details() or "")
-                await events.put(PipelineError(stage, e.code(), e.details()))
+                await events.put(PipelineError(stage, e.code(), e.details(), replica_of(stage)))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - surfaced to the caller
@@ -240,10 +250,11 @@ class PipelineClient:
                     span.end()
 
         done = {"text": None, "audio": None}
+        talker_task: dict[str, asyncio.Task] = {}
         usage = {"prompt": 0, "completion": 0, "frames": 0, "samples": 0}
 
         async def run_thinker() -> None:
-            th, thinker_context = open_call(self.thinker, "Generate", parent_context)
+            th, thinker_context = await open_call(self.thinker, "Generate", parent_context)
             await self._write(th, start, lambda d: pb.ThinkerRequest(chunk=pb.PayloadChunk(data=d)),
                               lambda m: pb.ThinkerRequest(start=m))
             await th.done_writing()
@@ -251,8 +262,9 @@ class PipelineClient:
             async for resp in th:
                 kind = resp.WhichOneof("kind")
                 if kind == "talker_prompt":
-                    ta, talker_context = open_call(self.talker, "Generate", thinker_context)
-                    tasks.append(asyncio.ensure_future(guarded("talker", run_talker(ta, talker_context))))
+                    ta, talker_context = await open_call(self.talker, "Generate", thinker_context)
+                    talker_task["task"] = asyncio.ensure_future(guarded("talker", run_talker(ta, talker_context)))
+                    tasks.append(talker_task["task"])
                     ts = pb.TalkerStart(request_id=req.request_id, prompt=resp.talker_prompt, speaker=req.speaker,
                                         sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames)
                     await to_stage("talker", self._write(
@@ -275,7 +287,7 @@ class PipelineClient:
             await events.put("thinker-done")
 
         async def run_talker(ta, talker_context: otel_context.Context) -> None:
-            cw, _ = open_call(self.code2wav, "Decode", talker_context)
+            cw, _ = await open_call(self.code2wav, "Decode", talker_context)
             tasks.append(asyncio.ensure_future(guarded("code2wav", run_code2wav(cw))))
             await to_stage("code2wav", cw.write(
                 pb.Code2WavRequest(start=pb.Code2WavStart(request_id=req.request_id, encoding=req.encoding))))
@@ -313,16 +325,14 @@ class PipelineClient:
             yield DoneEvent(done["text"], done["audio"], usage["prompt"], usage["completion"], usage["frames"],
                             usage["samples"])
         finally:
-            for c in calls:
-                c.cancel()
+            for stream in streams.values():
+                stream.close()
             for t in tasks:
                 t.cancel()
             for span in spans.values():
                 span.set_attribute("voxpipe.cancelled", True)
                 span.end()
             spans.clear()
-            for pool, i in pools:
-                pool.in_flight[i] -= 1
 
     async def collect(self, req: SpeechRequest) -> "SpeechResult":
         res = SpeechResult()

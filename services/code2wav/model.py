@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voxpipe import kernels
+
 from ..runtime.config import Code2WavConfig, DecoderConfig
 from ..runtime.kv_cache import AttentionCache
 from ..runtime.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
@@ -125,6 +127,8 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor, ctx: _StreamCtx | None = None) -> torch.Tensor:
+        if x.is_cuda and kernels.ENABLED:
+            return kernels.snakebeta.run(x, self.alpha, self.beta)
         alpha = torch.exp(self.alpha)[None, :, None]
         beta = torch.exp(self.beta)[None, :, None]
         return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)

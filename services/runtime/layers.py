@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from voxpipe import kernels
+
 from .config import DecoderConfig, RopeConfig
 from .kv_cache import AttentionCache
 
@@ -26,6 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and kernels.ENABLED:
+            return kernels.rmsnorm.run(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -216,6 +220,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache) -> torch.Tensor:
+        if x.is_cuda and kernels.ENABLED:  # the residual add fused into the post-attention norm
+            norm = self.post_attention_layernorm
+            normed, x = kernels.rmsnorm.run_add(self.self_attn(self.input_layernorm(x), rope, cache), x,
+                                                norm.weight, norm.eps)
+            return x + self.mlp(normed)
         x = x + self.self_attn(self.input_layernorm(x), rope, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 

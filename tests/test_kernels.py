@@ -1,0 +1,343 @@
+"""The Triton kernels in voxpipe.kernels against their plain-PyTorch `reference()`.
+
+On the CPU every kernel runs through Triton's interpreter, in a subprocess per kernel: the interpreter
+is chosen when `triton.jit` decorates (TRITON_INTERPRET=1 before Triton is imported), so it must not
+leak into this pytest process. The subprocess runs this file as a script and prints one JSON record
+per check; the test asserts them. On CUDA the same checks run in-process on the compiled kernels.
+
+Error budgets (the same on CPU and CUDA):
+- float32 (and SnakeBeta on 16-bit x with float32 parameters, whose output is float32):
+  |kernel - reference| <= ATOL + RTOL * |reference| elementwise.
+- bfloat16 / float16 (and RMSNorm on 16-bit x with a float32 weight, which rounds the normalised row
+  to 16 bits): against a float32 reference computed on the same (already rounded) inputs, the kernel's
+  max and mean absolute errors are each at most BUDGET_16 x the 16-bit reference's own (+ 1e-6).
+- exact: the fused add's new residual equals the reference's sum bit for bit; argmax indices are equal.
+- fallback: ineligible inputs (float64, non-contiguous / wrong stride, too wide, autograd needed,
+  kernels disabled, CPU without the interpreter) make `eligible()` false and `run()` return exactly
+  `reference()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ATOL, RTOL = 1e-5, 1e-5
+BUDGET_16 = 1.25
+EPS = 1e-6
+KERNELS = ("rmsnorm", "snakebeta", "sampling")
+
+try:
+    import triton  # noqa: F401  (imported only to know; no kernel runs in this process on the CPU)
+    TRITON = True
+except ImportError:
+    TRITON = False
+
+CUDA = torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------- checks (shared by CPU script and CUDA)
+
+def _fp32_record(name: str, got: torch.Tensor, want: torch.Tensor) -> dict:
+    err = (got.double() - want.double()).abs()
+    ok = got.dtype == want.dtype and got.shape == want.shape and bool((err <= ATOL + RTOL * want.double().abs()).all())
+    return {"check": name, "kind": "fp32", "max_abs_err": float(err.max()), "ok": ok}
+
+
+def _budget_record(name: str, got: torch.Tensor, ref16: torch.Tensor, ref32: torch.Tensor) -> dict:
+    err_k = (got.double() - ref32.double()).abs()
+    err_r = (ref16.double() - ref32.double()).abs()
+    rec = {"check": name, "kind": "budget16", "kernel_max": float(err_k.max()), "ref16_max": float(err_r.max()),
+           "kernel_mean": float(err_k.mean()), "ref16_mean": float(err_r.mean())}
+    rec["ok"] = (got.dtype == ref16.dtype and got.shape == ref16.shape
+                 and rec["kernel_max"] <= BUDGET_16 * rec["ref16_max"] + 1e-6
+                 and rec["kernel_mean"] <= BUDGET_16 * rec["ref16_mean"] + 1e-6)
+    return rec
+
+
+def _exact_record(name: str, got: torch.Tensor, want: torch.Tensor) -> dict:
+    return {"check": name, "kind": "exact", "ok": got.dtype == want.dtype and torch.equal(got, want)}
+
+
+def _fallback_record(name: str, eligible: bool, got, want) -> dict:
+    same = all(torch.equal(g, w) for g, w in zip(got, want)) if isinstance(got, tuple) else torch.equal(got, want)
+    return {"check": name, "kind": "fallback", "eligible": eligible, "ok": not eligible and same}
+
+
+def _disabled():
+    """Context: voxpipe.kernels.ENABLED = False."""
+    import contextlib
+
+    import voxpipe.kernels as package
+
+    @contextlib.contextmanager
+    def ctx():
+        before, package.ENABLED = package.ENABLED, False
+        try:
+            yield
+        finally:
+            package.ENABLED = before
+    return ctx()
+
+
+def check_rmsnorm(device: str) -> list[dict]:
+    from voxpipe.kernels import rmsnorm
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for shape in [(3, 5, 96), (7, 2048), (33, 128), (2, 1000)]:
+        n = shape[-1]
+        x32 = (torch.randn(shape, generator=g) * 2).to(device)
+        r32 = torch.randn(shape, generator=g).to(device)
+        w32 = (1 + 0.2 * torch.randn(n, generator=g)).to(device)
+        tag = "x".join(map(str, shape))
+        assert rmsnorm.eligible(x32, w32), f"rmsnorm {tag} should launch the kernel on {device}"
+        out.append(_fp32_record(f"rmsnorm fp32 {tag}", rmsnorm.run(x32, w32, EPS), rmsnorm.reference(x32, w32, EPS)))
+        normed, res = rmsnorm.run_add(x32, r32, w32, EPS)
+        ref_normed, ref_res = rmsnorm.reference_add(x32, r32, w32, EPS)
+        out.append(_fp32_record(f"add_rmsnorm fp32 {tag}", normed, ref_normed))
+        out.append(_exact_record(f"add_rmsnorm fp32 residual {tag}", res, ref_res))
+        for dt in (torch.bfloat16, torch.float16):
+            x, r, w = x32.to(dt), r32.to(dt), w32.to(dt)
+            name = f"{str(dt)[6:]} {tag}"
+            out.append(_budget_record(f"rmsnorm {name}", rmsnorm.run(x, w, EPS), rmsnorm.reference(x, w, EPS),
+                                      rmsnorm.reference(x.float(), w.float(), EPS)))
+            normed, res = rmsnorm.run_add(x, r, w, EPS)
+            ref_normed, ref_res = rmsnorm.reference_add(x, r, w, EPS)
+            out.append(_budget_record(f"add_rmsnorm {name}", normed, ref_normed,
+                                      rmsnorm.reference(ref_res.float(), w.float(), EPS)))
+            out.append(_exact_record(f"add_rmsnorm residual {name}", res, ref_res))
+            # 16-bit activations, float32 weight: float32 output, but the normalised row is still rounded
+            # to 16 bits first (as the reference does), so the 16-bit budget applies
+            out.append(_budget_record(f"rmsnorm {name} fp32-weight", rmsnorm.run(x, w32, EPS),
+                                      rmsnorm.reference(x, w32, EPS), rmsnorm.reference(x.float(), w32, EPS)))
+    x, w = (torch.randn(4, 96, generator=g) * 2).to(device), torch.ones(96).to(device)
+    cases = {
+        "float64": (x.double(), w.double()),
+        "non-contiguous": (x.t().contiguous().t()[:, :64], w[:64]),
+        f"wider than MAX_N={rmsnorm.MAX_N}": (torch.randn(2, rmsnorm.MAX_N + 1, generator=g).to(device),
+                                               torch.ones(rmsnorm.MAX_N + 1).to(device)),
+        "autograd": (x.clone().requires_grad_(), w),
+    }
+    for name, (xi, wi) in cases.items():
+        out.append(_fallback_record(f"rmsnorm fallback {name}", rmsnorm.eligible(xi, wi),
+                                    rmsnorm.run(xi, wi, EPS), rmsnorm.reference(xi, wi, EPS)))
+    res = torch.randn(4, 96, generator=g).to(device)
+    out.append(_fallback_record("add_rmsnorm fallback residual dtype differs",
+                                rmsnorm.eligible(x, w, res.bfloat16()), rmsnorm.run_add(x, res.bfloat16(), w, EPS),
+                                rmsnorm.reference_add(x, res.bfloat16(), w, EPS)))
+    with _disabled():
+        out.append(_fallback_record("rmsnorm fallback ENABLED=False", rmsnorm.eligible(x, w),
+                                    rmsnorm.run(x, w, EPS), rmsnorm.reference(x, w, EPS)))
+    return out
+
+
+def check_snakebeta(device: str) -> list[dict]:
+    from voxpipe.kernels import snakebeta
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for shape in [(2, 96, 200), (2, 24, 1920), (3, 64, 1)]:
+        c = shape[1]
+        x32 = (torch.randn(shape, generator=g) * 3).to(device)
+        a32 = (0.5 * torch.randn(c, generator=g)).to(device)
+        b32 = (0.5 * torch.randn(c, generator=g)).to(device)
+        tag = "x".join(map(str, shape))
+        assert snakebeta.eligible(x32, a32, b32), f"snakebeta {tag} should launch the kernel on {device}"
+        out.append(_fp32_record(f"snakebeta fp32 {tag}", snakebeta.run(x32, a32, b32),
+                                snakebeta.reference(x32, a32, b32)))
+        for dt in (torch.bfloat16, torch.float16):
+            x, a, b = x32.to(dt), a32.to(dt), b32.to(dt)
+            name = f"{str(dt)[6:]} {tag}"
+            out.append(_budget_record(f"snakebeta {name}", snakebeta.run(x, a, b), snakebeta.reference(x, a, b),
+                                      snakebeta.reference(x.float(), a.float(), b.float())))
+            out.append(_fp32_record(f"snakebeta {name} fp32-params", snakebeta.run(x, a32, b32),
+                                    snakebeta.reference(x, a32, b32)))
+    # strided B / C with unit stride along T (a trimmed transposed-conv output): still the kernel
+    base = (torch.randn(2, 16, 60, generator=g) * 3).to(device)
+    a, b = (0.5 * torch.randn(8, generator=g)).to(device), (0.5 * torch.randn(8, generator=g)).to(device)
+    trimmed = base[:, ::2, 5:-5]
+    assert snakebeta.eligible(trimmed, a, b), "a [B, C, T] view with unit T stride should launch the kernel"
+    out.append(_fp32_record("snakebeta fp32 strided view", snakebeta.run(trimmed, a, b),
+                            snakebeta.reference(trimmed, a, b)))
+    x = base[:, :8]
+    cases = {
+        "float64": (x.double(), a.double(), b.double()),
+        "T stride != 1": (base.transpose(1, 2)[:, :8, :8], a, b),   # [2, 8, 8] with stride 1 along C
+        "autograd": (x.clone().requires_grad_(), a, b),
+    }
+    for name, (xi, ai, bi) in cases.items():
+        out.append(_fallback_record(f"snakebeta fallback {name}", snakebeta.eligible(xi, ai, bi),
+                                    snakebeta.run(xi, ai, bi), snakebeta.reference(xi, ai, bi)))
+    two_d = snakebeta.eligible(x[0], a, b)      # the contract is [B, C, T] only
+    out.append({"check": "snakebeta 2-D input not eligible", "kind": "fallback", "eligible": two_d, "ok": not two_d})
+    with _disabled():
+        out.append(_fallback_record("snakebeta fallback ENABLED=False", snakebeta.eligible(x, a, b),
+                                    snakebeta.run(x, a, b), snakebeta.reference(x, a, b)))
+    return out
+
+
+def check_sampling(device: str) -> list[dict]:
+    from voxpipe.kernels import sampling
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for b, v in [(5, 3000), (3, 152064), (2, 7)]:
+        logits = torch.randn(b, v, generator=g)
+        suppress = torch.rand(v, generator=g) < 0.1
+        top = logits.argmax(-1)
+        suppress[top[0]] = True                                   # row 0's best is suppressed
+        if b > 2:
+            j = int(top[1])
+            logits[2, :] = logits[2].clamp(max=1.0)
+            logits[2, [j, j + 1] if j + 1 < v else [j - 1, j]] = 5.0   # a tie: the first index wins
+            suppress[j - 1:j + 2] = False
+        ban_rows = torch.tensor([i % 2 == 1 for i in range(b)])
+        banned_id = int(logits[1].masked_fill(suppress, float("-inf")).argmax())   # row 1's best is banned
+        args = [t.to(device) for t in (logits, suppress, ban_rows)]
+        assert sampling.eligible(*args), f"sampling {b}x{v} should launch the kernel on {device}"
+        for dt in (torch.float32, torch.bfloat16):
+            lg = args[0].to(dt)
+            out.append(_exact_record(f"masked_argmax {str(dt)[6:]} {b}x{v}",
+                                     sampling.run(lg, args[1], args[2], banned_id),
+                                     sampling.reference(lg, args[1], args[2], banned_id)))
+        everything = torch.ones(v, dtype=torch.bool, device=device)      # all -inf rows: index 0, as torch
+        out.append(_exact_record(f"masked_argmax all suppressed {b}x{v}",
+                                 sampling.run(args[0], everything, args[2], banned_id),
+                                 sampling.reference(args[0], everything, args[2], banned_id)))
+    logits = torch.randn(4, 50, generator=g).to(device)
+    suppress, ban_rows = torch.zeros(50, dtype=torch.bool, device=device), torch.ones(4, dtype=torch.bool, device=device)
+    cases = {"float64": (logits.double(), suppress, ban_rows),
+             "non-contiguous": (logits[:, ::2], suppress[:25], ban_rows),
+             "strided ban_rows": (logits, suppress, torch.ones(8, dtype=torch.bool, device=device)[::2])}
+    for name, (lg, sup, ban) in cases.items():
+        out.append(_fallback_record(f"masked_argmax fallback {name}", sampling.eligible(lg, sup, ban),
+                                    sampling.run(lg, sup, ban, 3), sampling.reference(lg, sup, ban, 3)))
+    with _disabled():
+        out.append(_fallback_record("masked_argmax fallback ENABLED=False", sampling.eligible(logits, suppress, ban_rows),
+                                    sampling.run(logits, suppress, ban_rows, 3),
+                                    sampling.reference(logits, suppress, ban_rows, 3)))
+    return out
+
+
+CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling}
+
+
+def assert_records(records: list[dict]) -> None:
+    assert records, "no checks ran"
+    bad = [r for r in records if not r["ok"]]
+    assert not bad, "outside the error budget / contract:\n" + "\n".join(json.dumps(r) for r in bad)
+
+
+# ---------------------------------------------------------------- tests
+
+@pytest.mark.skipif(not TRITON, reason="triton is not installed (it is in the `test` extras): "
+                                       "the interpreter checks need it")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_in_triton_interpreter(kernel: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", VOXPIPE_KERNELS="1")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), kernel], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert_records(records)
+    assert any(r["kind"] != "fallback" for r in records)
+
+
+def test_cpu_without_interpreter_uses_reference() -> None:
+    from voxpipe.kernels import common, rmsnorm, sampling, snakebeta
+    if common.INTERPRET:
+        pytest.skip("this pytest process itself runs with TRITON_INTERPRET=1")
+    x, w = torch.randn(4, 96), torch.ones(96)
+    assert not rmsnorm.eligible(x, w)
+    assert torch.equal(rmsnorm.run(x, w, EPS), rmsnorm.reference(x, w, EPS))
+    xs, a = torch.randn(2, 8, 30), torch.zeros(8)
+    assert not snakebeta.eligible(xs, a, a)
+    assert torch.equal(snakebeta.run(xs, a, a), snakebeta.reference(xs, a, a))
+    sup, ban = torch.zeros(96, dtype=torch.bool), torch.ones(4, dtype=torch.bool)
+    assert not sampling.eligible(x, sup, ban)
+    assert torch.equal(sampling.run(x, sup, ban, 1), sampling.reference(x, sup, ban, 1))
+
+
+def test_switch_reads_environment() -> None:
+    code = "import voxpipe.kernels as k; print(k.ENABLED)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, VOXPIPE_KERNELS=value),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.stdout.strip() == expected, (value, proc.stdout, proc.stderr)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.skipif(not TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_on_cuda(kernel: str) -> None:
+    assert_records(CHECKS[kernel]("cuda"))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.skipif(not TRITON, reason="triton is not installed")
+def test_layers_dispatch_on_cuda(monkeypatch) -> None:
+    """RMSNorm / SnakeBeta / DecoderLayer on CUDA with the kernels on match them with the switch off."""
+    import voxpipe.kernels as package
+    from voxpipe.services.code2wav.model import SnakeBeta
+    from voxpipe.services.runtime.layers import RMSNorm
+
+    torch.manual_seed(3)
+    norm = RMSNorm(1024, EPS).cuda().to(torch.bfloat16).requires_grad_(False)
+    norm.weight.normal_(1.0, 0.2)
+    snake = SnakeBeta(96).cuda().requires_grad_(False)
+    snake.alpha.normal_(0, 0.5)
+    snake.beta.normal_(0, 0.5)
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16) * 2
+    xs = torch.randn(2, 96, 300, device="cuda") * 3
+    with torch.inference_mode():
+        on = norm(x), snake(xs)
+        monkeypatch.setattr(package, "ENABLED", False)
+        off = norm(x), snake(xs)
+    assert_records([_budget_record("RMSNorm module bf16", on[0], off[0], norm.weight.float() * (
+        x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS))),
+        _fp32_record("SnakeBeta module fp32", on[1], off[1])])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.skipif(not TRITON, reason="triton is not installed")
+def test_decoder_stack_fused_norms_on_cuda(omni_config, monkeypatch) -> None:
+    """The talker's decoder (MoE) in bfloat16 on CUDA: with the kernels (RMSNorm, and the residual add
+    fused into the post-attention norm) its error against the float32 stack stays within STACK_BUDGET
+    of the same bfloat16 stack with the kernels off (errors compound over the layers, so the margin
+    is wider than a single kernel's)."""
+    import copy
+
+    import voxpipe.kernels as package
+    from voxpipe.services.runtime.kv_cache import GrowingCache
+    from voxpipe.services.runtime.layers import DecoderStack
+
+    stack_budget = 1.5
+    cfg = omni_config.talker.text
+    torch.manual_seed(4)
+    stack32 = DecoderStack(cfg)
+    with torch.no_grad():
+        for name, p in stack32.named_parameters():
+            p.normal_(1.0, 0.2) if name.endswith("norm.weight") else p.normal_(0.0, 0.05)
+    stack32 = stack32.cuda().requires_grad_(False)
+    stack16 = copy.deepcopy(stack32).to(torch.bfloat16)
+    x = torch.randn(2, 6, cfg.hidden_size, device="cuda")
+    positions = torch.arange(6, device="cuda").expand(2, 6)
+    with torch.inference_mode():
+        on16 = stack16(x.bfloat16(), positions, GrowingCache())[0]
+        monkeypatch.setattr(package, "ENABLED", False)
+        off16 = stack16(x.bfloat16(), positions, GrowingCache())[0]
+        off32 = stack32(x, positions, GrowingCache())[0]
+    rec = _budget_record("talker DecoderStack bf16", on16, off16, off32)
+    rec["ok"] = (on16.dtype == torch.bfloat16 and rec["kernel_max"] <= stack_budget * rec["ref16_max"] + 1e-6
+                 and rec["kernel_mean"] <= stack_budget * rec["ref16_mean"] + 1e-6)
+    assert_records([rec])
+
+
+if __name__ == "__main__":   # the interpreter subprocess: python tests/test_kernels.py KERNEL
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    for record in CHECKS[sys.argv[1]](device):
+        print(json.dumps(record), flush=True)
