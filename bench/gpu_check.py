@@ -87,6 +87,29 @@ def main() -> None:
     (lp,) = th._decode_fn(2, 128, ids, start)
     layers.GROUPED_MM = True
     results.append(compare("thinker decode: grouped-GEMM MoE vs per-expert loop", e, lp))
+    del th, thinker
+    torch.cuda.empty_cache()
+
+    # ---- code2wav: the one-frame CUDA graph vs the eager streaming step, 2 utterances, 6 frames
+    from voxpipe.services.code2wav.engine import Code2WavEngine
+    from voxpipe.services.code2wav.model import Code2WavModel, StreamStore
+
+    c2w = load_module(lambda: Code2WavModel(cfg.code2wav), "", "code2wav.", device=dev, dtype=torch.float32,
+                      load_format="dummy")
+    ce = Code2WavEngine(c2w, cfg.code2wav, device=dev, max_active=8, cuda_graphs=True)
+    eager_store = StreamStore(c2w, 8, torch.float32, dev)
+    codes = torch.randint(0, 2048, (2, cfg.code2wav.num_quantizers, 6), device=dev)
+    g_slots = torch.tensor([ce.store.allocate() for _ in range(2)], device=dev)
+    e_slots = torch.tensor([eager_store.allocate() for _ in range(2)], device=dev)
+    zero = torch.zeros(2, dtype=torch.long, device=dev)
+    g_out = [c2w.decode(codes[:, :, :1], g_slots, zero, ce.store, first=True)]
+    e_out = [c2w.decode(codes[:, :, :1], e_slots, zero, eager_store, first=True)]
+    for f in range(1, 6):
+        start = torch.full((2,), f, dtype=torch.long, device=dev)
+        (g,) = ce.graphs(2, 1, codes[:, :, f:f + 1], g_slots, start)
+        g_out.append(g.clone())
+        e_out.append(c2w.decode(codes[:, :, f:f + 1], e_slots, start, eager_store, first=False))
+    results.append(compare("code2wav: one-frame graph vs eager stream", torch.cat(g_out, 1), torch.cat(e_out, 1)))
     print(json.dumps({"summary": results}), flush=True)
 
 

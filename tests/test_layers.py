@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from oracle import load_reference_model
-from voxpipe.services.code2wav.model import Code2WavModel, StreamState
+from voxpipe.services.code2wav.model import Code2WavModel, StreamStore
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.kv_cache import GrowingCache, SlidingWindowCache, SlotKVCache, SlotStep
 from voxpipe.services.runtime.layers import RMSNorm, RotaryEmbedding
@@ -371,16 +371,18 @@ def test_code_predictor_greedy_equals_generate(ref, talker, cfg):
 # ---------------------------------------------------------------------------------------------- code2wav
 
 
-def _stream(model: Code2WavModel, cache: SlidingWindowCache, codes: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+def _stream(model: Code2WavModel, store: StreamStore, codes: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Decode codes [B, Q, F] chunk by chunk (all B utterances together); returns [B, samples]."""
-    states = [StreamState(slot=cache.allocate()) for _ in range(codes.shape[0])]
+    slots = [store.allocate() for _ in range(codes.shape[0])]
+    slot_t = torch.tensor(slots)
     out, at = [], 0
     for n in sizes:
-        out.append(model.decode(codes[:, :, at:at + n], states, cache, first=at == 0))
+        start = torch.full((codes.shape[0],), at, dtype=torch.long)
+        out.append(model.decode(codes[:, :, at:at + n], slot_t, start, store, first=at == 0))
         at += n
     assert at == codes.shape[2]
-    for s in states:
-        cache.release(s.slot)
+    for s in slots:
+        store.release(s)
     return torch.cat(out, dim=1)
 
 
@@ -388,16 +390,15 @@ def _codes(cfg, batch: int, frames: int, seed: int) -> torch.Tensor:
     return torch.randint(0, cfg.code2wav.codebook_size, (batch, cfg.code2wav.num_quantizers, frames), generator=gen(seed))
 
 
-def _window_cache(cfg, slots: int) -> SlidingWindowCache:
-    t = cfg.code2wav.transformer
-    return SlidingWindowCache(t.num_layers, slots, t.sliding_window, t.num_kv_heads, t.head_dim, torch.float32, CPU)
+def _window_cache(model: Code2WavModel, slots: int) -> StreamStore:
+    return StreamStore(model, slots, torch.float32, CPU)
 
 
 def test_code2wav_full_forward_shape(ref, code2wav, cfg):
     codes = _codes(cfg, 1, 9, 30)
     with torch.no_grad():
         want = ref.code2wav(codes)[:, 0]
-        got = _stream(code2wav, _window_cache(cfg, 1), codes, [9])
+        got = _stream(code2wav, _window_cache(code2wav, 1), codes, [9])
     assert got.shape[1] == cfg.code2wav.samples_per_frame * 9 - 555
     close(got, want)
 
@@ -413,7 +414,7 @@ def test_code2wav_streaming_equals_full_forward(ref, code2wav, cfg, sizes):
     codes = _codes(cfg, 1, frames, 31 + len(sizes))
     with torch.no_grad():
         want = ref.code2wav(codes)[:, 0]
-        got = _stream(code2wav, _window_cache(cfg, 2), codes, sizes)
+        got = _stream(code2wav, _window_cache(code2wav, 2), codes, sizes)
     assert got.shape[1] == cfg.code2wav.samples_per_frame * frames - 555
     close(got, want)
 
@@ -421,7 +422,7 @@ def test_code2wav_streaming_equals_full_forward(ref, code2wav, cfg, sizes):
 def test_code2wav_two_utterances_batched(ref, code2wav, cfg):
     sizes = [2, 1, 7, 70, 4]  # 84 frames
     codes = _codes(cfg, 2, sum(sizes), 40)
-    cache = _window_cache(cfg, 3)
+    cache = _window_cache(code2wav, 3)
     cache.allocate()  # slot 0 taken: the utterances live in slots 1 and 2
     with torch.no_grad():
         got = _stream(code2wav, cache, codes, sizes)

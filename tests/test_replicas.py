@@ -234,6 +234,27 @@ def test_gateway_with_dns_replica_lists(replicas, tiny_model_dir):
 
 # ----------------------------------------------------------------------------- failures
 
+def test_refused_stream_is_retried_on_another_replica(replicas, prompt_ids):
+    """A replica that is down before the stream starts costs nothing: the stream moves."""
+    replicas.revive()
+    dead = f"127.0.0.1:{free_port()}"               # nobody listens here
+    talkers = replicas.talkers[:1]
+    before = talkers[0].finished_streams()
+
+    async def go():
+        async with PipelineClient(replicas.thinker.address, f"{dead},{talkers[0].address}",
+                                  replicas.code2wavs[0].address, balancing=FAST) as client:
+            first = await client.collect(request(prompt_ids))     # round-robin starts on the dead one
+            marked = [r.address for r in client.talker.replicas if not r.usable]
+            rest = await asyncio.gather(*(client.collect(request(prompt_ids)) for _ in range(3)))
+            return [first, *rest], marked
+
+    results, marked = run(go())
+    assert all(r.codes.shape[0] == 7 for r in results)
+    assert marked == [dead]
+    assert talkers[0].finished_streams() - before == 4
+
+
 def test_killed_talker_fails_only_its_requests(replicas, prompt_ids):
     replicas.revive()
     victim, survivor = replicas.talkers
@@ -262,27 +283,6 @@ def test_killed_talker_fails_only_its_requests(replicas, prompt_ids):
     assert survivor.finished_streams() - survivor_before == len(completed) + len(after)
     assert marked, "the dead replica is still picked"
     assert all(r.codes.shape[0] == 7 for r in after)
-
-
-def test_refused_stream_is_retried_on_another_replica(replicas, prompt_ids):
-    """A replica that is down before the stream starts costs nothing: the stream moves."""
-    replicas.revive()
-    dead = f"127.0.0.1:{free_port()}"               # nobody listens here
-    talkers = replicas.talkers[:1]
-    before = talkers[0].finished_streams()
-
-    async def go():
-        async with PipelineClient(replicas.thinker.address, f"{dead},{talkers[0].address}",
-                                  replicas.code2wavs[0].address, balancing=FAST) as client:
-            first = await client.collect(request(prompt_ids))     # round-robin starts on the dead one
-            marked = [r.address for r in client.talker.replicas if not r.usable]
-            rest = await asyncio.gather(*(client.collect(request(prompt_ids)) for _ in range(3)))
-            return [first, *rest], marked
-
-    results, marked = run(go())
-    assert all(r.codes.shape[0] == 7 for r in results)
-    assert marked == [dead]
-    assert talkers[0].finished_streams() - before == 4
 
 
 def test_drained_code2wav_finishes_its_streams_and_takes_no_new_ones(replicas, prompt_ids):

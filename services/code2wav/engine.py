@@ -14,9 +14,9 @@ import torch
 from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.config import Code2WavConfig
+from ..runtime.cuda_graphs import GraphedStep, buckets
 from ..runtime.engine import EngineRequest, StageEngine
-from ..runtime.kv_cache import SlidingWindowCache
-from .model import Code2WavModel, StreamState
+from .model import Code2WavModel, StreamStore
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class Code2WavJob(EngineRequest):
     chunk_frames: int = 1
     frames: list[torch.Tensor] = field(default_factory=list)   # pending [G] int64 codes
     frames_end: bool = False
-    state: StreamState | None = None
+    slot: int | None = None
     frames_decoded: int = 0
     samples_sent: int = 0
 
@@ -51,13 +51,29 @@ def encode_samples(samples: np.ndarray, encoding: int) -> bytes:
 class Code2WavEngine(StageEngine):
     name = "code2wav"
 
-    def __init__(self, model: Code2WavModel, cfg: Code2WavConfig, *, device: torch.device, max_active: int) -> None:
+    def __init__(self, model: Code2WavModel, cfg: Code2WavConfig, *, device: torch.device, max_active: int,
+                 cuda_graphs: bool = True) -> None:
         super().__init__(max_active)
         self.model, self.cfg, self.device = model, cfg, device
-        t = cfg.transformer
         dtype = next(model.parameters()).dtype
-        self.cache = SlidingWindowCache(t.num_layers, max_active, t.sliding_window, t.num_kv_heads, t.head_dim,
-                                        dtype, device)
+        self.store = StreamStore(model, max_active, dtype, device)
+        self.graphs = None
+        if cuda_graphs and device.type == "cuda":
+            q = cfg.num_quantizers
+            example = (torch.zeros(max_active, q, 1, dtype=torch.long, device=device),
+                       torch.full((max_active,), self.store.scratch, dtype=torch.long, device=device),
+                       torch.zeros(max_active, dtype=torch.long, device=device))
+            try:
+                with torch.inference_mode():
+                    self.graphs = GraphedStep(self._frame_fn, example, buckets(max_active), [1],
+                                              "code2wav one-frame step", pad=(None, self.store.scratch, None))
+            except Exception:  # capture problems must not take the service down: run eagerly
+                log.exception("code2wav: CUDA graph capture failed; decoding eagerly")
+
+    def _frame_fn(self, n: int, _kv: int, codes: torch.Tensor, slots: torch.Tensor,
+                  start: torch.Tensor) -> tuple[torch.Tensor]:
+        """One new frame for each of n utterances past their first chunk: codes [n, Q, 1]."""
+        return (self.model.decode(codes, slots, start, self.store, first=False),)
 
     def add_frames(self, job: Code2WavJob, codes: torch.Tensor) -> None:
         with self.lock:
@@ -70,22 +86,22 @@ class Code2WavEngine(StageEngine):
             self.lock.notify_all()
 
     def has_work(self) -> bool:
-        if self.waiting and self.cache.free_slots > 0:
+        if self.waiting and self.store.free_slots > 0:
             return True
         return any(j.ready_frames() or (j.frames_end and not j.frames) for j in self.running)
 
     def release(self, req: Code2WavJob) -> None:
-        if req.state is not None:
-            self.cache.release(req.state.slot)
-            req.state = None
+        if req.slot is not None:
+            self.store.release(req.slot)
+            req.slot = None
 
     @torch.inference_mode()
     def step(self) -> None:
         groups: dict[tuple[bool, int], list[tuple[Code2WavJob, list[torch.Tensor]]]] = defaultdict(list)
         with self.lock:
-            while self.waiting and self.cache.free_slots > 0:
+            while self.waiting and self.store.free_slots > 0:
                 job = self.waiting[0]
-                job.state = StreamState(slot=self.cache.allocate())
+                job.slot = self.store.allocate()
                 job.mark_started()
                 self.running.append(job)
                 self.waiting.pop(0)
@@ -100,7 +116,13 @@ class Code2WavEngine(StageEngine):
         for (first, n), members in groups.items():
             jobs = [m[0] for m in members]
             codes = torch.stack([torch.stack(m[1], dim=1) for m in members]).to(self.device)   # [B, G, n]
-            wav = self.model.decode(codes, [j.state for j in jobs], self.cache, first).float().cpu().numpy()
+            slots = torch.tensor([j.slot for j in jobs]).to(self.device)
+            start = torch.tensor([j.frames_decoded for j in jobs]).to(self.device)
+            if not first and n == 1 and self.graphs is not None and self.graphs.fits(len(jobs), 1):
+                (wav,) = self.graphs(len(jobs), 1, codes, slots, start)
+            else:
+                wav = self.model.decode(codes, slots, start, self.store, first)
+            wav = wav.float().cpu().numpy()
             for job, samples in zip(jobs, wav):
                 job.frames_decoded += n
                 job.mark_output()

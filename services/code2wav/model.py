@@ -9,12 +9,12 @@ twice the work), each request keeps
   - the last (kernel - 1) * dilation input columns of every causal conv,
   - the last input column of every decoder transposed conv,
 and decoding F new frames costs O(F) and yields exactly the samples the full forward would add.
+The state lives in slot-indexed tensors (`StreamStore`), so a batch of utterances is a gather /
+scatter by slot and the steady-state one-frame step can be a CUDA graph.
 Parameter names follow the checkpoint below `code2wav.`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,54 +23,57 @@ from torch import nn
 from voxpipe import kernels
 
 from ..runtime.config import Code2WavConfig, DecoderConfig
-from ..runtime.kv_cache import AttentionCache
+from ..runtime.kv_cache import AttentionCache, SlidingWindowCache
 from ..runtime.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 
 
-@dataclass
-class StreamState:
-    """Everything one utterance's decoder remembers between chunks."""
+class StreamStore:
+    """Per-slot decoder state for up to `num_slots` utterances (plus one scratch slot that padded
+    rows of a CUDA-graph batch write into): one tensor per causal conv [slots, C, context], one per
+    decoder transposed conv [slots, C, 1], and the pre-transformer's sliding-window KV ring."""
 
-    slot: int
-    frames_done: int = 0                                        # frames decoded so far (= next position)
-    conv: list[torch.Tensor] = field(default_factory=list)      # per causal conv: [C, context]
-    trans: list[torch.Tensor] = field(default_factory=list)     # per decoder transposed conv: [C, 1]
+    def __init__(self, model: "Code2WavModel", num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        t = model.cfg.transformer
+        total = num_slots + 1
+        self.window = SlidingWindowCache(t.num_layers, total, t.sliding_window, t.num_kv_heads, t.head_dim, dtype, device)
+        self.conv = [torch.zeros(total, m.conv.in_channels, m.context, dtype=dtype, device=device)
+                     for m in model.modules() if isinstance(m, CausalConv) and m.context]
+        self.trans = [torch.zeros(total, m.conv.in_channels, 1, dtype=dtype, device=device)
+                      for m in model.modules() if isinstance(m, CausalTransConv)]
+        self.scratch = self.window.allocate()   # never given to an utterance
+
+    @property
+    def free_slots(self) -> int:
+        return self.window.free_slots
+
+    def allocate(self) -> int:
+        slot = self.window.allocate()
+        for t in self.conv:
+            t[slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.window.release(slot)
 
 
-class _StreamCtx:
-    """Batched states for one decode call: reads and writes the per-request lists in order."""
+class _SlotCtx:
+    """The state rows of this call's utterances (`slots` [B]); each streaming module takes the next
+    conv / trans state in module order."""
 
-    def __init__(self, states: list[StreamState], first: bool) -> None:
-        self.states, self.first = states, first
+    def __init__(self, store: StreamStore, slots: torch.Tensor, first: bool) -> None:
+        self.store, self.slots, self.first = store, slots, first
         self.conv_i = 0
         self.trans_i = 0
 
-    def next_conv(self, channels: int, context: int, like: torch.Tensor) -> torch.Tensor:
-        i = self.conv_i
-        if self.first:
-            return like.new_zeros(len(self.states), channels, context)
-        return torch.stack([s.conv[i] for s in self.states])
-
-    def put_conv(self, new: torch.Tensor) -> None:
-        for s, row in zip(self.states, new):
-            if self.first:
-                s.conv.append(row)
-            else:
-                s.conv[self.conv_i] = row
+    def conv_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.store.conv[self.conv_i]
         self.conv_i += 1
+        return t, t.index_select(0, self.slots)
 
-    def next_trans(self) -> torch.Tensor | None:
-        if self.first:
-            return None
-        return torch.stack([s.trans[self.trans_i] for s in self.states])
-
-    def put_trans(self, last: torch.Tensor) -> None:
-        for s, row in zip(self.states, last):
-            if self.first:
-                s.trans.append(row)
-            else:
-                s.trans[self.trans_i] = row
+    def trans_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = self.store.trans[self.trans_i]
         self.trans_i += 1
+        return t, (None if self.first else t.index_select(0, self.slots))
 
 
 class CausalConv(nn.Module):
@@ -81,12 +84,12 @@ class CausalConv(nn.Module):
         self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.context = (kernel - 1) * dilation
 
-    def forward(self, x: torch.Tensor, ctx: _StreamCtx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: _SlotCtx) -> torch.Tensor:
         if self.context == 0:
             return self.conv(x)
-        state = ctx.next_conv(x.shape[1], self.context, x)
+        store, state = ctx.conv_state()
         full = torch.cat((state, x), dim=-1)
-        ctx.put_conv(full[..., -self.context:].clone())
+        store.index_copy_(0, ctx.slots, full[..., -self.context:])
         return self.conv(full)
 
 
@@ -97,7 +100,7 @@ class UpsampleTransConv(nn.Module):
         super().__init__()
         self.conv = nn.ConvTranspose1d(channels, channels, factor, stride=factor)
 
-    def forward(self, x: torch.Tensor, ctx: _StreamCtx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: _SlotCtx) -> torch.Tensor:
         return self.conv(x)
 
 
@@ -110,10 +113,10 @@ class CausalTransConv(nn.Module):
         self.conv = nn.ConvTranspose1d(cin, cout, 2 * rate, stride=rate)
         self.trim = rate
 
-    def forward(self, x: torch.Tensor, ctx: _StreamCtx) -> torch.Tensor:
-        prev = ctx.next_trans()
+    def forward(self, x: torch.Tensor, ctx: _SlotCtx) -> torch.Tensor:
+        store, prev = ctx.trans_state()
         full = x if prev is None else torch.cat((prev, x), dim=-1)
-        ctx.put_trans(x[..., -1:].clone())
+        store.index_copy_(0, ctx.slots, x[..., -1:])
         y = self.conv(full)
         return y[..., self.trim: y.shape[-1] - self.trim]
 
@@ -126,7 +129,7 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x: torch.Tensor, ctx: _StreamCtx | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: _SlotCtx | None = None) -> torch.Tensor:
         if x.is_cuda and kernels.ENABLED:
             return kernels.snakebeta.run(x, self.alpha, self.beta)
         alpha = torch.exp(self.alpha)[None, :, None]
@@ -143,7 +146,7 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, ctx: _StreamCtx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: _SlotCtx) -> torch.Tensor:
         h = self.dwconv(x, ctx).permute(0, 2, 1)
         h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
         return x + (self.gamma * h).permute(0, 2, 1)
@@ -157,7 +160,7 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
 
-    def forward(self, x: torch.Tensor, ctx: _StreamCtx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: _SlotCtx) -> torch.Tensor:
         h = self.conv1(self.act1(x), ctx)
         return x + self.conv2(self.act2(h), ctx)
 
@@ -168,7 +171,7 @@ class DecoderBlock(nn.Module):
         self.block = nn.ModuleList(
             [SnakeBeta(cin), CausalTransConv(cin, cout, rate)] + [ResidualUnit(cout, d) for d in (1, 3, 9)])
 
-    def forward(self, x: torch.Tensor, ctx: _StreamCtx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: _SlotCtx) -> torch.Tensor:
         for m in self.block:
             x = m(x, ctx)
         return x
@@ -224,23 +227,22 @@ class Code2WavModel(nn.Module):
             + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)]
             + [SnakeBeta(dims[-1]), CausalConv(dims[-1], 1, 7)])
 
-    def decode(self, codes: torch.Tensor, states: list[StreamState], cache, first: bool) -> torch.Tensor:
-        """codes: [B, Q, T] new frames of B utterances that are all at their first chunk (first=True)
-        or all past it. `cache` is a SlidingWindowCache. Returns the new samples [B, n] with
-        n = samples_per_frame * T, minus the reference's fixed delay on the first chunk."""
+    def decode(self, codes: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, store: StreamStore,
+               first: bool) -> torch.Tensor:
+        """codes [B, Q, T]: T new frames for the utterances in `slots` [B] whose next frame positions
+        are `start` [B]; all at their first chunk (first=True) or all past it. Returns the new samples
+        [B, n] with n = samples_per_frame * T (minus the reference's fixed delay on the first chunk).
+        Shapes depend only on (B, T, first): the call can be captured in a CUDA graph."""
         b, q, t = codes.shape
         offsets = torch.arange(q, device=codes.device)[None, :, None] * self.cfg.codebook_size
         x = self.code_embedding(codes + offsets).mean(1)                               # [B, T, H]
-        start = [s.frames_done for s in states]
-        positions = torch.tensor(start, device=codes.device)[:, None] + torch.arange(t, device=codes.device)
-        bound = cache.bind([s.slot for s in states], start, t)
+        positions = start[:, None] + torch.arange(t, device=codes.device)
+        bound = store.window.bind(slots, start, t)
         x = self.pre_transformer(x, positions, bound).permute(0, 2, 1)                 # [B, H, T]
-        ctx = _StreamCtx(states, first)
+        ctx = _SlotCtx(store, slots, first)
         for stage in self.upsample:
             for m in stage:
                 x = m(x, ctx)
         for m in self.decoder:
             x = m(x, ctx)
-        for s in states:
-            s.frames_done += t
         return x[:, 0].clamp(-1.0, 1.0)

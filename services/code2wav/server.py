@@ -93,7 +93,8 @@ def build(args) -> Code2WavServicer:
     cfg = OmniConfig.load(args.model)
     model = load_module(lambda: Code2WavModel(cfg.code2wav), args.model, "code2wav.", device=device,
                         dtype=torch.float32 if args.dtype == "auto" else dtype, load_format=args.load_format)
-    engine = Code2WavEngine(model, cfg.code2wav, device=device, max_active=args.max_batch)
+    engine = Code2WavEngine(model, cfg.code2wav, device=device, max_active=args.max_batch,
+                            cuda_graphs=args.cuda_graphs)
     return Code2WavServicer(engine, server_options(args), cfg, args.first_chunk_frames, args.chunk_frames)
 
 

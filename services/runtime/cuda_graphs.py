@@ -29,8 +29,11 @@ class GraphedStep:
     kv_len in `kv_lens`. `inputs` are tensors whose first dimension is the batch."""
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: tuple[torch.Tensor, ...],
-                 batch_sizes: list[int], kv_lens: list[int], name: str) -> None:
+                 batch_sizes: list[int], kv_lens: list[int], name: str, pad: tuple | None = None) -> None:
+        """`pad`: per input, a value the rows past the real batch are set to before a replay (None:
+        leave whatever the last replay left there)."""
         self.fn, self.name = fn, name
+        self.pad = pad or (None,) * len(example)
         self.batch_sizes, self.kv_lens = sorted(batch_sizes), sorted(kv_lens)
         self.static = tuple(t.clone() for t in example)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
@@ -57,8 +60,10 @@ class GraphedStep:
     def __call__(self, n: int, kv_len: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         nb = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         kb = self.kv_lens[bisect.bisect_left(self.kv_lens, kv_len)]
-        for dst, src in zip(self.static, inputs):
+        for dst, src, fill in zip(self.static, inputs, self.pad):
             dst[:n].copy_(src, non_blocking=True)
+            if fill is not None and nb > n:
+                dst[n:nb].fill_(fill)
         graph, out = self.graphs[(nb, kb)]
         graph.replay()
         return tuple(o[:n] for o in out)

@@ -197,17 +197,17 @@ class SlidingWindowCache:
         if slot not in self._free:
             self._free.append(slot)
 
-    def bind(self, slots: list[int], start: list[int], new_tokens: int) -> "_BoundWindowCache":
+    def bind(self, slots: torch.Tensor, start: torch.Tensor, new_tokens: int) -> "_BoundWindowCache":
+        """`slots` [B] and `start` [B] (int64 tensors on the cache's device)."""
         return _BoundWindowCache(self, slots, start, new_tokens)
 
 
 class _BoundWindowCache:
-    def __init__(self, cache: SlidingWindowCache, slots: list[int], start: list[int], s: int) -> None:
+    def __init__(self, cache: SlidingWindowCache, slots: torch.Tensor, start: torch.Tensor, s: int) -> None:
         dev = cache.pos.device
         self.cache, self.s = cache, s
-        self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
-        st = torch.tensor(start, dtype=torch.long, device=dev)
-        self.new_pos = st[:, None] + torch.arange(s, device=dev)[None, :]                 # [B, S]
+        self.slots = slots
+        self.new_pos = start[:, None] + torch.arange(s, device=dev)[None, :]               # [B, S]
         old_pos = cache.pos[self.slots]                                                   # [B, W]
         key_pos = torch.cat((old_pos, self.new_pos), dim=1)                               # [B, W + S]
         q = self.new_pos[:, :, None]

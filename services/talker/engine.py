@@ -77,16 +77,23 @@ class TalkerEngine(StageEngine):
         self.seen = torch.zeros(max_active, t.vocab_size, dtype=torch.bool, device=device)  # codec-0 ids per slot
         self.step_graphs = self.predictor_graphs = None
         if cuda_graphs and device.type == "cuda":
-            with torch.inference_mode():
-                h = t.hidden_size
-                self.step_graphs = GraphedStep(
-                    self._step_fn, (torch.zeros(max_active, 1, h, dtype=self.dtype, device=device),
-                                    torch.zeros(max_active, dtype=torch.long, device=device)),
-                    buckets(max_active), buckets(max_len, min(256, max_len)), "talker step")
-                self.predictor_graphs = GraphedStep(
-                    self._predict_fn, (torch.zeros(max_active, h, dtype=self.dtype, device=device),
-                                       torch.zeros(max_active, dtype=torch.long, device=device)),
-                    buckets(max_active), [1], "code predictor (15 steps)")
+            try:
+                self._capture(max_active, max_len)
+            except Exception:  # capture problems must not take the service down: run eagerly
+                log.exception("talker: CUDA graph capture failed; running eagerly")
+                self.step_graphs = self.predictor_graphs = None
+
+    @torch.inference_mode()
+    def _capture(self, max_active: int, max_len: int) -> None:
+        h, dev = self.cfg.text.hidden_size, self.device
+        self.step_graphs = GraphedStep(
+            self._step_fn, (torch.zeros(max_active, 1, h, dtype=self.dtype, device=dev),
+                            torch.zeros(max_active, dtype=torch.long, device=dev)),
+            buckets(max_active), buckets(max_len, min(256, max_len)), "talker step")
+        self.predictor_graphs = GraphedStep(
+            self._predict_fn, (torch.zeros(max_active, h, dtype=self.dtype, device=dev),
+                               torch.zeros(max_active, dtype=torch.long, device=dev)),
+            buckets(max_active), [1], "code predictor (15 steps)")
 
     def _step_fn(self, n: int, kv_len: int, x: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One codec step for the sequences in slots 0..n-1: x [n, 1, H] inputs, start [n] positions."""

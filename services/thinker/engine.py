@@ -90,8 +90,11 @@ class ThinkerEngine(StageEngine):
             if cuda_graphs and device.type == "cuda":
                 example = (torch.zeros(max_active, 1, dtype=torch.long, device=device),
                            torch.zeros(max_active, dtype=torch.long, device=device))
-                self.graphs = GraphedStep(self._decode_fn, example, buckets(max_active),
-                                          buckets(max_len, min(256, max_len)), "thinker decode")
+                try:
+                    self.graphs = GraphedStep(self._decode_fn, example, buckets(max_active),
+                                              buckets(max_len, min(256, max_len)), "thinker decode")
+                except Exception:  # capture problems must not take the service down: run eagerly
+                    log.exception("thinker: CUDA graph capture failed; decoding eagerly")
 
     def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor]:
         """One token for each sequence in slots 0..n-1: ids [n, 1], start [n] (their positions)."""
