@@ -8,6 +8,7 @@ Layout (contiguity), dtype and shape rules are each kernel's own `eligible()`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -35,6 +36,15 @@ def launchable(*tensors: torch.Tensor) -> bool:
         return False
     return all(t.device == device for t in tensors)
 
+
+def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it t's (a stage may run on cuda:N)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+round_to = None   # a Triton function when Triton is installed (below)
 
 if triton is not None:
     @triton.jit

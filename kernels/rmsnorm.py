@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import FLOAT_DTYPES, launchable, round_to, tl, triton
+from .common import FLOAT_DTYPES, device_of, launchable, round_to, tl, triton
 
 MAX_N = 16384   # one row lives in registers; wider rows use the reference
 
@@ -84,9 +84,10 @@ def _launch(x, residual, weight, out, new_residual, eps: float) -> None:
     block_m = min(64, max(1, 2048 // block_n))          # ~2k elements per program for narrow rows
     warps = min(16, max(1, block_m * block_n // 512))
     has_residual = residual is not None
-    _rmsnorm_rows[(triton.cdiv(rows, block_m),)](
-        x, residual if has_residual else x, weight, out, new_residual if has_residual else out,
-        rows, n, eps, HAS_RESIDUAL=has_residual, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    with device_of(x):
+        _rmsnorm_rows[(triton.cdiv(rows, block_m),)](
+            x, residual if has_residual else x, weight, out, new_residual if has_residual else out,
+            rows, n, eps, HAS_RESIDUAL=has_residual, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
 
 
 if triton is not None:

@@ -9,8 +9,9 @@ be NaN-free: torch.argmax picks a NaN, the kernel ignores it. Nothing calls this
 keep their own code.
 
 `run` launches the kernel when `common.launchable` holds (CUDA, or CPU under TRITON_INTERPRET=1;
-no autograd; kernels ENABLED), logits, suppress, ban_rows are contiguous, logits 2-D float32 / bfloat16 / float16 with B >= 1,
-1 <= V < 2^31, suppress is bool [V] and ban_rows bool [B]; otherwise it returns the reference.
+no autograd; kernels ENABLED), logits, suppress and ban_rows are contiguous, logits is 2-D float32 /
+bfloat16 / float16 with B >= 1 and 1 <= V < 2^31, suppress is bool [V] and ban_rows bool [B];
+otherwise it returns the reference.
 One program scans one row in BLOCK-wide chunks, each lane keeping a running (max, first index).
 V is a compile-time constant (one compile per vocabulary size).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import FLOAT_DTYPES, launchable, tl, triton
+from .common import FLOAT_DTYPES, device_of, launchable, tl, triton
 
 BLOCK = 2048
 
@@ -50,8 +51,9 @@ def kernel(logits: torch.Tensor, suppress: torch.Tensor, ban_rows: torch.Tensor,
     b, v = logits.shape
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     block = min(BLOCK, triton.next_power_of_2(v))
-    _masked_argmax[(b,)](logits, suppress.view(torch.uint8), ban_rows.view(torch.uint8), out, banned_id,
-                         V=v, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    with device_of(logits):
+        _masked_argmax[(b,)](logits, suppress.view(torch.uint8), ban_rows.view(torch.uint8), out, banned_id,
+                             V=v, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return out
 
 

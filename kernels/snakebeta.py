@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import FLOAT_DTYPES, launchable, round_to, tl, triton
+from .common import FLOAT_DTYPES, device_of, launchable, round_to, tl, triton
 
 BLOCK = 1024
 
@@ -49,8 +49,9 @@ def kernel(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Te
     dtype = torch.promote_types(torch.promote_types(x.dtype, alpha.dtype), beta.dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     n = x.numel()
-    _snakebeta[(triton.cdiv(n, BLOCK),)](x, alpha, beta, out, n, x.shape[1], x.shape[2], x.stride(0), x.stride(1),
-                                         BLOCK=BLOCK, num_warps=4)
+    with device_of(x):
+        _snakebeta[(triton.cdiv(n, BLOCK),)](x, alpha, beta, out, n, x.shape[1], x.shape[2], x.stride(0),
+                                             x.stride(1), BLOCK=BLOCK, num_warps=4)
     return out
 
 
