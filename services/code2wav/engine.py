@@ -88,7 +88,8 @@ class Code2WavEngine(StageEngine):
     def has_work(self) -> bool:
         if self.waiting and self.store.free_slots > 0:
             return True
-        return any(j.ready_frames() or (j.frames_end and not j.frames) for j in self.running)
+        return any((j.ready_frames() and not j.outbox.saturated) or (j.frames_end and not j.frames)
+                   for j in self.running)
 
     def release(self, req: Code2WavJob) -> None:
         if req.slot is not None:
@@ -106,7 +107,7 @@ class Code2WavEngine(StageEngine):
                 self.running.append(job)
                 self.waiting.pop(0)
             for job in list(self.running):
-                n = job.ready_frames()
+                n = 0 if job.outbox.saturated else job.ready_frames()
                 if n:
                     take, job.frames = job.frames[:n], job.frames[n:]
                     groups[(job.frames_decoded == 0, n)].append((job, take))

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,20 +31,40 @@ class StageError:
 
 
 class Outbox:
-    """Thread-safe hand-off from the engine thread to the request's asyncio handler."""
+    """Thread-safe hand-off from the engine thread to the request's asyncio handler.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    Bounded without ever blocking the engine: once `limit` items wait unread (a slow client), the
+    request is `saturated` and engines leave it out of their steps, its state unchanged, until the
+    reader has taken half of them; then `on_drain` wakes the engine. Other requests never wait."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int = 64) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._lock = threading.Lock()
+        self.backlog = 0
+        self.limit = limit
+        self.on_drain: Callable[[], None] | None = None
+
+    @property
+    def saturated(self) -> bool:
+        return self.backlog >= self.limit
 
     def put(self, item: Any) -> None:
+        with self._lock:
+            self.backlog += 1
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: the client is gone
             pass
 
     async def get(self) -> Any:
-        return await self._queue.get()
+        item = await self._queue.get()
+        with self._lock:
+            self.backlog -= 1
+            wake = self.backlog == self.limit // 2
+        if wake and self.on_drain is not None:
+            self.on_drain()
+        return item
 
 
 @dataclass
@@ -93,6 +114,7 @@ class StageEngine:
             self._thread.join(timeout=10)
 
     def submit(self, req: EngineRequest) -> None:
+        req.outbox.on_drain = self.notify
         with self.lock:
             self.waiting.append(req)
             self.lock.notify_all()
@@ -101,6 +123,7 @@ class StageEngine:
     def _gauges(self) -> None:
         metrics.ACTIVE.labels(self.name).set(len(self.waiting) + len(self.running))
         metrics.QUEUE.labels(self.name).set(len(self.waiting))
+        metrics.THROTTLED.labels(self.name).set(sum(r.outbox.saturated for r in self.running))
 
     def notify(self) -> None:
         with self.lock:

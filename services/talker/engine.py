@@ -121,7 +121,8 @@ class TalkerEngine(StageEngine):
         return job.row_state(0) != "wait"
 
     def _decode_ready(self, job: TalkerJob) -> bool:
-        return job.pending is not None and job.row_state(len(job.codes0)) != "wait"
+        return (job.pending is not None and not job.outbox.saturated
+                and job.row_state(len(job.codes0)) != "wait")
 
     def has_work(self) -> bool:
         if any(self._decode_ready(j) for j in self.running):

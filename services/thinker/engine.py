@@ -103,7 +103,8 @@ class ThinkerEngine(StageEngine):
         return (logits,)
 
     def has_work(self) -> bool:
-        return bool(self.running) or (bool(self.waiting) and self.cache.free_slots > 0)
+        return (any(not r.outbox.saturated for r in self.running)
+                or (bool(self.waiting) and self.cache.free_slots > 0))
 
     def release(self, req: ThinkerJob) -> None:
         if req.slot is not None:
@@ -143,7 +144,11 @@ class ThinkerEngine(StageEngine):
         self._emit([job], logits)
 
     def _decode(self, jobs: list[ThinkerJob]) -> None:
-        """Jobs are the owners of slots 0..n-1, in slot order."""
+        """Jobs are the owners of slots 0..n-1, in slot order. A saturated job (its client reads too
+        slowly) is computed with the rest (rewriting the same KV entry) but emits nothing."""
+        ready = [not j.outbox.saturated for j in jobs]
+        if not any(ready):
+            return
         n = len(jobs)
         ids = torch.tensor([[j.generated[-1]] for j in jobs]).to(self.device, non_blocking=True)
         start_list = [len(j.prompt) + len(j.generated) - 1 for j in jobs]
@@ -153,6 +158,9 @@ class ThinkerEngine(StageEngine):
             (logits,) = self.graphs(n, kv_len, ids, start)
         else:
             (logits,) = self._decode_fn(n, kv_len, ids, start)
+        if not all(ready):
+            keep = [i for i, r in enumerate(ready) if r]
+            jobs, logits = [jobs[i] for i in keep], logits[torch.tensor(keep, device=logits.device)]
         self._emit(jobs, logits)
 
     def _choose(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> list[int]:
