@@ -697,3 +697,18 @@ def test_hadolint_is_clean():
     proc = subprocess.run([exe, "--failure-threshold", "info", str(DOCKERFILE)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("deployment", ["thinker", "talker", "code2wav", "gateway"])
+def test_container_args_are_accepted_by_the_voxpipe_cli(overlay, deployment):
+    """What the manifests run must parse with the real CLI; every process that renders prompts or
+    loads weights is pointed at the model volume (never at the tiny default checkpoint)."""
+    from voxpipe.cli import build_parser
+
+    c = main_container(one(render_overlay(overlay), "Deployment", deployment))
+    args = build_parser().parse_args([str(a) for a in c["args"]])
+    assert args.command == deployment
+    assert args.model and args.model.startswith("/models/"), args.model
+    mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+    assert "/models" in mounts
