@@ -43,7 +43,7 @@ def test_a_client_that_stops_reading_does_not_stall_others_and_loses_nothing(sta
     from voxpipe.services.thinker.prompt import ChatMessage, render
 
     prompt = render(tokenizer, omni_config.thinker, [ChatMessage.text("user", "slow reader")]).token_ids
-    slow_tokens = 1500  # with talker rows: far more bytes than the (fixed, 64 KiB) HTTP/2 window holds unread
+    slow_tokens = 3000  # with talker rows: far more bytes than the (fixed, 64 KiB) HTTP/2 window holds unread
 
     async def go():
         # no BDP probing: the receive window stays small, so an unread stream really backs up
@@ -56,8 +56,10 @@ def test_a_client_that_stops_reading_does_not_stall_others_and_loses_nothing(sta
             fast = [r async for r in stub.Generate(iter([_start(prompt, 16, False)]))]
             fast_s = time.perf_counter() - t0
             assert fast[-1].finished.reason == pb.LENGTH and fast[-1].finished.completion_tokens == 16
-            await asyncio.sleep(1.5)
-            throttled = _gauge(stack, "thinker", "voxpipe_throttled_streams")
+            throttled, deadline = 0.0, time.monotonic() + 20
+            while throttled < 1 and time.monotonic() < deadline:  # the engine pauses the unread stream
+                await asyncio.sleep(0.25)
+                throttled = _gauge(stack, "thinker", "voxpipe_throttled_streams")
             indices = []
             while True:                                     # resume: everything arrives, in order
                 r = await slow.read()
