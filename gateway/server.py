@@ -14,10 +14,11 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--thinker", default="127.0.0.1:50051",
-                        help="host:port of the thinker (comma-separated replicas)")
-    parser.add_argument("--talker", default="127.0.0.1:50052", help="host:port[,host:port...] of the talker")
-    parser.add_argument("--code2wav", default="127.0.0.1:50053", help="host:port[,host:port...] of code2wav")
+    replicas = ("comma-separated replicas: host:port, or dns:///name:port for every address of a name "
+                "(re-resolved as replicas come and go; see voxpipe.balancer)")
+    parser.add_argument("--thinker", default="127.0.0.1:50051", help=f"the thinker: {replicas}")
+    parser.add_argument("--talker", default="127.0.0.1:50052", help=f"the talker: {replicas}")
+    parser.add_argument("--code2wav", default="127.0.0.1:50053", help=f"code2wav: {replicas}")
     parser.add_argument("--model", help="checkpoint folder for the tokenizer, config and feature extractor "
                                         "(default: the tiny checkpoint)")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the checkpoint folder name)")

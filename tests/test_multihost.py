@@ -71,16 +71,8 @@ class TestNetwork:
         self.ip("-n", switch, "link", "add", "br0", "type", "bridge")
         self.ip("-n", switch, "link", "set", "br0", "up")
         for host, octet in HOSTS.items():
-            name = ns(host)
-            self.add_namespace(name)
-            inner, outer = f"{name}0", f"{name}1"
-            self.ip("link", "add", inner, "type", "veth", "peer", "name", outer)
-            self.ip("link", "set", inner, "netns", name)
-            self.ip("link", "set", outer, "netns", switch)
-            self.ip("-n", switch, "link", "set", outer, "master", "br0")
-            self.ip("-n", switch, "link", "set", outer, "up")
-            self.ip("-n", name, "addr", "add", f"{ip_of(octet)}/24", "dev", inner)
-            self.ip("-n", name, "link", "set", inner, "up")
+            self.add_namespace(ns(host))
+            self.add_interface(host, 0, octet)
         # this test process (root namespace) joins the bridge too
         self.ip("link", "add", self.root_link, "type", "veth", "peer", "name", f"{TAG}rt1")
         self.root_link_made = True
@@ -92,6 +84,19 @@ class TestNetwork:
         self.etc.mkdir(parents=True, exist_ok=True)
         self.write_hosts({"thinker": [HOSTS["thinker"]], "talker": [HOSTS["talker"]],
                           "code2wav": [HOSTS["code2wav"]]})
+
+    def add_interface(self, host: str, index: int, octet: int) -> str:
+        """A veth from `host` to the bridge with address NET.octet/24; returns the host-side name."""
+        name, switch = ns(host), f"{TAG}sw"
+        inner, outer = f"{name}{index}", f"{name}{index}s"
+        self.ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+        self.ip("link", "set", inner, "netns", name)
+        self.ip("link", "set", outer, "netns", switch)
+        self.ip("-n", switch, "link", "set", outer, "master", "br0")
+        self.ip("-n", switch, "link", "set", outer, "up")
+        self.ip("-n", name, "addr", "add", f"{ip_of(octet)}/24", "dev", inner)
+        self.ip("-n", name, "link", "set", inner, "up")
+        return inner
 
     def write_hosts(self, names: dict[str, list[int]]) -> None:
         """The client host's /etc/hosts: `<stage>.vp.test` -> these addresses. Rewritten in place
@@ -176,7 +181,7 @@ def hosts(network, tiny_model_dir):
         for stage in PORTS:
             procs.append(HostProcess(network, stage, stage, "--model", str(tiny_model_dir), "--device", "cpu",
                                      "--host", ip_of(HOSTS[stage]) if stage != "talker" else "[::]",
-                                     "--port", str(PORTS[stage]), "--metrics-port", str(METRICS_PORT),
+                                     "--port", str(PORTS[stage]), "--metrics-port", str(METRICS_PORT), "--grace", "5",
                                      name=stage))
         procs.append(HostProcess(network, "client", "gateway", "--model", str(tiny_model_dir),
                                  "--host", ip_of(HOSTS["client"]), "--http-port", str(HTTP_PORT),
@@ -234,7 +239,8 @@ def test_gateway_on_its_own_host_reaches_the_stages_by_name(hosts):
 # A long-lived PipelineClient on the client host, driven over stdin/stdout (one JSON line each way),
 # so the test can change DNS (the hosts file) and the talker host's addresses between its steps.
 DNS_CLIENT = r"""
-import asyncio, json, sys
+import asyncio, json, sys, logging
+logging.basicConfig(level=logging.INFO)
 from voxpipe.balancer import BalancerOptions
 from voxpipe.client import PipelineClient, SpeechRequest
 
@@ -261,8 +267,8 @@ async def main(thinker, talker, code2wav):
                 watcher = asyncio.ensure_future(watch())
                 req = lambda: SpeechRequest(text="Hi.", max_tokens=3, min_tokens=3, max_frames=cmd["frames"],
                                             min_frames=cmd["frames"])
-                results = await asyncio.gather(*(client.collect(req()) for _ in range(cmd["n"])),
-                                               return_exceptions=True)
+                results = await asyncio.wait_for(asyncio.gather(
+                    *(client.collect(req()) for _ in range(cmd["n"])), return_exceptions=True), 60)
                 running = False
                 await watcher
                 answer = {"frames": [r.codes.shape[0] if not isinstance(r, BaseException) else repr(r)
@@ -302,15 +308,14 @@ def test_replicas_follow_dns_as_talker_pods_come_and_go(network, hosts):
     """A new talker address in DNS gets streams; an address that leaves DNS gets none, and its
     going away (the address removed from the host) does not fail a request."""
     first, second = (f"{ip_of(o)}:{PORTS['talker']}" for o in (HOSTS["talker"], TALKER_EXTRA))
-    talker_link = f"{ns('talker')}0"
     client = DnsClient(network)
     try:
         assert client.ask(op="replicas", want=[first]) == {"replicas": [first]}
         got = client.ask(op="run", n=2, frames=6)
         assert got == {"frames": [5, 5], "used": [first]}
 
-        # scale up: a second talker address appears on the host and in DNS
-        network.ip("-n", ns("talker"), "addr", "add", f"{ip_of(TALKER_EXTRA)}/24", "dev", talker_link)
+        # scale up: a second talker address (its own interface) appears on the host, then in DNS
+        network.add_interface("talker", 1, TALKER_EXTRA)
         network.write_hosts({"thinker": [HOSTS["thinker"]], "talker": [HOSTS["talker"], TALKER_EXTRA],
                              "code2wav": [HOSTS["code2wav"]]})
         assert client.ask(op="replicas", want=[first, second]) == {"replicas": sorted([first, second])}
@@ -321,7 +326,7 @@ def test_replicas_follow_dns_as_talker_pods_come_and_go(network, hosts):
         network.write_hosts({"thinker": [HOSTS["thinker"]], "talker": [TALKER_EXTRA],
                              "code2wav": [HOSTS["code2wav"]]})
         assert client.ask(op="replicas", want=[second]) == {"replicas": [second]}
-        network.ip("-n", ns("talker"), "addr", "del", f"{ip_of(HOSTS['talker'])}/24", "dev", talker_link)
+        network.ip("-n", ns("talker"), "addr", "del", f"{ip_of(HOSTS['talker'])}/24", "dev", f"{ns('talker')}0")
         got = client.ask(op="run", n=3, frames=6)
         assert got == {"frames": [5, 5, 5], "used": [second]}
     finally:

@@ -10,8 +10,11 @@ Each new stream goes to the usable replica with the fewest outstanding streams f
 (ties round-robin) and stays there for its life (BalancedStream). A replica that fails a stream
 with UNAVAILABLE is unhealthy: skipped by new picks, re-probed with grpc.health.v1 Check every
 `cooldown_s` until it answers SERVING. A replica that refuses a new stream because it is draining
-(SIGTERM) is skipped the same way. A stream refused (UNAVAILABLE) before its first response is
+(SIGTERM) is skipped the same way. A stream refused (UNAVAILABLE, or grpc's "Internal error from
+Core" that hides the status when the refusal races a write) before its first response is
 replayed once on another replica; after the first response a failure is the request's.
+Channels ping every 20 s during streams, so a replica whose host vanished fails its streams
+(UNAVAILABLE) within ~30 s instead of hanging them.
 """
 
 from __future__ import annotations
@@ -136,6 +139,10 @@ class StageBalancer:
         backoff_ms = max(100, int(self.options.cooldown_s * 1000))
         self._channel_options = list(channel_options) + [
             ("grpc.use_local_subchannel_pool", 1),       # a fresh connection per client, not a shared one
+            # during streams, ping every 20 s: a replica whose host vanished (no RST) fails its
+            # streams after ~30 s instead of hanging them (servers allow pings every 10 s)
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.initial_reconnect_backoff_ms", min(1000, backoff_ms)),
             ("grpc.min_reconnect_backoff_ms", min(1000, backoff_ms)),
             ("grpc.max_reconnect_backoff_ms", backoff_ms),
@@ -288,7 +295,7 @@ class StageBalancer:
     def report_failure(self, replica: Replica, code: grpc.StatusCode, details: str | None) -> None:
         """A stream on `replica` ended with `code`: UNAVAILABLE takes it out of new picks until a
         health probe says SERVING again."""
-        if code != grpc.StatusCode.UNAVAILABLE or replica.retired:
+        if code != grpc.StatusCode.UNAVAILABLE or replica.retired or is_connection_recycle(details):
             return
         if is_draining(details):
             if not replica.draining:
@@ -300,23 +307,43 @@ class StageBalancer:
                             details, self.options.cooldown_s)
             replica.healthy = False
             self.request_resolve()
-        if replica.probe is None and not self._closed:
-            replica.probe = asyncio.ensure_future(self._probe(replica))
+        self._start_probe(replica)
 
-    async def _probe(self, replica: Replica) -> None:
-        """Every cooldown: grpc.health.v1 Check; SERVING makes the replica usable again."""
+    def report_lost_status(self, replica: Replica) -> None:
+        """A stream on `replica` ended before its first response but grpc lost its status (see
+        LOST_STATUS): ask the replica's health now (NOT_SERVING: draining; no answer: unhealthy)."""
+        if not replica.retired:
+            self._start_probe(replica, check_now=True)
+
+    def _start_probe(self, replica: Replica, check_now: bool = False) -> None:
+        if replica.probe is None and not self._closed:
+            replica.probe = asyncio.ensure_future(self._probe(replica, check_now))
+
+    async def _probe(self, replica: Replica, check_now: bool) -> None:
+        """grpc.health.v1 Check (now, or after a cooldown), then every cooldown until it answers
+        SERVING, which makes the replica usable again."""
         stub = health_pb2_grpc.HealthStub(replica.channel)
+        delay = 0.0 if check_now else self.options.cooldown_s
         try:
-            while not self._closed and not replica.retired and not replica.usable:
-                await asyncio.sleep(self.options.cooldown_s)
+            while not self._closed and not replica.retired:
+                await asyncio.sleep(delay)
+                delay = self.options.cooldown_s
                 try:
                     resp = await stub.Check(health_pb2.HealthCheckRequest(service=self.health_service),
                                             timeout=self.options.probe_timeout_s, wait_for_ready=True)
                 except grpc.aio.AioRpcError as e:
                     log.debug("%s: probe of %s: %s", self.stage, replica.address, e.code().name)
+                    if replica.healthy:
+                        log.warning("%s: replica %s does not answer health checks (%s)", self.stage,
+                                    replica.address, e.code().name)
+                    replica.healthy = False
                     continue
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
                     self.report_success(replica)
+                    return
+                if not replica.draining:
+                    log.info("%s: replica %s is not serving (draining)", self.stage, replica.address)
+                replica.draining = True
         finally:
             replica.probe = None
 
@@ -336,9 +363,24 @@ class StageBalancer:
             await ch.close()
 
 
+# grpc's Python layer reports this instead of the call's status when a write races the server
+# ending the call (it does so on refusing a stream at once: draining, queue full, bad start);
+# the real status is lost for good.
+LOST_STATUS = "Internal error from Core"
+
+
+def is_lost_status(code: grpc.StatusCode, details: str | None) -> bool:
+    return code == grpc.StatusCode.INTERNAL and details == LOST_STATUS
+
+
 def is_draining(details: str | None) -> bool:
     """The stage servers refuse new streams with UNAVAILABLE "... is draining ..." after SIGTERM."""
     return "draining" in (details or "").lower()
+
+
+def is_connection_recycle(details: str | None) -> bool:
+    """A stream cut because the server closed an old connection (max_connection_age): the replica is fine."""
+    return "max connection age" in (details or "").lower()
 
 
 def status_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -421,8 +463,12 @@ class BalancedStream:
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.CANCELLED and self._closed:
                     raise
-                self.balancer.report_failure(self.replica, e.code(), e.details())
-                if e.code() != grpc.StatusCode.UNAVAILABLE or not self._may_retry():
+                lost = is_lost_status(e.code(), e.details())
+                if lost and not self.committed:
+                    self.balancer.report_lost_status(self.replica)
+                else:
+                    self.balancer.report_failure(self.replica, e.code(), e.details())
+                if not (e.code() == grpc.StatusCode.UNAVAILABLE or lost) or not self._may_retry():
                     raise
                 await self._move(e)
 

@@ -140,6 +140,8 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     options = [
         ("grpc.max_send_message_length", opts.max_message_bytes),
         ("grpc.max_receive_message_length", opts.max_message_bytes),
+        # clients (voxpipe.balancer) ping every 20 s during streams to notice a vanished host: allow it
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
     if opts.max_connection_age_s:
         options += [("grpc.max_connection_age_ms", int(opts.max_connection_age_s * 1000)),
