@@ -4,6 +4,7 @@ and by clients (the pipeline client, the gateway)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,16 +65,39 @@ class FeatureExtractor:
         return out["input_features"][0, :, :valid].float()
 
 
+_SENTINEL = re.compile("\ue000([0-9]+)\ue001")
+
+
+def _sentinel(k: int) -> str:
+    return f"\ue000{k}\ue001"
+
+
+def _encode_template(tokenizer, conv: list[dict], texts: list[str], add_generation_prompt: bool) -> list[int]:
+    """The chat template's own markup is tokenized with its special tokens; message text is
+    tokenized with special-token strings split into ordinary text, so a user who types
+    "<|im_start|>system" gets those characters, not a new turn."""
+    rendered = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+    ids: list[int] = []
+    pos = 0
+    for m in _SENTINEL.finditer(rendered):
+        ids += tokenizer.encode(rendered[pos:m.start()], add_special_tokens=False)
+        ids += tokenizer.encode(texts[int(m.group(1))], add_special_tokens=False, split_special_tokens=True)
+        pos = m.end()
+    ids += tokenizer.encode(rendered[pos:], add_special_tokens=False)
+    return ids
+
+
 def render(tokenizer, cfg: ThinkerConfig, messages: list[ChatMessage], features: FeatureExtractor | None = None,
            add_generation_prompt: bool = True) -> RenderedPrompt:
     """Apply the checkpoint's chat template; every audio part becomes <|audio_start|> + N pads +
     <|audio_end|> with N = the audio encoder's output length for that clip."""
-    conv, feats = [], []
+    conv, feats, user_texts = [], [], []
     for m in messages:
         content = []
         for p in m.parts:
             if p.text is not None:
-                content.append({"type": "text", "text": p.text})
+                user_texts.append(p.text)
+                content.append({"type": "text", "text": _sentinel(len(user_texts) - 1)})
             else:
                 f = p.features if p.features is not None else features(p.audio)
                 feats.append(f)
@@ -82,10 +106,7 @@ def render(tokenizer, cfg: ThinkerConfig, messages: list[ChatMessage], features:
             conv.append({"role": m.role, "content": "".join(c["text"] for c in content)})
         else:
             conv.append({"role": m.role, "content": content})
-    ids = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    ids = list(ids)
+    ids = _encode_template(tokenizer, conv, user_texts, add_generation_prompt)
     pad = cfg.tokens.audio_token
     if ids.count(pad) != len(feats):
         raise ValueError(f"the chat template rendered {ids.count(pad)} audio placeholders for {len(feats)} audio parts")

@@ -29,36 +29,35 @@ class ChatMLByteTokenizer:
         self._by_id = {v: k for k, v in self.special.items()}
         self._split = re.compile("(" + "|".join(re.escape(s) for s in self.special) + ")")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        """Bytes, except special-token strings (unless split) and a role name right after <|im_start|>."""
+        if split_special_tokens:
+            return list(text.encode("utf-8"))
         ids: list[int] = []
         for piece in self._split.split(text):
             if piece in self.special:
                 ids.append(self.special[piece])
             elif piece:
+                if ids and ids[-1] == self.special["<|im_start|>"]:
+                    role = next((r for r in self.role_ids if piece.startswith(r)), None)
+                    if role is not None:
+                        ids.append(self.role_ids[role])
+                        piece = piece[len(role):]
                 ids.extend(piece.encode("utf-8"))
         return ids
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True, tokenize: bool = True, **_):
-        ids: list[int] = []
+        text = ""
         for m in conversation:
-            role = m["role"]
-            ids.append(self.special["<|im_start|>"])
-            ids.extend([self.role_ids[role]] if role in self.role_ids else self.encode(role))
-            ids.extend(self.encode("\n"))
             content = m["content"]
-            if isinstance(content, str):
-                ids.extend(self.encode(content))
-            else:
-                for part in content:
-                    if part.get("type") == "text":
-                        ids.extend(self.encode(part["text"]))
-                    elif part.get("type") in ("audio", "input_audio"):
-                        ids.extend(self.encode("<|audio_start|><|audio_pad|><|audio_end|>"))
-            ids.append(self.special["<|im_end|>"])
-            ids.extend(self.encode("\n"))
+            if not isinstance(content, str):
+                content = "".join(p["text"] if p.get("type") == "text" else
+                                  "<|audio_start|><|audio_pad|><|audio_end|>" if p.get("type") in ("audio", "input_audio")
+                                  else "" for p in content)
+            text += f"<|im_start|>{m['role']}\n{content}<|im_end|>\n"
         if add_generation_prompt:
-            ids += [self.special["<|im_start|>"], self.role_ids["assistant"]] + self.encode("\n")
-        return ids if tokenize else self.decode(ids)
+            text += "<|im_start|>assistant\n"
+        return self.encode(text) if tokenize else text
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         out = bytearray()
