@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-port", type=int, default=52051)
     p.add_argument("--mps", action="store_true",
                    help="split mode: run the three services under a CUDA MPS daemon started (and quit) by the bench")
+    p.add_argument("--ablation", action="store_true",
+                   help="split mode at the first concurrency level once per optimization layer, adding one at a time")
     p.add_argument("--text-tokens", type=int, default=48, help="forced text tokens (workload default 48)")
     p.add_argument("--frames", type=int, default=125, help="forced codec frames (workload default 125)")
 
@@ -136,6 +138,41 @@ def mps_daemon():
             else:
                 os.environ[k] = v
         print("split: CUDA MPS daemon stopped", flush=True)
+
+
+# Optimization layers, added one at a time: (row label, service flags, environment, MPS)
+LAYERS = (
+    ("eager: continuous batching + streaming code2wav", "--no-cuda-graphs", {"VOXPIPE_GROUPED_MOE": "0", "VOXPIPE_KERNELS": "0"}, False),
+    ("+ grouped-GEMM MoE", "--no-cuda-graphs", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "0"}, False),
+    ("+ CUDA graphs (decode, talker step, predictor loop, code2wav frame)", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "0"}, False),
+    ("+ Triton kernels (RMSNorm, add+RMSNorm, SnakeBeta)", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "1"}, False),
+    ("+ CUDA MPS for the three processes", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "1"}, True),
+)
+
+
+def run_ablation(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
+    """One split-mode level per row of LAYERS (the environment is inherited by the services)."""
+    out = []
+    level = args.concurrency.split(",")[0]
+    for label, flags, env, mps in LAYERS:
+        if mps and not args.device.startswith("cuda"):
+            continue
+        layer_args = argparse.Namespace(**{**vars(args), "extra": (args.extra + " " + flags).strip(), "mps": mps,
+                                           "concurrency": level})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            res, _ = run_split(layer_args, cfg, wl, model)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        for r in res:
+            r.mode = label
+        out += res
+    return out
 
 
 def _run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], dict]:
@@ -245,6 +282,9 @@ def run(args) -> int:
     results: list[LevelResult] = []
     info = {}
     modes = [m for m in args.modes.split(",") if m]
+    if args.ablation:
+        results += run_ablation(args, cfg, wl, model)
+        modes = []
     if "split" in modes:
         res, info = run_split(args, cfg, wl, model)
         results += res

@@ -6,6 +6,8 @@ Hq / Hkv = query / key-value heads, D = head_dim, E = experts.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +18,8 @@ from .config import DecoderConfig, RopeConfig
 from .kv_cache import AttentionCache
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
-GROUPED_MM = hasattr(torch, "_grouped_mm")
+# grouped-GEMM MoE on CUDA bf16 (VOXPIPE_GROUPED_MOE=0: the per-expert loop, for ablations)
+GROUPED_MM = hasattr(torch, "_grouped_mm") and os.environ.get("VOXPIPE_GROUPED_MOE", "1") != "0"
 
 
 class RMSNorm(nn.Module):
