@@ -34,8 +34,8 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
         try:
+            first = await it.__anext__()  # read before refusing (see the thinker server)
             self.admit()
-            first = await it.__anext__()
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request stream: the first message must be start")
             return

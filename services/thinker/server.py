@@ -37,8 +37,10 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
         try:
-            self.admit()
+            # read the request before refusing it: a status sent while the client is still writing
+            # reaches gRPC Python clients as INTERNAL instead of the real code
             start = await self.read_head(it, "start", "chunk")
+            self.admit()
             job = self.make_job(start)
         except Abort as e:
             await context.abort(e.code, e.message)
