@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from .workload import LevelResult, Workload, run_level

@@ -18,14 +18,14 @@ from typing import Any
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from opentelemetry import context as otel_context
 
 from voxpipe.audio import resample
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, TextEvent
 from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.config import OmniConfig
+from voxpipe.services.runtime.server import add_health_and_reflection
 from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart, render
 from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
@@ -283,10 +283,7 @@ async def serve_converse(app_state: Any, port: int, host: str = "[::]") -> Conve
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     gw_grpc.add_GatewayServicer_to_server(ConverseServicer(app_state), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"could not bind the Converse gRPC port {host}:{port}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import struct
 import wave
 
@@ -17,12 +16,6 @@ def write_wav(path_or_file, samples: np.ndarray, sample_rate: int) -> None:
         w.setsampwidth(2)
         w.setframerate(sample_rate)
         w.writeframes(pcm.tobytes())
-
-
-def wav_bytes(samples: np.ndarray, sample_rate: int) -> bytes:
-    buf = io.BytesIO()
-    write_wav(buf, samples, sample_rate)
-    return buf.getvalue()
 
 
 def read_wav(data: bytes) -> tuple[np.ndarray, int]:

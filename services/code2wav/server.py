@@ -16,7 +16,7 @@ from ..runtime.config import OmniConfig
 from ..runtime.engine import Outbox
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
 from ..runtime.tracing import setup_tracing, traced_rpc
-from ..runtime.tensors import TensorError, from_proto
+from ..runtime.tensors import from_proto
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import Code2WavEngine, Code2WavJob
 from .model import Code2WavModel

@@ -106,10 +106,6 @@ class SlotKVCache:
     def bind(self, step: SlotStep) -> "_BoundSlotCache":
         return _BoundSlotCache(self, step)
 
-    def bytes_per_token(self) -> int:
-        k = self.k[0]
-        return 2 * len(self.k) * k.shape[1] * k.shape[3] * k.element_size()
-
 
 class _BoundSlotCache:
     def __init__(self, cache: SlotKVCache, step: SlotStep) -> None:

@@ -129,8 +129,14 @@ class StageServicer:
         return pb.Finished(reason=pb.CANCELLED)
 
 
-async def abort_on(context: grpc.aio.ServicerContext, exc: Abort) -> None:
-    await context.abort(exc.code, exc.message)
+def add_health_and_reflection(server: grpc.aio.Server, service_name: str) -> health.aio.HealthServicer:
+    """grpc.health.v1 and server reflection (listing `service_name` and Health) on `server`; the
+    caller sets SERVING once the server has started."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    return health_servicer
 
 
 async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc.aio.Server], None],
@@ -148,10 +154,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
                     ("grpc.max_connection_age_grace_ms", int(opts.grace_seconds * 1000))]
     server = grpc.aio.server(options=options)
     add_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    health_servicer = add_health_and_reflection(server, service_name)
     port = server.add_insecure_port(f"{opts.host}:{opts.port}")
     if port == 0:
         raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
