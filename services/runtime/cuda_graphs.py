@@ -1,6 +1,7 @@
-"""CUDA graphs for decode steps: one graph per (batch bucket, KV-length bucket), captured at
-start into one shared memory pool, largest first; a step replays the smallest bucket that fits
-(padding rows compute garbage that nobody reads)."""
+"""CUDA graphs for engine steps: one graph per (batch bucket, length bucket), captured at start into
+one shared memory pool, largest first; a step replays the smallest bucket that fits (padding rows
+compute garbage that nobody reads). Decode steps bucket the attended KV length; prefills bucket
+the padded prompt length."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def buckets(limit: int, first: int = 1) -> list[int]:
 
 class GraphedStep:
     """`fn(n, kv_len, *inputs) -> tuple of tensors` captured for each n in `batch_sizes` and each
-    kv_len in `kv_lens`. `inputs` are tensors whose first dimension is the batch."""
+    kv_len in `kv_lens`. `inputs` are tensors whose first dimension is the batch; a call may pass
+    smaller ones in any dimension (they are copied into the leading corner of the captured inputs,
+    e.g. a prompt batch [n, s, H] into [N, S_max, H])."""
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: tuple[torch.Tensor, ...],
                  batch_sizes: list[int], kv_lens: list[int], name: str, pad: tuple | None = None) -> None:
@@ -57,11 +60,17 @@ class GraphedStep:
     def fits(self, n: int, kv_len: int) -> bool:
         return n <= self.batch_sizes[-1] and kv_len <= self.kv_lens[-1]
 
+    def exact_batch(self, limit: int) -> int:
+        """The largest captured batch size <= limit (0 if none): steps that must not have padding
+        rows (a prefill's rows write KV slots) take exactly that many requests."""
+        i = bisect.bisect_right(self.batch_sizes, limit)
+        return self.batch_sizes[i - 1] if i else 0
+
     def __call__(self, n: int, kv_len: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         nb = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         kb = self.kv_lens[bisect.bisect_left(self.kv_lens, kv_len)]
         for dst, src, fill in zip(self.static, inputs, self.pad):
-            dst[:n].copy_(src, non_blocking=True)
+            dst[tuple(slice(0, d) for d in src.shape)].copy_(src, non_blocking=True)
             if fill is not None and nb > n:
                 dst[n:nb].fill_(fill)
         graph, out = self.graphs[(nb, kb)]

@@ -3,7 +3,8 @@
 rotated) and get [B, Hq, S, D] back.
 
 - `SlotKVCache`: one preallocated slot per running sequence (thinker, talker). A step is
-  described by a `SlotStep` (which slots, where each sequence's new tokens start).
+  described by a `SlotStep` (which slots, where each sequence's new tokens start), or by the
+  graph-friendly views `prefill_view` (whole prompts from position 0) and `decode_view`.
 - `GrowingCache`: a throwaway cache for short self-contained sequences (the code predictor's
   16-position frame, tests).
 - `SlidingWindowCache`: a per-slot ring of the last `window` keys (code2wav's pre-transformer).
@@ -103,6 +104,13 @@ class SlotKVCache:
         Shapes depend only on (n, kv_len): the view can be captured in a CUDA graph."""
         return _DenseDecode(self, n, kv_len, start)
 
+    def prefill_view(self, slots: torch.Tensor, new_tokens: int) -> "_DensePrefill":
+        """Whole prompts from position 0: sequence b's S tokens go to positions 0 .. S-1 of slot
+        slots[b] ([B] int64 tensor) and attend causally among themselves. Shapes depend only on
+        (B, S): the view can be captured in a CUDA graph. In a right-padded batch the padding writes
+        past a prompt's end; decode overwrites each such entry before its mask reaches it."""
+        return _DensePrefill(self, slots, new_tokens)
+
     def bind(self, step: SlotStep) -> "_BoundSlotCache":
         return _BoundSlotCache(self, step)
 
@@ -127,6 +135,20 @@ class _BoundSlotCache:
         else:
             keys, values = kc[st.slots, :, :st.kv_len], vc[st.slots, :, :st.kv_len]
         return _sdpa(q, keys, values, st.mask, scale)
+
+
+class _DensePrefill:
+    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, s: int) -> None:
+        self.cache, self.slots = cache, slots[:, None]
+        self.pos = torch.arange(s, device=slots.device)
+        causal = self.pos[None, :] <= self.pos[:, None]                                   # [S, S]
+        self.mask = causal[None, None].expand(slots.shape[0], 1, s, s)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # advanced indices around a slice: the indexed view is [B, S, Hkv, D]
+        self.cache.k[layer][self.slots, :, self.pos] = k.transpose(1, 2)
+        self.cache.v[layer][self.slots, :, self.pos] = v.transpose(1, 2)
+        return _sdpa(q, k, v, self.mask, scale)
 
 
 class _DenseDecode:

@@ -5,6 +5,7 @@ voxpipe_queue_depth{stage}         streams waiting for an engine slot (autoscali
 voxpipe_throttled_streams{stage}   streams paused because their client reads too slowly
 voxpipe_stage_latency_seconds{stage,phase}  queue_wait | first_output | total per stream
 voxpipe_engine_step_seconds{stage}  one engine step
+voxpipe_prefill_batch_size{stage}   requests prefilled together in one engine step
 voxpipe_streams_total{stage,outcome} finished streams by outcome (stop, length, cancelled, error)
 """
 
@@ -23,6 +24,8 @@ LATENCY = Histogram("voxpipe_stage_latency_seconds", "Per-stream latency by phas
                     buckets=LATENCY_BUCKETS, registry=REGISTRY)
 STEP = Histogram("voxpipe_engine_step_seconds", "Engine step time", ["stage"],
                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5), registry=REGISTRY)
+PREFILL_BATCH = Histogram("voxpipe_prefill_batch_size", "Requests prefilled together in one step", ["stage"],
+                          buckets=(1, 2, 4, 8, 16, 32, 64), registry=REGISTRY)
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)
 
 

@@ -17,10 +17,11 @@ import torch
 
 from voxpipe.v1 import stages_pb2 as pb
 
+from ..runtime import metrics
 from ..runtime.config import TalkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets
 from ..runtime.engine import EngineRequest, StageEngine
-from ..runtime.kv_cache import SlotKVCache, SlotStep
+from ..runtime.kv_cache import SlotKVCache
 from ..runtime.sampling import SamplingParams, choose
 from ..runtime.tensors import to_proto
 from .model import TalkerModel
@@ -63,8 +64,11 @@ class TalkerEngine(StageEngine):
     name = "talker"
 
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
-                 max_len: int, cuda_graphs: bool = True) -> None:
+                 max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_graph_len: int = 512) -> None:
+        """A step prefills up to `prefill_batch` ready requests together (right-padded); prompts up
+        to `prefill_graph_len` rows replay CUDA graphs."""
         super().__init__(max_active)
+        self.prefill_batch = prefill_batch
         self.model, self.cfg, self.device = model, cfg, device
         self.dtype = next(model.parameters()).dtype
         t = cfg.text
@@ -75,17 +79,22 @@ class TalkerEngine(StageEngine):
         suppress[cfg.codec.eos] = False
         self.suppress = suppress
         self.seen = torch.zeros(max_active, t.vocab_size, dtype=torch.bool, device=device)  # codec-0 ids per slot
-        self.step_graphs = self.predictor_graphs = None
+        self.step_graphs = self.predictor_graphs = self.prefill_graphs = None
         if cuda_graphs and device.type == "cuda":
             try:
-                self._capture(max_active, max_len)
+                self._capture(max_active, max_len, min(prefill_graph_len, max_len))
             except Exception:  # capture problems must not take the service down: run eagerly
                 log.exception("talker: CUDA graph capture failed; running eagerly")
-                self.step_graphs = self.predictor_graphs = None
+                self.step_graphs = self.predictor_graphs = self.prefill_graphs = None
 
     @torch.inference_mode()
-    def _capture(self, max_active: int, max_len: int) -> None:
+    def _capture(self, max_active: int, max_len: int, prefill_len: int) -> None:
         h, dev = self.cfg.text.hidden_size, self.device
+        n = min(self.prefill_batch, max_active)
+        self.prefill_graphs = GraphedStep(
+            self._prefill_fn, (torch.zeros(n, prefill_len, h, dtype=self.dtype, device=dev),
+                               torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)),
+            buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill")
         self.step_graphs = GraphedStep(
             self._step_fn, (torch.zeros(max_active, 1, h, dtype=self.dtype, device=dev),
                             torch.zeros(max_active, dtype=torch.long, device=dev)),
@@ -94,6 +103,13 @@ class TalkerEngine(StageEngine):
             self._predict_fn, (torch.zeros(max_active, h, dtype=self.dtype, device=dev),
                                torch.zeros(max_active, dtype=torch.long, device=dev)),
             buckets(max_active), [1], "code predictor (15 steps)")
+
+    def _prefill_fn(self, n: int, s: int, x: torch.Tensor, last: torch.Tensor,
+                    slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts [n, >= s, H] (right-padded to s) from position 0 into KV slots [n]: codec-0
+        logits [n, V] and final hidden [n, H] at each prompt's `last` position."""
+        positions = torch.arange(s, device=x.device)[None].expand(n, s)
+        return self.model(x[:, :s], positions, self.cache.prefill_view(slots, s), last=last)
 
     def _step_fn(self, n: int, kv_len: int, x: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One codec step for the sequences in slots 0..n-1: x [n, 1, H] inputs, start [n] positions."""
@@ -141,30 +157,38 @@ class TalkerEngine(StageEngine):
     @torch.inference_mode()
     def step(self) -> None:
         with self.lock:
-            job = None
-            if self.cache.free_slots > 0:
-                job = next((j for j in self.waiting if self._prefill_ready(j)), None)
-                if job is not None:
-                    if job.row_state(0) != "row":      # the thinker said nothing speakable
-                        self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP)))
-                        job = None
-                    else:  # leaves `waiting` only once it holds a slot and sits in `running`
-                        job.slot = self.cache.allocate(job)
-                        self.seen[job.slot] = False
-                        job.mark_started()
-                        self.running.append(job)
-                        self.waiting.remove(job)
+            jobs = self._admit()
             owners = [self.cache.owners[i] for i in range(self.cache.used)]
-            ready = [j is not job and self._decode_ready(j) for j in owners]
+            admitted = {id(j) for j in jobs}
+            ready = [id(j) not in admitted and self._decode_ready(j) for j in owners]
             trailing = [self._trailing(j) if r else None for j, r in zip(owners, ready)]
         results: list[tuple[TalkerJob, torch.Tensor, torch.Tensor]] = []
-        if job is not None:
-            logits, hidden = self._prefill(job)
-            results.append((job, logits[0], hidden[0]))
+        if jobs:
+            logits, hidden = self._prefill(jobs)
+            results.extend((j, logits[b], hidden[b]) for b, j in enumerate(jobs))
         if any(ready):
             results.extend(self._decode(owners, ready, trailing))
         if results:
             self._sample(results)
+
+    def _admit(self) -> list[TalkerJob]:
+        """Requests whose first text row is usable, in arrival order, as many as the batch and the
+        free slots allow (with graphs: exactly a captured batch size). A request the thinker gave
+        nothing speakable finishes at once. Each leaves `waiting` only once it holds a slot and
+        sits in `running`."""
+        for job in [j for j in self.waiting if self._prefill_ready(j) and j.row_state(0) != "row"]:
+            self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP)))
+        ready = [j for j in self.waiting if self._prefill_ready(j)]
+        jobs = ready[:min(self.prefill_batch, self.cache.free_slots)]
+        if jobs and self.prefill_graphs is not None:
+            jobs = jobs[:self.prefill_graphs.exact_batch(len(jobs))]
+        for job in jobs:
+            job.slot = self.cache.allocate(job)
+            self.seen[job.slot] = False
+            job.mark_started()
+            self.running.append(job)
+            self.waiting.remove(job)
+        return jobs
 
     def _decode(self, owners: list[TalkerJob], ready: list[bool], trailing: list) -> list:
         """One step over every slot 0..n-1 (dense, graph-friendly); rows not ready compute garbage
@@ -196,7 +220,10 @@ class TalkerEngine(StageEngine):
         x = torch.stack(rows).to(self.device, self.dtype)
         return self.model.text_projection(x)
 
-    def _prefill(self, job: TalkerJob) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prompt(self, job: TalkerJob) -> torch.Tensor:
+        """The talker's prompt rows [L, Hk]: the user turns (text rows projected, audio rows through
+        the hidden projection), the assistant head, four tts_pad, tts_bos and the first text row,
+        each with its codec-side embedding (nothink, think_bos, think_eos, speaker, pad, bos)."""
         m, c = self.model, self.cfg.codec
         dev, dt = self.device, self.dtype
         user = job.user_rows.to(dev, dt)
@@ -213,12 +240,24 @@ class TalkerEngine(StageEngine):
         codec_ids = torch.tensor([c.nothink, c.think_bos, c.think_eos, job.speaker_id, c.pad, c.bos], device=dev)
         codec_side = torch.cat((torch.zeros(3, text_side.shape[1], device=dev, dtype=dt),
                                 m.model.codec_embedding(codec_ids)))
-        x = torch.cat((user_part, text_side + codec_side))[None]                           # [1, L, Hk]
-        job.prompt_len = x.shape[1]
-        step = SlotStep.build([job.slot], [0], job.prompt_len, dev)
-        positions = torch.arange(job.prompt_len, device=dev)[None]
-        job.generator = job.params.generator(dev)
-        return self.model(x, positions, self.cache.bind(step))
+        return torch.cat((user_part, text_side + codec_side))
+
+    def _prefill(self, jobs: list[TalkerJob]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the jobs' prompts (right-padded): codec-0 logits [n, V], hidden [n, Hk]."""
+        dev = self.device
+        prompts = [self._prompt(j) for j in jobs]
+        for j, p in zip(jobs, prompts):
+            j.prompt_len = p.shape[0]
+            j.generator = j.params.generator(dev)
+        n, s = len(jobs), max(j.prompt_len for j in jobs)
+        metrics.PREFILL_BATCH.labels(self.name).observe(n)
+        x = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)                   # [n, s, Hk]
+        last = torch.tensor([j.prompt_len - 1 for j in jobs]).to(dev, non_blocking=True)
+        slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
+        g = self.prefill_graphs
+        if g is not None and g.fits(n, s) and g.exact_batch(n) == n:
+            return g(n, s, x, last, slots)
+        return self._prefill_fn(n, s, x, last, slots)
 
     def _sample(self, results: list[tuple[TalkerJob, torch.Tensor, torch.Tensor]]) -> None:
         eos = self.cfg.codec.eos

@@ -82,12 +82,13 @@ class TalkerModel(nn.Module):
         self.hidden_projection = ResizeMLP(cfg.thinker_hidden_size, t.intermediate_size, t.hidden_size, cfg.resize_act)
         self.code_predictor = CodePredictor(cfg.code_predictor, cfg.num_code_groups)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor,
-                cache: AttentionCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds [B, S, H] -> (codec-0 logits [B, V], final hidden [B, H]) at the last position."""
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
+                last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds [B, S, H] -> (codec-0 logits [B, V], final hidden [B, H]) at each sequence's last
+        position (`last` [B] in a right-padded batch; default S - 1)."""
         h, _ = self.model(embeds, positions, cache)
-        last = h[:, -1]
-        return self.codec_head(last), last
+        h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
+        return self.codec_head(h), h
 
     def next_input(self, code0: torch.Tensor, residual_embeds: list[torch.Tensor], text_row: torch.Tensor) -> torch.Tensor:
         """The next step's input [B, H]: the sum of all codebook embeddings of the frame just made,

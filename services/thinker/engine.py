@@ -1,5 +1,6 @@
-"""Thinker engine: prefill new requests (one per step), then one batched decode step over
-every running request. Emits text deltas, and for audio output the talker's rows."""
+"""Thinker engine: each step prefills a batch of waiting requests (right-padded prompts, one
+forward, a CUDA graph per (batch, length) bucket), then runs one batched decode step over every
+running request. Emits text deltas, and for audio output the talker's rows."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 
 from voxpipe.v1 import stages_pb2 as pb
 
+from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets
 from ..runtime.engine import EngineRequest, StageEngine
-from ..runtime.kv_cache import SlotKVCache, SlotStep
+from ..runtime.kv_cache import SlotKVCache
 from ..runtime.sampling import SamplingParams, apply_repetition_penalty, choose
 from ..runtime.tensors import to_proto
 from .model import ThinkerModel
@@ -32,7 +34,7 @@ class ThinkerJob(EngineRequest):
     slot: int | None = None
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    text_sent: str = ""
+    detok: "IncrementalDetokenizer | None" = None
 
 
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
@@ -74,8 +76,12 @@ class ThinkerEngine(StageEngine):
     name = "thinker"
 
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, tokenizer, *, device: torch.device,
-                 max_active: int, max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True) -> None:
+                 max_active: int, max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True,
+                 prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512) -> None:
+        """A step prefills up to `prefill_batch` prompts with at most `prefill_tokens` padded tokens
+        together; prompts up to `prefill_graph_len` tokens replay CUDA graphs."""
         super().__init__(max_active)
+        self.prefill_batch, self.prefill_tokens = prefill_batch, prefill_tokens
         self.model, self.cfg, self.tokenizer, self.device = model, cfg, tokenizer, device
         dtype = next(model.parameters()).dtype
         t = cfg.text
@@ -86,15 +92,33 @@ class ThinkerEngine(StageEngine):
         self.eos = torch.tensor(eos_ids, device=device)
         with torch.inference_mode():
             self.tts_special = model.model.embed_tokens(special).cpu()
-            self.graphs = None
+            self.graphs = self.prefill_graphs = None
             if cuda_graphs and device.type == "cuda":
-                example = (torch.zeros(max_active, 1, dtype=torch.long, device=device),
-                           torch.zeros(max_active, dtype=torch.long, device=device))
                 try:
-                    self.graphs = GraphedStep(self._decode_fn, example, buckets(max_active),
-                                              buckets(max_len, min(256, max_len)), "thinker decode")
+                    self._capture(max_active, max_len, min(prefill_graph_len, max_len))
                 except Exception:  # capture problems must not take the service down: run eagerly
-                    log.exception("thinker: CUDA graph capture failed; decoding eagerly")
+                    log.exception("thinker: CUDA graph capture failed; running eagerly")
+                    self.graphs = self.prefill_graphs = None
+
+    def _capture(self, max_active: int, max_len: int, prefill_len: int) -> None:
+        dev, h = self.device, self.cfg.text.hidden_size
+        dtype = self.tts_special.dtype
+        self.graphs = GraphedStep(self._decode_fn, (torch.zeros(max_active, 1, dtype=torch.long, device=dev),
+                                                    torch.zeros(max_active, dtype=torch.long, device=dev)),
+                                  buckets(max_active), buckets(max_len, min(256, max_len)), "thinker decode")
+        n = min(self.prefill_batch, max_active)
+        self.prefill_graphs = GraphedStep(
+            lambda *args: self._prefill_fn(*args)[:1],
+            (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+             torch.arange(n, dtype=torch.long, device=dev)),
+            buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill")
+
+    def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, slots: torch.Tensor,
+                    keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prompts [n, >= s, H] (right-padded to s), from position 0, into KV slots [n];
+        logits [n, V] at each prompt's `last` position, and the `keep` hidden layer if asked."""
+        positions = torch.arange(s, device=embeds.device)[None].expand(n, s)
+        return self.model(embeds[:, :s], positions, self.cache.prefill_view(slots, s), keep_hidden=keep, last=last)
 
     def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor]:
         """One token for each sequence in slots 0..n-1: ids [n, 1], start [n] (their positions)."""
@@ -116,32 +140,60 @@ class ThinkerEngine(StageEngine):
     @torch.inference_mode()
     def step(self) -> None:
         with self.lock:
-            job = self.waiting[0] if self.waiting and self.cache.free_slots > 0 else None
-            if job is not None:  # leaves `waiting` only once it holds a slot and sits in `running`
-                job.slot = self.cache.allocate(job)
-                job.mark_started()
-                self.running.append(job)
-                self.waiting.pop(0)
-        if job is not None:
-            self._prefill(job)
+            jobs = self._admit()
+        if jobs:
+            self._prefill(jobs)
         if self.cache.used:
             self._decode([self.cache.owners[i] for i in range(self.cache.used)])
 
-    def _prefill(self, job: ThinkerJob) -> None:
-        ids = torch.tensor(job.prompt, device=self.device)
-        audio = [a.to(self.device, torch.float32) for a in job.audio]
-        embeds = self.model.embed(ids, audio)
-        mm = (ids == self.cfg.tokens.audio_token)
-        keep = self.cfg.accept_hidden_layer if job.talker_rows and bool(mm.any()) else None
-        step = SlotStep.build([job.slot], [0], len(job.prompt), self.device)
-        positions = torch.arange(len(job.prompt), device=self.device)[None]
-        logits, hidden = self.model(embeds[None], positions, self.cache.bind(step), keep_hidden=keep)
-        job.generator = job.params.generator(self.device)
-        if job.talker_rows:
-            prompt = talker_prompt(self.cfg, ids.cpu(), embeds.cpu(), None if hidden is None else hidden[0].cpu(),
-                                   self.tts_special)
-            job.outbox.put(pb.ThinkerResponse(talker_prompt=prompt))
-        self._emit([job], logits)
+    def _admit(self) -> list[ThinkerJob]:
+        """Waiting requests to prefill now, in arrival order: as many as fit the batch, the padded
+        token budget and the free slots (with graphs: exactly a captured batch size). Each leaves
+        `waiting` only once it holds a slot and sits in `running`."""
+        limit = min(self.prefill_batch, self.cache.free_slots, len(self.waiting))
+        jobs: list[ThinkerJob] = []
+        longest = 0
+        for job in self.waiting[:limit]:
+            longest_next = max(longest, len(job.prompt))
+            if jobs and longest_next * (len(jobs) + 1) > self.prefill_tokens:
+                break
+            jobs.append(job)
+            longest = longest_next
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(1, longest):
+            jobs = jobs[:self.prefill_graphs.exact_batch(len(jobs))]
+        for job in jobs:
+            job.slot = self.cache.allocate(job)
+            job.mark_started()
+            self.running.append(job)
+        del self.waiting[:len(jobs)]
+        return jobs
+
+    def _prefill(self, jobs: list[ThinkerJob]) -> None:
+        dev = self.device
+        ids = [torch.tensor(j.prompt, device=dev) for j in jobs]
+        embeds = [self.model.embed(i, [a.to(dev, torch.float32) for a in j.audio]) for i, j in zip(ids, jobs)]
+        audio = [bool((i == self.cfg.tokens.audio_token).any()) for i in ids] if any(j.audio for j in jobs) \
+            else [False] * len(jobs)
+        keep = self.cfg.accept_hidden_layer if any(j.talker_rows and a for j, a in zip(jobs, audio)) else None
+        n, s = len(jobs), max(len(j.prompt) for j in jobs)
+        metrics.PREFILL_BATCH.labels(self.name).observe(n)
+        x = torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True)                   # [n, s, H]
+        last = torch.tensor([len(j.prompt) - 1 for j in jobs]).to(dev, non_blocking=True)
+        slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
+        g = self.prefill_graphs
+        if keep is None and g is not None and g.fits(n, s) and g.exact_batch(n) == n:
+            (logits,), hidden = g(n, s, x, last, slots), None
+        else:
+            logits, hidden = self._prefill_fn(n, s, x, last, slots, keep)
+        for b, j in enumerate(jobs):
+            j.generator = j.params.generator(dev)
+            j.detok = IncrementalDetokenizer(self.tokenizer)
+            if j.talker_rows:
+                p = len(j.prompt)
+                kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
+                prompt = talker_prompt(self.cfg, ids[b].cpu(), embeds[b].cpu(), kept, self.tts_special)
+                j.outbox.put(pb.ThinkerResponse(talker_prompt=prompt))
+        self._emit(jobs, logits)
 
     def _decode(self, jobs: list[ThinkerJob]) -> None:
         """Jobs are the owners of slots 0..n-1, in slot order. A saturated job (its client reads too
@@ -189,7 +241,7 @@ class ThinkerEngine(StageEngine):
         for i, (j, tok) in enumerate(zip(jobs, tokens)):
             index = len(j.generated)
             j.generated.append(tok)
-            delta = pb.TextDelta(index=index, token_ids=[tok], text=self._detokenize(j))
+            delta = pb.TextDelta(index=index, token_ids=[tok], text=j.detok.push(tok))
             if j.talker_rows:
                 delta.embeddings.CopyFrom(to_proto(embeds[i:i + 1]))
             j.mark_output()
@@ -203,10 +255,24 @@ class ThinkerEngine(StageEngine):
             self.finish(j, pb.ThinkerResponse(finished=pb.Finished(
                 reason=reason, prompt_tokens=len(j.prompt), completion_tokens=len(j.generated))))
 
-    def _detokenize(self, job: ThinkerJob) -> str:
-        text = self.tokenizer.decode(job.generated, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence: wait for the next token
-        delta = text[len(job.text_sent):] if text.startswith(job.text_sent) else text
-        job.text_sent = text
-        return delta
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list at O(1) cost per token: decodes only the tokens since
+    the last emitted boundary, with a few tokens of context before it (so spacing and merges come
+    out as a full decode would), and holds back an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0      # context starts here
+        self.read = 0        # tokens before this are emitted
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if text.endswith("\ufffd") or len(text) <= len(before):
+            return ""   # an incomplete UTF-8 sequence (or nothing visible yet): wait for the next token
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]

@@ -139,7 +139,9 @@ class ThinkerModel(nn.Module):
         return x
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
-                keep_hidden: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """embeds [B, S, H] -> (last-position logits [B, V], kept hidden state [B, S, H] or None)."""
+                keep_hidden: int | None = None, last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """embeds [B, S, H] -> (logits [B, V] at each sequence's last position, kept hidden state
+        [B, S, H] or None). `last` [B]: those positions in a right-padded batch (default S - 1)."""
         h, kept = self.model(embeds, positions, cache, keep_hidden=keep_hidden)
-        return self.lm_head(h[:, -1]), kept
+        h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
+        return self.lm_head(h), kept
