@@ -1,5 +1,6 @@
 """GPU correctness of the optimized paths at full size (dummy weights): CUDA-graph replays vs the
-same step run eagerly, and the grouped-GEMM MoE vs the per-expert loop, on identical inputs.
+same step run eagerly, batched right-padded prefill (graphed) vs one eager prefill per prompt, and
+the grouped-GEMM MoE vs the per-expert loop, on identical inputs.
 `python -m voxpipe.bench.gpu_check` (device tool); prints one line per comparison."""
 
 from __future__ import annotations
@@ -37,14 +38,35 @@ def main() -> None:
     class Owner:
         slot = None
 
-    # ---- talker: step graph and predictor graph vs eager; grouped MoE vs loop
+    def prefill_pair(name: str, engine, model, prompts: list[torch.Tensor], step_ids) -> None:
+        """Batched graphed prefill of `prompts` ([L, H] each) into slots 0..n-1, then one eager decode
+        step; the same with one eager prefill per prompt: logits of both must agree."""
+        n = len(prompts)
+        lens = torch.tensor([p.shape[0] for p in prompts], device=dev)
+        slots = torch.arange(n, device=dev)
+        x = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
+        got = engine.prefill_graphs(n, x.shape[1], x, lens - 1, slots)[0]
+        got_dec = step_ids(n, lens)
+        want = []
+        for i, p in enumerate(prompts):
+            step = SlotStep.build([i], [0], p.shape[0], dev)
+            want.append(model(p[None], torch.arange(p.shape[0], device=dev)[None], engine.cache.bind(step))[0])
+        want_dec = step_ids(n, lens)
+        results.append(compare(f"{name}: batched prefill graph vs one eager prefill each, logits", got, torch.cat(want)))
+        results.append(compare(f"{name}: decode after the batched prefill vs after the eager ones", got_dec, want_dec))
+
+    # ---- talker: prefill / step / predictor graphs vs eager; grouped MoE vs loop
     talker = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
                          load_format="dummy")
     te = TalkerEngine(talker, cfg.talker, device=dev, max_active=8, max_len=1024, cuda_graphs=True)
     h = cfg.talker.text.hidden_size
     lens = [37, 80, 5]
-    for n_len in lens:
-        slot = te.cache.allocate(Owner())
+    for _ in range(4):
+        te.cache.allocate(Owner())
+    step_x = torch.randn(4, 1, h, device=dev, dtype=torch.bfloat16)
+    prefill_pair("talker", te, talker, [torch.randn(n, h, device=dev, dtype=torch.bfloat16) for n in (109, 60, 12, 33)],
+                 lambda n, lens: te._step_fn(n, 128, step_x[:n], lens)[0])
+    for slot, n_len in enumerate(lens):
         x = torch.randn(1, n_len, h, device=dev, dtype=torch.bfloat16)
         step = SlotStep.build([slot], [0], n_len, dev)
         talker(x, torch.arange(n_len, device=dev)[None], te.cache.bind(step))
@@ -72,9 +94,14 @@ def main() -> None:
     tok = ChatMLByteTokenizer(cfg.thinker, cfg.role_ids)
     th = ThinkerEngine(thinker, cfg.thinker, tok, device=dev, max_active=8, max_len=1024,
                        eos_ids=(cfg.thinker.tokens.im_end,), cuda_graphs=True)
+    for _ in range(4):
+        th.cache.allocate(Owner())
+    step_ids = torch.randint(1000, 100000, (4, 1), device=dev)
+    prefill_pair("thinker", th, thinker,
+                 [thinker.model.embed_tokens(torch.randint(1000, 100000, (n,), device=dev)) for n in (100, 33, 57, 12)],
+                 lambda n, lens: th._decode_fn(n, 128, step_ids[:n], lens)[0])
     lens = [100, 33]
-    for n_len in lens:
-        slot = th.cache.allocate(Owner())
+    for slot, n_len in enumerate(lens):
         ids = torch.randint(1000, 100000, (1, n_len), device=dev)
         step = SlotStep.build([slot], [0], n_len, dev)
         thinker(thinker.model.embed_tokens(ids), torch.arange(n_len, device=dev)[None], th.cache.bind(step))
@@ -102,14 +129,15 @@ def main() -> None:
     g_slots = torch.tensor([ce.store.allocate() for _ in range(2)], device=dev)
     e_slots = torch.tensor([eager_store.allocate() for _ in range(2)], device=dev)
     zero = torch.zeros(2, dtype=torch.long, device=dev)
-    g_out = [c2w.decode(codes[:, :, :1], g_slots, zero, ce.store, first=True)]
+    g_out = [ce.first_graphs(2, 1, codes[:, :, :1], g_slots, zero)[0].clone()]
     e_out = [c2w.decode(codes[:, :, :1], e_slots, zero, eager_store, first=True)]
     for f in range(1, 6):
         start = torch.full((2,), f, dtype=torch.long, device=dev)
         (g,) = ce.graphs(2, 1, codes[:, :, f:f + 1], g_slots, start)
         g_out.append(g.clone())
         e_out.append(c2w.decode(codes[:, :, f:f + 1], e_slots, start, eager_store, first=False))
-    results.append(compare("code2wav: one-frame graph vs eager stream", torch.cat(g_out, 1), torch.cat(e_out, 1)))
+    results.append(compare("code2wav: first-frame + one-frame graphs vs eager stream", torch.cat(g_out, 1),
+                           torch.cat(e_out, 1)))
     print(json.dumps({"summary": results}), flush=True)
 
 

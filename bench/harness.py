@@ -1,6 +1,9 @@
-"""`voxpipe bench`: the BENCHMARK.md workload against voxpipe split (three services over loopback
-gRPC) and in-process (the same engines, no gRPC), with transformers' reference measured in the
-same run. Prints one table and writes JSON + markdown."""
+"""`voxpipe bench`: the BENCHMARK.md workload against voxpipe end to end (the gateway's OpenAI chat
+API streamed with the `openai` SDK, services behind it over loopback gRPC), split (the same three
+services driven by the gRPC pipeline client) and in-process (the same engines in one process, no
+gRPC), with transformers' reference measured in the same run. Prints one table of client-side
+metrics and one of server-side means per stage (from the services' Prometheus metrics), and writes
+JSON + markdown."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import server_stats
 from .workload import LevelResult, Workload, run_level
 
 STAGES = ("thinker", "talker", "code2wav")
@@ -23,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder or config.json (default: the released config, dummy weights)")
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--modes", default="split,inprocess", help="comma list of split, inprocess")
+    p.add_argument("--modes", default="gateway,split,inprocess",
+                   help="comma list of gateway (OpenAI SDK -> gateway -> services), split (gRPC pipeline client "
+                        "-> services), inprocess (engines in one process)")
     p.add_argument("--concurrency", default="1,16,32,64")
     p.add_argument("--requests", type=int, default=0, help="per level (default max(20, 5 x c); --quick: max(8, 2 x c))")
     p.add_argument("--warmup", type=int, default=5)
@@ -93,13 +99,16 @@ def gpu_memory_by_pid() -> dict[int, float]:
     return mem
 
 
-async def _levels(stream_fn, cfg, wl: Workload, args, mode: str) -> list[LevelResult]:
+async def _levels(stream_fn, make_request, args, mode: str, scrape) -> list[LevelResult]:
     out = []
     for c in [int(x) for x in args.concurrency.split(",") if x]:
         n = args.requests or (max(8, 2 * c) if args.quick else max(20, 5 * c))
         warm = min(args.warmup, 2) if args.quick else args.warmup
-        records, wall = await run_level(stream_fn, cfg, wl, c, n, warm if c == 1 else min(warm, c))
+        before = server_stats.parse(await asyncio.to_thread(scrape))
+        records, wall = await run_level(stream_fn, make_request, c, n, warm if c == 1 else min(warm, c))
+        after = server_stats.parse(await asyncio.to_thread(scrape))
         res = LevelResult.of(mode, c, records, wall)
+        res.server = server_stats.level_stats(before, after, STAGES)
         errors = [r.error for r in records if r.error]
         print(f"[{mode}] c={c}: {res.req_per_s:.2f} req/s, TTFP p50 {res.ttfp_ms['p50']:.1f} ms, "
               f"RTF p50 {res.rtf['p50']:.3f}, failed {res.failed}" + (f" ({errors[0]})" if errors else ""), flush=True)
@@ -143,21 +152,22 @@ def mps_daemon():
 LAYERS = (
     ("eager: continuous batching + streaming code2wav", "--no-cuda-graphs", {"VOXPIPE_GROUPED_MOE": "0", "VOXPIPE_KERNELS": "0"}, False),
     ("+ grouped-GEMM MoE", "--no-cuda-graphs", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "0"}, False),
-    ("+ CUDA graphs (decode, talker step, predictor loop, code2wav frame)", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "0"}, False),
+    ("+ CUDA graphs (prefills, decode, talker step, predictor loop, code2wav frames)", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "0"}, False),
     ("+ Triton kernels (RMSNorm, add+RMSNorm, SnakeBeta)", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "1"}, False),
     ("+ CUDA MPS for the three processes", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "1"}, True),
 )
 
 
 def run_ablation(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
-    """One split-mode level per row of LAYERS (the environment is inherited by the services)."""
+    """One split-mode level (pipeline client) per row of LAYERS (the environment is inherited by the
+    services)."""
     out = []
     level = args.concurrency.split(",")[0]
     for label, flags, env, mps in LAYERS:
         if mps and not args.device.startswith("cuda"):
             continue
         layer_args = argparse.Namespace(**{**vars(args), "extra": (args.extra + " " + flags).strip(), "mps": mps,
-                                           "concurrency": level})
+                                           "concurrency": level, "modes": "split"})
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -175,11 +185,20 @@ def run_ablation(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
 
 
 def _run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], dict]:
+    """The three services (and the gateway for mode `gateway`) started once; each client mode in
+    `args.modes` runs its levels against them in turn."""
     from voxpipe.cli import LocalStack
     from voxpipe.client import PipelineClient
 
+    from .gateway_client import GatewayStream
+
+    modes = [m for m in args.modes.split(",") if m in ("gateway", "split")]
     extra = ["--load-format", args.load_format, "--max-batch", str(args.max_batch)] + args.extra.split()
-    stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra)
+    metrics_ports = {s: args.base_port + 10 + i for i, s in enumerate(STAGES)}
+    http_port = args.base_port + 20 if "gateway" in modes else 0
+    stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
+                       metrics_ports=metrics_ports, http_port=http_port)
+    scrape = server_stats.http_source(metrics_ports)
     t0 = time.perf_counter()
     print("split: starting the three services", flush=True)
     stack.start(timeout=300)
@@ -189,11 +208,35 @@ def _run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], 
     info["gpu_mem_gb"] = {s: mem.get(stack.procs[s].pid) for s in STAGES}
     try:
         async def go():
-            async with PipelineClient(*(stack.address(s) for s in STAGES)) as client:
-                return await _levels(client.stream, cfg, wl, args, "split")
+            out = []
+            for mode in modes:
+                if mode == "gateway":
+                    tokenizer = load_tokenizer(model, cfg)
+                    client = GatewayStream(f"http://127.0.0.1:{http_port}/v1", _served_model(http_port))
+                    try:
+                        out += await _levels(client, lambda i: wl.chat(cfg, tokenizer, i), args, mode, scrape)
+                    finally:
+                        await client.close()
+                else:
+                    async with PipelineClient(*(stack.address(s) for s in STAGES)) as client:
+                        out += await _levels(client.stream, lambda i: wl.request(cfg, i), args, mode, scrape)
+            return out
         return asyncio.run(go()), info
     finally:
         stack.stop()
+
+
+def _served_model(http_port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def load_tokenizer(model: str, cfg):
+    from voxpipe.services.thinker.server import load_tokenizer as load
+
+    return load(model, cfg)
 
 
 def run_inprocess(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
@@ -208,7 +251,8 @@ def run_inprocess(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
         print("inprocess: building the engines", flush=True)
         pipe = InProcessPipeline(ns)
         try:
-            return await _levels(pipe.stream, cfg, wl, args, "inprocess")
+            return await _levels(pipe.stream, lambda i: wl.request(cfg, i), args, "inprocess",
+                                 server_stats.registry_source())
         finally:
             pipe.close()
     return asyncio.run(go())
@@ -231,19 +275,34 @@ def table(results: list[LevelResult], ref: dict | None, bw: float, nbytes: dict[
     return "\n".join(rows)
 
 
+def server_table(results: list[LevelResult]) -> str:
+    """Server-side means per stage and level (from the services' Prometheus histograms)."""
+    rows = ["| mode | c | stage | queue wait ms | first output ms (from arrival) | step ms | steps | prefill batch |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for stage, st in (r.server or {}).items():
+            def f(key, fmt="{:.1f}"):
+                return fmt.format(st[key]) if key in st else ""
+            rows.append(f"| {r.mode} | {r.concurrency} | {stage} | {f('queue_wait_ms')} | {f('first_output_ms')} | "
+                        f"{f('step_ms', '{:.2f}')} | {f('steps', '{:.0f}')} | {f('prefill_batch', '{:.2f}')} |")
+    return "\n".join(rows)
+
+
 def ratios(results: list[LevelResult], ref: dict | None) -> list[str]:
     lines = []
     c1 = {r.mode: r for r in results if r.concurrency == 1}
-    if ref and "split" in c1:
-        s = c1["split"]
-        lines.append(f"- split vs transformers at c=1: TTFP {ref['ttfp_s'] * 1000 / s.ttfp_ms['p50']:.0f}x faster, "
-                     f"RTF {ref['rtf'] / s.rtf['p50']:.1f}x lower, thinker {s.thinker_tok_s / ref['thinker_tok_s']:.1f}x tok/s")
+    for mode in ("gateway", "split"):
+        if ref and mode in c1:
+            s = c1[mode]
+            lines.append(f"- {mode} vs transformers at c=1: TTFP {ref['ttfp_s'] * 1000 / s.ttfp_ms['p50']:.0f}x lower, "
+                         f"RTF {ref['rtf'] / s.rtf['p50']:.1f}x lower, thinker {s.thinker_tok_s / ref['thinker_tok_s']:.1f}x tok/s")
     for c in sorted({r.concurrency for r in results}):
         pair = {r.mode: r for r in results if r.concurrency == c}
-        if "split" in pair and "inprocess" in pair:
-            a, b = pair["split"], pair["inprocess"]
-            lines.append(f"- c={c}: split / in-process TTFP p50 = {a.ttfp_ms['p50'] / b.ttfp_ms['p50']:.3f}, "
-                         f"req/s = {a.req_per_s / max(b.req_per_s, 1e-9):.3f}")
+        for mode in ("split", "gateway"):
+            if mode in pair and "inprocess" in pair:
+                a, b = pair[mode], pair["inprocess"]
+                lines.append(f"- c={c}: {mode} / in-process TTFP p50 = {a.ttfp_ms['p50'] / b.ttfp_ms['p50']:.3f}, "
+                             f"req/s = {a.req_per_s / max(b.req_per_s, 1e-9):.3f}")
     return lines
 
 
@@ -284,21 +343,24 @@ def run(args) -> int:
     if args.ablation:
         results += run_ablation(args, cfg, wl, model)
         modes = []
-    if "split" in modes:
+    if "split" in modes or "gateway" in modes:
         res, info = run_split(args, cfg, wl, model)
         results += res
         print(f"split startup {info['startup_s']:.1f} s, GPU memory per service (GB): {info['gpu_mem_gb']}", flush=True)
     if "inprocess" in modes:
         results += run_inprocess(args, cfg, wl, model)
     nbytes = active_bytes(cfg)
-    md = table(results, ref, bw, nbytes)
+    md = table(results, ref, bw, nbytes) + "\n\nServer side (means over each level, from the services' metrics):\n\n" + \
+        server_table(results)
     summary = "\n".join(ratios(results, ref))
     argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else sys.argv[1:]
     cmd = "voxpipe bench " + " ".join(argv)
     header = (f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · commit {commit} · {device_name or args.device}\n\n"
               f"`{cmd}` — workload {wl.name}: {wl.prompt_tokens}-token prompt, {wl.text_tokens} text tokens, "
               f"{wl.frames} frames forced, greedy, speaker {wl.speaker}; copy bandwidth {bw / 1e12:.2f} TB/s; "
-              f"TTFP measured at the pipeline client (gRPC) for split, at the in-process driver otherwise.\n")
+              f"TTFP measured at the client: gateway = the openai SDK streaming chat completions (SSE) from the "
+              f"gateway; split = the gRPC pipeline client calling the three services; inprocess = the driver "
+              f"calling the engines.\n")
     text = header + "\n" + md + "\n\n" + summary + "\n"
     print("\n" + text, flush=True)
     (out / "results.md").write_text(text)

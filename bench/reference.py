@@ -36,11 +36,17 @@ def main(argv: list[str] | None = None) -> None:
     wl = Workload(prompt_tokens=args.prompt_tokens, text_tokens=args.text_tokens, frames=args.frames)
     ids = torch.tensor([wl.prompt(OmniConfig.load(args.config), 0)], device=args.device)
 
+    cuda = torch.device(args.device).type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     def timed(fn) -> float:
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t
 
     with torch.inference_mode():
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     audio_s = out["samples"] / 24000
     print(json.dumps({"build_s": build_s, "prefill_plus_1_ms": one * 1000, "thinker_tok_s": (wl.text_tokens - 1) / (text - one),
                       "ttfp_s": total, "audio_s": audio_s, "rtf": total / audio_s,
-                      "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9}), flush=True)
+                      "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}), flush=True)
 
 
 if __name__ == "__main__":

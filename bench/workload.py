@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import string
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,46 @@ class Workload:
         return SpeechRequest(token_ids=self.prompt(cfg, index), speaker=self.speaker, max_tokens=self.text_tokens,
                              min_tokens=self.text_tokens, max_frames=self.frames + 1, min_frames=self.frames + 1,
                              request_id=f"bench-{index}")
+
+    def chat(self, cfg: OmniConfig, tokenizer, index: int) -> "ChatRequest":
+        """The same request for the gateway's OpenAI chat API: a system turn and a user turn of random
+        lowercase words whose rendered prompt (the gateway renders it the same way) has exactly
+        `prompt_tokens` ids; output forced with `ignore_eos`, greedy."""
+        from voxpipe.services.thinker.prompt import ChatMessage, render
+
+        system = "You are a helpful assistant."
+
+        def length(user: str) -> int:
+            msgs = [ChatMessage.text("system", system), ChatMessage.text("user", user)]
+            return len(render(tokenizer, cfg.thinker, msgs).token_ids)
+
+        rng = random.Random(self.seed * 100003 + index)
+        user = ""
+        while length(user) < self.prompt_tokens:
+            user = (user + " " + "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8)))).strip()
+        while length(user) > self.prompt_tokens:
+            user = user[:-1].rstrip()
+        for _ in range(self.prompt_tokens):
+            n = length(user)
+            if n == self.prompt_tokens:
+                break
+            # one more character at a time; prefer one that lands exactly
+            user += next((ch for ch in string.ascii_lowercase if length(user + ch) == self.prompt_tokens), "a")
+        else:
+            raise RuntimeError(f"could not build a {self.prompt_tokens}-token chat prompt")
+        return ChatRequest(index=index, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+                           voice=self.speaker, max_tokens=self.text_tokens, max_audio_frames=self.frames + 1)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One workload request as an OpenAI chat completion (see `Workload.chat`)."""
+
+    index: int
+    messages: list
+    voice: str
+    max_tokens: int
+    max_audio_frames: int
 
 
 @dataclass
@@ -82,20 +123,22 @@ async def run_one(stream_fn, req: SpeechRequest) -> RequestRecord:
                 rec.samples += len(ev.samples)
             elif isinstance(ev, DoneEvent):
                 rec.frames = ev.frames
+                rec.tokens = rec.tokens or ev.completion_tokens   # clients that see text, not token ids
     except Exception as e:  # noqa: BLE001 - recorded, counted as a failed request
         rec.error = repr(e)
     return rec
 
 
-async def run_level(stream_fn, cfg: OmniConfig, workload: Workload, concurrency: int, requests: int,
+async def run_level(stream_fn, make_request, concurrency: int, requests: int,
                     warmup: int) -> tuple[list[RequestRecord], float]:
-    """`warmup` requests first (not measured), then `requests` with at most `concurrency` in flight."""
-    await asyncio.gather(*(run_one(stream_fn, workload.request(cfg, 10_000 + i)) for i in range(warmup)))
+    """`warmup` requests first (not measured), then `requests` with at most `concurrency` in flight.
+    `make_request(index)` builds what `stream_fn` takes."""
+    await asyncio.gather(*(run_one(stream_fn, make_request(10_000 + i)) for i in range(warmup)))
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> RequestRecord:
         async with sem:
-            return await run_one(stream_fn, workload.request(cfg, i))
+            return await run_one(stream_fn, make_request(i))
 
     t0 = time.perf_counter()
     records = await asyncio.gather(*(one(i) for i in range(requests)))
@@ -126,6 +169,7 @@ class LevelResult:
     thinker_tok_s: float = 0.0                       # per request (decode phase)
     talker_frames_s: float = 0.0                     # per request
     audio_s: float = 0.0                             # mean audio per request
+    server: dict = field(default_factory=dict)       # per stage: server-side means (bench.server_stats)
 
     @classmethod
     def of(cls, mode: str, concurrency: int, records: list[RequestRecord], wall: float) -> "LevelResult":

@@ -1,6 +1,10 @@
-"""Code2Wav engine: every step decodes the frames that arrived for each running utterance,
-batched across utterances that are at the same phase (first chunk or not) and have the same
-number of new frames, and sends their new samples at once."""
+"""Code2Wav engine: every step decodes the frames that arrived for each running utterance and sends
+each utterance's new samples as one chunk.
+
+With CUDA graphs the step runs frame by frame: one replay of the first-frame graph for the
+utterances starting now, then rounds of the one-frame graph, round r over the utterances with more
+than r new frames (the streaming decoder is exact, so one frame at a time equals any chunking).
+Without graphs, utterances at the same phase with the same number of new frames decode together."""
 
 from __future__ import annotations
 
@@ -57,23 +61,32 @@ class Code2WavEngine(StageEngine):
         self.model, self.cfg, self.device = model, cfg, device
         dtype = next(model.parameters()).dtype
         self.store = StreamStore(model, max_active, dtype, device)
-        self.graphs = None
+        self.graphs = self.first_graphs = None
         if cuda_graphs and device.type == "cuda":
             q = cfg.num_quantizers
             example = (torch.zeros(max_active, q, 1, dtype=torch.long, device=device),
                        torch.full((max_active,), self.store.scratch, dtype=torch.long, device=device),
                        torch.zeros(max_active, dtype=torch.long, device=device))
+            pad = (None, self.store.scratch, None)
             try:
                 with torch.inference_mode():
                     self.graphs = GraphedStep(self._frame_fn, example, buckets(max_active), [1],
-                                              "code2wav one-frame step", pad=(None, self.store.scratch, None))
+                                              "code2wav one-frame step", pad=pad)
+                    self.first_graphs = GraphedStep(self._first_fn, example, buckets(max_active), [1],
+                                                    "code2wav first frame", pad=pad)
             except Exception:  # capture problems must not take the service down: run eagerly
                 log.exception("code2wav: CUDA graph capture failed; decoding eagerly")
+                self.graphs = self.first_graphs = None
 
     def _frame_fn(self, n: int, _kv: int, codes: torch.Tensor, slots: torch.Tensor,
                   start: torch.Tensor) -> tuple[torch.Tensor]:
         """One new frame for each of n utterances past their first chunk: codes [n, Q, 1]."""
         return (self.model.decode(codes, slots, start, self.store, first=False),)
+
+    def _first_fn(self, n: int, _kv: int, codes: torch.Tensor, slots: torch.Tensor,
+                  start: torch.Tensor) -> tuple[torch.Tensor]:
+        """The first frame of n new utterances: codes [n, Q, 1]."""
+        return (self.model.decode(codes, slots, start, self.store, first=True),)
 
     def add_frames(self, job: Code2WavJob, codes: torch.Tensor) -> None:
         with self.lock:
@@ -98,7 +111,7 @@ class Code2WavEngine(StageEngine):
 
     @torch.inference_mode()
     def step(self) -> None:
-        groups: dict[tuple[bool, int], list[tuple[Code2WavJob, list[torch.Tensor]]]] = defaultdict(list)
+        work: list[tuple[Code2WavJob, list[torch.Tensor]]] = []
         with self.lock:
             while self.waiting and self.store.free_slots > 0:
                 job = self.waiting[0]
@@ -110,24 +123,60 @@ class Code2WavEngine(StageEngine):
                 n = 0 if job.outbox.saturated else job.ready_frames()
                 if n:
                     take, job.frames = job.frames[:n], job.frames[n:]
-                    groups[(job.frames_decoded == 0, n)].append((job, take))
+                    work.append((job, take))
                 elif job.frames_end and not job.frames:
                     self.finish(job, pb.Code2WavResponse(finished=pb.Finished(
                         reason=pb.STOP, completion_tokens=job.frames_decoded, samples=job.samples_sent)))
-        for (first, n), members in groups.items():
-            jobs = [m[0] for m in members]
-            codes = torch.stack([torch.stack(m[1], dim=1) for m in members]).to(self.device)   # [B, G, n]
-            slots = torch.tensor([j.slot for j in jobs]).to(self.device)
-            start = torch.tensor([j.frames_decoded for j in jobs]).to(self.device)
-            if not first and n == 1 and self.graphs is not None and self.graphs.fits(len(jobs), 1):
-                (wav,) = self.graphs(len(jobs), 1, codes, slots, start)
-            else:
-                wav = self.model.decode(codes, slots, start, self.store, first)
-            wav = wav.float().cpu().numpy()
-            for job, samples in zip(jobs, wav):
-                job.frames_decoded += n
-                job.mark_output()
-                job.outbox.put(pb.Code2WavResponse(audio=pb.AudioChunk(
-                    sample_offset=job.samples_sent, sample_rate=self.cfg.sample_rate, encoding=job.encoding,
-                    data=encode_samples(samples, job.encoding), num_samples=samples.shape[0])))
-                job.samples_sent += samples.shape[0]
+        if not work:
+            return
+        decoded = self._decode_graphed(work) if self.graphs is not None else self._decode_grouped(work)
+        for (job, take), samples in zip(work, decoded):
+            job.frames_decoded += len(take)
+            job.mark_output()
+            job.outbox.put(pb.Code2WavResponse(audio=pb.AudioChunk(
+                sample_offset=job.samples_sent, sample_rate=self.cfg.sample_rate, encoding=job.encoding,
+                data=encode_samples(samples, job.encoding), num_samples=samples.shape[0])))
+            job.samples_sent += samples.shape[0]
+
+    def _decode_graphed(self, work: list[tuple[Code2WavJob, list[torch.Tensor]]]) -> list[np.ndarray]:
+        """Frame by frame with graph replays (first frames, then rounds); one copy to the host."""
+        dev = self.device
+        done = [0] * len(work)
+        outputs: list[torch.Tensor] = []                   # one [rows, samples] per replay
+        pieces: list[list[tuple[int, int]]] = [[] for _ in work]   # per utterance: (replay, row)
+        first = [i for i, (job, _) in enumerate(work) if job.frames_decoded == 0]
+        batch = (self.first_graphs, first) if first else None
+        while True:
+            if batch is None:
+                rows = [i for i, (_, take) in enumerate(work) if done[i] < len(take)]
+                if not rows:
+                    break
+                batch = (self.graphs, rows)
+            graphs, rows = batch
+            batch = None
+            codes = torch.stack([work[i][1][done[i]] for i in rows])[:, :, None].to(dev, non_blocking=True)
+            slots = torch.tensor([work[i][0].slot for i in rows]).to(dev, non_blocking=True)
+            start = torch.tensor([work[i][0].frames_decoded + done[i] for i in rows]).to(dev, non_blocking=True)
+            (wav,) = graphs(len(rows), 1, codes, slots, start)
+            outputs.append(wav.to(torch.float32, copy=True))   # the next replay overwrites `wav`
+            for r, i in enumerate(rows):
+                pieces[i].append((len(outputs) - 1, r))
+                done[i] += 1
+        host = [o.numpy() for o in torch.cat([o.flatten() for o in outputs]).cpu().split([o.numel() for o in outputs])]
+        host = [h.reshape(o.shape) for h, o in zip(host, outputs)]
+        return [np.concatenate([host[k][r] for k, r in p]) for p in pieces]
+
+    def _decode_grouped(self, work: list[tuple[Code2WavJob, list[torch.Tensor]]]) -> list[np.ndarray]:
+        """Eager: utterances at the same phase with the same number of new frames decode together."""
+        groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
+        for i, (job, take) in enumerate(work):
+            groups[(job.frames_decoded == 0, len(take))].append(i)
+        out: list[np.ndarray | None] = [None] * len(work)
+        for (first, _n), members in groups.items():
+            codes = torch.stack([torch.stack(work[i][1], dim=1) for i in members]).to(self.device)   # [B, G, n]
+            slots = torch.tensor([work[i][0].slot for i in members]).to(self.device)
+            start = torch.tensor([work[i][0].frames_decoded for i in members]).to(self.device)
+            wav = self.model.decode(codes, slots, start, self.store, first).float().cpu().numpy()
+            for i, samples in zip(members, wav):
+                out[i] = samples
+        return out

@@ -1,0 +1,64 @@
+"""Server-side numbers per benchmark level, from the stage services' own Prometheus metrics
+(services.runtime.metrics): the difference of the histograms' sums and counts across the level."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# (histogram, label filter) -> column
+COLUMNS = {
+    "queue_wait_ms": ("voxpipe_stage_latency_seconds", {"phase": "queue_wait"}),
+    "first_output_ms": ("voxpipe_stage_latency_seconds", {"phase": "first_output"}),
+    "step_ms": ("voxpipe_engine_step_seconds", {}),
+    "prefill_batch": ("voxpipe_prefill_batch_size", {}),
+}
+
+
+def parse(text: str) -> dict[tuple[str, str, str], float]:
+    """{(histogram, stage, phase or ''), '_sum'|'_count'} totals from a /metrics page."""
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith(("_sum", "_count")) and "stage" in s.labels:
+                key = (s.name.rsplit("_", 1)[0], s.labels["stage"], s.labels.get("phase", ""), s.name.rsplit("_", 1)[1])
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def http_source(ports: dict[str, int], host: str = "127.0.0.1") -> Callable[[], str]:
+    def read() -> str:
+        pages = []
+        for port in ports.values():
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+                pages.append(r.read().decode())
+        return "\n".join(pages)
+    return read
+
+
+def registry_source() -> Callable[[], str]:
+    from prometheus_client import generate_latest
+
+    from voxpipe.services.runtime.metrics import REGISTRY
+
+    return lambda: generate_latest(REGISTRY).decode()
+
+
+def level_stats(before: dict, after: dict, stages: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Per stage, the mean of each column over what happened between the two scrapes."""
+    out: dict[str, dict[str, float]] = {}
+    for stage in stages:
+        row = {}
+        for col, (name, labels) in COLUMNS.items():
+            phase = labels.get("phase", "")
+            total = after.get((name, stage, phase, "sum"), 0.0) - before.get((name, stage, phase, "sum"), 0.0)
+            count = after.get((name, stage, phase, "count"), 0.0) - before.get((name, stage, phase, "count"), 0.0)
+            if count:
+                row[col] = total / count * (1000.0 if col.endswith("_ms") else 1.0)
+        if "step_ms" in row:
+            row["steps"] = after.get(("voxpipe_engine_step_seconds", stage, "", "count"), 0.0) - \
+                before.get(("voxpipe_engine_step_seconds", stage, "", "count"), 0.0)
+        out[stage] = row
+    return out
