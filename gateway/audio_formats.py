@@ -10,7 +10,6 @@ import io
 import wave
 
 import numpy as np
-import soundfile
 
 from voxpipe.audio import read_wav, resample
 
@@ -43,6 +42,8 @@ def decode_base64(data: str) -> bytes:
 
 def decode_clip(raw: bytes) -> np.ndarray:
     """Any libsndfile-readable file (wav, mp3, flac, ogg/opus ...) -> 16 kHz mono float32."""
+    import soundfile   # libsndfile is needed only for compressed formats, not for pcm streaming
+
     try:
         samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
         samples = samples.mean(axis=1)
@@ -70,6 +71,8 @@ def encode(pcm: bytes, sample_rate: int, fmt: str) -> bytes:
     ints = pcm16_samples(pcm)
     if fmt == "wav":  # exact: the pcm16 samples as they came
         return _wav(ints, sample_rate)
+    import soundfile
+
     container, subtype, _ = ENCODINGS[fmt]
     buf = io.BytesIO()
     with soundfile.SoundFile(buf, "w", samplerate=sample_rate, channels=1, format=container, subtype=subtype) as f:
