@@ -309,6 +309,8 @@ def ratios(results: list[LevelResult], ref: dict | None) -> list[str]:
 def run(args) -> int:
     from voxpipe.services.runtime.config import OmniConfig, released_config_path
 
+    if "gateway" in args.modes.split(",") and not args.ablation:
+        import openai  # noqa: F401  (fail now, not after the reference and the service start-up)
     model = args.model or str(released_config_path())
     cfg = OmniConfig.load(model)
     wl = Workload(text_tokens=args.text_tokens, frames=args.frames)
