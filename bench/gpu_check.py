@@ -9,6 +9,7 @@ import json
 
 import torch
 
+import voxpipe.kernels as kernels
 from voxpipe.services.runtime import layers
 from voxpipe.services.runtime.config import OmniConfig, released_config_path
 from voxpipe.services.runtime.kv_cache import SlotStep
@@ -56,8 +57,8 @@ def main() -> None:
         results.append(compare(f"{name}: decode after the batched prefill vs after the eager ones", got_dec, want_dec))
 
     # ---- talker: prefill / step / predictor graphs vs eager; grouped MoE vs loop
-    talker = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
-                         load_format="dummy")
+    talker = layers.serving_layout(load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev,
+                                               dtype=torch.bfloat16, load_format="dummy"), dev)
     te = TalkerEngine(talker, cfg.talker, device=dev, max_active=8, max_len=1024, cuda_graphs=True)
     h = cfg.talker.text.hidden_size
     lens = [37, 80, 5]
@@ -75,6 +76,10 @@ def main() -> None:
     eager = te._step_fn(3, 128, x, start)
     graph = te.step_graphs(3, 100, x, start)
     results.append(compare("talker step: graph vs eager logits", graph[0], eager[0]))
+    kernels.ENABLED = False
+    plain = te._step_fn(3, 128, x, start)
+    kernels.ENABLED = True
+    results.append(compare("talker step: Triton kernels (norms, rope, routing) vs PyTorch ops", eager[0], plain[0]))
     layers.GROUPED_MM = False
     looped = te._step_fn(3, 128, x, start)
     layers.GROUPED_MM = True
@@ -89,8 +94,8 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     # ---- thinker decode: graph vs eager; grouped MoE vs loop
-    thinker = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
-                          load_format="dummy")
+    thinker = layers.serving_layout(load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev,
+                                                dtype=torch.bfloat16, load_format="dummy"), dev)
     tok = ChatMLByteTokenizer(cfg.thinker, cfg.role_ids)
     th = ThinkerEngine(thinker, cfg.thinker, tok, device=dev, max_active=8, max_len=1024,
                        eos_ids=(cfg.thinker.tokens.im_end,), cuda_graphs=True)
@@ -110,6 +115,10 @@ def main() -> None:
     (e,) = th._decode_fn(2, 128, ids, start)
     (g,) = th.graphs(2, 101, ids, start)
     results.append(compare("thinker decode: graph vs eager logits", g, e))
+    kernels.ENABLED = False
+    (plain,) = th._decode_fn(2, 128, ids, start)
+    kernels.ENABLED = True
+    results.append(compare("thinker decode: Triton kernels (norms, rope, routing) vs PyTorch ops", e, plain))
     layers.GROUPED_MM = False
     (lp,) = th._decode_fn(2, 128, ids, start)
     layers.GROUPED_MM = True
@@ -121,8 +130,8 @@ def main() -> None:
     from voxpipe.services.code2wav.engine import Code2WavEngine
     from voxpipe.services.code2wav.model import Code2WavModel, StreamStore
 
-    c2w = load_module(lambda: Code2WavModel(cfg.code2wav), "", "code2wav.", device=dev, dtype=torch.float32,
-                      load_format="dummy")
+    c2w = layers.serving_layout(load_module(lambda: Code2WavModel(cfg.code2wav), "", "code2wav.", device=dev,
+                                            dtype=torch.float32, load_format="dummy"), dev)
     ce = Code2WavEngine(c2w, cfg.code2wav, device=dev, max_active=8, cuda_graphs=True)
     eager_store = StreamStore(c2w, 8, torch.float32, dev)
     codes = torch.randint(0, 2048, (2, cfg.code2wav.num_quantizers, 6), device=dev)

@@ -153,7 +153,7 @@ LAYERS = (
     ("eager: continuous batching + streaming code2wav", "--no-cuda-graphs", {"VOXPIPE_GROUPED_MOE": "0", "VOXPIPE_KERNELS": "0"}, False),
     ("+ grouped-GEMM MoE", "--no-cuda-graphs", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "0"}, False),
     ("+ CUDA graphs (prefills, decode, talker step, predictor loop, code2wav frames)", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "0"}, False),
-    ("+ Triton kernels (RMSNorm, add+RMSNorm, SnakeBeta)", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "1"}, False),
+    ("+ Triton kernels (RMSNorm, add+RMSNorm, q/k norm + RoPE, MoE routing, SnakeBeta) + fused q/k/v and gate/up GEMMs", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "1"}, False),
     ("+ CUDA MPS for the three processes", "", {"VOXPIPE_GROUPED_MOE": "1", "VOXPIPE_KERNELS": "1"}, True),
 )
 

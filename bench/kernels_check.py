@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from voxpipe.kernels import rmsnorm, sampling, snakebeta
+from voxpipe.kernels import moe, rmsnorm, rope, sampling, snakebeta
 
 ATOL, RTOL, BUDGET_16 = 1e-5, 1e-5, 1.25
 EPS = 1e-6
@@ -120,6 +120,32 @@ def main() -> int:
         lines.append(report("masked_argmax", logits.shape, logits.dtype, err,
                             lambda: sampling.kernel(logits, suppress, ban_rows, banned),
                             lambda: sampling.reference(logits, suppress, ban_rows, banned)))
+    for b, hq, hkv, d in ((1, 32, 4, 128), (64, 32, 4, 128), (64, 16, 2, 128)):
+        dt = torch.bfloat16
+        q, k = torch.randn(b, 1, hq, d, device=dev).to(dt), torch.randn(b, 1, hkv, d, device=dev).to(dt)
+        ang = torch.randn(b, 1, d // 2, device=dev) * 3
+        cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dt), torch.cat((ang.sin(), ang.sin()), -1).to(dt)
+        qw, kw = (1 + 0.2 * torch.randn(d, device=dev)).to(dt), (1 + 0.2 * torch.randn(d, device=dev)).to(dt)
+        assert rope.eligible(q, k, cos, sin, qw, kw)
+        got = rope.kernel(q.clone(), k.clone(), cos, sin, qw, kw, EPS)
+        ref16 = rope.reference(q, k, cos, sin, qw, kw, EPS)
+        ref32 = rope.reference(q.float(), k.float(), cos.float(), sin.float(), qw.float(), kw.float(), EPS)
+        err = budget_error(torch.cat((got[0].flatten(), got[1].flatten())), torch.cat((ref16[0].flatten(), ref16[1].flatten())),
+                           torch.cat((ref32[0].flatten(), ref32[1].flatten())))
+        qc, kc = q.clone(), k.clone()
+        lines.append(report("qk_norm_rope", q.shape, dt, err, lambda: rope.kernel(qc, kc, cos, sin, qw, kw, EPS),
+                            lambda: rope.reference(q, k, cos, sin, qw, kw, EPS)))
+    for t, e, k in ((1, 128, 8), (64, 128, 8), (64, 128, 6), (4096, 128, 8)):
+        logits = torch.randn(t, e, device=dev).to(torch.bfloat16)
+        idx, w = moe.kernel(logits, k, True)
+        ref_idx, ref_w = moe.reference(logits, k, True)
+        probs = torch.softmax(logits.float(), -1)
+        err = {"experts_equal": torch.equal(idx, ref_idx),
+               "same_probabilities": torch.equal(probs.gather(1, idx), probs.gather(1, ref_idx)),
+               "weights_max_abs_err": float((w.float() - ref_w.float()).abs().max())}
+        err["ok"] = err["same_probabilities"] and err["weights_max_abs_err"] <= 2 ** -7 * float(ref_w.float().abs().max())
+        lines.append(report("moe_route", logits.shape, logits.dtype, err, lambda: moe.kernel(logits, k, True),
+                            lambda: moe.reference(logits, k, True)))
     return 0 if all(line["ok"] for line in lines) else 1
 
 

@@ -17,6 +17,7 @@ from voxpipe.services.code2wav.model import Code2WavModel
 from voxpipe.services.runtime.config import OmniConfig, released_config_path
 from voxpipe.services.runtime.engine import Outbox
 from voxpipe.services.runtime.sampling import SamplingParams
+from voxpipe.services.runtime.layers import serving_layout
 from voxpipe.services.runtime.weights import load_module
 from voxpipe.services.talker.engine import TalkerEngine, TalkerJob
 from voxpipe.services.talker.model import TalkerModel
@@ -64,6 +65,7 @@ def profile_one(engine, label: str) -> None:
 def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
     model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
                         load_format="dummy")
+    serving_layout(model, dev)
     eng = ThinkerEngine(model, cfg.thinker, ChatMLByteTokenizer(cfg.thinker, cfg.role_ids), device=dev,
                         max_active=max(batches), max_len=1024, eos_ids=(cfg.thinker.tokens.im_end,))
     gen = torch.Generator().manual_seed(0)
@@ -97,6 +99,7 @@ def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
 def talker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
     model = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
                         load_format="dummy")
+    serving_layout(model, dev)
     eng = TalkerEngine(model, cfg.talker, device=dev, max_active=max(batches), max_len=2048)
     h = cfg.talker.thinker_hidden_size
     for b in batches:
@@ -128,6 +131,7 @@ def talker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
 def code2wav(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
     model = load_module(lambda: Code2WavModel(cfg.code2wav), "", "code2wav.", device=dev, dtype=torch.float32,
                         load_format="dummy")
+    serving_layout(model, dev)
     eng = Code2WavEngine(model, cfg.code2wav, device=dev, max_active=max(batches))
     q = cfg.code2wav.num_quantizers
     for b in batches:

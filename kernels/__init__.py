@@ -4,6 +4,8 @@ with the same contract (see each module's docstring):
 - `rmsnorm`: RMSNorm and fused "residual add + RMSNorm" (decoder pre-norm pattern)
 - `snakebeta`: Code2Wav's SnakeBeta activation over [B, C, T]
 - `sampling`: greedy "suppress mask + banned id + argmax" over [B, V] logits
+- `rope`: per-head q/k RMSNorm + rotary embedding, fused and in place
+- `moe`: MoE routing (float32 softmax + top-k + renormalisation) in one launch
 
 Every module has `reference(...)`, `kernel(...)` (Triton) and `run(...)` which launches the kernel
 for eligible inputs and falls back to `reference` otherwise. Importing this package does not import
@@ -20,7 +22,7 @@ import os
 
 ENABLED: bool = os.environ.get("VOXPIPE_KERNELS", "1") != "0"
 
-KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling")
+KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "rope", "moe")
 
 
 def __getattr__(name: str):

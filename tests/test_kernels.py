@@ -31,7 +31,7 @@ import torch
 ATOL, RTOL = 1e-5, 1e-5
 BUDGET_16 = 1.25
 EPS = 1e-6
-KERNELS = ("rmsnorm", "snakebeta", "sampling")
+KERNELS = ("rmsnorm", "snakebeta", "sampling", "rope", "moe")
 
 try:
     import triton  # noqa: F401  (imported only to know; no kernel runs in this process on the CPU)
@@ -223,7 +223,108 @@ def check_sampling(device: str) -> list[dict]:
     return out
 
 
-CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling}
+def check_rope(device: str) -> list[dict]:
+    from voxpipe.kernels import rope
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for b, s, hq, hkv, d in [(2, 3, 4, 2, 32), (1, 1, 32, 4, 128), (3, 5, 8, 8, 64)]:
+        q32 = (torch.randn(b, s, hq, d, generator=g) * 2).to(device)
+        k32 = (torch.randn(b, s, hkv, d, generator=g) * 2).to(device)
+        ang = torch.randn(b, s, d // 2, generator=g) * 3
+        cos32, sin32 = torch.cat((ang.cos(), ang.cos()), -1).to(device), torch.cat((ang.sin(), ang.sin()), -1).to(device)
+        qw32, kw32 = (1 + 0.2 * torch.randn(d, generator=g)).to(device), (1 + 0.2 * torch.randn(d, generator=g)).to(device)
+        tag = f"{b}x{s}x{hq}/{hkv}x{d}"
+        for norm in (True, False):
+            w = (qw32, kw32) if norm else (None, None)
+            name = f"{tag}{' norm' if norm else ''}"
+            assert rope.eligible(q32, k32, cos32, sin32, *w), f"rope {name} should launch the kernel on {device}"
+            got = rope.run(q32.clone(), k32.clone(), cos32, sin32, *w, EPS)
+            want = rope.reference(q32, k32, cos32, sin32, *w, EPS)
+            out.append(_fp32_record(f"rope fp32 q {name}", got[0], want[0]))
+            out.append(_fp32_record(f"rope fp32 k {name}", got[1], want[1]))
+            for dt in (torch.bfloat16, torch.float16):
+                q, k, cos, sin = (t.to(dt) for t in (q32, k32, cos32, sin32))
+                wd = tuple(None if x is None else x.to(dt) for x in w)
+                got = rope.run(q.clone(), k.clone(), cos, sin, *wd, EPS)
+                ref16 = rope.reference(q, k, cos, sin, *wd, EPS)
+                ref32 = rope.reference(q.float(), k.float(), cos.float(), sin.float(),
+                                       *(None if x is None else x.float() for x in wd), EPS)
+                for i, which in enumerate("qk"):
+                    out.append(_budget_record(f"rope {str(dt)[6:]} {which} {name}", got[i], ref16[i], ref32[i]))
+    q, k = torch.randn(2, 3, 4, 64, generator=g).to(device), torch.randn(2, 3, 2, 64, generator=g).to(device)
+    cos, sin = torch.randn(2, 3, 64, generator=g).to(device), torch.randn(2, 3, 64, generator=g).to(device)
+    w = (1 + 0.2 * torch.randn(64, generator=g)).to(device)
+    # column slices of a fused q/k/v projection output: strided tokens, still the kernel
+    qkv = torch.randn(2, 3, (4 + 2 + 2) * 64, generator=g).to(device)
+    qs, ks = qkv[..., :256].view(2, 3, 4, 64), qkv[..., 256:384].view(2, 3, 2, 64)
+    assert rope.eligible(qs, ks, cos, sin, w, w), "q/k slices of a fused projection should launch the kernel"
+    want = rope.reference(qs, ks, cos, sin, w, w, EPS)
+    before_v = qkv[..., 384:].clone()
+    got = rope.run(qs, ks, cos, sin, w, w, EPS)
+    out.append(_fp32_record("rope fp32 q fused-projection slices", got[0], want[0]))
+    out.append(_fp32_record("rope fp32 k fused-projection slices", got[1], want[1]))
+    out.append(_exact_record("rope leaves the v columns alone", qkv[..., 384:], before_v))
+    cases = {
+        "float64": (q.double(), k.double(), cos.double(), sin.double(), w.double(), w.double()),
+        "heads not adjacent": (q.transpose(1, 2).contiguous().transpose(1, 2), k, cos, sin, w, w),
+        "non-contiguous cos": (q, k, cos.transpose(0, 1).contiguous().transpose(0, 1), sin, w, w),
+        "mixed dtypes": (q, k, cos.bfloat16(), sin.bfloat16(), w, w),
+        "head_dim not a power of two": (q[..., :48].contiguous(), k[..., :48].contiguous(), cos[..., :48].contiguous(),
+                                        sin[..., :48].contiguous(), w[:48], w[:48]),
+        "autograd": (q.clone().requires_grad_(), k, cos, sin, w, w),
+    }
+    for name, args in cases.items():
+        out.append(_fallback_record(f"rope fallback {name}", rope.eligible(*args), rope.run(*args, EPS),
+                                    rope.reference(*args, EPS)))
+    with _disabled():
+        out.append(_fallback_record("rope fallback ENABLED=False", rope.eligible(q, k, cos, sin, w, w),
+                                    rope.run(q, k, cos, sin, w, w, EPS), rope.reference(q, k, cos, sin, w, w, EPS)))
+    return out
+
+
+def check_moe(device: str) -> list[dict]:
+    from voxpipe.kernels import moe
+    g = torch.Generator().manual_seed(6)
+    out = []
+    for t, e, k in [(1, 128, 8), (64, 128, 6), (5, 60, 4), (3, 8, 8)]:
+        logits32 = (torch.randn(t, e, generator=g) * 2).to(device)
+        for dt in (torch.float32, torch.bfloat16):
+            logits = logits32.to(dt)
+            assert moe.eligible(logits, k), f"moe route {t}x{e} k={k} should launch the kernel on {device}"
+            for norm in (True, False):
+                name = f"{str(dt)[6:]} {t}x{e} k={k}{' norm' if norm else ''}"
+                idx, w = moe.run(logits, k, norm)
+                ref_idx, ref_w = moe.reference(logits, k, norm)
+                # the same experts, or (16-bit logits tie often) experts of exactly the same probability
+                probs = torch.softmax(logits.float(), -1)
+                distinct = all(len(set(row)) == k for row in idx.tolist())
+                out.append({"check": f"moe route experts {name}", "kind": "topk", "exact": torch.equal(idx, ref_idx),
+                            "ok": distinct and torch.equal(probs.gather(1, idx), probs.gather(1, ref_idx))})
+                if dt == torch.float32:
+                    out.append(_fp32_record(f"moe route weights {name}", w, ref_w))
+                else:   # the same float32 weights rounded once: equal, or one bf16 ulp apart at a rounding edge
+                    ulp = (ref_w.float().abs() * 2.0 ** -7).clamp_min(1e-30)
+                    ok = w.dtype == ref_w.dtype and bool(((w.float() - ref_w.float()).abs() <= ulp).all())
+                    out.append({"check": f"moe route weights {name}", "kind": "ulp", "ok": ok})
+    logits = torch.randn(4, 16, generator=g).to(device)
+    cases = {"float64": (logits.double(), 2), "non-contiguous": (logits.t().contiguous().t(), 2),
+             "k > experts": (logits, 17), "3-D": (logits[None], 2)}
+    for name, (lg, k) in cases.items():
+        eligible = moe.eligible(lg, k)
+        if k > lg.shape[-1]:
+            out.append({"check": f"moe route fallback {name}", "kind": "fallback", "eligible": eligible,
+                        "ok": not eligible})
+            continue
+        out.append(_fallback_record(f"moe route fallback {name}", eligible, moe.run(lg, k, True),
+                                    moe.reference(lg, k, True)))
+    with _disabled():
+        out.append(_fallback_record("moe route fallback ENABLED=False", moe.eligible(logits, 2),
+                                    moe.run(logits, 2, True), moe.reference(logits, 2, True)))
+    return out
+
+
+CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling, "rope": check_rope,
+          "moe": check_moe}
 
 
 def assert_records(records: list[dict]) -> None:

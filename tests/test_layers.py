@@ -428,3 +428,51 @@ def test_code2wav_two_utterances_batched(ref, code2wav, cfg):
         got = _stream(code2wav, cache, codes, sizes)
         for b in range(2):
             close(got[b:b + 1], ref.code2wav(codes[b:b + 1])[:, 0])
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_gemm_experts_equal_per_expert_loop():
+    """The serving MoE path (sorted pairs, offsets by searchsorted, two grouped GEMMs; graph-safe) against
+    the per-expert loop, in bfloat16 on the CPU: empty experts, one expert taking every pair, one token."""
+    from voxpipe.services.runtime.layers import Experts
+
+    torch.manual_seed(7)
+    experts = Experts(16, 64, 32).to(torch.bfloat16)
+    for p in experts.parameters():
+        p.data.normal_(0, 0.1)
+    cases = {"random": torch.randint(0, 16, (9, 4)), "one token": torch.tensor([[3, 15, 0, 7]]),
+             "all pairs on expert 5": torch.full((6, 1), 5), "high experts only": torch.randint(12, 16, (7, 3))}
+    with torch.inference_mode():
+        for name, idx in cases.items():
+            x = torch.randn(idx.shape[0], 64, dtype=torch.bfloat16)
+            w = torch.rand(idx.shape, dtype=torch.bfloat16)
+            got, want = experts.grouped(x, idx, w), experts.looped(x, idx, w)
+            err = (got.float() - want.float()).abs().max()
+            assert err <= 0.02 * want.float().abs().max() + 1e-3, (name, float(err))
+
+
+def test_fused_projections_equal_separate():
+    """fuse_projections (one GEMM for q/k/v and for gate/up, as the servers run on CUDA) computes the
+    same decoder output as the checkpoint's separate projections."""
+    import copy
+
+    from voxpipe.services.runtime.config import DecoderConfig, RopeConfig
+    from voxpipe.services.runtime.layers import DecoderStack, fuse_projections
+
+    cfg = DecoderConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                        vocab_size=100, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0), qk_norm=True,
+                        num_experts=8, experts_per_token=2, moe_intermediate_size=32, shared_expert_size=48,
+                        norm_topk_prob=True)
+    torch.manual_seed(8)
+    stack = DecoderStack(cfg).eval()
+    for p in stack.parameters():
+        p.data.normal_(0, 0.1)
+    fused = copy.deepcopy(stack)
+    assert fuse_projections(fused) == 4          # 2 attentions + 2 shared experts
+    x = torch.randn(2, 5, 64)
+    pos = torch.arange(5)[None].expand(2, 5)
+    with torch.inference_mode():
+        want, _ = stack(x, pos, GrowingCache())
+        got, _ = fused(x, pos, GrowingCache())
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+    assert all(getattr(m, "q_proj", 0) is None for m in fused.modules() if hasattr(m, "qkv_proj"))

@@ -14,9 +14,10 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
 from ..runtime.engine import Outbox
+from ..runtime.layers import serving_layout
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
-from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.tensors import from_proto
+from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import Code2WavEngine, Code2WavJob
 from .model import Code2WavModel
@@ -93,6 +94,7 @@ def build(args) -> Code2WavServicer:
     cfg = OmniConfig.load(args.model)
     model = load_module(lambda: Code2WavModel(cfg.code2wav), args.model, "code2wav.", device=device,
                         dtype=torch.float32 if args.dtype == "auto" else dtype, load_format=args.load_format)
+    serving_layout(model, device)
     engine = Code2WavEngine(model, cfg.code2wav, device=device, max_active=args.max_batch,
                             cuda_graphs=args.cuda_graphs)
     return Code2WavServicer(engine, server_options(args), cfg, args.first_chunk_frames, args.chunk_frames)

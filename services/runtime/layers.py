@@ -100,17 +100,29 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj: nn.Linear | None = None     # set by fuse_projections()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, S, D]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split((hq * d, hkv * d, hkv * d), dim=-1)
+            q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
+        else:
+            q = self.q_proj(x).view(b, s, hq, d)
+            k = self.k_proj(x).view(b, s, hkv, d)
+            v = self.v_proj(x).view(b, s, hkv, d)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if x.is_cuda and kernels.ENABLED:  # q/k norm and rotation fused, in place
+            norm = self.q_norm is not None
+            q, k = kernels.rope.run(q, k, cos, sin, self.q_norm.weight if norm else None,
+                                    self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, S, D]
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = cache.attend(self.layer_idx, q, k, v, self.scale)              # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -125,8 +137,41 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = ACTIVATIONS[act]
 
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _concat_linear(parts: list[nn.Linear]) -> nn.Linear:
+    w = parts[0].weight
+    fused = nn.Linear(w.shape[1], sum(p.weight.shape[0] for p in parts), bias=parts[0].bias is not None,
+                      device="meta")
+    fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    if parts[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return fused
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> int:
+    """Serving-time layout: one GEMM for each attention's q/k/v and each gated MLP's gate/up (fewer,
+    larger kernels per step). The separate projections are dropped; returns how many were fused.
+    Loading and the CPU equality tests use the checkpoint's separate projections."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Attention) and m.qkv_proj is None:
+            m.qkv_proj = _concat_linear([m.q_proj, m.k_proj, m.v_proj])
+            m.q_proj = m.k_proj = m.v_proj = None
+            n += 1
+        elif isinstance(m, GatedMLP) and m.gate_up_proj is None:
+            m.gate_up_proj = _concat_linear([m.gate_proj, m.up_proj])
+            m.gate_proj = m.up_proj = None
+            n += 1
+    return n
 
 
 class Experts(nn.Module):
@@ -136,6 +181,7 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self._bounds: dict[torch.device, torch.Tensor] = {}   # 0 .. E-1 per device (grouped path)
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; top_idx, top_w: [T, K]. Sum over each token's experts of w * expert(x)."""
@@ -147,11 +193,13 @@ class Experts(nn.Module):
         """One grouped GEMM per projection over the (token, expert) pairs sorted by expert. No host
         sync, static shapes: safe inside CUDA graphs. Reads only the routed experts' weights."""
         t, k = top_idx.shape
-        flat = top_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.gate_up.shape[0], dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))     # bincount without a host sync
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        experts = self.gate_up.shape[0]
+        sorted_ids, order = torch.sort(top_idx.reshape(-1), stable=True)
+        bounds = self._bounds.get(x.device)
+        if bounds is None:
+            bounds = self._bounds[x.device] = torch.arange(experts, device=x.device)
+        # end offset of each expert's rows (a cumulative bincount without a host sync)
+        offs = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
         xs = x[order // k]
         gate, up = torch._grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offs)
@@ -196,6 +244,8 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x)
+        if logits.is_cuda and kernels.ENABLED:
+            return kernels.moe.run(logits, self.top_k, self.norm_topk)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
@@ -255,3 +305,11 @@ class DecoderStack(nn.Module):
         if keep_hidden == len(self.layers):
             kept = x  # transformers reports the normed output as the last hidden state
         return x, kept
+
+
+def serving_layout(model: nn.Module, device: torch.device) -> nn.Module:
+    """What the stage servers apply after loading: fused projections on CUDA when the fused-kernel
+    path is on (`VOXPIPE_KERNELS`, the ablation's "Triton kernels" layer)."""
+    if device.type == "cuda" and kernels.ENABLED:
+        fuse_projections(model)
+    return model

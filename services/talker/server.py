@@ -14,10 +14,11 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
 from ..runtime.engine import Outbox
+from ..runtime.layers import serving_layout
 from ..runtime.sampling import SamplingParams
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
-from ..runtime.tracing import annotate, setup_tracing, traced_rpc
 from ..runtime.tensors import TensorError, from_proto
+from ..runtime.tracing import annotate, setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import TalkerEngine, TalkerJob
 from .model import TalkerModel
@@ -124,6 +125,7 @@ def build(args) -> TalkerServicer:
     cfg = OmniConfig.load(args.model)
     model = load_module(lambda: TalkerModel(cfg.talker), args.model, "talker.", device=device, dtype=dtype,
                         load_format=args.load_format)
+    serving_layout(model, device)
     engine = TalkerEngine(model, cfg.talker, device=device, max_active=args.max_batch, max_len=args.max_len,
                           cuda_graphs=args.cuda_graphs)
     return TalkerServicer(engine, server_options(args), cfg)

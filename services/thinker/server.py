@@ -15,10 +15,11 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
 from ..runtime.engine import Outbox
+from ..runtime.layers import serving_layout
 from ..runtime.sampling import SamplingParams
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
-from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.tensors import TensorError, from_proto
+from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import ThinkerEngine, ThinkerJob, assistant_head_index
 from .model import ThinkerModel, audio_output_length
@@ -126,6 +127,7 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     cfg = OmniConfig.load(args.model)
     model = load_module(lambda: ThinkerModel(cfg.thinker), args.model, "thinker.", device=device, dtype=dtype,
                         load_format=args.load_format, ignore=("visual.",))
+    serving_layout(model, device)
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=device, max_active=args.max_batch,
                            max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
                            cuda_graphs=args.cuda_graphs)
