@@ -45,8 +45,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split mode: run the three services under a CUDA MPS daemon started (and quit) by the bench")
     p.add_argument("--ablation", action="store_true",
                    help="split mode at the first concurrency level once per optimization layer, adding one at a time")
+    p.add_argument("--devices", default="",
+                   help="a device per stage, e.g. thinker=cuda:0,talker=cuda:1,code2wav=cuda:1 (the two-GPU layout); "
+                        "stages not named use --device")
     p.add_argument("--text-tokens", type=int, default=48, help="forced text tokens (workload default 48)")
     p.add_argument("--frames", type=int, default=125, help="forced codec frames (workload default 125)")
+
+
+def stage_devices(spec: str) -> dict[str, str]:
+    """'thinker=cuda:0,talker=cuda:1' -> {'thinker': 'cuda:0', 'talker': 'cuda:1'}."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        stage, _, device = part.partition("=")
+        if stage not in STAGES or not device:
+            raise SystemExit(f"--devices: expected STAGE=DEVICE with STAGE in {', '.join(STAGES)}, got {part!r}")
+        out[stage] = device
+    return out
 
 
 def copy_bandwidth(device: str) -> float:
@@ -198,7 +212,7 @@ def _run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], 
     metrics_ports = {s: args.base_port + 10 + i for i, s in enumerate(STAGES)}
     http_port = args.base_port + 20 if "gateway" in modes else 0
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
-                       metrics_ports=metrics_ports, http_port=http_port)
+                       metrics_ports=metrics_ports, http_port=http_port, devices=stage_devices(args.devices))
     scrape = server_stats.http_source(metrics_ports)
     t0 = time.perf_counter()
     print("split: starting the three services", flush=True)
@@ -250,7 +264,7 @@ def run_inprocess(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
 
     async def go():
         print("inprocess: building the engines", flush=True)
-        pipe = InProcessPipeline(ns)
+        pipe = InProcessPipeline(ns, stage_devices(args.devices))
         try:
             return await _levels(pipe.stream, lambda i: wl.request(cfg, i), args, "inprocess",
                                  server_stats.registry_source())

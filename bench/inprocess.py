@@ -10,17 +10,21 @@ import torch
 
 from voxpipe.client import AudioEvent, DoneEvent, FramesEvent, SpeechRequest, TextEvent, _decode_audio
 from voxpipe.services.code2wav import server as code2wav_server
-from voxpipe.services.runtime.tensors import from_proto
+from voxpipe.services.runtime.tensors import from_proto, to_proto
 from voxpipe.services.talker import server as talker_server
 from voxpipe.services.thinker import server as thinker_server
 from voxpipe.v1 import stages_pb2 as pb
 
 
 class InProcessPipeline:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.thinker, self.cfg = thinker_server.build(args)
-        self.talker = talker_server.build(args)
-        args_c2w = argparse.Namespace(**{**vars(args), "first_chunk_frames": 1, "chunk_frames": 1})
+    def __init__(self, args: argparse.Namespace, devices: dict[str, str] | None = None) -> None:
+        """`devices`: a device per stage (default: args.device for all)."""
+        def on(stage: str, **extra) -> argparse.Namespace:
+            return argparse.Namespace(**{**vars(args), "device": (devices or {}).get(stage, args.device), **extra})
+
+        self.thinker, self.cfg = thinker_server.build(on("thinker"))
+        self.talker = talker_server.build(on("talker"))
+        args_c2w = on("code2wav", first_chunk_frames=1, chunk_frames=1)
         self.code2wav = code2wav_server.build(args_c2w)
         for s in (self.thinker, self.talker, self.code2wav):
             s.engine.start()
@@ -31,7 +35,8 @@ class InProcessPipeline:
 
     async def stream(self, req: SpeechRequest) -> AsyncIterator:
         start = pb.ThinkerStart(request_id=req.request_id, sampling=req.sampling(), max_tokens=req.max_tokens,
-                                min_tokens=req.min_tokens, talker_rows=True)
+                                min_tokens=req.min_tokens, talker_rows=True,
+                                audio_features=[to_proto(f.float()) for f in req.audio_features])
         start.token_ids.ids.extend(req.token_ids)
         tj = self.thinker.make_job(start)
         self.thinker.engine.submit(tj)

@@ -15,6 +15,7 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "voxpipe.cli", "--log-level", "WARNING", "bench", "--model", str(tiny_model_dir),
            "--load-format", "auto", "--device", "cpu", "--modes", "gateway,split,inprocess", "--concurrency", "1,2",
            "--requests", "3", "--warmup", "1", "--text-tokens", "4", "--frames", "6", "--base-port", "53151",
+           "--devices", "thinker=cpu,talker=cpu,code2wav=cpu",
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

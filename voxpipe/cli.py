@@ -88,8 +88,12 @@ class LocalStack:
     """The three stage services as separate processes on this machine."""
 
     def __init__(self, model: Path, host: str, base_port: int, device: str, extra: list[str] | None = None,
-                 metrics_ports: dict[str, int] | None = None, http_port: int = 0) -> None:
+                 metrics_ports: dict[str, int] | None = None, http_port: int = 0,
+                 devices: dict[str, str] | None = None) -> None:
+        """`devices`: a device per stage (e.g. the thinker on cuda:0, talker and code2wav on cuda:1);
+        stages not named there use `device`."""
         self.model, self.host, self.device = model, host, device
+        self.devices = {s: (devices or {}).get(s, device) for s in STAGES}
         self.ports = {s: base_port + i for i, s in enumerate(STAGES)}
         self.metrics_ports = metrics_ports or {}
         self.extra = extra or []
@@ -102,7 +106,7 @@ class LocalStack:
     def start(self, timeout: float = 300.0) -> None:
         for stage in STAGES:
             cmd = [sys.executable, "-m", "voxpipe.cli", stage, "--model", str(self.model), "--host", self.host,
-                   "--port", str(self.ports[stage]), "--device", self.device] + self.extra
+                   "--port", str(self.ports[stage]), "--device", self.devices[stage]] + self.extra
             if self.metrics_ports.get(stage):
                 cmd += ["--metrics-port", str(self.metrics_ports[stage])]
             self.procs[stage] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)

@@ -41,6 +41,11 @@ class GraphedStep:
         self.static = tuple(t.clone() for t in example)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         t0 = time.perf_counter()
+        with torch.cuda.device(self.static[0].device):   # streams and the pool on the inputs' GPU
+            self._capture(fn)
+        log.info("%s: captured %d CUDA graphs in %.1f s", name, len(self.graphs), time.perf_counter() - t0)
+
+    def _capture(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
         pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.batch_sizes):
             for kv in reversed(self.kv_lens):
@@ -55,7 +60,6 @@ class GraphedStep:
                     out = fn(n, kv, *ins)
                 self.graphs[(n, kv)] = (graph, out)
         torch.cuda.synchronize()
-        log.info("%s: captured %d CUDA graphs in %.1f s", name, len(self.graphs), time.perf_counter() - t0)
 
     def fits(self, n: int, kv_len: int) -> bool:
         return n <= self.batch_sizes[-1] and kv_len <= self.kv_lens[-1]

@@ -141,6 +141,11 @@ class StageEngine:
 
     # ---- engine thread
     def _run(self) -> None:
+        device = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":   # Triton launches and graph replays on this stage's GPU
+            import torch
+
+            torch.cuda.set_device(device)
         while True:
             with self.lock:
                 while not self._stop and not self._reap_and_check():

@@ -1,6 +1,8 @@
 """Thinker engine: each step prefills a batch of waiting requests (right-padded prompts, one
 forward, a CUDA graph per (batch, length) bucket), then runs one batched decode step over every
-running request. Emits text deltas, and for audio output the talker's rows."""
+running request. A prompt longer than `prefill_chunk` is prefilled in chunks, one per step, so
+that the running requests keep decoding meanwhile. Emits text deltas, and for audio output the
+talker's rows."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets
 from ..runtime.engine import EngineRequest, StageEngine
-from ..runtime.kv_cache import SlotKVCache
+from ..runtime.kv_cache import SlotKVCache, SlotStep
 from ..runtime.sampling import SamplingParams, apply_repetition_penalty, choose
 from ..runtime.tensors import to_proto
 from .model import ThinkerModel
@@ -35,6 +37,9 @@ class ThinkerJob(EngineRequest):
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     detok: "IncrementalDetokenizer | None" = None
+    prefilled: int = 0                          # prompt tokens in the KV cache (chunked prefill)
+    embeds: torch.Tensor | None = None          # [P, H] while a chunked prefill runs
+    kept: list[torch.Tensor] = field(default_factory=list)   # per chunk: the talker's hidden layer
 
 
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
@@ -77,11 +82,14 @@ class ThinkerEngine(StageEngine):
 
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, tokenizer, *, device: torch.device,
                  max_active: int, max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True,
-                 prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512) -> None:
+                 prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512,
+                 prefill_chunk: int = 512) -> None:
         """A step prefills up to `prefill_batch` prompts with at most `prefill_tokens` padded tokens
-        together; prompts up to `prefill_graph_len` tokens replay CUDA graphs."""
+        together; prompts up to `prefill_graph_len` tokens replay CUDA graphs; longer than
+        `prefill_chunk` tokens are prefilled `prefill_chunk` tokens per step."""
         super().__init__(max_active)
-        self.prefill_batch, self.prefill_tokens = prefill_batch, prefill_tokens
+        self.prefill_batch, self.prefill_tokens, self.prefill_chunk = prefill_batch, prefill_tokens, prefill_chunk
+        self.chunking: ThinkerJob | None = None     # the request whose prompt is being prefilled in chunks
         self.model, self.cfg, self.tokenizer, self.device = model, cfg, tokenizer, device
         dtype = next(model.parameters()).dtype
         t = cfg.text
@@ -131,6 +139,9 @@ class ThinkerEngine(StageEngine):
                 or (bool(self.waiting) and self.cache.free_slots > 0))
 
     def release(self, req: ThinkerJob) -> None:
+        if self.chunking is req:
+            self.chunking = None
+        req.embeds, req.kept = None, []
         if req.slot is not None:
             moved = self.cache.release(req.slot)
             if moved is not None:
@@ -141,6 +152,9 @@ class ThinkerEngine(StageEngine):
     def step(self) -> None:
         with self.lock:
             jobs = self._admit()
+            chunking = self.chunking
+        if chunking is not None:
+            self._prefill_chunk(chunking)
         if jobs:
             self._prefill(jobs)
         if self.cache.used:
@@ -154,6 +168,14 @@ class ThinkerEngine(StageEngine):
         jobs: list[ThinkerJob] = []
         longest = 0
         for job in self.waiting[:limit]:
+            if len(job.prompt) > self.prefill_chunk:   # a long prompt: chunked, once it heads the queue
+                if not jobs and self.chunking is None:
+                    job.slot = self.cache.allocate(job)
+                    job.mark_started()
+                    self.running.append(job)
+                    self.waiting.remove(job)
+                    self.chunking = job
+                break
             longest_next = max(longest, len(job.prompt))
             if jobs and longest_next * (len(jobs) + 1) > self.prefill_tokens:
                 break
@@ -195,14 +217,45 @@ class ThinkerEngine(StageEngine):
                 j.outbox.put(pb.ThinkerResponse(talker_prompt=prompt))
         self._emit(jobs, logits)
 
+    def _prefill_chunk(self, job: ThinkerJob) -> None:
+        """The next `prefill_chunk` tokens of a long prompt (eager), attending to the cached part;
+        after the last chunk the request emits its first token like any prefill."""
+        dev = self.device
+        ids = torch.tensor(job.prompt, device=dev)
+        if job.embeds is None:
+            job.embeds = self.model.embed(ids, [a.to(dev, torch.float32) for a in job.audio])
+        audio = bool((ids == self.cfg.tokens.audio_token).any())
+        keep = self.cfg.accept_hidden_layer if job.talker_rows and audio else None
+        p0 = job.prefilled
+        c = min(self.prefill_chunk, len(job.prompt) - p0)
+        step = SlotStep.build([job.slot], [p0], c, dev)
+        positions = torch.arange(p0, p0 + c, device=dev)[None]
+        logits, hidden = self.model(job.embeds[None, p0:p0 + c], positions, self.cache.bind(step), keep_hidden=keep)
+        if hidden is not None:
+            job.kept.append(hidden[0])
+        job.prefilled += c
+        if job.prefilled < len(job.prompt):
+            return
+        with self.lock:
+            self.chunking = None
+        job.generator = job.params.generator(dev)
+        job.detok = IncrementalDetokenizer(self.tokenizer)
+        if job.talker_rows:
+            kept = torch.cat(job.kept).cpu() if job.kept else None
+            prompt = talker_prompt(self.cfg, ids.cpu(), job.embeds.cpu(), kept, self.tts_special)
+            job.outbox.put(pb.ThinkerResponse(talker_prompt=prompt))
+        job.embeds, job.kept = None, []
+        self._emit([job], logits)
+
     def _decode(self, jobs: list[ThinkerJob]) -> None:
         """Jobs are the owners of slots 0..n-1, in slot order. A saturated job (its client reads too
-        slowly) is computed with the rest (rewriting the same KV entry) but emits nothing."""
-        ready = [not j.outbox.saturated for j in jobs]
+        slowly) and a job whose prompt is still being prefilled in chunks are computed with the rest
+        (writing a KV entry that is rewritten before anything attends to it) but emit nothing."""
+        ready = [bool(j.generated) and not j.outbox.saturated for j in jobs]
         if not any(ready):
             return
         n = len(jobs)
-        ids = torch.tensor([[j.generated[-1]] for j in jobs]).to(self.device, non_blocking=True)
+        ids = torch.tensor([[j.generated[-1] if j.generated else 0] for j in jobs]).to(self.device, non_blocking=True)
         start_list = [len(j.prompt) + len(j.generated) - 1 for j in jobs]
         start = torch.tensor(start_list).to(self.device, non_blocking=True)
         kv_len = max(start_list) + 1

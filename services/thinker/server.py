@@ -124,18 +124,23 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     dtype = resolve_dtype(args.dtype, device)
     if args.gpu_memory_fraction and device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction, device)
+    if args.prefill_chunk < 1:
+        raise SystemExit(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     cfg = OmniConfig.load(args.model)
     model = load_module(lambda: ThinkerModel(cfg.thinker), args.model, "thinker.", device=device, dtype=dtype,
                         load_format=args.load_format, ignore=("visual.",))
     serving_layout(model, device)
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=device, max_active=args.max_batch,
                            max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
-                           cuda_graphs=args.cuda_graphs)
+                           cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk)
     return ThinkerServicer(engine, server_options(args), engine.tokenizer, cfg), cfg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_arguments(parser, default_port=50051)
+    parser.add_argument("--prefill-chunk", type=int, default=512,
+                        help="prompts longer than this many tokens are prefilled in chunks of it, one per engine "
+                             "step, so running requests keep decoding")
 
 
 def run(args) -> None:
