@@ -142,10 +142,10 @@ class StageEngine:
     # ---- engine thread
     def _run(self) -> None:
         device = getattr(self, "device", None)
-        if device is not None and device.type == "cuda":   # Triton launches and graph replays on this stage's GPU
-            import torch
+        if device is not None and device.type == "cuda" and device.index is not None:
+            import torch   # Triton launches and graph replays on this stage's GPU (in-process: one per stage)
 
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device.index)
         while True:
             with self.lock:
                 while not self._stop and not self._reap_and_check():
