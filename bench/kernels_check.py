@@ -5,7 +5,8 @@ exits 1 if any is outside its budget.
 
 Budgets: float32 outputs |kernel - reference| <= 1e-5 + 1e-5 |reference|; 16-bit outputs: max and
 mean abs error against a float32 reference on the same inputs <= 1.25x the 16-bit reference's own;
-residual sums and argmax indices exact. Times (microseconds, median of 100): `eager_us` one call
+residual sums and argmax indices exact; MoE routing: the same experts up to exact 16-bit ties, weights
+within one 16-bit ulp. Times (microseconds, median of 100): `eager_us` one call
 between two CUDA events (launch overhead included, as an eager step sees it), `graphed_us` per call
 of 20 calls captured in one CUDA graph (as the decode-step graphs see it).
 """
