@@ -129,26 +129,25 @@ def test_incremental_detokenizer_equals_full_decode(tokenizer, text):
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_code2wav_frame_rounds_equal_grouped_decode(tiny_model_dir):
-    """The CUDA-graph step plan (first frames, then one-frame rounds) run with the same functions
-    eagerly equals the grouped multi-frame decode, for utterances whose frames arrive unevenly."""
+def test_code2wav_frame_rounds_equal_whole_utterance_decode(tiny_model_dir):
+    """The engine's step plan (first frames, then one-frame rounds batched across utterances) for
+    utterances whose frames arrive unevenly equals decoding each utterance's frames in one call."""
     from voxpipe.services.code2wav import server as code2wav_server
     from voxpipe.services.code2wav.engine import Code2WavJob
+    from voxpipe.services.code2wav.model import StreamStore
     from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.v1 import stages_pb2 as pb
 
     ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"])
-    grouped = code2wav_server.build(ns).engine
-    rounds = code2wav_server.build(ns).engine
-    rounds.graphs = lambda n, kv, *inputs: rounds._frame_fn(n, kv, *inputs)
-    rounds.first_graphs = lambda n, kv, *inputs: rounds._first_fn(n, kv, *inputs)
-    q = grouped.cfg.num_quantizers
+    engine = code2wav_server.build(ns).engine
+    q = engine.cfg.num_quantizers
     gen = torch.Generator().manual_seed(0)
-    codes = [torch.randint(0, grouped.cfg.codebook_size, (7, q), generator=gen) for _ in range(3)]
+    codes = [torch.randint(0, engine.cfg.codebook_size, (7, q), generator=gen) for _ in range(3)]
     arrivals = [[1, 3, 2, 1], [4, 1, 2], [2, 0, 5]]      # frames per utterance before each step
 
-    async def run(engine) -> list[np.ndarray]:
-        jobs = [Code2WavJob(request_id=f"c{i}", outbox=Outbox(asyncio.get_running_loop(), limit=1000))
-                for i in range(3)]
+    async def run() -> list[np.ndarray]:
+        jobs = [Code2WavJob(request_id=f"c{i}", outbox=Outbox(asyncio.get_running_loop(), limit=1000),
+                            encoding=pb.AUDIO_FLOAT32) for i in range(3)]
         for j in jobs:
             engine.submit(j)
         sent = [0, 0, 0]
@@ -170,12 +169,15 @@ def test_code2wav_frame_rounds_equal_grouped_decode(tiny_model_dir):
             while not j.outbox._queue.empty():
                 item = j.outbox._queue.get_nowait()
                 if item.WhichOneof("kind") == "audio":
-                    chunks.append(np.frombuffer(item.audio.data, dtype="<i2"))
+                    chunks.append(np.frombuffer(item.audio.data, dtype="<f4"))
             out.append(np.concatenate(chunks))
         return out
 
-    want = asyncio.run(run(grouped))
-    got = asyncio.run(run(rounds))
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.shape[0] > 0
-        assert np.abs(g.astype(np.int32) - w.astype(np.int32)).max() <= 1   # pcm16 rounding of ~1e-7 differences
+    got = asyncio.run(run())
+    store = StreamStore(engine.model, 3, torch.float32, "cpu")
+    with torch.inference_mode():
+        for i, g in enumerate(got):
+            slot = torch.tensor([store.allocate()])
+            want = engine.model.decode(codes[i].T[None], slot, torch.zeros(1, dtype=torch.long), store, first=True)[0]
+            assert g.shape == tuple(want.shape) and g.shape[0] > 0
+            assert np.abs(g - want.numpy()).max() <= 1e-5

@@ -124,7 +124,9 @@ def test_chat_stream_pcm16_equals_pipeline_client(client, model, stack, tokenize
                                         min_frames=10)
     got = np.frombuffer(bytes(pcm), dtype="<i2")
     assert got.shape[0] == SAMPLES_PER_FRAME * 9 - FIRST_CHUNK_SHORTFALL
-    assert np.array_equal(got, ref_pcm)
+    # the same stream as the pipeline client's, from another run: equal up to pcm16 rounding of
+    # float32 differences (decode batches depend on which requests share an engine step)
+    assert np.abs(got.astype(np.int32) - ref_pcm.astype(np.int32)).max() <= 1
     assert transcript == ref_text and len(ids) == 1 and len(expiries) == 1
     assert finish == "length" and usage.completion_tokens_details.audio_tokens == 9
 
@@ -210,7 +212,9 @@ def test_speech_sse_equals_pcm_stream(gateway, model):
     usage = events[-1]["usage"]
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"] > 0
     pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
-    assert pcm == raw.content and len(pcm) == 2 * (SAMPLES_PER_FRAME * 7 - FIRST_CHUNK_SHORTFALL)
+    assert len(pcm) == len(raw.content) == 2 * (SAMPLES_PER_FRAME * 7 - FIRST_CHUNK_SHORTFALL)
+    a, b = (np.frombuffer(x, dtype="<i2").astype(np.int32) for x in (pcm, raw.content))
+    assert np.abs(a - b).max() <= 1     # two runs: equal up to pcm16 rounding
 
 
 # ----------------------------------------------------------------------------- errors

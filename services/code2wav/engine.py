@@ -1,15 +1,15 @@
 """Code2Wav engine: every step decodes the frames that arrived for each running utterance and sends
 each utterance's new samples as one chunk.
 
-With CUDA graphs the step runs frame by frame: one replay of the first-frame graph for the
-utterances starting now, then rounds of the one-frame graph, round r over the utterances with more
-than r new frames (the streaming decoder is exact, so one frame at a time equals any chunking).
-Without graphs, utterances at the same phase with the same number of new frames decode together."""
+A step runs frame by frame, batched across utterances: one first-frame decode for the utterances
+starting now, then rounds of the one-frame decode, round r over the utterances with more than r new
+frames -- CUDA-graph replays on the GPU, the same functions eagerly elsewhere. The streaming
+decoder is exact, so this equals decoding any chunking at once; decoding one frame at a time also
+makes an utterance's samples independent of how its frames happened to arrive."""
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,7 +129,7 @@ class Code2WavEngine(StageEngine):
                         reason=pb.STOP, completion_tokens=job.frames_decoded, samples=job.samples_sent)))
         if not work:
             return
-        decoded = self._decode_graphed(work) if self.graphs is not None else self._decode_grouped(work)
+        decoded = self._decode_frames(work)
         for (job, take), samples in zip(work, decoded):
             job.frames_decoded += len(take)
             job.mark_output()
@@ -138,45 +138,32 @@ class Code2WavEngine(StageEngine):
                 data=encode_samples(samples, job.encoding), num_samples=samples.shape[0])))
             job.samples_sent += samples.shape[0]
 
-    def _decode_graphed(self, work: list[tuple[Code2WavJob, list[torch.Tensor]]]) -> list[np.ndarray]:
-        """Frame by frame with graph replays (first frames, then rounds); one copy to the host."""
+    def _decode_frames(self, work: list[tuple[Code2WavJob, list[torch.Tensor]]]) -> list[np.ndarray]:
+        """Frame by frame (first frames, then rounds); one copy to the host."""
         dev = self.device
         done = [0] * len(work)
         outputs: list[torch.Tensor] = []                   # one [rows, samples] per replay
         pieces: list[list[tuple[int, int]]] = [[] for _ in work]   # per utterance: (replay, row)
         first = [i for i, (job, _) in enumerate(work) if job.frames_decoded == 0]
-        batch = (self.first_graphs, first) if first else None
+        first_fn = self.first_graphs if self.first_graphs is not None else self._first_fn
+        frame_fn = self.graphs if self.graphs is not None else self._frame_fn
+        batch = (first_fn, first) if first else None
         while True:
             if batch is None:
                 rows = [i for i, (_, take) in enumerate(work) if done[i] < len(take)]
                 if not rows:
                     break
-                batch = (self.graphs, rows)
-            graphs, rows = batch
+                batch = (frame_fn, rows)
+            decode, rows = batch
             batch = None
             codes = torch.stack([work[i][1][done[i]] for i in rows])[:, :, None].to(dev, non_blocking=True)
             slots = torch.tensor([work[i][0].slot for i in rows]).to(dev, non_blocking=True)
             start = torch.tensor([work[i][0].frames_decoded + done[i] for i in rows]).to(dev, non_blocking=True)
-            (wav,) = graphs(len(rows), 1, codes, slots, start)
-            outputs.append(wav.to(torch.float32, copy=True))   # the next replay overwrites `wav`
+            (wav,) = decode(len(rows), 1, codes, slots, start)
+            outputs.append(wav.to(torch.float32, copy=True))   # a graph's next replay overwrites `wav`
             for r, i in enumerate(rows):
                 pieces[i].append((len(outputs) - 1, r))
                 done[i] += 1
         host = [o.numpy() for o in torch.cat([o.flatten() for o in outputs]).cpu().split([o.numel() for o in outputs])]
         host = [h.reshape(o.shape) for h, o in zip(host, outputs)]
         return [np.concatenate([host[k][r] for k, r in p]) for p in pieces]
-
-    def _decode_grouped(self, work: list[tuple[Code2WavJob, list[torch.Tensor]]]) -> list[np.ndarray]:
-        """Eager: utterances at the same phase with the same number of new frames decode together."""
-        groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
-        for i, (job, take) in enumerate(work):
-            groups[(job.frames_decoded == 0, len(take))].append(i)
-        out: list[np.ndarray | None] = [None] * len(work)
-        for (first, _n), members in groups.items():
-            codes = torch.stack([torch.stack(work[i][1], dim=1) for i in members]).to(self.device)   # [B, G, n]
-            slots = torch.tensor([work[i][0].slot for i in members]).to(self.device)
-            start = torch.tensor([work[i][0].frames_decoded for i in members]).to(self.device)
-            wav = self.model.decode(codes, slots, start, self.store, first).float().cpu().numpy()
-            for i, samples in zip(members, wav):
-                out[i] = samples
-        return out

@@ -293,9 +293,13 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
-                keep_hidden: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rope = self.rotary(positions, x.dtype)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None, cache: AttentionCache,
+                keep_hidden: int | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`rope`: this step's (cos, sin) [B, S, D] when the caller computed them ahead (then
+        `positions` is not used)."""
+        if rope is None:
+            rope = self.rotary(positions, x.dtype)
         kept = x if keep_hidden == 0 else None
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache)

@@ -58,16 +58,22 @@ class CodePredictor(nn.Module):
         b = hidden.shape[0]
         cache = GrowingCache()
         x = torch.stack((hidden, code0_embed), dim=1)                                # [B, 2, H]
-        positions = torch.arange(2, device=x.device).expand(b, 2)
+        # rotary tables computed twice per frame instead of once per pass: positions 0, 1 for the
+        # first pass, and positions 2 .. G-1 laid out position-major so each later pass reads a
+        # contiguous [B, 1, D] view
+        rope = self.model.rotary(torch.arange(2, device=x.device).expand(b, 2), x.dtype)
+        later = torch.arange(2, self.num_code_groups, device=x.device)[:, None].expand(-1, b)
+        cos_later, sin_later = self.model.rotary(later, x.dtype)                     # [G - 2, B, D]
         codes, embeds = [], []
         for g in range(self.num_code_groups - 1):
-            h, _ = self.model(x, positions, cache)
+            h, _ = self.model(x, None, cache, rope=rope)
             code = pick(self.lm_head[g](h[:, -1]), g + 1)
             codes.append(code)
             emb = self.model.codec_embedding[g](code)                                # [B, H]
             embeds.append(emb)
             x = emb.unsqueeze(1)
-            positions = torch.full((b, 1), g + 2, device=x.device, dtype=torch.long)
+            if g < cos_later.shape[0]:                   # pass g + 1 is at position g + 2
+                rope = (cos_later[g].unsqueeze(1), sin_later[g].unsqueeze(1))
         return torch.stack(codes, dim=1), embeds
 
 
