@@ -48,4 +48,6 @@ class GatewayStream:
         if usage is None:
             raise RuntimeError("the stream ended without a usage chunk")
         details = usage.completion_tokens_details
-        yield DoneEvent(0, 0, usage.prompt_tokens, details.text_tokens, details.audio_tokens, offset)
+        text_tokens = getattr(details, "text_tokens", None) or 0
+        audio_tokens = getattr(details, "audio_tokens", None) or 0
+        yield DoneEvent(0, 0, usage.prompt_tokens, text_tokens, audio_tokens, offset)

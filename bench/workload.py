@@ -54,20 +54,22 @@ class Workload:
             msgs = [ChatMessage.text("system", system), ChatMessage.text("user", user)]
             return len(render(tokenizer, cfg.thinker, msgs).token_ids)
 
+        target = self.prompt_tokens
+        if length("x") > target:
+            raise ValueError(f"the chat template alone takes more than {target} tokens")
         rng = random.Random(self.seed * 100003 + index)
         user = ""
-        while length(user) < self.prompt_tokens:
+        while length(user) < target:
             user = (user + " " + "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8)))).strip()
-        while length(user) > self.prompt_tokens:
-            user = user[:-1].rstrip()
-        for _ in range(self.prompt_tokens):
-            n = length(user)
-            if n == self.prompt_tokens:
+        while len(user) > 1 and length(user) > target:
+            user = user[:-1].rstrip() or "x"
+        # then one character at a time, preferring one that lands exactly
+        for _ in range(4 * target):
+            if length(user) >= target:
                 break
-            # one more character at a time; prefer one that lands exactly
-            user += next((ch for ch in string.ascii_lowercase if length(user + ch) == self.prompt_tokens), "a")
-        else:
-            raise RuntimeError(f"could not build a {self.prompt_tokens}-token chat prompt")
+            user += next((ch for ch in string.ascii_lowercase if length(user + ch) == target), "a")
+        if length(user) != target:
+            raise RuntimeError(f"could not build a {target}-token chat prompt (got {length(user)})")
         return ChatRequest(index=index, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
                            voice=self.speaker, max_tokens=self.text_tokens, max_audio_frames=self.frames + 1)
 

@@ -70,6 +70,7 @@ if triton is not None:
         for j in tl.static_range(K):
             best = tl.max(work, axis=0)
             at = tl.min(tl.where(work == best, e, BLOCK_E), axis=0)   # lowest index among ties
+            at = tl.minimum(at, n_experts - 1)           # NaN logits match nothing: stay in range
             top_w = tl.where(kk == j, best, top_w)
             top_i = tl.where(kk == j, at, top_i)
             work = tl.where(e == at, -1.0, work)

@@ -181,3 +181,29 @@ def test_code2wav_frame_rounds_equal_whole_utterance_decode(tiny_model_dir):
             want = engine.model.decode(codes[i].T[None], slot, torch.zeros(1, dtype=torch.long), store, first=True)[0]
             assert g.shape == tuple(want.shape) and g.shape[0] > 0
             assert np.abs(g - want.numpy()).max() <= 1e-5
+
+def test_talker_prefill_batch_respects_the_padded_row_budget(tiny_model_dir):
+    """The talker admits ready requests in arrival order while the padded batch (longest prompt x
+    requests) stays within prefill_tokens; the rest wait for the next step."""
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.talker import server as talker_server
+    from voxpipe.services.talker.engine import PROMPT_TAIL, TalkerJob
+
+    ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "8"])
+    engine = talker_server.build(ns).engine
+    engine.prefill_tokens = 3 * (40 + PROMPT_TAIL)
+    h = engine.cfg.thinker_hidden_size
+
+    async def admit() -> list[int]:
+        loop = asyncio.get_running_loop()
+        for i, users in enumerate((10, 40, 20, 5, 30)):
+            job = TalkerJob(request_id=f"t{i}", outbox=Outbox(loop), user_rows=torch.zeros(users, h),
+                            user_mm_mask=torch.zeros(users, dtype=torch.bool), rows=[torch.zeros(h)] * 2)
+            engine.submit(job)
+        with engine.lock:
+            first = engine._admit()
+            second = engine._admit()
+        return [len(first), len(second)]
+
+    # 10, 40, 20 fit (3 x 49 rows); adding 5 would make 4 x 49 > budget; then 5 and 30 fit together
+    assert asyncio.run(admit()) == [3, 2]

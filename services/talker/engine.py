@@ -28,6 +28,8 @@ from .model import TalkerModel
 
 log = logging.getLogger(__name__)
 
+PROMPT_TAIL = 9   # prompt rows after the user turns: assistant head (3), 4 x tts_pad, tts_bos, first text row
+
 # transformers samples the code predictor with these whenever the talker samples
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
 
@@ -64,11 +66,13 @@ class TalkerEngine(StageEngine):
     name = "talker"
 
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
-                 max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_graph_len: int = 512) -> None:
-        """A step prefills up to `prefill_batch` ready requests together (right-padded); prompts up
-        to `prefill_graph_len` rows replay CUDA graphs."""
+                 max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_tokens: int = 4096,
+                 prefill_graph_len: int = 512) -> None:
+        """A step prefills up to `prefill_batch` ready requests with at most `prefill_tokens` padded
+        rows together (right-padded); prompts up to `prefill_graph_len` rows replay CUDA graphs."""
         super().__init__(max_active)
-        self.prefill_batch = prefill_batch
+        self.prefill_batch, self.prefill_tokens = prefill_batch, prefill_tokens
+        self.prefill_graph_len = min(prefill_graph_len, max_len)
         self.model, self.cfg, self.device = model, cfg, device
         self.dtype = next(model.parameters()).dtype
         t = cfg.text
@@ -179,8 +183,15 @@ class TalkerEngine(StageEngine):
         for job in [j for j in self.waiting if self._prefill_ready(j) and j.row_state(0) != "row"]:
             self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP)))
         ready = [j for j in self.waiting if self._prefill_ready(j)]
-        jobs = ready[:min(self.prefill_batch, self.cache.free_slots)]
-        if jobs and self.prefill_graphs is not None:
+        jobs: list[TalkerJob] = []
+        longest = 0
+        for job in ready[:min(self.prefill_batch, self.cache.free_slots)]:
+            rows = job.user_rows.shape[0] + PROMPT_TAIL
+            if jobs and max(longest, rows) * (len(jobs) + 1) > self.prefill_tokens:
+                break
+            jobs.append(job)
+            longest = max(longest, rows)
+        if jobs and self.prefill_graphs is not None and longest <= self.prefill_graph_len:
             jobs = jobs[:self.prefill_graphs.exact_batch(len(jobs))]
         for job in jobs:
             job.slot = self.cache.allocate(job)
@@ -236,7 +247,7 @@ class TalkerEngine(StageEngine):
         head = m.text_projection(job.head.to(dev, dt))                                    # [3, Hk]
         bos, _eos, pad = m.text_projection(job.special.to(dev, dt)).unbind(0)
         first = m.text_projection(job.rows[0].to(dev, dt)[None])[0]
-        text_side = torch.cat((head, pad.expand(4, -1), bos[None], first[None]))          # [9, Hk]
+        text_side = torch.cat((head, pad.expand(4, -1), bos[None], first[None]))          # [PROMPT_TAIL, Hk]
         codec_ids = torch.tensor([c.nothink, c.think_bos, c.think_eos, job.speaker_id, c.pad, c.bos], device=dev)
         codec_side = torch.cat((torch.zeros(3, text_side.shape[1], device=dev, dtype=dt),
                                 m.model.codec_embedding(codec_ids)))

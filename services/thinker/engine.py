@@ -181,7 +181,8 @@ class ThinkerEngine(StageEngine):
                 break
             jobs.append(job)
             longest = longest_next
-        if self.prefill_graphs is not None and self.prefill_graphs.fits(1, longest):
+        eager = any(j.talker_rows and j.audio for j in jobs)   # keeps a hidden layer for the talker: no graph
+        if self.prefill_graphs is not None and not eager and self.prefill_graphs.fits(1, longest):
             jobs = jobs[:self.prefill_graphs.exact_batch(len(jobs))]
         for job in jobs:
             job.slot = self.cache.allocate(job)
@@ -194,8 +195,7 @@ class ThinkerEngine(StageEngine):
         dev = self.device
         ids = [torch.tensor(j.prompt, device=dev) for j in jobs]
         embeds = [self.model.embed(i, [a.to(dev, torch.float32) for a in j.audio]) for i, j in zip(ids, jobs)]
-        audio = [bool((i == self.cfg.tokens.audio_token).any()) for i in ids] if any(j.audio for j in jobs) \
-            else [False] * len(jobs)
+        audio = [bool(j.audio) for j in jobs]   # the server checked: features <=> audio placeholders
         keep = self.cfg.accept_hidden_layer if any(j.talker_rows and a for j, a in zip(jobs, audio)) else None
         n, s = len(jobs), max(len(j.prompt) for j in jobs)
         metrics.PREFILL_BATCH.labels(self.name).observe(n)
@@ -221,11 +221,10 @@ class ThinkerEngine(StageEngine):
         """The next `prefill_chunk` tokens of a long prompt (eager), attending to the cached part;
         after the last chunk the request emits its first token like any prefill."""
         dev = self.device
-        ids = torch.tensor(job.prompt, device=dev)
-        if job.embeds is None:
+        if job.embeds is None:   # first chunk: the whole prompt's embeddings, kept until the last chunk
+            ids = torch.tensor(job.prompt, device=dev)
             job.embeds = self.model.embed(ids, [a.to(dev, torch.float32) for a in job.audio])
-        audio = bool((ids == self.cfg.tokens.audio_token).any())
-        keep = self.cfg.accept_hidden_layer if job.talker_rows and audio else None
+        keep = self.cfg.accept_hidden_layer if job.talker_rows and job.audio else None
         p0 = job.prefilled
         c = min(self.prefill_chunk, len(job.prompt) - p0)
         step = SlotStep.build([job.slot], [p0], c, dev)
@@ -242,7 +241,7 @@ class ThinkerEngine(StageEngine):
         job.detok = IncrementalDetokenizer(self.tokenizer)
         if job.talker_rows:
             kept = torch.cat(job.kept).cpu() if job.kept else None
-            prompt = talker_prompt(self.cfg, ids.cpu(), job.embeds.cpu(), kept, self.tts_special)
+            prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
             job.outbox.put(pb.ThinkerResponse(talker_prompt=prompt))
         job.embeds, job.kept = None, []
         self._emit([job], logits)
@@ -256,7 +255,8 @@ class ThinkerEngine(StageEngine):
             return
         n = len(jobs)
         ids = torch.tensor([[j.generated[-1] if j.generated else 0] for j in jobs]).to(self.device, non_blocking=True)
-        start_list = [len(j.prompt) + len(j.generated) - 1 for j in jobs]
+        # a row still in chunked prefill writes where its next chunk starts (that chunk rewrites it)
+        start_list = [len(j.prompt) + len(j.generated) - 1 if j.generated else j.prefilled for j in jobs]
         start = torch.tensor(start_list).to(self.device, non_blocking=True)
         kv_len = max(start_list) + 1
         if self.graphs is not None and self.graphs.fits(n, kv_len):
