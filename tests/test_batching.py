@@ -119,6 +119,36 @@ def test_chunked_prefill_equals_whole_prefill(pipeline, chunked_pipeline, tokeni
             assert audio_g.shape == audio_w.shape and np.abs(audio_g - audio_w).max() <= 1e-4
 
 
+def test_short_prompts_pass_long_ones_waiting_for_the_chunked_prefill(tiny_model_dir, tokenizer, omni_config):
+    """Two long prompts (chunked 16 tokens per step) then a short one: the first long prompt is
+    being prefilled, the second waits for it, and the short one does not wait behind the second:
+    its first token comes before either long prompt's."""
+    ns = build_parser().parse_args(["thinker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4",
+                                    "--prefill-chunk", "16"])
+    pipe = InProcessPipeline(ns)
+    order: list[str] = []
+
+    async def first_text(req: SpeechRequest) -> None:
+        async for ev in pipe.stream(req):
+            if isinstance(ev, TextEvent) and req.request_id not in order:
+                order.append(req.request_id)
+
+    long_text = "tell me everything about " + "lighthouses and keepers " * 12
+    reqs = [_request(tokenizer, omni_config, long_text, 10), _request(tokenizer, omni_config, long_text + "again", 11),
+            _request(tokenizer, omni_config, "Hi.", 12)]
+    assert len(reqs[0].token_ids) > 6 * 16 and len(reqs[2].token_ids) <= 16
+
+    async def run():
+        tasks = [asyncio.ensure_future(first_text(r)) for r in reqs]
+        await asyncio.gather(*tasks)
+
+    try:
+        asyncio.run(run())
+    finally:
+        pipe.close()
+    assert order[0] == "batch-12", order
+
+
 @pytest.mark.parametrize("text", ["plain ascii words, with punctuation!", "多字节 UTF-8 — ünïcödé 🎉 mixed"])
 def test_incremental_detokenizer_equals_full_decode(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)

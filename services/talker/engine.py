@@ -95,10 +95,14 @@ class TalkerEngine(StageEngine):
     def _capture(self, max_active: int, max_len: int, prefill_len: int) -> None:
         h, dev = self.cfg.text.hidden_size, self.device
         n = min(self.prefill_batch, max_active)
-        self.prefill_graphs = GraphedStep(
-            self._prefill_fn, (torch.zeros(n, prefill_len, h, dtype=self.dtype, device=dev),
-                               torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)),
-            buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill")
+        try:  # a failure here keeps the step and predictor graphs
+            self.prefill_graphs = GraphedStep(
+                self._prefill_fn, (torch.zeros(n, prefill_len, h, dtype=self.dtype, device=dev),
+                                   torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)),
+                buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill")
+        except Exception:
+            log.exception("talker: prefill CUDA graph capture failed; prefilling eagerly")
+            self.prefill_graphs = None
         self.step_graphs = GraphedStep(
             self._step_fn, (torch.zeros(max_active, 1, h, dtype=self.dtype, device=dev),
                             torch.zeros(max_active, dtype=torch.long, device=dev)),

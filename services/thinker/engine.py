@@ -115,11 +115,15 @@ class ThinkerEngine(StageEngine):
                                                     torch.zeros(max_active, dtype=torch.long, device=dev)),
                                   buckets(max_active), buckets(max_len, min(256, max_len)), "thinker decode")
         n = min(self.prefill_batch, max_active)
-        self.prefill_graphs = GraphedStep(
-            lambda *args: self._prefill_fn(*args)[:1],
-            (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
-             torch.arange(n, dtype=torch.long, device=dev)),
-            buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill")
+        try:  # a failure here keeps the decode graphs
+            self.prefill_graphs = GraphedStep(
+                lambda *args: self._prefill_fn(*args)[:1],
+                (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+                 torch.arange(n, dtype=torch.long, device=dev)),
+                buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill")
+        except Exception:
+            log.exception("thinker: prefill CUDA graph capture failed; prefilling eagerly")
+            self.prefill_graphs = None
 
     def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, slots: torch.Tensor,
                     keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -161,21 +165,25 @@ class ThinkerEngine(StageEngine):
             self._decode([self.cache.owners[i] for i in range(self.cache.used)])
 
     def _admit(self) -> list[ThinkerJob]:
-        """Waiting requests to prefill now, in arrival order: as many as fit the batch, the padded
-        token budget and the free slots (with graphs: exactly a captured batch size). Each leaves
+        """Waiting requests to prefill now, in arrival order: as many short prompts as fit the batch,
+        the padded token budget and the free slots (with graphs: exactly a captured batch size), and
+        the first long prompt when no chunked prefill is running. Long prompts that must wait for the
+        running chunked prefill do not hold up the short ones behind them. Each request leaves
         `waiting` only once it holds a slot and sits in `running`."""
-        limit = min(self.prefill_batch, self.cache.free_slots, len(self.waiting))
+        free = self.cache.free_slots
         jobs: list[ThinkerJob] = []
         longest = 0
-        for job in self.waiting[:limit]:
-            if len(job.prompt) > self.prefill_chunk:   # a long prompt: chunked, once it heads the queue
-                if not jobs and self.chunking is None:
+        for job in self.waiting:
+            if len(jobs) >= min(self.prefill_batch, free):
+                break
+            if len(job.prompt) > self.prefill_chunk:   # a long prompt: chunked, one at a time
+                if self.chunking is None and free > len(jobs):
                     job.slot = self.cache.allocate(job)
                     job.mark_started()
                     self.running.append(job)
-                    self.waiting.remove(job)
                     self.chunking = job
-                break
+                    free -= 1
+                continue
             longest_next = max(longest, len(job.prompt))
             if jobs and longest_next * (len(jobs) + 1) > self.prefill_tokens:
                 break
@@ -188,7 +196,8 @@ class ThinkerEngine(StageEngine):
             job.slot = self.cache.allocate(job)
             job.mark_started()
             self.running.append(job)
-        del self.waiting[:len(jobs)]
+        taken = {id(j) for j in jobs} | {id(self.chunking)}
+        self.waiting = [w for w in self.waiting if id(w) not in taken]
         return jobs
 
     def _prefill(self, jobs: list[ThinkerJob]) -> None:
