@@ -82,7 +82,7 @@ def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         while eng.waiting:
-            eng.step()              # one prefill per step (+ a decode of everyone admitted)
+            eng.step()              # prefills in batches (+ a decode of everyone admitted)
         torch.cuda.synchronize()
         prefill_ms = (time.perf_counter() - t0) / b * 1000.0
         for _ in range(3):
