@@ -5,8 +5,8 @@ Contract (`reference`):
     masked[b, v] = -inf where suppress[v] or (ban_rows[b] and v == banned_id), else logits[b, v]
     returns masked.argmax(-1) as int64 [B] (first index among equal maxima; 0 for an all -inf row)
 This is the talker's greedy step (suppressed special codes, EOS banned below min_frames). Logits must
-be NaN-free: torch.argmax picks a NaN, the kernel ignores it. Nothing calls this yet; the engines
-keep their own code.
+be NaN-free: torch.argmax picks a NaN, the kernel ignores it. The talker's greedy step calls `run`
+(after its repetition penalty).
 
 `run` launches the kernel when `common.launchable` holds (CUDA, or CPU under TRITON_INTERPRET=1;
 no autograd; kernels ENABLED), logits, suppress and ban_rows are contiguous, logits is 2-D float32 /

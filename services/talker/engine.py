@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from voxpipe import kernels
 from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime import metrics
@@ -283,15 +284,16 @@ class TalkerEngine(StageEngine):
         penalty = torch.tensor([j.params.repetition_penalty for j in jobs], device=self.device)[:, None]
         seen = self.seen[slots]
         logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
-        logits = logits.masked_fill(self.suppress, float("-inf"))
-        ban = [i for i, j in enumerate(jobs) if len(j.codes0) < j.min_frames]
-        if ban:
-            logits[torch.tensor(ban, device=self.device), eos] = float("-inf")
+        ban = [len(j.codes0) < j.min_frames for j in jobs]   # EOS not allowed yet
         greedy = all(j.params.greedy for j in jobs)
-        if greedy:
-            code0 = logits.argmax(-1)
+        if greedy:   # suppress mask + EOS ban + argmax: one Triton kernel on CUDA (kernels.sampling)
+            ban_rows = torch.tensor(ban).to(self.device, non_blocking=True)
+            code0 = kernels.sampling.run(logits, self.suppress, ban_rows, eos)
             codes0 = code0.tolist()
         else:
+            logits = logits.masked_fill(self.suppress, float("-inf"))
+            if any(ban):
+                logits[torch.tensor(ban, device=self.device), eos] = float("-inf")
             codes0 = [choose(row, j.params, j.generator) for j, row in zip(jobs, logits)]
             code0 = torch.tensor(codes0, device=self.device)
         self.seen[slots, code0] = True
