@@ -58,6 +58,23 @@ class StageServicer:
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"{self.engine.name} queue is full ({self.opts.max_queue} requests waiting)")
 
+    def make_job(self, start: Any) -> EngineRequest:
+        """The engine request for a validated start message (raises Abort on bad input)."""
+        raise NotImplementedError
+
+    async def open_stream(self, it: AsyncIterator, context: grpc.aio.ServicerContext) -> EngineRequest | None:
+        """The request of a Generate stream: its start message read (before any refusal: a status sent
+        while the client is still writing reaches gRPC Python clients as INTERNAL instead of the real
+        code), admitted and turned into a job by the subclass's `make_job`; None after aborting the
+        call with the refusal's status."""
+        try:
+            start = await self.read_head(it, "start", "chunk")
+            self.admit()
+            return self.make_job(start)
+        except Abort as e:
+            await context.abort(e.code, e.message)
+            return None
+
     async def read_head(self, it: AsyncIterator, start_field: str, chunk_field: str) -> Any:
         """The Start message of a stream, with its tensors' continuation chunks appended."""
         try:

@@ -37,14 +37,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
     @traced_rpc("voxpipe.v1.Thinker", "Generate")
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
-        try:
-            # read the request before refusing it: a status sent while the client is still writing
-            # reaches gRPC Python clients as INTERNAL instead of the real code
-            start = await self.read_head(it, "start", "chunk")
-            self.admit()
-            job = self.make_job(start)
-        except Abort as e:
-            await context.abort(e.code, e.message)
+        job = await self.open_stream(it, context)
+        if job is None:
             return
 
         async def reader() -> None:
