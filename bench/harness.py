@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 from . import server_stats
-from .workload import LevelResult, Workload, run_level
+from .workload import WORKLOADS, LevelResult, Workload, run_level
 
 STAGES = ("thinker", "talker", "code2wav")
 
@@ -48,8 +49,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default="",
                    help="a device per stage, e.g. thinker=cuda:0,talker=cuda:1,code2wav=cuda:1 (the two-GPU layout); "
                         "stages not named use --device")
-    p.add_argument("--text-tokens", type=int, default=48, help="forced text tokens (workload default 48)")
-    p.add_argument("--frames", type=int, default=125, help="forced codec frames (workload default 125)")
+    p.add_argument("--workload", default="seedtts-like", choices=sorted(WORKLOADS),
+                   help="BENCHMARK.md workload: seedtts-like (100-token prompt, 48 tokens, 125 frames) or "
+                        "long-prompt (2,500-token prompt, 900 tokens, proportional audio: 2,344 frames)")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="override the workload's prompt length")
+    p.add_argument("--text-tokens", type=int, default=0, help="override the workload's forced text tokens")
+    p.add_argument("--frames", type=int, default=0, help="override the workload's forced codec frames")
+
+
+def workload_from(args) -> Workload:
+    """The named workload with any of --prompt-tokens / --text-tokens / --frames overriding it."""
+    base = WORKLOADS[args.workload]
+    return dataclasses.replace(base, prompt_tokens=args.prompt_tokens or base.prompt_tokens,
+                               text_tokens=args.text_tokens or base.text_tokens, frames=args.frames or base.frames)
 
 
 def stage_devices(spec: str) -> dict[str, str]:
@@ -255,16 +267,14 @@ def load_tokenizer(model: str, cfg):
 
 
 def run_inprocess(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
-    from voxpipe.cli import build_parser
-
     from .inprocess import InProcessPipeline
 
-    ns = build_parser().parse_args(["thinker", "--model", model, "--device", args.device, "--load-format",
-                                    args.load_format, "--max-batch", str(args.max_batch)] + args.extra.split())
+    argv = ["--model", model, "--device", args.device, "--load-format", args.load_format,
+            "--max-batch", str(args.max_batch)] + args.extra.split()
 
     async def go():
         print("inprocess: building the engines", flush=True)
-        pipe = InProcessPipeline(ns, stage_devices(args.devices))
+        pipe = InProcessPipeline.from_argv(argv, stage_devices(args.devices))
         try:
             return await _levels(pipe.stream, lambda i: wl.request(cfg, i), args, "inprocess",
                                  server_stats.registry_source())
@@ -337,7 +347,7 @@ def run(args) -> int:
         import openai  # noqa: F401  (fail now, not after the reference and the service start-up)
     model = args.model or str(released_config_path())
     cfg = OmniConfig.load(model)
-    wl = Workload(text_tokens=args.text_tokens, frames=args.frames)
+    wl = workload_from(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     repo = Path(__file__).resolve().parents[1]
@@ -355,7 +365,8 @@ def run(args) -> int:
         cfg_path = model if model.endswith(".json") else str(Path(model) / "config.json")
         print("transformers reference: starting", flush=True)
         proc = subprocess.run([sys.executable, "-m", "voxpipe.bench.reference", "--config", cfg_path,
-                               "--device", args.device, "--text-tokens", str(wl.text_tokens), "--frames", str(wl.frames)],
+                               "--device", args.device, "--prompt-tokens", str(wl.prompt_tokens),
+                               "--text-tokens", str(wl.text_tokens), "--frames", str(wl.frames)],
                               capture_output=True, text=True, timeout=420)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
         if proc.returncode == 0 and lines:

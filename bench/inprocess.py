@@ -17,17 +17,30 @@ from voxpipe.v1 import stages_pb2 as pb
 
 
 class InProcessPipeline:
-    def __init__(self, args: argparse.Namespace, devices: dict[str, str] | None = None) -> None:
-        """`devices`: a device per stage (default: args.device for all)."""
-        def on(stage: str, **extra) -> argparse.Namespace:
-            return argparse.Namespace(**{**vars(args), "device": (devices or {}).get(stage, args.device), **extra})
-
-        self.thinker, self.cfg = thinker_server.build(on("thinker"))
-        self.talker = talker_server.build(on("talker"))
-        args_c2w = on("code2wav", first_chunk_frames=1, chunk_frames=1)
-        self.code2wav = code2wav_server.build(args_c2w)
+    def __init__(self, stage_args: dict[str, argparse.Namespace]) -> None:
+        """`stage_args`: each stage's parsed service arguments (`voxpipe <stage> ...`)."""
+        self.thinker, self.cfg = thinker_server.build(stage_args["thinker"])
+        self.talker = talker_server.build(stage_args["talker"])
+        self.code2wav = code2wav_server.build(stage_args["code2wav"])
         for s in (self.thinker, self.talker, self.code2wav):
             s.engine.start()
+
+    @classmethod
+    def from_argv(cls, argv: list[str], devices: dict[str, str] | None = None,
+                  stage_argv: dict[str, list[str]] | None = None) -> "InProcessPipeline":
+        """Each stage parsed as its service would be: `voxpipe <stage> *argv *stage_argv[stage]`
+        (so each keeps its own defaults, e.g. the talker's longer --max-len), on devices[stage]
+        when given. Code2wav sends a chunk per frame, as the split services do."""
+        from voxpipe.cli import build_parser
+
+        parser = build_parser()
+        args = {}
+        for stage in ("thinker", "talker", "code2wav"):
+            extra = list((stage_argv or {}).get(stage, []))
+            if devices and stage in devices:
+                extra += ["--device", devices[stage]]
+            args[stage] = parser.parse_args([stage, *argv, *extra])
+        return cls(args)
 
     def close(self) -> None:
         for s in (self.thinker, self.talker, self.code2wav):

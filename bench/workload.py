@@ -74,6 +74,13 @@ class Workload:
                            voice=self.speaker, max_tokens=self.text_tokens, max_audio_frames=self.frames + 1)
 
 
+# BENCHMARK.md's workloads; "long-prompt" keeps seedtts-like's audio per text token (125 / 48)
+WORKLOADS = {
+    "seedtts-like": Workload(),
+    "long-prompt": Workload(name="long-prompt", prompt_tokens=2500, text_tokens=900, frames=round(900 * 125 / 48)),
+}
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     """One workload request as an OpenAI chat completion (see `Workload.chat`)."""

@@ -23,8 +23,7 @@ PROMPTS = ["Hi.", "Tell me a long story about a lighthouse keeper.", "What is tw
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_model_dir):
-    ns = build_parser().parse_args(["thinker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"])
-    pipe = InProcessPipeline(ns)
+    pipe = InProcessPipeline.from_argv(["--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"])
     yield pipe
     pipe.close()
 
@@ -82,9 +81,8 @@ def test_requests_arriving_together_are_prefilled_together_and_equal_alone(pipel
 
 @pytest.fixture(scope="module")
 def chunked_pipeline(tiny_model_dir):
-    ns = build_parser().parse_args(["thinker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4",
-                                    "--prefill-chunk", "7"])
-    pipe = InProcessPipeline(ns)
+    pipe = InProcessPipeline.from_argv(["--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"],
+                                       stage_argv={"thinker": ["--prefill-chunk", "7"]})
     yield pipe
     pipe.close()
 
@@ -123,9 +121,8 @@ def test_short_prompts_pass_long_ones_waiting_for_the_chunked_prefill(tiny_model
     """Two long prompts (chunked 16 tokens per step) then a short one: the first long prompt is
     being prefilled, the second waits for it, and the short one does not wait behind the second:
     its first token comes before either long prompt's."""
-    ns = build_parser().parse_args(["thinker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4",
-                                    "--prefill-chunk", "16"])
-    pipe = InProcessPipeline(ns)
+    pipe = InProcessPipeline.from_argv(["--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"],
+                                       stage_argv={"thinker": ["--prefill-chunk", "16"]})
     order: list[str] = []
 
     async def first_text(req: SpeechRequest) -> None:
