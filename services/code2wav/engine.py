@@ -18,7 +18,7 @@ import torch
 from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.config import Code2WavConfig
-from ..runtime.cuda_graphs import GraphedStep, buckets
+from ..runtime.cuda_graphs import GraphedStep, buckets, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
 from .model import Code2WavModel, StreamStore
 
@@ -62,7 +62,7 @@ class Code2WavEngine(StageEngine):
         dtype = next(model.parameters()).dtype
         self.store = StreamStore(model, max_active, dtype, device)
         self.graphs = self.first_graphs = None
-        if cuda_graphs and device.type == "cuda":
+        if cuda_graphs and graphs_available(device):
             q = cfg.num_quantizers
             example = (torch.zeros(max_active, q, 1, dtype=torch.long, device=device),
                        torch.full((max_active,), self.store.scratch, dtype=torch.long, device=device),

@@ -1,18 +1,33 @@
 """CUDA graphs for engine steps: one graph per (batch bucket, length bucket), captured at start into
 one shared memory pool, largest first; a step replays the smallest bucket that fits (padding rows
 compute garbage that nobody reads). Decode steps bucket the attended KV length; prefills bucket
-the padded prompt length."""
+the padded prompt length.
+
+Graph plans off the GPU: with `VOXPIPE_EMULATE_GRAPHS=1` (read at import; tests set `EMULATE`) the
+engines build their GraphedSteps on any device, and a "replay" runs the captured function eagerly
+on the same static, padded, bucketed inputs. Everything about a step's plan -- buckets, padding
+rows, pad values, the corner copies -- then runs on the CPU exactly as it does on the GPU; only the
+capture itself is not exercised."""
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+EMULATE = os.environ.get("VOXPIPE_EMULATE_GRAPHS", "0") == "1"
+
+
+def graphs_available(device: torch.device) -> bool:
+    """Whether engines on `device` build GraphedSteps (CUDA, or anywhere under EMULATE)."""
+    return device.type == "cuda" or EMULATE
 
 
 def buckets(limit: int, first: int = 1) -> list[int]:
@@ -40,6 +55,9 @@ class GraphedStep:
         self.batch_sizes, self.kv_lens = sorted(batch_sizes), sorted(kv_lens)
         self.static = tuple(t.clone() for t in example)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.emulated = self.static[0].device.type != "cuda"
+        if self.emulated:
+            return
         t0 = time.perf_counter()
         with torch.cuda.device(self.static[0].device):   # streams and the pool on the inputs' GPU
             self._capture(fn)
@@ -77,6 +95,9 @@ class GraphedStep:
             dst[tuple(slice(0, d) for d in src.shape)].copy_(src, non_blocking=True)
             if fill is not None and nb > n:
                 dst[n:nb].fill_(fill)
-        graph, out = self.graphs[(nb, kb)]
-        graph.replay()
+        if self.emulated:
+            out = self.fn(nb, kb, *(t[:nb] for t in self.static))
+        else:
+            graph, out = self.graphs[(nb, kb)]
+            graph.replay()
         return tuple(o[:n] for o in out)

@@ -20,7 +20,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime import metrics
 from ..runtime.config import TalkerConfig
-from ..runtime.cuda_graphs import GraphedStep, buckets
+from ..runtime.cuda_graphs import GraphedStep, buckets, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache
 from ..runtime.sampling import SamplingParams, choose
@@ -85,7 +85,7 @@ class TalkerEngine(StageEngine):
         self.suppress = suppress
         self.seen = torch.zeros(max_active, t.vocab_size, dtype=torch.bool, device=device)  # codec-0 ids per slot
         self.step_graphs = self.predictor_graphs = self.prefill_graphs = None
-        if cuda_graphs and device.type == "cuda":
+        if cuda_graphs and graphs_available(device):
             try:
                 self._capture(max_active, max_len, min(prefill_graph_len, max_len))
             except Exception:  # capture problems must not take the service down: run eagerly

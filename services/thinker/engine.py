@@ -15,7 +15,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
-from ..runtime.cuda_graphs import GraphedStep, buckets
+from ..runtime.cuda_graphs import GraphedStep, buckets, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache, SlotStep
 from ..runtime.sampling import SamplingParams, apply_repetition_penalty, choose
@@ -101,7 +101,7 @@ class ThinkerEngine(StageEngine):
         with torch.inference_mode():
             self.tts_special = model.model.embed_tokens(special).cpu()
             self.graphs = self.prefill_graphs = None
-            if cuda_graphs and device.type == "cuda":
+            if cuda_graphs and graphs_available(device):
                 try:
                     self._capture(max_active, max_len, min(prefill_graph_len, max_len))
                 except Exception:  # capture problems must not take the service down: run eagerly

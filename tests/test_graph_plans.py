@@ -1,0 +1,76 @@
+"""The engines' CUDA-graph step plans, run on the CPU: with graph emulation on
+(services.runtime.cuda_graphs.EMULATE) every stage builds its GraphedSteps and each "replay" runs
+the captured function eagerly on the static, padded, bucketed inputs -- the thinker's prefill
+(batch x length buckets) and decode (batch x KV-length buckets, padding rows), the talker's prefill,
+step and 15-pass predictor, code2wav's first-frame and one-frame steps (padding rows on the scratch
+slot). Only the capture itself is left to the GPU checks (bench/gpu_check.py). Each request must get
+what the plain eager engines give it, alone and when requests share steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from test_batching import PROMPTS, _collect, _request
+from voxpipe.bench.inprocess import InProcessPipeline
+from voxpipe.services.runtime import cuda_graphs
+
+
+def _pipeline(tiny_model_dir, emulate: bool, monkeypatch) -> InProcessPipeline:
+    monkeypatch.setattr(cuda_graphs, "EMULATE", emulate)
+    return InProcessPipeline.from_argv(["--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"],
+                                       stage_argv={"thinker": ["--prefill-chunk", "24"]})
+
+
+def test_graph_plans_equal_eager_engines(tiny_model_dir, tokenizer, omni_config, monkeypatch):
+    eager = _pipeline(tiny_model_dir, False, monkeypatch)
+    graphed = _pipeline(tiny_model_dir, True, monkeypatch)
+    try:
+        assert eager.thinker.engine.graphs is None and eager.code2wav.engine.graphs is None
+        for eng in (graphed.thinker.engine, graphed.talker.engine, graphed.code2wav.engine):
+            assert eng.graphs if hasattr(eng, "graphs") else eng.step_graphs
+        assert graphed.thinker.engine.prefill_graphs.emulated and graphed.talker.engine.predictor_graphs.emulated
+        # different prompt lengths; one longer than --prefill-chunk (chunked, then decoded in the graphs)
+        texts = PROMPTS + ["Please describe, in some detail, how a lighthouse lens focuses its light at night."]
+        reqs = [_request(tokenizer, omni_config, t, i) for i, t in enumerate(texts)]
+        assert max(len(r.token_ids) for r in reqs) > 24 >= min(len(r.token_ids) for r in reqs)
+
+        async def run(pipe):
+            alone = [await _collect(pipe, r) for r in reqs]
+            together = await asyncio.gather(*(_collect(pipe, r) for r in reqs))
+            return alone, together
+
+        want, _ = asyncio.run(run(eager))
+        alone, together = asyncio.run(run(graphed))
+    finally:
+        eager.close()
+        graphed.close()
+    for got in (alone, together):
+        for (ids_w, codes_w, audio_w), (ids_g, codes_g, audio_g) in zip(want, got):
+            assert ids_g == ids_w
+            assert torch.equal(codes_g, codes_w)
+            assert audio_g.shape == audio_w.shape and (audio_g - audio_w).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_graphed_step_pads_and_buckets(n):
+    """GraphedStep's own plan: inputs copied into the leading corner of the static tensors, rows past
+    the batch set to the pad value, the smallest bucket that fits chosen, outputs cut back to n."""
+    seen = []
+
+    def fn(nb, kb, x, slots):
+        seen.append((nb, kb, slots.clone()))
+        return (x[:, :kb].sum(-1) + slots,)
+
+    step = cuda_graphs.GraphedStep(fn, (torch.zeros(4, 8), torch.zeros(4, dtype=torch.long)), [1, 2, 4], [4, 8],
+                                   "test", pad=(None, 99))
+    assert step.emulated
+    x = torch.arange(n * 3, dtype=torch.float).view(n, 3)
+    (out,) = step(n, 3, x, torch.arange(n))
+    nb = 1 if n == 1 else 4
+    assert seen[-1][:2] == (nb, 4)
+    assert seen[-1][2][n:].tolist() == [99] * (nb - n)
+    assert torch.equal(out, x.sum(-1) + torch.arange(n))
