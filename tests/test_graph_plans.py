@@ -73,3 +73,32 @@ def test_graphed_step_pads_and_buckets(n):
     assert seen[-1][:2] == (nb, 4)
     assert seen[-1][2][n:].tolist() == [99] * (nb - n)
     assert torch.equal(out, x.sum(-1) + torch.arange(n))
+
+
+def test_padded_prefill_rows_write_only_the_scratch_slot(tiny_model_dir, monkeypatch):
+    """A graphed prefill of 3 prompts runs the 4-row bucket: the padding row writes the scratch KV row
+    and no sequence's slot, and the 3 prompts' logits equal one eager prefill each."""
+    pipe = _pipeline(tiny_model_dir, True, monkeypatch)
+    try:
+        eng = pipe.thinker.engine
+        class Owner:
+            slot = None
+        slots = [eng.cache.allocate(Owner()) for _ in range(3)]
+        before = eng.cache.k[0][3:eng.cache.scratch].clone()       # free slots 3.. must stay untouched
+        eng.cache.k[0][eng.cache.scratch].fill_(7.0)                # the padding row must overwrite this
+        gen = torch.Generator().manual_seed(0)
+        lens = (19, 7, 12)
+        with torch.inference_mode():
+            embeds = [eng.model.model.embed_tokens(torch.randint(0, eng.cfg.text.vocab_size, (n,), generator=gen))
+                      for n in lens]
+            x = torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True)
+            last = torch.tensor([n - 1 for n in lens])
+            (got,) = eng.prefill_graphs(3, max(lens), x, last, torch.tensor(slots))
+            assert eng.prefill_graphs.static[2][3].item() == eng.cache.scratch
+            assert torch.equal(eng.cache.k[0][3:eng.cache.scratch], before)
+            assert not (eng.cache.k[0][eng.cache.scratch, :, :max(lens)] == 7.0).any()
+            want = [eng._prefill_fn(1, n, e[None], torch.tensor([n - 1]), torch.tensor([s]))[0]
+                    for n, e, s in zip(lens, embeds, slots)]
+        assert torch.allclose(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+    finally:
+        pipe.close()

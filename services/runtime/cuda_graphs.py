@@ -82,12 +82,6 @@ class GraphedStep:
     def fits(self, n: int, kv_len: int) -> bool:
         return n <= self.batch_sizes[-1] and kv_len <= self.kv_lens[-1]
 
-    def exact_batch(self, limit: int) -> int:
-        """The largest captured batch size <= limit (0 if none): steps that must not have padding
-        rows (a prefill's rows write KV slots) take exactly that many requests."""
-        i = bisect.bisect_right(self.batch_sizes, limit)
-        return self.batch_sizes[i - 1] if i else 0
-
     def __call__(self, n: int, kv_len: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         nb = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         kb = self.kv_lens[bisect.bisect_left(self.kv_lens, kv_len)]

@@ -61,11 +61,14 @@ class SlotStep:
 
 
 class SlotKVCache:
-    """Per-layer K/V tensors [slots, Hkv, max_len, D]; `bind(step)` returns the view layers use."""
+    """Per-layer K/V tensors [slots, Hkv, max_len, D]; `bind(step)` returns the view layers use.
+    Row `scratch` (= num_slots, one past the slots sequences get) takes the writes of a CUDA-graph
+    batch's padding rows; nothing reads it."""
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.scratch = num_slots
+        shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots, self.max_len = num_slots, max_len

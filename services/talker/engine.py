@@ -73,7 +73,6 @@ class TalkerEngine(StageEngine):
         rows together (right-padded); prompts up to `prefill_graph_len` rows replay CUDA graphs."""
         super().__init__(max_active)
         self.prefill_batch, self.prefill_tokens = prefill_batch, prefill_tokens
-        self.prefill_graph_len = min(prefill_graph_len, max_len)
         self.model, self.cfg, self.device = model, cfg, device
         self.dtype = next(model.parameters()).dtype
         t = cfg.text
@@ -100,7 +99,8 @@ class TalkerEngine(StageEngine):
             self.prefill_graphs = GraphedStep(
                 self._prefill_fn, (torch.zeros(n, prefill_len, h, dtype=self.dtype, device=dev),
                                    torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)),
-                buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill")
+                buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill",
+                pad=(None, 0, self.cache.scratch))          # padding rows write the scratch KV row
         except Exception:
             log.exception("talker: prefill CUDA graph capture failed; prefilling eagerly")
             self.prefill_graphs = None
@@ -182,7 +182,7 @@ class TalkerEngine(StageEngine):
 
     def _admit(self) -> list[TalkerJob]:
         """Requests whose first text row is usable, in arrival order, as many as the batch and the
-        free slots allow (with graphs: exactly a captured batch size). A request the thinker gave
+        free slots and the padded-row budget allow. A request the thinker gave
         nothing speakable finishes at once. Each leaves `waiting` only once it holds a slot and
         sits in `running`."""
         for job in [j for j in self.waiting if self._prefill_ready(j) and j.row_state(0) != "row"]:
@@ -196,8 +196,6 @@ class TalkerEngine(StageEngine):
                 break
             jobs.append(job)
             longest = max(longest, rows)
-        if jobs and self.prefill_graphs is not None and longest <= self.prefill_graph_len:
-            jobs = jobs[:self.prefill_graphs.exact_batch(len(jobs))]
         for job in jobs:
             job.slot = self.cache.allocate(job)
             self.seen[job.slot] = False
@@ -271,7 +269,7 @@ class TalkerEngine(StageEngine):
         last = torch.tensor([j.prompt_len - 1 for j in jobs]).to(dev, non_blocking=True)
         slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
         g = self.prefill_graphs
-        if g is not None and g.fits(n, s) and g.exact_batch(n) == n:
+        if g is not None and g.fits(n, s):   # padding rows go to the scratch KV row
             return g(n, s, x, last, slots)
         return self._prefill_fn(n, s, x, last, slots)
 

@@ -120,7 +120,8 @@ class ThinkerEngine(StageEngine):
                 lambda *args: self._prefill_fn(*args)[:1],
                 (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
                  torch.arange(n, dtype=torch.long, device=dev)),
-                buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill")
+                buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill",
+                pad=(None, 0, self.cache.scratch))          # padding rows write the scratch KV row
         except Exception:
             log.exception("thinker: prefill CUDA graph capture failed; prefilling eagerly")
             self.prefill_graphs = None
@@ -166,7 +167,7 @@ class ThinkerEngine(StageEngine):
 
     def _admit(self) -> list[ThinkerJob]:
         """Waiting requests to prefill now, in arrival order: as many short prompts as fit the batch,
-        the padded token budget and the free slots (with graphs: exactly a captured batch size), and
+        the padded token budget and the free slots, and
         the first long prompt when no chunked prefill is running. Long prompts that must wait for the
         running chunked prefill do not hold up the short ones behind them. Each request leaves
         `waiting` only once it holds a slot and sits in `running`."""
@@ -189,9 +190,6 @@ class ThinkerEngine(StageEngine):
                 break
             jobs.append(job)
             longest = longest_next
-        eager = any(j.talker_rows and j.audio for j in jobs)   # keeps a hidden layer for the talker: no graph
-        if self.prefill_graphs is not None and not eager and self.prefill_graphs.fits(1, longest):
-            jobs = jobs[:self.prefill_graphs.exact_batch(len(jobs))]
         for job in jobs:
             job.slot = self.cache.allocate(job)
             job.mark_started()
@@ -212,7 +210,7 @@ class ThinkerEngine(StageEngine):
         last = torch.tensor([len(j.prompt) - 1 for j in jobs]).to(dev, non_blocking=True)
         slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
         g = self.prefill_graphs
-        if keep is None and g is not None and g.fits(n, s) and g.exact_batch(n) == n:
+        if keep is None and g is not None and g.fits(n, s):   # padding rows go to the scratch KV row
             (logits,), hidden = g(n, s, x, last, slots), None
         else:
             logits, hidden = self._prefill_fn(n, s, x, last, slots, keep)
