@@ -61,6 +61,24 @@ def profile_one(engine, label: str) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=48), flush=True)
 
 
+def admit_and_measure(eng, label: str, b: int, first: bool) -> None:
+    """Step until the b submitted requests all hold a slot (prefills in batches, plus a decode of
+    everyone admitted so far), then time 20 steps of all b; profile one step for the first batch
+    size; then drop them."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while eng.waiting:
+        eng.step()
+    torch.cuda.synchronize()
+    prefill_ms = (time.perf_counter() - t0) / b * 1000.0
+    for _ in range(3):
+        eng.step()
+    report(label, b, timed_steps(eng, 20), prefill_plus_decode_ms_per_admission=round(prefill_ms, 1))
+    if first:
+        profile_one(eng, f"{label}, batch {b}")
+    drop_all(eng)
+
+
 @torch.inference_mode()
 def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
     model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
@@ -79,18 +97,7 @@ def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
         for j in jobs:
             j.prompt[-3:] = [cfg.thinker.tokens.im_start, cfg.thinker.tokens.assistant, 198]
             eng.submit(j)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        while eng.waiting:
-            eng.step()              # prefills in batches (+ a decode of everyone admitted)
-        torch.cuda.synchronize()
-        prefill_ms = (time.perf_counter() - t0) / b * 1000.0
-        for _ in range(3):
-            eng.step()
-        report("thinker decode", b, timed_steps(eng, 20), prefill_plus_decode_ms_per_admission=round(prefill_ms, 1))
-        if b == batches[0]:
-            profile_one(eng, f"thinker decode batch {b}")
-        drop_all(eng)
+        admit_and_measure(eng, "thinker decode", b, first=b == batches[0])
     del eng, model
     torch.cuda.empty_cache()
 
@@ -110,19 +117,7 @@ def talker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
                             params=SamplingParams(repetition_penalty=1.05), max_frames=10_000, min_frames=10_000)
             job.rows.extend(torch.randn(1500, h).bfloat16().unbind(0))
             eng.submit(job)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        while eng.waiting:
-            eng.step()
-        torch.cuda.synchronize()
-        prefill_ms = (time.perf_counter() - t0) / b * 1000.0
-        for _ in range(3):
-            eng.step()
-        report("talker step + code predictor (one frame each)", b, timed_steps(eng, 20),
-               prefill_plus_decode_ms_per_admission=round(prefill_ms, 1))
-        if b == batches[0]:
-            profile_one(eng, f"talker frame batch {b}")
-        drop_all(eng)
+        admit_and_measure(eng, "talker step + code predictor (one frame each)", b, first=b == batches[0])
     del eng, model
     torch.cuda.empty_cache()
 

@@ -6,6 +6,8 @@ are covered against transformers in test_e2e.py."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -234,3 +236,9 @@ def test_talker_prefill_batch_respects_the_padded_row_budget(tiny_model_dir):
 
     # 10, 40, 20 fit (3 x 49 rows); adding 5 would make 4 x 49 > budget; then 5 and 30 fit together
     assert asyncio.run(admit()) == [3, 2]
+
+
+def test_thinker_refuses_a_prefill_chunk_below_one(tiny_model_dir):
+    proc = subprocess.run([sys.executable, "-m", "voxpipe.cli", "thinker", "--model", str(tiny_model_dir),
+                           "--device", "cpu", "--prefill-chunk", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--prefill-chunk must be at least 1, got 0" in proc.stderr

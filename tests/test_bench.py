@@ -36,3 +36,16 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
     md = (out / "results.md").read_text()
     assert "| transformers | 1 |" in md and "Server side" in md
     assert "gateway vs transformers at c=1" in md and "c=2: gateway / in-process TTFP p50" in md
+
+
+def test_bench_rejects_a_bad_devices_spec():
+    from voxpipe.bench.harness import stage_devices
+
+    assert stage_devices("thinker=cuda:0,talker=cuda:1") == {"thinker": "cuda:0", "talker": "cuda:1"}
+    for bad in ("vocoder=cuda:1", "thinker", "talker="):
+        try:
+            stage_devices(bad)
+        except SystemExit as e:
+            assert "--devices: expected STAGE=DEVICE" in str(e) and repr(bad.split(",")[0]) in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")

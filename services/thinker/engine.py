@@ -220,7 +220,7 @@ class ThinkerEngine(StageEngine):
             if j.talker_rows:
                 p = len(j.prompt)
                 kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
-                prompt = talker_prompt(self.cfg, ids[b].cpu(), embeds[b].cpu(), kept, self.tts_special)
+                prompt = talker_prompt(self.cfg, torch.tensor(j.prompt), embeds[b].cpu(), kept, self.tts_special)
                 j.outbox.put(pb.ThinkerResponse(talker_prompt=prompt))
         self._emit(jobs, logits)
 
