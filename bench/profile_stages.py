@@ -58,13 +58,16 @@ def profile_one(engine, label: str) -> None:
     print(f"--- {label}: one step, top ops by CPU time", flush=True)
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=48), flush=True)
     print(f"--- {label}: top ops by CUDA time", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=48), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=72), flush=True)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time for e in kernels)
+    print(json.dumps({"profile": label, "kernels": len(kernels), "kernel_us": round(busy, 1)}), flush=True)
 
 
-def admit_and_measure(eng, label: str, b: int, first: bool) -> None:
+def admit_and_measure(eng, label: str, b: int, first: bool, last: bool = False) -> None:
     """Step until the b submitted requests all hold a slot (prefills in batches, plus a decode of
     everyone admitted so far), then time 20 steps of all b; profile one step for the first batch
-    size; then drop them."""
+    and the last batch sizes; then drop them."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while eng.waiting:
@@ -74,7 +77,7 @@ def admit_and_measure(eng, label: str, b: int, first: bool) -> None:
     for _ in range(3):
         eng.step()
     report(label, b, timed_steps(eng, 20), prefill_plus_decode_ms_per_admission=round(prefill_ms, 1))
-    if first:
+    if first or last:
         profile_one(eng, f"{label}, batch {b}")
     drop_all(eng)
 
@@ -97,7 +100,7 @@ def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
         for j in jobs:
             j.prompt[-3:] = [cfg.thinker.tokens.im_start, cfg.thinker.tokens.assistant, 198]
             eng.submit(j)
-        admit_and_measure(eng, "thinker decode", b, first=b == batches[0])
+        admit_and_measure(eng, "thinker decode", b, first=b == batches[0], last=b == batches[-1])
     del eng, model
     torch.cuda.empty_cache()
 
@@ -117,7 +120,8 @@ def talker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
                             params=SamplingParams(repetition_penalty=1.05), max_frames=10_000, min_frames=10_000)
             job.rows.extend(torch.randn(1500, h).bfloat16().unbind(0))
             eng.submit(job)
-        admit_and_measure(eng, "talker step + code predictor (one frame each)", b, first=b == batches[0])
+        admit_and_measure(eng, "talker step + code predictor (one frame each)", b, first=b == batches[0],
+                          last=b == batches[-1])
     del eng, model
     torch.cuda.empty_cache()
 
