@@ -80,7 +80,7 @@ def main() -> None:
     kernels.ENABLED = False
     plain = te._step_fn(3, 128, x, start)
     kernels.ENABLED = True
-    results.append(compare("talker step: Triton kernels (norms, rope, routing) vs PyTorch ops", eager[0], plain[0]))
+    results.append(compare("talker step: Triton kernels (norms, rope, routing, SwiGLU) vs PyTorch ops", eager[0], plain[0]))
     layers.GROUPED_MM = False
     looped = te._step_fn(3, 128, x, start)
     layers.GROUPED_MM = True
@@ -91,6 +91,14 @@ def main() -> None:
     g_codes, g_sum = te.predictor_graphs(3, 1, hid, c0)
     results.append(compare("code predictor: graph vs eager codes", g_codes, e_codes))
     results.append(compare("code predictor: graph vs eager next input", g_sum, e_sum))
+    kernels.ENABLED = False
+    p_codes, p_sum = te._predict_fn(3, 1, hid, c0)
+    kernels.ENABLED = True
+    rec = compare("code predictor: Triton kernels (rope, fused attention, SwiGLU) vs PyTorch ops, next input", e_sum, p_sum)
+    rec["codes_equal_fraction"] = float((e_codes == p_codes).float().mean())   # random weights: near-ties can flip
+    print(json.dumps({"check": "code predictor: kernels vs PyTorch ops, codes",
+                      "codes_equal_fraction": rec["codes_equal_fraction"]}), flush=True)
+    results.append(rec)
     del te, talker
     torch.cuda.empty_cache()
 
@@ -119,7 +127,7 @@ def main() -> None:
     kernels.ENABLED = False
     (plain,) = th._decode_fn(2, 128, ids, start)
     kernels.ENABLED = True
-    results.append(compare("thinker decode: Triton kernels (norms, rope, routing) vs PyTorch ops", e, plain))
+    results.append(compare("thinker decode: Triton kernels (norms, rope, routing, SwiGLU) vs PyTorch ops", e, plain))
     layers.GROUPED_MM = False
     (lp,) = th._decode_fn(2, 128, ids, start)
     layers.GROUPED_MM = True

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from voxpipe.kernels import moe, rmsnorm, rope, sampling, snakebeta
+from voxpipe.kernels import attention, glu, moe, rmsnorm, rope, sampling, snakebeta
 
 ATOL, RTOL, BUDGET_16 = 1e-5, 1e-5, 1.25
 EPS = 1e-6
@@ -147,6 +147,24 @@ def main() -> int:
         err["ok"] = err["same_probabilities"] and err["weights_max_abs_err"] <= 2 ** -7 * float(ref_w.float().abs().max())
         lines.append(report("moe_route", logits.shape, logits.dtype, err, lambda: moe.kernel(logits, k, True),
                             lambda: moe.reference(logits, k, True)))
+    for rows, width in ((1, 2 * 3072), (64, 2 * 3072), (512, 2 * 768)):
+        x = (torch.randn(rows, width, device=dev) * 3).to(torch.bfloat16)
+        assert glu.eligible(x)
+        err = budget_error(glu.kernel(x), glu.reference(x), glu.reference(x.float()))
+        lines.append(report("swiglu", x.shape, x.dtype, err, lambda: glu.kernel(x), lambda: glu.reference(x)))
+    for b, past, s in ((1, 0, 2), (1, 8, 1), (64, 15, 1)):   # code predictor: 16 / 8 heads of 128, 16 positions
+        hq, hkv, d, length, dt = 16, 8, 128, 16, torch.bfloat16
+        qkv = torch.randn(b, s, (hq + 2 * hkv) * d, device=dev).to(dt)
+        q, k, v = (qkv[..., :hq * d].view(b, s, hq, d), qkv[..., hq * d:(hq + hkv) * d].view(b, s, hkv, d),
+                   qkv[..., (hq + hkv) * d:].view(b, s, hkv, d))
+        kc, vc = (torch.randn(b, hkv, length, d, device=dev).to(dt) for _ in range(2))
+        assert attention.eligible(q, k, v, kc, vc, past)
+        got = attention.kernel(q, k, v, kc.clone(), vc.clone(), past, d ** -0.5)
+        ref16 = attention.reference(q, k, v, kc.clone(), vc.clone(), past, d ** -0.5)
+        ref32 = attention.reference(q.float(), k.float(), v.float(), kc.float(), vc.float(), past, d ** -0.5)
+        lines.append(report("short_attention", (b, past, s, hq, hkv, d), dt, budget_error(got, ref16, ref32),
+                            lambda: attention.kernel(q, k, v, kc, vc, past, d ** -0.5),
+                            lambda: attention.reference(q, k, v, kc, vc, past, d ** -0.5)))
     return 0 if all(line["ok"] for line in lines) else 1
 
 

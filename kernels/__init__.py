@@ -6,13 +6,15 @@ with the same contract (see each module's docstring):
 - `sampling`: greedy "suppress mask + banned id + argmax" over [B, V] logits
 - `rope`: per-head q/k RMSNorm + rotary embedding, fused and in place
 - `moe`: MoE routing (float32 softmax + top-k + renormalisation) in one launch
+- `glu`: SwiGLU (silu(gate) * up) on a fused gate/up projection output
+- `attention`: a few new tokens over a short cache (the code predictor), cache append fused in
 
 Every module has `reference(...)`, `kernel(...)` (Triton) and `run(...)` which launches the kernel
 for eligible inputs and falls back to `reference` otherwise. Importing this package does not import
 Triton; a submodule is loaded on first attribute access (`voxpipe.kernels.rmsnorm`).
 
-`ENABLED` is the module-level switch the layers check before dispatching CUDA tensors here
-(default True; environment `VOXPIPE_KERNELS=0` turns it off). `run()` honours it too.
+`ENABLED` is the module-level switch the layers check (through `active(t)`) before dispatching CUDA
+tensors here (default True; environment `VOXPIPE_KERNELS=0` turns it off). `run()` honours it too.
 """
 
 from __future__ import annotations
@@ -21,8 +23,15 @@ import importlib
 import os
 
 ENABLED: bool = os.environ.get("VOXPIPE_KERNELS", "1") != "0"
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"   # Triton's CPU interpreter (tests)
 
-KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "rope", "moe")
+
+def active(t) -> bool:
+    """Whether the layers send tensor `t`'s work to these kernels: ENABLED, and `t` on a CUDA device
+    (or on the CPU under Triton's interpreter, so the CPU tests can run the layers' kernel path)."""
+    return ENABLED and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "rope", "moe", "glu", "attention")
 
 
 def __getattr__(name: str):

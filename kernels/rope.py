@@ -43,11 +43,20 @@ def reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
-def _token_major(x: torch.Tensor) -> bool:
-    """[B, S, H, D] with unit stride along D, D along H, and one stride per token across B and S."""
+def token_stride(x: torch.Tensor) -> int | None:
+    """For [B, S, H, D] with unit stride along D and D along H: the one stride between consecutive
+    tokens of the flattened B x S (None if there is none). Size-1 dimensions' strides do not count:
+    a decode step's [B, 1, H, D] column slice of a fused projection has stride(1) == H * D."""
     b, s, h, d = x.shape
-    return x.stride(3) == 1 and (h == 1 or x.stride(2) == d) and (b == 1 or x.stride(0) == s * x.stride(1)) \
-        and x.stride(1) >= h * d
+    if x.stride(3) != 1 or (h > 1 and x.stride(2) != d):
+        return None
+    if s == 1:
+        stride = x.stride(0) if b > 1 else h * d
+    elif b == 1 or x.stride(0) == s * x.stride(1):
+        stride = x.stride(1)
+    else:
+        return None
+    return stride if stride >= h * d else None
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
@@ -61,7 +70,8 @@ def eligible(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
             and k.shape[:2] == (b, s) and k.shape[3] == d and cos.shape == (b, s, d) and sin.shape == (b, s, d)
             and (q_weight is None) == (k_weight is None) and all(w.shape == (d,) for w in weights)
             and q.dtype in FLOAT_DTYPES and all(t.dtype == q.dtype for t in tensors)
-            and all(t.is_contiguous() for t in (cos, sin) + weights) and _token_major(q) and _token_major(k)
+            and all(t.is_contiguous() for t in (cos, sin) + weights) and token_stride(q) is not None
+            and token_stride(k) is not None
             and launchable(*tensors))
 
 
@@ -80,7 +90,7 @@ def kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     norm = q_weight is not None
     with device_of(q):
         _qk_rope[(b * s, hq + hkv)](q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos,
-                                    hq, q.stride(1), k.stride(1), eps, D=d, HAS_NORM=norm,
+                                    hq, token_stride(q), token_stride(k), eps, D=d, HAS_NORM=norm,
                                     num_warps=1 if d <= 128 else 2)
     return q, k
 

@@ -130,7 +130,7 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor, ctx: _SlotCtx | None = None) -> torch.Tensor:
-        if x.is_cuda and kernels.ENABLED:
+        if kernels.active(x):
             return kernels.snakebeta.run(x, self.alpha, self.beta)
         alpha = torch.exp(self.alpha)[None, :, None]
         beta = torch.exp(self.beta)[None, :, None]

@@ -5,8 +5,9 @@ rotated) and get [B, Hq, S, D] back.
 - `SlotKVCache`: one preallocated slot per running sequence (thinker, talker). A step is
   described by a `SlotStep` (which slots, where each sequence's new tokens start), or by the
   graph-friendly views `prefill_view` (whole prompts from position 0) and `decode_view`.
-- `GrowingCache`: a throwaway cache for short self-contained sequences (the code predictor's
-  16-position frame, tests).
+- `GrowingCache`: a throwaway cache for short self-contained sequences (tests).
+- `ShortCache`: preallocated keys for short self-contained sequences that advance together (the code
+  predictor's 16-position frame); also offers the token-major `attend_tokens` (fused kernel).
 - `SlidingWindowCache`: a per-slot ring of the last `window` keys (code2wav's pre-transformer).
 """
 
@@ -17,6 +18,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from voxpipe import kernels
 
 
 class AttentionCache(Protocol):
@@ -186,6 +189,47 @@ class GrowingCache:
         q_pos = torch.arange(total - s, total, device=q.device)
         mask = (torch.arange(total, device=q.device)[None, :] <= q_pos[:, None])[None, None]
         return _sdpa(q, k, v, mask.expand(q.shape[0], 1, s, total), scale)
+
+
+class ShortCache:
+    """Keys/values of B sequences of at most `max_len` positions that advance together: each call
+    appends S positions to every sequence (one `past` for all) and attends causally. Preallocated,
+    with static shapes: safe inside CUDA graphs. Besides `attend` it has `attend_tokens`, which takes
+    q/k/v token-major ([B, S, heads, D]) and returns [B, S, Hq * D] through the fused append +
+    attention kernel (`voxpipe.kernels.attention`)."""
+
+    def __init__(self, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.length = [0] * num_layers
+
+    def _advance(self, layer: int, s: int) -> int:
+        past = self.length[layer]
+        if past + s > self.k.shape[3]:
+            raise ValueError(f"ShortCache holds {self.k.shape[3]} positions; {past} + {s} asked")
+        self.length[layer] = past + s
+        return past
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        s = q.shape[2]
+        past = self._advance(layer, s)
+        total = past + s
+        kc, vc = self.k[layer], self.v[layer]
+        kc[:, :, past:total] = k
+        vc[:, :, past:total] = v
+        mask = None
+        if s > 1:
+            q_pos = torch.arange(past, total, device=q.device)
+            mask = (torch.arange(total, device=q.device)[None, :] <= q_pos[:, None])[None, None]
+            mask = mask.expand(q.shape[0], 1, s, total)
+        return _sdpa(q, kc[:, :, :total], vc[:, :, :total], mask, scale)
+
+    def attend_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        past = self._advance(layer, q.shape[1])
+        return kernels.attention.run(q, k, v, self.k[layer], self.v[layer], past, scale)
 
 
 class SlidingWindowCache:

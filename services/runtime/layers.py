@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and kernels.ENABLED:
+        if kernels.active(x):
             return kernels.rmsnorm.run(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
@@ -113,10 +113,13 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(b, s, hkv, d)
             v = self.v_proj(x).view(b, s, hkv, d)
         cos, sin = rope
-        if x.is_cuda and kernels.ENABLED:  # q/k norm and rotation fused, in place
+        if kernels.active(x):  # q/k norm and rotation fused, in place
             norm = self.q_norm is not None
             q, k = kernels.rope.run(q, k, cos, sin, self.q_norm.weight if norm else None,
                                     self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
+            attend_tokens = getattr(cache, "attend_tokens", None)
+            if attend_tokens is not None:   # token-major in and out: cache append + attention in one kernel
+                return self.o_proj(attend_tokens(self.layer_idx, q, k, v, self.scale))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, S, D]
         else:
             if self.q_norm is not None:
@@ -141,7 +144,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if kernels.active(gate_up) and self.act is F.silu:
+                return self.down_proj(kernels.glu.run(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
@@ -201,8 +207,13 @@ class Experts(nn.Module):
         # end offset of each expert's rows (a cumulative bincount without a host sync)
         offs = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
         xs = x[order // k]
-        gate, up = torch._grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offs)
+        gate_up = torch._grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offs)
+        if kernels.ENABLED:
+            h = kernels.glu.run(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        y = torch._grouped_mm(h, self.down.transpose(1, 2), offs=offs)
         y = y * top_w.reshape(-1)[order, None].to(y.dtype)
         pairs = torch.empty_like(y)
         pairs[order] = y
@@ -244,7 +255,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x)
-        if logits.is_cuda and kernels.ENABLED:
+        if kernels.active(logits):
             return kernels.moe.run(logits, self.top_k, self.norm_topk)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
@@ -273,13 +284,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache) -> torch.Tensor:
-        if x.is_cuda and kernels.ENABLED:  # the residual add fused into the post-attention norm
-            norm = self.post_attention_layernorm
-            normed, x = kernels.rmsnorm.run_add(self.self_attn(self.input_layernorm(x), rope, cache), x,
-                                                norm.weight, norm.eps)
-            return x + self.mlp(normed)
         x = x + self.self_attn(self.input_layernorm(x), rope, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fused(self, residual: torch.Tensor, delta: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+              cache: AttentionCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel path of `forward`, with both residual adds fused into the following norms: the
+        layer's output is `residual + delta` (returned unsummed); `delta` coming in is the previous
+        layer's MLP output, added into `residual` by this layer's input norm."""
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        if delta is None:
+            normed = norm_in(residual)
+        else:
+            normed, residual = kernels.rmsnorm.run_add(delta, residual, norm_in.weight, norm_in.eps)
+        normed, residual = kernels.rmsnorm.run_add(self.self_attn(normed, rope, cache), residual,
+                                                   norm_post.weight, norm_post.eps)
+        return residual, self.mlp(normed)
 
 
 class DecoderStack(nn.Module):
@@ -301,6 +321,14 @@ class DecoderStack(nn.Module):
         if rope is None:
             rope = self.rotary(positions, x.dtype)
         kept = x if keep_hidden == 0 else None
+        if kernels.active(x):   # residual adds fused into the next norm (DecoderLayer.fused)
+            residual, delta = x, None
+            for i, layer in enumerate(self.layers):
+                residual, delta = layer.fused(residual, delta, rope, cache)
+                if keep_hidden == i + 1 and i + 1 < len(self.layers):
+                    kept = residual + delta
+            x, _ = kernels.rmsnorm.run_add(delta, residual, self.norm.weight, self.norm.eps)
+            return x, x if keep_hidden == len(self.layers) else kept
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache)
             if keep_hidden == i + 1:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..runtime.config import DecoderConfig, TalkerConfig
-from ..runtime.kv_cache import AttentionCache, GrowingCache
+from ..runtime.kv_cache import AttentionCache, ShortCache
 from ..runtime.layers import ACTIVATIONS, DecoderStack
 
 
@@ -56,7 +56,9 @@ class CodePredictor(nn.Module):
         """hidden, code0_embed: [B, H]. `pick(logits [B, V], group)` chooses codes [B].
         Returns residual codes [B, G-1] and the sum of their embeddings [B, H]."""
         b = hidden.shape[0]
-        cache = GrowingCache()
+        cfg = self.model.cfg
+        cache = ShortCache(cfg.num_layers, b, self.num_code_groups, cfg.num_kv_heads, cfg.head_dim,
+                           hidden.dtype, hidden.device)
         x = torch.stack((hidden, code0_embed), dim=1)                                # [B, 2, H]
         # rotary tables computed twice per frame instead of once per pass: positions 0, 1 for the
         # first pass, and positions 2 .. G-1 laid out position-major so each later pass reads a
