@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from voxpipe.kernels import attention, glu, moe, rmsnorm, rope, sampling, snakebeta
+from voxpipe.kernels import attention, experts, glu, moe, rmsnorm, rope, sampling, snakebeta
 
 ATOL, RTOL, BUDGET_16 = 1e-5, 1e-5, 1.25
 EPS = 1e-6
@@ -165,6 +165,32 @@ def main() -> int:
         lines.append(report("short_attention", (b, past, s, hq, hkv, d), dt, budget_error(got, ref16, ref32),
                             lambda: attention.kernel(q, k, v, kc, vc, past, d ** -0.5),
                             lambda: attention.reference(q, k, v, kc, vc, past, d ** -0.5)))
+    # routed experts of a decode step: the two-launch GEMV path vs the grouped-GEMM path it replaces
+    # (sort, offsets, gather, two grouped GEMMs, SwiGLU, weighting, scatter, sum, shared add)
+    from voxpipe.services.runtime.layers import Experts
+    for t, k, h, inter, with_shared in ((1, 8, 2048, 768, False), (8, 8, 2048, 768, False), (1, 6, 1024, 384, True),
+                                        (8, 6, 1024, 384, True)):
+        dt, e = torch.bfloat16, 128
+        ex = Experts(e, h, inter).to(dev, dt).requires_grad_(False)
+        ex.gate_up.normal_(0, h ** -0.5)
+        ex.down.normal_(0, inter ** -0.5)
+        x = torch.randn(t, h, device=dev).to(dt)
+        idx = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+        w = torch.softmax(torch.randn(t, k, device=dev), -1).to(dt)
+        sh = torch.randn(t, h, device=dev).to(dt) if with_shared else None
+        lg = torch.randn(t, 1, device=dev).to(dt) if with_shared else None
+
+        def grouped():
+            out = ex.grouped(x, idx, w)
+            return out + torch.sigmoid(lg) * sh if with_shared else out
+
+        args = (x, idx, w, ex.gate_up, ex.down, sh, lg)
+        assert experts.eligible(*args)
+        a32 = tuple(None if v is None else (v if v.dtype == torch.int64 else v.float()) for v in args)
+        err = budget_error(experts.kernel(*args), experts.reference(*args), experts.reference(*a32))
+        err["max_abs_vs_grouped"] = float((experts.kernel(*args).float() - grouped().float()).abs().max())
+        lines.append(report("moe_experts_gemv (reference column: the grouped-GEMM path)", (t, k, e, h, inter), dt, err,
+                            lambda: experts.kernel(*args), grouped))
     return 0 if all(line["ok"] for line in lines) else 1
 
 

@@ -8,6 +8,8 @@ with the same contract (see each module's docstring):
 - `moe`: MoE routing (float32 softmax + top-k + renormalisation) in one launch
 - `glu`: SwiGLU (silu(gate) * up) on a fused gate/up projection output
 - `attention`: a few new tokens over a short cache (the code predictor), cache append fused in
+- `experts`: routed MoE experts for a few tokens (gate/up GEMV + SwiGLU, down GEMV + weighted sum +
+  shared expert) in two launches straight from the router's top-k
 
 Every module has `reference(...)`, `kernel(...)` (Triton) and `run(...)` which launches the kernel
 for eligible inputs and falls back to `reference` otherwise. Importing this package does not import
@@ -31,7 +33,7 @@ def active(t) -> bool:
     (or on the CPU under Triton's interpreter, so the CPU tests can run the layers' kernel path)."""
     return ENABLED and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
-KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "rope", "moe", "glu", "attention")
+KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "rope", "moe", "glu", "attention", "experts")
 
 
 def __getattr__(name: str):

@@ -267,9 +267,16 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         top_idx, top_w = self.route(flat)
-        out = self.experts(flat, top_idx, top_w)
+        shared = logit = None
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared, logit = self.shared_expert(flat), self.shared_expert_gate(flat)
+        ex = self.experts
+        if kernels.active(flat) and kernels.experts.eligible(flat, top_idx, top_w, ex.gate_up, ex.down, shared, logit):
+            # a few tokens: per-pair GEMVs + weighted sum + shared add in two launches
+            return kernels.experts.kernel(flat, top_idx, top_w, ex.gate_up, ex.down, shared, logit).view(shape)
+        out = ex(flat, top_idx, top_w)
+        if shared is not None:
+            out = out + torch.sigmoid(logit) * shared
         return out.view(shape)
 
 
