@@ -283,18 +283,53 @@ class TalkerEngine(StageEngine):
         seen = self.seen[slots]
         logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
         ban = [len(j.codes0) < j.min_frames for j in jobs]   # EOS not allowed yet
-        greedy = all(j.params.greedy for j in jobs)
-        if greedy:   # suppress mask + EOS ban + argmax: one Triton kernel on CUDA (kernels.sampling)
+        if all(j.params.greedy for j in jobs):
+            # suppress mask + EOS ban + argmax (one Triton kernel on CUDA), then the code predictor for
+            # every row straight away: the host reads code 0 and the residual codes in one sync, and
+            # drops the frames of rows that stop here
             ban_rows = torch.tensor(ban).to(self.device, non_blocking=True)
             code0 = kernels.sampling.run(logits, self.suppress, ban_rows, eos)
-            codes0 = code0.tolist()
+            self.seen[slots, code0] = True
+            n = len(jobs)
+            if self.predictor_graphs is not None and self.predictor_graphs.fits(n, 1):
+                residual, nxt = self.predictor_graphs(n, 1, hidden, code0)
+            else:
+                residual, nxt = self._predict_fn(n, 1, hidden, code0)
+            frames_cpu = torch.cat((code0[:, None], residual), dim=1).to(torch.int64).cpu().to(torch.uint16)
+            framing = [(i, i) for i in self._advance(jobs, frames_cpu[:, 0].tolist())]   # (job, row)
+            nxt = nxt.clone()   # graph outputs are overwritten by the next replay
         else:
             logits = logits.masked_fill(self.suppress, float("-inf"))
             if any(ban):
                 logits[torch.tensor(ban, device=self.device), eos] = float("-inf")
             codes0 = [choose(row, j.params, j.generator) for j, row in zip(jobs, logits)]
             code0 = torch.tensor(codes0, device=self.device)
-        self.seen[slots, code0] = True
+            self.seen[slots, code0] = True
+            going = self._advance(jobs, codes0)
+            if not going:
+                return
+            rows = torch.tensor(going, device=self.device)
+            code0, hidden = code0[rows], hidden[rows]
+            code0_embed = self.model.model.codec_embedding(code0)
+            residual, embeds = self.model.code_predictor.predict(hidden, code0_embed,
+                                                                 self._picker([jobs[i] for i in going]))
+            nxt = torch.stack([code0_embed] + embeds, dim=1).sum(1)
+            frames_cpu = torch.cat((code0[:, None], residual), dim=1).to(torch.int64).cpu().to(torch.uint16)
+            framing = [(i, row) for row, i in enumerate(going)]
+        with self.lock:
+            for i, row in framing:
+                jobs[i].pending = nxt[row]
+        for i, row in framing:
+            job = jobs[i]
+            job.mark_output()
+            job.outbox.put(pb.TalkerResponse(frames=pb.CodecFrames(index=job.frames_sent,
+                                                                    codes=to_proto(frames_cpu[row:row + 1]))))
+            job.frames_sent += 1
+
+    def _advance(self, jobs: list[TalkerJob], codes0: list[int]) -> list[int]:
+        """Append each job's code 0; finish those that stop (EOS, frame limit). Returns the indices of
+        the jobs that go on and get this frame."""
+        eos = self.cfg.codec.eos
         framing = []
         for i, (job, c0) in enumerate(zip(jobs, codes0)):
             job.codes0.append(c0)
@@ -304,29 +339,7 @@ class TalkerEngine(StageEngine):
                 self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.LENGTH, completion_tokens=job.frames_sent)))
             else:
                 framing.append(i)
-        if not framing:
-            return
-        jobs = [jobs[i] for i in framing]
-        rows = torch.tensor(framing, device=self.device)
-        code0, hidden = code0[rows], hidden[rows]
-        n = len(jobs)
-        if greedy and self.predictor_graphs is not None and self.predictor_graphs.fits(n, 1):
-            residual, nxt = self.predictor_graphs(n, 1, hidden, code0)
-        elif greedy:
-            residual, nxt = self._predict_fn(n, 1, hidden, code0)
-        else:
-            code0_embed = self.model.model.codec_embedding(code0)
-            residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, self._picker(jobs))
-            nxt = torch.stack([code0_embed] + embeds, dim=1).sum(1)
-        frames_cpu = torch.cat((code0[:, None], residual), dim=1).to(torch.int64).cpu().to(torch.uint16)
-        with self.lock:
-            for i, job in enumerate(jobs):
-                job.pending = nxt[i].clone()
-        for i, job in enumerate(jobs):
-            job.mark_output()
-            job.outbox.put(pb.TalkerResponse(frames=pb.CodecFrames(index=job.frames_sent,
-                                                                    codes=to_proto(frames_cpu[i:i + 1]))))
-            job.frames_sent += 1
+        return framing
 
     def _picker(self, jobs: list[TalkerJob]):
         greedy = all(j.params.greedy for j in jobs)
