@@ -57,6 +57,17 @@ def main() -> None:
         results.append(compare(f"{name}: batched prefill graph vs one eager prefill each, logits", got, torch.cat(want)))
         results.append(compare(f"{name}: decode after the batched prefill vs after the eager ones", got_dec, want_dec))
 
+    def moe_kernels_vs_torch(name: str, moe_layer, hidden: int) -> None:
+        """One MoE layer, kernels on vs off: 4 tokens (the per-pair GEMV path, kernels.experts) and 64
+        (kernels.moe align + grouped GEMMs + combine)."""
+        for t in (4, 64):
+            x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
+            on = moe_layer(x)
+            kernels.ENABLED = False
+            off = moe_layer(x)
+            kernels.ENABLED = True
+            results.append(compare(f"{name} MoE layer, {t} tokens: kernels vs PyTorch ops", on, off))
+
     # ---- talker: prefill / step / predictor graphs vs eager; grouped MoE vs loop
     talker = layers.serving_layout(load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev,
                                                dtype=torch.bfloat16, load_format="dummy"), dev)
@@ -81,10 +92,13 @@ def main() -> None:
     plain = te._step_fn(3, 128, x, start)
     kernels.ENABLED = True
     results.append(compare("talker step: Triton kernels (norms, rope, routing, SwiGLU) vs PyTorch ops", eager[0], plain[0]))
+    kernels.ENABLED = False          # the plain grouped path (with kernels, 3 tokens take the GEMV path)
     layers.GROUPED_MM = False
     looped = te._step_fn(3, 128, x, start)
     layers.GROUPED_MM = True
-    results.append(compare("talker step: grouped-GEMM MoE vs per-expert loop", eager[0], looped[0]))
+    kernels.ENABLED = True
+    results.append(compare("talker step: grouped-GEMM MoE vs per-expert loop (kernels off)", plain[0], looped[0]))
+    moe_kernels_vs_torch("talker", talker.model.layers[0].mlp, h)
     hid = torch.randn(3, h, device=dev, dtype=torch.bfloat16)
     c0 = torch.tensor([5, 100, 2000], device=dev)
     e_codes, e_sum = te._predict_fn(3, 1, hid, c0)
@@ -128,10 +142,13 @@ def main() -> None:
     (plain,) = th._decode_fn(2, 128, ids, start)
     kernels.ENABLED = True
     results.append(compare("thinker decode: Triton kernels (norms, rope, routing, SwiGLU) vs PyTorch ops", e, plain))
+    kernels.ENABLED = False
     layers.GROUPED_MM = False
     (lp,) = th._decode_fn(2, 128, ids, start)
     layers.GROUPED_MM = True
-    results.append(compare("thinker decode: grouped-GEMM MoE vs per-expert loop", e, lp))
+    kernels.ENABLED = True
+    results.append(compare("thinker decode: grouped-GEMM MoE vs per-expert loop (kernels off)", plain, lp))
+    moe_kernels_vs_torch("thinker", thinker.model.layers[0].mlp, thinker.cfg.text.hidden_size)
     del th, thinker
     torch.cuda.empty_cache()
 

@@ -165,6 +165,18 @@ def main() -> int:
         lines.append(report("short_attention", (b, past, s, hq, hkv, d), dt, budget_error(got, ref16, ref32),
                             lambda: attention.kernel(q, k, v, kc, vc, past, d ** -0.5),
                             lambda: attention.reference(q, k, v, kc, vc, past, d ** -0.5)))
+    for t, k in ((1, 8), (64, 8), (64, 6), (256, 8)):   # MoE alignment + combination around the grouped GEMMs
+        e, h, dt = 128, 2048, torch.bfloat16
+        idx = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+        got, want = moe.kernel_align(idx, e), moe.reference_align(idx, e)
+        lines.append(report("moe_align", (t, k, e), idx.dtype, {"ok": all(torch.equal(a, b) for a, b in zip(got, want))},
+                            lambda: moe.kernel_align(idx, e), lambda: moe.reference_align(idx, e)))
+        y, inv = torch.randn(t * k, h, device=dev).to(dt), want[2]
+        w = torch.softmax(torch.randn(t, k, device=dev), -1).to(dt)
+        err = budget_error(moe.kernel_combine(y, inv, w), moe.reference_combine(y, inv, w),
+                           moe.reference_combine(y.float(), inv, w.float()))
+        lines.append(report("moe_combine", (t, k, h), dt, err, lambda: moe.kernel_combine(y, inv, w),
+                            lambda: moe.reference_combine(y, inv, w)))
     # routed experts of a decode step: the two-launch GEMV path vs the grouped-GEMM path it replaces
     # (sort, offsets, gather, two grouped GEMMs, SwiGLU, weighting, scatter, sum, shared add)
     from voxpipe.services.runtime.layers import Experts

@@ -9,7 +9,7 @@ with the same contract (see each module's docstring):
 - `glu`: SwiGLU (silu(gate) * up) on a fused gate/up projection output
 - `attention`: a few new tokens over a short cache (the code predictor), cache append fused in
 - `experts`: routed MoE experts for a few tokens (gate/up GEMV + SwiGLU, down GEMV + weighted sum +
-  shared expert) in two launches straight from the router's top-k
+  shared expert) in three launches straight from the router's top-k
 
 Every module has `reference(...)`, `kernel(...)` (Triton) and `run(...)` which launches the kernel
 for eligible inputs and falls back to `reference` otherwise. Importing this package does not import

@@ -1,8 +1,9 @@
-"""Routed MoE experts for a few tokens (decode steps) in two launches, straight from the router's
+"""Routed MoE experts for a few tokens (decode steps) in three launches, straight from the router's
 top-k: no sort, no gather, no grouped-GEMM setup. Launch 1: per (token, expert) pair the gate/up
-GEMV with SwiGLU; launch 2: per token the k down GEMVs, their routing-weighted sum and the shared
-expert's sigmoid-gated add. Each pair reads only its expert's rows, at memory speed -- what a
-grouped GEMM does for one row per expert with far more overhead. For many tokens (pairs sharing
+GEMV with SwiGLU; launch 2: per pair the down GEMV; launch 3 (`moe.kernel_combine`): per token the
+routing-weighted sum and the shared expert's sigmoid-gated add. Each pair reads only its expert's
+rows, spread over many small programs so the reads run at memory speed -- what a grouped GEMM does
+for one row per expert with far more overhead. For many tokens (pairs sharing
 experts) the grouped GEMM, which reads each expert once, is the better tool: `eligible` stops at
 MAX_PAIRS.
 
@@ -26,12 +27,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import moe
 from .common import FLOAT_DTYPES, device_of, launchable, round_to, tl, triton
 
 MAX_PAIRS = 64
-BLOCK_N_GATE_UP = 32     # output rows of gate (and of up) per program of launch 1
-BLOCK_N_DOWN = 16        # output columns per program of launch 2
-BLOCK_IN = 256           # input elements per step of a dot product
+BLOCK_N_GATE_UP = 4      # gate (and up) rows per program of launch 1: many programs, whole rows each
+BLOCK_N_DOWN = 8         # output columns per program of launch 2
+MAX_IN = 4096            # longest dot product loaded in one piece (longer ones loop)
 
 
 def reference(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
@@ -75,20 +77,18 @@ def kernel(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up:
            shared: torch.Tensor | None = None, shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """Triton; assumes `eligible(...)`."""
     t, h = x.shape
-    k = top_idx.shape[1]
+    pairs = top_idx.numel()
     inter = gate_up.shape[1] // 2
-    act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty_like(x)
-    has_shared = shared is not None
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, h, dtype=x.dtype, device=x.device)
     with device_of(x):
-        _gate_up_swiglu[(t * k, triton.cdiv(inter, BLOCK_N_GATE_UP))](
-            x, top_idx, gate_up, act, h, inter, K=k, BLOCK_N=BLOCK_N_GATE_UP,
-            BLOCK_IN=min(BLOCK_IN, triton.next_power_of_2(h)), num_warps=4)
-        _down_combine[(t, triton.cdiv(h, BLOCK_N_DOWN))](
-            act, top_idx, top_w, down, shared if has_shared else x, shared_logit if has_shared else top_w, out,
-            h, inter, K=k, HAS_SHARED=has_shared, BLOCK_N=BLOCK_N_DOWN,
-            BLOCK_IN=min(BLOCK_IN, triton.next_power_of_2(inter)), num_warps=4)
-    return out
+        _gate_up_swiglu[(pairs, triton.cdiv(inter, BLOCK_N_GATE_UP))](
+            x, top_idx, gate_up, act, h, inter, K=top_idx.shape[1], BLOCK_N=BLOCK_N_GATE_UP,
+            BLOCK_IN=min(MAX_IN, triton.next_power_of_2(h)), num_warps=8)
+        _down[(pairs, triton.cdiv(h, BLOCK_N_DOWN))](
+            act, top_idx, down, y, h, inter, BLOCK_N=BLOCK_N_DOWN,
+            BLOCK_IN=min(MAX_IN, triton.next_power_of_2(inter)), num_warps=4)
+    return moe.kernel_combine(y, None, top_w, shared, shared_logit)
 
 
 if triton is not None:
@@ -118,31 +118,17 @@ if triton is not None:
         tl.store(act_ptr + pair * inter + n, round_to(a * u, dtype), mask=n_ok)
 
     @triton.jit
-    def _down_combine(act_ptr, idx_ptr, topw_ptr, w_ptr, shared_ptr, logit_ptr, out_ptr, hidden, inter,
-                      K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_IN: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
+    def _down(act_ptr, idx_ptr, w_ptr, y_ptr, hidden, inter, BLOCK_N: tl.constexpr, BLOCK_IN: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
-        dtype = act_ptr.dtype.element_ty
-        routed = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(K):
-            pair = token * K + j
-            expert = tl.load(idx_ptr + pair)
-            weight = tl.load(topw_ptr + pair).to(tl.float32)
-            rows = w_ptr + (expert * hidden + n)[:, None] * inter
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for start in range(0, inter, BLOCK_IN):
-                col = start + tl.arange(0, BLOCK_IN)
-                c_ok = col < inter
-                av = tl.load(act_ptr + pair * inter + col, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-                acc += tl.sum(tl.load(rows + col[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-                              .to(tl.float32) * av, axis=1)
-            y = round_to(acc, dtype).to(tl.float32)
-            routed += round_to(y * weight, dtype).to(tl.float32)
-        out = round_to(routed, dtype)
-        if HAS_SHARED:
-            logit = tl.load(logit_ptr + token).to(tl.float32)
-            gate = round_to(1.0 / (1.0 + tl.exp(-logit)), dtype).to(tl.float32)
-            sv = tl.load(shared_ptr + token * hidden + n, mask=n_ok, other=0.0).to(tl.float32)
-            out = round_to(out.to(tl.float32) + round_to(gate * sv, dtype).to(tl.float32), dtype)
-        tl.store(out_ptr + token * hidden + n, out, mask=n_ok)
+        expert = tl.load(idx_ptr + pair)
+        rows = w_ptr + (expert * hidden + n)[:, None] * inter
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, inter, BLOCK_IN):
+            col = start + tl.arange(0, BLOCK_IN)
+            c_ok = col < inter
+            av = tl.load(act_ptr + pair * inter + col, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.sum(tl.load(rows + col[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+                          .to(tl.float32) * av, axis=1)
+        tl.store(y_ptr + pair * hidden + n, round_to(acc, y_ptr.dtype.element_ty), mask=n_ok)

@@ -31,7 +31,7 @@ import torch
 ATOL, RTOL = 1e-5, 1e-5
 BUDGET_16 = 1.25
 EPS = 1e-6
-KERNELS = ("rmsnorm", "snakebeta", "sampling", "rope", "moe")
+KERNELS = ("rmsnorm", "snakebeta", "sampling", "rope", "moe", "glu", "attention", "experts", "layers")
 
 try:
     import triton  # noqa: F401  (imported only to know; no kernel runs in this process on the CPU)
@@ -264,6 +264,15 @@ def check_rope(device: str) -> list[dict]:
     out.append(_fp32_record("rope fp32 q fused-projection slices", got[0], want[0]))
     out.append(_fp32_record("rope fp32 k fused-projection slices", got[1], want[1]))
     out.append(_exact_record("rope leaves the v columns alone", qkv[..., 384:], before_v))
+    # a decode step's slices ([B, 1, H, D]: stride(1) is not the token stride), still the kernel
+    qkv = torch.randn(3, 1, (4 + 2 + 2) * 64, generator=g).to(device)
+    qs, ks = qkv[..., :256].view(3, 1, 4, 64), qkv[..., 256:384].view(3, 1, 2, 64)
+    c1, s1 = cos[:, :1].repeat(2, 1, 1)[:3].contiguous(), sin[:, :1].repeat(2, 1, 1)[:3].contiguous()
+    assert rope.eligible(qs, ks, c1, s1, w, w), "decode-step q/k slices should launch the kernel"
+    want = rope.reference(qs, ks, c1, s1, w, w, EPS)
+    got = rope.run(qs, ks, c1, s1, w, w, EPS)
+    out.append(_fp32_record("rope fp32 q decode-step slices", got[0], want[0]))
+    out.append(_fp32_record("rope fp32 k decode-step slices", got[1], want[1]))
     cases = {
         "float64": (q.double(), k.double(), cos.double(), sin.double(), w.double(), w.double()),
         "heads not adjacent": (q.transpose(1, 2).contiguous().transpose(1, 2), k, cos, sin, w, w),
@@ -320,11 +329,237 @@ def check_moe(device: str) -> list[dict]:
     with _disabled():
         out.append(_fallback_record("moe route fallback ENABLED=False", moe.eligible(logits, 2),
                                     moe.run(logits, 2, True), moe.reference(logits, 2, True)))
+    for t, k, e in [(1, 8, 128), (64, 6, 128), (64, 8, 128), (5, 4, 60), (3, 8, 8)]:
+        # distinct experts per token (as routed), and repeats within a token with experts 0 and E-1 unused
+        for kind, top_idx in (("routed", torch.rand(t, e, generator=g).topk(k).indices),
+                              ("repeats", torch.randint(1, e - 1, (t, k), generator=g))):
+            top_idx = top_idx.to(device)
+            assert moe.eligible_align(top_idx, e), f"moe align {t}x{k} E={e} should launch the kernel on {device}"
+            got, want = moe.run_align(top_idx, e), moe.reference_align(top_idx, e)
+            for what, a, b in zip(("order", "src", "inv", "offs"), got, want):
+                out.append(_exact_record(f"moe align {what} {kind} {t}x{k} E={e}", a, b))
+    for t, k, h in [(1, 8, 2048), (64, 6, 1024), (5, 4, 96)]:
+        y32 = torch.randn(t * k, h, generator=g).to(device)
+        inv = moe.reference_align(torch.rand(t, 128, generator=g).topk(k).indices, 128)[2].to(device)
+        w32 = torch.softmax(torch.randn(t, k, generator=g), -1).to(device)
+        shared32, logit32 = torch.randn(t, h, generator=g).to(device), (2 * torch.randn(t, 1, generator=g)).to(device)
+        for dt in (torch.float32, torch.bfloat16):
+            y, w, shared, logit = (x.to(dt) for x in (y32, w32, shared32, logit32))
+            # y in sorted pair order (after the grouped GEMMs), or in pair order (inv None)
+            for rows, extra in ((inv, ()), (inv, (shared, logit)), (None, (shared, logit))):
+                name = f"{str(dt)[6:]} {t}x{k}x{h}{' shared' if extra else ''}{' pair-order' if rows is None else ''}"
+                assert moe.eligible_combine(y, rows, w, *extra), f"moe combine {name} should launch the kernel"
+                got, want = moe.run_combine(y, rows, w, *extra), moe.reference_combine(y, rows, w, *extra)
+                if dt == torch.float32:
+                    out.append(_fp32_record(f"moe combine {name}", got, want))
+                else:
+                    out.append(_budget_record(f"moe combine {name}", got, want, moe.reference_combine(
+                        y.float(), rows, w.float(), *(x.float() for x in extra))))
+    top_idx = torch.randint(0, 128, (moe.MAX_PAIRS // 8 + 1, 8), generator=g).to(device)
+    out.append(_fallback_record(f"moe align fallback more than MAX_PAIRS={moe.MAX_PAIRS}",
+                                moe.eligible_align(top_idx, 128), moe.run_align(top_idx, 128),
+                                moe.reference_align(top_idx, 128)))
+    y = torch.randn(5 * 4, 96, generator=g).to(device)
+    inv, w = torch.randperm(20, generator=g).to(device), torch.rand(5, 4, generator=g).to(device)
+    shared, logit = torch.randn(5, 96, generator=g).to(device), torch.randn(5, 1, generator=g).to(device)
+    cases = {"float64": (y.double(), inv, w, shared.double(), logit.double()),
+             "non-contiguous": (y.t().contiguous().t(), inv, w, shared, logit)}
+    for name, args in cases.items():
+        out.append(_fallback_record(f"moe combine fallback {name}", moe.eligible_combine(*args),
+                                    moe.run_combine(*args), moe.reference_combine(*args)))
+    with _disabled():
+        out.append(_fallback_record("moe align fallback ENABLED=False", moe.eligible_align(top_idx[:4], 128),
+                                    moe.run_align(top_idx[:4], 128), moe.reference_align(top_idx[:4], 128)))
+        args = (y, inv, w, shared, logit)
+        out.append(_fallback_record("moe combine fallback ENABLED=False", moe.eligible_combine(*args),
+                                    moe.run_combine(*args), moe.reference_combine(*args)))
+    return out
+
+
+def check_glu(device: str) -> list[dict]:
+    from voxpipe.kernels import glu
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for shape in [(3, 2 * 96), (7, 2 * 3072), (2, 5, 2 * 384), (1, 2 * 1000)]:
+        x32 = (torch.randn(shape, generator=g) * 3).to(device)
+        tag = "x".join(map(str, shape))
+        assert glu.eligible(x32), f"glu {tag} should launch the kernel on {device}"
+        out.append(_fp32_record(f"glu fp32 {tag}", glu.run(x32), glu.reference(x32)))
+        for dt in (torch.bfloat16, torch.float16):
+            x = x32.to(dt)
+            out.append(_budget_record(f"glu {str(dt)[6:]} {tag}", glu.run(x), glu.reference(x), glu.reference(x.float())))
+    x = torch.randn(4, 64, generator=g).to(device)
+    cases = {"float64": x.double(), "non-contiguous": x.t().contiguous().t(), "odd width": x[:, :63].contiguous(),
+             "autograd": x.clone().requires_grad_()}
+    for name, xi in cases.items():
+        if name == "odd width":
+            eligible = glu.eligible(xi)
+            out.append({"check": f"glu fallback {name}", "kind": "fallback", "eligible": eligible, "ok": not eligible})
+            continue
+        out.append(_fallback_record(f"glu fallback {name}", glu.eligible(xi), glu.run(xi), glu.reference(xi)))
+    with _disabled():
+        out.append(_fallback_record("glu fallback ENABLED=False", glu.eligible(x), glu.run(x), glu.reference(x)))
+    return out
+
+
+def check_attention(device: str) -> list[dict]:
+    """A whole code-predictor frame per case: a first call of S tokens, then one token per call until
+    the cache is full; each call's output and the caches against the reference on its own caches."""
+    from voxpipe.kernels import attention
+    g = torch.Generator().manual_seed(8)
+    out = []
+    for b, first, hq, hkv, d, length in [(3, 2, 16, 8, 128, 16), (2, 3, 4, 2, 32, 8), (1, 1, 8, 8, 64, 5)]:
+        width = (hq + 2 * hkv) * d
+        for dt in (torch.float32, torch.bfloat16):
+            caches = [torch.zeros(b, hkv, length, d, dtype=dt, device=device) for _ in range(2)]
+            ref_caches = [c.clone() for c in caches]
+            ref32_caches = [c.float() for c in caches]
+            past, ok_caches = 0, True
+            while past < length:
+                s = first if past == 0 else 1
+                qkv = (torch.randn(b, s, width, generator=g) * 2).to(device).to(dt)   # fused-projection slices
+                q = qkv[..., :hq * d].view(b, s, hq, d)
+                k = qkv[..., hq * d:(hq + hkv) * d].view(b, s, hkv, d)
+                v = qkv[..., (hq + hkv) * d:].view(b, s, hkv, d)
+                tag = f"{str(dt)[6:]} {b}x{hq}/{hkv}x{d} past={past} S={s}"
+                assert attention.eligible(q, k, v, *caches, past), f"attention {tag} should launch on {device}"
+                got = attention.run(q, k, v, *caches, past, d ** -0.5)
+                want = attention.reference(q, k, v, *ref_caches, past, d ** -0.5)
+                if dt == torch.float32:
+                    out.append(_fp32_record(f"attention {tag}", got, want))
+                else:
+                    want32 = attention.reference(q.float(), k.float(), v.float(), *ref32_caches, past, d ** -0.5)
+                    out.append(_budget_record(f"attention {tag}", got, want, want32))
+                ok_caches &= all(torch.equal(c, r) for c, r in zip(caches, ref_caches))
+                past += s
+            out.append({"check": f"attention caches {str(dt)[6:]} {b}x{hq}/{hkv}x{d}", "kind": "exact", "ok": ok_caches})
+    q = torch.randn(2, 2, 4, 32, generator=g).to(device)
+    k, v = torch.randn(2, 2, 2, 32, generator=g).to(device), torch.randn(2, 2, 2, 32, generator=g).to(device)
+
+    def cache(length: int = 8, dim: int = 32, dtype=torch.float32):
+        return torch.zeros(2, 2, length, dim, dtype=dtype, device=device)
+
+    cases = {
+        "float64": (q.double(), k.double(), v.double(), cache(dtype=torch.float64), cache(dtype=torch.float64), 3),
+        "heads not adjacent": (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cache(), cache(), 3),
+        f"longer than MAX_LEN={attention.MAX_LEN}": (q, k, v, cache(attention.MAX_LEN + 1), cache(attention.MAX_LEN + 1), 3),
+        "head_dim not a power of two": (q[..., :24].contiguous(), k[..., :24].contiguous(), v[..., :24].contiguous(),
+                                        cache(dim=24), cache(dim=24), 3),
+    }
+    for name, (qi, ki, vi, kc, vc, past) in cases.items():
+        kc2, vc2 = kc.clone(), vc.clone()
+        eligible = attention.eligible(qi, ki, vi, kc, vc, past)
+        got = attention.run(qi, ki, vi, kc, vc, past, 0.2)
+        want = attention.reference(qi, ki, vi, kc2, vc2, past, 0.2)
+        out.append(_fallback_record(f"attention fallback {name}", eligible, (got, kc, vc), (want, kc2, vc2)))
+    with _disabled():
+        kc, vc, kc2, vc2 = cache(), cache(), cache(), cache()
+        out.append(_fallback_record("attention fallback ENABLED=False", attention.eligible(q, k, v, kc, vc, 3),
+                                    (attention.run(q, k, v, kc, vc, 3, 0.2), kc, vc),
+                                    (attention.reference(q, k, v, kc2, vc2, 3, 0.2), kc2, vc2)))
+    return out
+
+
+def check_experts(device: str) -> list[dict]:
+    from voxpipe.kernels import experts
+    g = torch.Generator().manual_seed(10)
+    out = []
+    for t, k, e, h, inter, with_shared in [(1, 8, 16, 256, 96, False), (3, 6, 12, 160, 48, True), (8, 8, 9, 64, 40, True)]:
+        x32 = torch.randn(t, h, generator=g).to(device)
+        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
+        w32 = torch.softmax(torch.randn(t, k, generator=g), -1).to(device)
+        gu32 = (torch.randn(e, 2 * inter, h, generator=g) * h ** -0.5).to(device)
+        dn32 = (torch.randn(e, h, inter, generator=g) * inter ** -0.5).to(device)
+        sh32 = torch.randn(t, h, generator=g).to(device) if with_shared else None
+        lg32 = torch.randn(t, 1, generator=g).to(device) if with_shared else None
+        tag = f"{t}x{k} of {e}, {h}/{inter}{' shared' if with_shared else ''}"
+        args32 = (x32, idx, w32, gu32, dn32, sh32, lg32)
+        assert experts.eligible(*args32), f"experts {tag} should launch the kernel on {device}"
+        out.append(_fp32_record(f"experts fp32 {tag}", experts.run(*args32), experts.reference(*args32)))
+        for dt in (torch.bfloat16, torch.float16):
+            a = tuple(None if v is None else (v if v.dtype == torch.int64 else v.to(dt)) for v in args32)
+            a32 = tuple(None if v is None else (v if v.dtype == torch.int64 else v.float()) for v in a)
+            out.append(_budget_record(f"experts {str(dt)[6:]} {tag}", experts.run(*a), experts.reference(*a),
+                                      experts.reference(*a32)))
+    x, idx = torch.randn(9, 32, generator=g).to(device), torch.randint(0, 4, (9, 8), generator=g).to(device)
+    w, gu, dn = torch.rand(9, 8, generator=g).to(device), torch.randn(4, 16, 32, generator=g).to(device), \
+        torch.randn(4, 32, 8, generator=g).to(device)
+    cases = {f"more than MAX_PAIRS={experts.MAX_PAIRS} pairs": (x, idx, w, gu, dn),
+             "float64": (x[:2].double(), idx[:2], w[:2].double(), gu.double(), dn.double()),
+             "non-contiguous x": (x[:2].t().contiguous().t(), idx[:2], w[:2], gu, dn),
+             "shared without its gate": (x[:2], idx[:2], w[:2], gu, dn, x[:2], None)}
+    for name, a in cases.items():
+        eligible = experts.eligible(*a)
+        if name == "shared without its gate":
+            out.append({"check": f"experts fallback {name}", "kind": "fallback", "eligible": eligible, "ok": not eligible})
+            continue
+        out.append(_fallback_record(f"experts fallback {name}", eligible, experts.run(*a), experts.reference(*a)))
+    with _disabled():
+        a = (x[:2], idx[:2], w[:2], gu, dn)
+        out.append(_fallback_record("experts fallback ENABLED=False", experts.eligible(*a), experts.run(*a),
+                                    experts.reference(*a)))
+    return out
+
+
+def check_layers(device: str) -> list[dict]:
+    """The layers' kernel path (`voxpipe.kernels.active`) against the same modules with the kernels
+    off, float32, serving layout (fused projections): a MoE decoder stack with a shared expert and
+    MRoPE (prefill, then two one-token steps on a ShortCache) and a code predictor frame."""
+    import copy
+
+    from voxpipe.services.runtime.config import DecoderConfig, RopeConfig
+    from voxpipe.services.runtime.kv_cache import ShortCache
+    from voxpipe.services.runtime.layers import DecoderStack, fuse_projections
+    from voxpipe.services.talker.model import CodePredictor
+
+    torch.manual_seed(9)
+    moe_cfg = DecoderConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            rms_norm_eps=1e-6, rope=RopeConfig(1e4, (2, 3, 3)), num_experts=8, experts_per_token=2,
+                            moe_intermediate_size=32, shared_expert_size=48)
+    dense_cfg = DecoderConfig(vocab_size=50, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                              rms_norm_eps=1e-6, rope=RopeConfig(1e4), intermediate_size=96)
+    out = []
+
+    def init(module):
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.normal_(1.0, 0.1) if name.endswith("norm.weight") else p.normal_(0.0, 0.2)
+        return module.to(device).requires_grad_(False)
+
+    def both(fn):
+        """fn() with the kernels on, then off."""
+        on = fn()
+        with _disabled():
+            off = fn()
+        return on, off
+
+    stack = init(DecoderStack(moe_cfg))
+    fuse_projections(stack)
+    x = torch.randn(2, 5, 64).to(device)
+
+    def run_stack():
+        cache = ShortCache(2, 2, 8, 2, 16, torch.float32, device)
+        outs = [stack(x, torch.arange(5).expand(2, 5).to(device), cache, keep_hidden=1)]
+        for pos in (5, 6):
+            outs.append(stack(x[:, :1] * 0.5, torch.full((2, 1), pos).to(device), cache, keep_hidden=2))
+        return outs
+
+    for i, ((h_on, kept_on), (h_off, kept_off)) in enumerate(zip(*both(run_stack))):
+        out.append(_fp32_record(f"layers MoE stack call {i} output", h_on, h_off))
+        out.append(_fp32_record(f"layers MoE stack call {i} kept hidden", kept_on, kept_off))
+    predictor = init(CodePredictor(dense_cfg, num_code_groups=5))
+    fuse_projections(predictor)
+    hidden, code0 = torch.randn(3, 64).to(device), torch.randn(3, 64).to(device)
+    (codes_on, emb_on), (codes_off, emb_off) = both(
+        lambda: predictor.predict(hidden, code0, lambda logits, group: logits.argmax(-1)))
+    out.append(_exact_record("layers code predictor codes", codes_on, codes_off))
+    out.append(_fp32_record("layers code predictor embeddings", torch.stack(emb_on), torch.stack(emb_off)))
     return out
 
 
 CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling, "rope": check_rope,
-          "moe": check_moe}
+          "moe": check_moe, "glu": check_glu, "attention": check_attention,
+          "experts": check_experts, "layers": check_layers}
 
 
 def assert_records(records: list[dict]) -> None:

@@ -189,11 +189,17 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self._bounds: dict[torch.device, torch.Tensor] = {}   # 0 .. E-1 per device (grouped path)
 
-    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]; top_idx, top_w: [T, K]. Sum over each token's experts of w * expert(x)."""
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, shared: torch.Tensor | None = None,
+                shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, H]; top_idx, top_w: [T, K]. Sum over each token's experts of w * expert(x), plus
+        sigmoid(shared_logit) * shared when a shared expert's output [T, H] and gate logit [T, 1] are given."""
         if x.is_cuda and x.dtype == torch.bfloat16 and GROUPED_MM:
-            return self.grouped(x, top_idx, top_w)
-        return self.looped(x, top_idx, top_w)
+            if kernels.active(x):
+                return self.grouped_fused(x, top_idx, top_w, shared, shared_logit)
+            out = self.grouped(x, top_idx, top_w)
+        else:
+            out = self.looped(x, top_idx, top_w)
+        return out if shared is None else out + torch.sigmoid(shared_logit) * shared
 
     def grouped(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """One grouped GEMM per projection over the (token, expert) pairs sorted by expert. No host
@@ -207,17 +213,21 @@ class Experts(nn.Module):
         # end offset of each expert's rows (a cumulative bincount without a host sync)
         offs = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
         xs = x[order // k]
-        gate_up = torch._grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offs)
-        if kernels.ENABLED:
-            h = kernels.glu.run(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        y = torch._grouped_mm(h, self.down.transpose(1, 2), offs=offs)
+        gate, up = torch._grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offs)
         y = y * top_w.reshape(-1)[order, None].to(y.dtype)
         pairs = torch.empty_like(y)
         pairs[order] = y
         return pairs.view(t, k, -1).sum(1)
+
+    def grouped_fused(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+                      shared: torch.Tensor | None, shared_logit: torch.Tensor | None) -> torch.Tensor:
+        """`grouped` with the kernels around the two GEMMs (kernels.moe: the pairs' sort order, group
+        offsets and inverse in one launch; the weighted sum and shared add in one; kernels.glu)."""
+        _order, src, inv, offs = kernels.moe.run_align(top_idx, self.gate_up.shape[0])
+        gate_up = torch._grouped_mm(x[src], self.gate_up.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(kernels.glu.run(gate_up), self.down.transpose(1, 2), offs=offs)
+        return kernels.moe.run_combine(y, inv, top_w, shared, shared_logit)
 
     def looped(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -272,12 +282,9 @@ class SparseMoE(nn.Module):
             shared, logit = self.shared_expert(flat), self.shared_expert_gate(flat)
         ex = self.experts
         if kernels.active(flat) and kernels.experts.eligible(flat, top_idx, top_w, ex.gate_up, ex.down, shared, logit):
-            # a few tokens: per-pair GEMVs + weighted sum + shared add in two launches
+            # a few tokens: per-pair GEMVs, then weighted sum + shared add: three launches
             return kernels.experts.kernel(flat, top_idx, top_w, ex.gate_up, ex.down, shared, logit).view(shape)
-        out = ex(flat, top_idx, top_w)
-        if shared is not None:
-            out = out + torch.sigmoid(logit) * shared
-        return out.view(shape)
+        return ex(flat, top_idx, top_w, shared, logit).view(shape)
 
 
 class DecoderLayer(nn.Module):
