@@ -3,7 +3,8 @@ each utterance's new samples as one chunk.
 
 A step runs frame by frame, batched across utterances: one first-frame decode for the utterances
 starting now, then rounds of the one-frame decode, round r over the utterances with more than r new
-frames -- CUDA-graph replays on the GPU, the same functions eagerly elsewhere. The streaming
+frames (at most MAX_FRAMES_PER_STEP rounds) -- CUDA-graph replays on the GPU, the same functions
+eagerly elsewhere. The streaming
 decoder is exact, so this equals decoding any chunking at once; decoding one frame at a time also
 makes an utterance's samples independent of how its frames happened to arrive."""
 
@@ -24,7 +25,9 @@ from .model import Code2WavModel, StreamStore
 
 log = logging.getLogger(__name__)
 
-MAX_FRAMES_PER_DECODE = 64
+# frames per utterance per step: bounds the rounds of a step, so an utterance that starts now gets its
+# first chunk after a few rounds even while others work off a backlog (a step sends at its end)
+MAX_FRAMES_PER_STEP = 4
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Code2WavJob(EngineRequest):
         need = self.first_chunk_frames if self.frames_decoded == 0 else self.chunk_frames
         n = len(self.frames)
         if n >= need or (self.frames_end and n > 0):
-            return min(n, MAX_FRAMES_PER_DECODE)
+            return min(n, MAX_FRAMES_PER_STEP)
         return 0
 
 
