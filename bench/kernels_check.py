@@ -177,7 +177,7 @@ def main() -> int:
                            moe.reference_combine(y.float(), inv, w.float()))
         lines.append(report("moe_combine", (t, k, h), dt, err, lambda: moe.kernel_combine(y, inv, w),
                             lambda: moe.reference_combine(y, inv, w)))
-    # routed experts of a decode step: the two-launch GEMV path vs the grouped-GEMM path it replaces
+    # routed experts of a decode step: the three-launch GEMV path vs the grouped-GEMM path it replaces
     # (sort, offsets, gather, two grouped GEMMs, SwiGLU, weighting, scatter, sum, shared add)
     from voxpipe.services.runtime.layers import Experts
     for t, k, h, inter, with_shared in ((1, 8, 2048, 768, False), (8, 8, 2048, 768, False), (1, 6, 1024, 384, True),

@@ -15,7 +15,8 @@ computes scores, softmax and the weighted sum in float32 and rounds once.
 
 `run` launches the kernel when `common.launchable` holds and: q, k, v token-major (as kernels.rope
 requires) with contiguous heads; caches contiguous; one float dtype; D a power of two <= MAX_D;
-past + S <= L <= MAX_LEN; (Hq / Hkv) * S <= MAX_ROWS. Otherwise it runs the reference.
+past + S <= L <= MAX_LEN; (Hq / Hkv) * S <= MAX_ROWS; the padded rows x positions x D product within
+MAX_PRODUCT (registers). Otherwise it runs the reference.
 One program per (sequence, KV head).
 """
 
@@ -30,6 +31,7 @@ from .rope import token_stride
 MAX_D = 256
 MAX_LEN = 64
 MAX_ROWS = 16
+MAX_PRODUCT = 16384   # the [rows, positions, D] float32 product a program holds in registers
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -51,6 +53,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     return out.reshape(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d)
 
 
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              past: int) -> bool:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k_cache.ndim != 4:
@@ -62,6 +68,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
             and k.shape == v.shape == (b, s, hkv, d) and k_cache.shape == v_cache.shape
             and k_cache.shape[:2] == (b, hkv) and k_cache.shape[3] == d
             and 0 <= past and past + s <= k_cache.shape[2] <= MAX_LEN and (hq // hkv) * s <= MAX_ROWS
+            and _pow2(max(2, (hq // hkv) * s)) * _pow2(max(2, past + s)) * d <= MAX_PRODUCT
             and q.dtype in FLOAT_DTYPES and all(t.dtype == q.dtype for t in tensors)
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and all(token_stride(t) is not None for t in (q, k, v)) and launchable(*tensors))

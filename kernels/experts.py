@@ -18,7 +18,7 @@ Contract (`reference`, what `voxpipe.services.runtime.layers.SparseMoE` computes
 The kernels accumulate the dot products in float32 and round at the same points as the reference,
 so they differ from it only in the order of the float32 sums.
 
-`run` launches the kernels when `common.launchable` holds and: T * K <= MAX_PAIRS; every tensor
+`run` launches the kernels when `common.launchable` holds and: T * K <= MAX_PAIRS; K <= moe.MAX_K; every tensor
 contiguous with one float dtype (top_idx int64); shapes as above. Otherwise it runs the reference.
 """
 
@@ -58,7 +58,7 @@ def eligible(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_u
     e, two_i, _ = gate_up.shape
     k = top_idx.shape[1]
     floats = (x, top_w, gate_up, down) + (() if shared is None else (shared, shared_logit))
-    return (t > 0 and k > 0 and t * k <= MAX_PAIRS and top_idx.shape[0] == t and top_w.shape == (t, k)
+    return (t > 0 and 0 < k <= moe.MAX_K and t * k <= MAX_PAIRS and top_idx.shape[0] == t and top_w.shape == (t, k)
             and two_i % 2 == 0 and gate_up.shape[2] == h and down.shape == (e, h, two_i // 2)
             and (shared is None) == (shared_logit is None)
             and (shared is None or (shared.shape == (t, h) and shared_logit.shape == (t, 1)))

@@ -211,6 +211,41 @@ def test_code2wav_frame_rounds_equal_whole_utterance_decode(tiny_model_dir):
             assert g.shape == tuple(want.shape) and g.shape[0] > 0
             assert np.abs(g - want.numpy()).max() <= 1e-5
 
+def test_code2wav_due_chunk_drains_over_capped_steps(tiny_model_dir):
+    """A step decodes at most max(MAX_FRAMES_PER_STEP, chunk) frames of an utterance, but a chunk that
+    became due is drained by the following steps without waiting for `chunk` more frames; frames
+    that arrive one at a time go out in chunks of `chunk_frames` (the first chunk: 1 frame)."""
+    from voxpipe.services.code2wav import server as code2wav_server
+    from voxpipe.services.code2wav.engine import MAX_FRAMES_PER_STEP, Code2WavJob
+    from voxpipe.services.runtime.engine import Outbox
+
+    ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
+    engine = code2wav_server.build(ns).engine
+    q = engine.cfg.num_quantizers
+    assert MAX_FRAMES_PER_STEP == 4
+
+    async def run() -> tuple[list[int], list[int]]:
+        loop = asyncio.get_running_loop()
+        burst = Code2WavJob(request_id="burst", outbox=Outbox(loop, limit=1000), chunk_frames=6)
+        trickle = Code2WavJob(request_id="trickle", outbox=Outbox(loop, limit=1000), chunk_frames=6)
+        for j in (burst, trickle):
+            engine.submit(j)
+        engine.add_frames(burst, torch.zeros(20, q, dtype=torch.long))
+        sizes = {"burst": [], "trickle": []}
+        for step in range(14):
+            engine.add_frames(trickle, torch.zeros(1, q, dtype=torch.long))
+            before = {j.request_id: j.frames_decoded for j in (burst, trickle)}
+            engine.step()
+            for j in (burst, trickle):
+                if j.frames_decoded > before[j.request_id]:
+                    sizes[j.request_id].append(j.frames_decoded - before[j.request_id])
+        return sizes["burst"], sizes["trickle"]
+
+    burst, trickle = asyncio.run(run())
+    assert burst == [4, 6, 6, 4]           # due at once: drained in capped steps, nothing left waiting
+    assert trickle == [1, 6, 6]            # first chunk 1 frame, then whole chunks of 6
+
+
 def test_talker_prefill_batch_respects_the_padded_row_budget(tiny_model_dir):
     """The talker admits ready requests in arrival order while the padded batch (longest prompt x
     requests) stays within prefill_tokens; the rest wait for the next step."""

@@ -445,6 +445,9 @@ def check_attention(device: str) -> list[dict]:
         f"longer than MAX_LEN={attention.MAX_LEN}": (q, k, v, cache(attention.MAX_LEN + 1), cache(attention.MAX_LEN + 1), 3),
         "head_dim not a power of two": (q[..., :24].contiguous(), k[..., :24].contiguous(), v[..., :24].contiguous(),
                                         cache(dim=24), cache(dim=24), 3),
+        f"over the register budget MAX_PRODUCT={attention.MAX_PRODUCT}": (
+            torch.randn(2, 4, 8, 256).to(device), torch.randn(2, 4, 2, 256).to(device),
+            torch.randn(2, 4, 2, 256).to(device), cache(64, 256), cache(64, 256), 60),
     }
     for name, (qi, ki, vi, kc, vc, past) in cases.items():
         kc2, vc2 = kc.clone(), vc.clone()
@@ -481,6 +484,15 @@ def check_experts(device: str) -> list[dict]:
             a32 = tuple(None if v is None else (v if v.dtype == torch.int64 else v.float()) for v in a)
             out.append(_budget_record(f"experts {str(dt)[6:]} {tag}", experts.run(*a), experts.reference(*a),
                                       experts.reference(*a32)))
+    # dot products longer than MAX_IN run in pieces (the real sizes never do)
+    before, experts.MAX_IN = experts.MAX_IN, 16
+    try:
+        a = tuple(None if v is None else (v if v.dtype == torch.int64 else v.to(torch.bfloat16)) for v in args32)
+        a32 = tuple(None if v is None else (v if v.dtype == torch.int64 else v.float()) for v in a)
+        out.append(_budget_record(f"experts bfloat16 {tag} in pieces of 16", experts.run(*a), experts.reference(*a),
+                                  experts.reference(*a32)))
+    finally:
+        experts.MAX_IN = before
     x, idx = torch.randn(9, 32, generator=g).to(device), torch.randint(0, 4, (9, 8), generator=g).to(device)
     w, gu, dn = torch.rand(9, 8, generator=g).to(device), torch.randn(4, 16, 32, generator=g).to(device), \
         torch.randn(4, 32, 8, generator=g).to(device)
@@ -504,13 +516,34 @@ def check_experts(device: str) -> list[dict]:
 def check_layers(device: str) -> list[dict]:
     """The layers' kernel path (`voxpipe.kernels.active`) against the same modules with the kernels
     off, float32, serving layout (fused projections): a MoE decoder stack with a shared expert and
-    MRoPE (prefill, then two one-token steps on a ShortCache) and a code predictor frame."""
-    import copy
+    MRoPE (prefill, then two one-token steps on a ShortCache), a code predictor frame, and the grouped
+    MoE path with its align / combine kernels in bfloat16 against the plain grouped path. Every kernel
+    the layers use must have launched (a silent fallback would compare the reference with itself)."""
+    import contextlib
 
+    from voxpipe.kernels import attention, experts, glu, moe, rmsnorm, rope
     from voxpipe.services.runtime.config import DecoderConfig, RopeConfig
     from voxpipe.services.runtime.kv_cache import ShortCache
-    from voxpipe.services.runtime.layers import DecoderStack, fuse_projections
+    from voxpipe.services.runtime.layers import DecoderStack, Experts, fuse_projections
     from voxpipe.services.talker.model import CodePredictor
+
+    launched: dict[str, int] = {}
+    watched = [(attention, "kernel"), (experts, "kernel"), (rope, "kernel"), (glu, "kernel"), (rmsnorm, "kernel_add"),
+               (moe, "kernel"), (moe, "kernel_align"), (moe, "kernel_combine")]
+
+    def counting(module, name):
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            key = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+            launched[key] = launched.get(key, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    patches = contextlib.ExitStack()
+    for module, name in watched:
+        patches.callback(setattr, module, name, getattr(module, name))
+        setattr(module, name, counting(module, name))
 
     torch.manual_seed(9)
     moe_cfg = DecoderConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -554,6 +587,21 @@ def check_layers(device: str) -> list[dict]:
         lambda: predictor.predict(hidden, code0, lambda logits, group: logits.argmax(-1)))
     out.append(_exact_record("layers code predictor codes", codes_on, codes_off))
     out.append(_fp32_record("layers code predictor embeddings", torch.stack(emb_on), torch.stack(emb_off)))
+    # the grouped path (many pairs: prefills, large decode batches) needs bfloat16 for torch._grouped_mm
+    ex = init(Experts(8, 64, 32)).bfloat16()
+    xb, shared, logit = (torch.randn(*n).to(device).bfloat16() for n in ((40, 64), (40, 64), (40, 1)))
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(40)]).to(device)
+    w = torch.softmax(torch.randn(40, 2), -1).to(device).bfloat16()
+    got = ex.grouped_fused(xb, idx, w, shared, logit)
+    want = ex.grouped(xb, idx, w) + torch.sigmoid(logit) * shared
+    want32 = experts.reference(xb.float(), idx, w.float(), ex.gate_up.float(), ex.down.float(), shared.float(),
+                               logit.float())
+    out.append(_budget_record("layers grouped MoE, align + combine kernels vs plain grouped", got, want, want32))
+    patches.close()
+    missing = [f"{m.__name__.rsplit('.', 1)[-1]}.{n}" for m, n in watched
+               if not launched.get(f"{m.__name__.rsplit('.', 1)[-1]}.{n}")]
+    out.append({"check": "layers launched every kernel", "kind": "launch", "launched": launched, "missing": missing,
+                "ok": not missing})
     return out
 
 

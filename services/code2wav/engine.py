@@ -25,8 +25,9 @@ from .model import Code2WavModel, StreamStore
 
 log = logging.getLogger(__name__)
 
-# frames per utterance per step: bounds the rounds of a step, so an utterance that starts now gets its
-# first chunk after a few rounds even while others work off a backlog (a step sends at its end)
+# frames per utterance per step (or the utterance's chunk size, if larger): bounds the rounds of a step,
+# so an utterance that starts now gets its first chunk after a few rounds even while others work off a
+# backlog (a step sends at its end)
 MAX_FRAMES_PER_STEP = 4
 
 
@@ -40,13 +41,26 @@ class Code2WavJob(EngineRequest):
     slot: int | None = None
     frames_decoded: int = 0
     samples_sent: int = 0
+    owed: int = 0              # frames of a chunk already due but not yet decoded (a capped step left them)
+
+    def _need(self) -> int:
+        return self.first_chunk_frames if self.frames_decoded == 0 else self.chunk_frames
+
+    def _due(self) -> bool:
+        """A chunk is due: `need` frames wait, or the frames ended."""
+        n = len(self.frames)
+        return n >= self._need() or (self.frames_end and n > 0)
 
     def ready_frames(self) -> int:
-        need = self.first_chunk_frames if self.frames_decoded == 0 else self.chunk_frames
-        n = len(self.frames)
-        if n >= need or (self.frames_end and n > 0):
-            return min(n, MAX_FRAMES_PER_STEP)
-        return 0
+        """Frames the next step decodes for this utterance (0: wait for more): the frames waiting
+        when a chunk is due, or what is still owed of one, at most max(MAX_FRAMES_PER_STEP, need)."""
+        return min(len(self.frames) if self._due() else self.owed, max(MAX_FRAMES_PER_STEP, self._need()))
+
+    def take(self, n: int) -> list[torch.Tensor]:
+        """The next n frames, for this step (n = ready_frames())."""
+        self.owed = (len(self.frames) if self._due() else self.owed) - n
+        taken, self.frames = self.frames[:n], self.frames[n:]
+        return taken
 
 
 def encode_samples(samples: np.ndarray, encoding: int) -> bytes:
@@ -125,8 +139,7 @@ class Code2WavEngine(StageEngine):
             for job in list(self.running):
                 n = 0 if job.outbox.saturated else job.ready_frames()
                 if n:
-                    take, job.frames = job.frames[:n], job.frames[n:]
-                    work.append((job, take))
+                    work.append((job, job.take(n)))
                 elif job.frames_end and not job.frames:
                     self.finish(job, pb.Code2WavResponse(finished=pb.Finished(
                         reason=pb.STOP, completion_tokens=job.frames_decoded, samples=job.samples_sent)))

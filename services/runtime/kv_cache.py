@@ -194,7 +194,9 @@ class GrowingCache:
 class ShortCache:
     """Keys/values of B sequences of at most `max_len` positions that advance together: each call
     appends S positions to every sequence (one `past` for all) and attends causally. Preallocated,
-    with static shapes: safe inside CUDA graphs. Besides `attend` it has `attend_tokens`, which takes
+    with static shapes. Its position count is Python state: inside a CUDA graph, create it inside the
+    captured function (as `CodePredictor.predict` does), so capture and every replay see the same
+    sequence of `past` values; never keep one across replays. Besides `attend` it has `attend_tokens`, which takes
     q/k/v token-major ([B, S, heads, D]) and returns [B, S, Hq * D] through the fused append +
     attention kernel (`voxpipe.kernels.attention`)."""
 

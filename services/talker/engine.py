@@ -1,5 +1,6 @@
 """Talker engine: codec-0 steps batched across requests, then the code predictor batched across
-the requests that produced a frame, then each frame out as soon as it exists.
+them (greedy: every row of the step, before the host reads code 0; the frames of rows that stop are
+dropped; sampling: the rows that go on), then each frame out as soon as it exists.
 
 Text rows arrive while the talker runs. Row i of a request is the thinker embedding of the
 (i+1)-th assistant text token; the very last token the thinker produces is never spoken, so a
