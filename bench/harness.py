@@ -127,20 +127,34 @@ def gpu_memory_by_pid() -> dict[int, float]:
 
 
 async def _levels(stream_fn, make_request, args, mode: str, scrape) -> list[LevelResult]:
+    """Run each concurrency level; the server columns come from `scrape` plus this process's own
+    metrics, where the "client" row's event-loop lag is this driver's loop (in split mode: the
+    pipeline client relaying every row, frame and audio chunk; in-process: all three engines'
+    handlers) and the "gateway" row's the gateway's (the relay in gateway mode)."""
+    from voxpipe.services.runtime.metrics import LOOP_LAG, watch_loop_lag
+
     out = []
-    for c in [int(x) for x in args.concurrency.split(",") if x]:
-        n = args.requests or (max(8, 2 * c) if args.quick else max(20, 5 * c))
-        warm = min(args.warmup, 2) if args.quick else args.warmup
-        before = server_stats.parse(await asyncio.to_thread(scrape))
-        records, wall = await run_level(stream_fn, make_request, c, n, warm if c == 1 else min(warm, c))
-        after = server_stats.parse(await asyncio.to_thread(scrape))
-        res = LevelResult.of(mode, c, records, wall)
-        res.server = server_stats.level_stats(before, after, STAGES)
-        errors = [r.error for r in records if r.error]
-        print(f"[{mode}] c={c}: {res.req_per_s:.2f} req/s, TTFP p50 {res.ttfp_ms['p50']:.1f} ms, "
-              f"RTF p50 {res.rtf['p50']:.3f}, failed {res.failed}" + (f" ({errors[0]})" if errors else ""), flush=True)
-        out.append(res)
+    lag = asyncio.ensure_future(watch_loop_lag(LOOP_LAG.labels("client").observe))
+    try:
+        for c in [int(x) for x in args.concurrency.split(",") if x]:
+            out.append(await _level(stream_fn, make_request, args, mode, scrape, c))
+    finally:
+        lag.cancel()
     return out
+
+
+async def _level(stream_fn, make_request, args, mode: str, scrape, c: int) -> LevelResult:
+    n = args.requests or (max(8, 2 * c) if args.quick else max(20, 5 * c))
+    warm = min(args.warmup, 2) if args.quick else args.warmup
+    before = server_stats.parse(await asyncio.to_thread(scrape))
+    records, wall = await run_level(stream_fn, make_request, c, n, warm if c == 1 else min(warm, c))
+    after = server_stats.parse(await asyncio.to_thread(scrape))
+    res = LevelResult.of(mode, c, records, wall)
+    res.server = server_stats.level_stats(before, after, STAGES + ("gateway", "client"))
+    errors = [r.error for r in records if r.error]
+    print(f"[{mode}] c={c}: {res.req_per_s:.2f} req/s, TTFP p50 {res.ttfp_ms['p50']:.1f} ms, "
+          f"RTF p50 {res.rtf['p50']:.3f}, failed {res.failed}" + (f" ({errors[0]})" if errors else ""), flush=True)
+    return res
 
 
 def run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], dict]:
@@ -225,7 +239,8 @@ def _run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], 
     http_port = args.base_port + 20 if "gateway" in modes else 0
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
                        metrics_ports=metrics_ports, http_port=http_port, devices=stage_devices(args.devices))
-    scrape = server_stats.http_source(metrics_ports)
+    pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
+    scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
     t0 = time.perf_counter()
     print("split: starting the three services", flush=True)
     stack.start(timeout=300)
@@ -309,15 +324,20 @@ def table(results: list[LevelResult], ref: dict | None, bw: float, nbytes: dict[
 
 
 def server_table(results: list[LevelResult]) -> str:
-    """Server-side means per stage and level (from the services' Prometheus histograms)."""
-    rows = ["| mode | c | stage | queue wait ms | first output ms (from arrival) | step ms | steps | prefill batch |",
-            "|---|---|---|---|---|---|---|---|"]
+    """Server-side means per stage and level (from the services' Prometheus histograms; the "client"
+    row is the benchmark driver's own event loop)."""
+    rows = ["| mode | c | stage | queue wait ms | first output ms (from arrival) | step ms | steps | prefill batch | "
+            "outbox wait ms | loop lag ms |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for stage, st in (r.server or {}).items():
             def f(key, fmt="{:.1f}"):
                 return fmt.format(st[key]) if key in st else ""
+            if not st:
+                continue
             rows.append(f"| {r.mode} | {r.concurrency} | {stage} | {f('queue_wait_ms')} | {f('first_output_ms')} | "
-                        f"{f('step_ms', '{:.2f}')} | {f('steps', '{:.0f}')} | {f('prefill_batch', '{:.2f}')} |")
+                        f"{f('step_ms', '{:.2f}')} | {f('steps', '{:.0f}')} | {f('prefill_batch', '{:.2f}')} | "
+                        f"{f('outbox_wait_ms', '{:.2f}')} | {f('loop_lag_ms', '{:.2f}')} |")
     return "\n".join(rows)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from voxpipe.client import AudioEvent, DoneEvent, FramesEvent, SpeechRequest, TextEvent, _decode_audio
 from voxpipe.services.code2wav import server as code2wav_server
+from voxpipe.services.runtime import metrics
 from voxpipe.services.runtime.tensors import from_proto, to_proto
 from voxpipe.services.talker import server as talker_server
 from voxpipe.services.thinker import server as thinker_server
@@ -63,7 +64,8 @@ class InProcessPipeline:
 
         async def pump(job, tag):
             while True:
-                item = await job.outbox.get()
+                item, waited = await job.outbox.get_timed()
+                metrics.OUTBOX_WAIT.labels(tag).observe(waited)   # as the stage servers do
                 await merged.put((tag, item))
                 if not hasattr(item, "WhichOneof") or item.WhichOneof("kind") == "finished":
                     return

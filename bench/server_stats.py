@@ -14,6 +14,8 @@ COLUMNS = {
     "first_output_ms": ("voxpipe_stage_latency_seconds", {"phase": "first_output"}),
     "step_ms": ("voxpipe_engine_step_seconds", {}),
     "prefill_batch": ("voxpipe_prefill_batch_size", {}),
+    "outbox_wait_ms": ("voxpipe_outbox_wait_seconds", {}),
+    "loop_lag_ms": ("voxpipe_event_loop_lag_seconds", {}),
 }
 
 
@@ -36,6 +38,10 @@ def http_source(ports: dict[str, int], host: str = "127.0.0.1") -> Callable[[], 
                 pages.append(r.read().decode())
         return "\n".join(pages)
     return read
+
+
+def combined(*sources: Callable[[], str]) -> Callable[[], str]:
+    return lambda: "\n".join(src() for src in sources)
 
 
 def registry_source() -> Callable[[], str]:

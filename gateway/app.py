@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from voxpipe.client import PipelineClient, PipelineError
 from voxpipe.services.runtime.tracing import TracingMiddleware, fastapi_tracing_off
 from voxpipe.services.runtime.config import OmniConfig
+from voxpipe.services.runtime.metrics import watch_loop_lag
 from voxpipe.services.thinker.prompt import FeatureExtractor
 
 from .config import GatewayConfig
@@ -231,9 +232,11 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.open_pipeline()
+        lag_watch = asyncio.ensure_future(watch_loop_lag(state.metrics.loop_lag.labels("gateway").observe))
         try:
             yield
         finally:
+            lag_watch.cancel()
             await state.pipeline.close()
 
     app = FastAPI(title="voxpipe gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,

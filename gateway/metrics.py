@@ -6,6 +6,8 @@ voxpipe_gateway_audio_ttfp_seconds                request arrival -> first audio
 voxpipe_gateway_audio_rtf                         generation wall time / seconds of audio produced
 voxpipe_gateway_stage_first_output_seconds{stage} request arrival -> thinker first token,
                                                   talker first frame, code2wav first audio
+voxpipe_event_loop_lag_seconds{stage="gateway"}   how late the gateway's event loop (the relay of every
+                                                  stage message) wakes for a 20 ms timer
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class GatewayMetrics:
         self.stage_first_output = Histogram("voxpipe_gateway_stage_first_output_seconds",
                                             "Request arrival to a stage's first output", ["stage"],
                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        # the stage services' metric name, so one scrape reads both (voxpipe bench's server table)
+        self.loop_lag = Histogram("voxpipe_event_loop_lag_seconds", "Event loop lateness for a 20 ms timer", ["stage"],
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                                  registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

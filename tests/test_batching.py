@@ -196,7 +196,7 @@ def test_code2wav_frame_rounds_equal_whole_utterance_decode(tiny_model_dir):
         for j in jobs:
             chunks = []
             while not j.outbox._queue.empty():
-                item = j.outbox._queue.get_nowait()
+                _, item = j.outbox._queue.get_nowait()
                 if item.WhichOneof("kind") == "audio":
                     chunks.append(np.frombuffer(item.audio.data, dtype="<f4"))
             out.append(np.concatenate(chunks))

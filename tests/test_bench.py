@@ -32,9 +32,15 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
         for stage in ("thinker", "talker", "code2wav"):
             st = lv["server"][stage]
             assert st["steps"] > 0 and st["step_ms"] > 0 and st["first_output_ms"] > 0, (mode, c, stage)
+            assert st["outbox_wait_ms"] >= 0, (mode, c, stage)
+            if mode != "inprocess":   # each service's own event loop
+                assert st["loop_lag_ms"] >= 0, (mode, c, stage)
         assert lv["server"]["thinker"]["prefill_batch"] >= 1
+        assert lv["server"]["client"]["loop_lag_ms"] >= 0     # the driver's loop (the relay in split mode)
+        if mode == "gateway":                                   # the gateway's loop (the relay in this mode)
+            assert lv["server"]["gateway"]["loop_lag_ms"] >= 0
     md = (out / "results.md").read_text()
-    assert "| transformers | 1 |" in md and "Server side" in md
+    assert "| transformers | 1 |" in md and "Server side" in md and "| loop lag ms |" in md
     assert "gateway vs transformers at c=1" in md and "c=2: gateway / in-process TTFP p50" in md
 
 

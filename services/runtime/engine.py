@@ -53,18 +53,23 @@ class Outbox:
         with self._lock:
             self.backlog += 1
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (time.monotonic(), item))
         except RuntimeError:  # the loop is closed: the client is gone
             pass
 
     async def get(self) -> Any:
-        item = await self._queue.get()
+        return (await self.get_timed())[0]
+
+    async def get_timed(self) -> tuple[Any, float]:
+        """The next item and the seconds it waited since `put`."""
+        put_at, item = await self._queue.get()
+        waited = time.monotonic() - put_at
         with self._lock:
             self.backlog -= 1
             wake = self.backlog == self.limit // 2
         if wake and self.on_drain is not None:
             self.on_drain()
-        return item
+        return item, waited
 
 
 @dataclass

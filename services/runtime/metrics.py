@@ -7,9 +7,15 @@ voxpipe_stage_latency_seconds{stage,phase}  queue_wait | first_output | total pe
 voxpipe_engine_step_seconds{stage}  one engine step
 voxpipe_prefill_batch_size{stage}   requests prefilled together in one engine step
 voxpipe_streams_total{stage,outcome} finished streams by outcome (stop, length, cancelled, error)
+voxpipe_outbox_wait_seconds{stage}  an engine output's wait between the engine thread and its stream
+                                    handler (event-loop hand-off lag + the handler's own backlog)
+voxpipe_event_loop_lag_seconds{stage}  how late the service's event loop wakes for a 20 ms timer
 """
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -26,6 +32,10 @@ STEP = Histogram("voxpipe_engine_step_seconds", "Engine step time", ["stage"],
                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5), registry=REGISTRY)
 PREFILL_BATCH = Histogram("voxpipe_prefill_batch_size", "Requests prefilled together in one step", ["stage"],
                           buckets=(1, 2, 4, 8, 16, 32, 64), registry=REGISTRY)
+OUTBOX_WAIT = Histogram("voxpipe_outbox_wait_seconds", "Engine output wait before its stream handler takes it",
+                        ["stage"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+LOOP_LAG = Histogram("voxpipe_event_loop_lag_seconds", "Event loop lateness for a 20 ms timer", ["stage"],
+                     buckets=LATENCY_BUCKETS, registry=REGISTRY)
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)
 
 
@@ -33,3 +43,13 @@ def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
     """Expose /metrics on its own HTTP port (0 disables)."""
     if port:
         start_http_server(port, addr=host, registry=REGISTRY)
+
+
+async def watch_loop_lag(observe: Callable[[float], None], interval: float = 0.02) -> None:
+    """Until cancelled, observe how late this event loop wakes for an `interval` timer: a loop busy
+    with messages, or starved of the GIL by an engine thread, wakes late."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(interval)
+        observe(max(0.0, loop.time() - start - interval))

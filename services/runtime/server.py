@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from voxpipe.v1 import stages_pb2 as pb
 
 from .engine import EngineRequest, StageEngine, StageError
+from . import metrics
 from .metrics import serve_metrics
 from .tensors import Reassembler, TensorError
 from . import tracing
@@ -112,7 +113,8 @@ class StageServicer:
         final = None
         try:
             while True:
-                item = await req.outbox.get()
+                item, waited = await req.outbox.get_timed()
+                metrics.OUTBOX_WAIT.labels(self.engine.name).observe(waited)
                 if isinstance(item, StageError):
                     final = item
                     await context.abort(item.code, item.message)
@@ -185,6 +187,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
         ready(port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    lag_watch = asyncio.ensure_future(metrics.watch_loop_lag(metrics.LOOP_LAG.labels(servicer.engine.name).observe))
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
@@ -198,6 +201,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     while servicer.engine.active and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await server.stop(grace=max(0.0, deadline - loop.time()))
+    lag_watch.cancel()
     servicer.engine.stop()
     log.info("%s stopped", service_name)
 
