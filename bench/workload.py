@@ -179,6 +179,7 @@ class LevelResult:
     talker_frames_s: float = 0.0                     # per request
     audio_s: float = 0.0                             # mean audio per request
     server: dict = field(default_factory=dict)       # per stage: server-side means (bench.server_stats)
+    ttfp_each_ms: list = field(default_factory=list)  # every successful request's TTFP, in completion order
 
     @classmethod
     def of(cls, mode: str, concurrency: int, records: list[RequestRecord], wall: float) -> "LevelResult":
@@ -196,7 +197,8 @@ class LevelResult:
                    ttft_ms=summary([r.first_text - r.start for r in ok if r.first_text], 1000.0),
                    thinker_tok_s=statistics.fmean(tok_rates) if tok_rates else 0.0,
                    talker_frames_s=statistics.fmean(frame_rates) if frame_rates else 0.0,
-                   audio_s=statistics.fmean([r.samples / SAMPLE_RATE for r in ok]) if ok else 0.0)
+                   audio_s=statistics.fmean([r.samples / SAMPLE_RATE for r in ok]) if ok else 0.0,
+                   ttfp_each_ms=[round(r.ttfp * 1000.0, 2) for r in ok])
 
     def as_dict(self) -> dict:
         return asdict(self)

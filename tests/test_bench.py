@@ -26,6 +26,7 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
     assert set(levels) == {(m, c) for m in ("gateway", "split", "inprocess") for c in (1, 2)}
     for (mode, c), lv in levels.items():
         assert lv["requests"] == 3 and lv["failed"] == 0, (mode, c)
+        assert len(lv["ttfp_each_ms"]) == 3 and min(lv["ttfp_each_ms"]) > 0, (mode, c)
         assert abs(lv["audio_s"] - (6 * 1920 - 555) / 24000) < 1e-9, (mode, c)
         assert 0 < lv["ttft_ms"]["p50"] <= lv["ttfp_ms"]["p50"] <= lv["e2el_s"]["p50"] * 1000
         assert lv["thinker_tok_s"] > 0 and lv["talker_frames_s"] > 0
