@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+import torch
 
 from voxpipe.services.runtime.engine import Outbox
 from voxpipe.v1 import stages_pb2 as pb
@@ -24,6 +25,52 @@ def test_outbox_saturates_and_wakes_the_engine_when_half_drained():
         assert got == [0, 1, 2, 3] and woken == [4] and not box.saturated
         assert [await box.get() for _ in range(4)] == [4, 5, 6, 7]
     asyncio.run(go())
+
+
+def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
+    """A stage handler sends the outputs already waiting in a request's outbox as one message where
+    they concatenate (talker frames, code2wav audio), and nothing else changes: order, offsets and
+    content are kept, non-contiguous or different outputs go separately."""
+    from voxpipe.cli import build_parser
+    from voxpipe.services.code2wav import server as code2wav_server
+    from voxpipe.services.code2wav.engine import Code2WavJob
+    from voxpipe.services.runtime.tensors import concat_rows, from_proto, to_proto
+    from voxpipe.services.talker import server as talker_server
+
+    def audio(offset: int, n: int, enc=pb.AUDIO_PCM16) -> pb.Code2WavResponse:
+        return pb.Code2WavResponse(audio=pb.AudioChunk(sample_offset=offset, sample_rate=24000, encoding=enc,
+                                                       data=bytes([offset % 251]) * (2 * n), num_samples=n))
+
+    ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
+    servicer = code2wav_server.build(ns)
+
+    async def go() -> list:
+        job = Code2WavJob(request_id="c", outbox=Outbox(asyncio.get_running_loop()))
+        for item in (audio(0, 10), audio(10, 5), audio(15, 7), audio(40, 3), audio(43, 2, pb.AUDIO_FLOAT32),
+                     pb.Code2WavResponse(finished=pb.Finished(reason=pb.STOP))):
+            job.outbox.put(item)
+        await asyncio.sleep(0)             # the puts land on the loop
+        return [m async for m in servicer.serve_request(job, None, None)]
+
+    sent = asyncio.run(go())
+    kinds = [m.WhichOneof("kind") for m in sent]
+    assert kinds == ["audio", "audio", "audio", "finished"]
+    first = sent[0].audio
+    assert (first.sample_offset, first.num_samples, first.data) == (
+        0, 22, bytes([0]) * 20 + bytes([10]) * 10 + bytes([15]) * 14)
+    assert (sent[1].audio.sample_offset, sent[1].audio.num_samples) == (40, 3)      # not contiguous: apart
+    assert sent[2].audio.encoding == pb.AUDIO_FLOAT32                               # other encoding: apart
+
+    ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
+    talker = talker_server.build(ns)
+    a, b = ((torch.arange(16 * n).view(n, 16) + k).to(torch.uint16) for n, k in ((1, 0), (2, 100)))
+    frames = [pb.TalkerResponse(frames=pb.CodecFrames(index=i, codes=to_proto(c))) for i, c in ((0, a), (1, b))]
+    merged = talker.merge(*frames)
+    assert merged.frames.index == 0
+    assert torch.equal(from_proto(merged.frames.codes), torch.cat((a, b)))
+    assert talker.merge(frames[1], frames[0]) is None                                # out of order: apart
+    assert talker.merge(frames[0], pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP))) is None
+    assert concat_rows(to_proto(a), to_proto(a.view(16, 1))) is None                 # shapes differ
 
 
 def _gauge(stack, stage: str, name: str) -> float:

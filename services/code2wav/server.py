@@ -31,6 +31,17 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
         self.cfg = cfg
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
 
+    def merge(self, first: pb.Code2WavResponse, then: pb.Code2WavResponse) -> pb.Code2WavResponse | None:
+        """Consecutive audio chunks of one request (same encoding, contiguous samples) travel as one."""
+        if first.WhichOneof("kind") != "audio" or then.WhichOneof("kind") != "audio":
+            return None
+        a, b = first.audio, then.audio
+        if (b.encoding, b.sample_rate) != (a.encoding, a.sample_rate) or b.sample_offset != a.sample_offset + a.num_samples:
+            return None
+        return pb.Code2WavResponse(audio=pb.AudioChunk(sample_offset=a.sample_offset, sample_rate=a.sample_rate,
+                                                       encoding=a.encoding, data=a.data + b.data,
+                                                       num_samples=a.num_samples + b.num_samples))
+
     @traced_rpc("voxpipe.v1.Code2Wav", "Decode")
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()

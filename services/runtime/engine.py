@@ -62,14 +62,23 @@ class Outbox:
 
     async def get_timed(self) -> tuple[Any, float]:
         """The next item and the seconds it waited since `put`."""
-        put_at, item = await self._queue.get()
-        waited = time.monotonic() - put_at
+        return self._taken(await self._queue.get())
+
+    def poll_timed(self) -> tuple[Any, float] | None:
+        """Like `get_timed`, but only an item already waiting (None if there is none)."""
+        try:
+            return self._taken(self._queue.get_nowait())
+        except asyncio.QueueEmpty:
+            return None
+
+    def _taken(self, entry: tuple[float, Any]) -> tuple[Any, float]:
+        put_at, item = entry
         with self._lock:
             self.backlog -= 1
             wake = self.backlog == self.limit // 2
         if wake and self.on_drain is not None:
             self.on_drain()
-        return item, waited
+        return item, time.monotonic() - put_at
 
 
 @dataclass

@@ -33,6 +33,14 @@ def to_proto(t: torch.Tensor) -> pb.Tensor:
     return pb.Tensor(dtype=_FROM_TORCH[t.dtype], shape=list(t.shape), data=raw)
 
 
+def concat_rows(a: pb.Tensor, b: pb.Tensor) -> pb.Tensor | None:
+    """a and b stacked along dim 0 without decoding (C order: the bytes concatenate), or None if
+    their dtypes or trailing shapes differ."""
+    if a.dtype != b.dtype or len(a.shape) == 0 or list(a.shape[1:]) != list(b.shape[1:]) or len(b.shape) == 0:
+        return None
+    return pb.Tensor(dtype=a.dtype, shape=[a.shape[0] + b.shape[0], *a.shape[1:]], data=a.data + b.data)
+
+
 def nbytes(msg: pb.Tensor) -> int:
     if msg.dtype not in _ITEMSIZE:
         raise TensorError(f"unknown tensor dtype {msg.dtype}")

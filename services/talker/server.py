@@ -17,7 +17,7 @@ from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
 from ..runtime.sampling import SamplingParams
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
-from ..runtime.tensors import TensorError, from_proto
+from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import annotate, setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import TalkerEngine, TalkerJob
@@ -41,6 +41,16 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
     def __init__(self, engine: TalkerEngine, opts, cfg: OmniConfig) -> None:
         super().__init__(engine, opts)
         self.cfg = cfg
+
+    def merge(self, first: pb.TalkerResponse, then: pb.TalkerResponse) -> pb.TalkerResponse | None:
+        """Consecutive frame messages of one request travel as one CodecFrames [n1 + n2, G]."""
+        if first.WhichOneof("kind") != "frames" or then.WhichOneof("kind") != "frames":
+            return None
+        a, b = first.frames, then.frames
+        if b.index != a.index + (a.codes.shape[0] if a.codes.shape else 0):
+            return None
+        codes = concat_rows(a.codes, b.codes)
+        return None if codes is None else pb.TalkerResponse(frames=pb.CodecFrames(index=a.index, codes=codes))
 
     @traced_rpc("voxpipe.v1.Talker", "Generate")
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
