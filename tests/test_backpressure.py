@@ -72,6 +72,25 @@ def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
     assert talker.merge(frames[0], pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP))) is None
     assert concat_rows(to_proto(a), to_proto(a.view(16, 1))) is None                 # shapes differ
 
+    from voxpipe.services.thinker import server as thinker_server
+
+    ns = build_parser().parse_args(["thinker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
+    thinker, _ = thinker_server.build(ns)
+    rows = torch.randn(3, 8).to(torch.bfloat16)
+
+    def text(index: int, ids: list[int], txt: str, emb: torch.Tensor | None) -> pb.ThinkerResponse:
+        delta = pb.TextDelta(index=index, token_ids=ids, text=txt)
+        if emb is not None:
+            delta.embeddings.CopyFrom(to_proto(emb))
+        return pb.ThinkerResponse(text=delta)
+
+    merged = thinker.merge(text(4, [7], "He", rows[:1]), text(5, [8, 9], "llo", rows[1:]))
+    assert (merged.text.index, list(merged.text.token_ids), merged.text.text) == (4, [7, 8, 9], "Hello")
+    assert torch.equal(from_proto(merged.text.embeddings), rows)
+    assert thinker.merge(text(4, [7], "a", None), text(5, [8], "b", None)).text.text == "ab"
+    assert thinker.merge(text(4, [7], "a", rows[:1]), text(5, [8], "b", None)) is None   # rows on one side only
+    assert thinker.merge(text(4, [7], "a", None), text(6, [8], "b", None)) is None       # a gap
+
 
 def _gauge(stack, stage: str, name: str) -> float:
     import urllib.request

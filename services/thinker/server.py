@@ -18,7 +18,7 @@ from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
 from ..runtime.sampling import SamplingParams
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
-from ..runtime.tensors import TensorError, from_proto
+from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import ThinkerEngine, ThinkerJob, assistant_head_index
@@ -33,6 +33,22 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
     def __init__(self, engine: ThinkerEngine, opts, tokenizer, cfg: OmniConfig) -> None:
         super().__init__(engine, opts)
         self.tokenizer, self.cfg = tokenizer, cfg
+
+    def merge(self, first: pb.ThinkerResponse, then: pb.ThinkerResponse) -> pb.ThinkerResponse | None:
+        """Consecutive text deltas of one request travel as one (token ids, text and the talker's
+        embedding rows concatenated)."""
+        if first.WhichOneof("kind") != "text" or then.WhichOneof("kind") != "text":
+            return None
+        a, b = first.text, then.text
+        if b.index != a.index + len(a.token_ids) or a.HasField("embeddings") != b.HasField("embeddings"):
+            return None
+        delta = pb.TextDelta(index=a.index, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text)
+        if a.HasField("embeddings"):
+            rows = concat_rows(a.embeddings, b.embeddings)
+            if rows is None:
+                return None
+            delta.embeddings.CopyFrom(rows)
+        return pb.ThinkerResponse(text=delta)
 
     @traced_rpc("voxpipe.v1.Thinker", "Generate")
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
