@@ -17,7 +17,7 @@ import torch
 from oracle import load_reference_model
 from voxpipe.services.code2wav.model import Code2WavModel, StreamStore
 from voxpipe.services.runtime.config import OmniConfig
-from voxpipe.services.runtime.kv_cache import GrowingCache, SlidingWindowCache, SlotKVCache, SlotStep
+from voxpipe.services.runtime.kv_cache import GrowingCache, ShortCache, SlidingWindowCache, SlotKVCache, SlotStep
 from voxpipe.services.runtime.layers import RMSNorm, RotaryEmbedding
 from voxpipe.services.runtime.weights import load_module
 from voxpipe.services.talker.model import TalkerModel
@@ -153,6 +153,23 @@ def test_attention_causal_prefill_growing_cache(ref, thinker, cfg):
         for p in range(9, 13):
             outs.append(ours(x[:, p:p + 1], thinker.model.rotary(torch.full((2, 1), p), torch.float32), cache))
         close(torch.cat(outs, dim=1), want)
+
+
+def test_short_cache_equals_growing_cache_and_refuses_overflow(thinker, cfg):
+    """ShortCache (preallocated, the code predictor's) attends as GrowingCache does, prefill then
+    single steps, and says so when asked for more positions than it holds."""
+    attn = thinker.model.layers[2].self_attn
+    x = torch.randn(2, 6, cfg.thinker.text.hidden_size, generator=gen(5))
+    t = cfg.thinker.text
+    short = ShortCache(len(thinker.model.layers), 2, 6, t.num_kv_heads, t.head_dim, torch.float32, "cpu")
+    growing = GrowingCache()
+    with torch.no_grad():
+        for start, n in ((0, 3), (3, 1), (4, 2)):
+            rope = thinker.model.rotary(torch.arange(start, start + n).expand(2, n), torch.float32)
+            got = attn(x[:, start:start + n], rope, short)
+            close(got, attn(x[:, start:start + n], rope, growing))
+        with pytest.raises(ValueError, match="holds 6 positions; 6 \\+ 1 asked"):
+            attn(x[:, :1], thinker.model.rotary(torch.full((2, 1), 6), torch.float32), short)
 
 
 def test_attention_slot_cache_prefill_then_batched_decode(ref, thinker, cfg):

@@ -4,9 +4,9 @@ each utterance's new samples as one chunk.
 A step runs frame by frame, batched across utterances: one first-frame decode for the utterances
 starting now, then rounds of the one-frame decode, round r over the utterances with more than r new
 frames (at most MAX_FRAMES_PER_STEP rounds) -- CUDA-graph replays on the GPU, the same functions
-eagerly elsewhere. The streaming
-decoder is exact, so this equals decoding any chunking at once; decoding one frame at a time also
-makes an utterance's samples independent of how its frames happened to arrive."""
+eagerly elsewhere. The streaming decoder is exact, so this equals decoding any chunking at once;
+decoding one frame at a time also makes an utterance's samples independent of how its frames
+happened to arrive."""
 
 from __future__ import annotations
 

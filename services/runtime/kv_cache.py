@@ -42,6 +42,17 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return out.reshape(b, hq, s, d)
 
 
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The S new queries (the last S of the L key positions) attend causally: q [B, Hq, S, D],
+    k/v [B, Hkv, L, D]."""
+    s, total = q.shape[2], k.shape[2]
+    if s == 1:
+        return _sdpa(q, k, v, None, scale)
+    q_pos = torch.arange(total - s, total, device=q.device)
+    mask = (torch.arange(total, device=q.device)[None, :] <= q_pos[:, None])[None, None]
+    return _sdpa(q, k, v, mask.expand(q.shape[0], 1, s, total), scale)
+
+
 @dataclass
 class SlotStep:
     """Where one engine step's tokens go: sequence b writes S tokens at positions
@@ -183,12 +194,7 @@ class GrowingCache:
             k = torch.cat((self.k[layer], k), dim=2)
             v = torch.cat((self.v[layer], v), dim=2)
         self.k[layer], self.v[layer] = k, v
-        s, total = q.shape[2], k.shape[2]
-        if s == 1:
-            return _sdpa(q, k, v, None, scale)
-        q_pos = torch.arange(total - s, total, device=q.device)
-        mask = (torch.arange(total, device=q.device)[None, :] <= q_pos[:, None])[None, None]
-        return _sdpa(q, k, v, mask.expand(q.shape[0], 1, s, total), scale)
+        return _causal_sdpa(q, k, v, scale)
 
 
 class ShortCache:
@@ -196,9 +202,9 @@ class ShortCache:
     appends S positions to every sequence (one `past` for all) and attends causally. Preallocated,
     with static shapes. Its position count is Python state: inside a CUDA graph, create it inside the
     captured function (as `CodePredictor.predict` does), so capture and every replay see the same
-    sequence of `past` values; never keep one across replays. Besides `attend` it has `attend_tokens`, which takes
-    q/k/v token-major ([B, S, heads, D]) and returns [B, S, Hq * D] through the fused append +
-    attention kernel (`voxpipe.kernels.attention`)."""
+    sequence of `past` values; never keep one across replays. Besides `attend` it has
+    `attend_tokens`, which takes q/k/v token-major ([B, S, heads, D]) and returns [B, S, Hq * D]
+    through the fused append + attention kernel (`voxpipe.kernels.attention`)."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -221,12 +227,7 @@ class ShortCache:
         kc, vc = self.k[layer], self.v[layer]
         kc[:, :, past:total] = k
         vc[:, :, past:total] = v
-        mask = None
-        if s > 1:
-            q_pos = torch.arange(past, total, device=q.device)
-            mask = (torch.arange(total, device=q.device)[None, :] <= q_pos[:, None])[None, None]
-            mask = mask.expand(q.shape[0], 1, s, total)
-        return _sdpa(q, kc[:, :, :total], vc[:, :, :total], mask, scale)
+        return _causal_sdpa(q, kc[:, :, :total], vc[:, :, :total], scale)
 
     def attend_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float) -> torch.Tensor:
