@@ -24,6 +24,7 @@ from opentelemetry import context as otel_context
 from voxpipe.audio import resample
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, TextEvent
 from voxpipe.services.runtime import tracing
+from voxpipe.services.runtime.calls import abort
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.server import add_health_and_reflection
 from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart, render
@@ -165,11 +166,11 @@ class ConverseServicer(gw_grpc.GatewayServicer):
         try:
             first = await it.__anext__()
         except StopAsyncIteration:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 "empty request stream: the first message must be start")
             return
         if first.WhichOneof("kind") != "start":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the first message must be start, got {first.WhichOneof('kind')}")
             return
         arrived = time.perf_counter()
@@ -177,7 +178,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
             turn = parse_start(first.start, self.state.omni)
             await asyncio.to_thread(self._render, turn)
         except InvalidInput as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         speech = turn.speech
         tracing.annotate(request_id=speech.request_id, voice=speech.speaker if speech.audio else None)
@@ -187,7 +188,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
 
         session = self.state.sessions.try_acquire()
         if session is None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too many concurrent sessions (the limit is {self.state.sessions.limit}); retry later")
             return
         events: asyncio.Queue = asyncio.Queue()
@@ -246,14 +247,14 @@ class ConverseServicer(gw_grpc.GatewayServicer):
                     tracing.annotate(cancelled=True)
                     break
                 elif isinstance(ev, InvalidInput):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(ev))
+                    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(ev))
                 elif isinstance(ev, PipelineError):
                     code = ev.code or grpc.StatusCode.INTERNAL
                     message = f"{ev.stage}: {ev.details}"
                     if sent_output:
                         yield gw.ConverseResponse(error=gw.ConverseError(code=code.name, message=message,
                                                                          stage=ev.stage))
-                    await context.abort(code, message)
+                    await abort(context, code, message)
             yield gw.ConverseResponse(done=gw.ConverseDone(request_id=speech.request_id, text_finish=text_finish,
                                                            audio_finish=audio_finish, usage=usage))
         finally:

@@ -189,43 +189,69 @@ def test_audio_in_as_pcm16_or_wav_is_the_same_prompt(channel):
 
 # ----------------------------------------------------------------------------- cancel
 
+def error_streams(stack) -> dict[str, float]:
+    return {s: stage_metric(stack, s, f'voxpipe_streams_total{{outcome="error",stage="{s}"}}') for s in STAGES}
+
+
+def long_turn() -> gw.ConverseRequest:
+    """A turn that is still speaking when the tests cancel it (200 frames forced)."""
+    return start(text=TEXT, max_tokens=8, max_frames=200, ignore_eos=True)
+
+
 def test_cancel_message_ends_the_turn_and_frees_every_stage(channel, stack):
-    before = cancelled_streams(stack)
-    requests: queue.Queue = queue.Queue()
-    requests.put(start(text=TEXT, max_tokens=8, max_frames=12, ignore_eos=True))
+    """Cancel at the first text delta (the talker and code2wav streams may still be opening) and at
+    the first audio chunk (every stage holds the request), 20 turns in all: each turn ends CANCELLED,
+    every stage frees it, no stage counts an error, and a stage that produced output counts the
+    stream as cancelled."""
+    errors = error_streams(stack)
+    for turn in range(20):
+        at_audio = turn % 2 == 1
+        before = cancelled_streams(stack)
+        requests: queue.Queue = queue.Queue()
+        requests.put(long_turn())
 
-    def request_stream():
-        while (item := requests.get()) is not None:
-            yield item
+        def request_stream():
+            while (item := requests.get()) is not None:
+                yield item
 
-    got = []
-    for resp in gw_grpc.GatewayStub(channel).Converse(request_stream(), timeout=120):
-        got.append(resp)
-        if len(got) == 1:                      # the first text delta: cancel while everything still runs
-            assert resp.WhichOneof("kind") == "text"
-            requests.put(gw.ConverseRequest(cancel=pb.Cancel()))
-            requests.put(None)
-    text, audio, done = split(got)
-    assert done.text_finish == pb.CANCELLED and done.audio_finish == pb.CANCELLED
-    assert check_audio_chunks(audio, pb.AUDIO_PCM16) < 1920 * 11 - 555
-    assert wait_all_free(stack) == {s: 0 for s in STAGES}
-    after = cancelled_streams(stack)
-    assert after["talker"] == before["talker"] + 1 and after["code2wav"] == before["code2wav"] + 1, (before, after)
+        got = []
+        for resp in gw_grpc.GatewayStub(channel).Converse(request_stream(), timeout=120):
+            got.append(resp)
+            kinds = [r.WhichOneof("kind") for r in got]
+            if kinds.count("audio" if at_audio else "text") == 1 and kinds[-1] == ("audio" if at_audio else "text"):
+                requests.put(gw.ConverseRequest(cancel=pb.Cancel()))
+                requests.put(None)
+        text, audio, done = split(got)
+        assert done.text_finish in (pb.CANCELLED, pb.LENGTH) and done.audio_finish == pb.CANCELLED, (turn, done)
+        assert check_audio_chunks(audio, pb.AUDIO_PCM16) < 1920 * 199 - 555
+        assert wait_all_free(stack) == {s: 0 for s in STAGES}, turn
+        after = cancelled_streams(stack)
+        if at_audio:
+            assert after["talker"] == before["talker"] + 1 and after["code2wav"] == before["code2wav"] + 1, \
+                (turn, before, after)
+        else:
+            assert all(before[s] <= after[s] <= before[s] + 1 for s in STAGES), (turn, before, after)
+    assert error_streams(stack) == errors
 
 
 def test_client_cancelling_the_call_frees_every_stage(channel, stack):
-    before = cancelled_streams(stack)
-    call = gw_grpc.GatewayStub(channel).Converse(iter([start(text=TEXT, max_tokens=8, max_frames=12,
-                                                             ignore_eos=True)]), timeout=120)
-    first = next(call)
-    assert first.WhichOneof("kind") == "text"
-    call.cancel()
-    with pytest.raises(grpc.RpcError) as err:
-        list(call)
-    assert err.value.code() == grpc.StatusCode.CANCELLED
-    assert wait_all_free(stack) == {s: 0 for s in STAGES}
-    after = cancelled_streams(stack)
-    assert after["talker"] == before["talker"] + 1 and after["code2wav"] == before["code2wav"] + 1, (before, after)
+    errors = error_streams(stack)
+    for turn in range(6):
+        before = cancelled_streams(stack)
+        call = gw_grpc.GatewayStub(channel).Converse(iter([long_turn()]), timeout=120)
+        for resp in call:
+            if resp.WhichOneof("kind") == ("audio" if turn % 2 else "text"):
+                break
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        assert wait_all_free(stack) == {s: 0 for s in STAGES}, turn
+        after = cancelled_streams(stack)
+        if turn % 2:
+            assert after["talker"] == before["talker"] + 1 and after["code2wav"] == before["code2wav"] + 1, \
+                (turn, before, after)
+    assert error_streams(stack) == errors
     # and the gateway still serves
     assert split(converse(channel, start(text=TEXT, max_tokens=2, output_modalities=[gw.MODALITY_TEXT])))[2]
 

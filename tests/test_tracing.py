@@ -133,6 +133,8 @@ class Processes:
 class TracedGateway:
     http: str          # base URL of the OpenAI HTTP API
     grpc: str          # host:port of the Converse API
+    stages: dict[str, str]          # stage -> host:port of its gRPC service
+    metrics_ports: dict[str, int]   # stage -> its Prometheus port
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +142,12 @@ def traced_gateway(tiny_model_dir, otlp_receiver):
     """thinker, talker, code2wav and the gateway as processes that export spans to the receiver."""
     procs = Processes()
     ports = {s: free_port() for s in STAGES}
+    metrics_ports = {s: free_port() for s in STAGES}
     try:
         for stage in STAGES:
             procs.start([sys.executable, "-m", "voxpipe.cli", stage, "--model", str(tiny_model_dir),
-                         "--host", "127.0.0.1", "--port", str(ports[stage]), "--device", "cpu", "--grace", "2"],
+                         "--host", "127.0.0.1", "--port", str(ports[stage]), "--device", "cpu", "--grace", "2",
+                         "--metrics-port", str(metrics_ports[stage])],
                         otel_env(SERVICE_NAMES[stage], otlp_receiver.port), "ready on port")
         http_port, grpc_port = free_port(), free_port()
         procs.start([sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(tiny_model_dir),
@@ -151,7 +155,8 @@ def traced_gateway(tiny_model_dir, otlp_receiver):
                      "--thinker", f"127.0.0.1:{ports['thinker']}", "--talker", f"127.0.0.1:{ports['talker']}",
                      "--code2wav", f"127.0.0.1:{ports['code2wav']}"],
                     otel_env(SERVICE_NAMES["gateway"], otlp_receiver.port), "ready on port")
-        yield TracedGateway(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+        yield TracedGateway(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
+                            {s: f"127.0.0.1:{p}" for s, p in ports.items()}, metrics_ports)
     finally:
         procs.stop()
 
@@ -329,7 +334,8 @@ def test_a_cancelled_turn_ends_every_hop_span_as_cancelled(traced_gateway, otlp_
         kinds = []
         for resp in call:
             kinds.append(resp.WhichOneof("kind"))
-            if len(kinds) == 1:
+            if kinds.count("audio") == 1 and kinds[-1] == "audio":
+                # audio came: every stage holds the request (code2wav made it), the talker still runs
                 requests.put(gw.ConverseRequest(cancel=pb.Cancel()))
                 requests.put(None)
     assert kinds[-1] == "done"
@@ -382,3 +388,103 @@ def test_realtime_websocket_session_joins_the_callers_trace(traced_gateway, otlp
                          (SERVICE_NAMES["talker"], "voxpipe.v1.Talker/Generate"),
                          (SERVICE_NAMES["code2wav"], "voxpipe.v1.Code2Wav/Decode")):
         assert session in ancestors(server_span(spans, service, rpc), by_id)
+
+
+# ----------------------------------------------------------------------------- cancellation timing
+
+def _stage_metric(port: int, name: str) -> float:
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _outcomes(gateway: TracedGateway, stage: str) -> dict[str, float]:
+    return {o: _stage_metric(gateway.metrics_ports[stage], f'voxpipe_streams_total{{outcome="{o}",stage="{stage}"}}')
+            for o in ("cancelled", "error", "stop", "length")}
+
+
+def test_a_stage_stream_cancelled_at_any_moment_ends_as_one_clean_cancellation(traced_gateway, otlp_receiver):
+    """Regression (flaky cancel tests): a caller may cancel a stage stream before its start message
+    arrives, right after it, or once outputs flow. Whatever the moment, each stream the stage saw
+    ends as a cancelled stream -- counted `cancelled` (never `error`), its server span marked
+    cancelled and not ERROR -- and the stage's active gauge returns to 0. 24 cancels per stage."""
+    import asyncio
+    import secrets
+
+    import torch
+
+    from voxpipe.services.runtime.tensors import to_proto
+    from voxpipe.v1 import stages_pb2 as pb
+    from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+    hidden = 64   # the tiny checkpoint's thinker hidden size (the talker's row width)
+    prompt = pb.TalkerPrompt(
+        user_rows=to_proto(torch.randn(5, hidden)), user_mm_mask=to_proto(torch.zeros(5, dtype=torch.bool)),
+        user_token_ids=to_proto(torch.arange(5, dtype=torch.int64)), assistant_head=to_proto(torch.randn(3, hidden)),
+        assistant_prefix=to_proto(torch.zeros(0, hidden)), tts_special=to_proto(torch.randn(3, hidden)))
+    calls = {
+        "thinker": (pb_grpc.ThinkerStub, "Generate", [pb.ThinkerRequest(start=pb.ThinkerStart(
+            text="Tell me a long story.", max_tokens=200, min_tokens=200))]),
+        "talker": (pb_grpc.TalkerStub, "Generate", [
+            pb.TalkerRequest(start=pb.TalkerStart(prompt=prompt, speaker="ethan", max_frames=200, min_frames=200)),
+            pb.TalkerRequest(rows=pb.TextRows(rows=to_proto(torch.randn(2, hidden))))]),
+        "code2wav": (pb_grpc.Code2WavStub, "Decode", [
+            pb.Code2WavRequest(start=pb.Code2WavStart(first_chunk_frames=1, chunk_frames=1)),
+            pb.Code2WavRequest(frames=pb.CodecFrames(codes=to_proto(torch.zeros(2, 16, dtype=torch.int32))))]),
+    }
+    before = {stage: _outcomes(traced_gateway, stage) for stage in STAGES}
+    trace_ids: dict[str, list[tuple[str, int]]] = {stage: [] for stage in STAGES}
+
+    async def cancel_one(channel, stage: str, moment: int) -> None:
+        stub_cls, method, messages = calls[stage]
+        trace_id = secrets.token_hex(16)
+        trace_ids[stage].append((trace_id, moment))
+        call = getattr(stub_cls(channel), method)(metadata=(("traceparent", f"00-{trace_id}-{CLIENT_PARENT_SPAN}-01"),))
+        if moment >= 1:
+            for msg in messages:
+                await call.write(msg)
+        if moment >= 2:
+            await call.read()                       # outputs flow: the stage certainly holds the request
+        if moment in (1, 3):
+            await asyncio.sleep(0)                  # cancel a little later, while the stage reads
+        call.cancel()
+
+    async def run() -> None:
+        for stage in STAGES:
+            async with grpc.aio.insecure_channel(traced_gateway.stages[stage]) as channel:
+                for i in range(24):
+                    await cancel_one(channel, stage, i % 4)
+
+    asyncio.run(run())
+    for stage in STAGES:
+        port = traced_gateway.metrics_ports[stage]
+        deadline = time.monotonic() + 30
+        while _stage_metric(port, f'voxpipe_active_streams{{stage="{stage}"}}') != 0:
+            assert time.monotonic() < deadline, f"{stage} still holds cancelled streams"
+            time.sleep(0.05)
+    service = {"thinker": "voxpipe.v1.Thinker/Generate", "talker": "voxpipe.v1.Talker/Generate",
+               "code2wav": "voxpipe.v1.Code2Wav/Decode"}
+    for stage in STAGES:
+        moments = dict(trace_ids[stage])
+
+        def server_spans() -> list[ReceivedSpan]:
+            return [s for s in otlp_receiver.snapshot() if s.trace_id in moments
+                    and s.kind == trace_pb2.Span.SPAN_KIND_SERVER and s.name == service[stage]]
+
+        # every stream the stage saw is counted, and counted as cancelled: one span per counted stream
+        deadline = time.monotonic() + 20
+        while len(server_spans()) != _outcomes(traced_gateway, stage)["cancelled"] - before[stage]["cancelled"]:
+            assert time.monotonic() < deadline, (stage, len(server_spans()), before[stage], _outcomes(traced_gateway, stage))
+            time.sleep(0.1)
+        spans = server_spans()
+        assert len({s.trace_id for s in spans}) == len(spans)
+        for span in spans:
+            where = (stage, moments[span.trace_id], span.attributes)
+            assert span.status_code != trace_pb2.Status.STATUS_CODE_ERROR, where
+            assert span.attributes.get("voxpipe.finish_reason") == "cancelled", where
+        # a stream cancelled before it reached the stage leaves nothing; one whose outputs flowed must be there
+        assert {t for t, m in moments.items() if m >= 2} <= {s.trace_id for s in spans}, stage
+        assert _outcomes(traced_gateway, stage)["error"] == before[stage]["error"], stage

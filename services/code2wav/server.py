@@ -42,30 +42,20 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                                                        encoding=a.encoding, data=a.data + b.data,
                                                        num_samples=a.num_samples + b.num_samples))
 
+    def make_job(self, start: pb.Code2WavStart) -> Code2WavJob:
+        if start.encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown audio encoding {start.encoding}")
+        return Code2WavJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
+                           encoding=start.encoding or pb.AUDIO_PCM16,
+                           first_chunk_frames=start.first_chunk_frames or self.first_chunk_frames,
+                           chunk_frames=start.chunk_frames or self.chunk_frames)
+
     @traced_rpc("voxpipe.v1.Code2Wav", "Decode")
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
-        try:
-            first = await it.__anext__()  # read before refusing (see the thinker server)
-            self.admit()
-        except StopAsyncIteration:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty request stream: the first message must be start")
+        job = await self.open_stream(it, context)
+        if job is None:
             return
-        except Abort as e:
-            await context.abort(e.code, e.message)
-            return
-        if first.WhichOneof("kind") != "start":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the first message must be start, got {first.WhichOneof('kind')}")
-            return
-        start = first.start
-        if start.encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown audio encoding {start.encoding}")
-            return
-        job = Code2WavJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
-                          encoding=start.encoding or pb.AUDIO_PCM16,
-                          first_chunk_frames=start.first_chunk_frames or self.first_chunk_frames,
-                          chunk_frames=start.chunk_frames or self.chunk_frames)
         cw = self.cfg.code2wav
 
         async def reader() -> None:

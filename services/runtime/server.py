@@ -21,6 +21,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from .engine import EngineRequest, StageEngine, StageError
 from . import metrics
 from .metrics import serve_metrics
+from .calls import ClientGone, abort
 from .tensors import Reassembler, TensorError
 from . import tracing
 
@@ -64,17 +65,22 @@ class StageServicer:
         raise NotImplementedError
 
     async def open_stream(self, it: AsyncIterator, context: grpc.aio.ServicerContext) -> EngineRequest | None:
-        """The request of a Generate stream: its start message read (before any refusal: a status sent
+        """The request of a stage stream: its start message read (before any refusal: a status sent
         while the client is still writing reaches gRPC Python clients as INTERNAL instead of the real
         code), admitted and turned into a job by the subclass's `make_job`; None after aborting the
-        call with the refusal's status."""
+        call with the refusal's status. A caller that cancels before the job exists ends the call
+        as a cancelled stream of this stage (counted, traced), like one that cancels later."""
         try:
-            start = await self.read_head(it, "start", "chunk")
-            self.admit()
-            return self.make_job(start)
-        except Abort as e:
-            await context.abort(e.code, e.message)
-            return None
+            try:
+                start = await self.read_head(it, "start", "chunk")
+                self.admit()
+                return self.make_job(start)
+            except Abort as e:
+                await abort(context, e.code, e.message)
+                return None
+        except (ClientGone, asyncio.CancelledError):
+            metrics.STREAMS.labels(self.engine.name, "cancelled").inc()
+            raise
 
     async def read_head(self, it: AsyncIterator, start_field: str, chunk_field: str) -> Any:
         """The Start message of a stream, with its tensors' continuation chunks appended."""
@@ -129,7 +135,7 @@ class StageServicer:
                     item, held = held, None
                 if isinstance(item, StageError):
                     final = item
-                    await context.abort(item.code, item.message)
+                    await abort(context, item.code, item.message)
                 while (polled := req.outbox.poll_timed()) is not None:
                     wait.observe(polled[1])
                     merged = None if isinstance(polled[0], StageError) else self.merge(item, polled[0])

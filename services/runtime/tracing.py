@@ -28,6 +28,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from .calls import ClientGone
+
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "voxpipe"
@@ -135,7 +137,9 @@ def grpc_error(span: trace.Span, code: grpc.StatusCode | None, details: str) -> 
 def traced_rpc(service: str, method: str) -> Callable:
     """Decorate a stream-stream servicer method (an async generator): one SERVER span per call,
     parented on the caller's context from the metadata and current while the handler runs.
-    Failures (context.abort, exceptions) set status ERROR; a cancelled call is marked so."""
+    Failures (context.abort, exceptions) set status ERROR. A call the caller cancelled (the
+    handler cancelled, or ClientGone from services.runtime.calls.abort) ends quietly and its span
+    is marked cancelled with finish_reason "cancelled", whenever the cancel came."""
 
     def wrap(handler: Callable) -> Callable:
         @functools.wraps(handler)
@@ -145,6 +149,8 @@ def traced_rpc(service: str, method: str) -> Callable:
                 try:
                     async for item in inner:
                         yield item
+                except ClientGone:
+                    pass
                 finally:
                     await inner.aclose()    # at once, also when the caller closes us early
                 return
@@ -155,12 +161,14 @@ def traced_rpc(service: str, method: str) -> Callable:
             try:
                 async for item in inner:
                     yield item
+            except ClientGone:
+                _mark_cancelled(span)
             except grpc.aio.AbortError:
                 code, details = context.code(), context.details()
                 grpc_error(span, code if isinstance(code, grpc.StatusCode) else None, details or "aborted")
                 raise
             except (GeneratorExit, asyncio.CancelledError):
-                span.set_attribute("voxpipe.cancelled", True)
+                _mark_cancelled(span)
                 raise
             except Exception as e:
                 span.record_exception(e)
@@ -174,6 +182,12 @@ def traced_rpc(service: str, method: str) -> Callable:
         return traced
 
     return wrap
+
+
+def _mark_cancelled(span: trace.Span) -> None:
+    span.set_attribute("voxpipe.cancelled", True)
+    if "voxpipe.finish_reason" not in (getattr(span, "attributes", None) or {}):
+        span.set_attribute("voxpipe.finish_reason", "cancelled")
 
 
 def record_phases(stage: str, req: Any, final: Any) -> None:
