@@ -260,7 +260,7 @@ def _run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], 
                     finally:
                         await client.close()
                 else:
-                    async with PipelineClient(*(stack.address(s) for s in STAGES)) as client:
+                    async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
                         out += await _levels(client.stream, lambda i: wl.request(cfg, i), args, mode, scrape)
             return out
         return asyncio.run(go()), info

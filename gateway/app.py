@@ -38,7 +38,7 @@ from .metrics import GatewayMetrics
 from .transcripts import TranscriptStore
 
 log = logging.getLogger(__name__)
-STAGES = ("thinker", "talker", "code2wav")
+STAGES = ("thinker", "code2wav")   # the stages the gateway calls (the talker is the thinker's)
 
 
 class Session:
@@ -105,7 +105,7 @@ class GatewayState:
         return self.omni.talker.speakers
 
     def open_pipeline(self) -> PipelineClient:
-        self.pipeline = PipelineClient(self.config.thinker, self.config.talker, self.config.code2wav)
+        self.pipeline = PipelineClient(self.config.thinker, self.config.code2wav)
         return self.pipeline
 
 

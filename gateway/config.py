@@ -10,8 +10,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class GatewayConfig:
     thinker: str                       # host:port[,host:port...] (replicas)
-    talker: str
-    code2wav: str
+    code2wav: str                      # the replicas audio may come from (the talkers' --code2wav set)
     model_dir: str                     # tokenizer, config.json, feature extractor (for rendering prompts)
     model_id: str = ""                 # the id clients send as `model` (default: the checkpoint folder name)
     host: str = "0.0.0.0"
@@ -30,7 +29,7 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, args) -> "GatewayConfig":
-        return cls(thinker=args.thinker, talker=args.talker, code2wav=args.code2wav, model_dir=str(args.model),
+        return cls(thinker=args.thinker, code2wav=args.code2wav, model_dir=str(args.model),
                    model_id=args.served_model_name or "", host=args.host, http_port=args.http_port,
                    grpc_port=args.grpc_port or 0, api_key=args.api_key or os.environ.get("VOXPIPE_API_KEY") or None,
                    max_sessions=args.max_sessions, max_body_bytes=int(args.max_body_mb * 1024 * 1024),

@@ -8,14 +8,24 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from voxpipe.client import AudioEvent, DoneEvent, FramesEvent, SpeechRequest, TextEvent
+from voxpipe.client import AudioEvent, DoneEvent, SpeechRequest, StageEvent, TextEvent
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, RenderedPrompt, render
 from voxpipe.v1 import stages_pb2 as pb
 
 from .errors import bad_request
 from .params import GenerationParams
 
-STAGE_OF_EVENT = {TextEvent: "thinker", FramesEvent: "talker", AudioEvent: "code2wav"}
+
+
+def first_output_stage(ev: object) -> str | None:
+    """The stage whose output `ev` is: text (thinker), the talker's own first-frame report, audio (code2wav)."""
+    if isinstance(ev, TextEvent):
+        return "thinker"
+    if isinstance(ev, AudioEvent):
+        return "code2wav"
+    if isinstance(ev, StageEvent) and ev.kind == "first_output":
+        return ev.stage
+    return None
 
 
 def _render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
@@ -42,7 +52,7 @@ def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str,
 
 
 async def run_pipeline(state, req: SpeechRequest, arrived: float
-                       ) -> AsyncIterator[TextEvent | FramesEvent | AudioEvent | DoneEvent]:
+                       ) -> AsyncIterator[TextEvent | StageEvent | AudioEvent | DoneEvent]:
     """`state.pipeline.stream(req)` with the active-streams gauge, each stage's first-output
     latency, time to first audio and the real-time factor recorded (`arrived`: perf_counter at
     the request's arrival). Raises PipelineError as the client does."""
@@ -53,7 +63,7 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float
     try:
         async with aclosing(state.pipeline.stream(req)) as events:
             async for ev in events:
-                stage = STAGE_OF_EVENT.get(type(ev))
+                stage = first_output_stage(ev)
                 if stage is not None and stage not in seen:
                     seen.add(stage)
                     elapsed = time.perf_counter() - arrived

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from voxpipe.audio import resample
-from voxpipe.client import AudioEvent, DoneEvent, FramesEvent, PipelineError, TextEvent
+from voxpipe.client import AudioEvent, DoneEvent, PipelineError, TextEvent
 from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt
 from voxpipe.v1 import stages_pb2 as pb
 
@@ -146,10 +146,9 @@ class ResponseRun:
                         await self._on_text(ev)
                     elif isinstance(ev, AudioEvent):
                         await self._on_audio(ev)
-                    elif isinstance(ev, FramesEvent):
-                        self.frames += ev.codes.shape[0]
                     elif isinstance(ev, DoneEvent):
                         finish = ev.text_finish
+                        self.frames = ev.frames     # the talker's own count
         except PipelineError as e:
             return self._failed(from_pipeline_error(e))
         except APIError as e:

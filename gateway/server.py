@@ -15,10 +15,11 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     replicas = ("comma-separated replicas: host:port, or dns:///name:port for every address of a name "
-                "(re-resolved as replicas come and go; see voxpipe.balancer)")
+                "(re-resolved as replicas come and go; see voxpipe.services.runtime.balancer)")
     parser.add_argument("--thinker", default="127.0.0.1:50051", help=f"the thinker: {replicas}")
-    parser.add_argument("--talker", default="127.0.0.1:50052", help=f"the talker: {replicas}")
-    parser.add_argument("--code2wav", default="127.0.0.1:50053", help=f"code2wav: {replicas}")
+    parser.add_argument("--code2wav", default="127.0.0.1:50053",
+                        help=f"code2wav, where spoken replies are read from: {replicas}; the talkers' --code2wav "
+                             "must name the same replicas (the talkers pick one, the gateway attaches to it)")
     parser.add_argument("--model", help="checkpoint folder for the tokenizer, config and feature extractor "
                                         "(default: the tiny checkpoint)")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the checkpoint folder name)")

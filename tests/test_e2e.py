@@ -16,7 +16,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 
 def client_for(stack) -> PipelineClient:
-    return PipelineClient(stack.address("thinker"), stack.address("talker"), stack.address("code2wav"))
+    return PipelineClient(stack.address("thinker"), stack.address("code2wav"))
 
 
 def run(coro):
@@ -48,8 +48,9 @@ def test_text_prompt_equals_reference(stack, tiny_model_dir, tokenizer, omni_con
                                       min_frames):
     ids = text_prompt(tokenizer, omni_config, text)
     ref = reference_generate(tiny_model_dir, ids, max_tokens=max_tokens, max_frames=max_frames, min_frames=min_frames)
+    # the codes as code2wav received them from the talker (a debug echo on the audio stream)
     res = run(_collect(stack, SpeechRequest(token_ids=ids, max_tokens=max_tokens, max_frames=max_frames,
-                                            min_frames=min_frames, encoding=pb.AUDIO_FLOAT32)))
+                                            min_frames=min_frames, encoding=pb.AUDIO_FLOAT32, echo_frames=True)))
     assert_matches(res, ref)
     assert res.done.frames == ref.codes.shape[0]
 
@@ -63,7 +64,8 @@ def test_audio_prompt_equals_reference(stack, tiny_model_dir, tokenizer, omni_co
     ref = reference_generate(tiny_model_dir, prompt.token_ids, input_features=feats, max_tokens=6, max_frames=12,
                              min_frames=4)
     res = run(_collect(stack, SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features,
-                                            max_tokens=6, max_frames=12, min_frames=4, encoding=pb.AUDIO_FLOAT32)))
+                                            max_tokens=6, max_frames=12, min_frames=4, encoding=pb.AUDIO_FLOAT32,
+                                            echo_frames=True)))
     assert_matches(res, ref)
 
 
@@ -77,7 +79,7 @@ def test_four_concurrent_requests_each_equal_their_reference(stack, tiny_model_d
     async def all_at_once():
         async with client_for(stack) as client:
             reqs = [SpeechRequest(token_ids=p, speaker=c[4], max_tokens=c[1], max_frames=c[2], min_frames=c[3],
-                                  encoding=pb.AUDIO_FLOAT32) for p, c in zip(prompts, cases)]
+                                  encoding=pb.AUDIO_FLOAT32, echo_frames=True) for p, c in zip(prompts, cases)]
             return await asyncio.gather(*(client.collect(r) for r in reqs))
 
     results = run(all_at_once())
@@ -89,7 +91,7 @@ def test_ignore_eos_forces_lengths_and_pcm16(stack, tokenizer, omni_config):
     ids = text_prompt(tokenizer, omni_config, "Say something long.")
     res = run(_collect(stack, SpeechRequest(token_ids=ids, max_tokens=6, min_tokens=6, max_frames=9, min_frames=9)))
     assert len(res.text_ids) == 6
-    assert res.codes.shape == (8, 16)
+    assert res.done.frames == 8
     assert res.audio.shape[0] == 1920 * 8 - 555
     assert np.abs(res.audio).max() > 0.01
 
@@ -99,3 +101,38 @@ def test_text_only_request(stack, tokenizer, omni_config):
     res = run(_collect(stack, SpeechRequest(token_ids=ids, audio=False, max_tokens=5, min_tokens=5)))
     assert len(res.text_ids) == 5 and res.audio.size == 0
     assert res.done.text_finish == pb.LENGTH
+
+
+def next_stage_streams(stack, stage: str, to: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports[stage]}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'voxpipe_next_stage_streams_total{{stage="{to}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_rows_and_frames_never_reach_the_caller(stack, tokenizer, omni_config):
+    """Stage to stage: the thinker streams rows to the talker and the talker frames to code2wav
+    themselves; the caller's process gets text from the thinker and audio from code2wav only."""
+    ids = text_prompt(tokenizer, omni_config, "Where do the frames go?")
+    before = (next_stage_streams(stack, "thinker", "talker"), next_stage_streams(stack, "talker", "code2wav"))
+
+    async def one():
+        async with client_for(stack) as client:
+            res = await client.collect(SpeechRequest(token_ids=ids, max_tokens=6, min_tokens=6, max_frames=9,
+                                                     min_frames=9))
+            return res, dict(client.received)
+
+    res, received = run(one())
+    assert res.audio.shape[0] == 1920 * 8 - 555 and len(res.text_ids) == 6
+    assert res.done.routes == {"thinker": stack.address("thinker"), "talker": stack.address("talker"),
+                               "code2wav": stack.address("code2wav")}
+    kinds = {kind for _, kind in received}
+    assert not kinds & {"talker_prompt", "rows", "frames", "chunk"}, received
+    assert received["code2wav", "audio"] >= 1 and received["thinker", "text"] >= 1
+    assert received[("thinker", "routed")] == 2 and received[("thinker", "talker_finished")] == 1
+    # the two stage-to-stage streams existed
+    assert next_stage_streams(stack, "thinker", "talker") == before[0] + 1
+    assert next_stage_streams(stack, "talker", "code2wav") == before[1] + 1

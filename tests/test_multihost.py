@@ -241,7 +241,7 @@ def test_gateway_on_its_own_host_reaches_the_stages_by_name(hosts):
 DNS_CLIENT = r"""
 import asyncio, json, sys, logging
 logging.basicConfig(level=logging.INFO)
-from voxpipe.balancer import BalancerOptions
+from voxpipe.services.runtime.balancer import BalancerOptions
 from voxpipe.client import PipelineClient, SpeechRequest
 
 async def main(thinker, talker, code2wav):

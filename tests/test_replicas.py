@@ -1,4 +1,4 @@
-"""Several replicas per stage (voxpipe.balancer) with real processes: 1 thinker, 2 talkers and
+"""Several replicas per stage (voxpipe.services.runtime.balancer) with real processes: 1 thinker, 2 talkers and
 2 code2wavs on localhost. Streams spread over the replicas; a killed replica fails only the
 requests that were on it; a drained replica finishes its streams while new ones go elsewhere;
 dns:/// entries resolve to every address of the name."""
@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import GatewayProcess, free_port
-from voxpipe.balancer import BalancerOptions, resolve
+from voxpipe.services.runtime.balancer import BalancerOptions, resolve
 from voxpipe.client import AudioEvent, FramesEvent, PipelineClient, PipelineError, SpeechRequest
 from voxpipe.services.thinker.prompt import ChatMessage, render
 

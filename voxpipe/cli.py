@@ -103,19 +103,25 @@ class LocalStack:
     def address(self, stage: str) -> str:
         return f"{self.host}:{self.ports[stage]}"
 
+    def next_stage_flags(self, stage: str) -> list[str]:
+        """Where a stage sends a request on: the thinker to the talker, the talker to code2wav."""
+        nxt = {"thinker": "talker", "talker": "code2wav"}.get(stage)
+        return [f"--{nxt}={self.address(nxt)}"] if nxt else []
+
     def start(self, timeout: float = 300.0) -> None:
         for stage in STAGES:
             cmd = [sys.executable, "-m", "voxpipe.cli", stage, "--model", str(self.model), "--host", self.host,
                    "--port", str(self.ports[stage]), "--device", self.devices[stage]] + self.extra
             if self.metrics_ports.get(stage):
                 cmd += ["--metrics-port", str(self.metrics_ports[stage])]
+            cmd += self.next_stage_flags(stage)
             self.procs[stage] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
         deadline = time.monotonic() + timeout
         for stage, proc in self.procs.items():
             self._wait_ready(stage, proc, deadline, timeout)
         if self.http_port:
             cmd = [sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(self.model), "--host", self.host,
-                   "--http-port", str(self.http_port)] + [f"--{s}={self.address(s)}" for s in STAGES]
+                   "--http-port", str(self.http_port)] + [f"--{s}={self.address(s)}" for s in ("thinker", "code2wav")]
             self.procs["gateway"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
             self._wait_ready("gateway", self.procs["gateway"], deadline, timeout)
 
@@ -170,7 +176,7 @@ def cmd_up(args) -> int:
         print(f"gateway   http://{host}:{http_port}/v1  (pid {stack.procs['gateway'].pid})", flush=True)
     try:
         if args.say is not None:
-            args.thinker, args.talker, args.code2wav = (stack.address(s) for s in STAGES)
+            args.thinker, args.code2wav = stack.address("thinker"), stack.address("code2wav")
             args.model = str(model)
             return cmd_say(args)
         print("all services up; Ctrl-C stops them", flush=True)
@@ -225,7 +231,7 @@ def cmd_say(args) -> int:
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
     async def go():
-        async with PipelineClient(args.thinker, args.talker, args.code2wav) as client:
+        async with PipelineClient(args.thinker, args.code2wav) as client:
             t0 = time.perf_counter()
             first = None
             text, chunks = "", []
@@ -286,9 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("say", help="speak a reply to TEXT through running services into a wav")
     p.add_argument("text")
     p.add_argument("--model", help="checkpoint folder for the tokenizer and config (default: the tiny checkpoint)")
-    p.add_argument("--thinker", default="127.0.0.1:50051")
-    p.add_argument("--talker", default="127.0.0.1:50052")
-    p.add_argument("--code2wav", default="127.0.0.1:50053")
+    p.add_argument("--thinker", default="127.0.0.1:50051", help="the thinker replicas (it picks the talker)")
+    p.add_argument("--code2wav", default="127.0.0.1:50053",
+                   help="the code2wav replicas audio is read from (the talkers' --code2wav set)")
     _add_say_options(p)
     p.set_defaults(func=cmd_say)
 

@@ -1,18 +1,22 @@
-"""The pipeline client: chains the Thinker, Talker and Code2Wav streams for one request.
+"""The pipeline client: one request's streams, as a caller (gateway, `voxpipe say`, the bench) opens them.
 
-    async with PipelineClient(thinker="localhost:50051", talker="localhost:50052",
-                              code2wav="localhost:50053") as client:
+    async with PipelineClient(thinker="localhost:50051", code2wav="localhost:50053") as client:
         async for event in client.stream(SpeechRequest(token_ids=ids, speaker="ethan")):
-            ...   # TextEvent / AudioEvent / DoneEvent
+            ...   # TextEvent / AudioEvent / DoneEvent (and StageEvent, FramesEvent when asked)
 
-The thinker's talker rows go to the talker as they arrive; every codec frame goes to code2wav
-the moment it exists; audio comes back chunk by chunk. Cancelling the iteration (or an error
-in any stage) cancels all three calls, which frees the request's slot in every stage.
+The caller opens two streams: one to a thinker (text comes back), and -- for a spoken reply --
+one to the code2wav replica that the request's talker picked (audio comes back). Rows and codec
+frames never pass through the caller: the thinker streams them to a talker replica it picks, the
+talker to a code2wav replica it picks (proto/voxpipe/v1/stages.proto). The thinker stream
+reports both picks (Routed); the audio stream then attaches to that code2wav replica with its
+one-time listen token. Cancelling the iteration (or a failure anywhere) cancels both streams,
+which frees the request in every stage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,8 +28,10 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from voxpipe.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer
 from voxpipe.services.runtime import tracing
+from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer
+from voxpipe.services.runtime.calls import failed_stage
+from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
@@ -49,6 +55,7 @@ class SpeechRequest:
     top_p: float = 1.0
     seed: int | None = None
     encoding: int = pb.AUDIO_PCM16
+    echo_frames: bool = False                 # debug: also the codec frames code2wav received (FramesEvent)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def sampling(self) -> pb.Sampling:
@@ -75,8 +82,18 @@ class AudioEvent:
 
 @dataclass
 class FramesEvent:
+    """Codec frames as code2wav received them (only with SpeechRequest.echo_frames: a debug echo)."""
     index: int
     codes: torch.Tensor            # [n, num_code_groups] int64
+
+
+@dataclass
+class StageEvent:
+    """A downstream stage's report: `kind` "first_output" (its first frame: the talker) or
+    "routed" (it holds the request on `address`)."""
+    stage: str
+    kind: str
+    address: str = ""
 
 
 @dataclass
@@ -85,8 +102,9 @@ class DoneEvent:
     audio_finish: int | None
     prompt_tokens: int
     completion_tokens: int
-    frames: int
+    frames: int                    # codec frames the talker made (its own report)
     samples: int
+    routes: dict[str, str] = field(default_factory=dict)   # stage -> the replica that served it
 
 
 class PipelineError(RuntimeError):
@@ -98,20 +116,6 @@ class PipelineError(RuntimeError):
         self.stage, self.code, self.details, self.replica = stage, code, details, replica
 
 
-def _options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
-
-
-HEALTH_SERVICES = {"thinker": "voxpipe.v1.Thinker", "talker": "voxpipe.v1.Talker", "code2wav": "voxpipe.v1.Code2Wav"}
-
-
-def _balancer(stage: str, addresses: str | list[str], max_message_bytes: int,
-              options: BalancerOptions | None) -> StageBalancer:
-    return StageBalancer(stage, addresses, channel_options=_options(max_message_bytes), options=options,
-                         health_service=HEALTH_SERVICES[stage])
-
-
 def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
     if chunk.encoding == pb.AUDIO_FLOAT32:
         return np.frombuffer(chunk.data, dtype="<f4").astype(np.float32)
@@ -119,17 +123,21 @@ def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
 
 
 class PipelineClient:
-    def __init__(self, thinker: str | list[str], talker: str | list[str] | None = None,
-                 code2wav: str | list[str] | None = None, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 metadata: tuple[tuple[str, str], ...] = (), balancing: BalancerOptions | None = None) -> None:
+    def __init__(self, thinker: str | list[str], code2wav: str | list[str] | None = None, *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, metadata: tuple[tuple[str, str], ...] = (),
+                 balancing: BalancerOptions | None = None) -> None:
         """Each stage: `host:port` and/or `dns:///name:port` entries, comma-separated or a list; every
-        address (every DNS record) is one replica (see voxpipe.balancer). `balancing`: re-resolution,
-        health cool-down and retry settings."""
+        address (every DNS record) is one replica (see voxpipe.services.runtime.balancer). The talker
+        is the thinker's business (its --talker); `code2wav` lists the replicas audio may come from:
+        the one a talker picked must be among them. `balancing`: re-resolution, health cool-down and
+        retry settings."""
         self.max_message_bytes = max_message_bytes
-        self.thinker = _balancer("thinker", thinker, max_message_bytes, balancing)
-        self.talker = _balancer("talker", talker, max_message_bytes, balancing) if talker else None
-        self.code2wav = _balancer("code2wav", code2wav, max_message_bytes, balancing) if code2wav else None
+        self.thinker = stage_balancer("thinker", thinker, max_message_bytes, balancing)
+        self.code2wav = stage_balancer("code2wav", code2wav, max_message_bytes, balancing) if code2wav else None
         self.metadata = metadata
+        # messages received, by (stage, kind): what crosses into the caller's process ("rows": text
+        # deltas that carried talker rows, which a caller never gets in stage-to-stage operation)
+        self.received: collections.Counter[tuple[str, str]] = collections.Counter()
 
     async def __aenter__(self) -> "PipelineClient":
         return self
@@ -138,106 +146,76 @@ class PipelineClient:
         await self.close()
 
     async def close(self) -> None:
-        for p in (self.thinker, self.talker, self.code2wav):
+        for p in (self.thinker, self.code2wav):
             if p is not None:
                 await p.close()
 
-    async def _write(self, call, msg, chunk_type, wrap) -> None:
-        """Write `wrap(msg)`, split into a head and PayloadChunk continuations when too large."""
-        head, chunks = split_message(msg, self.max_message_bytes - 1024)
-        await call.write(wrap(head))
-        for data in chunks:
-            await call.write(chunk_type(data))
+    async def _code2wav_replica(self, address: str) -> Replica:
+        """The caller's own channel to the code2wav replica a talker reported (it never dials an
+        address it was not configured with: a reported one must be among its replicas)."""
+        for attempt in range(2):
+            for replica in self.code2wav.replicas:
+                if replica.address == address:
+                    return replica
+            if attempt == 0:
+                await self.code2wav.start()
+                self.code2wav.request_resolve()
+                await asyncio.sleep(0.05)
+        raise PipelineError("code2wav", grpc.StatusCode.FAILED_PRECONDITION,
+                            f"the talker sent the audio to code2wav {address}, which is not among this client's "
+                            f"code2wav replicas ({', '.join(t.text for t in self.code2wav.targets)}): configure "
+                            "the caller and the talkers with the same code2wav addresses")
 
     async def stream(self, req: SpeechRequest, *, metadata: tuple[tuple[str, str], ...] = (),
                      context: otel_context.Context | None = None,
-                     ) -> AsyncIterator[TextEvent | FramesEvent | AudioEvent | DoneEvent]:
-        """`metadata`: extra gRPC metadata for the three calls. `context`: the OpenTelemetry context
-        to trace under (default: the current one). The thinker call is a child span of it, the
-        talker call a child of the thinker call, the code2wav call a child of the talker call;
-        each call carries its span as W3C `traceparent` metadata."""
-        parent_context = context if context is not None else otel_context.get_current()
-        if req.audio and (self.talker is None or self.code2wav is None):
-            raise ValueError("audio output needs talker and code2wav addresses")
+                     ) -> AsyncIterator[TextEvent | AudioEvent | StageEvent | FramesEvent | DoneEvent]:
+        """`metadata`: extra gRPC metadata for the calls. `context`: the OpenTelemetry context to trace
+        under (default: the current one): the thinker call and the code2wav Listen call are CLIENT
+        spans of it, carried on as W3C `traceparent` (the stages chain their own calls under them)."""
+        parent = context if context is not None else otel_context.get_current()
+        if req.audio and self.code2wav is None:
+            raise ValueError("audio output needs code2wav addresses")
         start = pb.ThinkerStart(request_id=req.request_id, sampling=req.sampling(), max_tokens=req.max_tokens,
-                                min_tokens=req.min_tokens, talker_rows=req.audio,
+                                min_tokens=req.min_tokens,
                                 audio_features=[to_proto(f.float()) for f in req.audio_features])
+        if req.audio:
+            start.speech.CopyFrom(pb.SpeechParams(
+                speaker=req.speaker, sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames,
+                code2wav=pb.Code2WavParams(encoding=req.encoding, echo_frames=req.echo_frames)))
         if req.token_ids is not None:
             start.token_ids.ids.extend(req.token_ids)
         else:
             start.text = req.text or ""
         events: asyncio.Queue = asyncio.Queue()
-        streams: dict[str, BalancedStream] = {}
-
         spans: dict[str, trace.Span] = {}
+        calls: list = []        # what to cancel when the iteration ends
+        tasks: list[asyncio.Task] = []
+        done = {"text": None, "audio": None}
+        usage = {"prompt": 0, "completion": 0, "frames": 0, "samples": 0}
+        routes: dict[str, str] = {}
 
-        async def open_call(balancer: StageBalancer, method: str, parent: otel_context.Context):
-            """A stream on one replica of the stage (BalancedStream: moved to another replica if
-            refused before its first response)."""
-            stage = balancer.stage
-            stub_cls = {"thinker": pb_grpc.ThinkerStub, "talker": pb_grpc.TalkerStub,
-                        "code2wav": pb_grpc.Code2WavStub}[stage]
-            service = stub_cls.__name__.removesuffix("Stub")
+        def client_span(stage: str, method: str) -> tuple[trace.Span, tuple[tuple[str, str], ...]]:
+            service = HEALTH_SERVICES[stage]
             span = tracing.tracer().start_span(
-                f"voxpipe.v1.{service}/{method}", context=parent, kind=SpanKind.CLIENT,
-                attributes={"rpc.system": "grpc", "rpc.service": f"voxpipe.v1.{service}", "rpc.method": method,
+                f"{service}/{method}", context=parent, kind=SpanKind.CLIENT,
+                attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
                             "voxpipe.request_id": req.request_id})
             spans[stage] = span
-            span_context = trace.set_span_in_context(span, parent)
-            call_metadata = tuple(self.metadata) + tuple(metadata) + tracing.inject_metadata(span_context)
+            md = tuple(self.metadata) + tuple(metadata) + tracing.inject_metadata(trace.set_span_in_context(span, parent))
+            return span, md
 
-            def on_replica(replica: Replica) -> None:
-                span.set_attribute("server.address", replica.address)
-
-            stream = BalancedStream(balancer, lambda channel: getattr(stub_cls(channel), method)(
-                metadata=call_metadata), on_replica)
-            streams[stage] = stream
-            try:
-                await stream.open()
-            except NoReplicaError as e:
-                raise PipelineError(stage, grpc.StatusCode.UNAVAILABLE, str(e)) from None
-            return stream, span_context
-
-        def replica_of(stage: str) -> str | None:
-            stream = streams.get(stage)
-            return stream.replica.address if stream is not None and stream.replica is not None else None
-
-        async def to_stage(stage: str, write) -> None:
-            """A write into `stage`'s call: when it fails, the failure is that stage's, not the writer's."""
-            try:
-                await write
-            except grpc.aio.AioRpcError as e:
-                raise PipelineError(stage, e.code(), e.details(), replica_of(stage)) from None
-
-        async def to_talker(ta, msg: pb.TalkerRequest | None) -> None:
-            """Text for the talker (None: half-close). A talker that has finished (max_frames reached
-            before the text ended) takes no more: the write is dropped, not an error."""
-            if done["audio"] is not None:
-                return
-            try:
-                await to_stage("talker", ta.write(msg) if msg is not None else ta.done_writing())
-            except asyncio.InvalidStateError:  # it finished while this write was on its way
-                pass
-            except PipelineError:
-                # The talker may have finished (max_frames) and closed its stream before its Finished
-                # message was read here: let the reader catch up, then only a real failure counts.
-                reader = talker_task.get("task")
-                if reader is not None:
-                    await asyncio.wait([reader], timeout=10)
-                if done["audio"] is None:
-                    raise
-
-        async def guarded(stage: str, coro):
+        async def guarded(stage: str, coro) -> None:
             try:
                 await coro
             except PipelineError as e:
-                if e.stage in spans:
-                    tracing.grpc_error(spans[e.stage], e.code, e.details or "")
+                if stage in spans:
+                    tracing.grpc_error(spans[stage], e.code, e.details or "")
                 await events.put(e)
             except grpc.aio.AioRpcError as e:
+                failed = failed_stage(e, stage)
                 if stage in spans:
                     tracing.grpc_error(spans[stage], e.code(), e.details() or "")
-                await events.put(PipelineError(stage, e.code(), e.details(), replica_of(stage)))
+                await events.put(PipelineError(failed, e.code(), e.details(), routes.get(failed)))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - surfaced to the caller
@@ -249,90 +227,93 @@ class PipelineClient:
                 if span is not None:
                     span.end()
 
-        done = {"text": None, "audio": None}
-        talker_task: dict[str, asyncio.Task] = {}
-        usage = {"prompt": 0, "completion": 0, "frames": 0, "samples": 0}
-
         async def run_thinker() -> None:
-            th, thinker_context = await open_call(self.thinker, "Generate", parent_context)
-            await self._write(th, start, lambda d: pb.ThinkerRequest(chunk=pb.PayloadChunk(data=d)),
-                              lambda m: pb.ThinkerRequest(start=m))
-            await th.done_writing()
-            ta = None
-            async for resp in th:
+            span, md = client_span("thinker", "Generate")
+            stream = BalancedStream(self.thinker, lambda channel: pb_grpc.ThinkerStub(channel).Generate(metadata=md),
+                                    lambda replica: span.set_attribute("server.address", replica.address))
+            calls.append(stream)
+            try:
+                await stream.open()
+            except NoReplicaError as e:
+                raise PipelineError("thinker", grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            routes["thinker"] = stream.replica.address
+            head, chunks = split_message(start, self.max_message_bytes - 1024)
+            await stream.write(pb.ThinkerRequest(start=head))
+            for data in chunks:
+                await stream.write(pb.ThinkerRequest(chunk=pb.PayloadChunk(data=data)))
+            await stream.done_writing()
+            async for resp in stream:
                 kind = resp.WhichOneof("kind")
-                if kind == "talker_prompt":
-                    ta, talker_context = await open_call(self.talker, "Generate", thinker_context)
-                    talker_task["task"] = asyncio.ensure_future(guarded("talker", run_talker(ta, talker_context)))
-                    tasks.append(talker_task["task"])
-                    ts = pb.TalkerStart(request_id=req.request_id, prompt=resp.talker_prompt, speaker=req.speaker,
-                                        sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames)
-                    await to_stage("talker", self._write(
-                        ta, ts, lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)),
-                        lambda m: pb.TalkerRequest(start=m)))
-                elif kind == "text":
+                self.received["thinker", kind] += 1
+                if kind == "text" and resp.text.HasField("embeddings"):
+                    self.received["thinker", "rows"] += 1
+                if kind == "text":
                     t = resp.text
                     await events.put(TextEvent(t.index, list(t.token_ids), t.text))
-                    if ta is not None:
-                        await to_talker(ta, pb.TalkerRequest(rows=pb.TextRows(token_ids=t.token_ids,
-                                                                               rows=t.embeddings)))
+                elif kind == "routed":
+                    r = resp.routed
+                    routes[r.stage] = r.address
+                    await events.put(StageEvent(r.stage, "routed", r.address))
+                    if r.stage == "code2wav":
+                        tasks.append(asyncio.ensure_future(guarded("code2wav", run_listen(r.address, r.listen_token))))
+                elif kind == "first_output":
+                    await events.put(StageEvent(resp.first_output.stage, "first_output"))
                 elif kind == "finished":
                     usage["prompt"], usage["completion"] = resp.finished.prompt_tokens, resp.finished.completion_tokens
                     done["text"] = resp.finished.reason
-                    if ta is not None:
-                        await to_talker(ta, pb.TalkerRequest(text_end=pb.TextEnd()))
-                        await to_talker(ta, None)
-            if req.audio and ta is None:
-                raise PipelineError("thinker", None, "the thinker finished without a talker prompt")
+                elif kind == "talker_finished":
+                    done["audio"] = resp.talker_finished.reason
+                    usage["frames"] = resp.talker_finished.completion_tokens
+                else:
+                    raise PipelineError("thinker", grpc.StatusCode.INTERNAL, f"unexpected {kind} on a speech stream")
+            if req.audio and done["audio"] is None and done["text"] != pb.CANCELLED:
+                raise PipelineError("thinker", None, "the thinker ended without the talker's end")
             await events.put("thinker-done")
 
-        async def run_talker(ta, talker_context: otel_context.Context) -> None:
-            cw, _ = await open_call(self.code2wav, "Decode", talker_context)
-            tasks.append(asyncio.ensure_future(guarded("code2wav", run_code2wav(cw))))
-            await to_stage("code2wav", cw.write(
-                pb.Code2WavRequest(start=pb.Code2WavStart(request_id=req.request_id, encoding=req.encoding))))
-            try:
-                async for resp in ta:
-                    kind = resp.WhichOneof("kind")
-                    if kind == "frames":
-                        usage["frames"] += resp.frames.codes.shape[0]
-                        await to_stage("code2wav", cw.write(pb.Code2WavRequest(frames=resp.frames)))
-                        await events.put(FramesEvent(resp.frames.index, from_proto(resp.frames.codes).to(torch.int64)))
-                    elif kind == "finished":
-                        done["audio"] = resp.finished.reason
-            except grpc.aio.AioRpcError:
-                # After its Finished, the talker's call can still end in INTERNAL: a text write of ours
-                # raced the end of the stream (max_frames reached before the text ended). Its output is whole.
-                if done["audio"] is None:
-                    raise
-            await to_stage("code2wav", cw.write(pb.Code2WavRequest(frames_end=pb.FramesEnd())))
-            await to_stage("code2wav", cw.done_writing())
-
-        async def run_code2wav(cw) -> None:
-            async for resp in cw:
-                if resp.WhichOneof("kind") == "audio":
+        async def run_listen(address: str, token: str) -> None:
+            replica = await self._code2wav_replica(address)
+            span, md = client_span("code2wav", "Listen")
+            span.set_attribute("server.address", address)
+            call = pb_grpc.Code2WavStub(replica.channel).Listen(pb.ListenRequest(listen_token=token), metadata=md)
+            calls.append(call)
+            async for resp in call:
+                kind = resp.WhichOneof("kind")
+                self.received["code2wav", kind] += 1
+                if kind == "audio":
                     a = resp.audio
                     usage["samples"] += a.num_samples
                     await events.put(AudioEvent(a.sample_offset, a.sample_rate, _decode_audio(a), a.data))
+                elif kind == "frames":
+                    f = resp.frames
+                    await events.put(FramesEvent(f.index, from_proto(f.codes).to(torch.int64)))
+                elif kind == "finished":
+                    if done["audio"] is None:
+                        done["audio"] = resp.finished.reason
             await events.put("code2wav-done")
 
-        tasks: list[asyncio.Task] = []
         tasks.append(asyncio.ensure_future(guarded("thinker", run_thinker())))
         pending = {"thinker-done"} | ({"code2wav-done"} if req.audio else set())
         try:
             while pending:
                 ev = await events.get()
                 if isinstance(ev, PipelineError):
+                    if ev.replica is None:
+                        ev.replica = routes.get(ev.stage)
                     raise ev
                 if isinstance(ev, str):
                     pending.discard(ev)
+                    if ev == "thinker-done" and done["text"] == pb.CANCELLED and done["audio"] is None:
+                        pending.discard("code2wav-done")      # cancelled before the talker started
                     continue
                 yield ev
             yield DoneEvent(done["text"], done["audio"], usage["prompt"], usage["completion"], usage["frames"],
-                            usage["samples"])
+                            usage["samples"], dict(routes))
         finally:
-            for stream in streams.values():
-                stream.close()
+            for call in calls:
+                if isinstance(call, BalancedStream):
+                    call.close()
+                else:
+                    call.cancel()
             for t in tasks:
                 t.cancel()
             for span in spans.values():

@@ -10,8 +10,10 @@ happened to arrive."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +44,15 @@ class Code2WavJob(EngineRequest):
     frames_decoded: int = 0
     samples_sent: int = 0
     owed: int = 0              # frames of a chunk already due but not yet decoded (a capped step left them)
+    # to_listener (see server.py): the audio goes to a Code2Wav.Listen stream
+    to_listener: bool = False
+    echo_frames: bool = False
+    ended: "asyncio.Future | None" = None   # the request's last item (Finished response or StageError)
+
+    def end(self, final: Any) -> None:
+        """Resolve `ended` (first caller wins)."""
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_result(final)
 
     def _need(self) -> int:
         return self.first_chunk_frames if self.frames_decoded == 0 else self.chunk_frames

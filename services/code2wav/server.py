@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import torch
@@ -13,23 +16,29 @@ from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
-from ..runtime.engine import Outbox
+from ..runtime import tracing
+from ..runtime.calls import abort
+from ..runtime.engine import Outbox, StageError
 from ..runtime.layers import serving_layout
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
-from ..runtime.tensors import from_proto
+from ..runtime.tensors import TensorError, from_proto
 from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import Code2WavEngine, Code2WavJob
 from .model import Code2WavModel
 
 CODE_DTYPES = (torch.uint16, torch.int32, torch.int64)
+DEFAULT_LISTEN_TIMEOUT_S = 30.0
 
 
 class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
-    def __init__(self, engine: Code2WavEngine, opts, cfg: OmniConfig, first_chunk_frames: int, chunk_frames: int) -> None:
+    def __init__(self, engine: Code2WavEngine, opts, cfg: OmniConfig, first_chunk_frames: int, chunk_frames: int,
+                 listen_timeout_s: float = DEFAULT_LISTEN_TIMEOUT_S) -> None:
         super().__init__(engine, opts)
         self.cfg = cfg
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
+        self.listen_timeout_s = listen_timeout_s
+        self.listening: dict[str, Code2WavJob] = {}   # listen token -> a to_listener request no listener took yet
 
     def merge(self, first: pb.Code2WavResponse, then: pb.Code2WavResponse) -> pb.Code2WavResponse | None:
         """Consecutive audio chunks of one request (same encoding, contiguous samples) travel as one."""
@@ -45,10 +54,13 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
     def make_job(self, start: pb.Code2WavStart) -> Code2WavJob:
         if start.encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown audio encoding {start.encoding}")
+        if start.echo_frames and not start.to_listener:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "echo_frames needs to_listener")
         return Code2WavJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                            encoding=start.encoding or pb.AUDIO_PCM16,
                            first_chunk_frames=start.first_chunk_frames or self.first_chunk_frames,
-                           chunk_frames=start.chunk_frames or self.chunk_frames)
+                           chunk_frames=start.chunk_frames or self.chunk_frames,
+                           to_listener=start.to_listener, echo_frames=start.echo_frames)
 
     @traced_rpc("voxpipe.v1.Code2Wav", "Decode")
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -72,6 +84,8 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"codec codes must be in [0, {cw.codebook_size}), got {int(codes.min())}..{int(codes.max())}")
                     self.engine.add_frames(job, codes)
+                    if job.echo_frames:
+                        job.outbox.put(pb.Code2WavResponse(frames=msg.frames))
                 elif kind == "frames_end":
                     self.engine.end_frames(job)
                 elif kind == "cancel":
@@ -83,8 +97,83 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             if not job.frames_end:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before frames_end")
 
-        async for item in self.serve_request(job, context, reader):
+        serve = self.serve_listened(job, context, reader) if job.to_listener else self.serve_request(job, context, reader)
+        async for item in serve:
             yield item
+
+    async def serve_listened(self, job: Code2WavJob, context: grpc.aio.ServicerContext,
+                             reader: Callable[[], Any]) -> AsyncIterator[pb.Code2WavResponse]:
+        """A to_listener Decode stream: Accepted (with a one-time listen token), then, once the
+        request ended (its listener read the Finished, or it failed), Finished or the failure.
+        The audio goes to the Listen stream; until a listener attaches it waits in the request's
+        outbox (bounded: a full outbox pauses the request) for at most --listen-timeout."""
+        loop = asyncio.get_running_loop()
+        token = secrets.token_urlsafe(18)
+        job.ended = loop.create_future()
+        self.listening[token] = job
+        self.engine.submit(job)
+
+        async def read() -> None:
+            try:
+                await reader()
+            except (Abort, TensorError) as e:
+                code = e.code if isinstance(e, Abort) else grpc.StatusCode.INVALID_ARGUMENT
+                self._fail(job, StageError(code, e.message if isinstance(e, Abort) else str(e)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the talker went away mid-read
+                self._fail(job, StageError(grpc.StatusCode.CANCELLED, f"the frames stream ended: {e!r}"))
+
+        def no_listener() -> None:
+            if self.listening.pop(token, None) is not None:
+                self._fail(job, StageError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           f"no listener attached within {self.listen_timeout_s:g} s"))
+
+        task = asyncio.ensure_future(read())
+        timer = loop.call_later(self.listen_timeout_s, no_listener)
+        final = None
+        try:
+            yield pb.Code2WavResponse(accepted=pb.Accepted(listen_token=token))
+            final = await job.ended
+            if isinstance(final, StageError):
+                await abort(context, final.code, final.message)
+            yield final
+        finally:
+            timer.cancel()
+            self.listening.pop(token, None)
+            if final is None:    # the talker went away: end the listener's stream too
+                self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the talker cancelled the request"))
+            if not task.done():
+                task.cancel()
+            tracing.record_phases(self.engine.name, job, final)
+
+    def _fail(self, job: Code2WavJob, error: StageError) -> None:
+        """End a to_listener request with `error` on both its streams."""
+        if job.ended is None or job.ended.done():
+            return
+        self.engine.cancel(job)
+        job.outbox.put(error)
+        job.end(error)
+
+    @traced_rpc("voxpipe.v1.Code2Wav", "Listen")
+    async def Listen(self, request: pb.ListenRequest, context: grpc.aio.ServicerContext):
+        job = self.listening.pop(request.listen_token, None)
+        if job is None:
+            await abort(context, grpc.StatusCode.NOT_FOUND,
+                        "no audio stream for this listen token (unknown, already taken or expired)")
+            return
+        try:
+            async for item in self._outputs(job):
+                if isinstance(item, StageError):
+                    job.end(item)
+                    await abort(context, item.code, item.message)
+                yield item
+                if item.WhichOneof("kind") == "finished":
+                    job.end(item)
+                    return
+        finally:
+            if not job.ended.done():   # the listener went away: nobody wants this audio any more
+                self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the audio listener went away"))
 
 
 def build(args) -> Code2WavServicer:
@@ -98,13 +187,18 @@ def build(args) -> Code2WavServicer:
     serving_layout(model, device)
     engine = Code2WavEngine(model, cfg.code2wav, device=device, max_active=args.max_batch,
                             cuda_graphs=args.cuda_graphs)
-    return Code2WavServicer(engine, server_options(args), cfg, args.first_chunk_frames, args.chunk_frames)
+    if args.listen_timeout <= 0:
+        raise SystemExit(f"--listen-timeout must be positive, got {args.listen_timeout}")
+    return Code2WavServicer(engine, server_options(args), cfg, args.first_chunk_frames, args.chunk_frames,
+                            args.listen_timeout)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_arguments(parser, default_port=50053)
     parser.add_argument("--first-chunk-frames", type=int, default=1, help="frames gathered before the first audio")
     parser.add_argument("--chunk-frames", type=int, default=1, help="frames gathered before each later chunk")
+    parser.add_argument("--listen-timeout", type=float, default=DEFAULT_LISTEN_TIMEOUT_S,
+                        help="seconds a routed request waits for its Listen stream before it fails")
 
 
 def run(args) -> None:

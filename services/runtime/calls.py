@@ -15,13 +15,28 @@ import grpc
 
 log = logging.getLogger(__name__)
 
+# trailing metadata naming the stage whose failure a status reports, when a stage passes on the
+# failure of a stage it called (the thinker for its talker, the talker for its code2wav)
+STAGE_METADATA = "voxpipe-stage"
+STAGES = ("thinker", "talker", "code2wav")
+
+
+def failed_stage(error: grpc.aio.AioRpcError, callee: str) -> str:
+    """The stage a failed call's status is about: the one its trailing metadata names, else the callee."""
+    for key, value in error.trailing_metadata() or ():
+        if key == STAGE_METADATA and value in STAGES:
+            return value
+    return callee
+
 
 class ClientGone(Exception):
     """The caller cancelled the call (or its connection went away): nothing can reach it any more."""
 
 
-async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                stage: str | None = None) -> None:
     """`context.abort(code, message)`, or ClientGone when the caller already cancelled the call.
+    `stage`: the stage the failure is about, when not this one (sent as `voxpipe-stage`).
 
     A cancelled call shows itself in two ways, whichever comes first: a read that ends early
     (which looks like a bad request: "empty request stream", "ended before text_end") and a
@@ -30,6 +45,8 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     if context.cancelled():
         raise ClientGone()
     try:
+        if stage is not None:
+            context.set_trailing_metadata(((STAGE_METADATA, stage),))
         await context.abort(code, message)
     except (grpc.aio.AbortError, asyncio.CancelledError):
         raise

@@ -28,6 +28,7 @@ class StageError:
 
     code: grpc.StatusCode
     message: str
+    stage: str | None = None    # the downstream stage the failure is about (None: this stage)
 
 
 class Outbox:

@@ -10,6 +10,8 @@ voxpipe_streams_total{stage,outcome} finished streams by outcome (stop, length, 
 voxpipe_outbox_wait_seconds{stage}  an engine output's wait between the engine thread and its stream
                                     handler (event-loop hand-off lag + the handler's own backlog)
 voxpipe_event_loop_lag_seconds{stage}  how late the service's event loop wakes for a 20 ms timer
+voxpipe_next_stage_streams_total{stage}  streams this service opened to the next stage (the thinker's
+                                    to talkers, the talker's to code2wav), by that stage
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ OUTBOX_WAIT = Histogram("voxpipe_outbox_wait_seconds", "Engine output wait befor
 LOOP_LAG = Histogram("voxpipe_event_loop_lag_seconds", "Event loop lateness for a 20 ms timer", ["stage"],
                      buckets=LATENCY_BUCKETS, registry=REGISTRY)
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)
+NEXT_STAGE_STREAMS = Counter("voxpipe_next_stage_streams_total", "Streams opened to the next stage", ["stage"],
+                             registry=REGISTRY)
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:

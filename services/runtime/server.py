@@ -10,7 +10,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,6 +44,20 @@ class Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
+
+
+class Relay(Protocol):
+    """Where a request goes after this stage (the thinker's talker, the talker's code2wav)."""
+
+    done: bool   # the caller's stream is complete: nothing more will be forwarded
+
+    async def forward(self, item: Any) -> list[Any]:
+        """Pass one engine output (or an item the relay itself put in the outbox) on; returns
+        the messages for this stage's caller. Failures reach the outbox as StageErrors."""
+        ...
+
+    def close(self) -> None:
+        """Cancel what still runs downstream (idempotent)."""
 
 
 class StageServicer:
@@ -116,26 +130,53 @@ class StageServicer:
         return None
 
     async def serve_request(self, req: EngineRequest, context: grpc.aio.ServicerContext,
-                            reader: Callable[[], Any] | None) -> AsyncIterator[Any]:
+                            reader: Callable[[], Any] | None, relay: "Relay | None" = None) -> AsyncIterator[Any]:
         """Submit `req`, run `reader` (the rest of the request stream) beside it, and yield the
         engine's outputs until the final one. Outputs that are already waiting when one is sent go
         with it as one message where `merge` allows (no wait is added: under load, fewer and larger
-        messages). Frees the request on cancel or disconnect."""
+        messages). With a `relay` (the request continues in the next stage), each output goes
+        through `relay.forward`, which yields what the caller gets, and the stream ends once the
+        relay is done. Frees the request on cancel or disconnect."""
         self.engine.submit(req)
         task = asyncio.ensure_future(self._guard(reader, req)) if reader is not None else None
         final = None
+        try:
+            async for item in self._outputs(req):
+                if isinstance(item, StageError):
+                    final = final or item
+                    await abort(context, item.code, item.message, item.stage)
+                finished = item.WhichOneof("kind") == "finished"
+                if finished:
+                    final = item
+                if relay is None:
+                    yield item
+                    if finished:
+                        return
+                    continue
+                for out in await relay.forward(item):
+                    yield out
+                if relay.done:
+                    return
+        finally:
+            if not req.done:
+                self.engine.cancel(req)
+            if task is not None and not task.done():
+                task.cancel()
+            if relay is not None:
+                relay.close()
+            tracing.record_phases(self.engine.name, req, final)
+
+    async def _outputs(self, req: EngineRequest) -> AsyncIterator[Any]:
+        """The request's outbox items, consecutive mergeable ones merged (see `merge`)."""
         wait = metrics.OUTBOX_WAIT.labels(self.engine.name)
         held = None
-        try:
-            while True:
-                if held is None:
-                    item, waited = await req.outbox.get_timed()
-                    wait.observe(waited)
-                else:
-                    item, held = held, None
-                if isinstance(item, StageError):
-                    final = item
-                    await abort(context, item.code, item.message)
+        while True:
+            if held is None:
+                item, waited = await req.outbox.get_timed()
+                wait.observe(waited)
+            else:
+                item, held = held, None
+            if not isinstance(item, StageError):
                 while (polled := req.outbox.poll_timed()) is not None:
                     wait.observe(polled[1])
                     merged = None if isinstance(polled[0], StageError) else self.merge(item, polled[0])
@@ -143,16 +184,7 @@ class StageServicer:
                         held = polled[0]
                         break
                     item = merged
-                yield item
-                if item.WhichOneof("kind") == "finished":
-                    final = item
-                    return
-        finally:
-            if not req.done:
-                self.engine.cancel(req)
-            if task is not None and not task.done():
-                task.cancel()
-            tracing.record_phases(self.engine.name, req, final)
+            yield item
 
     async def _guard(self, reader: Callable[[], Any], req: EngineRequest) -> None:
         try:
@@ -190,7 +222,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     options = [
         ("grpc.max_send_message_length", opts.max_message_bytes),
         ("grpc.max_receive_message_length", opts.max_message_bytes),
-        # clients (voxpipe.balancer) ping every 20 s during streams to notice a vanished host: allow it
+        # clients (voxpipe.services.runtime.balancer) ping every 20 s during streams to notice a vanished host: allow it
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
     if opts.max_connection_age_s:

@@ -46,6 +46,7 @@ class TalkerJob(EngineRequest):
     params: SamplingParams = field(default_factory=SamplingParams)
     max_frames: int = 0
     min_frames: int = 0
+    code2wav: pb.Code2WavParams | None = None   # frames continue in a code2wav (see relay.py)
     rows: list[torch.Tensor] = field(default_factory=list)   # thinker-space text rows [H] in order
     text_done: bool = False
     slot: int | None = None

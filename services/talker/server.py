@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import uuid
 
 import grpc
@@ -13,6 +14,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
+from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
 from ..runtime.sampling import SamplingParams
@@ -22,6 +24,7 @@ from ..runtime.tracing import annotate, setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import TalkerEngine, TalkerJob
 from .model import TalkerModel
+from .relay import Code2WavRelay
 
 DEFAULT_MAX_FRAMES = 4096          # transformers' talker_max_new_tokens default
 DEFAULT_REPETITION_PENALTY = 1.05  # transformers' talker_repetition_penalty default
@@ -38,9 +41,10 @@ def _rows(t: pb.Tensor, hidden: int, name: str, count: int | None = None) -> tor
 
 
 class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
-    def __init__(self, engine: TalkerEngine, opts, cfg: OmniConfig) -> None:
+    def __init__(self, engine: TalkerEngine, opts, cfg: OmniConfig, code2wav: NextStage | None = None) -> None:
         super().__init__(engine, opts)
         self.cfg = cfg
+        self.code2wav = code2wav   # the code2wav replicas routed frames go to (--code2wav); None: frames to the caller
 
     def merge(self, first: pb.TalkerResponse, then: pb.TalkerResponse) -> pb.TalkerResponse | None:
         """Consecutive frame messages of one request travel as one CodecFrames [n1 + n2, G]."""
@@ -82,7 +86,8 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
             if not job.text_done:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before text_end")
 
-        async for item in self.serve_request(job, context, reader):
+        relay = Code2WavRelay(self.code2wav, job, job.code2wav) if job.code2wav is not None else None
+        async for item in self.serve_request(job, context, reader, relay):
             yield item
 
     def make_job(self, start: pb.TalkerStart) -> TalkerJob:
@@ -106,6 +111,12 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
             params = SamplingParams.from_proto(start.sampling, default_repetition_penalty=DEFAULT_REPETITION_PENALTY)
         except (TensorError, ValueError) as e:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if start.HasField("code2wav"):
+            if self.code2wav is None:
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "this talker has no code2wav to send frames to (start it with --code2wav ADDR)")
+            if start.code2wav.encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown audio encoding {start.code2wav.encoding}")
         max_frames = start.max_frames or DEFAULT_MAX_FRAMES
         if start.min_frames > max_frames:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_frames {start.min_frames} > max_frames {max_frames}")
@@ -115,7 +126,8 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
                         f"{user.shape[0]} user rows + 9 + max_frames {max_frames} exceed the talker context of {self.engine.max_len}")
         job = TalkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                         user_rows=user, user_mm_mask=mm, head=head, special=special, speaker_id=cfg.speakers[speaker],
-                        params=params, max_frames=max_frames, min_frames=start.min_frames)
+                        params=params, max_frames=max_frames, min_frames=start.min_frames,
+                        code2wav=start.code2wav if start.HasField("code2wav") else None)
         if prefix is not None and prefix.shape[0]:
             job.rows.extend(prefix.unbind(0))
         return job
@@ -132,11 +144,16 @@ def build(args) -> TalkerServicer:
     serving_layout(model, device)
     engine = TalkerEngine(model, cfg.talker, device=device, max_active=args.max_batch, max_len=args.max_len,
                           cuda_graphs=args.cuda_graphs)
-    return TalkerServicer(engine, server_options(args), cfg)
+    opts = server_options(args)
+    code2wav = NextStage("code2wav", args.code2wav, max_message_bytes=opts.max_message_bytes) if args.code2wav else None
+    return TalkerServicer(engine, opts, cfg, code2wav)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_arguments(parser, default_port=50052, default_max_len=8192)
+    parser.add_argument("--code2wav", default=os.environ.get("VOXPIPE_CODE2WAV", ""),
+                        help="the code2wav replicas routed frames go to: host:port and/or dns:///name:port, "
+                             "comma-separated (env VOXPIPE_CODE2WAV); unset: frames only back to the caller")
 
 
 def run(args) -> None:

@@ -33,6 +33,7 @@ class ThinkerJob(EngineRequest):
     max_tokens: int = 0
     min_tokens: int = 0
     talker_rows: bool = False
+    speech: pb.SpeechParams | None = None   # a spoken reply continues in a talker (see relay.py)
     slot: int | None = None
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import uuid
 
 import grpc
@@ -14,6 +15,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
+from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
 from ..runtime.sampling import SamplingParams
@@ -24,15 +26,17 @@ from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import ThinkerEngine, ThinkerJob, assistant_head_index
 from .model import ThinkerModel, audio_output_length
 from .prompt import ChatMessage, ChatPart, render
+from .relay import TalkerRelay
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
 
 
 class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
-    def __init__(self, engine: ThinkerEngine, opts, tokenizer, cfg: OmniConfig) -> None:
+    def __init__(self, engine: ThinkerEngine, opts, tokenizer, cfg: OmniConfig, talker: NextStage | None = None) -> None:
         super().__init__(engine, opts)
         self.tokenizer, self.cfg = tokenizer, cfg
+        self.talker = talker      # the talker replicas spoken replies go to (--talker); None: text only
 
     def merge(self, first: pb.ThinkerResponse, then: pb.ThinkerResponse) -> pb.ThinkerResponse | None:
         """Consecutive text deltas of one request travel as one (token ids, text and the talker's
@@ -66,7 +70,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                     return
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")
 
-        async for item in self.serve_request(job, context, reader):
+        relay = TalkerRelay(self.talker, job, job.speech) if job.speech is not None else None
+        async for item in self.serve_request(job, context, reader, relay):
             yield item
 
     def make_job(self, start: pb.ThinkerStart) -> ThinkerJob:
@@ -106,10 +111,12 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"prompt has {ids.count(tok.audio_token)} audio placeholder tokens but the "
                         f"{len(audio)} audio feature tensors make {want}")
-        if start.talker_rows and assistant_head_index(th, ids) is None:
+        speech = self._speech(start)
+        rows = start.talker_rows or speech is not None
+        if rows and assistant_head_index(th, ids) is None:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        "talker_rows needs a prompt ending in an assistant turn start ('<|im_start|>assistant\\n'): "
-                        "render with add_generation_prompt")
+                        f"{'talker_rows' if start.talker_rows else 'speech'} needs a prompt ending in an assistant "
+                        "turn start ('<|im_start|>assistant\\n'): render with add_generation_prompt")
         max_tokens = start.max_tokens or DEFAULT_MAX_TOKENS
         if start.min_tokens > max_tokens:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_tokens {start.min_tokens} > max_tokens {max_tokens}")
@@ -118,7 +125,27 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                         f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}")
         return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                           prompt=ids, audio=audio, params=params, max_tokens=max_tokens, min_tokens=start.min_tokens,
-                          talker_rows=start.talker_rows)
+                          talker_rows=rows, speech=speech)
+
+    def _speech(self, start: pb.ThinkerStart) -> pb.SpeechParams | None:
+        """The checked speech parameters of a start message (None: no spoken reply)."""
+        if not start.HasField("speech"):
+            return None
+        if start.talker_rows:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "speech and talker_rows exclude each other")
+        if self.talker is None:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        "this thinker has no talker to speak with (start it with --talker ADDR)")
+        sp = start.speech
+        speakers = self.cfg.talker.speakers
+        if (sp.speaker.lower() or "ethan") not in speakers:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"unknown speaker {sp.speaker!r}; valid: {', '.join(sorted(speakers))}")
+        if sp.max_frames and sp.min_frames > sp.max_frames:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"speech.min_frames {sp.min_frames} > max_frames {sp.max_frames}")
+        if sp.code2wav.encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown audio encoding {sp.code2wav.encoding}")
+        return sp
 
 
 def load_tokenizer(model: str, cfg: OmniConfig | None = None):
@@ -143,11 +170,16 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=device, max_active=args.max_batch,
                            max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
                            cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk)
-    return ThinkerServicer(engine, server_options(args), engine.tokenizer, cfg), cfg
+    opts = server_options(args)
+    talker = NextStage("talker", args.talker, max_message_bytes=opts.max_message_bytes) if args.talker else None
+    return ThinkerServicer(engine, opts, engine.tokenizer, cfg, talker), cfg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_arguments(parser, default_port=50051)
+    parser.add_argument("--talker", default=os.environ.get("VOXPIPE_TALKER", ""),
+                        help="the talker replicas spoken replies go to: host:port and/or dns:///name:port, "
+                             "comma-separated (env VOXPIPE_TALKER); unset: text only")
     parser.add_argument("--prefill-chunk", type=int, default=512,
                         help="prompts longer than this many tokens are prefilled in chunks of it, one per engine "
                              "step, so running requests keep decoding")

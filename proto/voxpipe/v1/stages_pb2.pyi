@@ -99,7 +99,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ThinkerStart(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows")
+    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class ThinkerStart(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TALKER_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: TokenIds
     text: str
@@ -116,7 +117,50 @@ class ThinkerStart(_message.Message):
     max_tokens: int
     min_tokens: int
     talker_rows: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ...) -> None: ...
+    speech: SpeechParams
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ..., speech: _Optional[_Union[SpeechParams, _Mapping]] = ...) -> None: ...
+
+class SpeechParams(_message.Message):
+    __slots__ = ("speaker", "sampling", "max_frames", "min_frames", "code2wav")
+    SPEAKER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CODE2WAV_FIELD_NUMBER: _ClassVar[int]
+    speaker: str
+    sampling: Sampling
+    max_frames: int
+    min_frames: int
+    code2wav: Code2WavParams
+    def __init__(self, speaker: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., code2wav: _Optional[_Union[Code2WavParams, _Mapping]] = ...) -> None: ...
+
+class Code2WavParams(_message.Message):
+    __slots__ = ("encoding", "first_chunk_frames", "chunk_frames", "echo_frames")
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    encoding: AudioEncoding
+    first_chunk_frames: int
+    chunk_frames: int
+    echo_frames: bool
+    def __init__(self, encoding: _Optional[_Union[AudioEncoding, str]] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., echo_frames: _Optional[bool] = ...) -> None: ...
+
+class FirstOutput(_message.Message):
+    __slots__ = ("stage",)
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    def __init__(self, stage: _Optional[str] = ...) -> None: ...
+
+class Routed(_message.Message):
+    __slots__ = ("stage", "address", "listen_token")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    address: str
+    listen_token: str
+    def __init__(self, stage: _Optional[str] = ..., address: _Optional[str] = ..., listen_token: _Optional[str] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
     __slots__ = ("start", "chunk", "cancel")
@@ -157,32 +201,40 @@ class TalkerPrompt(_message.Message):
     def __init__(self, user_rows: _Optional[_Union[Tensor, _Mapping]] = ..., user_mm_mask: _Optional[_Union[Tensor, _Mapping]] = ..., user_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_head: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_prefix: _Optional[_Union[Tensor, _Mapping]] = ..., tts_special: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ThinkerResponse(_message.Message):
-    __slots__ = ("talker_prompt", "text", "chunk", "finished")
+    __slots__ = ("talker_prompt", "text", "chunk", "finished", "routed", "talker_finished", "first_output")
     TALKER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    TALKER_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     talker_prompt: TalkerPrompt
     text: TextDelta
     chunk: PayloadChunk
     finished: Finished
-    def __init__(self, talker_prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    routed: Routed
+    talker_finished: Finished
+    first_output: FirstOutput
+    def __init__(self, talker_prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., routed: _Optional[_Union[Routed, _Mapping]] = ..., talker_finished: _Optional[_Union[Finished, _Mapping]] = ..., first_output: _Optional[_Union[FirstOutput, _Mapping]] = ...) -> None: ...
 
 class TalkerStart(_message.Message):
-    __slots__ = ("request_id", "prompt", "speaker", "sampling", "max_frames", "min_frames")
+    __slots__ = ("request_id", "prompt", "speaker", "sampling", "max_frames", "min_frames", "code2wav")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SPEAKER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CODE2WAV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: TalkerPrompt
     speaker: str
     sampling: Sampling
     max_frames: int
     min_frames: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ...) -> None: ...
+    code2wav: Code2WavParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., code2wav: _Optional[_Union[Code2WavParams, _Mapping]] = ...) -> None: ...
 
 class TextRows(_message.Message):
     __slots__ = ("token_ids", "rows")
@@ -219,24 +271,44 @@ class CodecFrames(_message.Message):
     def __init__(self, index: _Optional[int] = ..., codes: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TalkerResponse(_message.Message):
-    __slots__ = ("frames", "finished")
+    __slots__ = ("frames", "finished", "routed", "first_output")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     frames: CodecFrames
     finished: Finished
-    def __init__(self, frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    routed: Routed
+    first_output: FirstOutput
+    def __init__(self, frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., routed: _Optional[_Union[Routed, _Mapping]] = ..., first_output: _Optional[_Union[FirstOutput, _Mapping]] = ...) -> None: ...
+
+class ListenRequest(_message.Message):
+    __slots__ = ("listen_token",)
+    LISTEN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    listen_token: str
+    def __init__(self, listen_token: _Optional[str] = ...) -> None: ...
 
 class Code2WavStart(_message.Message):
-    __slots__ = ("request_id", "encoding", "first_chunk_frames", "chunk_frames")
+    __slots__ = ("request_id", "encoding", "first_chunk_frames", "chunk_frames", "to_listener", "echo_frames")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    TO_LISTENER_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FRAMES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     encoding: AudioEncoding
     first_chunk_frames: int
     chunk_frames: int
-    def __init__(self, request_id: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ...) -> None: ...
+    to_listener: bool
+    echo_frames: bool
+    def __init__(self, request_id: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., to_listener: _Optional[bool] = ..., echo_frames: _Optional[bool] = ...) -> None: ...
+
+class Accepted(_message.Message):
+    __slots__ = ("listen_token",)
+    LISTEN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    listen_token: str
+    def __init__(self, listen_token: _Optional[str] = ...) -> None: ...
 
 class FramesEnd(_message.Message):
     __slots__ = ()
@@ -269,9 +341,13 @@ class AudioChunk(_message.Message):
     def __init__(self, sample_offset: _Optional[int] = ..., sample_rate: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., data: _Optional[bytes] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class Code2WavResponse(_message.Message):
-    __slots__ = ("audio", "finished")
+    __slots__ = ("audio", "finished", "accepted", "frames")
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     audio: AudioChunk
     finished: Finished
-    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    accepted: Accepted
+    frames: CodecFrames
+    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., frames: _Optional[_Union[CodecFrames, _Mapping]] = ...) -> None: ...

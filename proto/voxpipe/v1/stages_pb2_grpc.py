@@ -197,6 +197,11 @@ class Code2WavStub:
                 request_serializer=voxpipe_dot_v1_dot_stages__pb2.Code2WavRequest.SerializeToString,
                 response_deserializer=voxpipe_dot_v1_dot_stages__pb2.Code2WavResponse.FromString,
                 _registered_method=True)
+        self.Listen = channel.unary_stream(
+                '/voxpipe.v1.Code2Wav/Listen',
+                request_serializer=voxpipe_dot_v1_dot_stages__pb2.ListenRequest.SerializeToString,
+                response_deserializer=voxpipe_dot_v1_dot_stages__pb2.Code2WavResponse.FromString,
+                _registered_method=True)
 
 
 class Code2WavServicer:
@@ -210,12 +215,25 @@ class Code2WavServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Listen(self, request, context):
+        """The audio of a Decode stream started with to_listener: AudioChunks (and with echo_frames
+        the CodecFrames received), then Finished. NOT_FOUND for an unknown or used token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_Code2WavServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.stream_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=voxpipe_dot_v1_dot_stages__pb2.Code2WavRequest.FromString,
+                    response_serializer=voxpipe_dot_v1_dot_stages__pb2.Code2WavResponse.SerializeToString,
+            ),
+            'Listen': grpc.unary_stream_rpc_method_handler(
+                    servicer.Listen,
+                    request_deserializer=voxpipe_dot_v1_dot_stages__pb2.ListenRequest.FromString,
                     response_serializer=voxpipe_dot_v1_dot_stages__pb2.Code2WavResponse.SerializeToString,
             ),
     }
@@ -247,6 +265,33 @@ class Code2Wav:
             target,
             '/voxpipe.v1.Code2Wav/Decode',
             voxpipe_dot_v1_dot_stages__pb2.Code2WavRequest.SerializeToString,
+            voxpipe_dot_v1_dot_stages__pb2.Code2WavResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Listen(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/voxpipe.v1.Code2Wav/Listen',
+            voxpipe_dot_v1_dot_stages__pb2.ListenRequest.SerializeToString,
             voxpipe_dot_v1_dot_stages__pb2.Code2WavResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,168 @@
+"""A stage's calls to the next stage: the thinker's to a talker, the talker's to a code2wav.
+
+`NextStage` holds the replicas a stage may dial -- only its own configured set (flags, env,
+dns:/// names; see services.runtime.balancer), never an address a client sent -- and opens one
+`Downstream` per request: a BalancedStream (moved to another replica when refused before its
+first response) traced as a CLIENT span under the current server span, which it carries on as
+W3C `traceparent` metadata.
+
+Writes never raise. grpc-Python reports a status that races a client write as INTERNAL, and a
+write after the stream ended as InvalidStateError; a downstream that finished early (a talker
+at max_frames while text still comes) or failed drops later writes, and its real outcome comes
+out of `responses()`: the one place where every stage client meets those races.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+from . import metrics, tracing
+from .balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer, parse_targets
+from .calls import failed_stage
+from .tensors import split_message
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICES = {"thinker": "voxpipe.v1.Thinker", "talker": "voxpipe.v1.Talker", "code2wav": "voxpipe.v1.Code2Wav"}
+STUBS = {"thinker": pb_grpc.ThinkerStub, "talker": pb_grpc.TalkerStub, "code2wav": pb_grpc.Code2WavStub}
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+def stage_balancer(stage: str, addresses: str | list[str], max_message_bytes: int,
+                   options: BalancerOptions | None = None) -> StageBalancer:
+    return StageBalancer(stage, addresses, channel_options=channel_options(max_message_bytes), options=options,
+                         health_service=HEALTH_SERVICES[stage])
+
+
+class DownstreamFailed(Exception):
+    """A downstream call failed: `stage` is the stage that failed (the callee, or the stage it
+    names in its `voxpipe-stage` trailing metadata), `code` / `details` its status."""
+
+    def __init__(self, stage: str, code: grpc.StatusCode | None, details: str, replica: str | None = None) -> None:
+        super().__init__(f"{stage}: {code.name if code else 'ERROR'}: {details}")
+        self.stage, self.code, self.details, self.replica = stage, code, details, replica
+
+
+class NextStage:
+    """The replicas of the stage after this one, for this stage's requests."""
+
+    def __init__(self, stage: str, addresses: str | list[str], *, max_message_bytes: int,
+                 options: BalancerOptions | None = None) -> None:
+        self.stage = stage
+        self.max_message_bytes = max_message_bytes
+        self.addresses, self.options = addresses, options
+        parse_targets(addresses)            # a malformed address fails at start, not at the first request
+        self._balancer: StageBalancer | None = None
+
+    @property
+    def balancer(self) -> StageBalancer:
+        """Made on first use: grpc.aio channels belong to the event loop they are made in, and a
+        service builds its servicer before its loop runs."""
+        if self._balancer is None:
+            self._balancer = stage_balancer(self.stage, self.addresses, self.max_message_bytes, self.options)
+        return self._balancer
+
+    async def open(self, method: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> "Downstream":
+        """A stream to one replica, as a CLIENT span child of the current context. Raises
+        DownstreamFailed (UNAVAILABLE) when the stage has no replica at all."""
+        stub_cls = STUBS[self.stage]
+        service = HEALTH_SERVICES[self.stage]
+        span = tracing.tracer().start_span(
+            f"{service}/{method}", kind=SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
+                        "voxpipe.request_id": request_id})
+        call_metadata = tuple(metadata) + tracing.inject_metadata(trace.set_span_in_context(span))
+
+        def on_replica(replica: Replica) -> None:
+            span.set_attribute("server.address", replica.address)
+
+        stream = BalancedStream(self.balancer, lambda channel: getattr(stub_cls(channel), method)(
+            metadata=call_metadata), on_replica)
+        metrics.NEXT_STAGE_STREAMS.labels(self.stage).inc()
+        try:
+            await stream.open()
+        except NoReplicaError as e:
+            tracing.grpc_error(span, grpc.StatusCode.UNAVAILABLE, str(e))
+            span.end()
+            raise DownstreamFailed(self.stage, grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        return Downstream(self, stream, span)
+
+    async def close(self) -> None:
+        if self._balancer is not None:
+            await self._balancer.close()
+
+
+class Downstream:
+    """One request's stream to the next stage (see the module docstring)."""
+
+    def __init__(self, next_stage: NextStage, stream: BalancedStream, span: trace.Span) -> None:
+        self.next, self.stream, self.span = next_stage, stream, span
+        self.ended = False          # the stream's outcome is known (responses() returned or raised)
+        self._closed = False
+
+    @property
+    def stage(self) -> str:
+        return self.next.stage
+
+    @property
+    def address(self) -> str:
+        return self.stream.replica.address if self.stream.replica is not None else ""
+
+    async def write(self, msg: Any) -> None:
+        if self.ended or self._closed:
+            return
+        try:
+            await self.stream.write(msg)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            log.debug("%s: write dropped, the stream ended: %r", self.stage, e)
+
+    async def write_split(self, msg: Any, wrap: Callable[[Any], Any], chunk: Callable[[bytes], Any]) -> None:
+        """`wrap(msg)`, with its tensors' bytes beyond the message limit in `chunk(data)` continuations."""
+        head, chunks = split_message(msg, self.next.max_message_bytes - 1024)
+        await self.write(wrap(head))
+        for data in chunks:
+            await self.write(chunk(data))
+
+    async def done_writing(self) -> None:
+        if self.ended or self._closed:
+            return
+        try:
+            await self.stream.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            log.debug("%s: half-close dropped, the stream ended: %r", self.stage, e)
+
+    async def responses(self) -> AsyncIterator[Any]:
+        """The responses until the stream ends; DownstreamFailed when it fails (the span says so)."""
+        try:
+            async for resp in self.stream:
+                yield resp
+        except grpc.aio.AioRpcError as e:
+            self.ended = True
+            stage = failed_stage(e, self.stage)
+            tracing.grpc_error(self.span, e.code(), e.details() or "")
+            raise DownstreamFailed(stage, e.code(), e.details() or "", self.address) from None
+        self.ended = True
+
+    def close(self) -> None:
+        """Cancel the call if it still runs (frees the request downstream), give the replica back,
+        end the span; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.ended:
+            self.span.set_attribute("voxpipe.cancelled", True)
+        self.stream.close()
+        self.span.end()

@@ -1,0 +1,96 @@
+"""A spoken reply's way on from the talker: its codec frames go to a code2wav replica this talker
+picks; the thinker (its caller) gets where code2wav runs and, once code2wav has decoded the last
+frame, the talker's Finished.
+
+    engine outputs -> Code2WavRelay.forward -> code2wav: Code2WavStart (to_listener), CodecFrames, FramesEnd
+                                            -> caller:   Routed (code2wav, listen token), Finished
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from voxpipe.v1 import stages_pb2 as pb
+
+from ..runtime.downstream import Downstream, DownstreamFailed, NextStage
+from ..runtime.engine import StageError
+from .engine import TalkerJob
+
+log = logging.getLogger(__name__)
+
+
+class Code2WavRelay:
+    def __init__(self, code2wav: NextStage, job: TalkerJob, params: pb.Code2WavParams) -> None:
+        self.code2wav, self.job, self.params = code2wav, job, params
+        self.done = False
+        loop = asyncio.get_running_loop()
+        self._down: asyncio.Future[Downstream | None] = loop.create_future()
+        self._ended: asyncio.Future[bool] = loop.create_future()   # code2wav finished (True) or failed (False)
+        self._task = asyncio.ensure_future(self._run())
+
+    async def forward(self, item: pb.TalkerResponse) -> list[pb.TalkerResponse]:
+        kind = item.WhichOneof("kind")
+        if kind == "routed":
+            return [item]
+        down = await self._down
+        if down is None:                    # code2wav could not be reached: the StageError is on its way
+            return []
+        if kind == "frames":
+            await down.write(pb.Code2WavRequest(frames=item.frames))
+            if item.frames.index == 0:
+                return [pb.TalkerResponse(first_output=pb.FirstOutput(stage="talker"))]
+            return []
+        if kind == "finished":
+            if item.finished.reason == pb.CANCELLED:     # close() cancels code2wav's side
+                self.done = True
+                return [item]
+            await down.write(pb.Code2WavRequest(frames_end=pb.FramesEnd()))
+            await down.done_writing()
+            if await self._ended:           # every frame decoded (the audio is the listener's)
+                self.done = True
+                return [item]
+        return []                           # failed: the StageError follows in the outbox
+
+    async def _run(self) -> None:
+        """Open the code2wav stream, then read it: Accepted -> Routed for the caller; Finished ->
+        `_ended`; a failure -> a StageError naming code2wav in the request's outbox."""
+        job, p = self.job, self.params
+        outbox = job.outbox
+        down = None
+        try:
+            down = await self.code2wav.open("Decode", job.request_id)
+            self._down.set_result(down)
+            await down.write(pb.Code2WavRequest(start=pb.Code2WavStart(
+                request_id=job.request_id, encoding=p.encoding, first_chunk_frames=p.first_chunk_frames,
+                chunk_frames=p.chunk_frames, to_listener=True, echo_frames=p.echo_frames)))
+            async for resp in down.responses():
+                kind = resp.WhichOneof("kind")
+                if kind == "accepted":
+                    outbox.put(pb.TalkerResponse(routed=pb.Routed(stage="code2wav", address=down.address,
+                                                                  listen_token=resp.accepted.listen_token)))
+                elif kind == "finished":
+                    down.ended = True
+                    self._ended.set_result(True)
+                    return
+                else:
+                    raise DownstreamFailed("code2wav", grpc.StatusCode.INTERNAL,
+                                           f"unexpected {kind} on a to_listener stream", down.address)
+            raise DownstreamFailed("code2wav", grpc.StatusCode.INTERNAL, "code2wav ended without finishing",
+                                   down.address)
+        except DownstreamFailed as e:
+            log.info("request %s: %s", job.request_id, e)
+            outbox.put(StageError(e.code or grpc.StatusCode.UNKNOWN, e.details, e.stage))
+        finally:
+            if not self._down.done():
+                self._down.set_result(down)
+            if not self._ended.done():
+                self._ended.set_result(False)
+
+    def close(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        if self._down.done() and self._down.result() is not None:
+            self._down.result().close()
