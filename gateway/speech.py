@@ -70,7 +70,7 @@ async def create_speech(request: Request) -> Response:
     body = await read_json(request, st.config.max_body_bytes)
     opts = speech_options(body, st)
     params = generation_params(body)
-    session, handed_over = st.sessions.acquire(), False
+    session, handed_over = st.sessions.acquire("http"), False
     try:
         messages = ([ChatMessage.text("system", opts.instructions)] if opts.instructions else []) + \
             [ChatMessage.text("user", opts.text)]

@@ -10,6 +10,8 @@ voxpipe_streams_total{stage,outcome} finished streams by outcome (stop, length, 
 voxpipe_outbox_wait_seconds{stage}  an engine output's wait between the engine thread and its stream
                                     handler (event-loop hand-off lag + the handler's own backlog)
 voxpipe_event_loop_lag_seconds{stage}  how late the service's event loop wakes for a 20 ms timer
+voxpipe_pending_upload_bytes{stage}  bytes still expected by chunked start messages not yet complete
+                                    (reserved when the head arrives; bounded by --max-pending-upload-mb)
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ OUTBOX_WAIT = Histogram("voxpipe_outbox_wait_seconds", "Engine output wait befor
                         ["stage"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
 LOOP_LAG = Histogram("voxpipe_event_loop_lag_seconds", "Event loop lateness for a 20 ms timer", ["stage"],
                      buckets=LATENCY_BUCKETS, registry=REGISTRY)
+PENDING_UPLOAD = Gauge("voxpipe_pending_upload_bytes", "Bytes still expected by incomplete chunked start messages",
+                       ["stage"], registry=REGISTRY)
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)
 
 
