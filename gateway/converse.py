@@ -161,8 +161,8 @@ class ConverseServicer(gw_grpc.GatewayServicer):
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
         metadata = dict(context.invocation_metadata() or ())
         if not authorized(self.state.config, metadata.get("authorization")):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or incorrect API key; send it as 'authorization: Bearer <key>' metadata")
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or incorrect API key; send it as 'authorization: Bearer <key>' metadata")
             return
         it = request_iterator.__aiter__()
         try:
@@ -171,8 +171,8 @@ class ConverseServicer(gw_grpc.GatewayServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 "empty request stream: the first message must be start")
             return
-        except Abort as e:
-            await context.abort(e.code, e.message)
+        except Abort as e:          # an undecodable message (rpc_guard)
+            await abort(context, e.code, e.message)
             return
         if first.WhichOneof("kind") != "start":
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
