@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import Gauge
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from voxpipe.client import PipelineClient, PipelineError
@@ -44,12 +45,14 @@ STAGES = ("thinker", "code2wav")   # the stages the gateway calls (the talker is
 class Session:
     """One admitted session; `release()` (or leaving the `with`) frees its slot, once."""
 
-    def __init__(self, limiter: "SessionLimiter") -> None:
+    def __init__(self, limiter: "SessionLimiter", api: str) -> None:
         self._limiter: SessionLimiter | None = limiter
+        self.api = api
 
     def release(self) -> None:
         if self._limiter is not None:
             self._limiter.active -= 1
+            self._limiter.gauge.labels(self.api).dec()
             self._limiter = None
 
     def __enter__(self) -> "Session":
@@ -60,20 +63,22 @@ class Session:
 
 
 class SessionLimiter:
-    """Concurrent sessions across the HTTP generations and realtime connections (0: no limit).
-    `acquire()` admits one or raises the 429 APIError; `try_acquire()` returns None instead."""
+    """Concurrent sessions across the HTTP generations, realtime connections and Converse calls
+    (0: no limit), counted per API in the `voxpipe_gateway_sessions{api}` gauge. `acquire(api)`
+    admits one or raises the 429 APIError; `try_acquire(api)` returns None instead."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.active = limit, 0
+    def __init__(self, limit: int, gauge: Gauge) -> None:
+        self.limit, self.active, self.gauge = limit, 0, gauge
 
-    def try_acquire(self) -> Session | None:
+    def try_acquire(self, api: str) -> Session | None:
         if self.limit and self.active >= self.limit:
             return None
         self.active += 1
-        return Session(self)
+        self.gauge.labels(api).inc()
+        return Session(self, api)
 
-    def acquire(self) -> Session:
-        session = self.try_acquire()
+    def acquire(self, api: str) -> Session:
+        session = self.try_acquire(api)
         if session is None:
             raise too_many_sessions(self.limit)
         return session
@@ -85,8 +90,8 @@ class GatewayState:
     omni: OmniConfig
     tokenizer: Any
     features: FeatureExtractor
+    metrics: GatewayMetrics
     sessions: SessionLimiter
-    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     transcripts: TranscriptStore | None = None
     pipeline: PipelineClient | None = None          # opened on startup, on the serving event loop
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -96,8 +101,10 @@ class GatewayState:
     def load(cls, config: GatewayConfig) -> "GatewayState":
         from voxpipe.services.thinker.server import load_tokenizer
 
+        metrics = GatewayMetrics()
         return cls(config=config, omni=OmniConfig.load(config.model_dir), tokenizer=load_tokenizer(config.model_dir),
-                   features=FeatureExtractor(config.model_dir), sessions=SessionLimiter(config.max_sessions),
+                   features=FeatureExtractor(config.model_dir), metrics=metrics,
+                   sessions=SessionLimiter(config.max_sessions, metrics.sessions),
                    transcripts=TranscriptStore(config.audio_expiry_s, config.max_stored_audio))
 
     @property
@@ -149,6 +156,39 @@ class RequestMetrics:
         finally:
             route = scope.get("route")
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status["code"])).inc()
+
+
+class BodyTimeout:
+    """ASGI middleware: an HTTP request body must arrive completely within `seconds` of the first
+    read (a 408 APIError is raised into the reading endpoint otherwise; the server then closes the
+    connection, the body being unread). Reads after the body is complete (waiting for a disconnect
+    while a response streams) are not limited."""
+
+    def __init__(self, app, seconds: float) -> None:
+        self.app, self.seconds = app, seconds
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.seconds:
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        state = {"deadline": None, "complete": False}
+
+        async def timed_receive():
+            if state["complete"]:
+                return await receive()
+            if state["deadline"] is None:
+                state["deadline"] = loop.time() + self.seconds
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, state["deadline"] - loop.time()))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.seconds:g} s",
+                               code="request_timeout") from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                state["complete"] = True
+            return message
+
+        await self.app(scope, timed_receive, send)
 
 
 async def stage_health(addresses: str, timeout: float = 2.0) -> dict[str, str]:
@@ -242,6 +282,7 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     app = FastAPI(title="voxpipe gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   **fastapi_tracing_off())
     app.state.gateway = state
+    app.add_middleware(BodyTimeout, seconds=config.body_timeout_s)
     app.add_middleware(RequestMetrics, metrics=state.metrics)
     app.add_middleware(TracingMiddleware)   # outermost: one span per request, honouring `traceparent`
     _add_error_handlers(app)

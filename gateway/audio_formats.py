@@ -7,11 +7,14 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import struct
 import wave
 
 import numpy as np
 
-from voxpipe.audio import read_wav, resample
+from voxpipe.audio import read_wav, resample, wav_header
+
+from .limits import audio_problem
 
 INPUT_SAMPLE_RATE = 16000
 
@@ -40,10 +43,32 @@ def decode_base64(data: str) -> bytes:
     return raw
 
 
+def _claimed(raw: bytes) -> tuple[int, int, int] | None:
+    """(frames, sample rate, channels) as the file's header states them, or None if no reader
+    recognises the header (then decoding fails too)."""
+    import soundfile
+
+    try:
+        info = soundfile.info(io.BytesIO(raw))
+        return info.frames, info.samplerate, info.channels
+    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError):
+        pass
+    try:
+        h = wav_header(raw)
+    except (ValueError, struct.error):
+        return None
+    return h.frames, h.rate, h.channels
+
+
 def decode_clip(raw: bytes) -> np.ndarray:
-    """Any libsndfile-readable file (wav, mp3, flac, ogg/opus ...) -> 16 kHz mono float32."""
+    """Any libsndfile-readable file (wav, mp3, flac, ogg/opus ...) -> 16 kHz mono float32. The
+    duration and sample rate its header claims are checked (limits.audio_problem) before any
+    sample is decoded: a small file claiming hours of audio, or 1 Hz, costs nothing."""
     import soundfile   # libsndfile is needed only for compressed formats, not for pcm streaming
 
+    claimed = _claimed(raw)
+    if claimed is not None and (problem := audio_problem(*claimed)) is not None:
+        raise ValueError(problem)
     try:
         samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
         samples = samples.mean(axis=1)
@@ -57,6 +82,8 @@ def decode_clip(raw: bytes) -> np.ndarray:
         raise ValueError("the audio has no samples")
     if not np.all(np.isfinite(samples)):
         raise ValueError("the audio has non-finite samples")
+    if (problem := audio_problem(samples.size, int(rate))) is not None:   # what was decoded, whatever was claimed
+        raise ValueError(problem)
     return resample(samples.astype(np.float32), int(rate), INPUT_SAMPLE_RATE)
 
 

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .limits import MAX_PROMPT_CHARS
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -13,12 +15,16 @@ class GatewayConfig:
     code2wav: str                      # the replicas audio may come from (the talkers' --code2wav set)
     model_dir: str                     # tokenizer, config.json, feature extractor (for rendering prompts)
     model_id: str = ""                 # the id clients send as `model` (default: the checkpoint folder name)
-    host: str = "0.0.0.0"
+    host: str = "0.0.0.0"              # every listener: HTTP / WebSocket and Converse
     http_port: int = 8000
     grpc_port: int = 0                 # the Converse gRPC API (0: off)
-    api_key: str | None = None         # when set, every /v1 request needs `Authorization: Bearer <key>`
-    max_sessions: int = 64             # concurrent generations (HTTP and realtime) before 429
+    api_key: str | None = None         # when set, every /v1 request and every Converse call needs
+                                       # `Authorization: Bearer <key>` (header or gRPC metadata)
+    max_sessions: int = 64             # concurrent HTTP generations, realtime and Converse sessions before 429
     max_body_bytes: int = 32 * 1024 * 1024
+    body_timeout_s: float = 60.0       # a request body must arrive completely within this time (408)
+    max_prompt_chars: int = MAX_PROMPT_CHARS   # text of one conversation, checked before tokenizing
+    reflection: bool = True            # gRPC server reflection on the Converse port
     audio_expiry_s: int = 3600         # how long an assistant audio id stays usable in later turns
     max_stored_audio: int = 10000      # transcripts kept for multi-turn audio references
 
@@ -33,4 +39,5 @@ class GatewayConfig:
                    model_id=args.served_model_name or "", host=args.host, http_port=args.http_port,
                    grpc_port=args.grpc_port or 0, api_key=args.api_key or os.environ.get("VOXPIPE_API_KEY") or None,
                    max_sessions=args.max_sessions, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                   audio_expiry_s=args.audio_expiry)
+                   body_timeout_s=args.body_timeout, max_prompt_chars=args.max_prompt_chars,
+                   reflection=args.reflection, audio_expiry_s=args.audio_expiry)

@@ -3,7 +3,9 @@
 One call is one conversation turn: ConverseStart (text and/or audio in, voice, output modalities,
 sampling, lengths) -> text deltas and 24 kHz audio chunks as the pipeline makes them -> Done.
 A Cancel message, or the client cancelling the call, stops the turn and frees it in every stage.
-Served with grpc.health.v1 and server reflection on the gateway's --grpc-port.
+With --api-key, a call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise).
+Served with grpc.health.v1 and (unless --no-reflection) server reflection on the gateway's
+--grpc-port, on --host; request messages that do not parse are INVALID_ARGUMENT (rpc_guard).
 """
 
 from __future__ import annotations
@@ -26,21 +28,22 @@ from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, 
 from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.calls import abort
 from voxpipe.services.runtime.config import OmniConfig
+from voxpipe.services.runtime.rpc_guard import Abort, RequestGuard
 from voxpipe.services.runtime.server import add_health_and_reflection
-from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart, render
+from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart
 from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
 
+from .app import authorized
 from .audio_formats import decode_clip
-from .generation import run_pipeline
+from .generation import render_now, run_pipeline
+from .limits import AUDIO_RATES, audio_problem
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "voxpipe.v1.Gateway"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-MAX_AUDIO_SECONDS = 600.0
-PCM16_RATES = (1000, 384000)            # accepted input sample rates, inclusive
 DEFAULT_VOICE = "ethan"
 
 
@@ -61,9 +64,11 @@ def _pcm16(audio: gw.Pcm16Audio, name: str) -> np.ndarray:
         raise InvalidInput(f"{name}.data is empty")
     if len(audio.data) % 2:
         raise InvalidInput(f"{name}.data has an odd number of bytes ({len(audio.data)}); pcm16 is 2 bytes a sample")
-    lo, hi = PCM16_RATES
+    lo, hi = AUDIO_RATES
     if not lo <= audio.sample_rate <= hi:
         raise InvalidInput(f"{name}.sample_rate must be in [{lo}, {hi}] Hz, got {audio.sample_rate}")
+    if (problem := audio_problem(len(audio.data) // 2, audio.sample_rate)) is not None:   # before resampling
+        raise InvalidInput(f"{name}: {problem}")
     x = np.frombuffer(audio.data, dtype="<i2").astype(np.float32) / 32768.0
     return resample(x, audio.sample_rate, FEATURE_SAMPLE_RATE)
 
@@ -81,9 +86,6 @@ def _audio_part(a: gw.AudioInput, name: str) -> np.ndarray:
             raise InvalidInput(f"{name}.wav: {e}") from None
     else:
         raise InvalidInput(f"{name} needs pcm16 or wav")
-    if wav.size / FEATURE_SAMPLE_RATE > MAX_AUDIO_SECONDS:
-        raise InvalidInput(f"{name} is {wav.size / FEATURE_SAMPLE_RATE:.0f} s long; the limit is "
-                           f"{MAX_AUDIO_SECONDS:.0f} s")
     return wav
 
 
@@ -148,13 +150,8 @@ class ConverseServicer(gw_grpc.GatewayServicer):
         self.state = state
 
     def _render(self, turn: ConverseTurn) -> None:
-        st = self.state
         try:
-            parts = [[p if p.audio is None else ChatPart(features=st.features(p.audio)) for p in m.parts]
-                     for m in turn.messages]
-            with st.tokenizer_lock:
-                prompt = render(st.tokenizer, st.omni.thinker,
-                                [ChatMessage(m.role, ps) for m, ps in zip(turn.messages, parts)])
+            prompt = render_now(self.state, turn.messages)
         except ValueError as e:
             raise InvalidInput(f"could not render the turn: {e}") from None
         turn.speech.token_ids = prompt.token_ids
@@ -162,12 +159,20 @@ class ConverseServicer(gw_grpc.GatewayServicer):
 
     @tracing.traced_rpc(SERVICE_NAME, "Converse")
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
+        metadata = dict(context.invocation_metadata() or ())
+        if not authorized(self.state.config, metadata.get("authorization")):
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or incorrect API key; send it as 'authorization: Bearer <key>' metadata")
+            return
         it = request_iterator.__aiter__()
         try:
             first = await it.__anext__()
         except StopAsyncIteration:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 "empty request stream: the first message must be start")
+            return
+        except Abort as e:          # an undecodable message (rpc_guard)
+            await abort(context, e.code, e.message)
             return
         if first.WhichOneof("kind") != "start":
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -186,7 +191,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
         trace_context = (otel_context.get_current() if tracing.enabled()
                          else tracing.extract_metadata(context.invocation_metadata()))
 
-        session = self.state.sessions.try_acquire()
+        session = self.state.sessions.try_acquire("converse")
         if session is None:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too many concurrent sessions (the limit is {self.state.sessions.limit}); retry later")
@@ -212,6 +217,8 @@ class ConverseServicer(gw_grpc.GatewayServicer):
                         return
                     await events.put(InvalidInput(f"unexpected {kind} after start (only cancel may follow)"))
                     return
+            except Abort as e:          # an undecodable message (rpc_guard)
+                await events.put(InvalidInput(e.message))
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 return
 
@@ -278,14 +285,16 @@ class ConverseServer:
 
 
 async def serve_converse(app_state: Any, port: int, host: str = "[::]") -> ConverseServer:
-    """Start Converse (+ health, reflection) on host:port (0: any free port) on the running event
-    loop (the one serving the HTTP app: they share the pipeline client) and return at once;
-    `await server.stop(grace)` on shutdown. `app_state`: the gateway's GatewayState."""
+    """Start Converse (+ health, reflection unless the config turns it off) on host:port (0: any
+    free port) on the running event loop (the one serving the HTTP app: they share the pipeline
+    client) and return at once; `await server.stop(grace)` on shutdown. `app_state`: the
+    gateway's GatewayState."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                             interceptors=[RequestGuard()])
     gw_grpc.add_GatewayServicer_to_server(ConverseServicer(app_state), server)
-    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    health_servicer = add_health_and_reflection(server, SERVICE_NAME, app_state.config.reflection)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"could not bind the Converse gRPC port {host}:{port}")
     await server.start()

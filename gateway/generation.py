@@ -28,7 +28,16 @@ def first_output_stage(ev: object) -> str | None:
     return None
 
 
-def _render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
+def prompt_chars(messages: list[ChatMessage]) -> int:
+    return sum(len(m.role) + sum(len(p.text or "") for p in m.parts) for m in messages)
+
+
+def render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
+    """Run in a worker thread. Raises ValueError for a conversation over the text limit before
+    any work: the tokenizer, shared under the state's lock, is held for a bounded time."""
+    chars, limit = prompt_chars(messages), state.config.max_prompt_chars
+    if chars > limit:
+        raise ValueError(f"the conversation has {chars} characters of text; the limit is {limit}")
     # features in this worker thread; the tokenizer (not thread-safe) under the state's lock
     # (a part that already carries features, e.g. a realtime user turn, is kept as it is)
     parts = [[p if p.audio is None else ChatPart(features=state.features(p.audio))
@@ -39,7 +48,7 @@ def _render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
 
 async def render_prompt(state, messages: list[ChatMessage]) -> RenderedPrompt:
     try:
-        return await asyncio.to_thread(_render_now, state, messages)
+        return await asyncio.to_thread(render_now, state, messages)
     except ValueError as e:
         raise bad_request(f"could not render the conversation: {e}", param="messages") from None
 

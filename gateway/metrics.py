@@ -2,6 +2,8 @@
 
 voxpipe_gateway_requests_total{route,status}      HTTP requests by route and status
 voxpipe_gateway_active_streams                    generations in flight (HTTP and realtime)
+voxpipe_gateway_sessions{api}                     slots of --max-sessions held: api = http (a chat or
+                                                  speech request), realtime (a WebSocket), converse (a call)
 voxpipe_gateway_audio_ttfp_seconds                request arrival -> first audio bytes
 voxpipe_gateway_audio_rtf                         generation wall time / seconds of audio produced
 voxpipe_gateway_stage_first_output_seconds{stage} request arrival -> thinker first token,
@@ -15,6 +17,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+SESSION_APIS = ("http", "realtime", "converse")
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
 
 
@@ -25,6 +28,10 @@ class GatewayMetrics:
                                 registry=self.registry)
         self.active_streams = Gauge("voxpipe_gateway_active_streams", "Generations in flight",
                                     registry=self.registry)
+        self.sessions = Gauge("voxpipe_gateway_sessions", "Session slots held (what --max-sessions counts)",
+                              ["api"], registry=self.registry)
+        for api in SESSION_APIS:
+            self.sessions.labels(api)
         self.ttfp = Histogram("voxpipe_gateway_audio_ttfp_seconds", "Request arrival to first audio",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.rtf = Histogram("voxpipe_gateway_audio_rtf", "Generation time / audio duration", buckets=RTF_BUCKETS,

@@ -75,7 +75,7 @@ async def chat_completions(request: Request) -> Response:
     st = gateway_state(request)
     body = await read_json(request, st.config.max_body_bytes)
     opts = chat_options(body, st)
-    session, handed_over = st.sessions.acquire(), False
+    session, handed_over = st.sessions.acquire("http"), False
     try:
         messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts)
         prompt = await render_prompt(st, messages)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import APIError, bad_request
+from .limits import INT32_MAX, SEED_MAX, SEED_MIN, UINT32_MAX, out_of_range
 
 DEFAULT_TEMPERATURE = 1.0   # as OpenAI's API; 0 is greedy
 
@@ -50,11 +51,19 @@ def required(body: dict, key: str, kind: type | tuple[type, ...]) -> Any:
     return optional(body, key, kind)
 
 
-def _positive(body: dict, key: str) -> int:
+def integer(body: dict, key: str, low: int, high: int, default: int | None = None) -> int | None:
+    """An optional integer in [low, high] (a 400 naming `key` otherwise)."""
     value = optional(body, key, int)
-    if value is not None and value < 1:
-        raise bad_request(f"'{key}' must be a positive integer, got {value}", param=key, code="invalid_value")
-    return value or 0
+    if value is None:
+        return default
+    if out_of_range(value, low, high):
+        raise bad_request(f"'{key}' must be an integer from {low} to {high}, got {value}", param=key,
+                          code="invalid_value")
+    return value
+
+
+def _positive(body: dict, key: str) -> int:
+    return integer(body, key, 1, UINT32_MAX, 0)
 
 
 def generation_params(body: dict) -> GenerationParams:
@@ -62,8 +71,8 @@ def generation_params(body: dict) -> GenerationParams:
         raise bad_request("only n=1 is supported", param="n", code="invalid_value")
     max_tokens = _positive(body, "max_completion_tokens") or _positive(body, "max_tokens")
     max_frames = _positive(body, "max_audio_frames")
-    min_tokens = optional(body, "min_tokens", int, 0)
-    if min_tokens < 0 or (max_tokens and min_tokens > max_tokens):
+    min_tokens = integer(body, "min_tokens", 0, UINT32_MAX, 0)
+    if max_tokens and min_tokens > max_tokens:
         raise bad_request(f"'min_tokens' must be between 0 and max_tokens, got {min_tokens}", param="min_tokens",
                           code="invalid_value")
     ignore_eos = optional(body, "ignore_eos", bool, False)
@@ -74,11 +83,8 @@ def generation_params(body: dict) -> GenerationParams:
     top_p = float(optional(body, "top_p", (int, float), 1.0))
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", param="top_p", code="invalid_value")
-    top_k = optional(body, "top_k", int, 0)
-    if top_k < -1:
-        raise bad_request(f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k",
-                          code="invalid_value")
-    seed = optional(body, "seed", int)
+    top_k = integer(body, "top_k", -1, INT32_MAX, 0)    # -1 and 0: off
+    seed = integer(body, "seed", SEED_MIN, SEED_MAX)
     return GenerationParams(max_tokens=max_tokens, min_tokens=max_tokens if ignore_eos else min_tokens,
                             max_frames=max_frames, min_frames=max_frames if ignore_eos else 0,
                             temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
@@ -122,6 +128,8 @@ async def read_json(request, max_bytes: int) -> dict:
         body = json.loads(b"".join(chunks))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     return body

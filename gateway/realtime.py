@@ -77,7 +77,7 @@ async def realtime(ws: WebSocket, model: str | None = None) -> None:
                                                  f"{state.config.model_id!r}", code="model_not_found", param="model"),
                       1008)
         return
-    slot = state.sessions.try_acquire()
+    slot = state.sessions.try_acquire("realtime")
     if slot is None:
         await _refuse(ws, dialect, ProtocolError(f"too many concurrent sessions (the limit is {state.sessions.limit}); "
                                                  "retry later", code="session_limit_reached", type="rate_limit_error"),

@@ -13,9 +13,11 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .limits import UINT32_MAX
 from .vad import ServerVadParams
 
 INPUT_SAMPLE_RATE = 24000      # pcm16 mono, as OpenAI's realtime API
+MAX_INPUT_SECONDS = 120        # one user turn's audio: the input audio buffer's cap and an input_audio part's
 
 
 class Dialect(enum.Enum):
@@ -178,18 +180,19 @@ def _get(obj: dict, key: str, kinds: type | tuple[type, ...], path: str, require
 
 def _positive_int(obj: dict, key: str, path: str) -> int | None:
     value = _get(obj, key, int, path)
-    if value is not None and value < 1:
-        raise ProtocolError(f"'{path}.{key}' must be a positive integer, got {value}", param=f"{path}.{key}")
+    if value is not None and not 1 <= value <= UINT32_MAX:
+        raise ProtocolError(f"'{path}.{key}' must be an integer from 1 to {UINT32_MAX}, got {value}",
+                            param=f"{path}.{key}")
     return value
 
 
 def _max_tokens(obj: dict, key: str, path: str) -> int | None:
-    """An integer >= 1 or "inf" (-> 0: no limit)."""
+    """An integer in [1, UINT32_MAX] or "inf" (-> 0: no limit)."""
     value = obj.get(key)
     if value == "inf":
         return 0
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ProtocolError(f"'{path}.{key}' must be a positive integer or \"inf\", got {value!r}",
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= UINT32_MAX):
+        raise ProtocolError(f"'{path}.{key}' must be an integer from 1 to {UINT32_MAX} or \"inf\", got {value!r}",
                             param=f"{path}.{key}")
     return value
 
@@ -363,6 +366,9 @@ def _part(p: Any, role: str, path: str) -> NewPart:
         audio = decode_pcm16(p.get("audio"), f"{path}.audio")
         if audio.size == 0:
             raise ProtocolError(f"'{path}.audio' is empty", param=f"{path}.audio")
+        if audio.size > MAX_INPUT_SECONDS * INPUT_SAMPLE_RATE:
+            raise ProtocolError(f"'{path}.audio' is {audio.size / INPUT_SAMPLE_RATE:.0f} s long; the limit is "
+                                f"{MAX_INPUT_SECONDS} s", param=f"{path}.audio")
         return NewPart("input_audio", audio=audio)
     if norm == "output_audio":
         return NewPart("output_audio", text=_get(p, "transcript", str, path) or "")
@@ -427,6 +433,8 @@ def parse_client_event(text: str) -> ClientEvent:
         e = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ProtocolError(f"the message is not valid JSON ({err})", code="invalid_json") from None
+    except RecursionError:
+        raise ProtocolError("the message is nested too deeply", code="invalid_json") from None
     if not isinstance(e, dict):
         raise ProtocolError("an event must be a JSON object", code="invalid_json")
     event_id = e.get("event_id") if isinstance(e.get("event_id"), str) else None

@@ -12,13 +12,12 @@ import torch
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
 
 from .params import DEFAULT_TEMPERATURE
-from .realtime_events import (INPUT_SAMPLE_RATE, UNSET, Dialect, NewItem, PartKind, ProtocolError, ResponseOverrides,
-                              SessionPatch)
+from .realtime_events import (INPUT_SAMPLE_RATE, MAX_INPUT_SECONDS, UNSET, Dialect, NewItem, PartKind, ProtocolError,
+                              ResponseOverrides, SessionPatch)
 from .vad import ServerVadParams
 
 PCM_FORMAT = {"type": "audio/pcm", "rate": INPUT_SAMPLE_RATE}
 PREFERRED_VOICE = "ethan"
-MAX_INPUT_SECONDS = 120            # the input audio buffer's cap (one user turn)
 MIN_COMMIT_MS = 100                # OpenAI's smallest committable buffer
 
 

@@ -10,6 +10,8 @@ import importlib.util
 import logging
 import os
 
+from .limits import MAX_PROMPT_CHARS
+
 log = logging.getLogger(__name__)
 
 
@@ -23,14 +25,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder for the tokenizer, config and feature extractor "
                                         "(default: the tiny checkpoint)")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the checkpoint folder name)")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="0.0.0.0", help="the address of every listener (HTTP and Converse)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=0, help="serve the Converse gRPC API here (0: off)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: "
-                                                        "$VOXPIPE_API_KEY; unset: no auth)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on HTTP, WebSocket "
+                                                        "and Converse (default: $VOXPIPE_API_KEY; unset: no auth)")
     parser.add_argument("--max-sessions", type=int, default=64,
-                        help="concurrent generations and realtime sessions before 429 (0: no limit)")
+                        help="concurrent generations, realtime and Converse sessions before 429 (0: no limit)")
     parser.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body (413 above)")
+    parser.add_argument("--body-timeout", type=float, default=60.0,
+                        help="seconds a request body may take to arrive completely (408 after)")
+    parser.add_argument("--max-prompt-chars", type=int, default=MAX_PROMPT_CHARS,
+                        help="characters of text in one conversation, checked before tokenizing (400 above)")
+    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve gRPC server reflection on the Converse port")
     parser.add_argument("--audio-expiry", type=int, default=3600,
                         help="seconds an assistant audio id stays usable in later turns")
 
@@ -52,7 +60,7 @@ async def serve(args) -> None:
     if serving.done():  # failed to start (port taken ...): surface the error
         await serving
         raise SystemExit(1)
-    converse = await _start_converse(app.state.gateway, config.grpc_port)
+    converse = await _start_converse(app.state.gateway, config)
     port = server.servers[0].sockets[0].getsockname()[1]
     print(f"gateway ready on port {port}", flush=True)
     try:
@@ -62,9 +70,10 @@ async def serve(args) -> None:
             await converse.stop(5.0)
 
 
-async def _start_converse(state, port: int):
-    """The Converse gRPC API, when gateway/converse.py provides `serve_converse(app_state, port)`
+async def _start_converse(state, config):
+    """The Converse gRPC API, when gateway/converse.py provides `serve_converse(app_state, port, host)`
     (it starts the server on this loop and returns it; `await server.stop(grace)` stops it)."""
+    port = config.grpc_port
     if not port:
         return None
     name = "voxpipe.gateway.converse"
@@ -73,7 +82,7 @@ async def _start_converse(state, port: int):
     if serve_converse is None:
         log.warning("--grpc-port %d given but this build has no Converse API; ignoring it", port)
         return None
-    return await serve_converse(state, port)
+    return await serve_converse(state, port, config.host)
 
 
 def run(args) -> None:

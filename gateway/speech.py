@@ -3,7 +3,12 @@
 
 stream_format "audio" (default): the file in `response_format`; raw `pcm` streams each chunk
 as it is made. stream_format "sse": `speech.audio.delta` events ({audio: base64}) then
-`speech.audio.done` with usage; pcm deltas stream, other formats come as one delta."""
+`speech.audio.done` with usage; pcm deltas stream, other formats come as one delta.
+
+A failure before the first audio is an HTTP error status. After it (the status is sent): a raw pcm
+body ends without its terminating chunk (the exception reaches the server, which drops the
+connection: clients see an incomplete body), an SSE stream with an `error` event instead of
+`speech.audio.done`."""
 
 from __future__ import annotations
 
@@ -70,7 +75,7 @@ async def create_speech(request: Request) -> Response:
     body = await read_json(request, st.config.max_body_bytes)
     opts = speech_options(body, st)
     params = generation_params(body)
-    session, handed_over = st.sessions.acquire(), False
+    session, handed_over = st.sessions.acquire("http"), False
     try:
         messages = ([ChatMessage.text("system", opts.instructions)] if opts.instructions else []) + \
             [ChatMessage.text("user", opts.text)]

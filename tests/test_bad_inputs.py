@@ -4,6 +4,7 @@ details name the problem, and afterwards the stage is still SERVING, its active-
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import urllib.request
@@ -424,3 +425,92 @@ def test_bad_requests_do_not_disturb_a_running_request(stack, channels):
     assert err is None, (err.code(), err.details())
     assert [r.WhichOneof("kind") for r in responses] == ["text"] * 300 + ["finished"]
     assert responses[-1].finished.reason == pb.LENGTH
+
+
+# ---------------------------------------------------------------------------------------------- wire-level refusals
+
+
+@pytest.mark.parametrize("stage", list(STUBS))
+def test_garbage_bytes_are_invalid_argument(stack, channels, stage):
+    service, method = SERVICE[stage], STUBS[stage][1]
+    raw = channels[stage].stream_stream(f"/{service}/{method}", request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(iter([b"\xff\xff\xff\xff not a protobuf message"]), timeout=30))
+    assert err.value.code() == INVALID
+    request_type = {"thinker": "ThinkerRequest", "talker": "TalkerRequest", "code2wav": "Code2WavRequest"}[stage]
+    assert f"request message 1 is not a valid voxpipe.v1.{request_type}" in err.value.details()
+    assert_still_serving(stack, channels, stage)
+
+
+def test_a_refusal_reaches_an_asyncio_client_that_is_still_writing(stack):
+    """gRPC asyncio clients report INTERNAL when the status arrives while they write
+    (grpc/grpc#36066); the stage reads what the client still sends before refusing, so each of
+    these calls gets the real INVALID_ARGUMENT."""
+    async def refused_while_writing() -> list[tuple[grpc.StatusCode, str]]:
+        out = []
+        async with grpc.aio.insecure_channel(stack.address("talker"), options=CHANNEL_OPTIONS) as ch:
+            for _ in range(10):
+                call = pb_grpc.TalkerStub(ch).Generate()
+                try:
+                    for msg in [talker_start(speaker="Bob")] + [text_rows(2)] * 40 + [TEXT_END]:
+                        await call.write(msg)
+                    await call.done_writing()
+                    [r async for r in call]
+                except grpc.aio.AioRpcError as e:
+                    out.append((e.code(), e.details()))
+        return out
+
+    statuses = asyncio.run(refused_while_writing())
+    assert [code for code, _ in statuses] == [INVALID] * 10, statuses
+    assert all("unknown speaker 'Bob'" in details for _, details in statuses)
+
+
+def pending_upload_bytes(stack, stage: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports[stage]}/metrics", timeout=5).read().decode()
+    m = re.search(rf'^voxpipe_pending_upload_bytes\{{stage="{stage}"\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_unadmitted_uploads_are_bounded_and_counted(stack, channels):
+    """Chunked talker starts whose payload has not all arrived hold their declared bytes in
+    voxpipe_pending_upload_bytes; past the stage's budget (1 GiB by default) the next is
+    RESOURCE_EXHAUSTED; cancelled uploads give their bytes back."""
+    users = 400 * 1024 * 1024 // (4 * HIDDEN)                 # 400 MiB of user rows declared, none sent
+
+    def head() -> pb.TalkerRequest:
+        prompt = talker_prompt(user_rows=pb.Tensor(dtype=pb.FLOAT32, shape=[users, HIDDEN]),
+                               user_mm_mask=pb.Tensor(dtype=pb.BOOL, shape=[users]),
+                               user_token_ids=pb.Tensor(dtype=pb.INT64, shape=[users]))
+        return talker_start(prompt)
+
+    async def go():
+        async with grpc.aio.insecure_channel(stack.address("talker"), options=CHANNEL_OPTIONS) as ch:
+            held = []
+            for _ in range(2):
+                call = pb_grpc.TalkerStub(ch).Generate()
+                await call.write(head())
+                held.append(call)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while pending_upload_bytes(stack, "talker") < 2 * users * HIDDEN * 4 and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            pending = pending_upload_bytes(stack, "talker")
+            third = pb_grpc.TalkerStub(ch).Generate()
+            await third.write(head())
+            await third.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [r async for r in third]
+            for call in held:
+                call.cancel()
+            deadline = loop.time() + 10
+            while pending_upload_bytes(stack, "talker") != 0 and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            return pending, refused.value
+
+    pending, refused = asyncio.run(go())
+    assert pending >= 2 * users * HIDDEN * 4, pending
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
+    assert "incomplete uploads pending" in refused.details()
+    assert pending_upload_bytes(stack, "talker") == 0
+    assert_still_serving(stack, channels, "talker")

@@ -7,7 +7,9 @@ import asyncio
 import io
 import json
 import queue
+import re
 import shutil
+import socket
 import subprocess
 import time
 import urllib.request
@@ -15,6 +17,7 @@ import wave
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -274,6 +277,12 @@ BAD = [
     ([start(text="hi", sampling=pb.Sampling(temperature=5.0))], "temperature"),
     ([start(text="hi", max_tokens=2, min_tokens=3)], "min_tokens 3 > max_tokens 2"),
     ([start(text="hi", max_tokens=2), start(text="again")], "unexpected start after start"),
+    ([start(audio=[gw.AudioInput(wav=wav_file(np.zeros(3000, np.float32), 1))])],
+     "audio[0].wav: the audio's sample rate must be 1000 to 384000 Hz, got 1"),
+    ([start(audio=[gw.AudioInput(pcm16=gw.Pcm16Audio(data=bytes(2 * 1000 * 601), sample_rate=1000))])],
+     "audio[0].pcm16: the audio is 601 s long; the limit is 600 s"),
+    ([start(text="x" * 200_001, output_modalities=[gw.MODALITY_TEXT])], "the limit is 200000"),
+    ([start(text="hi", max_frames=2**32 - 1)], "talker: "),        # in range: the talker's own refusal
 ]
 
 
@@ -283,6 +292,21 @@ def test_bad_input_is_invalid_argument(channel, requests, message):
         converse(channel, *requests)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert message in err.value.details()
+
+
+def test_garbage_request_bytes_are_invalid_argument(channel):
+    raw = channel.stream_stream("/voxpipe.v1.Gateway/Converse", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(iter([b"\xff\xff\xff\xff not a protobuf message"]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request message 1 is not a valid voxpipe.v1.ConverseRequest" in err.value.details()
+
+
+def test_converse_listens_on_the_host_only(converse_gateway):
+    port = int(converse_gateway.rsplit(":", 1)[1])
+    with pytest.raises(ConnectionRefusedError):     # --host 127.0.0.1: not on another loopback address
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
 
 
 def test_a_stage_refusal_is_its_status_with_the_stage_named(channel):
@@ -303,6 +327,77 @@ def test_health_and_reflection(channel):
                                             timeout=5))
     names = {s.name for s in resp.list_services_response.service}
     assert {"voxpipe.v1.Gateway", "grpc.health.v1.Health"} <= names
+
+
+# ----------------------------------------------------------------------------- API key, sessions, reflection off
+
+@pytest.fixture(scope="module")
+def keyed_gateway(stack, tiny_model_dir):
+    """--api-key, --max-sessions 4, no reflection; yields (the gateway process, the Converse address)."""
+    grpc_port = free_port()
+    process = GatewayProcess(tiny_model_dir, *(stack.address(s) for s in STAGES), "--grpc-port", str(grpc_port),
+                             "--api-key", "sesame", "--max-sessions", "4", "--no-reflection")
+    yield process, f"127.0.0.1:{grpc_port}"
+    process.stop()
+
+
+KEY = (("authorization", "Bearer sesame"),)
+
+
+def test_converse_needs_the_api_key(keyed_gateway):
+    _, address = keyed_gateway
+    turn = start(text=TEXT, max_tokens=2, output_modalities=[gw.MODALITY_TEXT])
+    with grpc.insecure_channel(address) as ch:
+        stub = gw_grpc.GatewayStub(ch)
+        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "sesame"),)):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Converse(iter([turn]), metadata=metadata, timeout=30))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value.details()
+            assert "API key" in err.value.details()
+        assert split(list(stub.Converse(iter([turn]), metadata=KEY, timeout=60)))[2].usage.completion_tokens == 2
+        health = health_pb2_grpc.HealthStub(ch)     # probes need no key
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                 timeout=5))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def gateway_sessions(process) -> dict[str, float]:
+    text = httpx.get(f"{process.base_url}/metrics", timeout=5).text
+    return {api: float(v) for api, v in re.findall(r'^voxpipe_gateway_sessions\{api="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_cancel_and_channel_drop_free_the_session_slots(keyed_gateway, stack):
+    """20 Converse calls that send Cancel once output flows and drop their channel, with
+    --max-sessions 4: every slot comes back (the gauge returns to 0) and chat requests are served."""
+    process, address = keyed_gateway
+    for i in range(20):
+        requests: queue.Queue = queue.Queue()
+        requests.put(start(text=TEXT, max_tokens=8, max_frames=12, ignore_eos=True))
+
+        def request_stream():
+            while (item := requests.get()) is not None:
+                yield item
+
+        ch = grpc.insecure_channel(address)
+        call = gw_grpc.GatewayStub(ch).Converse(request_stream(), metadata=KEY, timeout=60)
+        if i % 2:
+            next(call)                          # cancel once output flows; otherwise right after start
+        requests.put(gw.ConverseRequest(cancel=pb.Cancel()))
+        ch.close()                              # the request iterator is left hanging: a dropped client
+    deadline = time.monotonic() + 10
+    while any(gateway_sessions(process).values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gateway_sessions(process) == {"http": 0, "realtime": 0, "converse": 0}
+    key = {"Authorization": "Bearer sesame"}
+    model = httpx.get(f"{process.base_url}/v1/models", headers=key, timeout=5).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    statuses = [httpx.post(f"{process.base_url}/v1/chat/completions", json=body, headers=key,
+                           timeout=60).status_code for _ in range(5)]
+    assert statuses == [200] * 5
+    assert wait_all_free(stack) == {s: 0 for s in STAGES}
 
 
 # ----------------------------------------------------------------------------- a Node.js client

@@ -8,7 +8,12 @@ import base64
 import io
 import json
 import re
+import socket
+import subprocess
+import sys
+import threading
 import time
+import wave
 
 import httpx
 import numpy as np
@@ -39,10 +44,11 @@ def model(gateway) -> str:
 
 @pytest.fixture(scope="module")
 def strict_gateway(stack, tiny_model_dir):
-    """API key, one session at a time, 64 KB bodies, and a code2wav address nobody listens on."""
+    """API key, one session at a time, 64 KB bodies arriving within 1 s, and a code2wav address nobody
+    listens on."""
     gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("talker"), f"127.0.0.1:{free_port()}",
                         "--api-key", "sesame", "--max-sessions", "1", "--max-body-mb", "0.0625",
-                        "--served-model-name", MODEL)
+                        "--body-timeout", "1", "--served-model-name", MODEL)
     yield gw
     gw.stop()
 
@@ -281,6 +287,76 @@ def test_bad_sampling_parameters(gateway, model):
     assert_openai_error(post(gateway, "/v1/chat/completions", chat_body(model, max_tokens=100000)), 400, "context")
 
 
+OUT_OF_RANGE = [("max_tokens", 2**32), ("max_completion_tokens", 2**32), ("min_tokens", 2**32), ("top_k", 2**31),
+                ("max_audio_frames", 2**32), ("seed", 2**64), ("seed", -(2**63) - 1)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_integers_out_of_range_are_400_naming_the_parameter(gateway, model, stream):
+    for key, value in OUT_OF_RANGE:
+        resp = post(gateway, "/v1/chat/completions", chat_body(model, stream=stream, **{key: value}))
+        err = assert_openai_error(resp, 400, rf"'{key}' must be an integer from -?\d+ to \d+, got {value}")
+        assert err["param"] == key and err["code"] == "invalid_value"
+    speech = json.dumps({"model": model, "input": "hi", "voice": "ethan", "max_audio_frames": 2**32})
+    assert assert_openai_error(post(gateway, "/v1/audio/speech", speech), 400, "4294967295")["param"] == \
+        "max_audio_frames"
+
+
+def test_deeply_nested_json_is_400(gateway, model):
+    deep = "[" * 2000 + "]" * 2000
+    for path in ("/v1/chat/completions", "/v1/audio/speech"):
+        assert_openai_error(post(gateway, path, deep), 400, "nested too deeply")
+    inside = '{"model": "%s", "messages": %s}' % (model, deep)
+    assert_openai_error(post(gateway, "/v1/chat/completions", inside), 400, "nested too deeply")
+    assert httpx.get(f"{gateway.base_url}/health").status_code == 200
+
+
+def _wav_header_only(rate: int, samples: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.zeros(samples, dtype="<i2").tobytes())
+    return buf.getvalue()
+
+
+def test_audio_is_refused_on_its_claimed_rate_and_length_before_decoding(gateway, model):
+    """A 6 KB wav claiming 1 Hz (50 minutes of audio at 16 kHz once resampled), and an 11-minute
+    flac of silence that compresses to a few KB: refused from their headers."""
+    silence = io.BytesIO()
+    soundfile.write(silence, np.zeros(660 * 8000, dtype=np.int16), 8000, format="FLAC", subtype="PCM_16")
+    cases = [(_wav_header_only(1, 3000), "wav", "sample rate must be 1000 to 384000 Hz, got 1"),
+             (silence.getvalue(), "flac", "the audio is 660 s long; the limit is 600 s")]
+    for data, fmt, pattern in cases:
+        assert len(data) < 100_000
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": [part]}], "max_tokens": 2})
+        err = assert_openai_error(post(gateway, "/v1/chat/completions", body), 400, pattern)
+        assert err["param"] == "messages[0].content[0].input_audio.data"
+
+
+def test_text_over_the_limit_is_400_before_tokenizing(gateway, model):
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "word " * 50_000}], "max_tokens": 2})
+    err = assert_openai_error(post(gateway, "/v1/chat/completions", body), 400,
+                              "250004 characters of text; the limit is 200000")
+    assert err["param"] == "messages"
+
+
+def test_a_body_that_stops_arriving_is_408(strict_gateway):
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer sesame\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+    with socket.create_connection(("127.0.0.1", strict_gateway.port), timeout=30) as conn:
+        conn.sendall(head)                  # ... and nothing more
+        reply = b""
+        while not reply.endswith(b"}}"):
+            chunk = conn.recv(65536)
+            assert chunk, reply
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"the request body did not arrive within 1 s" in reply
+
+
 def test_api_key(strict_gateway):
     url = f"{strict_gateway.base_url}/v1/models"
     assert_openai_error(httpx.get(url), 401, "API key")
@@ -369,3 +445,64 @@ def test_gateway_metrics(gateway, client, model):
         assert float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)) >= 1
     for stage in STAGES:
         assert re.search(rf'^voxpipe_gateway_stage_first_output_seconds_count\{{stage="{stage}"\}} [1-9]', text, re.M)
+
+
+# ----------------------------------------------------------------------------- a stage failing mid-stream
+
+def _start_code2wav(model_dir, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "voxpipe.cli", "code2wav", "--model", str(model_dir), "--host",
+                             "127.0.0.1", "--port", str(port), "--device", "cpu"], stdout=subprocess.PIPE, text=True)
+    while "ready on port" not in (line := proc.stdout.readline()):
+        assert line or proc.poll() is None, "code2wav did not start"
+    return proc
+
+
+def test_a_stage_failing_mid_stream_ends_pcm_abnormally_and_sse_with_an_error_event(stack, tiny_model_dir):
+    """A pcm /v1/audio/speech stream whose code2wav dies after audio was sent ends without the
+    terminating chunk (the client sees an incomplete body, not a short clean one); an SSE stream
+    ends with an `error` event."""
+    port = free_port()
+    code2wav = _start_code2wav(tiny_model_dir, port)
+    gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("talker"), f"127.0.0.1:{port}")
+    body = {"model": tiny_model_dir.name, "input": "Talk for a long while.", "voice": "ethan", "response_format": "pcm",
+            "ignore_eos": True, "max_tokens": 40, "max_audio_frames": 400}
+    started = {"pcm": threading.Event(), "sse": threading.Event()}
+    outcome: dict = {}
+
+    def pcm() -> None:
+        try:
+            with httpx.stream("POST", f"{gw.base_url}/v1/audio/speech", json=body, timeout=60) as r:
+                for _ in r.iter_raw():
+                    started["pcm"].set()
+            outcome["pcm"] = "clean end"
+        except httpx.RemoteProtocolError as e:
+            outcome["pcm"] = e
+
+    def sse() -> None:
+        with httpx.stream("POST", f"{gw.base_url}/v1/audio/speech", json={**body, "stream_format": "sse"},
+                          timeout=60) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    started["sse"].set()
+            outcome["sse"] = events
+
+    threads = [threading.Thread(target=pcm), threading.Thread(target=sse)]
+    try:
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started.values())
+        code2wav.kill()
+        for t in threads:
+            t.join(60)
+    finally:
+        code2wav.kill()
+        code2wav.wait()
+        gw.stop()
+    assert isinstance(outcome["pcm"], httpx.RemoteProtocolError), outcome["pcm"]
+    assert "incomplete chunked read" in str(outcome["pcm"])
+    events = outcome["sse"]
+    assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "error"
+    assert events[-1]["error"]["code"] == "service_unavailable" and "code2wav" in events[-1]["error"]["message"]
+    assert not any(e["type"] == "speech.audio.done" for e in events)

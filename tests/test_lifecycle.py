@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -378,3 +379,62 @@ def test_stopping_one_stream_leaves_its_neighbours_exact(stack, stage, how):
     for i, (responses, want) in enumerate(zip(run(together()), solo), start=1):
         assert _outputs(responses) == want, i
     wait_idle(stack, stage)
+
+
+# ---------------------------------------------------------------------------------------------- connection age
+
+
+def test_an_aged_connection_keeps_its_active_stream(tiny_model_dir):
+    """--max-connection-age 1 with a 0.5 s drain grace: a code2wav stream fed and read slowly for
+    ~4 s on one connection gets all its audio (the aged connection is told to go away but not
+    closed under the stream), and a new call after it is served. The same process has reflection
+    off and its --metrics-port on --host only."""
+    port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "voxpipe.cli", "code2wav", "--model", str(tiny_model_dir),
+                             "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+                             "--max-connection-age", "1", "--grace", "0.5", "--no-reflection",
+                             "--metrics-port", str(metrics_port)], stdout=subprocess.PIPE, text=True)
+    while "ready on port" not in (line := proc.stdout.readline()):
+        assert line or proc.poll() is None, "code2wav did not start"
+    address, frames = f"127.0.0.1:{port}", 8
+    try:
+        async def go():
+            async with grpc.aio.insecure_channel(address) as ch:
+                t0 = time.monotonic()
+                call = open_call(ch, "code2wav")
+                await call.write(pb.Code2WavRequest(start=pb.Code2WavStart()))
+                for _ in range(frames):                 # a slow writer ...
+                    await call.write(code2wav_frames(1))
+                    await asyncio.sleep(0.5)
+                await call.write(pb.Code2WavRequest(frames_end=pb.FramesEnd()))
+                await call.done_writing()
+                got = []
+                while (r := await call.read()) is not grpc.aio.EOF:   # ... and a slow reader
+                    got.append(r)
+                    await asyncio.sleep(0.05)
+                elapsed = time.monotonic() - t0
+                assert await call.code() == grpc.StatusCode.OK
+                again = await good_request(address, "code2wav")
+                reflection = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo()
+                with pytest.raises(grpc.aio.AioRpcError) as off:
+                    await reflection.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                    await reflection.read()
+                return got, elapsed, again, off.value.code()
+
+        got, elapsed, again, reflection_code = run(go())
+        assert elapsed > 1 + 0.5 + 2, elapsed                 # longer than the age plus its old grace
+        assert got[-1].WhichOneof("kind") == "finished" and got[-1].finished.completion_tokens == frames
+        assert sum(r.audio.num_samples for r in got if r.WhichOneof("kind") == "audio") == got[-1].finished.samples > 0
+        assert again[-1].WhichOneof("kind") == "finished"
+        assert reflection_code == grpc.StatusCode.UNIMPLEMENTED
+        assert "voxpipe_active_streams" in urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                                                  timeout=5).read().decode()
+        with pytest.raises(ConnectionRefusedError):      # not on another loopback address
+            socket.create_connection(("127.0.0.2", metrics_port), timeout=5).close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

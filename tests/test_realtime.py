@@ -496,13 +496,23 @@ def test_bad_events_get_errors_and_the_session_goes_on(gateway):
             errors.append((await rt.until("error"))[-1]["error"])
             await rt.send("conversation.item.truncate", item_id="item_missing", content_index=0, audio_end_ms=0)
             errors.append((await rt.until("error"))[-1]["error"])
+            await rt.ws.send("[" * 2000 + "]" * 2000)       # deeper than the JSON parser recurses
+            errors.append((await rt.until("error"))[-1]["error"])
+            await rt.send("session.update", session={"type": "realtime", "max_audio_frames": 2**32})
+            errors.append((await rt.until("error"))[-1]["error"])
+            await rt.send("response.create", response={"max_output_tokens": 2**32})
+            errors.append((await rt.until("error"))[-1]["error"])
             await rt.update(**MANUAL, max_audio_frames=4)
             turn = await text_turn(rt, "Still there?", max_output_tokens=2)
             return errors, turn
 
     errors, turn = run(go())
     assert [e["code"] for e in errors] == ["invalid_json", "unknown_event_type", "invalid_base64", "invalid_value",
-                                           "invalid_value", "item_not_found"]
+                                           "invalid_value", "item_not_found", "invalid_json", "invalid_value",
+                                           "invalid_value"]
+    assert "nested too deeply" in errors[6]["message"]
+    assert [e["param"] for e in errors[7:]] == ["session.max_audio_frames", "response.max_output_tokens"]
+    assert all("4294967295" in e["message"] for e in errors[7:])
     assert errors[1]["event_id"] == "evt_1" and errors[2]["event_id"] == "evt_2"
     assert all(e["type"] == "invalid_request_error" and e["message"] for e in errors)
     assert turn[-1]["response"]["status"] in ("completed", "incomplete")

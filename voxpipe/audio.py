@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import wave
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,18 +19,36 @@ def write_wav(path_or_file, samples: np.ndarray, sample_rate: int) -> None:
         w.writeframes(pcm.tobytes())
 
 
-def read_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """PCM 8/16/24/32-bit or IEEE float 32/64 -> (mono float32 in [-1, 1], sample rate)."""
+@dataclass(frozen=True)
+class WavHeader:
+    tag: int            # 1: integer PCM, 3: IEEE float (WAVE_FORMAT_EXTENSIBLE resolved)
+    channels: int
+    rate: int
+    bits: int
+    data_offset: int    # where the data chunk's bytes start
+    data_bytes: int     # its length, clipped to the bytes present
+
+    @property
+    def frames(self) -> int:
+        """Samples per channel that the data chunk holds."""
+        width = self.channels * max(1, self.bits // 8)
+        return self.data_bytes // width if width else 0
+
+
+def wav_header(data: bytes) -> WavHeader:
+    """The fmt and data chunk facts of a RIFF/WAVE file, without decoding its samples."""
     if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise ValueError("not a RIFF/WAVE file")
     pos, fmt, payload = 12, None, None
     while pos + 8 <= len(data):
         cid, size = data[pos:pos + 4], struct.unpack("<I", data[pos + 4:pos + 8])[0]
-        body = data[pos + 8:pos + 8 + size]
         if cid == b"fmt ":
+            body = data[pos + 8:pos + 8 + size]
+            if len(body) < 16:
+                raise ValueError("wav file with a short fmt chunk")
             fmt = struct.unpack("<HHIIHH", body[:16])
         elif cid == b"data":
-            payload = body
+            payload = (pos + 8, max(0, min(size, len(data) - pos - 8)))
         pos += 8 + size + (size & 1)
     if fmt is None or payload is None:
         raise ValueError("wav file without fmt or data chunk")
@@ -38,6 +57,14 @@ def read_wav(data: bytes) -> tuple[np.ndarray, int]:
         tag = 3 if bits in (32, 64) and _is_float_extensible(data) else 1
     if channels < 1 or rate < 1:
         raise ValueError("wav file with no channels or sample rate")
+    return WavHeader(tag, channels, rate, bits, *payload)
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """PCM 8/16/24/32-bit or IEEE float 32/64 -> (mono float32 in [-1, 1], sample rate)."""
+    h = wav_header(data)
+    tag, channels, rate, bits = h.tag, h.channels, h.rate, h.bits
+    payload = data[h.data_offset:h.data_offset + h.data_bytes]
     if tag == 3:
         x = np.frombuffer(payload[: len(payload) // (bits // 8) * (bits // 8)], dtype="<f4" if bits == 32 else "<f8")
     elif tag == 1 and bits == 16:

@@ -12,6 +12,8 @@ voxpipe_outbox_wait_seconds{stage}  an engine output's wait between the engine t
 voxpipe_event_loop_lag_seconds{stage}  how late the service's event loop wakes for a 20 ms timer
 voxpipe_next_stage_streams_total{stage}  streams this service opened to the next stage (the thinker's
                                     to talkers, the talker's to code2wav), by that stage
+voxpipe_pending_upload_bytes{stage}  bytes still expected by chunked start messages not yet complete
+                                    (reserved when the head arrives; bounded by --max-pending-upload-mb)
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ OUTBOX_WAIT = Histogram("voxpipe_outbox_wait_seconds", "Engine output wait befor
                         ["stage"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
 LOOP_LAG = Histogram("voxpipe_event_loop_lag_seconds", "Event loop lateness for a 20 ms timer", ["stage"],
                      buckets=LATENCY_BUCKETS, registry=REGISTRY)
+PENDING_UPLOAD = Gauge("voxpipe_pending_upload_bytes", "Bytes still expected by incomplete chunked start messages",
+                       ["stage"], registry=REGISTRY)
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)
 NEXT_STAGE_STREAMS = Counter("voxpipe_next_stage_streams_total", "Streams opened to the next stage", ["stage"],
                              registry=REGISTRY)

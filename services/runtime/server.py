@@ -1,6 +1,11 @@
-"""gRPC plumbing shared by the three stage servers: the aio server with health, reflection and
-graceful SIGTERM; and the per-stream pattern (first message = Start, optional payload chunks,
-engine outputs streamed back, cancellation and disconnects freeing the request)."""
+"""gRPC plumbing shared by the three stage servers: the aio server with health, reflection (can be
+turned off) and graceful SIGTERM; and the per-stream pattern (first message = Start, optional
+payload chunks, engine outputs streamed back, cancellation and disconnects freeing the request).
+
+Limits: a connection older than `max_connection_age_s` is told to go away (GOAWAY: new streams go
+to a new connection) but is never closed while a stream on it is active; the payload chunks of
+start messages not yet complete (unadmitted uploads) share one byte budget across the server,
+`voxpipe_pending_upload_bytes{stage}`."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from .engine import EngineRequest, StageEngine, StageError
 from . import metrics
 from .metrics import serve_metrics
 from .calls import ClientGone, abort
+from .rpc_guard import Abort, RequestGuard
 from .tensors import Reassembler, TensorError
 from . import tracing
 
@@ -36,14 +42,37 @@ class ServerOptions:
     max_payload_bytes: int = 512 * 1024 * 1024  # one request's tensors, reassembled
     max_queue: int = 256                         # requests waiting for a slot before RESOURCE_EXHAUSTED
     grace_seconds: float = 30.0                  # drain time on SIGTERM
-    max_connection_age_s: float | None = 300.0   # clients reconnect (and rebalance) this often
-    metrics_port: int = 0                        # Prometheus /metrics (0: off)
+    max_connection_age_s: float | None = 300.0   # clients reconnect (and rebalance) this often (0/None: never)
+    max_pending_upload_bytes: int = 1024 * 1024 * 1024  # all incomplete start payloads together
+    metrics_port: int = 0                        # Prometheus /metrics (0: off), on `host` too
+    reflection: bool = True                      # grpc.reflection.v1alpha on the service port
 
 
-class Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+# grpc core's "no limit" for max_connection_age_grace_ms: an aged connection closes only when its
+# last stream has ended
+UNLIMITED_GRACE_MS = 2**31 - 1
+
+
+class UploadBudget:
+    """Bytes still expected by start messages being reassembled, across all streams of the server.
+    `reserve` refuses (RESOURCE_EXHAUSTED) beyond the limit; every reservation is released once."""
+
+    def __init__(self, stage: str, limit: int) -> None:
+        self.limit, self.pending = limit, 0
+        self.gauge = metrics.PENDING_UPLOAD.labels(stage)
+
+    def reserve(self, nbytes: int) -> int:
+        if self.pending + nbytes > self.limit:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"too many bytes of incomplete uploads pending ({self.pending} + {nbytes} > the limit of "
+                        f"{self.limit}); retry later")
+        self.pending += nbytes
+        self.gauge.set(self.pending)
+        return nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.pending -= nbytes
+        self.gauge.set(self.pending)
 
 
 class Relay(Protocol):
@@ -66,6 +95,7 @@ class StageServicer:
     def __init__(self, engine: StageEngine, opts: ServerOptions) -> None:
         self.engine, self.opts = engine, opts
         self.draining = False
+        self.uploads = UploadBudget(engine.name, opts.max_pending_upload_bytes)
 
     def admit(self) -> None:
         if self.draining:
@@ -110,6 +140,16 @@ class StageServicer:
             asm = Reassembler(start, self.opts.max_payload_bytes)
         except TensorError as e:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if asm.complete:
+            return start
+        reserved = self.uploads.reserve(asm.missing_bytes)
+        try:
+            await self._read_chunks(it, asm, chunk_field)
+        finally:
+            self.uploads.release(reserved)
+        return start
+
+    async def _read_chunks(self, it: AsyncIterator, asm: Reassembler, chunk_field: str) -> None:
         while not asm.complete:
             try:
                 msg = await it.__anext__()
@@ -122,7 +162,6 @@ class StageServicer:
                 asm.add(getattr(msg, chunk_field).data)
             except TensorError as e:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return start
 
     def merge(self, first: Any, then: Any) -> Any | None:
         """One response carrying both `first` and `then` (consecutive outputs of one request), or
@@ -205,14 +244,21 @@ class StageServicer:
         return pb.Finished(reason=pb.CANCELLED)
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_name: str) -> health.aio.HealthServicer:
-    """grpc.health.v1 and server reflection (listing `service_name` and Health) on `server`; the
-    caller sets SERVING once the server has started."""
+def add_health_and_reflection(server: grpc.aio.Server, service_name: str,
+                              with_reflection: bool = True) -> health.aio.HealthServicer:
+    """grpc.health.v1 and (unless turned off) server reflection, listing `service_name` and Health,
+    on `server`; the caller sets SERVING once the server has started."""
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    if with_reflection:
+        reflection.enable_server_reflection(
+            (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     return health_servicer
+
+
+def listen_host(host: str) -> str:
+    """A gRPC bind host ("[::]", "0.0.0.0", "127.0.0.1") as a plain socket address ("::" ...)."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc.aio.Server], None],
@@ -227,15 +273,15 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     ]
     if opts.max_connection_age_s:
         options += [("grpc.max_connection_age_ms", int(opts.max_connection_age_s * 1000)),
-                    ("grpc.max_connection_age_grace_ms", int(opts.grace_seconds * 1000))]
-    server = grpc.aio.server(options=options)
+                    ("grpc.max_connection_age_grace_ms", UNLIMITED_GRACE_MS)]
+    server = grpc.aio.server(options=options, interceptors=[RequestGuard()])
     add_to_server(servicer, server)
-    health_servicer = add_health_and_reflection(server, service_name)
+    health_servicer = add_health_and_reflection(server, service_name, opts.reflection)
     port = server.add_insecure_port(f"{opts.host}:{opts.port}")
     if port == 0:
         raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
     servicer.engine.start()
-    serve_metrics(opts.metrics_port)
+    serve_metrics(opts.metrics_port, listen_host(opts.host))
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -276,7 +322,16 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
     parser.add_argument("--max-queue", type=int, default=256, help="waiting streams before RESOURCE_EXHAUSTED")
     parser.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
-    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here, on --host "
+                                                                      "(0: off)")
+    parser.add_argument("--max-connection-age", type=float, default=300.0,
+                        help="seconds after which a client connection is asked to reconnect (rebalancing); a "
+                             "connection carrying a stream is never closed for its age (0: no limit)")
+    parser.add_argument("--max-pending-upload-mb", type=float, default=1024.0,
+                        help="bytes of incomplete chunked start messages held at once, over all streams "
+                             "(RESOURCE_EXHAUSTED above)")
+    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve gRPC server reflection")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="capture decode steps as CUDA graphs (CUDA devices only)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=None,
@@ -285,7 +340,10 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
 
 def server_options(args) -> ServerOptions:
     return ServerOptions(host=args.host, port=args.port, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
-                         max_queue=args.max_queue, grace_seconds=args.grace, metrics_port=args.metrics_port)
+                         max_queue=args.max_queue, grace_seconds=args.grace, metrics_port=args.metrics_port,
+                         max_connection_age_s=args.max_connection_age or None,
+                         max_pending_upload_bytes=int(args.max_pending_upload_mb * 1024 * 1024),
+                         reflection=args.reflection)
 
 
 def run_async(coro) -> None:

@@ -139,6 +139,7 @@ class Reassembler:
             if len(t.data) > need:
                 raise TensorError(f"{name}: {len(t.data)} bytes, its shape {list(t.shape)} "
                                   f"{pb.DType.Name(t.dtype)} needs {need}")
+        self.missing_bytes = total - sum(len(t.data) for t in self._tensors)   # still to come as chunks
         self._i = 0
         self._buf: bytearray | None = None   # the current tensor's bytes while chunks arrive
         self._advance()

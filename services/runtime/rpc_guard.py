@@ -1,0 +1,133 @@
+"""A server interceptor for the bidirectional-streaming RPCs of the stages and the gateway's
+Converse: every refusal reaches the client with its own status code.
+
+- A request message that does not parse is INVALID_ARGUMENT naming the message type (gRPC's own
+  handling would end the call as UNKNOWN with the parser's exception).
+- A refusal (`context.abort`) first reads and discards what the client is still sending, until it
+  half-closes or `drain_s` passes: a status that arrives while a gRPC asyncio client is writing
+  reaches that client as INTERNAL "Internal error from Core" instead of the real code
+  (grpc/grpc#36066), so the status is sent once the client is done writing where that happens
+  within the bound.
+
+`Abort` is the exception servicer code raises to refuse a call (turned into `context.abort` by
+the stage runtime and by this interceptor when it escapes a handler)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+DRAIN_S = 2.0        # how long a refusal waits for the client to half-close before it is sent anyway
+
+
+class Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Undecodable:
+    """What the lenient deserializer returns for bytes that are not the request message."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.type_name, self.error = type_name, error
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    type_name = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    type_name = type_name.full_name if type_name is not None else "request message"
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except (DecodeError, ValueError) as e:
+            return _Undecodable(type_name, e)
+    return parse
+
+
+class GuardedRequests:
+    """The request stream as the servicer sees it: parse failures raise Abort(INVALID_ARGUMENT);
+    `drain()` discards what is left (only while no one else is reading)."""
+
+    def __init__(self, requests: AsyncIterator) -> None:
+        self._it = requests.__aiter__()
+        self._count = 0
+        self.reading = False
+        self.ended = False
+
+    def __aiter__(self) -> "GuardedRequests":
+        return self
+
+    async def __anext__(self) -> Any:
+        self.reading = True
+        try:
+            msg = await self._it.__anext__()
+        except StopAsyncIteration:
+            self.ended = True
+            raise
+        finally:
+            self.reading = False
+        self._count += 1
+        if isinstance(msg, _Undecodable):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"request message {self._count} is not a valid {msg.type_name} ({msg.error})")
+        return msg
+
+    async def drain(self, seconds: float) -> None:
+        if self.reading or self.ended:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        try:
+            while (left := deadline - loop.time()) > 0:
+                await asyncio.wait_for(self._it.__anext__(), left)
+        except (StopAsyncIteration, asyncio.TimeoutError, grpc.RpcError, asyncio.InvalidStateError):
+            pass
+        except Exception:   # whatever the stream does now, the refusal is sent next
+            pass
+        self.ended = True
+
+
+class GuardedContext:
+    """The servicer context with an `abort` that drains the request stream first."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, requests: GuardedRequests, drain_s: float) -> None:
+        self._context, self._requests, self._drain_s = context, requests, drain_s
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        await self._requests.drain(self._drain_s)
+        await self._context.abort(code, details, trailing_metadata)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+class RequestGuard(grpc.aio.ServerInterceptor):
+    """Wraps every stream-stream method as described in the module docstring."""
+
+    def __init__(self, drain_s: float = DRAIN_S) -> None:
+        self.drain_s = drain_s
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not (handler.request_streaming and handler.response_streaming):
+            return handler
+        inner, drain_s = handler.stream_stream, self.drain_s
+
+        async def guarded(request_iterator, context):
+            requests = GuardedRequests(request_iterator)
+            ctx = GuardedContext(context, requests, drain_s)
+            try:
+                async for response in inner(requests, ctx):
+                    yield response
+            except Abort as e:          # a refusal no handler turned into a status
+                await ctx.abort(e.code, e.message)
+
+        return grpc.stream_stream_rpc_method_handler(guarded, request_deserializer=_lenient(handler.request_deserializer),
+                                                     response_serializer=handler.response_serializer)
