@@ -1,0 +1,334 @@
+"""Isolation: a request's values never fail another request. Each stage's engine runs a poisoned
+request (values that make its own numbers non-finite on the device, put straight into the engine
+past the servers' validation) in the same steps as innocent ones: the poisoned one finishes with a
+clear INVALID_ARGUMENT naming the stage and the request, the innocents' outputs equal their solo
+runs exactly, and a request that later gets the poisoned one's slot is unaffected. The engines are
+driven step by step in-process on the tiny checkpoint; the servers' checks of the values and the
+tiny-temperature rule are tested through real stage processes and the gateway at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from voxpipe.cli import build_parser
+from voxpipe.services.runtime.engine import EngineRequest, Outbox, StageEngine, StageError
+from voxpipe.services.runtime.sampling import GREEDY_BELOW, SamplingParams, check_features, finite_rows, pick
+from voxpipe.services.runtime.tensors import TensorError, from_proto, to_proto
+from voxpipe.v1 import stages_pb2 as pb
+from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+HUGE = 3e38            # finite in float32, overflows any layer it enters
+
+
+def _build(stage: str, model_dir, *extra: str):
+    """The stage's engine (not started: the tests call step() themselves), as its service builds it."""
+    from voxpipe.services.code2wav import server as code2wav_server
+    from voxpipe.services.talker import server as talker_server
+    from voxpipe.services.thinker import server as thinker_server
+
+    ns = build_parser().parse_args([stage, "--model", str(model_dir), "--device", "cpu", "--max-batch", "4", *extra])
+    built = {"thinker": thinker_server, "talker": talker_server, "code2wav": code2wav_server}[stage].build(ns)
+    return (built[0] if stage == "thinker" else built).engine
+
+
+def _run(engine: StageEngine, jobs: list[EngineRequest], between=None) -> None:
+    """Submit `jobs` together and step the engine until none has work; `between(step)` runs after each step."""
+    for j in jobs:
+        engine.submit(j)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if between is not None:
+            between(steps)
+
+
+def _items(job: EngineRequest) -> list:
+    out = []
+    while (entry := job.outbox.poll_timed()) is not None:
+        out.append(entry[0])
+    return out
+
+
+def _assert_poisoned(job: EngineRequest, stage: str) -> None:
+    final = _items(job)[-1]
+    assert isinstance(final, StageError), final
+    assert final.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert final.message.startswith(f"{stage}: request {job.request_id}: ") and "not finite" in final.message
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def test_sampling_values_are_validated_naming_the_field():
+    bad = {"temperature": [-1.0, float("nan"), float("inf"), 101.0],
+           "top_p": [0.0, 1.5, float("nan")],
+           "top_k": [-1],
+           "repetition_penalty": [0.0, -1.0, 1e-40, 1e9, float("inf"), float("nan")]}
+    for name, values in bad.items():
+        for v in values:
+            with pytest.raises(ValueError, match=rf"^{name} must be"):
+                SamplingParams(**{name: v}).validate()
+    SamplingParams(temperature=1e-40, top_k=5, top_p=0.5, repetition_penalty=0.01).validate()
+    SamplingParams(temperature=100.0, repetition_penalty=100.0).validate()
+
+
+def test_features_must_be_finite_and_bounded():
+    check_features(torch.full((2, 3), 10.0), "x", 10.0)
+    check_features(torch.zeros(0, 3), "x", 1.0)
+    for value, message in ((float("nan"), r"^x contains NaN or infinity$"), (float("-inf"), r"NaN or infinity"),
+                           (-HUGE, r"^x has values of magnitude 3e\+38, beyond the limit of 10$")):
+        t = torch.zeros(4, 3)
+        t[2, 1] = value
+        with pytest.raises(TensorError, match=message):
+            check_features(t, "x", 10.0)
+
+
+def test_tiny_temperatures_are_greedy_and_pick_flags_non_finite_rows():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 30
+    for t in (1e-40, 1e-38, GREEDY_BELOW / 2):
+        params = SamplingParams(temperature=t, seed=1)
+        assert params.greedy and params.generator("cpu") is None
+        token, ok = pick(logits, params, None)
+        assert int(token) == int(logits.argmax()) and bool(ok)
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+    sampled = SamplingParams(temperature=0.7, top_k=10, top_p=0.9)
+    for poison in (float("nan"), float("inf")):
+        row = logits.clone()
+        row[7] = poison
+        for params in (SamplingParams(), sampled):   # no exception: a flag, and a token to drop
+            token, ok = pick(row, params, torch.Generator().manual_seed(0))
+            assert not bool(ok) and 0 <= int(token) < 50
+    huge = logits.clone()
+    huge[3] = 3e33     # finite, but / 1e-5 overflows float32
+    assert not bool(pick(huge, SamplingParams(temperature=GREEDY_BELOW), torch.Generator().manual_seed(0))[1])
+    masked = logits.masked_fill(torch.arange(50) % 2 == 0, float("-inf"))   # -inf marks masked ids: fine
+    assert bool(pick(masked, sampled, torch.Generator().manual_seed(0))[1])
+    assert finite_rows(torch.stack((logits, masked))).tolist() == [True, False]
+
+
+# ---------------------------------------------------------------------------------------------- thinker
+
+
+@pytest.fixture(scope="module")
+def thinker_engine(tiny_model_dir):
+    return _build("thinker", tiny_model_dir)
+
+
+def _thinker_job(engine, loop, rid: str, text: str, params: SamplingParams = SamplingParams(),
+                 audio: torch.Tensor | None = None):
+    from voxpipe.services.thinker.engine import ThinkerJob
+    from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
+
+    parts = ([ChatPart(features=audio)] if audio is not None else []) + [ChatPart(text=text)]
+    rendered = render(engine.tokenizer, engine.cfg, [ChatMessage("user", parts)])
+    return ThinkerJob(request_id=rid, outbox=Outbox(loop, limit=1000), prompt=rendered.token_ids,
+                      audio=list(rendered.audio_features), params=params, max_tokens=6, min_tokens=6, talker_rows=True)
+
+
+def _thinker_output(job) -> tuple[list[int], str, list[bytes]]:
+    """Token ids, text and the talker's rows (raw bytes) the job streamed; it must have finished well."""
+    items = _items(job)
+    assert items[-1].WhichOneof("kind") == "finished", items[-1]
+    deltas = [i.text for i in items if i.WhichOneof("kind") == "text"]
+    return ([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
+            [d.embeddings.data for d in deltas])
+
+
+INNOCENT_TEXTS = ["Hi.", "Tell me a long story about a lighthouse keeper.", "What is two plus two?"]
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=7)
+
+
+def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
+    """Beside three innocent requests (two greedy, one sampled): one whose repetition penalty of
+    1e-40 overflows its sampling scores, one whose 3e38 audio features make its prefill logits NaN.
+    Both fail with their own error in the shared steps; the innocents equal their solo runs."""
+    engine = thinker_engine
+    wave = torch.zeros(engine.cfg.audio.num_mel_bins, 100)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        params = [SamplingParams(), SAMPLED, SamplingParams()]
+
+        def innocents():
+            return [_thinker_job(engine, loop, f"i{k}", t, p) for k, (t, p) in enumerate(zip(INNOCENT_TEXTS, params))]
+
+        solo = []
+        for job in innocents():
+            _run(engine, [job])
+            solo.append(_thinker_output(job))
+        together = innocents()
+        penalty = _thinker_job(engine, loop, "bad-penalty", "Hello there.",
+                               SamplingParams(temperature=0.9, seed=1, repetition_penalty=1e-40))
+        features = _thinker_job(engine, loop, "bad-features", "What is this?", audio=wave.fill_(HUGE))
+        _run(engine, [together[0], penalty, together[1], features, together[2]])
+        _assert_poisoned(penalty, "thinker")
+        _assert_poisoned(features, "thinker")
+        assert [_thinker_output(j) for j in together] == solo
+        assert engine.cache.used == 0
+        # the poisoned prefill's slot (its KV rows NaN) goes to the next request: scrubbed, no trace
+        features = _thinker_job(engine, loop, "bad-features-2", "What is this? " * 4, audio=wave)
+        _run(engine, [features])
+        _assert_poisoned(features, "thinker")
+        again = innocents()[0]
+        _run(engine, [again])
+        assert _thinker_output(again) == solo[0]
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------------------------------------- talker
+
+
+@pytest.fixture(scope="module")
+def talker_engine(tiny_model_dir):
+    return _build("talker", tiny_model_dir)
+
+
+def _talker_job(engine, loop, rid: str, seed: int, params: SamplingParams, scale: float = 1.0):
+    from voxpipe.services.talker.engine import TalkerJob
+
+    h = engine.cfg.thinker_hidden_size
+    g = torch.Generator().manual_seed(seed)
+    users = 4 + seed % 3
+    return TalkerJob(request_id=rid, outbox=Outbox(loop, limit=1000), user_rows=torch.randn(users, h, generator=g),
+                     user_mm_mask=torch.zeros(users, dtype=torch.bool), head=torch.randn(3, h, generator=g),
+                     special=torch.randn(3, h, generator=g), params=params, max_frames=7, min_frames=7,
+                     rows=list((torch.randn(3, h, generator=g) * scale).clamp(-HUGE, HUGE).unbind(0)), text_done=True)
+
+
+def _talker_frames(job) -> torch.Tensor:
+    items = _items(job)
+    assert items[-1].WhichOneof("kind") == "finished", items[-1]
+    return torch.cat([from_proto(i.frames.codes) for i in items if i.WhichOneof("kind") == "frames"])
+
+
+def test_talker_poisoned_rows_fail_alone(talker_engine):
+    """Beside three innocents (greedy, greedy, sampled): one whose 3e38 text rows make its codec
+    logits NaN from the first step, and a sampled one whose repetition penalty of 1e-40 overflows
+    its code-0 logits once it has produced a code. Both fail alone; the innocents equal solo runs."""
+    engine = talker_engine
+    default = SamplingParams(repetition_penalty=1.05)
+    sampled = SamplingParams(temperature=0.9, top_k=50, seed=3, repetition_penalty=1.05)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+
+        def innocents():
+            return [_talker_job(engine, loop, f"i{k}", k, p) for k, p in enumerate((default, default, sampled))]
+
+        solo = []
+        for job in innocents():
+            _run(engine, [job])
+            solo.append(_talker_frames(job))
+        together = innocents()
+        rows = _talker_job(engine, loop, "bad-rows", 5, default, scale=HUGE)
+        penalty = _talker_job(engine, loop, "bad-penalty", 6,
+                              SamplingParams(temperature=0.9, seed=1, repetition_penalty=1e-40))
+        _run(engine, [together[0], rows, together[1], penalty, together[2]])
+        _assert_poisoned(rows, "talker")
+        _assert_poisoned(penalty, "talker")
+        for job, want in zip(together, solo):
+            assert torch.equal(_talker_frames(job), want)
+        assert engine.cache.used == 0
+        rows = _talker_job(engine, loop, "bad-rows-2", 8, default, scale=HUGE)
+        _run(engine, [rows])
+        _assert_poisoned(rows, "talker")
+        again = innocents()[1]
+        _run(engine, [again])
+        assert torch.equal(_talker_frames(again), solo[1])
+
+    asyncio.run(run())
+
+
+def test_code_predictor_flags_a_non_finite_row_only(talker_engine):
+    """The predictor's step function (what its CUDA graph captures) returns per-row finite flags
+    beside the codes; a non-finite hidden row is flagged and the other rows' codes are unchanged."""
+    engine = talker_engine
+    h = engine.cfg.text.hidden_size
+    hidden = torch.randn(3, h, generator=torch.Generator().manual_seed(0))
+    code0 = torch.tensor([5, 100, 7])
+    with torch.inference_mode():
+        want, want_next, want_ok = engine._predict_fn(3, 1, hidden, code0)
+        poisoned = hidden.clone()
+        poisoned[1] = float("inf")
+        got, got_next, got_ok = engine._predict_fn(3, 1, poisoned, code0)
+    assert want_ok.tolist() == [True, True, True] and got_ok.tolist() == [True, False, True]
+    assert torch.equal(got[[0, 2]], want[[0, 2]]) and torch.equal(got_next[[0, 2]], want_next[[0, 2]])
+
+
+# ---------------------------------------------------------------------------------------------- code2wav
+
+
+@pytest.fixture(scope="module")
+def code2wav_engine(tiny_model_dir):
+    return _build("code2wav", tiny_model_dir)
+
+
+def _code2wav_job(engine, loop, rid: str):
+    from voxpipe.services.code2wav.engine import Code2WavJob
+
+    return Code2WavJob(request_id=rid, outbox=Outbox(loop, limit=1000), encoding=pb.AUDIO_FLOAT32)
+
+
+def _audio(job) -> np.ndarray:
+    items = _items(job)
+    assert items[-1].WhichOneof("kind") == "finished", items[-1]
+    return np.concatenate([np.frombuffer(i.audio.data, dtype="<f4") for i in items if i.WhichOneof("kind") == "audio"])
+
+
+def test_code2wav_poisoned_state_fails_alone(code2wav_engine):
+    """Code2wav's inputs are codes in range (checked by its server), so the poison here is a
+    request's own decoder state (its pre-transformer's window values) set to infinity after its
+    first step: its next samples are not finite and it fails alone; the innocents' audio equals
+    their solo runs; the next utterance on its slot is clean."""
+    engine = code2wav_engine
+    q, size = engine.cfg.num_quantizers, engine.cfg.codebook_size
+    codes = [torch.randint(0, size, (6, q), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+
+    def feed(job, c):
+        engine.add_frames(job, c)
+        engine.end_frames(job)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        solo = []
+        for k in range(3):
+            job = _code2wav_job(engine, loop, f"i{k}")
+            feed(job, codes[k])
+            _run(engine, [job])
+            solo.append(_audio(job))
+        jobs = [_code2wav_job(engine, loop, f"i{k}") for k in range(3)]
+        bad = _code2wav_job(engine, loop, "bad-state")
+        for job, c in zip((jobs[0], bad, jobs[1], jobs[2]), (codes[0], codes[3], codes[1], codes[2])):
+            feed(job, c)
+
+        def poison(step: int) -> None:
+            if step == 1:
+                assert bad.frames_decoded > 0
+                for v in engine.store.window.v:
+                    v[bad.slot].fill_(float("inf"))
+
+        _run(engine, [jobs[0], bad, jobs[1], jobs[2]], between=poison)
+        _assert_poisoned(bad, "code2wav")
+        for job, want in zip(jobs, solo):
+            assert np.array_equal(_audio(job), want)
+        assert engine.store.free_slots == 4
+        bad = _code2wav_job(engine, loop, "bad-state-2")
+        feed(bad, codes[3])
+        _run(engine, [bad], between=poison)
+        _assert_poisoned(bad, "code2wav")
+        again = _code2wav_job(engine, loop, "again")
+        feed(again, codes[0])
+        _run(engine, [again])
+        assert np.array_equal(_audio(again), solo[0])
+
+    asyncio.run(run())
