@@ -28,15 +28,27 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 HUGE = 3e38            # finite in float32, overflows any layer it enters
 
 
-def _build(stage: str, model_dir, *extra: str):
-    """The stage's engine (not started: the tests call step() themselves), as its service builds it."""
+def _build(stage: str, model_dir, graphs: bool):
+    """The stage's engine (not started: the tests call step() themselves), as its service builds it;
+    `graphs`: with its CUDA-graph step plans, emulated on the CPU (static padded inputs, buckets)."""
+    from voxpipe.services.runtime import cuda_graphs
     from voxpipe.services.code2wav import server as code2wav_server
     from voxpipe.services.talker import server as talker_server
     from voxpipe.services.thinker import server as thinker_server
 
-    ns = build_parser().parse_args([stage, "--model", str(model_dir), "--device", "cpu", "--max-batch", "4", *extra])
-    built = {"thinker": thinker_server, "talker": talker_server, "code2wav": code2wav_server}[stage].build(ns)
-    return (built[0] if stage == "thinker" else built).engine
+    ns = build_parser().parse_args([stage, "--model", str(model_dir), "--device", "cpu", "--max-batch", "4"])
+    emulate, cuda_graphs.EMULATE = cuda_graphs.EMULATE, graphs
+    try:
+        built = {"thinker": thinker_server, "talker": talker_server, "code2wav": code2wav_server}[stage].build(ns)
+    finally:
+        cuda_graphs.EMULATE = emulate
+    engine = (built[0] if stage == "thinker" else built).engine
+    if graphs:
+        assert getattr(engine, "graphs", None) or getattr(engine, "step_graphs", None)
+    return engine
+
+
+GRAPHS = dict(params=[False, True], ids=["eager", "graph-plans"])
 
 
 def _run(engine: StageEngine, jobs: list[EngineRequest], between=None) -> None:
@@ -51,15 +63,17 @@ def _run(engine: StageEngine, jobs: list[EngineRequest], between=None) -> None:
             between(steps)
 
 
-def _items(job: EngineRequest) -> list:
+async def _items(job: EngineRequest) -> list:
+    """Everything the engine put in the job's outbox (its puts land through the event loop)."""
+    await asyncio.sleep(0)
     out = []
     while (entry := job.outbox.poll_timed()) is not None:
         out.append(entry[0])
     return out
 
 
-def _assert_poisoned(job: EngineRequest, stage: str) -> None:
-    final = _items(job)[-1]
+async def _assert_poisoned(job: EngineRequest, stage: str) -> None:
+    final = (await _items(job))[-1]
     assert isinstance(final, StageError), final
     assert final.code == grpc.StatusCode.INVALID_ARGUMENT
     assert final.message.startswith(f"{stage}: request {job.request_id}: ") and "not finite" in final.message
@@ -108,7 +122,7 @@ def test_tiny_temperatures_are_greedy_and_pick_flags_non_finite_rows():
             token, ok = pick(row, params, torch.Generator().manual_seed(0))
             assert not bool(ok) and 0 <= int(token) < 50
     huge = logits.clone()
-    huge[3] = 3e33     # finite, but / 1e-5 overflows float32
+    huge[3] = 1e34     # finite, but / 1e-5 overflows float32
     assert not bool(pick(huge, SamplingParams(temperature=GREEDY_BELOW), torch.Generator().manual_seed(0))[1])
     masked = logits.masked_fill(torch.arange(50) % 2 == 0, float("-inf"))   # -inf marks masked ids: fine
     assert bool(pick(masked, sampled, torch.Generator().manual_seed(0))[1])
@@ -118,9 +132,9 @@ def test_tiny_temperatures_are_greedy_and_pick_flags_non_finite_rows():
 # ---------------------------------------------------------------------------------------------- thinker
 
 
-@pytest.fixture(scope="module")
-def thinker_engine(tiny_model_dir):
-    return _build("thinker", tiny_model_dir)
+@pytest.fixture(scope="module", **GRAPHS)
+def thinker_engine(tiny_model_dir, request):
+    return _build("thinker", tiny_model_dir, request.param)
 
 
 def _thinker_job(engine, loop, rid: str, text: str, params: SamplingParams = SamplingParams(),
@@ -134,9 +148,9 @@ def _thinker_job(engine, loop, rid: str, text: str, params: SamplingParams = Sam
                       audio=list(rendered.audio_features), params=params, max_tokens=6, min_tokens=6, talker_rows=True)
 
 
-def _thinker_output(job) -> tuple[list[int], str, list[bytes]]:
+async def _thinker_output(job) -> tuple[list[int], str, list[bytes]]:
     """Token ids, text and the talker's rows (raw bytes) the job streamed; it must have finished well."""
-    items = _items(job)
+    items = await _items(job)
     assert items[-1].WhichOneof("kind") == "finished", items[-1]
     deltas = [i.text for i in items if i.WhichOneof("kind") == "text"]
     return ([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
@@ -164,23 +178,25 @@ def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
         solo = []
         for job in innocents():
             _run(engine, [job])
-            solo.append(_thinker_output(job))
+            solo.append(await _thinker_output(job))
         together = innocents()
         penalty = _thinker_job(engine, loop, "bad-penalty", "Hello there.",
                                SamplingParams(temperature=0.9, seed=1, repetition_penalty=1e-40))
         features = _thinker_job(engine, loop, "bad-features", "What is this?", audio=wave.fill_(HUGE))
         _run(engine, [together[0], penalty, together[1], features, together[2]])
-        _assert_poisoned(penalty, "thinker")
-        _assert_poisoned(features, "thinker")
-        assert [_thinker_output(j) for j in together] == solo
+        await _assert_poisoned(penalty, "thinker")
+        await _assert_poisoned(features, "thinker")
+        assert [await _thinker_output(j) for j in together] == solo
         assert engine.cache.used == 0
-        # the poisoned prefill's slot (its KV rows NaN) goes to the next request: scrubbed, no trace
+        # a long poisoned prompt alone in slot 0 (its KV rows NaN), then the innocents together: the
+        # shortest in slot 0 attends under a False mask to positions the poisoned one wrote (0 * NaN
+        # is NaN): the slot was scrubbed, no trace
         features = _thinker_job(engine, loop, "bad-features-2", "What is this? " * 4, audio=wave)
         _run(engine, [features])
-        _assert_poisoned(features, "thinker")
-        again = innocents()[0]
-        _run(engine, [again])
-        assert _thinker_output(again) == solo[0]
+        await _assert_poisoned(features, "thinker")
+        again = innocents()
+        _run(engine, again)
+        assert [await _thinker_output(j) for j in again] == solo
 
     asyncio.run(run())
 
@@ -188,25 +204,27 @@ def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
 # ---------------------------------------------------------------------------------------------- talker
 
 
-@pytest.fixture(scope="module")
-def talker_engine(tiny_model_dir):
-    return _build("talker", tiny_model_dir)
+@pytest.fixture(scope="module", **GRAPHS)
+def talker_engine(tiny_model_dir, request):
+    return _build("talker", tiny_model_dir, request.param)
 
 
-def _talker_job(engine, loop, rid: str, seed: int, params: SamplingParams, scale: float = 1.0):
+def _talker_job(engine, loop, rid: str, seed: int, params: SamplingParams, scale: float = 1.0, users: int = 0):
+    """Random thinker-space rows (`users` user rows, default 4-6; all rows times `scale`)."""
     from voxpipe.services.talker.engine import TalkerJob
 
     h = engine.cfg.thinker_hidden_size
     g = torch.Generator().manual_seed(seed)
-    users = 4 + seed % 3
-    return TalkerJob(request_id=rid, outbox=Outbox(loop, limit=1000), user_rows=torch.randn(users, h, generator=g),
+    users = users or 4 + seed % 3
+    return TalkerJob(request_id=rid, outbox=Outbox(loop, limit=1000),
+                     user_rows=(torch.randn(users, h, generator=g) * scale).clamp(-HUGE, HUGE),
                      user_mm_mask=torch.zeros(users, dtype=torch.bool), head=torch.randn(3, h, generator=g),
                      special=torch.randn(3, h, generator=g), params=params, max_frames=7, min_frames=7,
                      rows=list((torch.randn(3, h, generator=g) * scale).clamp(-HUGE, HUGE).unbind(0)), text_done=True)
 
 
-def _talker_frames(job) -> torch.Tensor:
-    items = _items(job)
+async def _talker_frames(job) -> torch.Tensor:
+    items = await _items(job)
     assert items[-1].WhichOneof("kind") == "finished", items[-1]
     return torch.cat([from_proto(i.frames.codes) for i in items if i.WhichOneof("kind") == "frames"])
 
@@ -228,23 +246,25 @@ def test_talker_poisoned_rows_fail_alone(talker_engine):
         solo = []
         for job in innocents():
             _run(engine, [job])
-            solo.append(_talker_frames(job))
+            solo.append(await _talker_frames(job))
         together = innocents()
         rows = _talker_job(engine, loop, "bad-rows", 5, default, scale=HUGE)
         penalty = _talker_job(engine, loop, "bad-penalty", 6,
                               SamplingParams(temperature=0.9, seed=1, repetition_penalty=1e-40))
         _run(engine, [together[0], rows, together[1], penalty, together[2]])
-        _assert_poisoned(rows, "talker")
-        _assert_poisoned(penalty, "talker")
+        await _assert_poisoned(rows, "talker")
+        await _assert_poisoned(penalty, "talker")
         for job, want in zip(together, solo):
-            assert torch.equal(_talker_frames(job), want)
+            assert torch.equal(await _talker_frames(job), want)
         assert engine.cache.used == 0
-        rows = _talker_job(engine, loop, "bad-rows-2", 8, default, scale=HUGE)
+        # a longer poisoned prompt alone in slot 0, then the innocents together (as for the thinker)
+        rows = _talker_job(engine, loop, "bad-rows-2", 8, default, scale=HUGE, users=30)
         _run(engine, [rows])
-        _assert_poisoned(rows, "talker")
-        again = innocents()[1]
-        _run(engine, [again])
-        assert torch.equal(_talker_frames(again), solo[1])
+        await _assert_poisoned(rows, "talker")
+        again = innocents()
+        _run(engine, again)
+        for job, want in zip(again, solo):
+            assert torch.equal(await _talker_frames(job), want)
 
     asyncio.run(run())
 
@@ -268,9 +288,9 @@ def test_code_predictor_flags_a_non_finite_row_only(talker_engine):
 # ---------------------------------------------------------------------------------------------- code2wav
 
 
-@pytest.fixture(scope="module")
-def code2wav_engine(tiny_model_dir):
-    return _build("code2wav", tiny_model_dir)
+@pytest.fixture(scope="module", **GRAPHS)
+def code2wav_engine(tiny_model_dir, request):
+    return _build("code2wav", tiny_model_dir, request.param)
 
 
 def _code2wav_job(engine, loop, rid: str):
@@ -279,8 +299,8 @@ def _code2wav_job(engine, loop, rid: str):
     return Code2WavJob(request_id=rid, outbox=Outbox(loop, limit=1000), encoding=pb.AUDIO_FLOAT32)
 
 
-def _audio(job) -> np.ndarray:
-    items = _items(job)
+async def _audio(job) -> np.ndarray:
+    items = await _items(job)
     assert items[-1].WhichOneof("kind") == "finished", items[-1]
     return np.concatenate([np.frombuffer(i.audio.data, dtype="<f4") for i in items if i.WhichOneof("kind") == "audio"])
 
@@ -289,46 +309,67 @@ def test_code2wav_poisoned_state_fails_alone(code2wav_engine):
     """Code2wav's inputs are codes in range (checked by its server), so the poison here is a
     request's own decoder state (its pre-transformer's window values) set to infinity after its
     first step: its next samples are not finite and it fails alone; the innocents' audio equals
-    their solo runs; the next utterance on its slot is clean."""
+    exactly what the same batch with a clean fourth utterance gives them (on the CPU, convolutions
+    batched 4 and 1 wide round differently: against solo runs the audio agrees to 1e-5, as in
+    test_batching); the next utterance on its slot equals its solo run exactly."""
     engine = code2wav_engine
     q, size = engine.cfg.num_quantizers, engine.cfg.codebook_size
     codes = [torch.randint(0, size, (6, q), generator=torch.Generator().manual_seed(s)) for s in range(4)]
 
-    def feed(job, c):
-        engine.add_frames(job, c)
-        engine.end_frames(job)
-
     async def run():
         loop = asyncio.get_running_loop()
+
+        def batch(fourth_id: str, poison: bool):
+            """Utterances 0, 3, 1, 2 together (3 is `fourth_id`, its window values set to inf after step 1)."""
+            jobs = [_code2wav_job(engine, loop, rid) for rid in ("i0", fourth_id, "i1", "i2")]
+            for job, c in zip(jobs, (codes[0], codes[3], codes[1], codes[2])):
+                engine.add_frames(job, c)
+                engine.end_frames(job)
+
+            def between(step: int) -> None:
+                if poison and step == 1:
+                    assert jobs[1].frames_decoded > 0
+                    for v in engine.store.window.v:
+                        v[jobs[1].slot].fill_(float("inf"))
+
+            _run(engine, jobs, between)
+            return [jobs[0], jobs[2], jobs[3]], jobs[1]
+
         solo = []
         for k in range(3):
             job = _code2wav_job(engine, loop, f"i{k}")
-            feed(job, codes[k])
+            engine.add_frames(job, codes[k])
+            engine.end_frames(job)
             _run(engine, [job])
-            solo.append(_audio(job))
-        jobs = [_code2wav_job(engine, loop, f"i{k}") for k in range(3)]
-        bad = _code2wav_job(engine, loop, "bad-state")
-        for job, c in zip((jobs[0], bad, jobs[1], jobs[2]), (codes[0], codes[3], codes[1], codes[2])):
-            feed(job, c)
-
-        def poison(step: int) -> None:
-            if step == 1:
-                assert bad.frames_decoded > 0
-                for v in engine.store.window.v:
-                    v[bad.slot].fill_(float("inf"))
-
-        _run(engine, [jobs[0], bad, jobs[1], jobs[2]], between=poison)
-        _assert_poisoned(bad, "code2wav")
-        for job, want in zip(jobs, solo):
-            assert np.array_equal(_audio(job), want)
+            solo.append(await _audio(job))
+        clean, _ = batch("clean", poison=False)
+        clean = [await _audio(j) for j in clean]
+        innocents, bad = batch("bad-state", poison=True)
+        await _assert_poisoned(bad, "code2wav")
+        for job, want, alone in zip(innocents, clean, solo):
+            got = await _audio(job)
+            assert np.array_equal(got, want)
+            assert got.shape == alone.shape and np.abs(got - alone).max() <= 1e-5
         assert engine.store.free_slots == 4
-        bad = _code2wav_job(engine, loop, "bad-state-2")
-        feed(bad, codes[3])
-        _run(engine, [bad], between=poison)
-        _assert_poisoned(bad, "code2wav")
-        again = _code2wav_job(engine, loop, "again")
-        feed(again, codes[0])
-        _run(engine, [again])
-        assert np.array_equal(_audio(again), solo[0])
+        # poisoned alone, then a clean utterance on the same slot (scrubbed: the window's stale
+        # values are read under a False mask, and 0 * inf is NaN)
+        slots, jobs = [], []
+        for rid in ("bad-state-2", "again"):
+            job = _code2wav_job(engine, loop, rid)
+            engine.add_frames(job, codes[0])
+            engine.end_frames(job)
+
+            def between(step: int, job=job) -> None:
+                if step == 1:
+                    slots.append(job.slot)
+                    if job.request_id.startswith("bad"):
+                        for v in engine.store.window.v:
+                            v[job.slot].fill_(float("inf"))
+
+            _run(engine, [job], between)
+            jobs.append(job)
+        assert slots[0] == slots[1]
+        await _assert_poisoned(jobs[0], "code2wav")
+        assert np.array_equal(await _audio(jobs[1]), solo[0])
 
     asyncio.run(run())
