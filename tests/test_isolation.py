@@ -9,9 +9,9 @@ tiny-temperature rule are tested through real stage processes and the gateway at
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
-import json
-import urllib.request
+import re
 
 import grpc
 import numpy as np
@@ -373,3 +373,105 @@ def test_code2wav_poisoned_state_fails_alone(code2wav_engine):
         assert np.array_equal(await _audio(jobs[1]), solo[0])
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------------------------------------- real services
+
+
+def _texts(responses: list) -> list[int]:
+    return [t for r in responses if r.WhichOneof("kind") == "text" for t in r.text.token_ids]
+
+
+def _codes(responses: list) -> list[bytes]:
+    return [r.frames.codes.data for r in responses if r.WhichOneof("kind") == "frames"]
+
+
+def test_stage_values_through_real_services(stack):
+    """Over stage gRPC, all at once: innocent requests, tiny temperatures (1e-40 broke the thinker's
+    batch, 1e-38 the talker's: now greedy), and values that are refused with INVALID_ARGUMENT naming
+    the field (a 1e-40 repetition penalty, finite 3e38 audio features and rows). Every innocent gets
+    its solo result; the tiny temperatures get exactly the greedy result."""
+    from test_bad_inputs import (CHANNEL_OPTIONS, MEL, STUBS, TEXT_END, _thinker_audio, call, prompt_ids, rows,
+                                 talker_prompt, talker_start, text_rows, thinker_start)
+
+    chans = {s: grpc.insecure_channel(stack.address(s), options=CHANNEL_OPTIONS) for s in STUBS}
+    try:
+        def thinker(n: int, **sampling) -> list:
+            return [thinker_start(token_ids=pb.TokenIds(ids=prompt_ids(n)), max_tokens=8, min_tokens=8,
+                                  sampling=pb.Sampling(**sampling))]
+
+        def talker(seed: int, huge: bool = False, **sampling) -> list:
+            rows_msg = text_rows(3)
+            if huge:
+                rows_msg.rows.rows.CopyFrom(to_proto(torch.full((3, 64), HUGE)))
+            return [talker_start(talker_prompt(users=3 + seed), max_frames=6, min_frames=6,
+                                 sampling=pb.Sampling(**sampling)), rows_msg, TEXT_END]
+
+        huge_audio = _thinker_audio(data=torch.full((MEL, 100), HUGE).numpy().tobytes())
+        huge_user = [talker_start(talker_prompt(user_rows=to_proto(torch.full((5, 64), -HUGE)))), text_rows(2),
+                     TEXT_END]
+        innocents = [("thinker", thinker(n)) for n in (2, 5, 9)] + [("talker", talker(s)) for s in (0, 1, 2)]
+        greedy_twins = [("thinker", thinker(2, temperature=1e-40, seed=1)),
+                        ("talker", talker(0, temperature=1e-38))]
+        refused = [("thinker", thinker(5, temperature=0.9, repetition_penalty=1e-40), r"^repetition_penalty must be in"),
+                   ("thinker", huge_audio, r"^audio_features\[0\] has values of magnitude 3e\+38, beyond the limit"),
+                   ("talker", talker(1, temperature=0.9, repetition_penalty=float("inf")), r"^repetition_penalty"),
+                   ("talker", talker(1, huge=True), r"^rows has values of magnitude 3e\+38"),
+                   ("talker", huge_user, r"^prompt\.user_rows has values of magnitude 3e\+38"),
+                   ("talker", talker(2, temperature=float("nan")), r"^temperature must be in \[0, 100\], got nan")]
+        solo = [call(chans, stage, msgs) for stage, msgs in innocents]
+        assert all(err is None for _, err in solo), [(e.code(), e.details()) for _, e in solo if e]
+        with concurrent.futures.ThreadPoolExecutor(len(innocents) + len(greedy_twins) + len(refused)) as pool:
+            futures = [pool.submit(call, chans, stage, msgs) for stage, msgs in innocents + greedy_twins]
+            futures += [pool.submit(call, chans, stage, msgs) for stage, msgs, _ in refused]
+            results = [f.result() for f in futures]
+        n = len(innocents)
+        for (stage, _), (want, _), (got, err) in zip(innocents + greedy_twins, solo + [solo[0], solo[3]], results):
+            assert err is None, (stage, err.code(), err.details())
+            assert (_texts(got), _codes(got)) == (_texts(want), _codes(want))
+            assert _texts(got) or _codes(got)
+        for (stage, _, match), (_, err) in zip(refused, results[n + len(greedy_twins):]):
+            assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, stage
+            assert re.search(match, err.details()), err.details()
+    finally:
+        for c in chans.values():
+            c.close()
+
+
+def test_gateway_tiny_temperatures_are_greedy_beside_innocents(gateway):
+    """The issue's request (`temperature: 1e-40` on a chat request failed its whole batch) and 1e-38
+    (which broke the talker), with audio, sent together with innocent requests: all succeed, and the
+    tiny temperatures give the temperature-0 reply: the same transcript, the same length of audio,
+    samples within 4 / 32767 (code2wav batched 1 or 5 wide rounds differently on the CPU, as in
+    test_batching; the codes are compared exactly over stage gRPC above)."""
+    import io
+
+    import httpx
+    import soundfile
+
+    model = httpx.get(f"{gateway.base_url}/v1/models").json()["data"][0]["id"]
+
+    def body(text: str, temperature: float) -> dict:
+        return {"model": model, "temperature": temperature, "max_tokens": 3, "max_audio_frames": 5, "ignore_eos": True,
+                "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"},
+                "messages": [{"role": "user", "content": text}]}
+
+    async def post(client, b: dict) -> tuple[str, np.ndarray]:
+        r = await client.post(f"{gateway.base_url}/v1/chat/completions", json=b, timeout=120)
+        assert r.status_code == 200, r.text
+        audio = r.json()["choices"][0]["message"]["audio"]
+        samples, _ = soundfile.read(io.BytesIO(base64.b64decode(audio["data"])), dtype="int16")
+        return audio["transcript"], samples.astype(np.int32)
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            texts = ["x", "Tell me about lighthouses.", "What is two plus two?"]
+            solo = [await post(client, body(t, 0)) for t in texts]
+            together = await asyncio.gather(*(post(client, body(t, 0)) for t in texts),
+                                            post(client, body("x", 1e-40)), post(client, body("x", 1e-38)))
+            return solo, together
+
+    solo, together = asyncio.run(run())
+    for (text, audio), (want_text, want_audio) in zip(together, solo + [solo[0], solo[0]]):
+        assert text == want_text and audio.shape == want_audio.shape and audio.shape[0] > 0
+        assert np.abs(audio - want_audio).max() <= 4

@@ -171,7 +171,7 @@ class StageEngine:
                 self.step()
                 metrics.STEP.labels(self.name).observe(time.perf_counter() - t0)
                 self.steps += 1
-            except Exception as exc:  # a bug (a request's values only ever fail its own row): fail the batch, keep serving
+            except Exception as exc:  # a bug (bad values fail only their own row): fail the batch, keep serving
                 log.exception("%s engine step failed", self.name)
                 with self.lock:
                     victims = self.running + self.waiting

@@ -312,7 +312,8 @@ class TalkerEngine(StageEngine):
             else:
                 residual, nxt, predicted = self._predict_fn(n, 1, hidden, code0)
             # [n, G + 1]: the frame, then its usable flag (one host read)
-            host = torch.cat((code0[:, None], residual, (finite & predicted).long()[:, None]), dim=1).to(torch.int64).cpu()
+            usable = (finite & predicted).long()[:, None]
+            host = torch.cat((code0[:, None], residual, usable), dim=1).to(torch.int64).cpu()
             frames_cpu = host[:, :-1].to(torch.uint16)
             framing = [(i, i) for i in self._advance(jobs, frames_cpu[:, 0].tolist(), host[:, -1].tolist())]
             nxt = nxt.clone()   # graph outputs are overwritten by the next replay
