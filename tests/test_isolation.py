@@ -23,7 +23,6 @@ from voxpipe.services.runtime.engine import EngineRequest, Outbox, StageEngine, 
 from voxpipe.services.runtime.sampling import GREEDY_BELOW, SamplingParams, check_features, finite_rows, pick
 from voxpipe.services.runtime.tensors import TensorError, from_proto, to_proto
 from voxpipe.v1 import stages_pb2 as pb
-from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 HUGE = 3e38            # finite in float32, overflows any layer it enters
 
@@ -391,7 +390,7 @@ def test_stage_values_through_real_services(stack):
     batch, 1e-38 the talker's: now greedy), and values that are refused with INVALID_ARGUMENT naming
     the field (a 1e-40 repetition penalty, finite 3e38 audio features and rows). Every innocent gets
     its solo result; the tiny temperatures get exactly the greedy result."""
-    from test_bad_inputs import (CHANNEL_OPTIONS, MEL, STUBS, TEXT_END, _thinker_audio, call, prompt_ids, rows,
+    from test_bad_inputs import (CHANNEL_OPTIONS, MEL, STUBS, TEXT_END, _thinker_audio, call, prompt_ids,
                                  talker_prompt, talker_start, text_rows, thinker_start)
 
     chans = {s: grpc.insecure_channel(stack.address(s), options=CHANNEL_OPTIONS) for s in STUBS}
