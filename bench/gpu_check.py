@@ -107,12 +107,21 @@ def main() -> int:
     moe_kernels_vs_torch("talker", talker.model.layers[0].mlp, h)
     hid = torch.randn(3, h, device=dev, dtype=torch.bfloat16)
     c0 = torch.tensor([5, 100, 2000], device=dev)
-    e_codes, e_sum = te._predict_fn(3, 1, hid, c0)
-    g_codes, g_sum = te.predictor_graphs(3, 1, hid, c0)
+    e_codes, e_sum, e_ok = te._predict_fn(3, 1, hid, c0)
+    g_codes, g_sum, g_ok = te.predictor_graphs(3, 1, hid, c0)
     results.append(compare("code predictor: graph vs eager codes", g_codes, e_codes, exact=True))
     results.append(compare("code predictor: graph vs eager next input", g_sum, e_sum, exact=True))
+    results.append(compare("code predictor: graph vs eager finite flags (all finite)", g_ok, e_ok, exact=True))
+    results.append(compare("code predictor: finite flags of finite rows", g_ok, torch.ones_like(g_ok), exact=True))
+    poisoned = hid.clone()
+    poisoned[1] = float("inf")      # one non-finite row: flagged inside the graph, the others unchanged
+    q_codes, _, q_ok = (t.clone() for t in te.predictor_graphs(3, 1, poisoned, c0))
+    results.append(compare("code predictor graph: a non-finite row flagged, only it",
+                           q_ok, torch.tensor([True, False, True], device=dev), exact=True))
+    results.append(compare("code predictor graph: the other rows' codes unchanged beside a non-finite row",
+                           q_codes[[0, 2]], e_codes[[0, 2]], exact=True))
     kernels.ENABLED = False
-    p_codes, p_sum = te._predict_fn(3, 1, hid, c0)
+    p_codes, p_sum, _ = te._predict_fn(3, 1, hid, c0)
     kernels.ENABLED = True
     rec = compare("code predictor: Triton kernels (rope, fused attention, SwiGLU) vs PyTorch ops, next input", e_sum, p_sum)
     rec["codes_equal_fraction"] = float((e_codes == p_codes).float().mean())   # random weights: near-ties can flip
@@ -170,15 +179,19 @@ def main() -> int:
     g_slots = torch.tensor([ce.store.allocate() for _ in range(2)], device=dev)
     e_slots = torch.tensor([eager_store.allocate() for _ in range(2)], device=dev)
     zero = torch.zeros(2, dtype=torch.long, device=dev)
-    g_out = [ce.first_graphs(2, 1, codes[:, :, :1], g_slots, zero)[0].clone()]
+    first, first_ok = ce.first_graphs(2, 1, codes[:, :, :1], g_slots, zero)
+    g_out, g_ok = [first.clone()], [first_ok.clone()]
     e_out = [c2w.decode(codes[:, :, :1], e_slots, zero, eager_store, first=True)]
     for f in range(1, 6):
         start = torch.full((2,), f, dtype=torch.long, device=dev)
-        (g,) = ce.graphs(2, 1, codes[:, :, f:f + 1], g_slots, start)
+        g, ok = ce.graphs(2, 1, codes[:, :, f:f + 1], g_slots, start)
         g_out.append(g.clone())
+        g_ok.append(ok.clone())
         e_out.append(c2w.decode(codes[:, :, f:f + 1], e_slots, start, eager_store, first=False))
     results.append(compare("code2wav: first-frame + one-frame graphs vs eager stream", torch.cat(g_out, 1),
                            torch.cat(e_out, 1), exact=True))
+    results.append(compare("code2wav graphs: finite flags of finite audio", torch.stack(g_ok),
+                           torch.ones(len(g_ok), 2, dtype=torch.bool, device=dev), exact=True))
     print(json.dumps({"summary": results}), flush=True)
     return 0 if all(r.get("exact", True) for r in results) else 1
 

@@ -23,6 +23,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from ..runtime.config import Code2WavConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
+from ..runtime.sampling import finite_rows
 from .model import Code2WavModel, StreamStore
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,12 @@ def encode_samples(samples: np.ndarray, encoding: int) -> bytes:
     return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
 
+def _checked(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unclamped samples [n, S] -> (samples clamped to [-1, 1] [n, S], the row was finite [n] bool);
+    inside the captured step, so the flag costs no host sync of its own."""
+    return raw.clamp(-1.0, 1.0), finite_rows(raw)
+
+
 class Code2WavEngine(StageEngine):
     name = "code2wav"
 
@@ -107,14 +114,14 @@ class Code2WavEngine(StageEngine):
                 self.graphs = self.first_graphs = None
 
     def _frame_fn(self, n: int, _kv: int, codes: torch.Tensor, slots: torch.Tensor,
-                  start: torch.Tensor) -> tuple[torch.Tensor]:
+                  start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One new frame for each of n utterances past their first chunk: codes [n, Q, 1]."""
-        return (self.model.decode(codes, slots, start, self.store, first=False),)
+        return _checked(self.model.decode_unclamped(codes, slots, start, self.store, first=False))
 
     def _first_fn(self, n: int, _kv: int, codes: torch.Tensor, slots: torch.Tensor,
-                  start: torch.Tensor) -> tuple[torch.Tensor]:
+                  start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The first frame of n new utterances: codes [n, Q, 1]."""
-        return (self.model.decode(codes, slots, start, self.store, first=True),)
+        return _checked(self.model.decode_unclamped(codes, slots, start, self.store, first=True))
 
     def add_frames(self, job: Code2WavJob, codes: torch.Tensor) -> None:
         with self.lock:
@@ -156,8 +163,12 @@ class Code2WavEngine(StageEngine):
                         reason=pb.STOP, completion_tokens=job.frames_decoded, samples=job.samples_sent)))
         if not work:
             return
-        decoded = self._decode_frames(work)
-        for (job, take), samples in zip(work, decoded):
+        decoded, usable = self._decode_frames(work)
+        for (job, take), samples, ok in zip(work, decoded, usable):
+            if not ok:
+                self.store.scrub(job.slot)     # its state must not reach the slot's next utterance
+                self.finish(job, self.nonfinite(job, "audio samples"))
+                continue
             job.frames_decoded += len(take)
             job.mark_output()
             job.outbox.put(pb.Code2WavResponse(audio=pb.AudioChunk(
@@ -165,11 +176,13 @@ class Code2WavEngine(StageEngine):
                 data=encode_samples(samples, job.encoding), num_samples=samples.shape[0])))
             job.samples_sent += samples.shape[0]
 
-    def _decode_frames(self, work: list[tuple[Code2WavJob, list[torch.Tensor]]]) -> list[np.ndarray]:
-        """Frame by frame (first frames, then rounds); one copy to the host."""
+    def _decode_frames(self, work: list[tuple[Code2WavJob, list[torch.Tensor]]]) -> tuple[list[np.ndarray], list[bool]]:
+        """Frame by frame (first frames, then rounds); one copy to the host. Per utterance: its new
+        samples, and whether all of them were finite."""
         dev = self.device
         done = [0] * len(work)
         outputs: list[torch.Tensor] = []                   # one [rows, samples] per replay
+        finite: list[torch.Tensor] = []                    # one [rows] float32 (1.0: finite) per replay
         pieces: list[list[tuple[int, int]]] = [[] for _ in work]   # per utterance: (replay, row)
         first = [i for i, (job, _) in enumerate(work) if job.frames_decoded == 0]
         first_fn = self.first_graphs if self.first_graphs is not None else self._first_fn
@@ -186,11 +199,14 @@ class Code2WavEngine(StageEngine):
             codes = torch.stack([work[i][1][done[i]] for i in rows])[:, :, None].to(dev, non_blocking=True)
             slots = torch.tensor([work[i][0].slot for i in rows]).to(dev, non_blocking=True)
             start = torch.tensor([work[i][0].frames_decoded + done[i] for i in rows]).to(dev, non_blocking=True)
-            (wav,) = decode(len(rows), 1, codes, slots, start)
+            wav, ok = decode(len(rows), 1, codes, slots, start)
             outputs.append(wav.to(torch.float32, copy=True))   # a graph's next replay overwrites `wav`
+            finite.append(ok.to(torch.float32))                # a copy too
             for r, i in enumerate(rows):
                 pieces[i].append((len(outputs) - 1, r))
                 done[i] += 1
-        host = [o.numpy() for o in torch.cat([o.flatten() for o in outputs]).cpu().split([o.numel() for o in outputs])]
-        host = [h.reshape(o.shape) for h, o in zip(host, outputs)]
-        return [np.concatenate([host[k][r] for k, r in p]) for p in pieces]
+        flat = torch.cat([o.flatten() for o in outputs + finite]).cpu()
+        host = [h.numpy() for h in flat.split([o.numel() for o in outputs + finite])]
+        host, ok = [h.reshape(o.shape) for h, o in zip(host, outputs)], host[len(outputs):]
+        return ([np.concatenate([host[k][r] for k, r in p]) for p in pieces],
+                [all(ok[k][r] == 1.0 for k, r in p) for p in pieces])

@@ -55,6 +55,12 @@ class StreamStore:
     def release(self, slot: int) -> None:
         self.window.release(slot)
 
+    def scrub(self, slot: int) -> None:
+        """Zero `slot`'s state (before releasing an utterance whose numbers went non-finite): the
+        window's stale keys are read under a False mask, and 0 * NaN is NaN."""
+        for t in (*self.window.k, *self.window.v, *self.conv, *self.trans):
+            t[slot].zero_()
+
 
 class _SlotCtx:
     """The state rows of this call's utterances (`slots` [B]); each streaming module takes the next
@@ -229,6 +235,11 @@ class Code2WavModel(nn.Module):
 
     def decode(self, codes: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, store: StreamStore,
                first: bool) -> torch.Tensor:
+        """`decode_unclamped` clamped to [-1, 1]."""
+        return self.decode_unclamped(codes, slots, start, store, first).clamp(-1.0, 1.0)
+
+    def decode_unclamped(self, codes: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, store: StreamStore,
+                         first: bool) -> torch.Tensor:
         """codes [B, Q, T]: T new frames for the utterances in `slots` [B] whose next frame positions
         are `start` [B]; all at their first chunk (first=True) or all past it. Returns the new samples
         [B, n] with n = samples_per_frame * T (minus the reference's fixed delay on the first chunk).
@@ -245,4 +256,4 @@ class Code2WavModel(nn.Module):
                 x = m(x, ctx)
         for m in self.decoder:
             x = m(x, ctx)
-        return x[:, 0].clamp(-1.0, 1.0)
+        return x[:, 0]

@@ -79,6 +79,15 @@ class GraphedStep:
                 self.graphs[(n, kv)] = (graph, out)
         torch.cuda.synchronize()
 
+    def scrub(self) -> None:
+        """Zero the float static inputs (after a request's numbers went non-finite): a replay's
+        padding (rows past the batch, positions past a prompt) computes on what earlier replays
+        left there, and huge or non-finite leftovers would write NaN where a later request's
+        attention reads under a False mask. Index inputs keep their valid ids and slots."""
+        for t in self.static:
+            if t.is_floating_point():
+                t.zero_()
+
     def fits(self, n: int, kv_len: int) -> bool:
         return n <= self.batch_sizes[-1] and kv_len <= self.kv_lens[-1]
 

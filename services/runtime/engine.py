@@ -172,7 +172,7 @@ class StageEngine:
                 self.step()
                 metrics.STEP.labels(self.name).observe(time.perf_counter() - t0)
                 self.steps += 1
-            except Exception as exc:  # a bug or a bad input that passed validation: fail the batch, keep serving
+            except Exception as exc:  # a bug (bad values fail only their own row): fail the batch, keep serving
                 log.exception("%s engine step failed", self.name)
                 with self.lock:
                     victims = self.running + self.waiting
@@ -210,6 +210,13 @@ class StageEngine:
             req.finished_at = time.perf_counter()
             self._observe(req, final)
             req.outbox.put(final)
+
+    def nonfinite(self, req: EngineRequest, what: str) -> StageError:
+        """The error for a request whose own numbers went non-finite on the device; engines finish
+        only that request with it, the other rows of the step go on."""
+        return StageError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{self.name}: request {req.request_id}: {what} not finite (NaN or infinity): "
+                          f"the request's values overflow the model's arithmetic")
 
     def _observe(self, req: EngineRequest, final: Any) -> None:
         if isinstance(final, StageError):

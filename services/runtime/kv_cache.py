@@ -116,6 +116,14 @@ class SlotKVCache:
         self.owners[last] = None
         return moved
 
+    def scrub(self, slot: int) -> None:
+        """Zero `slot`'s keys and values (before releasing a sequence whose numbers went non-finite):
+        attention reads a slot's stale positions under a False mask, and 0 * NaN is NaN, so a NaN
+        left behind would reach the slot's next owner."""
+        for kc, vc in zip(self.k, self.v):
+            kc[slot].zero_()
+            vc[slot].zero_()
+
     def decode_view(self, n: int, kv_len: int, start: torch.Tensor) -> "_DenseDecode":
         """One new token for each of the sequences in slots 0 .. n-1; start [n] = their positions.
         Shapes depend only on (n, kv_len): the view can be captured in a CUDA graph."""

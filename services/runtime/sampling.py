@@ -1,17 +1,42 @@
-"""Token choice: logits processors (as transformers applies them) then argmax or sampling."""
+"""Token choice: logits processors (as transformers applies them) then argmax or sampling; and the
+limits on the values a request brings to a stage (every stage checks its own requests: the gRPC
+stage API is public).
+
+Per-row guards: `finite_rows` and `pick` compute, on the device and without a host sync, whether a
+row's numbers are usable, so that an engine reads that flag together with the ids it already copies
+to the host and finishes only the row that went non-finite."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from voxpipe.v1 import stages_pb2 as pb
 
+from .tensors import TensorError
+
+MAX_TEMPERATURE = 100.0
+# Temperatures in (0, GREEDY_BELOW) choose by argmax, as temperature 0 does: logits / T could
+# overflow float32 to inf for them (then softmax is NaN), and sampling at such a temperature is
+# argmax anyway but for exact ties. Above it, |logits| up to 3e33 divide without overflow (the
+# final RMSNorm keeps a model's logits many orders of magnitude below that).
+GREEDY_BELOW = 1e-5
+# Dividing (or multiplying) seen logits by a penalty outside this range is no longer a penalty but
+# a way to overflow them.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# |value| bounds on the float tensors a request brings in. Model-made values are far below them:
+# Whisper log-mel features lie in about [-1.5, 1.5]; the thinker's embeddings and hidden rows are
+# at most in the thousands. Beyond them a model's first layers can overflow (bfloat16 and float32
+# end at ~3.4e38, float16 at 65504).
+MAX_AUDIO_FEATURE = 1e3
+MAX_ROW_VALUE = 1e5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0          # 0: greedy
+    temperature: float = 0.0          # below GREEDY_BELOW (0 included): greedy
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
@@ -19,10 +44,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def from_proto(cls, msg: pb.Sampling, *, default_repetition_penalty: float = 1.0) -> "SamplingParams":
+        """The request's sampling values, validated (ValueError naming the field)."""
         p = cls(
             temperature=msg.temperature if msg.HasField("temperature") else 0.0,
             top_k=msg.top_k if msg.HasField("top_k") else 0,
@@ -34,14 +60,16 @@ class SamplingParams:
         return p
 
     def validate(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature > 100:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        """ValueError naming the field for a value out of range (NaN fails every comparison)."""
+        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not (lo <= self.repetition_penalty <= hi):
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty}")
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         if self.greedy:
@@ -54,6 +82,29 @@ class SamplingParams:
         return g
 
 
+def check_features(x: torch.Tensor, name: str, bound: float) -> None:
+    """TensorError (a ValueError) naming `name` unless every value of the float tensor `x` is
+    finite with |value| <= bound."""
+    if x.numel() == 0:
+        return
+    top = float(x.detach().abs().max().float())   # NaN if any value is
+    if not math.isfinite(top):
+        raise TensorError(f"{name} contains NaN or infinity")
+    if top > bound:
+        raise TensorError(f"{name} has values of magnitude {top:.3g}, beyond the limit of {bound:g}")
+
+
+def check_audio_features(audio: list[torch.Tensor]) -> None:
+    """Every audio feature tensor finite within MAX_AUDIO_FEATURE (TensorError naming audio_features[i])."""
+    for i, a in enumerate(audio):
+        check_features(a, f"audio_features[{i}]", MAX_AUDIO_FEATURE)
+
+
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, ...] -> [B] bool: the row holds no NaN or infinity. On the device, no host sync."""
+    return torch.isfinite(x).flatten(1).all(1)
+
+
 def apply_repetition_penalty(logits: torch.Tensor, previous: torch.Tensor, penalty: float) -> torch.Tensor:
     """logits [V], previous [n] ids: divide positive / multiply negative scores of seen ids."""
     if penalty == 1.0 or previous.numel() == 0:
@@ -63,11 +114,17 @@ def apply_repetition_penalty(logits: torch.Tensor, previous: torch.Tensor, penal
     return logits.scatter(0, previous, seen)
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from processed logits [V] (float32)."""
+def pick(logits: torch.Tensor, params: SamplingParams,
+         generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token from processed logits [V] (float32; -inf marks an id masked out) and whether the
+    choice is meaningful: (token [] int64, ok [] bool), both on the device, no host sync.
+    `ok` is False when the scores hold NaN or +inf or nothing but -inf (a non-finite row, or
+    logits / T overflowing); such a row draws from a stand-in distribution (all mass on id 0)
+    rather than raising, so that its batch goes on, and its caller drops the token."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits), torch.isfinite(logits.max())
     scores = logits / params.temperature
+    ok = torch.isfinite(scores.max())           # max is NaN if any score is
     if params.top_k > 0:
         k = min(params.top_k, scores.shape[-1])
         kth = torch.topk(scores, k).values[-1]
@@ -79,4 +136,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop[-1] = False
         scores = scores.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     probs = scores.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    stand_in = torch.zeros_like(probs)
+    stand_in[0] = 1.0
+    probs = torch.where(ok, probs, stand_in)
+    return torch.multinomial(probs, 1, generator=generator)[0], ok

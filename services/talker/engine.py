@@ -24,7 +24,7 @@ from ..runtime.config import TalkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache
-from ..runtime.sampling import SamplingParams, choose
+from ..runtime.sampling import SamplingParams, finite_rows, pick
 from ..runtime.tensors import to_proto
 from .model import TalkerModel
 
@@ -34,6 +34,17 @@ PROMPT_TAIL = 9   # prompt rows after the user turns: assistant head (3), 4 x tt
 
 # transformers samples the code predictor with these whenever the talker samples
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+
+
+def greedy_codes(usable: list[torch.Tensor]):
+    """The code predictor's greedy `pick`: argmax per row; appends each pass's per-row finite flags
+    [B] bool to `usable` (static shapes, no host sync: it runs inside the predictor's CUDA graph)."""
+
+    def pick_codes(logits: torch.Tensor, group: int) -> torch.Tensor:
+        usable.append(finite_rows(logits))
+        return logits.argmax(-1)
+
+    return pick_codes
 
 
 @dataclass
@@ -126,11 +137,14 @@ class TalkerEngine(StageEngine):
         """One codec step for the sequences in slots 0..n-1: x [n, 1, H] inputs, start [n] positions."""
         return self.model(x, start[:, None], self.cache.decode_view(n, kv_len, start))
 
-    def _predict_fn(self, n: int, _kv: int, hidden: torch.Tensor, code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy residual codes [n, G-1] and the next input's codec part (sum of all G embeddings) [n, H]."""
+    def _predict_fn(self, n: int, _kv: int, hidden: torch.Tensor,
+                    code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy residual codes [n, G-1], the next input's codec part (sum of all G embeddings)
+        [n, H], and whether every pass's logits were finite [n] bool."""
         code0_embed = self.model.model.codec_embedding(code0)
-        residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, lambda logits, g: logits.argmax(-1))
-        return residual, torch.stack([code0_embed] + embeds, dim=1).sum(1)
+        usable: list[torch.Tensor] = []
+        residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, greedy_codes(usable))
+        return residual, torch.stack([code0_embed] + embeds, dim=1).sum(1), torch.stack(usable, 1).all(1)
 
     # ---- inputs from the handler
     def add_rows(self, job: TalkerJob, rows: torch.Tensor) -> None:
@@ -284,6 +298,7 @@ class TalkerEngine(StageEngine):
         penalty = torch.tensor([j.params.repetition_penalty for j in jobs], device=self.device)[:, None]
         seen = self.seen[slots]
         logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+        finite = finite_rows(logits)    # [n] bool: code-0 logits usable (after the penalty, before masks)
         ban = [len(j.codes0) < j.min_frames for j in jobs]   # EOS not allowed yet
         if all(j.params.greedy for j in jobs):
             # suppress mask + EOS ban + argmax (one Triton kernel on CUDA), then the code predictor for
@@ -294,30 +309,42 @@ class TalkerEngine(StageEngine):
             self.seen[slots, code0] = True
             n = len(jobs)
             if self.predictor_graphs is not None and self.predictor_graphs.fits(n, 1):
-                residual, nxt = self.predictor_graphs(n, 1, hidden, code0)
+                residual, nxt, predicted = self.predictor_graphs(n, 1, hidden, code0)
             else:
-                residual, nxt = self._predict_fn(n, 1, hidden, code0)
-            frames_cpu = torch.cat((code0[:, None], residual), dim=1).to(torch.int64).cpu().to(torch.uint16)
-            framing = [(i, i) for i in self._advance(jobs, frames_cpu[:, 0].tolist())]   # (job, row)
+                residual, nxt, predicted = self._predict_fn(n, 1, hidden, code0)
+            # [n, G + 1]: the frame, then its usable flag (one host read)
+            usable = (finite & predicted).long()[:, None]
+            host = torch.cat((code0[:, None], residual, usable), dim=1).to(torch.int64).cpu()
+            frames_cpu = host[:, :-1].to(torch.uint16)
+            framing = [(i, i) for i in self._advance(jobs, frames_cpu[:, 0].tolist(), host[:, -1].tolist())]
             nxt = nxt.clone()   # graph outputs are overwritten by the next replay
         else:
             logits = logits.masked_fill(self.suppress, float("-inf"))
             if any(ban):
                 logits[torch.tensor(ban, device=self.device), eos] = float("-inf")
-            codes0 = [choose(row, j.params, j.generator) for j, row in zip(jobs, logits)]
-            code0 = torch.tensor(codes0, device=self.device)
+            picks = [pick(row, j.params, j.generator) for j, row in zip(jobs, logits)]
+            code0 = torch.stack([token for token, _ in picks])
             self.seen[slots, code0] = True
-            going = self._advance(jobs, codes0)
+            codes0, usable = torch.stack((code0, (finite & torch.stack([ok for _, ok in picks])).long())).tolist()
+            going = self._advance(jobs, codes0, usable)
             if not going:
                 return
             rows = torch.tensor(going, device=self.device)
             code0, hidden = code0[rows], hidden[rows]
             code0_embed = self.model.model.codec_embedding(code0)
+            passes: list[torch.Tensor] = []     # per predictor pass: [len(going)] bool usable
             residual, embeds = self.model.code_predictor.predict(hidden, code0_embed,
-                                                                 self._picker([jobs[i] for i in going]))
+                                                                 self._picker([jobs[i] for i in going], passes))
             nxt = torch.stack([code0_embed] + embeds, dim=1).sum(1)
-            frames_cpu = torch.cat((code0[:, None], residual), dim=1).to(torch.int64).cpu().to(torch.uint16)
-            framing = [(i, row) for row, i in enumerate(going)]
+            host = torch.cat((code0[:, None], residual, torch.stack(passes, 1).all(1).long()[:, None]),
+                             dim=1).to(torch.int64).cpu()
+            frames_cpu = host[:, :-1].to(torch.uint16)
+            framing = []
+            for row, (i, ok) in enumerate(zip(going, host[:, -1].tolist())):
+                if ok:
+                    framing.append((i, row))
+                else:
+                    self._fail_nonfinite(jobs[i], "code predictor logits")
         with self.lock:
             for i, row in framing:
                 jobs[i].pending = nxt[row]
@@ -328,12 +355,26 @@ class TalkerEngine(StageEngine):
                                                                     codes=to_proto(frames_cpu[row:row + 1]))))
             job.frames_sent += 1
 
-    def _advance(self, jobs: list[TalkerJob], codes0: list[int]) -> list[int]:
-        """Append each job's code 0; finish those that stop (EOS, frame limit). Returns the indices of
-        the jobs that go on and get this frame."""
+    def _fail_nonfinite(self, job: TalkerJob, what: str) -> None:
+        """Finish `job` alone with a clear error; its KV slot and the graphs' float inputs are zeroed
+        first, so nothing it left on the device reaches a later request (SlotKVCache.scrub)."""
+        if job.slot is not None:
+            self.cache.scrub(job.slot)
+        for graphs in (self.step_graphs, self.predictor_graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.scrub()
+        self.finish(job, self.nonfinite(job, what))
+
+    def _advance(self, jobs: list[TalkerJob], codes0: list[int], usable: list[int]) -> list[int]:
+        """Append each job's code 0; finish those that stop (EOS, frame limit) and those whose codec
+        logits were not finite (`usable` 0). Returns the indices of the jobs that go on and get
+        this frame."""
         eos = self.cfg.codec.eos
         framing = []
-        for i, (job, c0) in enumerate(zip(jobs, codes0)):
+        for i, (job, c0, ok) in enumerate(zip(jobs, codes0, usable)):
+            if not ok:
+                self._fail_nonfinite(job, "codec logits")
+                continue
             job.codes0.append(c0)
             if c0 == eos:
                 self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP, completion_tokens=job.frames_sent)))
@@ -343,16 +384,16 @@ class TalkerEngine(StageEngine):
                 framing.append(i)
         return framing
 
-    def _picker(self, jobs: list[TalkerJob]):
-        greedy = all(j.params.greedy for j in jobs)
+    def _picker(self, jobs: list[TalkerJob], usable: list[torch.Tensor]):
+        """The code predictor's `pick` for these jobs (each samples unless greedy); appends each
+        pass's per-row usable flags [B] bool to `usable`. No host sync."""
+        if all(j.params.greedy for j in jobs):
+            return greedy_codes(usable)
 
-        def pick(logits: torch.Tensor, group: int) -> torch.Tensor:
-            if greedy:
-                return logits.argmax(-1)
-            out = []
-            for j, row in zip(jobs, logits.float()):
-                p = PREDICTOR_SAMPLING if not j.params.greedy else SamplingParams()
-                out.append(choose(row, p, j.generator))
-            return torch.tensor(out, device=logits.device)
+        def pick_codes(logits: torch.Tensor, group: int) -> torch.Tensor:
+            picks = [pick(row, PREDICTOR_SAMPLING if not j.params.greedy else SamplingParams(), j.generator)
+                     for j, row in zip(jobs, logits.float())]
+            usable.append(finite_rows(logits) & torch.stack([ok for _, ok in picks]))
+            return torch.stack([token for token, _ in picks])
 
-        return pick
+        return pick_codes

@@ -17,7 +17,7 @@ from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import MAX_ROW_VALUE, SamplingParams, check_features
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
 from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import annotate, setup_tracing, traced_rpc
@@ -35,8 +35,7 @@ def _rows(t: pb.Tensor, hidden: int, name: str, count: int | None = None) -> tor
     x = from_proto(t, shape=(count, hidden), name=name)
     if x.dtype not in ROW_DTYPES:
         raise TensorError(f"{name}: rows must be float32, bfloat16 or float16")
-    if not bool(torch.isfinite(x).all()):
-        raise TensorError(f"{name}: rows contain NaN or infinity")
+    check_features(x, name, MAX_ROW_VALUE)
     return x
 
 

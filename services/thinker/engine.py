@@ -18,7 +18,7 @@ from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache, SlotStep
-from ..runtime.sampling import SamplingParams, apply_repetition_penalty, choose
+from ..runtime.sampling import SamplingParams, apply_repetition_penalty, finite_rows, pick
 from ..runtime.tensors import to_proto
 from .model import ThinkerModel
 
@@ -277,13 +277,16 @@ class ThinkerEngine(StageEngine):
         self._emit(jobs, logits)
 
     def _choose(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> list[int]:
+        """Each row's token from logits [n, V] float32, or -1 for a row whose logits are not finite
+        (or overflow once penalised / scaled): the flags ride in the one host read of the ids."""
+        finite = finite_rows(logits)       # [n] bool, before the EOS ban writes -inf
         if all(j.params.greedy and j.params.repetition_penalty == 1.0 for j in jobs):
             ban = [i for i, j in enumerate(jobs) if len(j.generated) < j.min_tokens]
             if ban:
                 rows = torch.tensor(ban, device=logits.device)
                 logits[rows[:, None], self.eos[None, :]] = float("-inf")
-            return logits.argmax(-1).tolist()
-        tokens = []
+            return torch.where(finite, logits.argmax(-1), -1).tolist()
+        tokens, usable = [], []
         for j, row in zip(jobs, logits):
             if len(j.generated) < j.min_tokens:
                 row = row.clone()
@@ -291,11 +294,27 @@ class ThinkerEngine(StageEngine):
             if j.params.repetition_penalty != 1.0:
                 seen = torch.tensor(j.prompt + j.generated, device=row.device)
                 row = apply_repetition_penalty(row, seen, j.params.repetition_penalty)
-            tokens.append(choose(row, j.params, j.generator))
-        return tokens
+            token, ok = pick(row, j.params, j.generator)
+            tokens.append(token)
+            usable.append(ok)
+        return torch.where(finite & torch.stack(usable), torch.stack(tokens), -1).tolist()
+
+    def _fail_nonfinite(self, job: ThinkerJob, what: str) -> None:
+        """Finish `job` alone with a clear error; its KV slot and the graphs' float inputs are zeroed
+        first, so nothing it left on the device reaches a later request (SlotKVCache.scrub)."""
+        if job.slot is not None:
+            self.cache.scrub(job.slot)
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.scrub()
+        self.finish(job, self.nonfinite(job, what))
 
     def _emit(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> None:
         tokens = self._choose(jobs, logits.float())
+        for j, tok in zip(jobs, tokens):
+            if tok < 0:
+                self._fail_nonfinite(j, "logits")
+        jobs, tokens = [j for j, t in zip(jobs, tokens) if t >= 0], [t for t in tokens if t >= 0]
         embeds = None
         if any(j.talker_rows for j in jobs):
             embeds = self.model.model.embed_tokens(torch.tensor(tokens, device=self.device)).cpu()

@@ -18,7 +18,7 @@ from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import SamplingParams, check_audio_features
 from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
 from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import setup_tracing, traced_rpc
@@ -80,12 +80,11 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             audio = [from_proto(t, dtype=torch.float32, shape=(th.audio.num_mel_bins, None), name=f"audio_features[{i}]")
                      for i, t in enumerate(start.audio_features)]
             params = SamplingParams.from_proto(start.sampling)
+            check_audio_features(audio)
         except (TensorError, ValueError) as e:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if any(a.shape[1] == 0 for a in audio):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features with zero frames")
-        if any(not bool(torch.isfinite(a).all()) for a in audio):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features contain NaN or infinity")
         kind = start.WhichOneof("prompt")
         if kind == "text":
             parts = [ChatPart(features=a) for a in audio] + [ChatPart(text=start.text)]
