@@ -96,8 +96,10 @@ class GatewayState:
     def load(cls, config: GatewayConfig) -> "GatewayState":
         from voxpipe.services.thinker.server import load_tokenizer
 
-        return cls(config=config, omni=OmniConfig.load(config.model_dir), tokenizer=load_tokenizer(config.model_dir),
-                   features=FeatureExtractor(config.model_dir), sessions=SessionLimiter(config.max_sessions),
+        omni = OmniConfig.load(config.model_dir)
+        return cls(config=config, omni=omni, tokenizer=load_tokenizer(config.model_dir),
+                   features=FeatureExtractor.for_model(config.model_dir, omni.thinker),
+                   sessions=SessionLimiter(config.max_sessions),
                    transcripts=TranscriptStore(config.audio_expiry_s, config.max_stored_audio))
 
     @property
