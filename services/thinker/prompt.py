@@ -80,7 +80,7 @@ class FeatureExtractor:
                  if getattr(self.fe, key) != want]
         if wrong:
             raise FeatureConfigError(f"{path} disagrees with the model: " + "; ".join(wrong) +
-                                     f". Fix or remove it (without it the features are built from config.json)")
+                                     ". Fix or remove it (without it the features are built from config.json)")
 
     @classmethod
     def for_model(cls, model: str | Path, cfg: ThinkerConfig | None = None) -> "FeatureExtractor":
