@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -138,6 +139,20 @@ class Plan:
 
     def needs_websockets(self) -> bool:
         return any("gateway" in self.modes[w.name] and w.realtime for w in self.workloads)
+
+
+def check_packages(plan: Plan) -> None:
+    """The packages the asked gateway workloads need in this process (the clients) and in the gateway
+    it starts (same environment): on the GPU machine they come as wheels (bench/device.sh)."""
+    need = ["fastapi", "uvicorn"] if plan.wants("gateway") else []
+    need += ["openai"] if plan.needs_sdk() else []
+    need += ["websockets", "silero_vad"] if plan.needs_websockets() else []
+    need += ["soundfile"] if any(w.voice and "gateway" in plan.modes[w.name] for w in plan.workloads) else []
+    missing = [name for name in need if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"gateway mode of {', '.join(w.name for w in plan.workloads)} needs the Python packages "
+                         f"{', '.join(missing)}: pip install them (on the GPU machine: carry their wheels in .whl/, "
+                         f"see bench/device.sh)")
 
 
 def stage_devices(spec: str) -> dict[str, str]:
@@ -456,10 +471,7 @@ def run(args) -> int:
     # the services and the gateway log at the bench's level (`voxpipe --log-level WARNING bench ...`)
     os.environ.setdefault("VOXPIPE_LOG_LEVEL", getattr(args, "log_level", None) or "INFO")
     if not args.ablation:      # fail now, not after the reference and the service start-up
-        if plan.needs_sdk():
-            import openai  # noqa: F401
-        if plan.needs_websockets():
-            import websockets  # noqa: F401
+        check_packages(plan)
     model = args.model or str(released_config_path())
     cfg = OmniConfig.load(model)
     makers = make_requests(args, cfg, plan, model)

@@ -154,3 +154,30 @@ def test_bench_refuses_bad_workload_flags(tmp_path):
         proc = subprocess.run(base + flags, capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stderr[-1500:])
         assert "starting the three services" not in proc.stdout, flags
+
+
+def test_bench_names_the_packages_a_gateway_workload_lacks(monkeypatch):
+    import argparse
+    import importlib.util
+
+    import pytest
+
+    from voxpipe.bench import harness
+
+    p = argparse.ArgumentParser()
+    harness.add_arguments(p)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("websockets", "soundfile") else real(name, *a))
+    plan = harness.Plan.of(p.parse_args(["--workload", "seedtts-like,realtime", "--modes", "gateway,split"]))
+    assert plan.modes == {"seedtts-like": ["gateway", "split"], "realtime": ["gateway"]}
+    with pytest.raises(SystemExit, match="needs the Python packages websockets: pip install"):
+        harness.check_packages(plan)
+    plan = harness.Plan.of(p.parse_args(["--workload", "voice-in", "--modes", "gateway"]))
+    with pytest.raises(SystemExit, match="needs the Python packages soundfile"):
+        harness.check_packages(plan)
+    harness.check_packages(harness.Plan.of(p.parse_args(["--workload", "voice-in,long-prompt", "--modes", "split"])))
+    assert [w.levels for w in harness.workloads_from(p.parse_args(["--workload", "long-prompt,realtime"]))] == \
+        [(1, 16), (1, 8)]
+    wl = harness.workloads_from(p.parse_args(["--workload", "long-prompt", "--text-tokens", "48", "--frames", "125"]))[0]
+    assert (wl.prompt_tokens, wl.text_tokens, wl.frames) == (2500, 48, 125)
