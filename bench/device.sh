@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Run a voxpipe command on the GPU machine (device tool) without installing the package:
 #   bash bench/device.sh voxpipe bench --quick
-# Expects the missing wheels in .whl/ (../shared/device/wheels.sh) carried along; maps the repo
-# folders onto the `voxpipe` package the way pyproject.toml does.
+# Expects the missing wheels in .whl/ carried along (installed below into /tmp/site); maps the repo
+# folders onto the `voxpipe` package the way pyproject.toml does. `voxpipe bench` needs, beside what
+# the image has: the gateway's (fastapi uvicorn starlette pydantic ... soundfile for voice input,
+# websockets + silero-vad for the realtime workload) and the openai SDK for the gateway clients:
+#   ../shared/device/wheels.sh openai jiter distro sniffio tqdm httpx2 httpcore2 truststore
+# (wheels.sh's own list already has websockets, soundfile and silero-vad); the bench says which
+# package is missing before it starts anything.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if ls "$root"/.whl/*.whl >/dev/null 2>&1; then

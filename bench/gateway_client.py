@@ -10,7 +10,7 @@ import numpy as np
 
 from voxpipe.client import AudioEvent, DoneEvent, TextEvent
 
-from .workload import ChatRequest
+from .requests import ChatRequest
 
 
 class GatewayStream:

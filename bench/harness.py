@@ -1,43 +1,77 @@
-"""`voxpipe bench`: the BENCHMARK.md workload against voxpipe end to end (the gateway's OpenAI chat
-API streamed with the `openai` SDK, services behind it over loopback gRPC), split (the same three
-services driven by the gRPC pipeline client) and in-process (the same engines in one process, no
-gRPC), with transformers' reference measured in the same run. Prints one table of client-side
-metrics and one of server-side means per stage (from the services' Prometheus metrics), and writes
-JSON + markdown."""
+"""`voxpipe bench`: BENCHMARK.md's workloads against voxpipe end to end (the gateway's OpenAI chat API
+streamed with the `openai` SDK, or its realtime WebSocket; services behind it over loopback gRPC),
+split (the same three services driven by the gRPC pipeline client) and in-process (the same engines
+in one process, no gRPC), with transformers' reference measured in the same run. Several workloads
+run against one start of the services. Prints, per workload, one table of client-side metrics and
+one of server-side means per stage (from the services' Prometheus metrics), and writes JSON +
+markdown."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import dataclasses
+import importlib.util
 import json
-import math
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import server_stats
+from .report import ReferenceRun, section
+from .requests import RequestMaker
 from .workload import WORKLOADS, LevelResult, Workload, run_level
 
 STAGES = ("thinker", "talker", "code2wav")
+MODES = ("gateway", "split", "inprocess")
+
+
+def workload_names(spec: str) -> list[str]:
+    """--workload: a comma list of BENCHMARK.md workloads."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown workload {', '.join(map(repr, unknown)) or repr(spec)}; "
+                                         f"choose from {', '.join(WORKLOADS)} (comma-separated)")
+    return list(dict.fromkeys(names))
+
+
+def concurrency_levels(spec: str) -> list[int]:
+    """--concurrency: a comma list of positive integers ('' : each workload's own levels)."""
+    try:
+        levels = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        levels = [0]
+    if any(c < 1 for c in levels):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {spec!r}")
+    return levels
+
+
+def mode_names(spec: str) -> list[str]:
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    if not names or any(m not in MODES for m in names):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(MODES)}, got {spec!r}")
+    return names
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder or config.json (default: the released config, dummy weights)")
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--modes", default="gateway,split,inprocess",
-                   help="comma list of gateway (OpenAI SDK -> gateway -> services), split (gRPC pipeline client "
-                        "-> services), inprocess (engines in one process)")
-    p.add_argument("--concurrency", default="1,16,32,64")
+    p.add_argument("--modes", default="gateway,split,inprocess", type=mode_names,
+                   help="comma list of gateway (OpenAI SDK or realtime WebSocket -> gateway -> services), split "
+                        "(gRPC pipeline client -> services), inprocess (engines in one process)")
+    p.add_argument("--concurrency", default="", type=concurrency_levels,
+                   help="comma list of levels for every workload (default: each workload's own, BENCHMARK.md: "
+                        + "; ".join(f"{n} {','.join(map(str, w.levels))}" for n, w in WORKLOADS.items()) + ")")
     p.add_argument("--requests", type=int, default=0, help="per level (default max(20, 5 x c); --quick: max(8, 2 x c))")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="fewer requests, fits one 10-minute device call")
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time transformers' generate at c=1 in a separate process")
+                   help="also time transformers' generate at c=1 in a separate process, once per workload")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--extra", default="", help="extra flags for every stage service (split and in-process)")
     p.add_argument("--out", default="bench/out")
@@ -49,19 +83,76 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default="",
                    help="a device per stage, e.g. thinker=cuda:0,talker=cuda:1,code2wav=cuda:1 (the two-GPU layout); "
                         "stages not named use --device")
-    p.add_argument("--workload", default="seedtts-like", choices=sorted(WORKLOADS),
-                   help="BENCHMARK.md workload: seedtts-like (100-token prompt, 48 tokens, 125 frames) or "
-                        "long-prompt (2,500-token prompt, 900 tokens, proportional audio: 2,344 frames)")
-    p.add_argument("--prompt-tokens", type=int, default=0, help="override the workload's prompt length")
-    p.add_argument("--text-tokens", type=int, default=0, help="override the workload's forced text tokens")
-    p.add_argument("--frames", type=int, default=0, help="override the workload's forced codec frames")
+    p.add_argument("--workload", default=["seedtts-like"], type=workload_names,
+                   help="comma list of BENCHMARK.md workloads, run one after the other against one start of the "
+                        "services: seedtts-like (100-token prompt, 48 tokens, 125 frames), long-prompt (2,500-token "
+                        "prompt, 900 tokens, proportional audio: 2,344 frames), voice-in (a 5.7 s speech clip + a "
+                        "short text; 48 tokens, 125 frames), realtime (seedtts-like through the realtime WebSocket, "
+                        "gateway mode only; TTFP from response.create)")
+    p.add_argument("--audio", help="the voice clip of voice-in (and --realtime-audio): a wav file "
+                                   "(default: bench/data/voice-in.wav, 5.7 s of espeak-ng speech at 16 kHz)")
+    p.add_argument("--realtime-audio", action="store_true",
+                   help="realtime: the user turn is the voice clip (input_audio_buffer.append + commit) instead "
+                        "of the text prompt")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="override the workloads' text prompt length")
+    p.add_argument("--text-tokens", type=int, default=0, help="override the workloads' forced text tokens")
+    p.add_argument("--frames", type=int, default=0, help="override the workloads' forced codec frames")
 
 
-def workload_from(args) -> Workload:
-    """The named workload with any of --prompt-tokens / --text-tokens / --frames overriding it."""
-    base = WORKLOADS[args.workload]
-    return dataclasses.replace(base, prompt_tokens=args.prompt_tokens or base.prompt_tokens,
-                               text_tokens=args.text_tokens or base.text_tokens, frames=args.frames or base.frames)
+def workloads_from(args) -> list[Workload]:
+    """The named workloads with any of --prompt-tokens / --text-tokens / --frames / --realtime-audio applied."""
+    return [WORKLOADS[n].with_overrides(args.prompt_tokens, args.text_tokens, args.frames, args.realtime_audio)
+            for n in args.workload]
+
+
+def levels_of(args, wl: Workload) -> list[int]:
+    return list(args.concurrency) or list(wl.levels)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run does: each workload with the client modes it runs in, and a note for every asked
+    mode it skips."""
+
+    workloads: list[Workload]
+    modes: dict[str, list[str]]        # workload name -> modes
+    notes: dict[str, list[str]]        # workload name -> lines for the report
+
+    @classmethod
+    def of(cls, args) -> "Plan":
+        wls = workloads_from(args)
+        modes, notes = {}, {}
+        for wl in wls:
+            modes[wl.name] = wl.modes(args.modes)
+            skipped = [m for m in args.modes if m not in modes[wl.name]]
+            notes[wl.name] = [f"not run in mode {', '.join(skipped)}: the realtime WebSocket is the gateway's"] \
+                if skipped else []
+            if not modes[wl.name]:
+                raise SystemExit(f"--workload {wl.name} runs only in gateway mode; add gateway to --modes")
+        return cls(wls, modes, notes)
+
+    def wants(self, mode: str) -> bool:
+        return any(mode in m for m in self.modes.values())
+
+    def needs_sdk(self) -> bool:
+        return any("gateway" in self.modes[w.name] and not w.realtime for w in self.workloads)
+
+    def needs_websockets(self) -> bool:
+        return any("gateway" in self.modes[w.name] and w.realtime for w in self.workloads)
+
+
+def check_packages(plan: Plan) -> None:
+    """The packages the asked gateway workloads need in this process (the clients) and in the gateway
+    it starts (same environment): on the GPU machine they come as wheels (bench/device.sh)."""
+    need = ["fastapi", "uvicorn"] if plan.wants("gateway") else []
+    need += ["openai"] if plan.needs_sdk() else []
+    need += ["websockets", "silero_vad"] if plan.needs_websockets() else []
+    need += ["soundfile"] if any(w.voice and "gateway" in plan.modes[w.name] for w in plan.workloads) else []
+    missing = [name for name in need if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"gateway mode of {', '.join(w.name for w in plan.workloads)} needs the Python packages "
+                         f"{', '.join(missing)}: pip install them (on the GPU machine: carry their wheels in .whl/, "
+                         f"see bench/device.sh)")
 
 
 def stage_devices(spec: str) -> dict[str, str]:
@@ -126,7 +217,7 @@ def gpu_memory_by_pid() -> dict[int, float]:
     return mem
 
 
-async def _levels(stream_fn, make_request, args, mode: str, scrape) -> list[LevelResult]:
+async def _levels(stream_fn, make_request, args, wl: Workload, mode: str, scrape) -> list[LevelResult]:
     """Run each concurrency level; the server columns come from `scrape` plus this process's own
     metrics, where the "client" row's event-loop lag is this driver's loop (in split mode: the
     pipeline client relaying every row, frame and audio chunk; in-process: all three engines'
@@ -136,32 +227,33 @@ async def _levels(stream_fn, make_request, args, mode: str, scrape) -> list[Leve
     out = []
     lag = asyncio.ensure_future(watch_loop_lag(LOOP_LAG.labels("client").observe))
     try:
-        for c in [int(x) for x in args.concurrency.split(",") if x]:
-            out.append(await _level(stream_fn, make_request, args, mode, scrape, c))
+        for c in levels_of(args, wl):
+            out.append(await _level(stream_fn, make_request, args, wl, mode, scrape, c))
     finally:
         lag.cancel()
     return out
 
 
-async def _level(stream_fn, make_request, args, mode: str, scrape, c: int) -> LevelResult:
+async def _level(stream_fn, make_request, args, wl: Workload, mode: str, scrape, c: int) -> LevelResult:
     n = args.requests or (max(8, 2 * c) if args.quick else max(20, 5 * c))
     warm = min(args.warmup, 2) if args.quick else args.warmup
     before = server_stats.parse(await asyncio.to_thread(scrape))
     records, wall = await run_level(stream_fn, make_request, c, n, warm if c == 1 else min(warm, c))
     after = server_stats.parse(await asyncio.to_thread(scrape))
-    res = LevelResult.of(mode, c, records, wall)
+    res = LevelResult.of(mode, c, records, wall, workload=wl.name)
     res.server = server_stats.level_stats(before, after, STAGES + ("gateway", "client"))
-    errors = [r.error for r in records if r.error]
-    print(f"[{mode}] c={c}: {res.req_per_s:.2f} req/s, TTFP p50 {res.ttfp_ms['p50']:.1f} ms, "
-          f"RTF p50 {res.rtf['p50']:.3f}, failed {res.failed}" + (f" ({errors[0]})" if errors else ""), flush=True)
+    print(f"[{wl.name} / {mode}] c={c}: {res.req_per_s:.2f} req/s, TTFP p50 / p90 / p99 {res.ttfp_ms['p50']:.1f} / "
+          f"{res.ttfp_ms['p90']:.1f} / {res.ttfp_ms['p99']:.1f} ms, RTF p50 {res.rtf['p50']:.3f}, "
+          f"prompt {res.prompt_tokens:.0f} tokens, failed {res.failed}" +
+          (f" ({res.errors[0]})" if res.errors else ""), flush=True)
     return res
 
 
-def run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], dict]:
+def run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: str) -> tuple[list[LevelResult], dict]:
     if args.mps:
         with mps_daemon():
-            return _run_split(args, cfg, wl, model)
-    return _run_split(args, cfg, wl, model)
+            return _run_split(args, cfg, plan, makers, model)
+    return _run_split(args, cfg, plan, makers, model)
 
 
 @contextlib.contextmanager
@@ -199,20 +291,24 @@ LAYERS = (
 )
 
 
-def run_ablation(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
-    """One split-mode level (pipeline client) per row of LAYERS (the environment is inherited by the
-    services)."""
+def run_ablation(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: str) -> list[LevelResult]:
+    """One split-mode level (pipeline client) of the first workload per row of LAYERS (the environment
+    is inherited by the services)."""
     out = []
-    level = args.concurrency.split(",")[0]
+    wl = plan.workloads[0]
+    if "split" not in wl.modes(["split"]):
+        raise SystemExit(f"--ablation runs in split mode, which workload {wl.name} has not")
+    level = levels_of(args, wl)[:1]
+    one = Plan([wl], {wl.name: ["split"]}, {wl.name: []})
     for label, flags, env, mps in LAYERS:
         if mps and not args.device.startswith("cuda"):
             continue
         layer_args = argparse.Namespace(**{**vars(args), "extra": (args.extra + " " + flags).strip(), "mps": mps,
-                                           "concurrency": level, "modes": "split"})
+                                           "concurrency": level})
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            res, _ = run_split(layer_args, cfg, wl, model)
+            res, _ = run_split(layer_args, cfg, one, makers, model)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -225,43 +321,48 @@ def run_ablation(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
     return out
 
 
-def _run_split(args, cfg, wl: Workload, model: str) -> tuple[list[LevelResult], dict]:
-    """The three services (and the gateway for mode `gateway`) started once; each client mode in
-    `args.modes` runs its levels against them in turn."""
+def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: str) -> tuple[list[LevelResult], dict]:
+    """The three services (and the gateway for mode `gateway`) started once; each workload runs its
+    levels in each of its client modes against them in turn."""
     from voxpipe.cli import LocalStack
     from voxpipe.client import PipelineClient
 
     from .gateway_client import GatewayStream
+    from .realtime_client import RealtimeStream
 
-    modes = [m for m in args.modes.split(",") if m in ("gateway", "split")]
     extra = ["--load-format", args.load_format, "--max-batch", str(args.max_batch)] + args.extra.split()
     metrics_ports = {s: args.base_port + 10 + i for i, s in enumerate(STAGES)}
-    http_port = args.base_port + 20 if "gateway" in modes else 0
+    http_port = args.base_port + 20 if plan.wants("gateway") else 0
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
                        metrics_ports=metrics_ports, http_port=http_port, devices=stage_devices(args.devices))
     pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
     scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
     t0 = time.perf_counter()
-    print("split: starting the three services", flush=True)
+    print("split: starting the three services" + (" and the gateway" if http_port else ""), flush=True)
     stack.start(timeout=300)
     print(f"split: services ready after {time.perf_counter() - t0:.1f} s", flush=True)
     info = {"startup_s": time.perf_counter() - t0}
     mem = gpu_memory_by_pid()
     info["gpu_mem_gb"] = {s: mem.get(stack.procs[s].pid) for s in STAGES}
+    base_url = f"http://127.0.0.1:{http_port}"
     try:
         async def go():
             out = []
-            for mode in modes:
-                if mode == "gateway":
-                    tokenizer = load_tokenizer(model, cfg)
-                    client = GatewayStream(f"http://127.0.0.1:{http_port}/v1", _served_model(http_port))
-                    try:
-                        out += await _levels(client, lambda i: wl.chat(cfg, tokenizer, i), args, mode, scrape)
-                    finally:
-                        await client.close()
-                else:
-                    async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
-                        out += await _levels(client.stream, lambda i: wl.request(cfg, i), args, mode, scrape)
+            for wl in plan.workloads:
+                maker = makers[wl.name]
+                for mode in plan.modes[wl.name]:
+                    if mode == "gateway" and wl.realtime:
+                        client = RealtimeStream(base_url, _served_model(http_port))
+                        out += await _levels(client, maker.realtime, args, wl, mode, scrape)
+                    elif mode == "gateway":
+                        client = GatewayStream(base_url + "/v1", _served_model(http_port))
+                        try:
+                            out += await _levels(client, maker.chat, args, wl, mode, scrape)
+                        finally:
+                            await client.close()
+                    elif mode == "split":
+                        async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
+                            out += await _levels(client.stream, maker.speech, args, wl, mode, scrape)
             return out
         return asyncio.run(go()), info
     finally:
@@ -275,13 +376,7 @@ def _served_model(http_port: int) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def load_tokenizer(model: str, cfg):
-    from voxpipe.services.thinker.server import load_tokenizer as load
-
-    return load(model, cfg)
-
-
-def run_inprocess(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
+def run_inprocess(args, plan: Plan, makers: dict[str, RequestMaker], model: str) -> list[LevelResult]:
     from .inprocess import InProcessPipeline
 
     argv = ["--model", model, "--device", args.device, "--load-format", args.load_format,
@@ -290,84 +385,96 @@ def run_inprocess(args, cfg, wl: Workload, model: str) -> list[LevelResult]:
     async def go():
         print("inprocess: building the engines", flush=True)
         pipe = InProcessPipeline.from_argv(argv, stage_devices(args.devices))
+        out = []
         try:
-            return await _levels(pipe.stream, lambda i: wl.request(cfg, i), args, "inprocess",
-                                 server_stats.registry_source())
+            for wl in plan.workloads:
+                if "inprocess" in plan.modes[wl.name]:
+                    out += await _levels(pipe.stream, makers[wl.name].speech, args, wl, "inprocess",
+                                         server_stats.registry_source())
+            return out
         finally:
             pipe.close()
     return asyncio.run(go())
 
 
-def table(results: list[LevelResult], ref: dict | None, bw: float, nbytes: dict[str, float]) -> str:
-    rows = ["| mode | c | req/s | TTFP p50 / p90 / p99 ms | RTF p50 / p90 | E2EL p50 s | TTFT p50 ms | thinker tok/s | "
-            "talker frames/s | thinker BW | talker BW | failed |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    def text_cols(r: LevelResult) -> str:
-        # the gateway streams text, not token ids: with dummy weights the random ids decode to no
-        # visible text, so there is no first-text time and no per-token rate to report there
-        if r.thinker_tok_s <= 0 or math.isnan(r.ttft_ms["p50"]):
-            return "n/a | n/a | n/a"
-        tbw = nbytes["thinker_token"] * r.thinker_tok_s
-        return f"{r.ttft_ms['p50']:.1f} | {r.thinker_tok_s:.1f} | {tbw / 1e12:.2f} TB/s ({tbw / bw:.0%})"
-
-    for r in results:
-        fbw = nbytes["talker_frame"] * r.talker_frames_s
-        ttft, tok_s, tbw = text_cols(r).split(" | ")
-        rows.append(f"| {r.mode} | {r.concurrency} | {r.req_per_s:.2f} | {r.ttfp_ms['p50']:.1f} / {r.ttfp_ms['p90']:.1f} / "
-                    f"{r.ttfp_ms['p99']:.1f} | {r.rtf['p50']:.3f} / {r.rtf['p90']:.3f} | {r.e2el_s['p50']:.2f} | "
-                    f"{ttft} | {tok_s} | {r.talker_frames_s:.1f} | "
-                    f"{tbw} | {fbw / 1e12:.2f} TB/s ({fbw / bw:.0%}) | {r.failed} |")
-    if ref:
-        rows.append(f"| transformers | 1 | {1 / ref['ttfp_s']:.3f} | {ref['ttfp_s'] * 1000:.0f} | {ref['rtf']:.3f} | "
-                    f"{ref['ttfp_s']:.2f} | {ref['prefill_plus_1_ms']:.1f} (prefill+1) | {ref['thinker_tok_s']:.1f} | | | | 0 |")
-    return "\n".join(rows)
+def _reference_key(wl: Workload) -> tuple:
+    """Workloads with the same model work share one reference run (the transport is not its business)."""
+    return (wl.voice, wl.voice_text, 0 if wl.voice else wl.prompt_tokens, wl.text_tokens, wl.frames, wl.speaker)
 
 
-def server_table(results: list[LevelResult]) -> str:
-    """Server-side means per stage and level (from the services' Prometheus histograms; the "client"
-    row is the benchmark driver's own event loop)."""
-    rows = ["| mode | c | stage | queue wait ms | first output ms (from arrival) | step ms | steps | prefill batch | "
-            "outbox wait ms | loop lag ms |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        for stage, st in (r.server or {}).items():
-            def f(key, fmt="{:.1f}"):
-                return fmt.format(st[key]) if key in st else ""
-            if not st:
-                continue
-            rows.append(f"| {r.mode} | {r.concurrency} | {stage} | {f('queue_wait_ms')} | {f('first_output_ms')} | "
-                        f"{f('step_ms', '{:.2f}')} | {f('steps', '{:.0f}')} | {f('prefill_batch', '{:.2f}')} | "
-                        f"{f('outbox_wait_ms', '{:.2f}')} | {f('loop_lag_ms', '{:.2f}')} |")
-    return "\n".join(rows)
+def run_references(args, plan: Plan, model: str) -> dict[str, ReferenceRun]:
+    """transformers' generate at c=1 for each workload, in its own process, before voxpipe starts;
+    workloads with the same model work share one run."""
+    out: dict[str, ReferenceRun] = {}
+    done: dict[tuple, str] = {}
+    for wl in plan.workloads:
+        transport = "; no realtime transport in it" if wl.realtime else ""
+        first = done.get(_reference_key(wl))
+        if first is not None:
+            ref = out[first]
+            out[wl.name] = ReferenceRun(ref.result, f"the same model work as {first}'s (run once){transport}"
+                                        if ref.result else ref.note)
+            continue
+        print(f"transformers reference ({wl.name}): starting", flush=True)
+        cmd = [sys.executable, "-m", "voxpipe.bench.reference", "--model", model, "--device", args.device,
+               "--workload", wl.name, "--prompt-tokens", str(wl.prompt_tokens), "--text-tokens", str(wl.text_tokens),
+               "--frames", str(wl.frames)]
+        cmd += (["--audio", args.audio] if args.audio else []) + (["--realtime-audio"] if args.realtime_audio else [])
+        ref = _reference_process(cmd)
+        if ref.result:
+            ref = ReferenceRun(ref.result, transport[2:])
+        print(f"transformers reference ({wl.name}): {ref.result or ref.note}", flush=True)
+        out[wl.name] = ref
+        done[_reference_key(wl)] = wl.name
+    return out
 
 
-def ratios(results: list[LevelResult], ref: dict | None) -> list[str]:
-    lines = []
-    c1 = {r.mode: r for r in results if r.concurrency == 1}
-    for mode in ("gateway", "split"):
-        if ref and mode in c1:
-            s = c1[mode]
-            tok = f", thinker {s.thinker_tok_s / ref['thinker_tok_s']:.1f}x tok/s" if s.thinker_tok_s > 0 else ""
-            lines.append(f"- {mode} vs transformers at c=1: TTFP {ref['ttfp_s'] * 1000 / s.ttfp_ms['p50']:.0f}x lower, "
-                         f"RTF {ref['rtf'] / s.rtf['p50']:.1f}x lower{tok}")
-    for c in sorted({r.concurrency for r in results}):
-        pair = {r.mode: r for r in results if r.concurrency == c}
-        for mode in ("split", "gateway"):
-            if mode in pair and "inprocess" in pair:
-                a, b = pair[mode], pair["inprocess"]
-                lines.append(f"- c={c}: {mode} / in-process TTFP p50 = {a.ttfp_ms['p50'] / b.ttfp_ms['p50']:.3f}, "
-                             f"req/s = {a.req_per_s / max(b.req_per_s, 1e-9):.3f}")
-    return lines
+def _reference_process(cmd: list[str], timeout: float = 420) -> ReferenceRun:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return ReferenceRun(None, f"did not finish in {timeout:.0f} s")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return ReferenceRun(json.loads(lines[-1]))
+    print(proc.stderr[-2000:], flush=True)
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return ReferenceRun(None, f"failed (exit {proc.returncode}): {last}")
+
+
+def make_requests(args, cfg, plan: Plan, model: str) -> dict[str, RequestMaker]:
+    """One RequestMaker per workload (the tokenizer, and for voice workloads the clip and the
+    model's feature extractor, loaded once)."""
+    from voxpipe.services.thinker.prompt import FeatureExtractor
+
+    from .voice_clip import load_clip
+
+    tokenizer = load_tokenizer(model, cfg)
+    voice = any(w.voice for w in plan.workloads)
+    clip = load_clip(args.audio) if voice else None
+    features = FeatureExtractor.for_model(model, cfg.thinker) if voice else None
+    if clip is not None:
+        print(f"voice clip: {clip.path}, {clip.seconds:.2f} s", flush=True)
+    return {w.name: RequestMaker(w, cfg, tokenizer, clip, features) for w in plan.workloads}
+
+
+def load_tokenizer(model: str, cfg):
+    from voxpipe.services.thinker.server import load_tokenizer as load
+
+    return load(model, cfg)
 
 
 def run(args) -> int:
     from voxpipe.services.runtime.config import OmniConfig, released_config_path
 
-    if "gateway" in args.modes.split(",") and not args.ablation:
-        import openai  # noqa: F401  (fail now, not after the reference and the service start-up)
+    plan = Plan.of(args)
+    # the services and the gateway log at the bench's level (`voxpipe --log-level WARNING bench ...`)
+    os.environ.setdefault("VOXPIPE_LOG_LEVEL", getattr(args, "log_level", None) or "INFO")
+    if not args.ablation:      # fail now, not after the reference and the service start-up
+        check_packages(plan)
     model = args.model or str(released_config_path())
     cfg = OmniConfig.load(model)
-    wl = workload_from(args)
+    makers = make_requests(args, cfg, plan, model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     repo = Path(__file__).resolve().parents[1]
@@ -380,48 +487,39 @@ def run(args) -> int:
         device_name = torch.cuda.get_device_name(0)
     bw = copy_bandwidth(args.device)
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
-    ref = None
-    if args.reference:
-        cfg_path = model if model.endswith(".json") else str(Path(model) / "config.json")
-        print("transformers reference: starting", flush=True)
-        proc = subprocess.run([sys.executable, "-m", "voxpipe.bench.reference", "--config", cfg_path,
-                               "--device", args.device, "--prompt-tokens", str(wl.prompt_tokens),
-                               "--text-tokens", str(wl.text_tokens), "--frames", str(wl.frames)],
-                              capture_output=True, text=True, timeout=420)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-        if proc.returncode == 0 and lines:
-            ref = json.loads(lines[-1])
-            print(f"transformers reference: {ref}", flush=True)
-        else:
-            print(f"transformers reference failed: {proc.stderr[-2000:]}", flush=True)
+    refs = run_references(args, plan, model) if args.reference else {}
     results: list[LevelResult] = []
     info = {}
-    modes = [m for m in args.modes.split(",") if m]
     if args.ablation:
-        results += run_ablation(args, cfg, wl, model)
-        modes = []
-    if "split" in modes or "gateway" in modes:
-        res, info = run_split(args, cfg, wl, model)
-        results += res
-        print(f"split startup {info['startup_s']:.1f} s, GPU memory per service (GB): {info['gpu_mem_gb']}", flush=True)
-    if "inprocess" in modes:
-        results += run_inprocess(args, cfg, wl, model)
+        results += run_ablation(args, cfg, plan, makers, model)
+    else:
+        if plan.wants("split") or plan.wants("gateway"):
+            res, info = run_split(args, cfg, plan, makers, model)
+            results += res
+            print(f"split startup {info['startup_s']:.1f} s, GPU memory per service (GB): {info['gpu_mem_gb']}",
+                  flush=True)
+        if plan.wants("inprocess"):
+            results += run_inprocess(args, plan, makers, model)
     nbytes = active_bytes(cfg)
-    md = table(results, ref, bw, nbytes) + "\n\nServer side (means over each level, from the services' metrics):\n\n" + \
-        server_table(results)
-    summary = "\n".join(ratios(results, ref))
     argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else sys.argv[1:]
     cmd = "voxpipe bench " + " ".join(argv)
     header = (f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · commit {commit} · {device_name or args.device}\n\n"
-              f"`{cmd}` — workload {wl.name}: {wl.prompt_tokens}-token prompt, {wl.text_tokens} text tokens, "
-              f"{wl.frames} frames forced, greedy, speaker {wl.speaker}; copy bandwidth {bw / 1e12:.2f} TB/s; "
+              f"`{cmd}` — greedy; copy bandwidth {bw / 1e12:.2f} TB/s; "
               f"TTFP measured at the client: gateway = the openai SDK streaming chat completions (SSE) from the "
-              f"gateway; split = the gRPC pipeline client calling the three services; inprocess = the driver "
-              f"calling the engines.\n")
-    text = header + "\n" + md + "\n\n" + summary + "\n"
+              f"gateway, or for realtime a WebSocket client from response.create to the first "
+              f"response.output_audio.delta; split = the gRPC pipeline client calling the three services; "
+              f"inprocess = the driver calling the engines. Voice prompts: the driver computes the clip's features "
+              f"once for split / inprocess; the gateway decodes the wav and computes them per request.\n")
+    sections = [section(wl, results, refs.get(wl.name) if args.reference else None, bw, nbytes, plan.notes[wl.name])
+                for wl in plan.workloads]
+    text = header + "\n" + "\n\n".join(sections) + "\n"
     print("\n" + text, flush=True)
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"commit": commit, "device": device_name, "command": cmd,
-                                                   "copy_bandwidth": bw, "reference": ref, "split_info": info,
-                                                   "levels": [r.as_dict() for r in results]}, indent=1))
+    first = refs.get(plan.workloads[0].name)
+    (out / "results.json").write_text(json.dumps({
+        "commit": commit, "device": device_name, "command": cmd, "copy_bandwidth": bw,
+        "reference": first.result if first else None,
+        "references": {name: r.as_dict() for name, r in refs.items()},
+        "workloads": {w.name: w.describe() for w in plan.workloads},
+        "notes": plan.notes, "split_info": info, "levels": [r.as_dict() for r in results]}, indent=1))
     return 0

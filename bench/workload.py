@@ -1,15 +1,15 @@
-"""The "seedtts-like" workload of BENCHMARK.md and the client-side metrics of one run."""
+"""BENCHMARK.md's workloads (seedtts-like, long-prompt, voice-in, realtime) and the client-side metrics
+of one run."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import string
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from voxpipe.client import AudioEvent, DoneEvent, SpeechRequest, TextEvent
+from voxpipe.client import AudioEvent, DoneEvent, TextEvent
 from voxpipe.services.runtime.config import OmniConfig
 
 SAMPLE_RATE = 24000
@@ -17,12 +17,19 @@ SAMPLE_RATE = 24000
 
 @dataclass(frozen=True)
 class Workload:
+    """One BENCHMARK.md workload: what each request asks for and the concurrency levels it is
+    reported at (all lengths forced: ignore EOS, min = max)."""
+
     name: str = "seedtts-like"
-    prompt_tokens: int = 100
+    prompt_tokens: int = 100          # text prompts (a voice prompt's length is the clip's and voice_text's)
     text_tokens: int = 48
     frames: int = 125
     speaker: str = "ethan"
     seed: int = 0
+    levels: tuple[int, ...] = (1, 16, 32, 64)
+    voice: bool = False               # the user turn is the speech clip followed by `voice_text`
+    voice_text: str = ""
+    realtime: bool = False            # driven through the gateway's realtime WebSocket (gateway mode only)
 
     def prompt(self, cfg: OmniConfig, index: int) -> list[int]:
         """ChatML system + user turn; user tokens random ids from the normal text range; ends with the
@@ -37,59 +44,46 @@ class Workload:
         body = [rng.randrange(1000 if high > 2000 else 0, high) for _ in range(self.prompt_tokens - len(head) - len(tail))]
         return head + body + tail
 
-    def request(self, cfg: OmniConfig, index: int) -> SpeechRequest:
-        return SpeechRequest(token_ids=self.prompt(cfg, index), speaker=self.speaker, max_tokens=self.text_tokens,
-                             min_tokens=self.text_tokens, max_frames=self.frames + 1, min_frames=self.frames + 1,
-                             request_id=f"bench-{index}")
+    def modes(self, asked: list[str]) -> list[str]:
+        """The asked client modes this workload runs in: a realtime workload only through the gateway."""
+        return [m for m in asked if m == "gateway"] if self.realtime else list(asked)
 
-    def chat(self, cfg: OmniConfig, tokenizer, index: int) -> "ChatRequest":
-        """The same request for the gateway's OpenAI chat API: a system turn and a user turn of random
-        lowercase words whose rendered prompt (the gateway renders it the same way) has exactly
-        `prompt_tokens` ids; output forced with `ignore_eos`, greedy."""
-        from voxpipe.services.thinker.prompt import ChatMessage, render
+    def with_overrides(self, prompt_tokens: int = 0, text_tokens: int = 0, frames: int = 0,
+                       realtime_audio: bool = False) -> "Workload":
+        """Non-zero lengths replace the workload's; `realtime_audio` makes a realtime workload's user turn
+        the voice clip (input_audio_buffer.append + commit, no text) instead of a text prompt."""
+        wl = replace(self, prompt_tokens=prompt_tokens or self.prompt_tokens, text_tokens=text_tokens or self.text_tokens,
+                     frames=frames or self.frames)
+        return replace(wl, voice=True, voice_text="") if realtime_audio and self.realtime else wl
 
-        system = "You are a helpful assistant."
+    def describe(self) -> str:
+        if self.voice and self.realtime:
+            user = "the voice clip appended to the input audio buffer and committed"
+        elif self.voice:
+            user = f"the voice clip + \"{self.voice_text}\"" if self.voice_text else "the voice clip"
+        else:
+            user = f"a {self.prompt_tokens}-token text prompt"
+        via = " over the realtime WebSocket (TTFP from response.create)" if self.realtime else ""
+        return f"{self.name}: {user}{via}, {self.text_tokens} text tokens, {self.frames} frames forced"
 
-        def length(user: str) -> int:
-            msgs = [ChatMessage.text("system", system), ChatMessage.text("user", user)]
-            return len(render(tokenizer, cfg.thinker, msgs).token_ids)
 
-        target = self.prompt_tokens
-        if length("x") > target:
-            raise ValueError(f"the chat template alone takes more than {target} tokens")
-        rng = random.Random(self.seed * 100003 + index)
-        user = ""
-        while length(user) < target:
-            user = (user + " " + "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8)))).strip()
-        while len(user) > 1 and length(user) > target:
-            user = user[:-1].rstrip() or "x"
-        # then one character at a time, preferring one that lands exactly
-        for _ in range(4 * target):
-            if length(user) >= target:
-                break
-            user += next((ch for ch in string.ascii_lowercase if length(user + ch) == target), "a")
-        if length(user) != target:
-            raise RuntimeError(f"could not build a {target}-token chat prompt (got {length(user)})")
-        return ChatRequest(index=index, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-                           voice=self.speaker, max_tokens=self.text_tokens, max_audio_frames=self.frames + 1)
-
+SYSTEM_TEXT = "You are a helpful assistant."
+VOICE_TEXT = "Please answer briefly."           # voice-in's short text after the clip
 
 # BENCHMARK.md's workloads; "long-prompt" keeps seedtts-like's audio per text token (125 / 48)
 WORKLOADS = {
     "seedtts-like": Workload(),
-    "long-prompt": Workload(name="long-prompt", prompt_tokens=2500, text_tokens=900, frames=round(900 * 125 / 48)),
+    "long-prompt": Workload(name="long-prompt", prompt_tokens=2500, text_tokens=900, frames=round(900 * 125 / 48),
+                            levels=(1, 16)),
+    "voice-in": Workload(name="voice-in", voice=True, voice_text=VOICE_TEXT, levels=(1, 16)),
+    "realtime": Workload(name="realtime", realtime=True, levels=(1, 8)),
 }
 
 
 @dataclass(frozen=True)
-class ChatRequest:
-    """One workload request as an OpenAI chat completion (see `Workload.chat`)."""
-
-    index: int
-    messages: list
-    voice: str
-    max_tokens: int
-    max_audio_frames: int
+class RequestSent:
+    """Yielded by a client whose request starts after some set-up (the realtime client: after the
+    connection, session.update and the user item): the request's clock starts here."""
 
 
 @dataclass
@@ -102,6 +96,7 @@ class RequestRecord:
     samples: int = 0
     tokens: int = 0
     frames: int = 0
+    prompt_tokens: int = 0
     error: str | None = None
 
     @property
@@ -117,12 +112,16 @@ class RequestRecord:
         return (self.last_audio - self.start) / (self.samples / SAMPLE_RATE)
 
 
-async def run_one(stream_fn, req: SpeechRequest) -> RequestRecord:
+async def run_one(stream_fn, req) -> RequestRecord:
+    """One request through `stream_fn` (the pipeline client, the in-process engines, the gateway's
+    SSE or realtime client), timed from here or from the client's RequestSent."""
     rec = RequestRecord(start=time.perf_counter())
     try:
         async for ev in stream_fn(req):
             now = time.perf_counter()
-            if isinstance(ev, TextEvent):
+            if isinstance(ev, RequestSent):
+                rec.start = now
+            elif isinstance(ev, TextEvent):
                 rec.first_text = rec.first_text or now
                 rec.last_text = now
                 rec.tokens += len(ev.token_ids)
@@ -132,6 +131,7 @@ async def run_one(stream_fn, req: SpeechRequest) -> RequestRecord:
                 rec.samples += len(ev.samples)
             elif isinstance(ev, DoneEvent):
                 rec.frames = ev.frames
+                rec.prompt_tokens = ev.prompt_tokens
                 rec.tokens = rec.tokens or ev.completion_tokens   # clients that see text, not token ids
     except Exception as e:  # noqa: BLE001 - recorded, counted as a failed request
         rec.error = repr(e)
@@ -141,16 +141,19 @@ async def run_one(stream_fn, req: SpeechRequest) -> RequestRecord:
 async def run_level(stream_fn, make_request, concurrency: int, requests: int,
                     warmup: int) -> tuple[list[RequestRecord], float]:
     """`warmup` requests first (not measured), then `requests` with at most `concurrency` in flight.
-    `make_request(index)` builds what `stream_fn` takes."""
-    await asyncio.gather(*(run_one(stream_fn, make_request(10_000 + i)) for i in range(warmup)))
+    `make_request(index)` builds what `stream_fn` takes; every request is built before the clock starts
+    (a long chat prompt takes a while to fit to its token count)."""
+    warm = [make_request(10_000 + i) for i in range(warmup)]
+    measured = [make_request(i) for i in range(requests)]
+    await asyncio.gather(*(run_one(stream_fn, req) for req in warm))
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(i: int) -> RequestRecord:
+    async def one(req) -> RequestRecord:
         async with sem:
-            return await run_one(stream_fn, make_request(i))
+            return await run_one(stream_fn, req)
 
     t0 = time.perf_counter()
-    records = await asyncio.gather(*(one(i) for i in range(requests)))
+    records = await asyncio.gather(*(one(req) for req in measured))
     return list(records), time.perf_counter() - t0
 
 
@@ -180,9 +183,13 @@ class LevelResult:
     audio_s: float = 0.0                             # mean audio per request
     server: dict = field(default_factory=dict)       # per stage: server-side means (bench.server_stats)
     ttfp_each_ms: list = field(default_factory=list)  # every successful request's TTFP, in completion order
+    workload: str = ""
+    prompt_tokens: float = 0.0                       # mean prompt length (as the server counted it)
+    errors: list = field(default_factory=list)       # the first few failures' messages
 
     @classmethod
-    def of(cls, mode: str, concurrency: int, records: list[RequestRecord], wall: float) -> "LevelResult":
+    def of(cls, mode: str, concurrency: int, records: list[RequestRecord], wall: float,
+           workload: str = "") -> "LevelResult":
         ok = [r for r in records if r.error is None and r.first_audio is not None and r.samples]
         def summary(vals, scale=1.0):
             return {"p50": pct(vals, 0.5) * scale, "p90": pct(vals, 0.9) * scale, "p99": pct(vals, 0.99) * scale,
@@ -198,7 +205,9 @@ class LevelResult:
                    thinker_tok_s=statistics.fmean(tok_rates) if tok_rates else 0.0,
                    talker_frames_s=statistics.fmean(frame_rates) if frame_rates else 0.0,
                    audio_s=statistics.fmean([r.samples / SAMPLE_RATE for r in ok]) if ok else 0.0,
-                   ttfp_each_ms=[round(r.ttfp * 1000.0, 2) for r in ok])
+                   ttfp_each_ms=[round(r.ttfp * 1000.0, 2) for r in ok], workload=workload,
+                   prompt_tokens=statistics.fmean([r.prompt_tokens for r in ok]) if ok else 0.0,
+                   errors=[r.error for r in records if r.error][:3])
 
     def as_dict(self) -> dict:
         return asdict(self)

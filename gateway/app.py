@@ -102,8 +102,9 @@ class GatewayState:
         from voxpipe.services.thinker.server import load_tokenizer
 
         metrics = GatewayMetrics()
-        return cls(config=config, omni=OmniConfig.load(config.model_dir), tokenizer=load_tokenizer(config.model_dir),
-                   features=FeatureExtractor(config.model_dir), metrics=metrics,
+        omni = OmniConfig.load(config.model_dir)
+        return cls(config=config, omni=omni, tokenizer=load_tokenizer(config.model_dir),
+                   features=FeatureExtractor.for_model(config.model_dir, omni.thinker), metrics=metrics,
                    sessions=SessionLimiter(config.max_sessions, metrics.sessions),
                    transcripts=TranscriptStore(config.audio_expiry_s, config.max_stored_audio))
 

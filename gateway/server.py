@@ -46,11 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(args) -> None:
     import uvicorn
 
+    from voxpipe.services.thinker.prompt import FeatureConfigError
+
     from .app import create_app
     from .config import GatewayConfig
 
     config = GatewayConfig.from_args(args)
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except FeatureConfigError as e:      # the model folder's audio front end disagrees with its config
+        raise SystemExit(f"gateway: {e}") from None
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, loop="none",
                                            http="auto", ws="auto", log_level=args.log_level.lower(),
                                            access_log=False, timeout_graceful_shutdown=10))

@@ -56,3 +56,128 @@ def test_bench_rejects_a_bad_devices_spec():
             assert "--devices: expected STAGE=DEVICE" in str(e) and repr(bad.split(",")[0]) in str(e)
         else:
             raise AssertionError(f"{bad!r} was accepted")
+
+
+# ---------------------------------------------------------------- the other BENCHMARK.md workloads
+
+def _bench(tmp_path, model, *flags: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict, str]:
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "voxpipe.cli", "--log-level", "WARNING", "bench", "--model", str(model),
+           "--load-format", "auto", "--device", "cpu", "--concurrency", "1,2", "--requests", "2", "--warmup", "1",
+           "--text-tokens", "4", "--frames", "6", "--out", str(out), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+AUDIO_S = (6 * 1920 - 555) / 24000      # 6 frames forced
+
+
+def _check_levels(levels: dict, want: set, prompt_tokens: int | None = None) -> None:
+    assert set(levels) == want
+    for key, lv in levels.items():
+        assert lv["requests"] == 2 and lv["failed"] == 0 and not lv["errors"], (key, lv["errors"])
+        assert len(lv["ttfp_each_ms"]) == 2 and min(lv["ttfp_each_ms"]) > 0, key
+        assert abs(lv["audio_s"] - AUDIO_S) < 1e-9, key
+        for metric in ("ttfp_ms", "rtf", "e2el_s", "ttft_ms"):
+            assert set(lv[metric]) == {"p50", "p90", "p99", "mean"}, (key, metric)
+        assert 0 < lv["ttfp_ms"]["p50"] <= lv["ttfp_ms"]["p90"] <= lv["ttfp_ms"]["p99"] <= lv["e2el_s"]["p99"] * 1000
+        if prompt_tokens is not None:
+            assert lv["prompt_tokens"] == prompt_tokens, key
+
+
+def test_bench_voice_in_on_a_model_without_a_preprocessor_config(tiny_model_dir, tmp_path):
+    """voice-in in every mode, on the tiny checkpoint whose folder lacks preprocessor_config.json (the
+    features come from config.json, as for full-size dummy runs); the reference gets the same prompt."""
+    model = tmp_path / "tiny-no-preprocessor"
+    model.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.name != "preprocessor_config.json":
+            (model / f.name).symlink_to(f)
+    _, res, md = _bench(tmp_path, model, "--workload", "voice-in", "--modes", "gateway,split,inprocess",
+                        "--base-port", "53251")
+    ref = res["references"]["voice-in"]["result"]
+    assert ref["audio_frames_in"] == 570 and ref["audio_s"] == AUDIO_S   # the 5.7 s clip, 100 frames a second
+    levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
+    # gateway (wav decoded there) and split / in-process (features made by the driver): one prompt
+    _check_levels(levels, {("voice-in", m, c) for m in ("gateway", "split", "inprocess") for c in (1, 2)},
+                  prompt_tokens=ref["prompt_tokens"])
+    assert ref["prompt_tokens"] > 570 // 8                  # the clip's audio placeholders are in it
+    assert "#### voice-in: the voice clip + \"Please answer briefly.\"" in md and "| transformers | 1 |" in md
+    assert "| TTFP p50 / p90 / p99 ms | RTF p50 / p90 / p99 | E2EL p50 / p90 / p99 s | TTFT p50 / p90 / p99 ms |" in md
+
+
+def test_bench_realtime_beside_seedtts_like_in_one_run(tiny_model_dir, tmp_path):
+    """Two workloads against one start of the services; realtime runs in gateway mode only and says
+    so; its reference is seedtts-like's (the same model work)."""
+    proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "seedtts-like,realtime", "--modes", "gateway,split",
+                           "--base-port", "53351")
+    assert proc.stdout.count("split: starting the three services") == 1
+    levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
+    want = {("seedtts-like", m, c) for m in ("gateway", "split") for c in (1, 2)} | {("realtime", "gateway", c) for c in (1, 2)}
+    _check_levels(levels, want, prompt_tokens=100)
+    assert res["notes"]["realtime"] == ["not run in mode split: the realtime WebSocket is the gateway's"]
+    refs = res["references"]
+    assert refs["seedtts-like"]["result"] and refs["realtime"]["result"] == refs["seedtts-like"]["result"]
+    assert "same model work as seedtts-like" in refs["realtime"]["note"]
+    assert "#### realtime: a 100-token text prompt over the realtime WebSocket" in md
+    assert "not run in mode split: the realtime WebSocket is the gateway's" in md
+
+
+def test_bench_realtime_with_the_voice_clip(tiny_model_dir, tmp_path):
+    """realtime with the user turn spoken (input_audio_buffer.append + commit), on the tiny checkpoint
+    with its preprocessor_config.json."""
+    _, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "realtime", "--realtime-audio", "--modes", "gateway",
+                        "--no-reference", "--concurrency", "2", "--base-port", "53451")
+    levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
+    _check_levels(levels, {("realtime", "gateway", 2)})
+    assert levels["realtime", "gateway", 2]["prompt_tokens"] > 570 // 8
+    assert res["references"] == {} and "transformers reference: not run (--no-reference)" in md
+    assert "realtime: the voice clip appended to the input audio buffer and committed" in md
+
+
+def test_bench_refuses_bad_workload_flags(tmp_path):
+    base = [sys.executable, "-m", "voxpipe.cli", "bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path)]
+    cases = [
+        (["--workload", "seedtts-like,voice-out"], "unknown workload 'voice-out'; choose from seedtts-like, long-prompt"),
+        (["--workload", ""], "unknown workload"),
+        (["--concurrency", "1,x"], "--concurrency: expected positive integers"),
+        (["--modes", "gateway,grpc"], "--modes: expected a comma list of gateway, split, inprocess"),
+        (["--workload", "realtime", "--modes", "split,inprocess"], "--workload realtime runs only in gateway mode"),
+        (["--workload", "voice-in", "--modes", "split", "--audio", str(tmp_path / "missing.wav")],
+         f"--audio: no such file: {tmp_path / 'missing.wav'}"),
+    ]
+    (tmp_path / "noise.wav").write_bytes(b"not a wav file at all")
+    cases.append((["--workload", "voice-in", "--modes", "split", "--audio", str(tmp_path / "noise.wav")],
+                  "is not a readable wav file"))
+    for flags, message in cases:
+        proc = subprocess.run(base + flags, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stderr[-1500:])
+        assert "starting the three services" not in proc.stdout, flags
+
+
+def test_bench_names_the_packages_a_gateway_workload_lacks(monkeypatch):
+    import argparse
+    import importlib.util
+
+    import pytest
+
+    from voxpipe.bench import harness
+
+    p = argparse.ArgumentParser()
+    harness.add_arguments(p)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("websockets", "soundfile") else real(name, *a))
+    plan = harness.Plan.of(p.parse_args(["--workload", "seedtts-like,realtime", "--modes", "gateway,split"]))
+    assert plan.modes == {"seedtts-like": ["gateway", "split"], "realtime": ["gateway"]}
+    with pytest.raises(SystemExit, match="needs the Python packages websockets: pip install"):
+        harness.check_packages(plan)
+    plan = harness.Plan.of(p.parse_args(["--workload", "voice-in", "--modes", "gateway"]))
+    with pytest.raises(SystemExit, match="needs the Python packages soundfile"):
+        harness.check_packages(plan)
+    harness.check_packages(harness.Plan.of(p.parse_args(["--workload", "voice-in,long-prompt", "--modes", "split"])))
+    assert [w.levels for w in harness.workloads_from(p.parse_args(["--workload", "long-prompt,realtime"]))] == \
+        [(1, 16), (1, 8)]
+    wl = harness.workloads_from(p.parse_args(["--workload", "long-prompt", "--text-tokens", "48", "--frames", "125"]))[0]
+    assert (wl.prompt_tokens, wl.text_tokens, wl.frames) == (2500, 48, 125)

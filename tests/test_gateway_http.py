@@ -168,7 +168,7 @@ def test_chat_input_audio_part(client, model, stack, tokenizer, omni_config, tin
     prompt = render(tokenizer, omni_config.thinker,
                     [ChatMessage("user", [ChatPart(audio=resample(decoded, rate, 16000)),
                                           ChatPart(text="What is this sound?")])],
-                    FeatureExtractor(str(tiny_model_dir)))
+                    FeatureExtractor.for_model(tiny_model_dir))
     ref_text, _ = pipeline_result(stack, prompt, audio=False, max_tokens=4)
     assert resp.choices[0].message.content == ref_text
     assert resp.usage.prompt_tokens == len(prompt.token_ids)

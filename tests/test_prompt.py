@@ -33,3 +33,66 @@ def test_audio_parts_expand_to_the_encoder_length(tokenizer, omni_config):
     n = omni_config.thinker.audio.n_window
     assert r.token_ids.count(omni_config.thinker.tokens.audio_token) == sum(audio_output_length(f.shape[1], n) for f in feats)
     assert r.audio_features == feats
+
+
+# ---------------------------------------------------------------- audio features from the model's config
+
+def _config_only_folder(path, mel_bins: int = 128):
+    """The released config.json (mel bins set to `mel_bins`) alone in a folder: how full-size runs on
+    dummy weights see the model."""
+    import json
+
+    from voxpipe.services.runtime.config import released_config_path
+
+    cfg = json.loads(released_config_path().read_text())
+    cfg["thinker_config"]["audio_config"]["num_mel_bins"] = mel_bins
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def _gateway_state(model):
+    from voxpipe.gateway.app import GatewayState
+    from voxpipe.gateway.config import GatewayConfig
+
+    return GatewayState.load(GatewayConfig(thinker="127.0.0.1:1", talker="127.0.0.1:2", code2wav="127.0.0.1:3",
+                                           model_dir=str(model)))
+
+
+def _clip(seconds: float = 1.5):
+    import numpy as np
+
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+
+
+def test_gateway_features_of_a_config_only_model_follow_its_config(tmp_path):
+    from voxpipe.services.runtime.config import released_config_path
+
+    for model in (_config_only_folder(tmp_path / "cfg"), released_config_path()):   # a folder, a bare .json
+        feats = _gateway_state(model).features(_clip())
+        assert feats.shape == (128, 150), (model, feats.shape)
+    feats = _gateway_state(_config_only_folder(tmp_path / "cfg96", mel_bins=96)).features(_clip())
+    assert feats.shape == (96, 150)
+
+
+def test_a_preprocessor_config_must_agree_with_the_model_config(tmp_path, tiny_model_dir):
+    import subprocess
+    import sys
+
+    import pytest
+    from transformers import WhisperFeatureExtractor
+
+    from voxpipe.services.thinker.prompt import FeatureConfigError, FeatureExtractor
+
+    assert FeatureExtractor.for_model(tiny_model_dir)(_clip()).shape == (128, 150)   # the tiny one agrees
+    folder = _config_only_folder(tmp_path / "m")
+    WhisperFeatureExtractor(feature_size=80, return_attention_mask=True).save_pretrained(str(folder))
+    with pytest.raises(FeatureConfigError, match="feature_size 80 .expected 128: config.json's thinker_config"):
+        _gateway_state(folder)
+    # `voxpipe gateway` refuses to start, saying why
+    proc = subprocess.run([sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(folder), "--host", "127.0.0.1",
+                           "--http-port", "0", "--thinker", "127.0.0.1:1", "--talker", "127.0.0.1:2",
+                           "--code2wav", "127.0.0.1:3"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "ready on port" not in proc.stdout
+    assert "preprocessor_config.json disagrees with the model: feature_size 80" in proc.stderr, proc.stderr[-2000:]

@@ -224,7 +224,7 @@ def cmd_say(args) -> int:
         wav, rate = read_wav(Path(args.audio).read_bytes())
         parts.append(ChatPart(audio=resample(wav, rate, 16000)))
     parts.append(ChatPart(text=args.text if hasattr(args, "text") and args.text is not None else args.say))
-    prompt = render(tokenizer, cfg.thinker, [ChatMessage("user", parts)], FeatureExtractor(str(model)))
+    prompt = render(tokenizer, cfg.thinker, [ChatMessage("user", parts)], FeatureExtractor.for_model(model, cfg.thinker))
     req = SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=args.voice,
                         max_tokens=args.max_tokens, min_tokens=args.max_tokens if args.ignore_eos else args.min_tokens,
                         max_frames=args.max_frames, min_frames=args.max_frames if args.ignore_eos else args.min_frames,

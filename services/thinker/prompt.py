@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..runtime.config import ThinkerConfig
+from ..runtime.config import OmniConfig, ThinkerConfig
 from .model import audio_output_length
 
+# the audio encoder's front end (STAGES.md); the mel bins come from config.json
 FEATURE_SAMPLE_RATE = 16000
+FEATURE_HOP_LENGTH = 160
+FEATURE_N_FFT = 400
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
 
 
 @dataclass
@@ -41,19 +46,51 @@ class RenderedPrompt:
     audio_features: list[torch.Tensor]       # in prompt order
 
 
-class FeatureExtractor:
-    """WhisperFeatureExtractor features with only the valid frames kept: [num_mel_bins, frames]."""
+class FeatureConfigError(ValueError):
+    """A checkpoint's preprocessor_config.json disagrees with its config.json or with the audio front
+    end the encoder is built for."""
 
-    def __init__(self, model_dir: str | None = None, num_mel_bins: int = 128) -> None:
+
+class FeatureExtractor:
+    """WhisperFeatureExtractor features with only the valid frames kept: [num_mel_bins, frames].
+
+    The front end is fixed by the audio encoder (16 kHz, hop 160, window 400, STAGES.md); only the
+    number of mel bins varies, and it comes from the model's config.json
+    (thinker_config.audio_config.num_mel_bins). Build it with `for_model`."""
+
+    def __init__(self, num_mel_bins: int, preprocessor_dir: str | Path | None = None) -> None:
+        """`preprocessor_dir`: a folder whose preprocessor_config.json is loaded and checked against
+        `num_mel_bins` and the fixed front end (FeatureConfigError when they disagree); None: built
+        from `num_mel_bins` alone."""
         from transformers import WhisperFeatureExtractor
 
-        try:
-            self.fe = WhisperFeatureExtractor.from_pretrained(model_dir) if model_dir else None
-        except (OSError, ValueError):
-            self.fe = None
-        if self.fe is None:
+        self.num_mel_bins = num_mel_bins
+        if preprocessor_dir is None:
             self.fe = WhisperFeatureExtractor(feature_size=num_mel_bins, sampling_rate=FEATURE_SAMPLE_RATE,
-                                              hop_length=160, n_fft=400, chunk_length=30, return_attention_mask=True)
+                                              hop_length=FEATURE_HOP_LENGTH, n_fft=FEATURE_N_FFT, chunk_length=30,
+                                              padding_value=0.0, return_attention_mask=True)
+            return
+        self.fe = WhisperFeatureExtractor.from_pretrained(str(preprocessor_dir))
+        path = Path(preprocessor_dir) / PREPROCESSOR_CONFIG
+        expected = {"feature_size": (num_mel_bins, "config.json's thinker_config.audio_config.num_mel_bins"),
+                    "sampling_rate": (FEATURE_SAMPLE_RATE, "the audio encoder's input rate"),
+                    "hop_length": (FEATURE_HOP_LENGTH, "the audio encoder's hop"),
+                    "n_fft": (FEATURE_N_FFT, "the audio encoder's window")}
+        wrong = [f"{key} {getattr(self.fe, key)} (expected {want}: {why})" for key, (want, why) in expected.items()
+                 if getattr(self.fe, key) != want]
+        if wrong:
+            raise FeatureConfigError(f"{path} disagrees with the model: " + "; ".join(wrong) +
+                                     ". Fix or remove it (without it the features are built from config.json)")
+
+    @classmethod
+    def for_model(cls, model: str | Path, cfg: ThinkerConfig | None = None) -> "FeatureExtractor":
+        """`model`: a checkpoint folder or a bare config .json file (dummy weights). A folder with a
+        preprocessor_config.json is loaded from it (and must agree with the config); otherwise the
+        features are built from the config's mel bins."""
+        path = Path(model)
+        cfg = cfg or OmniConfig.load(path).thinker
+        folder = path if path.is_dir() and (path / PREPROCESSOR_CONFIG).is_file() else None
+        return cls(cfg.audio.num_mel_bins, folder)
 
     def __call__(self, wav_16k: np.ndarray) -> torch.Tensor:
         if wav_16k.ndim != 1 or wav_16k.size == 0:
