@@ -55,7 +55,7 @@ def omni_config(tiny_model_dir):
 class GatewayProcess:
     """`voxpipe gateway` as a real subprocess on a free localhost port."""
 
-    def __init__(self, model_dir, thinker: str, talker: str, code2wav: str, *extra: str, timeout: float = 120) -> None:
+    def __init__(self, model_dir, thinker: str, code2wav: str, *extra: str, timeout: float = 120) -> None:
         import subprocess
         import sys
         import time
@@ -63,7 +63,7 @@ class GatewayProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--http-port", str(self.port), "--thinker", thinker, "--talker", talker, "--code2wav", code2wav,
+               "--http-port", str(self.port), "--thinker", thinker, "--code2wav", code2wav,
                *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
         deadline = time.monotonic() + timeout
@@ -90,6 +90,6 @@ class GatewayProcess:
 @pytest.fixture(scope="session")
 def gateway(stack, tiny_model_dir):
     """The gateway (OpenAI HTTP API) in front of `stack`, no API key."""
-    gw = GatewayProcess(tiny_model_dir, *(stack.address(s) for s in STAGES))
+    gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"))
     yield gw
     gw.stop()

@@ -38,7 +38,7 @@ TEXT = "Hello there, how are you?"
 def converse_gateway(stack, tiny_model_dir):
     """`voxpipe gateway --grpc-port M` as a process in front of `stack`; yields the Converse address."""
     grpc_port = free_port()
-    process = GatewayProcess(tiny_model_dir, *(stack.address(s) for s in STAGES), "--grpc-port", str(grpc_port))
+    process = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"), "--grpc-port", str(grpc_port))
     yield f"127.0.0.1:{grpc_port}"
     process.stop()
 
@@ -80,7 +80,7 @@ def check_audio_chunks(audio: list[pb.AudioChunk], encoding: int) -> int:
 
 def pipeline_reference(stack, **kw):
     async def go():
-        async with PipelineClient(*(stack.address(s) for s in STAGES)) as client:
+        async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
             return await client.collect(SpeechRequest(**kw))
     return asyncio.run(go())
 
@@ -335,7 +335,7 @@ def test_health_and_reflection(channel):
 def keyed_gateway(stack, tiny_model_dir):
     """--api-key, --max-sessions 4, no reflection; yields (the gateway process, the Converse address)."""
     grpc_port = free_port()
-    process = GatewayProcess(tiny_model_dir, *(stack.address(s) for s in STAGES), "--grpc-port", str(grpc_port),
+    process = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"), "--grpc-port", str(grpc_port),
                              "--api-key", "sesame", "--max-sessions", "4", "--no-reflection")
     yield process, f"127.0.0.1:{grpc_port}"
     process.stop()

@@ -56,7 +56,7 @@ def strict_gateway(stack, tiny_model_dir):
 def pipeline_result(stack, prompt, **kw):
     """What the pipeline client makes for the same request (the reference for the gateway)."""
     async def go():
-        async with PipelineClient(*(stack.address(s) for s in STAGES)) as pc:
+        async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as pc:
             text, pcm = "", bytearray()
             async for ev in pc.stream(SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features,
                                                     **kw)):

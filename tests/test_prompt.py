@@ -92,7 +92,7 @@ def test_a_preprocessor_config_must_agree_with_the_model_config(tmp_path, tiny_m
         _gateway_state(folder)
     # `voxpipe gateway` refuses to start, saying why
     proc = subprocess.run([sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(folder), "--host", "127.0.0.1",
-                           "--http-port", "0", "--thinker", "127.0.0.1:1", "--talker", "127.0.0.1:2",
+                           "--http-port", "0", "--thinker", "127.0.0.1:1",
                            "--code2wav", "127.0.0.1:3"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "ready on port" not in proc.stdout
     assert "preprocessor_config.json disagrees with the model: feature_size 80" in proc.stderr, proc.stderr[-2000:]

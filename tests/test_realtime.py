@@ -148,7 +148,7 @@ def reference(stack, tokenizer, omni_config, messages: list[ChatMessage], **kw):
     prompt = render(tokenizer, omni_config.thinker, messages)
 
     async def go():
-        async with PipelineClient(*(stack.address(s) for s in STAGES)) as pc:
+        async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as pc:
             text, pcm, done = "", bytearray(), None
             async for ev in pc.stream(SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features,
                                                     encoding=pb.AUDIO_PCM16, **kw)):
@@ -534,7 +534,7 @@ def test_unknown_model_is_refused(gateway):
 
 @pytest.fixture(scope="module")
 def capped_gateway(stack, tiny_model_dir):
-    gw = GatewayProcess(tiny_model_dir, *(stack.address(s) for s in STAGES), "--max-sessions", "1",
+    gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"), "--max-sessions", "1",
                         "--api-key", "sesame")
     yield gw
     gw.stop()

@@ -147,13 +147,14 @@ def traced_gateway(tiny_model_dir, otlp_receiver):
         for stage in STAGES:
             procs.start([sys.executable, "-m", "voxpipe.cli", stage, "--model", str(tiny_model_dir),
                          "--host", "127.0.0.1", "--port", str(ports[stage]), "--device", "cpu", "--grace", "2",
-                         "--metrics-port", str(metrics_ports[stage])],
+                         "--metrics-port", str(metrics_ports[stage])]
+                        + {"thinker": ["--talker", f"127.0.0.1:{ports['talker']}"],
+                           "talker": ["--code2wav", f"127.0.0.1:{ports['code2wav']}"]}.get(stage, []),
                         otel_env(SERVICE_NAMES[stage], otlp_receiver.port), "ready on port")
         http_port, grpc_port = free_port(), free_port()
         procs.start([sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(tiny_model_dir),
                      "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-                     "--thinker", f"127.0.0.1:{ports['thinker']}", "--talker", f"127.0.0.1:{ports['talker']}",
-                     "--code2wav", f"127.0.0.1:{ports['code2wav']}"],
+                     "--thinker", f"127.0.0.1:{ports['thinker']}", "--code2wav", f"127.0.0.1:{ports['code2wav']}"],
                     otel_env(SERVICE_NAMES["gateway"], otlp_receiver.port), "ready on port")
         yield TracedGateway(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
                             {s: f"127.0.0.1:{p}" for s, p in ports.items()}, metrics_ports)
