@@ -31,6 +31,47 @@ class StageError:
     stage: str | None = None    # the downstream stage the failure is about (None: this stage)
 
 
+class StepDelivery:
+    """The outputs one engine step made, for every request it fed, handed to the event loop in one
+    wake-up (one call_soon_threadsafe per loop per step, not one per request and item).
+
+    While a step runs on the engine thread, `Outbox.put` from that thread appends here; `flush`
+    delivers them in order. Puts from any other thread (a handler's own items) go at once."""
+
+    _current = threading.local()
+
+    def __init__(self) -> None:
+        self.entries: list[tuple["Outbox", tuple[float, Any]]] = []
+
+    @classmethod
+    def active(cls) -> "StepDelivery | None":
+        return getattr(cls._current, "delivery", None)
+
+    def __enter__(self) -> "StepDelivery":
+        StepDelivery._current.delivery = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        StepDelivery._current.delivery = None
+        self.flush()
+
+    def flush(self) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Outbox, tuple[float, Any]]]] = {}
+        for outbox, entry in self.entries:
+            by_loop.setdefault(outbox._loop, []).append((outbox, entry))
+        self.entries = []
+        for loop, entries in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, entries)
+            except RuntimeError:  # the loop is closed: the clients are gone
+                pass
+
+
+def _deliver(entries: list[tuple["Outbox", tuple[float, Any]]]) -> None:
+    for outbox, entry in entries:
+        outbox._queue.put_nowait(entry)
+
+
 class Outbox:
     """Thread-safe hand-off from the engine thread to the request's asyncio handler.
 
@@ -53,6 +94,10 @@ class Outbox:
     def put(self, item: Any) -> None:
         with self._lock:
             self.backlog += 1
+        delivery = StepDelivery.active()
+        if delivery is not None:     # on the engine thread, inside a step: delivered with the step's others
+            delivery.entries.append((self, (time.monotonic(), item)))
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, (time.monotonic(), item))
         except RuntimeError:  # the loop is closed: the client is gone
@@ -169,7 +214,8 @@ class StageEngine:
                     break
             try:
                 t0 = time.perf_counter()
-                self.step()
+                with StepDelivery():
+                    self.step()
                 metrics.STEP.labels(self.name).observe(time.perf_counter() - t0)
                 self.steps += 1
             except Exception as exc:  # a bug (bad values fail only their own row): fail the batch, keep serving
