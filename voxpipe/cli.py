@@ -47,7 +47,13 @@ def _stage_main(stage: str):
             from voxpipe.services.talker import server
         else:
             from voxpipe.services.code2wav import server
-        server.run(args)
+        from voxpipe.services.runtime.cuda_graphs import GraphCaptureError
+
+        try:
+            server.run(args)
+        except GraphCaptureError as e:
+            print(f"{stage}: {e}", file=sys.stderr, flush=True)
+            return 2
     return run
 
 

@@ -21,7 +21,7 @@ import torch
 from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.config import Code2WavConfig
-from ..runtime.cuda_graphs import GraphedStep, buckets, graphs_available
+from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.sampling import finite_rows
 from .model import Code2WavModel, StreamStore
@@ -91,7 +91,7 @@ class Code2WavEngine(StageEngine):
     name = "code2wav"
 
     def __init__(self, model: Code2WavModel, cfg: Code2WavConfig, *, device: torch.device, max_active: int,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, eager_fallback: bool = False) -> None:
         super().__init__(max_active)
         self.model, self.cfg, self.device = model, cfg, device
         dtype = next(model.parameters()).dtype
@@ -103,15 +103,13 @@ class Code2WavEngine(StageEngine):
                        torch.full((max_active,), self.store.scratch, dtype=torch.long, device=device),
                        torch.zeros(max_active, dtype=torch.long, device=device))
             pad = (None, self.store.scratch, None)
-            try:
-                with torch.inference_mode():
-                    self.graphs = GraphedStep(self._frame_fn, example, buckets(max_active), [1],
-                                              "code2wav one-frame step", pad=pad)
-                    self.first_graphs = GraphedStep(self._first_fn, example, buckets(max_active), [1],
-                                                    "code2wav first frame", pad=pad)
-            except Exception:  # capture problems must not take the service down: run eagerly
-                log.exception("code2wav: CUDA graph capture failed; decoding eagerly")
-                self.graphs = self.first_graphs = None
+            with torch.inference_mode():
+                self.graphs = captured("code2wav one-frame step", lambda: GraphedStep(
+                    self._frame_fn, example, buckets(max_active), [1], "code2wav one-frame step", pad=pad),
+                    eager_fallback)
+                self.first_graphs = captured("code2wav first frame", lambda: GraphedStep(
+                    self._first_fn, example, buckets(max_active), [1], "code2wav first frame", pad=pad),
+                    eager_fallback)
 
     def _frame_fn(self, n: int, _kv: int, codes: torch.Tensor, slots: torch.Tensor,
                   start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -186,7 +186,7 @@ def build(args) -> Code2WavServicer:
                         dtype=torch.float32 if args.dtype == "auto" else dtype, load_format=args.load_format)
     serving_layout(model, device)
     engine = Code2WavEngine(model, cfg.code2wav, device=device, max_active=args.max_batch,
-                            cuda_graphs=args.cuda_graphs)
+                            cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback)
     if args.listen_timeout <= 0:
         raise SystemExit(f"--listen-timeout must be positive, got {args.listen_timeout}")
     return Code2WavServicer(engine, server_options(args), cfg, args.first_chunk_frames, args.chunk_frames,

@@ -25,6 +25,23 @@ log = logging.getLogger(__name__)
 EMULATE = os.environ.get("VOXPIPE_EMULATE_GRAPHS", "0") == "1"
 
 
+class GraphCaptureError(RuntimeError):
+    """A step's CUDA graphs could not be captured and eager fallback was not asked for."""
+
+
+def captured(what: str, capture: Callable[[], object], eager_fallback: bool) -> object | None:
+    """`capture()`, or -- when it fails -- GraphCaptureError (a service should not start slower than
+    it was sized for without saying so), or None with `eager_fallback` (the step then runs eagerly)."""
+    try:
+        return capture()
+    except Exception as e:
+        if not eager_fallback:
+            raise GraphCaptureError(f"{what}: CUDA graph capture failed: {e!r}; start with --eager-fallback "
+                                    "to run it eagerly instead") from e
+        log.exception("%s: CUDA graph capture failed; running it eagerly (--eager-fallback)", what)
+        return None
+
+
 def graphs_available(device: torch.device) -> bool:
     """Whether engines on `device` build GraphedSteps (CUDA, or anywhere under EMULATE)."""
     return device.type == "cuda" or EMULATE

@@ -16,10 +16,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import torch
 
 from . import metrics
 
 log = logging.getLogger(__name__)
+
+
+def is_device_fatal(exc: BaseException) -> bool:
+    """Whether `exc` came from the accelerator itself (an illegal address, a launch failure, an ECC
+    error): it poisons the CUDA context, so every later step would fail too. Those are not one
+    request's fault and not recoverable in this process."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and ("CUDA error" in str(exc) or "CUBLAS_STATUS" in str(exc)
+                                              or "cuDNN error" in str(exc))
 
 
 @dataclass
@@ -160,6 +172,8 @@ class StageEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.fatal: BaseException | None = None   # a device error ended the engine (is_device_fatal)
+        self.on_fatal: Callable[[BaseException], None] | None = None   # called once from the engine thread
 
     # ---- called from handlers
     def start(self) -> None:
@@ -219,12 +233,22 @@ class StageEngine:
                 metrics.STEP.labels(self.name).observe(time.perf_counter() - t0)
                 self.steps += 1
             except Exception as exc:  # a bug (bad values fail only their own row): fail the batch, keep serving
-                log.exception("%s engine step failed", self.name)
+                fatal = is_device_fatal(exc)
+                log.critical("%s engine step failed with a device error: %s", self.name, exc) if fatal else \
+                    log.exception("%s engine step failed", self.name)
                 with self.lock:
                     victims = self.running + self.waiting
                     self.running, self.waiting = [], []
+                    if fatal:
+                        self._stop = True      # the context is poisoned: no further step can succeed
                 for r in victims:
-                    self.finish(r, StageError(grpc.StatusCode.INTERNAL, f"{self.name} step failed: {exc}"))
+                    self.finish(r, StageError(grpc.StatusCode.UNAVAILABLE, f"{self.name} hit a device error and restarts")
+                                if fatal else StageError(grpc.StatusCode.INTERNAL, f"{self.name} step failed: {exc}"))
+                if fatal:
+                    self.fatal = exc
+                    if self.on_fatal is not None:
+                        self.on_fatal(exc)
+                    return
         with self.lock:
             victims = self.running + self.waiting
             self.running, self.waiting = [], []

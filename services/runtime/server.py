@@ -89,6 +89,11 @@ class Relay(Protocol):
         """Cancel what still runs downstream (idempotent)."""
 
 
+class DeviceFailure(Exception):
+    """The engine hit a device error (services.runtime.engine.is_device_fatal): the service stopped
+    and its process must exit non-zero (run_async does)."""
+
+
 class StageServicer:
     """Base of the Thinker / Talker / Code2Wav servicers."""
 
@@ -280,6 +285,10 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     port = server.add_insecure_port(f"{opts.host}:{opts.port}")
     if port == 0:
         raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
+    loop = asyncio.get_running_loop()
+    stop, fatal = asyncio.Event(), asyncio.Event()
+    # a device error poisons the CUDA context: NOT_SERVING, then exit non-zero so Kubernetes restarts us
+    servicer.engine.on_fatal = lambda exc: loop.call_soon_threadsafe(fatal.set)
     servicer.engine.start()
     serve_metrics(opts.metrics_port, listen_host(opts.host))
     await server.start()
@@ -288,15 +297,23 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     log.info("%s serving on port %d", service_name, port)
     if ready is not None:
         ready(port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     lag_watch = asyncio.ensure_future(metrics.watch_loop_lag(metrics.LOOP_LAG.labels(servicer.engine.name).observe))
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(fatal.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    if fatal.is_set():
+        servicer.draining = True
+        for name in ("", service_name):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=1.0)     # the engine already failed its streams with UNAVAILABLE
+        lag_watch.cancel()
+        raise DeviceFailure(f"{service_name}: device error, exiting for a restart: {servicer.engine.fatal}")
     log.info("%s draining (up to %.0f s)", service_name, opts.grace_seconds)
     servicer.draining = True
     await health_servicer.enter_graceful_shutdown()
@@ -334,6 +351,8 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
                         help="serve gRPC server reflection")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="capture decode steps as CUDA graphs (CUDA devices only)")
+    parser.add_argument("--eager-fallback", action="store_true",
+                        help="run a step eagerly when its CUDA graphs cannot be captured (default: refuse to start)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=None,
                         help="cap this process's share of the GPU memory (CUDA caching allocator)")
 
@@ -347,10 +366,13 @@ def server_options(args) -> ServerOptions:
 
 
 def run_async(coro) -> None:
-    """asyncio.run on uvloop when it is installed."""
+    """asyncio.run on uvloop when it is installed; a DeviceFailure exits the process with status 1."""
     try:
         import uvloop
+        runner = uvloop.run
     except ImportError:
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
+        runner = asyncio.run
+    try:
+        runner(coro)
+    except DeviceFailure as e:
+        raise SystemExit(str(e)) from None

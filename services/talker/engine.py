@@ -21,7 +21,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime import metrics
 from ..runtime.config import TalkerConfig
-from ..runtime.cuda_graphs import GraphedStep, buckets, graphs_available
+from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache
 from ..runtime.sampling import SamplingParams, finite_rows, pick
@@ -81,7 +81,7 @@ class TalkerEngine(StageEngine):
 
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_tokens: int = 4096,
-                 prefill_graph_len: int = 512) -> None:
+                 prefill_graph_len: int = 512, eager_fallback: bool = False) -> None:
         """A step prefills up to `prefill_batch` ready requests with at most `prefill_tokens` padded
         rows together (right-padded); prompts up to `prefill_graph_len` rows replay CUDA graphs."""
         super().__init__(max_active)
@@ -98,33 +98,26 @@ class TalkerEngine(StageEngine):
         self.seen = torch.zeros(max_active, t.vocab_size, dtype=torch.bool, device=device)  # codec-0 ids per slot
         self.step_graphs = self.predictor_graphs = self.prefill_graphs = None
         if cuda_graphs and graphs_available(device):
-            try:
-                self._capture(max_active, max_len, min(prefill_graph_len, max_len))
-            except Exception:  # capture problems must not take the service down: run eagerly
-                log.exception("talker: CUDA graph capture failed; running eagerly")
-                self.step_graphs = self.predictor_graphs = self.prefill_graphs = None
+            self._capture(max_active, max_len, min(prefill_graph_len, max_len), eager_fallback)
 
     @torch.inference_mode()
-    def _capture(self, max_active: int, max_len: int, prefill_len: int) -> None:
+    def _capture(self, max_active: int, max_len: int, prefill_len: int, eager_fallback: bool) -> None:
+        """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
         h, dev = self.cfg.text.hidden_size, self.device
         n = min(self.prefill_batch, max_active)
-        try:  # a failure here keeps the step and predictor graphs
-            self.prefill_graphs = GraphedStep(
-                self._prefill_fn, (torch.zeros(n, prefill_len, h, dtype=self.dtype, device=dev),
-                                   torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)),
-                buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill",
-                pad=(None, 0, self.cache.scratch))          # padding rows write the scratch KV row
-        except Exception:
-            log.exception("talker: prefill CUDA graph capture failed; prefilling eagerly")
-            self.prefill_graphs = None
-        self.step_graphs = GraphedStep(
+        self.prefill_graphs = captured("talker prefill", lambda: GraphedStep(
+            self._prefill_fn, (torch.zeros(n, prefill_len, h, dtype=self.dtype, device=dev),
+                               torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)),
+            buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill",
+            pad=(None, 0, self.cache.scratch)), eager_fallback)   # padding rows write the scratch KV row
+        self.step_graphs = captured("talker step", lambda: GraphedStep(
             self._step_fn, (torch.zeros(max_active, 1, h, dtype=self.dtype, device=dev),
                             torch.zeros(max_active, dtype=torch.long, device=dev)),
-            buckets(max_active), buckets(max_len, min(256, max_len)), "talker step")
-        self.predictor_graphs = GraphedStep(
+            buckets(max_active), buckets(max_len, min(256, max_len)), "talker step"), eager_fallback)
+        self.predictor_graphs = captured("code predictor", lambda: GraphedStep(
             self._predict_fn, (torch.zeros(max_active, h, dtype=self.dtype, device=dev),
                                torch.zeros(max_active, dtype=torch.long, device=dev)),
-            buckets(max_active), [1], "code predictor (15 steps)")
+            buckets(max_active), [1], "code predictor (15 steps)"), eager_fallback)
 
     def _prefill_fn(self, n: int, s: int, x: torch.Tensor, last: torch.Tensor,
                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -142,7 +142,7 @@ def build(args) -> TalkerServicer:
                         load_format=args.load_format)
     serving_layout(model, device)
     engine = TalkerEngine(model, cfg.talker, device=device, max_active=args.max_batch, max_len=args.max_len,
-                          cuda_graphs=args.cuda_graphs)
+                          cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback)
     opts = server_options(args)
     code2wav = NextStage("code2wav", args.code2wav, max_message_bytes=opts.max_message_bytes) if args.code2wav else None
     return TalkerServicer(engine, opts, cfg, code2wav)

@@ -15,7 +15,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
-from ..runtime.cuda_graphs import GraphedStep, buckets, graphs_available
+from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache, SlotStep
 from ..runtime.sampling import SamplingParams, apply_repetition_penalty, finite_rows, pick
@@ -84,7 +84,7 @@ class ThinkerEngine(StageEngine):
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, tokenizer, *, device: torch.device,
                  max_active: int, max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True,
                  prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512, eager_fallback: bool = False) -> None:
         """A step prefills up to `prefill_batch` prompts with at most `prefill_tokens` padded tokens
         together; prompts up to `prefill_graph_len` tokens replay CUDA graphs; longer than
         `prefill_chunk` tokens are prefilled `prefill_chunk` tokens per step."""
@@ -103,29 +103,23 @@ class ThinkerEngine(StageEngine):
             self.tts_special = model.model.embed_tokens(special).cpu()
             self.graphs = self.prefill_graphs = None
             if cuda_graphs and graphs_available(device):
-                try:
-                    self._capture(max_active, max_len, min(prefill_graph_len, max_len))
-                except Exception:  # capture problems must not take the service down: run eagerly
-                    log.exception("thinker: CUDA graph capture failed; running eagerly")
-                    self.graphs = self.prefill_graphs = None
+                self._capture(max_active, max_len, min(prefill_graph_len, max_len), eager_fallback)
 
-    def _capture(self, max_active: int, max_len: int, prefill_len: int) -> None:
+    def _capture(self, max_active: int, max_len: int, prefill_len: int, eager_fallback: bool) -> None:
+        """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
         dev, h = self.device, self.cfg.text.hidden_size
         dtype = self.tts_special.dtype
-        self.graphs = GraphedStep(self._decode_fn, (torch.zeros(max_active, 1, dtype=torch.long, device=dev),
-                                                    torch.zeros(max_active, dtype=torch.long, device=dev)),
-                                  buckets(max_active), buckets(max_len, min(256, max_len)), "thinker decode")
+        self.graphs = captured("thinker decode", lambda: GraphedStep(
+            self._decode_fn, (torch.zeros(max_active, 1, dtype=torch.long, device=dev),
+                              torch.zeros(max_active, dtype=torch.long, device=dev)),
+            buckets(max_active), buckets(max_len, min(256, max_len)), "thinker decode"), eager_fallback)
         n = min(self.prefill_batch, max_active)
-        try:  # a failure here keeps the decode graphs
-            self.prefill_graphs = GraphedStep(
-                lambda *args: self._prefill_fn(*args)[:1],
-                (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
-                 torch.arange(n, dtype=torch.long, device=dev)),
-                buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill",
-                pad=(None, 0, self.cache.scratch))          # padding rows write the scratch KV row
-        except Exception:
-            log.exception("thinker: prefill CUDA graph capture failed; prefilling eagerly")
-            self.prefill_graphs = None
+        self.prefill_graphs = captured("thinker prefill", lambda: GraphedStep(
+            lambda *args: self._prefill_fn(*args)[:1],
+            (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+             torch.arange(n, dtype=torch.long, device=dev)),
+            buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill",
+            pad=(None, 0, self.cache.scratch)), eager_fallback)   # padding rows write the scratch KV row
 
     def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, slots: torch.Tensor,
                     keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

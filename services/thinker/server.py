@@ -168,7 +168,7 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     serving_layout(model, device)
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=device, max_active=args.max_batch,
                            max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
-                           cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk)
+                           cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk, eager_fallback=args.eager_fallback)
     opts = server_options(args)
     talker = NextStage("talker", args.talker, max_message_bytes=opts.max_message_bytes) if args.talker else None
     return ThinkerServicer(engine, opts, engine.tokenizer, cfg, talker), cfg
