@@ -136,3 +136,35 @@ def test_rows_and_frames_never_reach_the_caller(stack, tokenizer, omni_config):
     # the two stage-to-stage streams existed
     assert next_stage_streams(stack, "thinker", "talker") == before[0] + 1
     assert next_stage_streams(stack, "talker", "code2wav") == before[1] + 1
+
+
+def test_say_lets_the_thinker_render_the_text_without_a_local_checkpoint(stack, tmp_path):
+    """`voxpipe say TEXT` sends text: the thinker renders it with its own checkpoint's template, so the
+    command needs no --model (with an empty VOXPIPE_HOME it must not even make the default one)."""
+    import os
+    import subprocess
+    import sys
+
+    from voxpipe.audio import read_wav
+
+    home, out = tmp_path / "home", tmp_path / "reply.wav"
+    env = {**os.environ, "VOXPIPE_HOME": str(home)}
+    cmd = [sys.executable, "-m", "voxpipe.cli", "say", "Hello from the command line.", "-o", str(out),
+           "--thinker", stack.address("thinker"), "--code2wav", stack.address("code2wav"),
+           "--max-tokens", "5", "--max-frames", "7", "--ignore-eos"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wav, rate = read_wav(out.read_bytes())
+    assert rate == 24000 and wav.shape[0] == 1920 * 6 - 555
+    assert not (home / "tiny-seed0").exists()
+    # the same request through the client gives the same text
+    ref = run(_collect(stack, SpeechRequest(text="Hello from the command line.", max_tokens=5, min_tokens=5,
+                                            max_frames=7, min_frames=7)))
+    assert f"text: {ref.text!r}" in proc.stdout
+
+    bad = tmp_path / "not.wav"
+    bad.write_bytes(b"RIFF but not a wave file")
+    proc = subprocess.run(cmd[:-7] + ["--audio", str(bad), "--max-tokens", "2"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and f"error: --audio {bad}: not a RIFF/WAVE file" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

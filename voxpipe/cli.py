@@ -212,56 +212,75 @@ def _add_say_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--audio", help="a wav file to include as an audio part of the user turn")
+    p.add_argument("--audio", help="a wav file to include as an audio part of the user turn (its features are "
+                                   "computed here from --model's config)")
+    p.add_argument("--render-locally", action="store_true",
+                   help="render the turn here with --model's tokenizer instead of letting the thinker render it")
 
 
 def cmd_say(args) -> int:
-    from voxpipe.services.runtime.config import OmniConfig
-    from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
-    from voxpipe.services.thinker.server import load_tokenizer
+    """Text goes to the thinker as text: it renders the turn with its own checkpoint's chat template,
+    so `voxpipe say` needs no local checkpoint. With --audio (features are computed here, from
+    --model's config) or --render-locally, the turn is rendered here with --model's tokenizer."""
     from voxpipe.audio import read_wav, resample, write_wav
-    from voxpipe.client import PipelineClient, PipelineError, SpeechRequest
+    from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, TextEvent
 
-    model = Path(args.model) if args.model else default_model_dir()
-    cfg = OmniConfig.load(model)
-    tokenizer = load_tokenizer(str(model))
-    parts = []
-    if args.audio:
-        wav, rate = read_wav(Path(args.audio).read_bytes())
-        parts.append(ChatPart(audio=resample(wav, rate, 16000)))
-    parts.append(ChatPart(text=args.text if hasattr(args, "text") and args.text is not None else args.say))
-    prompt = render(tokenizer, cfg.thinker, [ChatMessage("user", parts)], FeatureExtractor.for_model(model, cfg.thinker))
-    req = SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=args.voice,
-                        max_tokens=args.max_tokens, min_tokens=args.max_tokens if args.ignore_eos else args.min_tokens,
-                        max_frames=args.max_frames, min_frames=args.max_frames if args.ignore_eos else args.min_frames,
-                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    text = args.text if getattr(args, "text", None) is not None else args.say
+    sampling = dict(speaker=args.voice, max_tokens=args.max_tokens,
+                    min_tokens=args.max_tokens if args.ignore_eos else args.min_tokens, max_frames=args.max_frames,
+                    min_frames=args.max_frames if args.ignore_eos else args.min_frames, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.audio or args.render_locally:
+        from voxpipe.services.runtime.config import OmniConfig
+        from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
+        from voxpipe.services.thinker.server import load_tokenizer
+
+        model = Path(args.model) if args.model else default_model_dir()
+        cfg = OmniConfig.load(model)
+        features = FeatureExtractor.for_model(model, cfg.thinker)
+        parts = []
+        if args.audio:
+            try:
+                wav, rate = read_wav(Path(args.audio).read_bytes())
+            except (OSError, ValueError) as e:
+                print(f"error: --audio {args.audio}: {e}", file=sys.stderr)
+                return 2
+            parts.append(ChatPart(features=features(resample(wav, rate, 16000))))
+        if args.render_locally:
+            parts.append(ChatPart(text=text))
+            prompt = render(load_tokenizer(str(model)), cfg.thinker, [ChatMessage("user", parts)], features)
+            req = SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, **sampling)
+        else:     # the thinker renders the audio part(s) and the text with its own template
+            req = SpeechRequest(text=text, audio_features=[p.features for p in parts], **sampling)
+    else:
+        req = SpeechRequest(text=text, **sampling)
 
     async def go():
         async with PipelineClient(args.thinker, args.code2wav) as client:
             t0 = time.perf_counter()
-            first = None
-            text, chunks = "", []
+            first, said, chunks, done, rate = None, "", [], None, 0
             async for ev in client.stream(req):
-                if hasattr(ev, "samples") and hasattr(ev, "sample_offset"):
+                if isinstance(ev, AudioEvent):
                     first = first or time.perf_counter() - t0
                     chunks.append(ev.samples)
-                elif hasattr(ev, "text"):
-                    text += ev.text
-                elif hasattr(ev, "text_finish"):
+                    rate = ev.sample_rate
+                elif isinstance(ev, TextEvent):
+                    said += ev.text
+                elif isinstance(ev, DoneEvent):
                     done = ev
-            return text, chunks, done, first, time.perf_counter() - t0
+            return said, chunks, done, first, time.perf_counter() - t0, rate
 
     try:
-        text, chunks, done, first, total = asyncio.run(go())
+        said, chunks, done, first, total, rate = asyncio.run(go())
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import numpy as np
 
     audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-    rate = cfg.code2wav.sample_rate
+    rate = rate or 24000
     write_wav(args.output, audio, rate)
-    print(f"text: {text!r}")
+    print(f"text: {said!r}")
     print(f"wrote {args.output}: {done.frames} frames, {audio.shape[0]} samples, {audio.shape[0] / rate:.2f} s "
           f"(first audio after {first or 0:.3f} s, total {total:.2f} s)")
     return 0
@@ -297,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("say", help="speak a reply to TEXT through running services into a wav")
     p.add_argument("text")
-    p.add_argument("--model", help="checkpoint folder for the tokenizer and config (default: the tiny checkpoint)")
+    p.add_argument("--model", help="checkpoint folder, only for --audio / --render-locally (default: the tiny "
+                                   "checkpoint); otherwise the thinker renders the text with its own")
     p.add_argument("--thinker", default="127.0.0.1:50051", help="the thinker replicas (it picks the talker)")
     p.add_argument("--code2wav", default="127.0.0.1:50053",
                    help="the code2wav replicas audio is read from (the talkers' --code2wav set)")
