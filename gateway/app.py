@@ -13,8 +13,10 @@ import hmac
 import importlib
 import importlib.util
 import logging
+import re
 import threading
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +137,34 @@ def require_api_key(request: Request) -> None:
                        code="invalid_api_key")
 
 
+REQUEST_ID_HEADER = b"x-request-id"
+_REQUEST_ID_OK = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestId:
+    """ASGI middleware: every HTTP response carries `x-request-id` -- the client's own when it sent a
+    well-formed one (letters, digits, `._:-`, at most 128), else a new `req_<hex>`. The id is in
+    scope["state"]["request_id"] for the handlers and logs."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers", ())).get(REQUEST_ID_HEADER, b"")
+        request_id = given if _REQUEST_ID_OK.match(given) else f"req_{uuid.uuid4().hex}".encode()
+        scope.setdefault("state", {})["request_id"] = request_id.decode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER, request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class RequestMetrics:
     """ASGI middleware counting HTTP requests by route template and status."""
 
@@ -246,7 +276,7 @@ def _add_basic_routes(app: FastAPI) -> None:
         st = gateway_state(request)
         return {"object": "list", "data": [_model(st)]}
 
-    @app.get("/v1/models/{model_id}", dependencies=[Depends(require_api_key)])
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])   # ids may hold "/"
     async def get_model(model_id: str, request: Request) -> dict:
         st = gateway_state(request)
         if model_id != st.config.model_id:
@@ -280,11 +310,12 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
             lag_watch.cancel()
             await state.pipeline.close()
 
-    app = FastAPI(title="voxpipe gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  **fastapi_tracing_off())
+    app = FastAPI(title="voxpipe gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", **fastapi_tracing_off())
     app.state.gateway = state
     app.add_middleware(BodyTimeout, seconds=config.body_timeout_s)
     app.add_middleware(RequestMetrics, metrics=state.metrics)
+    app.add_middleware(RequestId)
     app.add_middleware(TracingMiddleware)   # outermost: one span per request, honouring `traceparent`
     _add_error_handlers(app)
     _add_basic_routes(app)

@@ -8,6 +8,9 @@ from fastapi.responses import JSONResponse
 from voxpipe.client import PipelineError
 
 
+RETRY_AFTER_S = 1
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
@@ -18,8 +21,12 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        if self.status == 429:      # a session slot frees when a running generation ends: retry soon
+            headers["Retry-After"] = str(RETRY_AFTER_S)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

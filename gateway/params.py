@@ -108,7 +108,7 @@ def resolve_voice(voice: Any, speakers: dict[str, int], param: str) -> str:
 def check_model(body: dict, model_id: str) -> None:
     model = required(body, "model", str)
     if model != model_id:
-        raise APIError(400, f"the model {model!r} does not exist; this server serves {model_id!r}", param="model",
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {model_id!r}", param="model",
                        code="model_not_found")
 
 

@@ -255,9 +255,9 @@ def test_unknown_voice_names_the_valid_ones(gateway, model):
 
 
 def test_unknown_model(client):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:     # as OpenAI: 404 model_not_found
         client.chat.completions.create(model="gpt-4o-audio-preview", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.status_code == 400 and e.value.code == "model_not_found"
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
 
 
 def test_bad_base64_and_undecodable_audio(gateway, model):
