@@ -6,7 +6,13 @@
 #   docker build --target gateway -t voxpipe/gateway:0.1.0 .   # slim, CPU only
 #
 #   docker run --gpus all -v /srv/qwen3-omni:/models/qwen3-omni:ro -p 50052:50052 \
+#       -e VOXPIPE_CODE2WAV=code2wav:50053 \
 #       voxpipe/stage:0.1.0 talker --model /models/qwen3-omni --port 50052 --device cuda
+#
+# Stages call the next stage themselves: a thinker sends spoken replies on to the talkers named by
+# --talker / VOXPIPE_TALKER, a talker its codec frames to the code2wav replicas named by
+# --code2wav / VOXPIPE_CODE2WAV (host:port and/or dns:///name:port, comma-separated). The gateway
+# dials the thinkers and, for the audio, the same code2wav set as the talkers; never a talker.
 #
 # Neither image contains model weights: mount them read-only at /models/qwen3-omni.
 #
@@ -165,6 +171,8 @@ EXPOSE 8000 50050
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
 
-# Defaults suit a compose file whose services are named thinker, talker and code2wav.
+# Defaults suit a compose file whose services are named thinker, talker and code2wav (whose thinker
+# runs with VOXPIPE_TALKER=talker:50052 and talker with VOXPIPE_CODE2WAV=code2wav:50053: the same
+# code2wav address as here).
 ENTRYPOINT ["voxpipe"]
-CMD ["gateway", "--thinker", "thinker:50051", "--talker", "talker:50052", "--code2wav", "code2wav:50053", "--http-port", "8000", "--grpc-port", "50050"]
+CMD ["gateway", "--thinker", "thinker:50051", "--code2wav", "code2wav:50053", "--http-port", "8000", "--grpc-port", "50050"]

@@ -371,17 +371,11 @@ def test_gateway(overlay):
     assert spec["securityContext"]["runAsUser"] == dockerfile_uid("gateway")
     _assert_collector_endpoint(docs, env_of(c).get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
-    # every stage is reached through its headless Service with a dns:/// target
-    for stage, (port, _) in STAGES.items():
-        targets = arg_value(args, f"--{stage}")
-        assert targets, f"gateway has no --{stage}"
-        for target in targets.split(","):
-            m = re.fullmatch(r"dns:///([a-z0-9.-]+):(\d+)", target)
-            assert m, f"--{stage} {target!r} is not a dns:/// target"
-            svc = resolve_service(docs, m.group(1))
-            assert svc["spec"].get("clusterIP") == "None", f"--{stage} {target} is not a headless Service"
-            assert selects(svc["spec"]["selector"], pod_labels(one(docs, "Deployment", stage)))
-            assert int(m.group(2)) in {p["port"] for p in svc["spec"]["ports"]} and int(m.group(2)) == port
+    # the gateway reaches the thinker and code2wav (the audio) through their headless Services with
+    # dns:/// targets; the talker is the thinkers' business
+    assert arg_value(args, "--talker") is None, "the gateway takes no --talker (the thinker picks the talker)"
+    for stage in ("thinker", "code2wav"):
+        _assert_headless_targets(docs, f"gateway --{stage}", arg_value(args, f"--{stage}"), stage)
 
     # Service for an Ingress, the Ingress itself, CPU HPA, and no fixed replica count
     svc = one(docs, "Service", "gateway")
@@ -399,6 +393,73 @@ def test_gateway(overlay):
     assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in hpa["spec"]["metrics"])
     assert hpa["spec"]["minReplicas"] >= 2
     assert "replicas" not in deploy["spec"]
+
+
+def _assert_headless_targets(docs, who: str, targets: str | None, stage: str) -> None:
+    """`targets` (comma-separated) are dns:/// names of `stage`'s headless Service, on its gRPC port."""
+    port = STAGES[stage][0]
+    assert targets, f"{who}: no {stage} address"
+    for target in targets.split(","):
+        m = re.fullmatch(r"dns:///([a-z0-9.-]+):(\d+)", target)
+        assert m, f"{who}: {target!r} is not a dns:/// target"
+        svc = resolve_service(docs, m.group(1))
+        assert svc["spec"].get("clusterIP") == "None", f"{who}: {target} is not a headless Service"
+        assert selects(svc["spec"]["selector"], pod_labels(one(docs, "Deployment", stage)))
+        assert int(m.group(2)) in {p["port"] for p in svc["spec"]["ports"]} and int(m.group(2)) == port
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_stages_call_the_next_stage_through_its_headless_service(overlay):
+    """The data path is stage to stage: each thinker dials the talkers (VOXPIPE_TALKER), each talker
+    the code2wav replicas (VOXPIPE_CODE2WAV), code2wav nobody; the gateway reads the audio from the
+    same code2wav set the talkers send frames to (it dials only replicas it knows itself)."""
+    docs = render_overlay(overlay)
+    env = {s: env_of(main_container(one(docs, "Deployment", s))) for s in STAGES}
+    args = {s: main_container(one(docs, "Deployment", s))["args"] for s in STAGES}
+    nxt = {"thinker": ("talker", "VOXPIPE_TALKER"), "talker": ("code2wav", "VOXPIPE_CODE2WAV")}
+    for stage, (callee, var) in nxt.items():
+        _assert_headless_targets(docs, f"{stage} {var}", env[stage].get(var), callee)
+        assert arg_value(args[stage], f"--{callee}") is None, f"{stage}: set the {callee} set once, in {var}"
+    assert not {"VOXPIPE_TALKER", "VOXPIPE_CODE2WAV"} & set(env["code2wav"]), "code2wav calls no stage"
+    assert "VOXPIPE_CODE2WAV" not in env["thinker"] and "VOXPIPE_TALKER" not in env["talker"]
+    gateway = main_container(one(docs, "Deployment", "gateway"))["args"]
+    assert sorted(arg_value(gateway, "--code2wav").split(",")) == sorted(env["talker"]["VOXPIPE_CODE2WAV"].split(",")), \
+        "the gateway's --code2wav must name the replicas the talkers send frames to"
+    # no NetworkPolicy may cut a hop of the data path
+    policies = find(docs, "NetworkPolicy")
+    for src, dst in (("gateway", "thinker"), ("gateway", "code2wav"), ("thinker", "talker"), ("talker", "code2wav")):
+        _assert_policies_allow(docs, policies, src, dst)
+
+
+def _assert_policies_allow(docs, policies: list[dict[str, Any]], src: str, dst: str) -> None:
+    """If NetworkPolicies select `dst`'s pods for ingress, one of them admits `src`'s pods on its gRPC port."""
+    dst_labels = pod_labels(one(docs, "Deployment", dst))
+    src_labels = pod_labels(one(docs, "Deployment", src))
+    port = STAGES[dst][0]
+    selecting = [p for p in policies if selects(p["spec"].get("podSelector", {}), dst_labels)
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not selecting:
+        return
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            peers_ok = not rule.get("from") or any(
+                "podSelector" in peer and selects(peer["podSelector"], src_labels) for peer in rule["from"])
+            ports_ok = not rule.get("ports") or any(
+                p.get("port") in (port, "grpc") for p in rule["ports"])
+            if peers_ok and ports_ok:
+                return
+    pytest.fail(f"NetworkPolicies {[p['metadata']['name'] for p in selecting]} block {src} -> {dst}:{port}")
+
+
+def test_next_stage_env_reaches_the_cli(monkeypatch):
+    """VOXPIPE_TALKER / VOXPIPE_CODE2WAV (what the manifests set) are the --talker / --code2wav defaults."""
+    from voxpipe.cli import build_parser
+
+    monkeypatch.setenv("VOXPIPE_TALKER", "dns:///talker-headless.voxpipe.svc.cluster.local:50052")
+    monkeypatch.setenv("VOXPIPE_CODE2WAV", "dns:///code2wav-headless.voxpipe.svc.cluster.local:50053")
+    assert build_parser().parse_args(["thinker"]).talker == "dns:///talker-headless.voxpipe.svc.cluster.local:50052"
+    assert build_parser().parse_args(["talker"]).code2wav == \
+        "dns:///code2wav-headless.voxpipe.svc.cluster.local:50053"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -66,6 +66,12 @@ class NextStage:
         self.addresses, self.options = addresses, options
         parse_targets(addresses)            # a malformed address fails at start, not at the first request
         self._balancer: StageBalancer | None = None
+        metrics.NEXT_STAGE_REPLICAS.add(self._replica_states)
+
+    def _replica_states(self) -> tuple[str, list[Replica]] | None:
+        """For voxpipe_next_stage_replicas (read by the metrics thread: a snapshot of the dict)."""
+        balancer = self._balancer
+        return None if balancer is None else (self.stage, balancer.replicas)
 
     @property
     def balancer(self) -> StageBalancer:

@@ -12,6 +12,9 @@ voxpipe_outbox_wait_seconds{stage}  an engine output's wait between the engine t
 voxpipe_event_loop_lag_seconds{stage}  how late the service's event loop wakes for a 20 ms timer
 voxpipe_next_stage_streams_total{stage}  streams this service opened to the next stage (the thinker's
                                     to talkers, the talker's to code2wav), by that stage
+voxpipe_next_stage_replicas{stage,state}  the next stage's replicas as this service's balancer sees
+                                    them (state: usable, unhealthy, draining); absent until the
+                                    first stream to that stage
 voxpipe_pending_upload_bytes{stage}  bytes still expected by chunked start messages not yet complete
                                     (reserved when the head arrives; bounded by --max-pending-upload-mb)
 """
@@ -19,9 +22,11 @@ voxpipe_pending_upload_bytes{stage}  bytes still expected by chunked start messa
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -45,6 +50,44 @@ PENDING_UPLOAD = Gauge("voxpipe_pending_upload_bytes", "Bytes still expected by 
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)
 NEXT_STAGE_STREAMS = Counter("voxpipe_next_stage_streams_total", "Streams opened to the next stage", ["stage"],
                              registry=REGISTRY)
+
+REPLICA_STATES = ("usable", "unhealthy", "draining")
+
+
+class NextStageReplicas:
+    """voxpipe_next_stage_replicas, read from the balancers at scrape time (`add`: a bound method
+    that returns (stage, [Replica]), or None while there is no balancer yet; held weakly)."""
+
+    NAME = "voxpipe_next_stage_replicas"
+    HELP = "The next stage's replicas as this service's balancer sees them, by state"
+
+    def __init__(self) -> None:
+        self.sources: list[weakref.WeakMethod] = []
+
+    def add(self, source: Callable[[], tuple[str, list] | None]) -> None:
+        self.sources.append(weakref.WeakMethod(source))
+
+    def describe(self):
+        return [GaugeMetricFamily(self.NAME, self.HELP, labels=["stage", "state"])]
+
+    def collect(self):
+        family = GaugeMetricFamily(self.NAME, self.HELP, labels=["stage", "state"])
+        for ref in list(self.sources):
+            source = ref()
+            got = source() if source is not None else None
+            if got is None:
+                continue
+            stage, replicas = got
+            counts = dict.fromkeys(REPLICA_STATES, 0)
+            for r in replicas:
+                counts["draining" if r.draining else "unhealthy" if not r.healthy else "usable"] += 1
+            for state, n in counts.items():
+                family.add_metric([stage, state], n)
+        yield family
+
+
+NEXT_STAGE_REPLICAS = NextStageReplicas()
+REGISTRY.register(NEXT_STAGE_REPLICAS)
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
