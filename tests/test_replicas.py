@@ -1,7 +1,20 @@
-"""Several replicas per stage (voxpipe.services.runtime.balancer) with real processes: 1 thinker, 2 talkers and
-2 code2wavs on localhost. Streams spread over the replicas; a killed replica fails only the
-requests that were on it; a drained replica finishes its streams while new ones go elsewhere;
-dns:/// entries resolve to every address of the name."""
+"""Several replicas per stage with real processes on localhost: 2 thinkers, 2 talkers, 2 code2wavs,
+in the stage-to-stage topology (a thinker picks its talker, a talker its code2wav, the caller
+reads text from the thinker and audio from that code2wav: `DoneEvent.routes` says where).
+
+    thinker 1  --talker   talker1,talker2                     (host:port entries)
+    thinker 2  --talker   dns:///localhost:P1,dns:///localhost:P2
+    talker 1   --code2wav code2wav1,code2wav2
+    talker 2   --code2wav dns:///localhost:P1,dns:///localhost:P2
+    caller     thinkers 1+2 (or one of them), code2wav dns:///localhost:P1,P2 (every address a talker
+               may report: the names resolve to the plain addresses too)
+
+Wherever a stage calls a stage (caller -> thinker, thinker -> talker, talker -> code2wav) streams
+go to the replica with the fewest outstanding streams (voxpipe.services.runtime.balancer); a
+stream refused before its first response (dead or draining replica) moves to another replica and
+the caller's audio stream follows; a killed talker or code2wav fails only the requests that were
+on it, naming that stage; a drained replica finishes its streams while new ones go elsewhere.
+What a stage's balancer sees of the next stage is read from voxpipe_next_stage_replicas."""
 
 from __future__ import annotations
 
@@ -19,30 +32,40 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import GatewayProcess, free_port
-from voxpipe.services.runtime.balancer import BalancerOptions, resolve
-from voxpipe.client import AudioEvent, FramesEvent, PipelineClient, PipelineError, SpeechRequest
+from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, StageEvent
+from voxpipe.services.runtime.balancer import resolve
 from voxpipe.services.thinker.prompt import ChatMessage, render
 
-FAST = BalancerOptions(resolve_interval_s=1.0, min_resolve_gap_s=0.2, cooldown_s=0.5, probe_timeout_s=1.0)
 LONG_FRAMES = 96           # streams that are still running when a replica is killed or drained
+SHORT_FRAMES = 8
+NEXT = {"thinker": "talker", "talker": "code2wav"}
 
 
 @dataclass
 class StageProcess:
-    """One replica: `voxpipe <stage>` on its own gRPC and metrics port."""
+    """One replica: `voxpipe <stage>` on its own gRPC and metrics port; `args`: its next-stage flags."""
     stage: str
     model_dir: str
     port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
+    args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def dns(self) -> str:
+        return f"dns:///localhost:{self.port}"
+
+    def serves(self, address: str | None) -> bool:
+        """`address` (as a route or a balancer reports it: 127.0.0.1:P, [::1]:P) is this process."""
+        return address is not None and int(address.rsplit(":", 1)[1]) == self.port
+
     def launch(self) -> None:
         cmd = [sys.executable, "-m", "voxpipe.cli", self.stage, "--model", self.model_dir, "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port), "--device", "cpu", "--grace", "60"]
+               "--metrics-port", str(self.metrics_port), "--device", "cpu", "--grace", "60", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
 
     def wait_ready(self, deadline: float) -> None:
@@ -64,6 +87,13 @@ class StageProcess:
         return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
+    def next_replicas(self, state: str) -> float:
+        """How many replicas of the next stage this process's balancer sees in `state`."""
+        return self.metric("voxpipe_next_stage_replicas", stage=NEXT[self.stage], state=state)
+
+    def next_streams(self) -> float:
+        return self.metric("voxpipe_next_stage_streams_total", stage=NEXT[self.stage])
+
     def finished_streams(self) -> float:
         """Streams this replica completed normally (stop or length)."""
         return sum(self.metric("voxpipe_streams_total", stage=self.stage, outcome=o) for o in ("stop", "length"))
@@ -78,27 +108,57 @@ class StageProcess:
                 self.proc.wait()
 
 
+def start_all(procs: list[StageProcess], timeout: float = 240) -> None:
+    for p in procs:
+        if p.proc is not None:
+            p.proc.wait()
+        p.launch()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.wait_ready(deadline)
+
+
+def wait_until(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
 class Replicas:
     def __init__(self, model_dir: str) -> None:
-        self.thinker = StageProcess("thinker", model_dir)
-        self.talkers = [StageProcess("talker", model_dir) for _ in range(2)]
         self.code2wavs = [StageProcess("code2wav", model_dir) for _ in range(2)]
-        self.all = [self.thinker, *self.talkers, *self.code2wavs]
+        c1, c2 = self.code2wavs
+        self.talkers = [StageProcess("talker", model_dir, args=["--code2wav", f"{c1.address},{c2.address}"]),
+                        StageProcess("talker", model_dir, args=["--code2wav", f"{c1.dns},{c2.dns}"])]
+        t1, t2 = self.talkers
+        self.thinkers = [StageProcess("thinker", model_dir, args=["--talker", f"{t1.address},{t2.address}"]),
+                         StageProcess("thinker", model_dir, args=["--talker", f"{t1.dns},{t2.dns}"])]
+        self.all = [*self.thinkers, *self.talkers, *self.code2wavs]
+        self.code2wav_set = f"{c1.dns},{c2.dns}"     # what a caller reads audio from
 
-    def revive(self, timeout: float = 240) -> None:
-        """(Re)start every replica that is not running (a test before may have killed one), on its port."""
-        dead = [p for p in self.all if not p.alive]
-        for p in dead:
-            if p.proc is not None:
-                p.proc.wait()
-            p.launch()
-        deadline = time.monotonic() + timeout
-        for p in dead:
-            p.wait_ready(deadline)
+    def revive(self) -> None:
+        """(Re)start every replica that is not running (a test before may have killed one), on its
+        port, then wait until every stage's balancer sees all of the next stage's replicas usable
+        again (a health probe re-admits a replica that was marked down)."""
+        start_all([p for p in self.all if not p.alive])
+        for p in self.thinkers + self.talkers:
+            wait_until(lambda: p.next_replicas("unhealthy") + p.next_replicas("draining") == 0,
+                       f"{p.stage} {p.address} sees every {NEXT[p.stage]} replica usable again")
 
-    def client(self, **kw) -> PipelineClient:
-        return PipelineClient(self.thinker.address, ",".join(p.address for p in self.talkers),
-                              ",".join(p.address for p in self.code2wavs), **kw)
+    def process(self, stage: str, address: str | None) -> StageProcess:
+        procs = {"thinker": self.thinkers, "talker": self.talkers, "code2wav": self.code2wavs}[stage]
+        return next(p for p in procs if p.serves(address))
+
+    def client(self, thinkers: list[StageProcess] | None = None, **kw) -> PipelineClient:
+        return PipelineClient(",".join(p.address for p in thinkers or self.thinkers), self.code2wav_set, **kw)
+
+    def wait_idle(self) -> None:
+        """Every replica has no stream left (cancelled requests are freed in every stage)."""
+        for p in self.all:
+            if p.alive:
+                wait_until(lambda: p.metric("voxpipe_active_streams", stage=p.stage) == 0,
+                           f"{p.stage} {p.address} has no active stream")
 
     def stop(self) -> None:
         for p in self.all:
@@ -112,7 +172,7 @@ class Replicas:
 def replicas(tiny_model_dir):
     rs = Replicas(str(tiny_model_dir))
     try:
-        rs.revive()
+        start_all(rs.all)
         yield rs
     finally:
         rs.stop()
@@ -123,31 +183,39 @@ def prompt_ids(tokenizer, omni_config) -> list[int]:
     return render(tokenizer, omni_config.thinker, [ChatMessage.text("user", "Say something.")]).token_ids
 
 
-def request(ids: list[int], frames: int = 8, tokens: int = 4) -> SpeechRequest:
-    return SpeechRequest(token_ids=ids, max_tokens=tokens, min_tokens=tokens, max_frames=frames, min_frames=frames)
+def request(ids: list[int], frames: int = SHORT_FRAMES, tokens: int = 4, echo: bool = False) -> SpeechRequest:
+    return SpeechRequest(token_ids=ids, max_tokens=tokens, min_tokens=tokens, max_frames=frames, min_frames=frames,
+                         echo_frames=echo)
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
+def samples_for(frames: int) -> int:
+    """Audio samples of a reply stopped at max_frames (max_frames - 1 frames spoken)."""
+    return 1920 * (frames - 1) - 555
+
+
 class Tracked:
-    """A request run as a task, with an event set once its stream reached `stage_output`."""
+    """A request run as a task: where its streams went (Routed), `started` once audio arrived."""
 
-    def __init__(self, client: PipelineClient, req: SpeechRequest, stage_output: type) -> None:
+    def __init__(self, client: PipelineClient, req: SpeechRequest) -> None:
         self.started = asyncio.Event()
-        self.frames = 0
+        self.routes: dict[str, str] = {}
         self.samples = 0
-        self.task = asyncio.ensure_future(self._run(client, req, stage_output))
+        self.done: DoneEvent | None = None
+        self.task = asyncio.ensure_future(self._run(client, req))
 
-    async def _run(self, client, req, stage_output) -> None:
+    async def _run(self, client, req) -> None:
         async for ev in client.stream(req):
-            if isinstance(ev, FramesEvent):
-                self.frames += ev.codes.shape[0]
+            if isinstance(ev, StageEvent) and ev.kind == "routed":
+                self.routes[ev.stage] = ev.address
             elif isinstance(ev, AudioEvent):
                 self.samples += ev.samples.shape[0]
-            if isinstance(ev, stage_output):
                 self.started.set()
+            elif isinstance(ev, DoneEvent):
+                self.done = ev
 
     async def outcome(self) -> PipelineError | None:
         try:
@@ -157,7 +225,7 @@ class Tracked:
             return e
 
 
-async def all_started(tracked: list[Tracked], timeout: float = 60) -> None:
+async def all_started(tracked: list[Tracked], timeout: float = 120) -> None:
     await asyncio.wait_for(asyncio.gather(*(t.started.wait() for t in tracked)), timeout)
 
 
@@ -170,55 +238,110 @@ async def health(address: str, service: str = "") -> int:
         return resp.status
 
 
+def per_process(rs: Replicas, stage: str, routes: list[dict[str, str]]) -> list[int]:
+    """How many of the requests `stage` served on each replica process."""
+    procs = {"thinker": rs.thinkers, "talker": rs.talkers, "code2wav": rs.code2wavs}[stage]
+    return [sum(p.serves(r.get(stage)) for r in routes) for p in procs]
+
+
 # ----------------------------------------------------------------------------- spreading
 
-def test_concurrent_streams_spread_over_every_replica(replicas, prompt_ids):
+def test_concurrent_streams_spread_over_every_replica_of_every_stage(replicas, prompt_ids):
     replicas.revive()
     before = {p.address: p.finished_streams() for p in replicas.all}
+    opened = {p.address: p.next_streams() for p in replicas.thinkers + replicas.talkers}
 
     async def go():
         async with replicas.client() as client:
+            results = await asyncio.gather(*(client.collect(request(prompt_ids, echo=True)) for _ in range(8)))
+            return results, dict(client.received)
+
+    results, received = run(go())
+    routes = [r.done.routes for r in results]
+    # the caller spreads over the thinkers, each thinker over the talkers, each talker over the code2wavs
+    assert per_process(replicas, "thinker", routes) == [4, 4], routes
+    for stage in ("talker", "code2wav"):
+        counts = per_process(replicas, stage, routes)
+        assert sum(counts) == 8 and min(counts) >= 2, (stage, routes)
+    for caller, callee in (("thinker", "talker"), ("talker", "code2wav")):
+        for p in getattr(replicas, caller + "s"):
+            mine = [r for r in routes if p.serves(r[caller])]
+            assert mine and all(per_process(replicas, callee, mine)), \
+                f"{caller} {p.address} sent its {len(mine)} streams to one {callee}: {mine}"
+    # what the routes say is what the processes did: each served (and each caller opened) those streams
+    delta = {p.address: p.finished_streams() - before[p.address] for p in replicas.all}
+    for stage in ("thinker", "talker", "code2wav"):
+        procs = {"thinker": replicas.thinkers, "talker": replicas.talkers, "code2wav": replicas.code2wavs}[stage]
+        assert [delta[p.address] for p in procs] == per_process(replicas, stage, routes), (stage, delta)
+    for p in replicas.thinkers + replicas.talkers:
+        mine = sum(p.serves(r[p.stage]) for r in routes)
+        assert p.next_streams() - opened[p.address] == mine, f"{p.stage} {p.address}"
+    # rows and frames went stage to stage: the caller got text, routes, audio and the frames' echo only
+    assert ("thinker", "rows") not in received and received["code2wav", "frames"] > 0
+    # greedy: every replica computes the same thing
+    assert all(r.text_ids == results[0].text_ids for r in results)
+    assert all(r.codes.shape[0] == SHORT_FRAMES - 1 and (r.codes == results[0].codes).all() for r in results)
+    assert all(r.audio.shape[0] == samples_for(SHORT_FRAMES) for r in results)
+
+
+def test_a_stage_sends_a_new_stream_to_the_replica_with_the_fewest_outstanding(replicas, prompt_ids):
+    """One long stream held on a talker: thinker 1's next stream goes to the other talker; then each
+    talker holds one code2wav stream: its next short stream goes to the other code2wav (round
+    robin alone would not do either)."""
+    replicas.revive()
+    thinker = replicas.thinkers[0]
+
+    async def go():
+        async with replicas.client([thinker]) as client:
+            first = Tracked(client, request(prompt_ids, LONG_FRAMES))
+            await all_started([first])
+            second = Tracked(client, request(prompt_ids, LONG_FRAMES))
+            await all_started([second])
+            shorts = [await client.collect(request(prompt_ids)) for _ in range(4)]
+            for t in (first, second):
+                t.task.cancel()
+            await asyncio.gather(first.task, second.task, return_exceptions=True)
+            return first.routes, second.routes, [r.done.routes for r in shorts]
+
+    first, second, shorts = run(go())
+    replicas.wait_idle()
+    assert not replicas.process("talker", second["talker"]).serves(first["talker"]), (first, second)
+    held = {replicas.process("talker", r["talker"]).port: r["code2wav"] for r in (first, second)}
+    assert per_process(replicas, "talker", shorts) == [2, 2], shorts     # 1 + 1 held: ties, round robin
+    for r in shorts:
+        busy = held[replicas.process("talker", r["talker"]).port]
+        assert not replicas.process("code2wav", r["code2wav"]).serves(busy), (r, held)
+
+
+def test_dns_names_resolve_to_every_address_of_the_name(replicas, prompt_ids):
+    """Thinker 2 and talker 2 know the next stage only by dns:/// names (so does the caller): their
+    balancers hold every A/AAAA record of the names and the streams land on those addresses."""
+    replicas.revive()
+    thinker, talker = replicas.thinkers[1], replicas.talkers[1]
+
+    async def go():
+        async with PipelineClient(thinker.dns, replicas.code2wav_set) as client:
             return await asyncio.gather(*(client.collect(request(prompt_ids)) for _ in range(8)))
 
     results = run(go())
-    delta = {p.address: p.finished_streams() - before[p.address] for p in replicas.all}
-    assert delta[replicas.thinker.address] == 8
-    for stage in (replicas.talkers, replicas.code2wavs):
-        counts = [delta[p.address] for p in stage]
-        assert sum(counts) == 8 and min(counts) >= 2, counts     # least-outstanding + round-robin ties
-    # greedy: every replica computes the same thing
-    assert all(r.text_ids == results[0].text_ids for r in results)
-    assert all(r.codes.shape[0] == 7 and (r.codes == results[0].codes).all() for r in results)
-    assert all(r.audio.shape[0] == results[0].audio.shape[0] > 0 for r in results)
-
-
-def test_dns_entries_resolve_to_every_address_of_the_name(replicas, prompt_ids):
-    replicas.revive()
-    dns = [f"dns:///localhost:{p.port}" for p in replicas.all]
-    before = {p.address: p.finished_streams() for p in replicas.all}
-
-    async def go():
-        async with PipelineClient(dns[0], ",".join(dns[1:3]), ",".join(dns[3:5])) as client:
-            results = await asyncio.gather(*(client.collect(request(prompt_ids)) for _ in range(4)))
-            return results, {r.address for r in client.talker.replicas}, {r.address for r in client.code2wav.replicas}
-
-    results, talker_addrs, code2wav_addrs = run(go())
-    # every A/AAAA record of localhost is a replica address (127.0.0.1 and maybe [::1]: one process each port)
-    assert talker_addrs == {a for p in replicas.talkers for a in resolve("localhost", p.port)}
-    assert code2wav_addrs == {a for p in replicas.code2wavs for a in resolve("localhost", p.port)}
-    assert all(r.codes.shape[0] == 7 for r in results)
-    delta = {p.address: p.finished_streams() - before[p.address] for p in replicas.all}
-    assert delta[replicas.thinker.address] == 4             # per process, not per address
-    assert sum(delta[p.address] for p in replicas.talkers) == 4
-    assert sum(delta[p.address] for p in replicas.code2wavs) == 4
-    assert all(delta[p.address] >= 1 for p in replicas.talkers + replicas.code2wavs)
+    routes = [r.done.routes for r in results]
+    talker_addrs = {a for p in replicas.talkers for a in resolve("localhost", p.port)}
+    code2wav_addrs = {a for p in replicas.code2wavs for a in resolve("localhost", p.port)}
+    # every A/AAAA record of localhost is a replica (127.0.0.1 and maybe [::1]: one process each port)
+    assert thinker.next_replicas("usable") == len(talker_addrs)
+    assert talker.next_replicas("usable") == len(code2wav_addrs)
+    assert all(r["thinker"] in resolve("localhost", thinker.port) for r in routes), routes
+    assert {r["talker"] for r in routes} <= talker_addrs and all(per_process(replicas, "talker", routes)), routes
+    via_dns = [r for r in routes if talker.serves(r["talker"])]
+    assert {r["code2wav"] for r in via_dns} <= code2wav_addrs and all(per_process(replicas, "code2wav", via_dns)), \
+        via_dns
+    assert all(r.codes.shape[0] == 0 and r.audio.shape[0] == samples_for(SHORT_FRAMES) for r in results)
 
 
 def test_gateway_with_dns_replica_lists(replicas, tiny_model_dir):
     replicas.revive()
-    dns = lambda ps: ",".join(f"dns:///localhost:{p.port}" for p in ps)   # noqa: E731
-    gw = GatewayProcess(tiny_model_dir, dns([replicas.thinker]), dns(replicas.talkers), dns(replicas.code2wavs),
-                        "--served-model-name", "tiny")
+    dns = lambda ps: ",".join(p.dns for p in ps)   # noqa: E731
+    gw = GatewayProcess(tiny_model_dir, dns(replicas.thinkers), replicas.code2wav_set, "--served-model-name", "tiny")
     try:
         before = sum(p.finished_streams() for p in replicas.code2wavs)
         body = {"model": "tiny", "voice": "ethan", "input": "Hello.", "response_format": "pcm", "max_tokens": 3,
@@ -226,7 +349,7 @@ def test_gateway_with_dns_replica_lists(replicas, tiny_model_dir):
         for _ in range(2):
             resp = httpx.post(f"{gw.base_url}/v1/audio/speech", json=body, timeout=60)
             assert resp.status_code == 200, resp.text
-            assert len(resp.content) == 2 * (1920 * 5 - 555)
+            assert len(resp.content) == 2 * samples_for(6)
         assert sum(p.finished_streams() for p in replicas.code2wavs) - before == 2
     finally:
         gw.stop()
@@ -234,86 +357,111 @@ def test_gateway_with_dns_replica_lists(replicas, tiny_model_dir):
 
 # ----------------------------------------------------------------------------- failures
 
-def test_refused_stream_is_retried_on_another_replica(replicas, prompt_ids):
-    """A replica that is down before the stream starts costs nothing: the stream moves."""
+def test_refused_streams_move_to_a_live_replica_and_the_audio_follows(replicas, tiny_model_dir, prompt_ids):
+    """A thinker whose talker set starts with a dead address, in front of a talker whose code2wav set
+    starts with a dead address: the first request is refused by both dead ones (round robin starts
+    on them), moves on at both hops, and the caller's audio stream goes where the talker's went."""
     replicas.revive()
-    dead = f"127.0.0.1:{free_port()}"               # nobody listens here
-    talkers = replicas.talkers[:1]
-    before = talkers[0].finished_streams()
+    code2wav = replicas.code2wavs[0]
+    dead_talker, dead_code2wav = (f"127.0.0.1:{free_port()}" for _ in range(2))    # nobody listens there
+    talker = StageProcess("talker", str(tiny_model_dir), args=["--code2wav", f"{dead_code2wav},{code2wav.address}"])
+    thinker = StageProcess("thinker", str(tiny_model_dir), args=["--talker", f"{dead_talker},{talker.address}"])
+    try:
+        start_all([talker, thinker])
+        before = {p.address: p.finished_streams() for p in (talker, code2wav)}
 
-    async def go():
-        async with PipelineClient(replicas.thinker.address, f"{dead},{talkers[0].address}",
-                                  replicas.code2wavs[0].address, balancing=FAST) as client:
-            first = await client.collect(request(prompt_ids))     # round-robin starts on the dead one
-            marked = [r.address for r in client.talker.replicas if not r.usable]
-            rest = await asyncio.gather(*(client.collect(request(prompt_ids)) for _ in range(3)))
-            return [first, *rest], marked
+        async def go():
+            async with PipelineClient(thinker.address, replicas.code2wav_set) as client:
+                first = await client.collect(request(prompt_ids))
+                marked = (thinker.next_replicas("unhealthy"), talker.next_replicas("unhealthy"))
+                rest = await asyncio.gather(*(client.collect(request(prompt_ids)) for _ in range(3)))
+                return [first, *rest], marked
 
-    results, marked = run(go())
-    assert all(r.codes.shape[0] == 7 for r in results)
-    assert marked == [dead]
-    assert talkers[0].finished_streams() - before == 4
+        results, marked = run(go())
+        assert results[0].done.routes == {"thinker": thinker.address, "talker": talker.address,
+                                          "code2wav": code2wav.address}
+        assert marked == (1, 1), "the first request did not meet both dead replicas"
+        assert all(r.done.routes == results[0].done.routes for r in results)
+        assert all(r.audio.shape[0] == samples_for(SHORT_FRAMES) for r in results)
+        assert {p.address: p.finished_streams() - before[p.address] for p in (talker, code2wav)} == \
+            {talker.address: 4, code2wav.address: 4}
+        assert thinker.next_streams() == 4 and talker.next_streams() == 4   # retries are not new streams
+        assert (thinker.next_replicas("usable"), talker.next_replicas("usable")) == (1, 1)
+    finally:
+        thinker.stop()
+        talker.stop()
 
 
-def test_killed_talker_fails_only_its_requests(replicas, prompt_ids):
+@pytest.mark.parametrize("stage", ["talker", "code2wav"])
+def test_a_killed_replica_fails_only_the_requests_on_it(replicas, prompt_ids, stage):
     replicas.revive()
-    victim, survivor = replicas.talkers
+    procs = replicas.talkers if stage == "talker" else replicas.code2wavs
+    victim, survivor = procs
+    thinker = replicas.thinkers[0]
     survivor_before = survivor.finished_streams()
 
     async def go():
-        async with replicas.client(balancing=FAST) as client:
-            tracked = [Tracked(client, request(prompt_ids, LONG_FRAMES), FramesEvent) for _ in range(8)]
-            await all_started(tracked)                      # every talker stream has produced frames
-            on_victim = victim.metric("voxpipe_active_streams", stage="talker")
+        async with replicas.client([thinker]) as client:
+            tracked = [Tracked(client, request(prompt_ids, LONG_FRAMES)) for _ in range(8)]
+            await all_started(tracked)                      # every stream has produced audio
             victim.proc.kill()
             outcomes = [await t.outcome() for t in tracked]
-            victim_replica = next(r for r in client.talker.replicas if r.address == victim.address)
-            marked = not victim_replica.usable
             after = await asyncio.gather(*(client.collect(request(prompt_ids)) for _ in range(4)))
-            return on_victim, tracked, outcomes, marked, after
+            return tracked, outcomes, after
 
-    on_victim, tracked, outcomes, marked, after = run(go())
-    failed = [e for e in outcomes if e is not None]
-    assert 1 <= on_victim <= 7 and len(failed) == on_victim, (on_victim, outcomes)
-    for e in failed:
-        assert e.stage == "talker" and e.code == grpc.StatusCode.UNAVAILABLE, e
-        assert e.replica == victim.address
-    completed = [t for t, e in zip(tracked, outcomes) if e is None]
-    assert all(t.frames == LONG_FRAMES - 1 for t in completed)
-    assert survivor.finished_streams() - survivor_before == len(completed) + len(after)
-    assert marked, "the dead replica is still picked"
-    assert all(r.codes.shape[0] == 7 for r in after)
+    tracked, outcomes, after = run(go())
+    on_victim = [victim.serves(t.routes[stage]) for t in tracked]
+    assert 1 <= sum(on_victim) <= 7, [t.routes for t in tracked]
+    for t, hit, e in zip(tracked, on_victim, outcomes):
+        if hit:
+            assert e is not None, f"a request on the killed {stage} did not fail: {t.routes}"
+            assert e.stage == stage and e.code == grpc.StatusCode.UNAVAILABLE, e
+            assert victim.serves(e.replica), (e.replica, victim.address)
+        else:
+            assert e is None, f"a request not on the killed {stage} failed ({t.routes}): {e}"
+            assert t.done.frames == LONG_FRAMES - 1 and t.samples == samples_for(LONG_FRAMES)
+    assert survivor.finished_streams() - survivor_before == on_victim.count(False) + len(after)
+    # the callers of the killed replica took it out of their picks: later requests avoid it
+    callers = [thinker] if stage == "talker" else [replicas.process("talker", t.routes["talker"])
+                                                   for t, hit in zip(tracked, on_victim) if hit]
+    for p in callers:
+        assert p.next_replicas("unhealthy") == 1, f"{p.stage} {p.address} still picks the killed {stage}"
+    assert all(survivor.serves(r.done.routes[stage]) and r.audio.shape[0] == samples_for(SHORT_FRAMES)
+               for r in after)
 
 
-def test_drained_code2wav_finishes_its_streams_and_takes_no_new_ones(replicas, prompt_ids):
+def test_a_drained_code2wav_finishes_its_streams_and_takes_no_new_ones(replicas, prompt_ids):
+    """SIGTERM a code2wav while it holds streams: it reports NOT_SERVING, finishes them and exits 0.
+    New long streams, 3 per talker: least outstanding sends one of each talker's to the draining
+    replica, which refuses it; the stream moves to the other code2wav and the audio follows."""
     replicas.revive()
     victim, survivor = replicas.code2wavs
+    thinker = replicas.thinkers[0]
     survivor_before = survivor.finished_streams()
 
     async def go():
-        async with replicas.client(balancing=FAST) as client:
-            tracked = [Tracked(client, request(prompt_ids, LONG_FRAMES), AudioEvent) for _ in range(6)]
+        async with replicas.client([thinker]) as client:
+            tracked = [Tracked(client, request(prompt_ids, LONG_FRAMES)) for _ in range(6)]
             await all_started(tracked)                      # every code2wav stream has produced audio
-            on_victim = victim.metric("voxpipe_active_streams", stage="code2wav")
             victim.proc.send_signal(signal.SIGTERM)
-            t0 = time.monotonic()
             while await health(victim.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
-                assert time.monotonic() - t0 < 10, "the drained replica never reported NOT_SERVING"
                 await asyncio.sleep(0.05)
-            # a fresh client (no streams in flight) picks both replicas round-robin: some streams
-            # are refused by the draining one and move to the survivor
-            async with replicas.client(balancing=FAST) as fresh:
-                after = await asyncio.gather(*(fresh.collect(request(prompt_ids)) for _ in range(4)))
-                drained = next(r for r in fresh.code2wav.replicas if r.address == victim.address)
-                assert drained.draining and not drained.usable
+            fresh = [Tracked(client, request(prompt_ids, LONG_FRAMES)) for _ in range(6)]
+            await all_started(fresh)
+            draining = [p.next_replicas("draining") for p in replicas.talkers]
+            for t in fresh:
+                t.task.cancel()
             outcomes = [await t.outcome() for t in tracked]
-            return on_victim, tracked, outcomes, after
+            await asyncio.gather(*(t.task for t in fresh), return_exceptions=True)
+            return tracked, outcomes, fresh, draining
 
-    on_victim, tracked, outcomes, after = run(go())
-    assert 1 <= on_victim <= 5
+    tracked, outcomes, fresh, draining = run(go())
+    on_victim = sum(victim.serves(t.routes["code2wav"]) for t in tracked)
+    assert 2 <= on_victim <= 4, [t.routes for t in tracked]     # 3 per talker, least outstanding
     assert outcomes == [None] * 6                           # in-flight streams on the drained replica completed
-    full = 1920 * (LONG_FRAMES - 1) - 555
-    assert all(t.frames == LONG_FRAMES - 1 and t.samples == full for t in tracked)
-    assert all(r.codes.shape[0] == 7 for r in after)
-    assert survivor.finished_streams() - survivor_before == (6 - on_victim) + 4
+    assert all(t.done.frames == LONG_FRAMES - 1 and t.samples == samples_for(LONG_FRAMES) for t in tracked)
+    assert all(survivor.serves(t.routes["code2wav"]) for t in fresh), [t.routes for t in fresh]
+    assert draining == [1, 1], "a talker never met the draining replica (no stream was refused and moved)"
+    assert survivor.finished_streams() - survivor_before == 6 - on_victim
     assert victim.proc.wait(timeout=60) == 0
+    replicas.wait_idle()

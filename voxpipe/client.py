@@ -109,11 +109,13 @@ class DoneEvent:
 
 class PipelineError(RuntimeError):
     """A stage failed the request. `replica`: the address of the stage replica it was on (for
-    logs; not part of the message, which clients may see)."""
+    logs; not part of the message, which clients may see). `via`: the stream that reported it
+    ("thinker" or "code2wav": the caller's two streams)."""
 
-    def __init__(self, stage: str, code: grpc.StatusCode | None, details: str, replica: str | None = None) -> None:
+    def __init__(self, stage: str, code: grpc.StatusCode | None, details: str, replica: str | None = None,
+                 via: str | None = None) -> None:
         super().__init__(f"{stage}: {code.name if code else 'ERROR'}: {details}")
-        self.stage, self.code, self.details, self.replica = stage, code, details, replica
+        self.stage, self.code, self.details, self.replica, self.via = stage, code, details, replica, via
 
 
 def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
@@ -210,18 +212,19 @@ class PipelineClient:
             except PipelineError as e:
                 if stage in spans:
                     tracing.grpc_error(spans[stage], e.code, e.details or "")
+                e.via = stage
                 await events.put(e)
             except grpc.aio.AioRpcError as e:
                 failed = failed_stage(e, stage)
                 if stage in spans:
                     tracing.grpc_error(spans[stage], e.code(), e.details() or "")
-                await events.put(PipelineError(failed, e.code(), e.details(), routes.get(failed)))
+                await events.put(PipelineError(failed, e.code(), e.details(), routes.get(failed), via=stage))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - surfaced to the caller
                 if stage in spans:
                     tracing.grpc_error(spans[stage], None, repr(e))
-                await events.put(PipelineError(stage, None, repr(e)))
+                await events.put(PipelineError(stage, None, repr(e), via=stage))
             finally:
                 span = spans.pop(stage, None)
                 if span is not None:
@@ -293,15 +296,24 @@ class PipelineClient:
 
         tasks.append(asyncio.ensure_future(guarded("thinker", run_thinker())))
         pending = {"thinker-done"} | ({"code2wav-done"} if req.audio else set())
+        held: PipelineError | None = None     # the audio stream's report of an upstream failure
         try:
             while pending:
                 ev = await events.get()
                 if isinstance(ev, PipelineError):
                     if ev.replica is None:
                         ev.replica = routes.get(ev.stage)
+                    if ev.via == "code2wav" and ev.stage != "code2wav" and "thinker-done" in pending:
+                        # code2wav lost its talker: the thinker stream says why (the talker died, or the
+                        # thinker itself failed) and ends soon; its verdict names the stage at fault
+                        held = held or ev
+                        pending.discard("code2wav-done")
+                        continue
                     raise ev
                 if isinstance(ev, str):
                     pending.discard(ev)
+                    if ev == "thinker-done" and held is not None:
+                        raise held
                     if ev == "thinker-done" and done["text"] == pb.CANCELLED and done["audio"] is None:
                         pending.discard("code2wav-done")      # cancelled before the talker started
                     continue

@@ -28,6 +28,13 @@ from .engine import Code2WavEngine, Code2WavJob
 from .model import Code2WavModel
 
 CODE_DTYPES = (torch.uint16, torch.int32, torch.int64)
+
+
+class FramesEndedEarly(Abort):
+    """The frames stream ended (half-closed or cut) before frames_end."""
+
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before frames_end")
 DEFAULT_LISTEN_TIMEOUT_S = 30.0
 
 
@@ -95,7 +102,7 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                 else:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")
             if not job.frames_end:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before frames_end")
+                raise FramesEndedEarly()
 
         serve = self.serve_listened(job, context, reader) if job.to_listener else self.serve_request(job, context, reader)
         async for item in serve:
@@ -116,13 +123,21 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
         async def read() -> None:
             try:
                 await reader()
+            except FramesEndedEarly as e:
+                # the talker went away mid-request (died, or cancelled by its own caller): to the
+                # listener that is the talker's failure, which the thinker stream reports too
+                if context.cancelled():
+                    self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the talker went away before its last frame",
+                                               "talker"))
+                else:
+                    self._fail(job, StageError(e.code, f"the talker's frames: {e.message}", "talker"))
             except (Abort, TensorError) as e:
                 code = e.code if isinstance(e, Abort) else grpc.StatusCode.INVALID_ARGUMENT
                 self._fail(job, StageError(code, e.message if isinstance(e, Abort) else str(e)))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the talker went away mid-read
-                self._fail(job, StageError(grpc.StatusCode.CANCELLED, f"the frames stream ended: {e!r}"))
+                self._fail(job, StageError(grpc.StatusCode.CANCELLED, f"the frames stream ended: {e!r}", "talker"))
 
         def no_listener() -> None:
             if self.listening.pop(token, None) is not None:
@@ -142,7 +157,7 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             timer.cancel()
             self.listening.pop(token, None)
             if final is None:    # the talker went away: end the listener's stream too
-                self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the talker cancelled the request"))
+                self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the talker cancelled the request", "talker"))
             if not task.done():
                 task.cancel()
             tracing.record_phases(self.engine.name, job, final)
@@ -166,7 +181,7 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             async for item in self._outputs(job):
                 if isinstance(item, StageError):
                     job.end(item)
-                    await abort(context, item.code, item.message)
+                    await abort(context, item.code, item.message, item.stage)
                 yield item
                 if item.WhichOneof("kind") == "finished":
                     job.end(item)
