@@ -2,15 +2,19 @@
 joined to the others by veth pairs on a bridge), a client host running the gateway, and this
 test process in the root namespace reaching them over a veth of its own. Addresses are in a
 private subnet (10.77.N.0/24) that exists only inside the namespaces this test makes; names
-(thinker.vp.test, ...) come from the client host's own hosts file (/etc/netns/NS/hosts, which
+(thinker.vp.test, ...) come from each host's own hosts file (/etc/netns/NS/hosts, which
 `ip netns exec` mounts over /etc/hosts), so dns:/// entries resolve through the real resolver.
+
+The data path runs host to host, each stage dialling the next by its configured name: the
+thinker host streams to `dns:///talker.vp.test` (--talker), the talker host to
+`dns:///code2wav.vp.test` (--code2wav); a caller (the gateway on the client host, or a pipeline
+client in the root namespace) reads text from the thinker host and audio from the code2wav host.
 
 Needs root and iproute2 (Debian package `iproute2`); skipped where the sandbox refuses
 network namespaces."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from voxpipe.client import PipelineClient, SpeechRequest
 
@@ -52,7 +57,7 @@ class TestNetwork:
         self.namespaces: list[str] = []
         self.root_link = f"{TAG}rt0"
         self.root_link_made = False
-        self.etc = Path("/etc/netns") / ns("client")
+        self.etcs = [Path("/etc/netns") / ns(host) for host in HOSTS]     # each host's /etc overlay
 
     @staticmethod
     def ip(*args: str) -> None:
@@ -81,7 +86,8 @@ class TestNetwork:
         self.ip("-n", switch, "link", "set", f"{TAG}rt1", "up")
         self.ip("addr", "add", f"{ip_of(ROOT)}/24", "dev", self.root_link)
         self.ip("link", "set", self.root_link, "up")
-        self.etc.mkdir(parents=True, exist_ok=True)
+        for etc in self.etcs:
+            etc.mkdir(parents=True, exist_ok=True)
         self.write_hosts({"thinker": [HOSTS["thinker"]], "talker": [HOSTS["talker"]],
                           "code2wav": [HOSTS["code2wav"]]})
 
@@ -99,12 +105,13 @@ class TestNetwork:
         return inner
 
     def write_hosts(self, names: dict[str, list[int]]) -> None:
-        """The client host's /etc/hosts: `<stage>.vp.test` -> these addresses. Rewritten in place
-        (the namespace's bind mount keeps pointing at this file)."""
+        """Every host's /etc/hosts: `<stage>.vp.test` -> these addresses (the DNS they all share).
+        Rewritten in place (a namespace's bind mount keeps pointing at its file)."""
         lines = ["127.0.0.1 localhost"] + [f"{ip_of(o)} {stage}.{DOMAIN}" for stage, octets in names.items()
                                            for o in octets]
-        with open(self.etc / "hosts", "w") as f:
-            f.write("\n".join(lines) + "\n")
+        for etc in self.etcs:
+            with open(etc / "hosts", "w") as f:
+                f.write("\n".join(lines) + "\n")
 
     def exec(self, host: str, *cmd: str) -> list[str]:
         return ["ip", "netns", "exec", ns(host), *cmd]
@@ -114,7 +121,8 @@ class TestNetwork:
             subprocess.run(["ip", "link", "del", self.root_link], capture_output=True)
         for name in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        shutil.rmtree(self.etc, ignore_errors=True)
+        for etc in self.etcs:
+            shutil.rmtree(etc, ignore_errors=True)
 
 
 def _refusal(network: TestNetwork) -> str | None:
@@ -172,21 +180,30 @@ def network():
         net.destroy()
 
 
+NEXT = {"thinker": "talker", "talker": "code2wav"}
+
+
+def address_of(stage: str, octet: int | None = None) -> str:
+    return f"{ip_of(octet or HOSTS[stage])}:{PORTS[stage]}"
+
+
 @pytest.fixture(scope="module")
 def hosts(network, tiny_model_dir):
-    """One stage service per host, each bound to its host's address; the gateway on the client host
-    dialling dns:///<stage>.vp.test names."""
+    """One stage service per host, each bound to its host's address and dialling the next stage by
+    its dns:/// name; the gateway on the client host dialling the thinker and code2wav by name."""
     procs: list[HostProcess] = []
     try:
         for stage in PORTS:
+            nxt = [f"--{NEXT[stage]}=dns:///{NEXT[stage]}.{DOMAIN}:{PORTS[NEXT[stage]]}"] if stage in NEXT else []
             procs.append(HostProcess(network, stage, stage, "--model", str(tiny_model_dir), "--device", "cpu",
                                      "--host", ip_of(HOSTS[stage]) if stage != "talker" else "[::]",
                                      "--port", str(PORTS[stage]), "--metrics-port", str(METRICS_PORT), "--grace", "5",
-                                     name=stage))
+                                     *nxt, name=stage))
         procs.append(HostProcess(network, "client", "gateway", "--model", str(tiny_model_dir),
                                  "--host", ip_of(HOSTS["client"]), "--http-port", str(HTTP_PORT),
                                  "--served-model-name", "tiny",
-                                 *(f"--{s}=dns:///{s}.{DOMAIN}:{p}" for s, p in PORTS.items()), name="gateway"))
+                                 *(f"--{s}=dns:///{s}.{DOMAIN}:{PORTS[s]}" for s in ("thinker", "code2wav")),
+                                 name="gateway"))
         deadline = time.monotonic() + 240
         for p in procs:
             p.wait_ready(deadline)
@@ -199,29 +216,64 @@ def hosts(network, tiny_model_dir):
             p.stop()
 
 
+def metric(host: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples on `host` whose labels include `labels` (0 if none)."""
+    text = httpx.get(f"http://{ip_of(HOSTS[host])}:{METRICS_PORT}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def finished_streams(stage: str) -> float:
-    text = httpx.get(f"http://{ip_of(HOSTS[stage])}:{METRICS_PORT}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("voxpipe_streams_total{") and f'stage="{stage}"' in line and \
-                ('outcome="length"' in line or 'outcome="stop"' in line):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(metric(stage, "voxpipe_streams_total", stage=stage, outcome=o)
+               for o in ("stop", "length"))
 
 
-def test_pipeline_client_from_the_root_namespace(hosts):
+def next_streams(stage: str) -> float:
+    """Streams `stage`'s host opened to the next stage's host."""
+    return metric(stage, "voxpipe_next_stage_streams_total", stage=NEXT[stage])
+
+
+def talkers_seen(state: str = "usable") -> float:
+    """The talker replicas the thinker's balancer holds in `state`."""
+    return metric("thinker", "voxpipe_next_stage_replicas", stage="talker", state=state)
+
+
+def wait_until(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.1)
+
+
+def speak(n: int, frames: int) -> tuple[list, dict]:
+    """`n` concurrent requests from the root namespace (its own PipelineClient, dialling the thinker
+    and code2wav hosts by address); their results and what crossed into this process."""
     import asyncio
 
     async def go():
-        async with PipelineClient(*(f"{ip_of(HOSTS[s])}:{p}" for s, p in PORTS.items())) as client:
-            return await client.collect(SpeechRequest(text="Hello over the wire.", max_tokens=4, min_tokens=4,
-                                                      max_frames=8, min_frames=8))
+        async with PipelineClient(address_of("thinker"), address_of("code2wav")) as client:
+            results = await asyncio.gather(*(client.collect(SpeechRequest(
+                text="Hello over the wire.", max_tokens=4, min_tokens=4, max_frames=frames, min_frames=frames))
+                for _ in range(n)))
+            return results, dict(client.received)
 
+    return asyncio.run(go())
+
+
+def test_stages_stream_host_to_host(hosts):
     before = {s: finished_streams(s) for s in PORTS}
-    res = asyncio.run(go())
-    assert len(res.text_ids) == 4 and res.codes.shape[0] == 7
-    assert res.audio.shape[0] == 1920 * 7 - 555
+    opened = {s: next_streams(s) for s in NEXT}
+    (res,), received = speak(1, 8)
+    assert len(res.text_ids) == 4 and res.audio.shape[0] == 1920 * 7 - 555
+    # the thinker host picked the talker host by name, the talker host the code2wav host; the audio
+    # came from where the talker sent the frames
+    assert res.done.routes == {s: address_of(s) for s in PORTS}
+    assert res.done.frames == 7
     assert {s: finished_streams(s) - before[s] for s in PORTS} == {s: 1 for s in PORTS}
+    assert {s: next_streams(s) - opened[s] for s in NEXT} == {"thinker": 1, "talker": 1}
+    # no row and no codec frame crossed into the caller's process
+    assert ("thinker", "rows") not in received and ("code2wav", "frames") not in received
+    assert received["code2wav", "audio"] > 0
 
 
 def test_gateway_on_its_own_host_reaches_the_stages_by_name(hosts):
@@ -236,98 +288,30 @@ def test_gateway_on_its_own_host_reaches_the_stages_by_name(hosts):
     assert ready.status_code == 200 and ready.json()["ready"] is True
 
 
-# A long-lived PipelineClient on the client host, driven over stdin/stdout (one JSON line each way),
-# so the test can change DNS (the hosts file) and the talker host's addresses between its steps.
-DNS_CLIENT = r"""
-import asyncio, json, sys, logging
-logging.basicConfig(level=logging.INFO)
-from voxpipe.services.runtime.balancer import BalancerOptions
-from voxpipe.client import PipelineClient, SpeechRequest
+def test_the_thinker_follows_dns_as_talker_pods_come_and_go(network, hosts):
+    """The thinker re-resolves its talker name: a new talker address in DNS gets streams; an address
+    that leaves DNS gets none, and its going away (removed from the host) fails no request."""
+    first, second = address_of("talker"), address_of("talker", TALKER_EXTRA)
+    results, _ = speak(2, 6)
+    assert [r.done.routes["talker"] for r in results] == [first, first]
+    assert talkers_seen() == 1
 
-async def main(thinker, talker, code2wav):
-    opts = BalancerOptions(resolve_interval_s=0.3, min_resolve_gap_s=0.1, cooldown_s=0.5)
-    async with PipelineClient(thinker, talker, code2wav, balancing=opts) as client:
-        await client.talker.start()                # resolve now (else: on the first stream)
-        loop = asyncio.get_running_loop()
-        while line := await loop.run_in_executor(None, sys.stdin.readline):
-            cmd = json.loads(line)
-            if cmd["op"] == "replicas":             # wait until the talker replicas are `want`
-                want = set(cmd["want"])
-                for _ in range(150):
-                    if {r.address for r in client.talker.replicas} == want:
-                        break
-                    await asyncio.sleep(0.1)
-                answer = {"replicas": sorted(r.address for r in client.talker.replicas)}
-            else:                                  # run n requests at once; which talkers they used
-                used, running = set(), True
-                async def watch():
-                    while running:
-                        used.update(r.address for r in client.talker.replicas if r.in_flight)
-                        await asyncio.sleep(0.005)
-                watcher = asyncio.ensure_future(watch())
-                req = lambda: SpeechRequest(text="Hi.", max_tokens=3, min_tokens=3, max_frames=cmd["frames"],
-                                            min_frames=cmd["frames"])
-                results = await asyncio.wait_for(asyncio.gather(
-                    *(client.collect(req()) for _ in range(cmd["n"])), return_exceptions=True), 60)
-                running = False
-                await watcher
-                answer = {"frames": [r.codes.shape[0] if not isinstance(r, BaseException) else repr(r)
-                                     for r in results], "used": sorted(used)}
-            print("@@" + json.dumps(answer), flush=True)
+    # scale up: a second talker address (its own interface) appears on the host, then in DNS
+    network.add_interface("talker", 1, TALKER_EXTRA)
+    network.write_hosts({"thinker": [HOSTS["thinker"]], "talker": [HOSTS["talker"], TALKER_EXTRA],
+                         "code2wav": [HOSTS["code2wav"]]})
+    wait_until(lambda: talkers_seen() == 2, "the thinker resolved the new talker address")
+    results, _ = speak(4, 12)
+    assert [r.codes.shape[0] for r in results] == [0] * 4 and all(r.done.frames == 11 for r in results)
+    assert {r.done.routes["talker"] for r in results} == {first, second}
 
-asyncio.run(main(*sys.argv[1:4]))
-"""
-
-
-class DnsClient:
-    def __init__(self, network: TestNetwork) -> None:
-        self.proc = subprocess.Popen(network.exec("client", sys.executable, "-c", DNS_CLIENT,
-                                                  *(f"dns:///{s}.{DOMAIN}:{p}" for s, p in PORTS.items())),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the DNS client exited (code {self.proc.wait()})")
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def test_replicas_follow_dns_as_talker_pods_come_and_go(network, hosts):
-    """A new talker address in DNS gets streams; an address that leaves DNS gets none, and its
-    going away (the address removed from the host) does not fail a request."""
-    first, second = (f"{ip_of(o)}:{PORTS['talker']}" for o in (HOSTS["talker"], TALKER_EXTRA))
-    client = DnsClient(network)
-    try:
-        assert client.ask(op="replicas", want=[first]) == {"replicas": [first]}
-        got = client.ask(op="run", n=2, frames=6)
-        assert got == {"frames": [5, 5], "used": [first]}
-
-        # scale up: a second talker address (its own interface) appears on the host, then in DNS
-        network.add_interface("talker", 1, TALKER_EXTRA)
-        network.write_hosts({"thinker": [HOSTS["thinker"]], "talker": [HOSTS["talker"], TALKER_EXTRA],
-                             "code2wav": [HOSTS["code2wav"]]})
-        assert client.ask(op="replicas", want=[first, second]) == {"replicas": sorted([first, second])}
-        got = client.ask(op="run", n=4, frames=12)
-        assert got == {"frames": [11] * 4, "used": sorted([first, second])}
-
-        # scale down: the first address leaves DNS, then the host
-        network.write_hosts({"thinker": [HOSTS["thinker"]], "talker": [TALKER_EXTRA],
-                             "code2wav": [HOSTS["code2wav"]]})
-        assert client.ask(op="replicas", want=[second]) == {"replicas": [second]}
-        network.ip("-n", ns("talker"), "addr", "del", f"{ip_of(HOSTS['talker'])}/24", "dev", f"{ns('talker')}0")
-        got = client.ask(op="run", n=3, frames=6)
-        assert got == {"frames": [5, 5, 5], "used": [second]}
-    finally:
-        client.close()
+    # scale down: the second address leaves DNS, then the host. (It is the second that goes: the talker
+    # process, which plays both pods, dials code2wav from its first address, which must stay.)
+    network.write_hosts({"thinker": [HOSTS["thinker"]], "talker": [HOSTS["talker"]],
+                         "code2wav": [HOSTS["code2wav"]]})
+    wait_until(lambda: (talkers_seen(), talkers_seen("unhealthy"), talkers_seen("draining")) == (1, 0, 0),
+               "the thinker dropped the talker address that left DNS")
+    network.ip("-n", ns("talker"), "addr", "del", f"{ip_of(TALKER_EXTRA)}/24", "dev", f"{ns('talker')}1")
+    results, _ = speak(3, 6)
+    assert [r.done.routes["talker"] for r in results] == [first] * 3
+    assert all(r.done.frames == 5 and r.audio.shape[0] == 1920 * 5 - 555 for r in results)
