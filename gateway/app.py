@@ -33,6 +33,7 @@ from voxpipe.client import PipelineClient, PipelineError
 from voxpipe.services.runtime.tracing import TracingMiddleware, fastapi_tracing_off
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.metrics import watch_loop_lag
+from voxpipe.services.runtime.tls import ClientTLS, aio_channel
 from voxpipe.services.thinker.prompt import FeatureExtractor
 
 from .config import GatewayConfig
@@ -115,7 +116,7 @@ class GatewayState:
         return self.omni.talker.speakers
 
     def open_pipeline(self) -> PipelineClient:
-        self.pipeline = PipelineClient(self.config.thinker, self.config.code2wav)
+        self.pipeline = PipelineClient(self.config.thinker, self.config.code2wav, tls=self.config.stage_tls)
         return self.pipeline
 
 
@@ -222,11 +223,11 @@ class BodyTimeout:
         await self.app(scope, timed_receive, send)
 
 
-async def stage_health(addresses: str, timeout: float = 2.0) -> dict[str, str]:
-    """grpc.health.v1 status of every replica in a comma-separated address list."""
+async def stage_health(addresses: str, timeout: float = 2.0, tls: ClientTLS | None = None) -> dict[str, str]:
+    """grpc.health.v1 status of every replica in a comma-separated address list (dialled with `tls`)."""
     async def check(addr: str) -> str:
         try:
-            async with grpc.aio.insecure_channel(addr) as ch:
+            async with aio_channel(addr, tls) as ch:
                 resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
         except grpc.aio.AioRpcError as e:
@@ -263,7 +264,8 @@ def _add_basic_routes(app: FastAPI) -> None:
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:
         cfg = gateway_state(request).config
-        stages = dict(zip(STAGES, await asyncio.gather(*(stage_health(getattr(cfg, s)) for s in STAGES))))
+        stages = dict(zip(STAGES, await asyncio.gather(*(stage_health(getattr(cfg, s), tls=cfg.stage_tls)
+                                                         for s in STAGES))))
         ok = all(status == "SERVING" for per_stage in stages.values() for status in per_stage.values())
         return JSONResponse({"ready": ok, "stages": stages}, status_code=200 if ok else 503)
 

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from voxpipe.services.runtime.tls import ClientTLS, ServerTLS, client_tls_from_args
+
 from .limits import MAX_PROMPT_CHARS
 
 
@@ -27,6 +29,10 @@ class GatewayConfig:
     reflection: bool = True            # gRPC server reflection on the Converse port
     audio_expiry_s: int = 3600         # how long an assistant audio id stays usable in later turns
     max_stored_audio: int = 10000      # transcripts kept for multi-turn audio references
+    ssl_certfile: str | None = None    # serve HTTPS / WSS and TLS on Converse with this PEM chain ...
+    ssl_keyfile: str | None = None     # ... and key (both or neither)
+    tls: ServerTLS | None = None       # the same pair, read (for the Converse gRPC port)
+    stage_tls: ClientTLS | None = None # how the thinker and code2wav replicas are dialled (None: plaintext)
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -35,9 +41,14 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, args) -> "GatewayConfig":
+        """The config of the command line; TLSConfigError (naming the flags) for half-given TLS."""
+        certfile, keyfile = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
+        tls = ServerTLS.from_files(certfile, keyfile, flags=("--ssl-certfile", "--ssl-keyfile", ""))
         return cls(thinker=args.thinker, code2wav=args.code2wav, model_dir=str(args.model),
                    model_id=args.served_model_name or "", host=args.host, http_port=args.http_port,
                    grpc_port=args.grpc_port or 0, api_key=args.api_key or os.environ.get("VOXPIPE_API_KEY") or None,
                    max_sessions=args.max_sessions, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                    body_timeout_s=args.body_timeout, max_prompt_chars=args.max_prompt_chars,
-                   reflection=args.reflection, audio_expiry_s=args.audio_expiry)
+                   reflection=args.reflection, audio_expiry_s=args.audio_expiry,
+                   ssl_certfile=certfile if tls else None, ssl_keyfile=keyfile if tls else None, tls=tls,
+                   stage_tls=client_tls_from_args(args))

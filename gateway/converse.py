@@ -30,6 +30,7 @@ from voxpipe.services.runtime.calls import abort
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.rpc_guard import Abort, RequestGuard
 from voxpipe.services.runtime.server import add_health_and_reflection
+from voxpipe.services.runtime.tls import add_port
 from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart
 from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
@@ -294,11 +295,12 @@ async def serve_converse(app_state: Any, port: int, host: str = "[::]") -> Conve
                              interceptors=[RequestGuard()])
     gw_grpc.add_GatewayServicer_to_server(ConverseServicer(app_state), server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME, app_state.config.reflection)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}")
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    bound = add_port(server, address, app_state.config.tls)     # TLS with the gateway's --ssl-certfile/--ssl-keyfile
     if bound == 0:
         raise RuntimeError(f"could not bind the Converse gRPC port {host}:{port}")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("Converse gRPC API on port %d", bound)
+    log.info("Converse gRPC API on port %d%s", bound, " (TLS)" if app_state.config.tls else "")
     return ConverseServer(server, bound, health_servicer)

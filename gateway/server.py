@@ -10,6 +10,8 @@ import importlib.util
 import logging
 import os
 
+from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
+
 from .limits import MAX_PROMPT_CHARS
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve gRPC server reflection on the Converse port")
     parser.add_argument("--audio-expiry", type=int, default=3600,
                         help="seconds an assistant audio id stays usable in later turns")
+    g = parser.add_argument_group("TLS (serving)")
+    g.add_argument("--ssl-certfile", default=os.environ.get("VOXPIPE_SSL_CERTFILE") or None,
+                   help="PEM certificate chain: serve HTTPS, WSS and TLS on the Converse port (with --ssl-keyfile; "
+                        "env VOXPIPE_SSL_CERTFILE; default: plaintext)")
+    g.add_argument("--ssl-keyfile", default=os.environ.get("VOXPIPE_SSL_KEYFILE") or None,
+                   help="PEM private key of --ssl-certfile (env VOXPIPE_SSL_KEYFILE)")
+    add_client_tls_arguments(parser, who="the thinker and code2wav")
 
 
 async def serve(args) -> None:
@@ -51,14 +60,18 @@ async def serve(args) -> None:
     from .app import create_app
     from .config import GatewayConfig
 
-    config = GatewayConfig.from_args(args)
+    try:
+        config = GatewayConfig.from_args(args)
+    except TLSConfigError as e:
+        raise SystemExit(f"gateway: error: {e}") from None
     try:
         app = create_app(config)
     except FeatureConfigError as e:      # the model folder's audio front end disagrees with its config
         raise SystemExit(f"gateway: {e}") from None
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, loop="none",
                                            http="auto", ws="auto", log_level=args.log_level.lower(),
-                                           access_log=False, timeout_graceful_shutdown=10))
+                                           access_log=False, timeout_graceful_shutdown=10,
+                                           ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
     serving = asyncio.ensure_future(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)
@@ -67,7 +80,7 @@ async def serve(args) -> None:
         raise SystemExit(1)
     converse = await _start_converse(app.state.gateway, config)
     port = server.servers[0].sockets[0].getsockname()[1]
-    print(f"gateway ready on port {port}", flush=True)
+    print(f"gateway ready on port {port}" + (" (https)" if config.tls else ""), flush=True)
     try:
         await serving
     finally:

@@ -69,14 +69,26 @@ def _stage_arguments(stage: str, parser: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------- health
 
+def _client_tls(args):
+    from voxpipe.services.runtime.tls import TLSConfigError, client_tls_from_args
+
+    try:
+        return client_tls_from_args(args)
+    except TLSConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from voxpipe.services.runtime.tls import channel
+
+    tls = _client_tls(args)
     addrs = [args.addr] if args.addr else [f"localhost:{p}" for p in (50051, 50052, 50053)]
     for addr in addrs:
         try:
-            with grpc.insecure_channel(addr) as ch:
+            with channel(addr, tls) as ch:
                 resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
                                                             timeout=args.timeout)
             if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -95,14 +107,16 @@ class LocalStack:
 
     def __init__(self, model: Path, host: str, base_port: int, device: str, extra: list[str] | None = None,
                  metrics_ports: dict[str, int] | None = None, http_port: int = 0,
-                 devices: dict[str, str] | None = None) -> None:
+                 devices: dict[str, str] | None = None, gateway_extra: list[str] | None = None) -> None:
         """`devices`: a device per stage (e.g. the thinker on cuda:0, talker and code2wav on cuda:1);
-        stages not named there use `device`."""
+        stages not named there use `device`. `extra`: flags of every stage (TLS ones, say);
+        `gateway_extra`: flags of the gateway."""
         self.model, self.host, self.device = model, host, device
         self.devices = {s: (devices or {}).get(s, device) for s in STAGES}
         self.ports = {s: base_port + i for i, s in enumerate(STAGES)}
         self.metrics_ports = metrics_ports or {}
         self.extra = extra or []
+        self.gateway_extra = gateway_extra or []
         self.http_port = http_port          # > 0: also run the gateway (OpenAI HTTP API) on this port
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -128,6 +142,7 @@ class LocalStack:
         if self.http_port:
             cmd = [sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(self.model), "--host", self.host,
                    "--http-port", str(self.http_port)] + [f"--{s}={self.address(s)}" for s in ("thinker", "code2wav")]
+            cmd += self.gateway_extra
             self.procs["gateway"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
             self._wait_ready("gateway", self.procs["gateway"], deadline, timeout)
 
@@ -167,7 +182,13 @@ def cmd_up(args) -> int:
     model = Path(args.model) if args.model else default_model_dir()
     host = "127.0.0.1" if args.host in ("localhost", "127.0.0.1") else args.host
     http_port = 0 if args.say is not None else args.http_port     # --say is one request: no gateway
-    stack = LocalStack(model, host, args.base_port, args.device, http_port=http_port)
+    _client_tls(args)
+    if args.tls_cert and not args.tls_ca:
+        raise SystemExit("error: --tls-cert needs --tls-ca here: the stages call each other (and the gateway "
+                         "calls them), so they need the CA to check the certificates")
+    stage_flags, gateway_flags = _up_tls_flags(args)
+    stack = LocalStack(model, host, args.base_port, args.device, http_port=http_port, extra=stage_flags,
+                       gateway_extra=gateway_flags)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -179,7 +200,8 @@ def cmd_up(args) -> int:
     for stage in STAGES:
         print(f"{stage:9s} {stack.address(stage)}  (pid {stack.procs[stage].pid})", flush=True)
     if http_port:
-        print(f"gateway   http://{host}:{http_port}/v1  (pid {stack.procs['gateway'].pid})", flush=True)
+        scheme = "https" if args.ssl_certfile else "http"
+        print(f"gateway   {scheme}://{host}:{http_port}/v1  (pid {stack.procs['gateway'].pid})", flush=True)
     try:
         if args.say is not None:
             args.thinker, args.code2wav = stack.address("thinker"), stack.address("code2wav")
@@ -195,6 +217,20 @@ def cmd_up(args) -> int:
         return 0
     finally:
         stack.stop()
+
+
+def _up_tls_flags(args) -> tuple[list[str], list[str]]:
+    """`voxpipe up`'s TLS flags as the stages' flags and the gateway's: the stages serve with
+    --tls-cert/--tls-key(/--tls-client-ca) and call each other with --tls-ca(/--tls-client-*), the
+    gateway calls them the same way and serves HTTPS with --ssl-certfile/--ssl-keyfile."""
+    client = [f"--{flag}={getattr(args, flag.replace('-', '_'))}"
+              for flag in ("tls-ca", "tls-client-cert", "tls-client-key", "tls-server-name")
+              if getattr(args, flag.replace("-", "_"))]
+    serve = [f"--{flag}={getattr(args, flag.replace('-', '_'))}" for flag in ("tls-cert", "tls-key", "tls-client-ca")
+             if getattr(args, flag.replace("-", "_"))]
+    gateway = [f"--{flag}={getattr(args, flag.replace('-', '_'))}" for flag in ("ssl-certfile", "ssl-keyfile")
+               if getattr(args, flag.replace("-", "_"))]
+    return serve + client, gateway + client
 
 
 # ----------------------------------------------------------------------------- say
@@ -256,7 +292,7 @@ def cmd_say(args) -> int:
         req = SpeechRequest(text=text, **sampling)
 
     async def go():
-        async with PipelineClient(args.thinker, args.code2wav) as client:
+        async with PipelineClient(args.thinker, args.code2wav, tls=_client_tls(args)) as client:
             t0 = time.perf_counter()
             first, said, chunks, done, rate = None, "", [], None, 0
             async for ev in client.stream(req):
@@ -289,6 +325,8 @@ def cmd_say(args) -> int:
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
+    from voxpipe.services.runtime.tls import add_client_tls_arguments, add_server_tls_arguments
+
     parser = argparse.ArgumentParser(prog="voxpipe", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("VOXPIPE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -312,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the gateway's OpenAI HTTP API port (0: no gateway; none with --say)")
     p.add_argument("--say", metavar="TEXT", help="speak TEXT through the stack, write -o, then stop everything")
     _add_say_options(p)
+    add_server_tls_arguments(p)
+    add_client_tls_arguments(p, who="the stages (by each other, the gateway and --say)")
+    g = p.add_argument_group("TLS (the gateway)")
+    g.add_argument("--ssl-certfile", default=None, help="PEM certificate chain: the gateway serves HTTPS, WSS")
+    g.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("say", help="speak a reply to TEXT through running services into a wav")
@@ -322,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--code2wav", default="127.0.0.1:50053",
                    help="the code2wav replicas audio is read from (the talkers' --code2wav set)")
     _add_say_options(p)
+    add_client_tls_arguments(p, who="the thinker and code2wav")
     p.set_defaults(func=cmd_say)
 
     p = sub.add_parser("bench", help="benchmark split / in-process voxpipe against transformers (BENCHMARK.md)")
@@ -340,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--addr", help="host:port (default: try localhost:50051..50053)")
     p.add_argument("--service", default="")
     p.add_argument("--timeout", type=float, default=3.0)
+    add_client_tls_arguments(p, who="the service")
     p.set_defaults(func=cmd_health)
     return parser
 

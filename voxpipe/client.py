@@ -33,6 +33,7 @@ from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, N
 from voxpipe.services.runtime.calls import failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
+from voxpipe.services.runtime.tls import ClientTLS
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
@@ -127,15 +128,16 @@ def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
 class PipelineClient:
     def __init__(self, thinker: str | list[str], code2wav: str | list[str] | None = None, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, metadata: tuple[tuple[str, str], ...] = (),
-                 balancing: BalancerOptions | None = None) -> None:
+                 balancing: BalancerOptions | None = None, tls: ClientTLS | None = None) -> None:
         """Each stage: `host:port` and/or `dns:///name:port` entries, comma-separated or a list; every
         address (every DNS record) is one replica (see voxpipe.services.runtime.balancer). The talker
         is the thinker's business (its --talker); `code2wav` lists the replicas audio may come from:
         the one a talker picked must be among them. `balancing`: re-resolution, health cool-down and
-        retry settings."""
+        retry settings. `tls`: dial both stages with TLS, presenting its client certificate when it
+        has one (voxpipe.services.runtime.tls); None: plaintext."""
         self.max_message_bytes = max_message_bytes
-        self.thinker = stage_balancer("thinker", thinker, max_message_bytes, balancing)
-        self.code2wav = stage_balancer("code2wav", code2wav, max_message_bytes, balancing) if code2wav else None
+        self.thinker = stage_balancer("thinker", thinker, max_message_bytes, balancing, tls)
+        self.code2wav = stage_balancer("code2wav", code2wav, max_message_bytes, balancing, tls) if code2wav else None
         self.metadata = metadata
         # messages received, by (stage, kind): what crosses into the caller's process ("rows": text
         # deltas that carried talker rows, which a caller never gets in stage-to-stage operation)

@@ -20,7 +20,8 @@ from ..runtime import tracing
 from ..runtime.calls import abort
 from ..runtime.engine import Outbox, StageError
 from ..runtime.layers import serving_layout
-from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, run_async, run_server,
+                             server_options)
 from ..runtime.tensors import TensorError, from_proto
 from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
@@ -192,6 +193,8 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
 
 
 def build(args) -> Code2WavServicer:
+    opts = server_options(args)         # bad flags fail before the weights load
+    client_tls(args)                    # code2wav calls no stage; its client flags (a shared env) are checked all the same
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.gpu_memory_fraction and device.type == "cuda":
@@ -204,7 +207,7 @@ def build(args) -> Code2WavServicer:
                             cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback)
     if args.listen_timeout <= 0:
         raise SystemExit(f"--listen-timeout must be positive, got {args.listen_timeout}")
-    return Code2WavServicer(engine, server_options(args), cfg, args.first_chunk_frames, args.chunk_frames,
+    return Code2WavServicer(engine, opts, cfg, args.first_chunk_frames, args.chunk_frames,
                             args.listen_timeout)
 
 

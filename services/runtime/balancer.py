@@ -15,6 +15,11 @@ Core" that hides the status when the refusal races a write) before its first res
 replayed once on another replica; after the first response a failure is the request's.
 Channels ping every 20 s during streams, so a replica whose host vanished fails its streams
 (UNAVAILABLE) within ~30 s instead of hanging them.
+
+With `tls` (services.runtime.tls.ClientTLS) every channel -- streams and health probes -- is TLS
+(mTLS with a client certificate). A plain entry's certificate is checked against its host; the
+replicas of a dns:///name:port entry are dialled by IP address, so their certificates are
+checked against `name` (or the ClientTLS's server_name when set).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .tls import ClientTLS, aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +139,9 @@ class StageBalancer:
     """The replicas of one stage (see the module docstring)."""
 
     def __init__(self, stage: str, addresses: str | Iterable[str], *, channel_options: list[tuple[str, Any]],
-                 options: BalancerOptions | None = None, health_service: str = "") -> None:
-        self.stage, self.health_service = stage, health_service
+                 options: BalancerOptions | None = None, health_service: str = "",
+                 tls: ClientTLS | None = None) -> None:
+        self.stage, self.health_service, self.tls = stage, health_service, tls
         self.options = options or BalancerOptions()
         self.targets = parse_targets(addresses)
         backoff_ms = max(100, int(self.options.cooldown_s * 1000))
@@ -161,8 +169,10 @@ class StageBalancer:
         self._background: set[asyncio.Task] = set()
         self._closed = False
 
-    def _new_replica(self, address: str, static: bool) -> Replica:
-        return Replica(address, grpc.aio.insecure_channel(address, options=self._channel_options), static)
+    def _new_replica(self, address: str, static: bool, server_name: str | None = None) -> Replica:
+        """`server_name`: the name its certificate must carry when it is not the dialled host (a
+        replica resolved from a dns:/// entry is dialled by IP address)."""
+        return Replica(address, aio_channel(address, self.tls, self._channel_options, server_name), static)
 
     @property
     def replicas(self) -> list[Replica]:
@@ -210,20 +220,21 @@ class StageBalancer:
         self._last_resolve = asyncio.get_running_loop().time()
         results = await asyncio.gather(*(asyncio.to_thread(resolve, t.host, t.port) for t in self._dns_targets),
                                        return_exceptions=True)
-        wanted: list[str] = []
+        wanted: dict[str, str] = {}         # address -> the name it was resolved from
         failed = False
         for target, result in zip(self._dns_targets, results):
             if isinstance(result, BaseException):
                 failed = True
                 log.warning("%s: cannot resolve %s: %s", self.stage, target.text, result)
             else:
-                wanted.extend(result)
+                for address in result:
+                    wanted.setdefault(address, target.host)
         if self._closed:
             return
-        for address in wanted:
+        for address, name in wanted.items():
             if address not in self._replicas:
                 log.info("%s: replica %s added", self.stage, address)
-                self._replicas[address] = self._new_replica(address, static=False)
+                self._replicas[address] = self._new_replica(address, static=False, server_name=name)
         if failed:      # a resolver hiccup is not a scale-down: keep what we have
             return
         keep = set(wanted)

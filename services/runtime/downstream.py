@@ -29,6 +29,7 @@ from . import metrics, tracing
 from .balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer, parse_targets
 from .calls import failed_stage
 from .tensors import split_message
+from .tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,9 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def stage_balancer(stage: str, addresses: str | list[str], max_message_bytes: int,
-                   options: BalancerOptions | None = None) -> StageBalancer:
+                   options: BalancerOptions | None = None, tls: ClientTLS | None = None) -> StageBalancer:
     return StageBalancer(stage, addresses, channel_options=channel_options(max_message_bytes), options=options,
-                         health_service=HEALTH_SERVICES[stage])
+                         health_service=HEALTH_SERVICES[stage], tls=tls)
 
 
 class DownstreamFailed(Exception):
@@ -60,8 +61,9 @@ class NextStage:
     """The replicas of the stage after this one, for this stage's requests."""
 
     def __init__(self, stage: str, addresses: str | list[str], *, max_message_bytes: int,
-                 options: BalancerOptions | None = None) -> None:
-        self.stage = stage
+                 options: BalancerOptions | None = None, tls: ClientTLS | None = None) -> None:
+        """`tls`: dial the replicas with TLS / mTLS (services.runtime.tls); None: plaintext."""
+        self.stage, self.tls = stage, tls
         self.max_message_bytes = max_message_bytes
         self.addresses, self.options = addresses, options
         parse_targets(addresses)            # a malformed address fails at start, not at the first request
@@ -78,7 +80,8 @@ class NextStage:
         """Made on first use: grpc.aio channels belong to the event loop they are made in, and a
         service builds its servicer before its loop runs."""
         if self._balancer is None:
-            self._balancer = stage_balancer(self.stage, self.addresses, self.max_message_bytes, self.options)
+            self._balancer = stage_balancer(self.stage, self.addresses, self.max_message_bytes, self.options,
+                                            self.tls)
         return self._balancer
 
     async def open(self, method: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> "Downstream":

@@ -30,6 +30,8 @@ from .calls import ClientGone, abort
 from .rpc_guard import Abort, RequestGuard
 from .tensors import Reassembler, TensorError
 from . import tracing
+from .tls import (ClientTLS, ServerTLS, TLSConfigError, add_client_tls_arguments, add_port, add_server_tls_arguments,
+                  client_tls_from_args, server_tls_from_args)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,9 @@ class ServerOptions:
     max_pending_upload_bytes: int = 1024 * 1024 * 1024  # all incomplete start payloads together
     metrics_port: int = 0                        # Prometheus /metrics (0: off), on `host` too
     reflection: bool = True                      # grpc.reflection.v1alpha on the service port
+    tls: ServerTLS | None = None                 # serve TLS (mTLS when it has a client CA); None: plaintext
+    health_port: int = 0                         # a plaintext grpc.health.v1-only port on `host` (0: off), for
+                                                 # probes that cannot speak (m)TLS (Kubernetes' grpc probes)
 
 
 # grpc core's "no limit" for max_connection_age_grace_ms: an aged connection closes only when its
@@ -282,19 +287,29 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     server = grpc.aio.server(options=options, interceptors=[RequestGuard()])
     add_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, service_name, opts.reflection)
-    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    port = add_port(server, f"{opts.host}:{opts.port}", opts.tls)
     if port == 0:
         raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
     loop = asyncio.get_running_loop()
     stop, fatal = asyncio.Event(), asyncio.Event()
     # a device error poisons the CUDA context: NOT_SERVING, then exit non-zero so Kubernetes restarts us
     servicer.engine.on_fatal = lambda exc: loop.call_soon_threadsafe(fatal.set)
+    health_server = None
+    if opts.health_port:
+        # health only, plaintext: the service itself is reachable on `port` alone
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        if health_server.add_insecure_port(f"{opts.host}:{opts.health_port}") == 0:
+            raise RuntimeError(f"could not bind the health port {opts.host}:{opts.health_port}")
     servicer.engine.start()
     serve_metrics(opts.metrics_port, listen_host(opts.host))
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving on port %d", service_name, port)
+    log.info("%s serving on port %d (%s)", service_name, port,
+             "plaintext" if opts.tls is None else "mutual TLS" if opts.tls.mutual else "TLS")
     if ready is not None:
         ready(port)
     lag_watch = asyncio.ensure_future(metrics.watch_loop_lag(metrics.LOOP_LAG.labels(servicer.engine.name).observe))
@@ -312,6 +327,8 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
         for name in ("", service_name):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=1.0)     # the engine already failed its streams with UNAVAILABLE
+        if health_server is not None:
+            await health_server.stop(None)
         lag_watch.cancel()
         raise DeviceFailure(f"{service_name}: device error, exiting for a restart: {servicer.engine.fatal}")
     log.info("%s draining (up to %.0f s)", service_name, opts.grace_seconds)
@@ -321,6 +338,8 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     while servicer.engine.active and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await server.stop(grace=max(0.0, deadline - loop.time()))
+    if health_server is not None:
+        await health_server.stop(None)
     lag_watch.cancel()
     servicer.engine.stop()
     log.info("%s stopped", service_name)
@@ -349,6 +368,11 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
                              "(RESOURCE_EXHAUSTED above)")
     parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                         help="serve gRPC server reflection")
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="also serve grpc.health.v1 alone, plaintext, on this port (for probes that cannot "
+                             "speak TLS, like Kubernetes' grpc probes; 0: off)")
+    add_server_tls_arguments(parser)
+    add_client_tls_arguments(parser)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="capture decode steps as CUDA graphs (CUDA devices only)")
     parser.add_argument("--eager-fallback", action="store_true",
@@ -358,11 +382,24 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
 
 
 def server_options(args) -> ServerOptions:
+    """The options of the stage's flags; SystemExit naming the flags when the TLS ones are half given."""
+    try:
+        tls = server_tls_from_args(args)
+    except TLSConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     return ServerOptions(host=args.host, port=args.port, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
                          max_queue=args.max_queue, grace_seconds=args.grace, metrics_port=args.metrics_port,
                          max_connection_age_s=args.max_connection_age or None,
                          max_pending_upload_bytes=int(args.max_pending_upload_mb * 1024 * 1024),
-                         reflection=args.reflection)
+                         reflection=args.reflection, tls=tls, health_port=getattr(args, "health_port", 0))
+
+
+def client_tls(args) -> ClientTLS | None:
+    """How the stage dials its next stage (--tls-ca ...); SystemExit naming the flags when half given."""
+    try:
+        return client_tls_from_args(args)
+    except TLSConfigError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def run_async(coro) -> None:

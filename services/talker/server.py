@@ -18,7 +18,8 @@ from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
 from ..runtime.sampling import MAX_ROW_VALUE, SamplingParams, check_features
-from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, run_async, run_server,
+                             server_options)
 from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import annotate, setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
@@ -133,6 +134,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
 
 
 def build(args) -> TalkerServicer:
+    opts, tls = server_options(args), client_tls(args)      # bad flags fail before the weights load
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.gpu_memory_fraction and device.type == "cuda":
@@ -143,8 +145,8 @@ def build(args) -> TalkerServicer:
     serving_layout(model, device)
     engine = TalkerEngine(model, cfg.talker, device=device, max_active=args.max_batch, max_len=args.max_len,
                           cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback)
-    opts = server_options(args)
-    code2wav = NextStage("code2wav", args.code2wav, max_message_bytes=opts.max_message_bytes) if args.code2wav else None
+    code2wav = NextStage("code2wav", args.code2wav, max_message_bytes=opts.max_message_bytes,
+                         tls=tls) if args.code2wav else None
     return TalkerServicer(engine, opts, cfg, code2wav)
 
 

@@ -19,7 +19,8 @@ from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
 from ..runtime.sampling import SamplingParams, check_audio_features
-from ..runtime.server import Abort, StageServicer, add_stage_arguments, run_async, run_server, server_options
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, run_async, run_server,
+                             server_options)
 from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
@@ -156,6 +157,7 @@ def load_tokenizer(model: str, cfg: OmniConfig | None = None):
 
 
 def build(args) -> tuple[ThinkerServicer, OmniConfig]:
+    opts, tls = server_options(args), client_tls(args)      # bad flags fail before the weights load
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.gpu_memory_fraction and device.type == "cuda":
@@ -169,8 +171,8 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=device, max_active=args.max_batch,
                            max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
                            cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk, eager_fallback=args.eager_fallback)
-    opts = server_options(args)
-    talker = NextStage("talker", args.talker, max_message_bytes=opts.max_message_bytes) if args.talker else None
+    talker = NextStage("talker", args.talker, max_message_bytes=opts.max_message_bytes,
+                       tls=tls) if args.talker else None
     return ThinkerServicer(engine, opts, engine.tokenizer, cfg, talker), cfg
 
 
