@@ -773,3 +773,48 @@ def test_container_args_are_accepted_by_the_voxpipe_cli(overlay, deployment):
     assert args.model and args.model.startswith("/models/"), args.model
     mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
     assert "/models" in mounts
+
+
+# ------------------------------------------------------------------------------------------------
+# mTLS between every voxpipe process (components/mtls, overlays/multi-gpu-mtls)
+# ------------------------------------------------------------------------------------------------
+
+TLS_DIR = "/etc/voxpipe/tls"
+
+
+def test_mtls_overlay_serves_and_dials_every_stage_with_the_stage_certificate(monkeypatch):
+    """Every stage serves mTLS with the voxpipe-stage-tls Secret and dials its next stage with it;
+    the gateway dials thinker and code2wav with it; probes move to the plaintext health port; the
+    env and args parse with the real CLI into the TLS settings the processes use."""
+    from voxpipe.cli import build_parser
+
+    docs = render_overlay("multi-gpu-mtls")
+    for obj in docs:
+        validate_builtin(obj)
+    for name in ("thinker", "talker", "code2wav", "gateway"):
+        deploy = one(docs, "Deployment", name)
+        c = main_container(deploy)
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod_spec(deploy)["volumes"] if "secret" in v}
+        assert secrets.get("stage-tls") == "voxpipe-stage-tls", (name, secrets)
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "stage-tls")
+        assert mount["mountPath"] == TLS_DIR and mount["readOnly"] is True
+        env = env_of(c)
+        client = {"VOXPIPE_TLS_CA": "ca.crt", "VOXPIPE_TLS_CLIENT_CERT": "tls.crt", "VOXPIPE_TLS_CLIENT_KEY": "tls.key"}
+        server = {"VOXPIPE_TLS_CERT": "tls.crt", "VOXPIPE_TLS_KEY": "tls.key", "VOXPIPE_TLS_CLIENT_CA": "ca.crt"}
+        want = client if name == "gateway" else {**client, **server}
+        assert {k: env.get(k) for k in want} == {k: f"{TLS_DIR}/{f}" for k, f in want.items()}, name
+        if name == "gateway":
+            continue
+        # the stage port is mTLS only: kubelet's gRPC probes use the plaintext health port
+        health = port_of(c, "health")
+        assert int(arg_value(c["args"], "--health-port")) == health
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == health, (name, probe)
+        for key, value in env.items():
+            if key.startswith("VOXPIPE_") and value is not None:
+                monkeypatch.setenv(key, value)
+        args = build_parser().parse_args([str(a) for a in c["args"]])
+        assert args.tls_cert == f"{TLS_DIR}/tls.crt" and args.tls_client_ca == f"{TLS_DIR}/ca.crt", vars(args)
+        assert args.tls_ca == f"{TLS_DIR}/ca.crt" and args.tls_client_cert == f"{TLS_DIR}/tls.crt"
+        for key in list(env):
+            monkeypatch.delenv(key, raising=False)
