@@ -1406,6 +1406,41 @@ def markdown(r: dict) -> str:
     for n in so["rss_mb_before"]:
         b, p, a = so["rss_mb_before"][n], so["rss_mb_peak"][n], so["rss_mb_after"][n]
         lines.append(f"| {n} | {b} | {p} | {a} | {(a - b) / b * 100:+.1f} % |" if b else f"| {n} | {b} | {p} | {a} | |")
+    if "lifecycle" in r:
+        k, dr = r["lifecycle"]["kill"], r["lifecycle"]["drain"]
+        g = k["gauges_after"]
+        lines += ["", "| kill / drain | result |", "|---|---|",
+                  f"| SIGKILL talker A with {k['streams']} streams running | {k['on_killed_talker']} on A, "
+                  f"{k['on_other_talker']} on B |",
+                  f"| streams on the killed talker that failed | {k['killed_failed']} of {k['on_killed_talker']} |",
+                  f"| ... whose error names the talker | {k['killed_failed_naming_talker']} of {k['on_killed_talker']} |",
+                  f"| statuses the callers saw | {'; '.join(k['statuses'])} |",
+                  f"| streams on the other talker finished with every frame | {k['other_finished_complete']} of "
+                  f"{k['on_other_talker']} |",
+                  f"| gateway chat requests after the kill | {k['after_kill_requests']} |",
+                  f"| gateway /ready after the kill | {k['gateway_ready_status']} |",
+                  f"| gauges after the kill | {'0' if g['zero'] else 'NOT 0: ' + str(g['nonzero'])} |",
+                  f"| SIGTERM talker B with {dr['streams']} streams running ({dr['on_draining_talker']} on B) | "
+                  f"{dr['finished_complete']} finished with every frame; failed: {dr['failed'] or 'none'} |",
+                  f"| talker B exit | code {dr['exit_code']}, {dr['exit_seconds_after_sigterm']} s after SIGTERM |"]
+    d = r.get("disconnects")
+    if d:
+        g = d["gauges_after"]
+        lines += ["", f"Disconnects: {d['requests']} requests cut by their clients at random points "
+                  f"({', '.join(f'{k} {v}' for k, v in d['by_kind'].items())}; {d['client_error_count']} raised on the "
+                  f"client side) in {d['seconds']} s: gauges "
+                  f"{'back to 0 after ' + str(g['seconds']) + ' s' if g['zero'] else 'NOT back to 0: ' + str(g['nonzero'])}, "
+                  f"processes died: {', '.join(d['dead_after']) or 'none'}."]
+    if "security" in r:
+        lines += ["", "| security check | pass | got |", "|---|---|---|"]
+        lines += [f"| {c['check']} | {'yes' if c['pass'] else 'NO'} | {c['got']} |" for c in r["security"]]
+    bad = [(row["api"], f) for row in r["fuzz"] for f in row["failures"]]
+    if bad:
+        lines += ["", "5xx and hangs (first of each API):", ""]
+        lines += [f"- {api}: {f['class']} {f['detail']}: sent `{f['sent'][:200]}` got `{f['got'][:200]}`"
+                  for api, f in bad[:30]]
+    lines += ["", "Tracebacks in the services' logs: " +
+              ", ".join(f"{n} {v}" for n, v in r.get("tracebacks_in_logs", {}).items()) + "."]
     return "\n".join(lines)
 
 
@@ -1422,7 +1457,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--apis", default=",".join(APIS))
     p.add_argument("--out", default="reliability.json")
     p.add_argument("--md", help="also write the tables as Markdown here")
+    p.add_argument("--render", metavar="JSON", help="only print the tables of an earlier run's JSON")
     args = p.parse_args(argv)
+    if args.render:
+        print(markdown(json.loads(Path(args.render).read_text())))
+        return 0
     s = FULL if args.full else SHORT
     if args.cases:
         s = Settings(**{**asdict(s), "cases": args.cases})
