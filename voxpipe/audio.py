@@ -97,6 +97,8 @@ def resample(x: np.ndarray, src: int, dst: int) -> np.ndarray:
     if src == dst:
         return x.astype(np.float32)
     n = int(round(len(x) * dst / src))
+    if n == 0 or len(x) == 0:           # too short to keep a sample at the new rate
+        return np.zeros(0, np.float32)
     spec = np.fft.rfft(x.astype(np.float64))
     m = n // 2 + 1
     out = np.zeros(m, dtype=np.complex128)

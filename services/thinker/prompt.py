@@ -95,6 +95,9 @@ class FeatureExtractor:
     def __call__(self, wav_16k: np.ndarray) -> torch.Tensor:
         if wav_16k.ndim != 1 or wav_16k.size == 0:
             raise ValueError("audio must be a non-empty mono waveform")
+        shortest = self.fe.n_fft // 2 + 1      # the STFT's reflect padding needs more samples than its pad
+        if wav_16k.size < shortest:
+            raise ValueError(f"audio of {wav_16k.size} samples at 16 kHz is too short; at least {shortest} are needed")
         # as Qwen3-Omni's processor: no padding to 30 s, no truncation
         out = self.fe(wav_16k.astype(np.float32), sampling_rate=FEATURE_SAMPLE_RATE, return_attention_mask=True,
                       padding=True, truncation=False, return_tensors="pt")
