@@ -168,3 +168,14 @@ def test_say_lets_the_thinker_render_the_text_without_a_local_checkpoint(stack, 
                           text=True, timeout=300)
     assert proc.returncode == 2 and f"error: --audio {bad}: not a RIFF/WAVE file" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_reply_of_zero_frames_ends_at_once(stack, tokenizer, omni_config):
+    """max_frames 1: the talker's only step has no residual codes, so it speaks 0 frames. The talker
+    ends before code2wav's listen token reached the caller; the reply still completes (no frame, no
+    audio) instead of waiting for code2wav's listen timeout (regression: the RELIABILITY.md hang)."""
+    # before the fix this raised PipelineError(code2wav, DEADLINE_EXCEEDED, "no listener attached")
+    ids = text_prompt(tokenizer, omni_config, "Zero frames, please.")
+    res = run(_collect(stack, SpeechRequest(token_ids=ids, max_tokens=3, max_frames=1)))
+    assert res.done.frames == 0 and res.audio.size == 0 and res.done.audio_finish in (pb.LENGTH, pb.STOP)
+    assert len(res.text_ids) >= 1

@@ -28,7 +28,8 @@ class Code2WavRelay:
         self.done = False
         loop = asyncio.get_running_loop()
         self._down: asyncio.Future[Downstream | None] = loop.create_future()
-        self._ended: asyncio.Future[bool] = loop.create_future()   # code2wav finished (True) or failed (False)
+        self._finished: pb.TalkerResponse | None = None   # the engine's Finished, held until code2wav ends
+        self._closed = False
         self._task = asyncio.ensure_future(self._run())
 
     async def forward(self, item: pb.TalkerResponse) -> list[pb.TalkerResponse]:
@@ -44,19 +45,22 @@ class Code2WavRelay:
                 return [pb.TalkerResponse(first_output=pb.FirstOutput(stage="talker"))]
             return []
         if kind == "finished":
-            if item.finished.reason == pb.CANCELLED:     # close() cancels code2wav's side
+            if item.finished.reason == pb.CANCELLED or self._finished is not None:
+                # cancelled (close() cancels code2wav's side), or _run put the held Finished back
+                # once code2wav decoded every frame (the audio is the listener's)
                 self.done = True
                 return [item]
+            # hold it without blocking this loop: the Routed (listen token) may still be behind it,
+            # and code2wav only ends once the caller's listener has read the audio
+            self._finished = item
             await down.write(pb.Code2WavRequest(frames_end=pb.FramesEnd()))
             await down.done_writing()
-            if await self._ended:           # every frame decoded (the audio is the listener's)
-                self.done = True
-                return [item]
-        return []                           # failed: the StageError follows in the outbox
+        return []
 
     async def _run(self) -> None:
         """Open the code2wav stream, then read it: Accepted -> Routed for the caller; Finished ->
-        `_ended`; a failure -> a StageError naming code2wav in the request's outbox."""
+        the held Finished back into the outbox (the handler ends with it); a failure -> a StageError
+        naming code2wav."""
         job, p = self.job, self.params
         outbox = job.outbox
         down = None
@@ -73,7 +77,10 @@ class Code2WavRelay:
                                                                   listen_token=resp.accepted.listen_token)))
                 elif kind == "finished":
                     down.ended = True
-                    self._ended.set_result(True)
+                    if self._finished is None:   # code2wav cannot end before the frames did
+                        raise DownstreamFailed("code2wav", grpc.StatusCode.INTERNAL,
+                                               "code2wav finished before the frames ended", down.address)
+                    outbox.put(self._finished)
                     return
                 else:
                     raise DownstreamFailed("code2wav", grpc.StatusCode.INTERNAL,
@@ -86,10 +93,11 @@ class Code2WavRelay:
         finally:
             if not self._down.done():
                 self._down.set_result(down)
-            if not self._ended.done():
-                self._ended.set_result(False)
+            if self._closed and down is not None:   # close() came while the stream was opening
+                down.close()
 
     def close(self) -> None:
+        self._closed = True
         if not self._task.done():
             self._task.cancel()
         if self._down.done() and self._down.result() is not None:
