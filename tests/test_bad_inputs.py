@@ -631,6 +631,14 @@ def test_listen_with_an_unknown_token_is_not_found(stack, channels, token):
     assert "no audio stream for this listen token" in err.value.details()
 
 
+async def read_all(call) -> list:
+    """The rest of a call's responses through its read API (a call is read one way only)."""
+    out = []
+    while (r := await call.read()) is not grpc.aio.EOF:
+        out.append(r)
+    return out
+
+
 def listen_start(**kw) -> pb.Code2WavRequest:
     return pb.Code2WavRequest(start=pb.Code2WavStart(to_listener=True, encoding=pb.AUDIO_FLOAT32, **kw))
 
@@ -656,8 +664,8 @@ def test_a_listen_token_is_used_once(stack, channels):
             await decode.write(pb.Code2WavRequest(frames=pb.CodecFrames(index=2, codes=to_proto(sent[2:]))))
             await decode.write(FRAMES_END)
             await decode.done_writing()
-            got += [r async for r in listen]
-            rest = [r async for r in decode]
+            got += await read_all(listen)
+            rest = await read_all(decode)
             return accepted, got, second.value, rest
 
     accepted, got, second, rest = asyncio.run(go())
@@ -685,7 +693,7 @@ def test_a_listener_that_never_attaches_fails_the_request_after_the_listen_timeo
             token = (await decode.read()).accepted.listen_token
             await decode.write(frames(3))
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [r async for r in decode]
+                await read_all(decode)
             with pytest.raises(grpc.aio.AioRpcError) as late:
                 [r async for r in stub.Listen(pb.ListenRequest(listen_token=token))]
             return err.value, late.value
