@@ -93,3 +93,97 @@ def gateway(stack, tiny_model_dir):
     gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"))
     yield gw
     gw.stop()
+
+
+# ---------------------------------------------------------------- dedicated stage processes
+
+class StageProcesses:
+    """Stage services as real processes on free localhost ports, each with /metrics, for tests that
+    need their own (a chain to kill, a stage started with other flags). `start` launches one
+    (`name`: how the test refers to it, `stage`: thinker / talker / code2wav); `wait_ready` waits
+    for all those launched, so they start in parallel."""
+
+    def __init__(self, model_dir) -> None:
+        self.model_dir = model_dir
+        self.procs: dict = {}
+        self.stages: dict[str, str] = {}
+        self.ports: dict[str, int] = {}
+        self.metrics_ports: dict[str, int] = {}
+        self._ready: set[str] = set()
+
+    def start(self, name: str, stage: str, *extra: str, port: int | None = None) -> str:
+        import subprocess
+        import sys
+
+        self.ports[name], self.metrics_ports[name], self.stages[name] = port or free_port(), free_port(), stage
+        cmd = [sys.executable, "-m", "voxpipe.cli", stage, "--model", str(self.model_dir), "--host", "127.0.0.1",
+               "--port", str(self.ports[name]), "--device", "cpu", "--grace", "2",
+               "--metrics-port", str(self.metrics_ports[name]), *extra]
+        self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+        return self.address(name)
+
+    def wait_ready(self, timeout: float = 240) -> "StageProcesses":
+        import time
+
+        deadline = time.monotonic() + timeout
+        for name, proc in self.procs.items():
+            while name not in self._ready:
+                line = proc.stdout.readline()
+                if "ready on port" in line:
+                    self._ready.add(name)
+                elif (not line and proc.poll() is not None) or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"{name} did not start (exit code {proc.returncode})")
+        return self
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def metric(self, name: str, metric: str = "voxpipe_active_streams", labels: str = "") -> float:
+        """A sample of `name`'s /metrics (`labels`: the labels before `stage`, e.g. 'outcome="ok",')."""
+        import re
+
+        import httpx
+
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_ports[name]}/metrics").text
+        m = re.search(rf'^{metric}{{{labels}stage="{self.stages[name]}"}} (\S+)$', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+    def stop(self) -> None:
+        import subprocess
+
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_chain(model_dir, *, talkers: int = 1, code2wav_port: int | None = None, with_code2wav: bool = True,
+                **extra: list[str]) -> StageProcesses:
+    """A thinker -> talker(s) -> code2wav chain of its own: names "thinker", "talker" (or "talker0",
+    "talker1", ...), "code2wav". `code2wav_port`: where the talkers send frames (with_code2wav=False:
+    nobody listens there). `extra[name]`: more flags for that process. Started and ready."""
+    procs = StageProcesses(model_dir)
+    c2w_port = code2wav_port or free_port()
+    c2w = f"127.0.0.1:{c2w_port}"
+    if with_code2wav:
+        procs.start("code2wav", "code2wav", *extra.get("code2wav", []), port=c2w_port)
+    names = ["talker"] if talkers == 1 else [f"talker{i}" for i in range(talkers)]
+    addresses = [procs.start(n, "talker", "--code2wav", c2w, *extra.get(n, [])) for n in names]
+    procs.start("thinker", "thinker", "--talker", ",".join(addresses), *extra.get("thinker", []))
+    procs.code2wav_address = c2w
+    return procs.wait_ready()

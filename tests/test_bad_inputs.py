@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -402,6 +403,31 @@ CASES = [
          r"larger than max", grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 
+# the stage-to-stage inputs (the stack's thinker has --talker, its talker --code2wav)
+SPEECH = dict(max_tokens=2, min_tokens=2)
+CASES += [
+    Case("thinker", "speech-and-talker-rows",
+         lambda: [thinker_start(speech=pb.SpeechParams(max_frames=3), talker_rows=True, **SPEECH)],
+         r"speech and talker_rows exclude each other"),
+    Case("thinker", "speech-unknown-speaker", lambda: [thinker_start(speech=pb.SpeechParams(speaker="Bob"), **SPEECH)],
+         r"unknown speaker 'Bob'; valid: aiden, chelsie, ethan"),
+    Case("thinker", "speech-min-over-max-frames",
+         lambda: [thinker_start(speech=pb.SpeechParams(max_frames=3, min_frames=5), **SPEECH)],
+         r"speech\.min_frames 5 > max_frames 3"),
+    Case("thinker", "speech-unknown-encoding",
+         lambda: [thinker_start(speech=pb.SpeechParams(code2wav=pb.Code2WavParams(encoding=7)), **SPEECH)],
+         r"unknown audio encoding 7"),
+    Case("thinker", "speech-without-assistant-turn",
+         lambda: [thinker_start(token_ids=pb.TokenIds(ids=[IM_START, USER, NL]), speech=pb.SpeechParams(), **SPEECH)],
+         r"speech needs a prompt ending in an assistant turn"),
+    Case("talker", "code2wav-unknown-encoding",
+         lambda: [talker_start(code2wav=pb.Code2WavParams(encoding=9)), text_rows(2), TEXT_END],
+         r"unknown audio encoding 9"),
+    Case("code2wav", "echo-frames-without-to-listener",
+         lambda: [pb.Code2WavRequest(start=pb.Code2WavStart(echo_frames=True)), frames(2), FRAMES_END],
+         r"echo_frames needs to_listener"),
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.stage}-{c.name}" for c in CASES])
 def test_bad_request_gets_a_clear_status_and_the_stage_keeps_serving(stack, channels, case):
@@ -554,3 +580,129 @@ def test_unadmitted_uploads_are_bounded_and_counted(stack, channels):
     assert "incomplete uploads pending" in refused.details()
     assert pending_upload_bytes(stack, "talker") == 0
     assert_still_serving(stack, channels, "talker")
+
+
+# ---------------------------------------------------------------------------------------------- stage-to-stage inputs
+
+
+@pytest.fixture(scope="module")
+def bare(tiny_model_dir):
+    """A thinker without --talker, a talker without --code2wav, and a code2wav that waits 1 s for a
+    listener (--listen-timeout 1): their own processes, started together."""
+    from conftest import StageProcesses
+
+    procs = StageProcesses(tiny_model_dir)
+    procs.start("thinker", "thinker", "--talker", "")
+    procs.start("talker", "talker", "--code2wav", "")
+    procs.start("code2wav", "code2wav", "--listen-timeout", "1")
+    yield procs.wait_ready()
+    procs.stop()
+
+
+def test_speech_on_a_thinker_without_talkers_is_failed_precondition(bare):
+    with grpc.insecure_channel(bare.address("thinker"), options=CHANNEL_OPTIONS) as ch:
+        responses, err = call({"thinker": ch}, "thinker", [thinker_start(speech=pb.SpeechParams(max_frames=3),
+                                                                         **SPEECH)])
+        assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "--talker" in err.details() and not responses
+        # text only still works there
+        responses, err = call({"thinker": ch}, "thinker", good_request("thinker"))
+        assert err is None and responses[-1].WhichOneof("kind") == "finished"
+    assert bare.metric("thinker") == 0
+
+
+def test_routed_talker_start_on_a_talker_without_code2wav_is_failed_precondition(bare):
+    with grpc.insecure_channel(bare.address("talker"), options=CHANNEL_OPTIONS) as ch:
+        responses, err = call({"talker": ch}, "talker", [talker_start(code2wav=pb.Code2WavParams()), text_rows(2),
+                                                         TEXT_END])
+        assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "--code2wav" in err.details() and not responses
+        responses, err = call({"talker": ch}, "talker", good_request("talker"))     # frames back to the caller
+        assert err is None and responses[-1].WhichOneof("kind") == "finished"
+        assert any(r.WhichOneof("kind") == "frames" for r in responses)
+    assert bare.metric("talker") == 0
+
+
+@pytest.mark.parametrize("token", ["", "not-a-token"])
+def test_listen_with_an_unknown_token_is_not_found(stack, channels, token):
+    with pytest.raises(grpc.RpcError) as err:
+        list(pb_grpc.Code2WavStub(channels["code2wav"]).Listen(pb.ListenRequest(listen_token=token), timeout=30))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no audio stream for this listen token" in err.value.details()
+
+
+async def read_all(call) -> list:
+    """The rest of a call's responses through its read API (a call is read one way only)."""
+    out = []
+    while (r := await call.read()) is not grpc.aio.EOF:
+        out.append(r)
+    return out
+
+
+def listen_start(**kw) -> pb.Code2WavRequest:
+    return pb.Code2WavRequest(start=pb.Code2WavStart(to_listener=True, encoding=pb.AUDIO_FLOAT32, **kw))
+
+
+def test_a_listen_token_is_used_once(stack, channels):
+    """A to_listener Decode stream carries Accepted then Finished; its audio (and with echo_frames
+    the frames code2wav received) goes to the one Listen stream that took the token: a second
+    Listen with the same token is NOT_FOUND, and the first still gets every frame and sample."""
+    sent = torch.randint(0, CODEBOOK, (5, GROUPS), generator=gen(7)).to(torch.uint16)
+
+    async def go():
+        async with grpc.aio.insecure_channel(stack.address("code2wav"), options=CHANNEL_OPTIONS) as ch:
+            stub = pb_grpc.Code2WavStub(ch)
+            decode = stub.Decode()
+            await decode.write(listen_start(echo_frames=True))
+            accepted = await decode.read()
+            token = accepted.accepted.listen_token
+            listen = stub.Listen(pb.ListenRequest(listen_token=token))
+            await decode.write(pb.Code2WavRequest(frames=pb.CodecFrames(index=0, codes=to_proto(sent[:2]))))
+            got = [await listen.read()]          # the first Listen holds the token now
+            with pytest.raises(grpc.aio.AioRpcError) as second:
+                [r async for r in stub.Listen(pb.ListenRequest(listen_token=token))]
+            await decode.write(pb.Code2WavRequest(frames=pb.CodecFrames(index=2, codes=to_proto(sent[2:]))))
+            await decode.write(FRAMES_END)
+            await decode.done_writing()
+            got += await read_all(listen)
+            rest = await read_all(decode)
+            return accepted, got, second.value, rest
+
+    accepted, got, second, rest = asyncio.run(go())
+    assert accepted.WhichOneof("kind") == "accepted" and accepted.accepted.listen_token
+    assert second.code() == grpc.StatusCode.NOT_FOUND, second.details()
+    kinds = [r.WhichOneof("kind") for r in got]
+    assert set(kinds) == {"frames", "audio", "finished"} and kinds[-1] == "finished", kinds
+    echoed = torch.cat([torch.from_numpy(np.frombuffer(r.frames.codes.data, dtype="<u2").reshape(-1, GROUPS)
+                                         .astype(np.int64)) for r in got if r.WhichOneof("kind") == "frames"])
+    assert torch.equal(echoed, sent.to(torch.int64))
+    samples = sum(r.audio.num_samples for r in got if r.WhichOneof("kind") == "audio")
+    assert samples == got[-1].finished.samples == 1920 * 5 - 555
+    assert [r.WhichOneof("kind") for r in rest] == ["finished"] and rest[0].finished.completion_tokens == 5
+    assert_still_serving(stack, channels, "code2wav")
+
+
+def test_a_listener_that_never_attaches_fails_the_request_after_the_listen_timeout(bare):
+    """--listen-timeout 1: a to_listener request whose Listen never comes fails with
+    DEADLINE_EXCEEDED, the stage frees it, and its token is gone."""
+    async def go():
+        async with grpc.aio.insecure_channel(bare.address("code2wav"), options=CHANNEL_OPTIONS) as ch:
+            stub = pb_grpc.Code2WavStub(ch)
+            decode = stub.Decode()
+            await decode.write(listen_start())
+            token = (await decode.read()).accepted.listen_token
+            await decode.write(frames(3))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_all(decode)
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                [r async for r in stub.Listen(pb.ListenRequest(listen_token=token))]
+            return err.value, late.value
+
+    err, late = asyncio.run(go())
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (err.code(), err.details())
+    assert "no listener attached within 1 s" in err.details()
+    assert late.code() == grpc.StatusCode.NOT_FOUND
+    deadline = time.monotonic() + 10
+    while bare.metric("code2wav") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bare.metric("code2wav") == 0

@@ -9,8 +9,6 @@ import io
 import json
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 import wave
@@ -21,7 +19,7 @@ import openai
 import pytest
 import soundfile
 
-from conftest import STAGES, GatewayProcess, free_port
+from conftest import STAGES, GatewayProcess, free_port, start_chain
 from voxpipe.audio import resample
 from voxpipe.client import AudioEvent, PipelineClient, SpeechRequest, TextEvent
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
@@ -43,10 +41,19 @@ def model(gateway) -> str:
 
 
 @pytest.fixture(scope="module")
-def strict_gateway(stack, tiny_model_dir):
-    """API key, one session at a time, 64 KB bodies arriving within 1 s, and a code2wav address nobody
-    listens on."""
-    gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("talker"), f"127.0.0.1:{free_port()}",
+def chain(tiny_model_dir):
+    """A thinker -> talker -> code2wav chain of this module's own: its code2wav is killed by the tests
+    below (the mid-stream failure first, then the stage-down test, in file order)."""
+    procs = start_chain(tiny_model_dir)
+    yield procs
+    procs.stop()
+
+
+@pytest.fixture(scope="module")
+def strict_gateway(chain, tiny_model_dir):
+    """API key, one session at a time, 64 KB bodies arriving within 1 s, in front of `chain`
+    (test_stage_down_is_503 kills its code2wav)."""
+    gw = GatewayProcess(tiny_model_dir, chain.address("thinker"), chain.address("code2wav"),
                         "--api-key", "sesame", "--max-sessions", "1", "--max-body-mb", "0.0625",
                         "--body-timeout", "1", "--served-model-name", MODEL)
     yield gw
@@ -389,20 +396,6 @@ def test_too_many_sessions(strict_gateway):
     assert_openai_error(limited, 429, "concurrent sessions")
 
 
-def test_stage_down_is_503(strict_gateway):
-    sdk = openai.OpenAI(base_url=f"{strict_gateway.base_url}/v1", api_key="sesame", max_retries=0)
-    audio = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], modalities=["text", "audio"],
-                 audio={"voice": "ethan", "format": "pcm16"}, max_tokens=2, extra_body={"max_audio_frames": 3})
-    with pytest.raises(openai.APIStatusError) as e:
-        sdk.chat.completions.create(**audio)
-    assert e.value.status_code == 503 and "code2wav" in e.value.message
-    with pytest.raises(openai.APIError, match="code2wav"):
-        for _ in sdk.chat.completions.create(**audio, stream=True):
-            pass
-    ready = httpx.get(f"{strict_gateway.base_url}/ready")
-    assert ready.status_code == 503 and ready.json()["ready"] is False
-
-
 # ----------------------------------------------------------------------------- disconnects and metrics
 
 def stage_metric(stack, stage: str, name: str = "voxpipe_active_streams", labels: str = "") -> float:
@@ -449,21 +442,12 @@ def test_gateway_metrics(gateway, client, model):
 
 # ----------------------------------------------------------------------------- a stage failing mid-stream
 
-def _start_code2wav(model_dir, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "voxpipe.cli", "code2wav", "--model", str(model_dir), "--host",
-                             "127.0.0.1", "--port", str(port), "--device", "cpu"], stdout=subprocess.PIPE, text=True)
-    while "ready on port" not in (line := proc.stdout.readline()):
-        assert line or proc.poll() is None, "code2wav did not start"
-    return proc
-
-
-def test_a_stage_failing_mid_stream_ends_pcm_abnormally_and_sse_with_an_error_event(stack, tiny_model_dir):
+def test_a_stage_failing_mid_stream_ends_pcm_abnormally_and_sse_with_an_error_event(chain, tiny_model_dir):
     """A pcm /v1/audio/speech stream whose code2wav dies after audio was sent ends without the
     terminating chunk (the client sees an incomplete body, not a short clean one); an SSE stream
-    ends with an `error` event."""
-    port = free_port()
-    code2wav = _start_code2wav(tiny_model_dir, port)
-    gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("talker"), f"127.0.0.1:{port}")
+    ends with an `error` event naming code2wav."""
+    assert chain.alive("code2wav"), "this test runs before test_stage_down_is_503, which kills it"
+    gw = GatewayProcess(tiny_model_dir, chain.address("thinker"), chain.address("code2wav"))
     body = {"model": tiny_model_dir.name, "input": "Talk for a long while.", "voice": "ethan", "response_format": "pcm",
             "ignore_eos": True, "max_tokens": 40, "max_audio_frames": 400}
     started = {"pcm": threading.Event(), "sse": threading.Event()}
@@ -493,12 +477,11 @@ def test_a_stage_failing_mid_stream_ends_pcm_abnormally_and_sse_with_an_error_ev
         for t in threads:
             t.start()
         assert all(e.wait(60) for e in started.values())
-        code2wav.kill()
+        chain.kill("code2wav")
         for t in threads:
             t.join(60)
     finally:
-        code2wav.kill()
-        code2wav.wait()
+        chain.kill("code2wav")
         gw.stop()
     assert isinstance(outcome["pcm"], httpx.RemoteProtocolError), outcome["pcm"]
     assert "incomplete chunked read" in str(outcome["pcm"])
@@ -506,3 +489,21 @@ def test_a_stage_failing_mid_stream_ends_pcm_abnormally_and_sse_with_an_error_ev
     assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "error"
     assert events[-1]["error"]["code"] == "service_unavailable" and "code2wav" in events[-1]["error"]["message"]
     assert not any(e["type"] == "speech.audio.done" for e in events)
+
+
+def test_stage_down_is_503(strict_gateway, chain):
+    """The talker cannot reach its code2wav: a clear 503 naming code2wav (the stage that is down,
+    reported through the talker and the thinker), and the gateway is not ready (it cannot reach
+    code2wav either). Runs last: the mid-stream test above needs the chain's code2wav alive."""
+    chain.kill("code2wav")
+    sdk = openai.OpenAI(base_url=f"{strict_gateway.base_url}/v1", api_key="sesame", max_retries=0)
+    audio = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], modalities=["text", "audio"],
+                 audio={"voice": "ethan", "format": "pcm16"}, max_tokens=2, extra_body={"max_audio_frames": 3})
+    with pytest.raises(openai.APIStatusError) as e:
+        sdk.chat.completions.create(**audio)
+    assert e.value.status_code == 503 and "code2wav" in e.value.message
+    with pytest.raises(openai.APIError, match="code2wav"):
+        for _ in sdk.chat.completions.create(**audio, stream=True):
+            pass
+    ready = httpx.get(f"{strict_gateway.base_url}/ready")
+    assert ready.status_code == 503 and ready.json()["ready"] is False

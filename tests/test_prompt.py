@@ -55,7 +55,7 @@ def _gateway_state(model):
     from voxpipe.gateway.app import GatewayState
     from voxpipe.gateway.config import GatewayConfig
 
-    return GatewayState.load(GatewayConfig(thinker="127.0.0.1:1", talker="127.0.0.1:2", code2wav="127.0.0.1:3",
+    return GatewayState.load(GatewayConfig(thinker="127.0.0.1:1", code2wav="127.0.0.1:3",
                                            model_dir=str(model)))
 
 

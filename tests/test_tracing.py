@@ -270,7 +270,13 @@ def test_converse_call_joins_the_callers_trace(traced_gateway, otlp_receiver):
     assert converse.parent_span_id == parent and converse.attributes["voxpipe.voice"] == "aiden"
     code2wav = server_span(spans, SERVICE_NAMES["code2wav"], "voxpipe.v1.Code2Wav/Decode")
     assert converse in ancestors(code2wav, by_id)
-    assert [s.service for s in reversed(ancestors(code2wav, by_id))].count(SERVICE_NAMES["gateway"]) == 4
+    # stage to stage: the gateway's Converse span and its thinker call, the thinker and its talker
+    # call, the talker and its code2wav call; the audio the gateway reads is its own Listen call
+    assert [s.service for s in reversed(ancestors(code2wav, by_id))] == \
+        [SERVICE_NAMES[s] for s in ("gateway", "gateway", "thinker", "thinker", "talker", "talker")]
+    listen = server_span(spans, SERVICE_NAMES["code2wav"], "voxpipe.v1.Code2Wav/Listen")
+    assert [s.service for s in reversed(ancestors(listen, by_id))] == [SERVICE_NAMES["gateway"]] * 2
+    assert converse in ancestors(listen, by_id)
 
 
 def test_a_refused_request_is_an_error_span_in_the_stage_and_the_gateway(traced_gateway, otlp_receiver):

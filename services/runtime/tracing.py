@@ -139,7 +139,8 @@ def traced_rpc(service: str, method: str) -> Callable:
     parented on the caller's context from the metadata and current while the handler runs.
     Failures (context.abort, exceptions) set status ERROR. A call the caller cancelled (the
     handler cancelled, or ClientGone from services.runtime.calls.abort) ends quietly and its span
-    is marked cancelled with finish_reason "cancelled", whenever the cancel came."""
+    is marked cancelled with finish_reason "cancelled", whenever the cancel came; so does a call
+    the handler ends with CANCELLED (a cancellation it passes on from the stage it called)."""
 
     def wrap(handler: Callable) -> Callable:
         @functools.wraps(handler)
@@ -165,7 +166,13 @@ def traced_rpc(service: str, method: str) -> Callable:
                 _mark_cancelled(span)
             except grpc.aio.AbortError:
                 code, details = context.code(), context.details()
-                grpc_error(span, code if isinstance(code, grpc.StatusCode) else None, details or "aborted")
+                if code == grpc.StatusCode.CANCELLED:
+                    # a cancellation passed on (code2wav's listener went away, the talker's code2wav
+                    # cancelled): the request was cancelled, nothing failed
+                    span.set_attribute("rpc.grpc.status_code", code.value[0])
+                    _mark_cancelled(span)
+                else:
+                    grpc_error(span, code if isinstance(code, grpc.StatusCode) else None, details or "aborted")
                 raise
             except (GeneratorExit, asyncio.CancelledError):
                 _mark_cancelled(span)

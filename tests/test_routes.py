@@ -1,0 +1,153 @@
+"""Stage to stage, through real processes: the caller's Listen stream going away frees the request in
+every stage, and a talker or code2wav that dies mid-stream reaches the caller as a PipelineError
+naming that stage, failing only the streams on the dead replica."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from conftest import STAGES, start_chain
+from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, StageEvent
+from voxpipe.services.runtime.calls import STAGE_METADATA
+from voxpipe.v1 import stages_pb2 as pb
+from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+LONG = dict(max_tokens=40, min_tokens=40, max_frames=400, min_frames=400)   # still speaking when a test acts
+
+
+def wait_for(condition, timeout: float = 20.0) -> bool:
+    """Poll `condition` (a state the stages reach, not a duration) until it holds or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def stack_metric(stack, stage: str, name: str = "voxpipe_active_streams", labels: str = "") -> float:
+    import re
+
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports[stage]}/metrics").text
+    m = re.search(rf'^{name}{{{labels}stage="{stage}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+# ----------------------------------------------------------------------------- the caller's Listen stream
+
+def test_a_cancelled_listen_stream_frees_the_request_in_every_stage(stack):
+    """The caller reads text from the thinker and audio from code2wav; when it cancels only the
+    Listen stream (keeping the thinker stream), code2wav ends the request, the talker and the
+    thinker follow, and the thinker stream ends with CANCELLED naming code2wav."""
+    cancelled = {s: stack_metric(stack, s, "voxpipe_streams_total", 'outcome="cancelled",') for s in STAGES}
+    errors = {s: stack_metric(stack, s, "voxpipe_streams_total", 'outcome="error",') for s in STAGES}
+
+    async def go():
+        async with grpc.aio.insecure_channel(stack.address("thinker")) as th, \
+                grpc.aio.insecure_channel(stack.address("code2wav")) as cw:
+            generate = pb_grpc.ThinkerStub(th).Generate()
+            await generate.write(pb.ThinkerRequest(start=pb.ThinkerStart(
+                text="Talk for a while.", max_tokens=LONG["max_tokens"], min_tokens=LONG["min_tokens"],
+                speech=pb.SpeechParams(max_frames=LONG["max_frames"], min_frames=LONG["min_frames"]))))
+            await generate.done_writing()
+            token = None
+            while token is None:
+                resp = await generate.read()
+                if resp.WhichOneof("kind") == "routed" and resp.routed.stage == "code2wav":
+                    token = resp.routed.listen_token
+            listen = pb_grpc.Code2WavStub(cw).Listen(pb.ListenRequest(listen_token=token))
+            while (await listen.read()).WhichOneof("kind") != "audio":
+                pass
+            # every stage holds the request now
+            held = {s: stack_metric(stack, s) for s in STAGES}
+            listen.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                while await generate.read() is not grpc.aio.EOF:
+                    pass
+            return held, ended.value
+
+    held, ended = asyncio.run(go())
+    assert held == {s: 1 for s in STAGES}, held
+    assert ended.code() == grpc.StatusCode.CANCELLED, (ended.code(), ended.details())
+    assert (STAGE_METADATA, "code2wav") in tuple(ended.trailing_metadata() or ())
+    assert "listener went away" in ended.details()
+    assert wait_for(lambda: all(stack_metric(stack, s) == 0 for s in STAGES)), \
+        {s: stack_metric(stack, s) for s in STAGES}
+    assert stack_metric(stack, "code2wav", "voxpipe_streams_total", 'outcome="cancelled",') == cancelled["code2wav"] + 1
+    assert {s: stack_metric(stack, s, "voxpipe_streams_total", 'outcome="error",') for s in STAGES} == errors
+
+
+# ----------------------------------------------------------------------------- a replica dying mid-stream
+
+@pytest.fixture(scope="module")
+def chain(tiny_model_dir):
+    """A thinker with two talkers, both sending frames to one code2wav: processes of this module's
+    own (the tests kill them: a talker first, then code2wav)."""
+    procs = start_chain(tiny_model_dir, talkers=2)
+    yield procs
+    procs.stop()
+
+
+def talker_named(chain, address: str) -> str:
+    return next(n for n in ("talker0", "talker1") if chain.address(n) == address)
+
+
+def test_a_talker_dying_mid_stream_fails_its_streams_naming_the_talker(chain):
+    """Two requests on the two talkers; the talker of the first is killed once its audio flows: that
+    request fails with a PipelineError naming the talker, the other one completes."""
+    async def go():
+        async with PipelineClient(chain.address("thinker"), chain.address("code2wav")) as pc:
+            first = pc.stream(SpeechRequest(text="Talk for a while.", **LONG))
+            victim = None
+            async for ev in first:
+                if isinstance(ev, StageEvent) and ev.stage == "talker" and ev.kind == "routed":
+                    victim = talker_named(chain, ev.address)
+                if isinstance(ev, AudioEvent):
+                    break
+            # the second request goes to the other talker (fewest streams) and runs while the first fails
+            second = asyncio.ensure_future(pc.collect(SpeechRequest(text="And you?", max_tokens=6, min_tokens=6,
+                                                                    max_frames=30, min_frames=30)))
+            chain.kill(victim)
+            with pytest.raises(PipelineError) as failed:
+                async for ev in first:
+                    assert not isinstance(ev, DoneEvent)
+            await first.aclose()
+            return victim, failed.value, await second
+
+    victim, failed, other = asyncio.run(go())
+    # from the thinker stream (the thinker lost its talker) or the Listen stream (code2wav lost the
+    # talker's frames stream), whichever the caller hears first: the talker, never the client's fault
+    assert failed.stage == "talker", failed
+    assert failed.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), failed
+    assert failed.replica == chain.address(victim)
+    assert other.done.frames == 29 and other.audio.shape[0] == 1920 * 29 - 555
+    assert other.done.routes["talker"] != chain.address(victim)
+    assert wait_for(lambda: all(chain.metric(n) == 0 for n in ("thinker", "code2wav")))
+
+
+def test_code2wav_dying_mid_stream_fails_the_request_naming_code2wav(chain):
+    """The chain's code2wav is killed once its audio flows: the caller gets a PipelineError naming
+    code2wav (from the Listen stream or, through the talker and the thinker, the thinker stream),
+    and the thinker and the surviving talker free the request."""
+    async def go():
+        async with PipelineClient(chain.address("thinker"), chain.address("code2wav")) as pc:
+            stream = pc.stream(SpeechRequest(text="Talk for a while.", **LONG))
+            with pytest.raises(PipelineError) as failed:
+                async for ev in stream:
+                    if isinstance(ev, AudioEvent) and chain.alive("code2wav"):
+                        chain.kill("code2wav")
+                    assert not isinstance(ev, DoneEvent)
+            await stream.aclose()
+            return failed.value
+
+    failed = asyncio.run(go())
+    assert failed.stage == "code2wav", failed
+    assert failed.code == grpc.StatusCode.UNAVAILABLE, failed
+    talkers = [n for n in ("talker0", "talker1") if chain.alive(n)]
+    assert wait_for(lambda: all(chain.metric(n) == 0 for n in ["thinker", *talkers]))
