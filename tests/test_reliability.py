@@ -37,8 +37,6 @@ def test_no_5xx_for_any_input(report):
     assert report["verdict"]["no_5xx"], _bad(report)
 
 
-@pytest.mark.xfail(reason="RELIABILITY.md open bug 2: a spoken reply with max_frames 1 ends on code2wav's "
-                          "listen timeout (DEADLINE_EXCEEDED)", strict=False)
 def test_no_hang_for_any_input(report):
     assert report["verdict"]["no_hang"], _bad(report)
 
@@ -47,8 +45,6 @@ def test_no_process_died(report):
     assert report["verdict"]["no_process_died"], (report["unexpected_exits"], [r["dead_after"] for r in report["fuzz"]])
 
 
-@pytest.mark.xfail(reason="RELIABILITY.md open bug 3: a code2wav stream can stay counted after random client "
-                          "disconnects", strict=False)
 def test_gauges_return_to_zero(report):
     assert report["verdict"]["gauges_zero"], ([r["gauges_after"] for r in report["fuzz"]],
                                               report["disconnects"]["gauges_after"], report["soak"]["gauges_after"])
@@ -69,9 +65,6 @@ def test_a_killed_talker_fails_only_its_own_streams(report):
     assert kill["other_finished_complete"] == kill["on_other_talker"], kill
 
 
-@pytest.mark.xfail(reason="RELIABILITY.md, open: a talker's stream to code2wav cut by its death can reach the "
-                          "caller first as code2wav INVALID_ARGUMENT 'request stream ended before frames_end'",
-                   strict=False)
 def test_a_killed_talkers_streams_fail_naming_the_talker(report):
     kill = report["lifecycle"]["kill"]
     assert kill["killed_failed_naming_talker"] == kill["on_killed_talker"], kill["statuses"]
