@@ -465,7 +465,9 @@ def test_chunked_thinker_start_with_audio_features(stack, channels):
     msgs = [pb.ThinkerRequest(start=head)] + [pb.ThinkerRequest(chunk=pb.PayloadChunk(data=c)) for c in chunks]
     responses, err = call(channels, "thinker", msgs)
     assert err is None, (err.code(), err.details())
-    assert [r.WhichOneof("kind") for r in responses] == ["text"] * 3 + ["finished"]
+    # text deltas that wait together travel as one message: count tokens, not messages
+    assert {r.WhichOneof("kind") for r in responses[:-1]} == {"text"} and responses[-1].WhichOneof("kind") == "finished"
+    assert sum(len(r.text.token_ids) for r in responses[:-1]) == 3
     assert responses[-1].finished.prompt_tokens == len(ids)
 
 
@@ -489,7 +491,8 @@ def test_bad_requests_do_not_disturb_a_running_request(stack, channels):
         runner.join(timeout=120)
     responses, err = result["out"]
     assert err is None, (err.code(), err.details())
-    assert [r.WhichOneof("kind") for r in responses] == ["text"] * 300 + ["finished"]
+    assert {r.WhichOneof("kind") for r in responses[:-1]} == {"text"} and responses[-1].WhichOneof("kind") == "finished"
+    assert sum(len(r.text.token_ids) for r in responses[:-1]) == 300    # deltas may travel together
     assert responses[-1].finished.reason == pb.LENGTH
 
 
