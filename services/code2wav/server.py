@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import secrets
 import uuid
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -106,8 +107,10 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                 raise FramesEndedEarly()
 
         serve = self.serve_listened(job, context, reader) if job.to_listener else self.serve_request(job, context, reader)
-        async for item in serve:
-            yield item
+        # aclosing: the request is freed the moment this handler ends, not when the generator is collected
+        async with aclosing(serve) as outputs:
+            async for item in outputs:
+                yield item
 
     async def serve_listened(self, job: Code2WavJob, context: grpc.aio.ServicerContext,
                              reader: Callable[[], Any]) -> AsyncIterator[pb.Code2WavResponse]:
@@ -179,7 +182,7 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                         "no audio stream for this listen token (unknown, already taken or expired)")
             return
         try:
-            async for item in self._outputs(job):
+            async for item in self._outputs(job):      # no cleanup of its own: the finally below is
                 if isinstance(item, StageError):
                     job.end(item)
                     await abort(context, item.code, item.message, item.stage)

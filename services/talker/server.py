@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from contextlib import aclosing
 import os
 import uuid
 
@@ -87,8 +88,10 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before text_end")
 
         relay = Code2WavRelay(self.code2wav, job, job.code2wav) if job.code2wav is not None else None
-        async for item in self.serve_request(job, context, reader, relay):
-            yield item
+        # aclosing: the request is freed the moment this handler ends, not when the generator is collected
+        async with aclosing(self.serve_request(job, context, reader, relay)) as outputs:
+            async for item in outputs:
+                yield item
 
     def make_job(self, start: pb.TalkerStart) -> TalkerJob:
         cfg = self.cfg.talker

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from contextlib import aclosing
 import logging
 import os
 import uuid
@@ -72,8 +73,10 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")
 
         relay = TalkerRelay(self.talker, job, job.speech) if job.speech is not None else None
-        async for item in self.serve_request(job, context, reader, relay):
-            yield item
+        # aclosing: the request is freed the moment this handler ends, not when the generator is collected
+        async with aclosing(self.serve_request(job, context, reader, relay)) as outputs:
+            async for item in outputs:
+                yield item
 
     def make_job(self, start: pb.ThinkerStart) -> ThinkerJob:
         th = self.cfg.thinker
