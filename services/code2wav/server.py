@@ -150,6 +150,15 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
 
         task = asyncio.ensure_future(read())
         timer = loop.call_later(self.listen_timeout_s, no_listener)
+
+        def on_done(_context) -> None:      # the talker's call ended: free the request now (see serve_request)
+            timer.cancel()
+            self.listening.pop(token, None)
+            self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the talker cancelled the request", "talker"))
+            if not task.done():
+                task.cancel()
+
+        context.add_done_callback(on_done)
         final = None
         try:
             yield pb.Code2WavResponse(accepted=pb.Accepted(listen_token=token))
@@ -181,6 +190,9 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             await abort(context, grpc.StatusCode.NOT_FOUND,
                         "no audio stream for this listen token (unknown, already taken or expired)")
             return
+        # the listener's call ended: nobody wants this audio any more (a no-op once the request ended)
+        context.add_done_callback(
+            lambda _context: self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the audio listener went away")))
         try:
             async for item in self._outputs(job):      # no cleanup of its own: the finally below is
                 if isinstance(item, StageError):

@@ -188,6 +188,19 @@ class StageServicer:
         relay is done. Frees the request on cancel or disconnect."""
         self.engine.submit(req)
         task = asyncio.ensure_future(self._guard(reader, req)) if reader is not None else None
+
+        def on_done(_context) -> None:
+            """The call ended (finished, failed or cancelled): free the request now. grpc-Python does not
+            close a handler's generator that sits at a `yield` when its call is cancelled, so the
+            `finally` below may run only when the generator is collected."""
+            if not req.done:
+                self.engine.cancel(req)
+            if task is not None and not task.done():
+                task.cancel()
+            if relay is not None:
+                relay.close()
+
+        context.add_done_callback(on_done)
         final = None
         try:
             async for item in self._outputs(req):
