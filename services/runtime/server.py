@@ -221,12 +221,7 @@ class StageServicer:
                 if relay.done:
                     return
         finally:
-            if not req.done:
-                self.engine.cancel(req)
-            if task is not None and not task.done():
-                task.cancel()
-            if relay is not None:
-                relay.close()
+            on_done(context)
             tracing.record_phases(self.engine.name, req, final)
 
     async def _outputs(self, req: EngineRequest) -> AsyncIterator[Any]:
