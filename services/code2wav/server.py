@@ -18,7 +18,7 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
 from ..runtime import tracing
-from ..runtime.calls import abort
+from ..runtime.calls import abort, when_done
 from ..runtime.engine import Outbox, StageError
 from ..runtime.layers import serving_layout
 from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, run_async, run_server,
@@ -158,7 +158,7 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             if not task.done():
                 task.cancel()
 
-        context.add_done_callback(on_done)
+        when_done(context, on_done)
         final = None
         try:
             yield pb.Code2WavResponse(accepted=pb.Accepted(listen_token=token))
@@ -191,8 +191,8 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                         "no audio stream for this listen token (unknown, already taken or expired)")
             return
         # the listener's call ended: nobody wants this audio any more (a no-op once the request ended)
-        context.add_done_callback(
-            lambda _context: self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the audio listener went away")))
+        when_done(context, lambda _context: self._fail(
+            job, StageError(grpc.StatusCode.CANCELLED, "the audio listener went away")))
         try:
             async for item in self._outputs(job):      # no cleanup of its own: the finally below is
                 if isinstance(item, StageError):

@@ -29,6 +29,14 @@ def failed_stage(error: grpc.aio.AioRpcError, callee: str) -> str:
     return callee
 
 
+def when_done(context: grpc.aio.ServicerContext, callback) -> None:
+    """`callback(context)` once the call has ended -- also when it already had (a callback added
+    after the end is never called): a request freed from here is freed whatever the handler's state."""
+    context.add_done_callback(callback)
+    if context.done():
+        callback(context)
+
+
 class ClientGone(Exception):
     """The caller cancelled the call (or its connection went away): nothing can reach it any more."""
 

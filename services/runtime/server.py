@@ -26,7 +26,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from .engine import EngineRequest, StageEngine, StageError
 from . import metrics
 from .metrics import serve_metrics
-from .calls import ClientGone, abort
+from .calls import ClientGone, abort, when_done
 from .rpc_guard import Abort, RequestGuard
 from .tensors import Reassembler, TensorError
 from . import tracing
@@ -201,7 +201,7 @@ class StageServicer:
                 relay.close()
 
         if context is not None:        # None: driven without gRPC (tests of the output path)
-            context.add_done_callback(on_done)
+            when_done(context, on_done)
         final = None
         try:
             async for item in self._outputs(req):
