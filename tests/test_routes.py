@@ -9,10 +9,12 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from conftest import STAGES, start_chain
 from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, StageEvent
 from voxpipe.services.runtime.calls import STAGE_METADATA
+from voxpipe.services.runtime.tensors import to_proto
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
@@ -81,6 +83,38 @@ def test_a_cancelled_listen_stream_frees_the_request_in_every_stage(stack):
         {s: stack_metric(stack, s) for s in STAGES}
     assert stack_metric(stack, "code2wav", "voxpipe_streams_total", 'outcome="cancelled",') == cancelled["code2wav"] + 1
     assert {s: stack_metric(stack, s, "voxpipe_streams_total", 'outcome="error",') for s in STAGES} == errors
+
+
+def test_a_routed_decode_cancelled_by_its_talker_frees_the_request(stack):
+    """A to_listener Decode that its caller (a talker) cancels -- right after Accepted, after some
+    frames, or while its listener reads -- leaves code2wav's engine idle every time. (The handler is
+    cancelled while it waits for the request's end; that wait must not swallow the engine's cancel.)"""
+    cancelled = stack_metric(stack, "code2wav", "voxpipe_streams_total", 'outcome="cancelled",')
+    frames = pb.CodecFrames(codes=to_proto(torch.zeros(4, 16, dtype=torch.int32)))
+
+    async def once(moment: int) -> None:
+        async with grpc.aio.insecure_channel(stack.address("code2wav")) as cw:
+            stub = pb_grpc.Code2WavStub(cw)
+            decode = stub.Decode()
+            await decode.write(pb.Code2WavRequest(start=pb.Code2WavStart(to_listener=True)))
+            token = (await decode.read()).accepted.listen_token
+            assert token
+            if moment >= 1:
+                await decode.write(pb.Code2WavRequest(frames=frames))
+            if moment == 2:
+                listen = stub.Listen(pb.ListenRequest(listen_token=token))
+                assert (await listen.read()).WhichOneof("kind") == "audio"
+            decode.cancel()
+            if moment == 2:
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    while await listen.read() is not grpc.aio.EOF:
+                        pass
+                assert ended.value.code() == grpc.StatusCode.CANCELLED
+
+    for i in range(12):
+        asyncio.run(once(i % 3))
+        assert wait_for(lambda: stack_metric(stack, "code2wav") == 0, timeout=10), (i, stack_metric(stack, "code2wav"))
+    assert stack_metric(stack, "code2wav", "voxpipe_streams_total", 'outcome="cancelled",') == cancelled + 12
 
 
 # ----------------------------------------------------------------------------- a replica dying mid-stream

@@ -208,9 +208,9 @@ class PipelineClient:
             md = tuple(self.metadata) + tuple(metadata) + tracing.inject_metadata(trace.set_span_in_context(span, parent))
             return span, md
 
-        async def guarded(stage: str, coro) -> None:
+        async def guarded(stage: str, run, *args) -> None:
             try:
-                await coro
+                await run(*args)   # made here: a task cancelled before it starts leaves no coroutine unawaited
             except PipelineError as e:
                 if stage in spans:
                     tracing.grpc_error(spans[stage], e.code, e.details or "")
@@ -260,7 +260,7 @@ class PipelineClient:
                     routes[r.stage] = r.address
                     await events.put(StageEvent(r.stage, "routed", r.address))
                     if r.stage == "code2wav":
-                        tasks.append(asyncio.ensure_future(guarded("code2wav", run_listen(r.address, r.listen_token))))
+                        tasks.append(asyncio.ensure_future(guarded("code2wav", run_listen, r.address, r.listen_token)))
                 elif kind == "first_output":
                     await events.put(StageEvent(resp.first_output.stage, "first_output"))
                 elif kind == "finished":
@@ -296,7 +296,7 @@ class PipelineClient:
                         done["audio"] = resp.finished.reason
             await events.put("code2wav-done")
 
-        tasks.append(asyncio.ensure_future(guarded("thinker", run_thinker())))
+        tasks.append(asyncio.ensure_future(guarded("thinker", run_thinker)))
         pending = {"thinker-done"} | ({"code2wav-done"} if req.audio else set())
         held: PipelineError | None = None     # the audio stream's report of an upstream failure
         try:

@@ -129,8 +129,13 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                 await reader()
             except FramesEndedEarly as e:
                 # the talker went away mid-request (died, or cancelled by its own caller): to the
-                # listener that is the talker's failure, which the thinker stream reports too
-                if context.cancelled():
+                # listener that is the talker's failure, which the thinker stream reports too. A
+                # cancel may end the request stream a moment before the call shows it as cancelled.
+                for _ in range(50):
+                    if context.cancelled() or context.done():
+                        break
+                    await asyncio.sleep(0.01)
+                if context.cancelled() or context.done():
                     self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the talker went away before its last frame",
                                                "talker"))
                 else:
@@ -162,7 +167,7 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
         final = None
         try:
             yield pb.Code2WavResponse(accepted=pb.Accepted(listen_token=token))
-            final = await job.ended
+            final = await asyncio.shield(job.ended)   # a cancelled handler must not cancel the future itself
             if isinstance(final, StageError):
                 await abort(context, final.code, final.message)
             yield final
@@ -176,10 +181,12 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             tracing.record_phases(self.engine.name, job, final)
 
     def _fail(self, job: Code2WavJob, error: StageError) -> None:
-        """End a to_listener request with `error` on both its streams."""
+        """End a to_listener request with `error` on both its streams. The engine lets the request
+        go in every case (a no-op once it finished): `ended` may be resolved -- or cancelled, with
+        the handler that awaited it -- while the engine still holds the request."""
+        self.engine.cancel(job)
         if job.ended is None or job.ended.done():
             return
-        self.engine.cancel(job)
         job.outbox.put(error)
         job.end(error)
 

@@ -195,6 +195,10 @@ class StageEngine:
         self._gauges()
 
     def _gauges(self) -> None:
+        with self.lock:    # read and set together: a handler's submit and the engine thread both set them
+            self._set_gauges()
+
+    def _set_gauges(self) -> None:
         metrics.ACTIVE.labels(self.name).set(len(self.waiting) + len(self.running))
         metrics.QUEUE.labels(self.name).set(len(self.waiting))
         metrics.THROTTLED.labels(self.name).set(sum(r.outbox.saturated for r in self.running))

@@ -36,7 +36,7 @@ class Code2WavRelay:
         kind = item.WhichOneof("kind")
         if kind == "routed":
             return [item]
-        down = await self._down
+        down = await asyncio.shield(self._down)     # a cancelled handler must not cancel the future _run resolves
         if down is None:                    # code2wav could not be reached: the StageError is on its way
             return []
         if kind == "frames":
@@ -100,5 +100,5 @@ class Code2WavRelay:
         self._closed = True
         if not self._task.done():
             self._task.cancel()
-        if self._down.done() and self._down.result() is not None:
+        if self._down.done() and not self._down.cancelled() and self._down.result() is not None:
             self._down.result().close()
