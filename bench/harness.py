@@ -24,6 +24,7 @@ from . import server_stats
 from .report import ReferenceRun, section
 from .requests import RequestMaker
 from .workload import WORKLOADS, LevelResult, Workload, run_level
+from voxpipe.layout import Layout, LayoutError
 
 STAGES = ("thinker", "talker", "code2wav")
 MODES = ("gateway", "split", "inprocess")
@@ -80,9 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split mode: run the three services under a CUDA MPS daemon started (and quit) by the bench")
     p.add_argument("--ablation", action="store_true",
                    help="split mode at the first concurrency level once per optimization layer, adding one at a time")
-    p.add_argument("--devices", default="",
-                   help="a device per stage, e.g. thinker=cuda:0,talker=cuda:1,code2wav=cuda:1 (the two-GPU layout); "
-                        "stages not named use --device")
+    p.add_argument("--devices", default="", metavar="LAYOUT",
+                   help="replicas and devices per stage (voxpipe.layout), e.g. thinker=cuda:0,talker=cuda:1,code2wav=cuda:1 "
+                        "(two GPUs) or thinker=cuda:0,talker=cuda:1+cuda:2,code2wav=cuda:1+cuda:2 (vLLM-Omni's three-GPU "
+                        "row); DEV*N: N replicas sharing DEV; stages not named: one replica on --device. Replicas "
+                        "run in modes split and gateway only")
     p.add_argument("--workload", default=["seedtts-like"], type=workload_names,
                    help="comma list of BENCHMARK.md workloads, run one after the other against one start of the "
                         "services: seedtts-like (100-token prompt, 48 tokens, 125 frames), long-prompt (2,500-token "
@@ -117,6 +120,7 @@ class Plan:
     workloads: list[Workload]
     modes: dict[str, list[str]]        # workload name -> modes
     notes: dict[str, list[str]]        # workload name -> lines for the report
+    layout: Layout                     # replicas and devices per stage (--devices, --device)
 
     @classmethod
     def of(cls, args) -> "Plan":
@@ -129,7 +133,14 @@ class Plan:
                 if skipped else []
             if not modes[wl.name]:
                 raise SystemExit(f"--workload {wl.name} runs only in gateway mode; add gateway to --modes")
-        return cls(wls, modes, notes)
+        try:
+            layout = Layout.parse(args.devices, args.device)
+        except LayoutError as e:
+            raise SystemExit(str(e)) from None
+        if not layout.single and "inprocess" in args.modes:
+            raise SystemExit(f"--devices {args.devices}: replicas need separate processes (modes split, gateway); "
+                             f"inprocess runs one engine per stage: leave it out of --modes")
+        return cls(wls, modes, notes, layout)
 
     def wants(self, mode: str) -> bool:
         return any(mode in m for m in self.modes.values())
@@ -153,17 +164,6 @@ def check_packages(plan: Plan) -> None:
         raise SystemExit(f"gateway mode of {', '.join(w.name for w in plan.workloads)} needs the Python packages "
                          f"{', '.join(missing)}: pip install them (on the GPU machine: carry their wheels in .whl/, "
                          f"see bench/device.sh)")
-
-
-def stage_devices(spec: str) -> dict[str, str]:
-    """'thinker=cuda:0,talker=cuda:1' -> {'thinker': 'cuda:0', 'talker': 'cuda:1'}."""
-    out = {}
-    for part in filter(None, spec.split(",")):
-        stage, _, device = part.partition("=")
-        if stage not in STAGES or not device:
-            raise SystemExit(f"--devices: expected STAGE=DEVICE with STAGE in {', '.join(STAGES)}, got {part!r}")
-        out[stage] = device
-    return out
 
 
 def copy_bandwidth(device: str) -> float:
@@ -331,19 +331,21 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
     from .realtime_client import RealtimeStream
 
     extra = ["--load-format", args.load_format, "--max-batch", str(args.max_batch)] + args.extra.split()
-    metrics_ports = {s: args.base_port + 10 + i for i, s in enumerate(STAGES)}
-    http_port = args.base_port + 20 if plan.wants("gateway") else 0
+    names = [name for name, _, _ in plan.layout.processes()]
+    metrics_ports = {name: args.base_port + 100 + i for i, name in enumerate(names)}
+    http_port = args.base_port + 99 if plan.wants("gateway") else 0
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
-                       metrics_ports=metrics_ports, http_port=http_port, devices=stage_devices(args.devices))
+                       metrics_ports=metrics_ports, http_port=http_port, layout=plan.layout)
     pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
     scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
     t0 = time.perf_counter()
-    print("split: starting the three services" + (" and the gateway" if http_port else ""), flush=True)
+    print(f"split: starting the stage services ({plan.layout.describe()})" + (" and the gateway" if http_port else ""),
+          flush=True)
     stack.start(timeout=300)
     print(f"split: services ready after {time.perf_counter() - t0:.1f} s", flush=True)
     info = {"startup_s": time.perf_counter() - t0}
     mem = gpu_memory_by_pid()
-    info["gpu_mem_gb"] = {s: mem.get(stack.procs[s].pid) for s in STAGES}
+    info["gpu_mem_gb"] = {name: mem.get(stack.procs[name].pid) for name in names}
     base_url = f"http://127.0.0.1:{http_port}"
     try:
         async def go():
@@ -364,7 +366,11 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
                         async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
                             out += await _levels(client.stream, maker.speech, args, wl, mode, scrape)
             return out
-        return asyncio.run(go()), info
+        results = asyncio.run(go())
+        # how the balancers spread the work: streams each process finished (the replicas of a stage)
+        info["streams_by_process"] = {name: server_stats.streams_finished(
+            server_stats.http_source({name: port})(), stack.stage_of[name]) for name, port in metrics_ports.items()}
+        return results, info
     finally:
         stack.stop()
 
@@ -384,7 +390,7 @@ def run_inprocess(args, plan: Plan, makers: dict[str, RequestMaker], model: str)
 
     async def go():
         print("inprocess: building the engines", flush=True)
-        pipe = InProcessPipeline.from_argv(argv, stage_devices(args.devices))
+        pipe = InProcessPipeline.from_argv(argv, {s: ds[0] for s, ds in plan.layout.devices.items()})
         out = []
         try:
             for wl in plan.workloads:
@@ -503,8 +509,11 @@ def run(args) -> int:
     nbytes = active_bytes(cfg)
     argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else sys.argv[1:]
     cmd = "voxpipe bench " + " ".join(argv)
+    gpus = len(plan.layout.gpus)
     header = (f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · commit {commit} · {device_name or args.device}\n\n"
-              f"`{cmd}` — greedy; copy bandwidth {bw / 1e12:.2f} TB/s; "
+              f"`{cmd}` — layout: {plan.layout.describe()}"
+              + (f" ({gpus} GPUs: req/s per GPU = req/s / {gpus})" if gpus > 1 else "") + "; greedy; "
+              f"copy bandwidth {bw / 1e12:.2f} TB/s; "
               f"TTFP measured at the client: gateway = the openai SDK streaming chat completions (SSE) from the "
               f"gateway, or for realtime a WebSocket client from response.create to the first "
               f"response.output_audio.delta; split = the gRPC pipeline client calling the three services; "
@@ -518,6 +527,7 @@ def run(args) -> int:
     first = refs.get(plan.workloads[0].name)
     (out / "results.json").write_text(json.dumps({
         "commit": commit, "device": device_name, "command": cmd, "copy_bandwidth": bw,
+        "layout": {stage: list(ds) for stage, ds in plan.layout.devices.items()}, "gpus": len(plan.layout.gpus),
         "reference": first.result if first else None,
         "references": {name: r.as_dict() for name, r in refs.items()},
         "workloads": {w.name: w.describe() for w in plan.workloads},

@@ -30,6 +30,16 @@ def parse(text: str) -> dict[tuple[str, str, str], float]:
     return out
 
 
+def streams_finished(text: str, stage: str) -> int:
+    """Streams a stage process ended, whatever the outcome (voxpipe_streams_total), from its /metrics page."""
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "voxpipe_streams_total" and s.labels.get("stage") == stage:
+                total += s.value
+    return int(total)
+
+
 def http_source(ports: dict[str, int], host: str = "127.0.0.1") -> Callable[[], str]:
     def read() -> str:
         pages = []

@@ -45,17 +45,42 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
     assert "gateway vs transformers at c=1" in md and "c=2: gateway / in-process TTFP p50" in md
 
 
-def test_bench_rejects_a_bad_devices_spec():
-    from voxpipe.bench.harness import stage_devices
+def test_layouts_parse_and_bad_specs_are_refused():
+    import pytest
 
-    assert stage_devices("thinker=cuda:0,talker=cuda:1") == {"thinker": "cuda:0", "talker": "cuda:1"}
-    for bad in ("vocoder=cuda:1", "thinker", "talker="):
-        try:
-            stage_devices(bad)
-        except SystemExit as e:
-            assert "--devices: expected STAGE=DEVICE" in str(e) and repr(bad.split(",")[0]) in str(e)
-        else:
-            raise AssertionError(f"{bad!r} was accepted")
+    from voxpipe.layout import Layout, LayoutError
+
+    two = Layout.parse("thinker=cuda:0,talker=cuda:1,code2wav=cuda:1", "cuda")
+    assert two.devices == {"thinker": ("cuda:0",), "talker": ("cuda:1",), "code2wav": ("cuda:1",)}
+    assert two.single and two.gpus == ["cuda:0", "cuda:1"]
+    omni = Layout.parse("thinker=cuda:0, talker=cuda:1+cuda:2, code2wav=cuda:1*2", "cuda")
+    assert omni.devices["talker"] == ("cuda:1", "cuda:2") and omni.devices["code2wav"] == ("cuda:1", "cuda:1")
+    assert not omni.single and omni.gpus == ["cuda:0", "cuda:1", "cuda:2"]
+    assert omni.names("talker") == ["talker0", "talker1"] and omni.names("thinker") == ["thinker"]
+    assert [n for n, _, _ in omni.processes()] == ["thinker", "talker0", "talker1", "code2wav0", "code2wav1"]
+    assert Layout.parse("", "cpu").devices == {s: ("cpu",) for s in ("thinker", "talker", "code2wav")}
+    for bad, message in [("vocoder=cuda:1", "expected STAGE=DEVICE"), ("thinker", "expected STAGE=DEVICE"),
+                         ("talker=", "expected STAGE=DEVICE"), ("talker=gpu1", "'gpu1' is not a device"),
+                         ("talker=cuda:1*0", "must be a positive integer"), ("talker=cuda*x", "positive integer"),
+                         ("talker=cpu,talker=cpu", "talker named twice"), ("talker=cpu*17", "at most 16"),
+                         ("talker=cpu++cpu", "'' is not a device")]:
+        with pytest.raises(LayoutError, match=message):
+            Layout.parse(bad, "cpu")
+
+
+def test_bench_and_up_refuse_bad_layouts(tmp_path):
+    base = [sys.executable, "-m", "voxpipe.cli"]
+    cases = [
+        (["bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path), "--devices", "talker=cpu*2"],
+         "replicas need separate processes (modes split, gateway)"),
+        (["bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path), "--devices", "talker=tpu"],
+         "--devices: talker: 'tpu' is not a device"),
+        (["up", "--devices", "code2wav=cpu*0"], "error: --devices: code2wav: 'cpu*0': the replica count"),
+    ]
+    for flags, message in cases:
+        proc = subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stderr[-1500:])
+        assert "starting the stage services" not in proc.stdout and "all services up" not in proc.stdout, flags
 
 
 # ---------------------------------------------------------------- the other BENCHMARK.md workloads
@@ -107,12 +132,21 @@ def test_bench_voice_in_on_a_model_without_a_preprocessor_config(tiny_model_dir,
     assert "| TTFP p50 / p90 / p99 ms | RTF p50 / p90 / p99 | E2EL p50 / p90 / p99 s | TTFT p50 / p90 / p99 ms |" in md
 
 
-def test_bench_realtime_beside_seedtts_like_in_one_run(tiny_model_dir, tmp_path):
-    """Two workloads against one start of the services; realtime runs in gateway mode only and says
-    so; its reference is seedtts-like's (the same model work)."""
+def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_dir, tmp_path):
+    """Two workloads against one start of the services, laid out as two talkers and two code2wavs
+    (--devices, issue 14's layouts on the CPU); realtime runs in gateway mode only and says so; its
+    reference is seedtts-like's (the same model work)."""
     proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "seedtts-like,realtime", "--modes", "gateway,split",
-                           "--base-port", "53351")
-    assert proc.stdout.count("split: starting the three services") == 1
+                           "--devices", "talker=cpu+cpu,code2wav=cpu*2", "--base-port", "53351")
+    assert proc.stdout.count("split: starting the stage services (thinker cpu; talker 2x (cpu, cpu); "
+                             "code2wav 2x (cpu, cpu)) and the gateway") == 1
+    assert res["layout"] == {"thinker": ["cpu"], "talker": ["cpu", "cpu"], "code2wav": ["cpu", "cpu"]}
+    assert "layout: thinker cpu; talker 2x (cpu, cpu); code2wav 2x (cpu, cpu)" in md
+    # 3 modes x levels (1, 2) x 2 requests + warm-ups went through one thinker; every replica took some
+    served = res["split_info"]["streams_by_process"]
+    assert set(served) == {"thinker", "talker0", "talker1", "code2wav0", "code2wav1"}
+    assert all(served[n] > 0 for n in served), served
+    assert served["talker0"] + served["talker1"] == served["code2wav0"] + served["code2wav1"] == served["thinker"]
     levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
     want = {("seedtts-like", m, c) for m in ("gateway", "split") for c in (1, 2)} | {("realtime", "gateway", c) for c in (1, 2)}
     _check_levels(levels, want, prompt_tokens=100)
@@ -153,7 +187,7 @@ def test_bench_refuses_bad_workload_flags(tmp_path):
     for flags, message in cases:
         proc = subprocess.run(base + flags, capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stderr[-1500:])
-        assert "starting the three services" not in proc.stdout, flags
+        assert "starting the stage services" not in proc.stdout, flags
 
 
 def test_bench_names_the_packages_a_gateway_workload_lacks(monkeypatch):

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from voxpipe.layout import Layout, LayoutError
+
 DEFAULT_HOME = Path(os.environ.get("VOXPIPE_HOME", Path.home() / ".cache" / "voxpipe"))
 STAGES = ("thinker", "talker", "code2wav")
 STAGE_SERVICES = {"thinker": "voxpipe.v1.Thinker", "talker": "voxpipe.v1.Talker", "code2wav": "voxpipe.v1.Code2Wav"}
@@ -103,42 +105,51 @@ def cmd_health(args) -> int:
 # ----------------------------------------------------------------------------- up
 
 class LocalStack:
-    """The three stage services as separate processes on this machine."""
+    """The stage services as separate processes on this machine: one per stage, or the replicas of
+    a `layout` (voxpipe.layout), each stage's callers given every replica of the next stage."""
 
     def __init__(self, model: Path, host: str, base_port: int, device: str, extra: list[str] | None = None,
                  metrics_ports: dict[str, int] | None = None, http_port: int = 0,
-                 devices: dict[str, str] | None = None, gateway_extra: list[str] | None = None) -> None:
-        """`devices`: a device per stage (e.g. the thinker on cuda:0, talker and code2wav on cuda:1);
-        stages not named there use `device`. `extra`: flags of every stage (TLS ones, say);
-        `gateway_extra`: flags of the gateway."""
+                 layout: Layout | None = None, gateway_extra: list[str] | None = None) -> None:
+        """`layout`: replicas and devices per stage (default: one replica of each on `device`);
+        ports are given out from `base_port` in process order. `metrics_ports`: by process name
+        (a stage's name when it has one replica, see Layout.names). `extra`: flags of every stage
+        (TLS ones, say); `gateway_extra`: flags of the gateway."""
         self.model, self.host, self.device = model, host, device
-        self.devices = {s: (devices or {}).get(s, device) for s in STAGES}
-        self.ports = {s: base_port + i for i, s in enumerate(STAGES)}
+        self.layout = layout or Layout.parse("", device)
+        self.stage_of = {name: stage for name, stage, _ in self.layout.processes()}
+        self.device_of = {name: dev for name, _, dev in self.layout.processes()}
+        names = [n for stage in STAGES for n in self.layout.names(stage)]
+        self.ports = {name: base_port + i for i, name in enumerate(names)}
         self.metrics_ports = metrics_ports or {}
         self.extra = extra or []
         self.gateway_extra = gateway_extra or []
         self.http_port = http_port          # > 0: also run the gateway (OpenAI HTTP API) on this port
         self.procs: dict[str, subprocess.Popen] = {}
 
+    def addresses(self, stage: str) -> list[str]:
+        return [f"{self.host}:{self.ports[name]}" for name in self.layout.names(stage)]
+
     def address(self, stage: str) -> str:
-        return f"{self.host}:{self.ports[stage]}"
+        """The stage's replicas as one comma list (a single address with one replica)."""
+        return ",".join(self.addresses(stage))
 
     def next_stage_flags(self, stage: str) -> list[str]:
-        """Where a stage sends a request on: the thinker to the talker, the talker to code2wav."""
+        """Where a stage sends a request on: the thinker to the talkers, the talkers to the code2wavs."""
         nxt = {"thinker": "talker", "talker": "code2wav"}.get(stage)
         return [f"--{nxt}={self.address(nxt)}"] if nxt else []
 
     def start(self, timeout: float = 300.0) -> None:
-        for stage in STAGES:
+        for name, stage, device in self.layout.processes():
             cmd = [sys.executable, "-m", "voxpipe.cli", stage, "--model", str(self.model), "--host", self.host,
-                   "--port", str(self.ports[stage]), "--device", self.devices[stage]] + self.extra
-            if self.metrics_ports.get(stage):
-                cmd += ["--metrics-port", str(self.metrics_ports[stage])]
+                   "--port", str(self.ports[name]), "--device", device] + self.extra
+            if self.metrics_ports.get(name):
+                cmd += ["--metrics-port", str(self.metrics_ports[name])]
             cmd += self.next_stage_flags(stage)
-            self.procs[stage] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+            self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
         deadline = time.monotonic() + timeout
-        for stage, proc in self.procs.items():
-            self._wait_ready(stage, proc, deadline, timeout)
+        for name, proc in list(self.procs.items()):
+            self._wait_ready(name, proc, deadline, timeout)
         if self.http_port:
             cmd = [sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(self.model), "--host", self.host,
                    "--http-port", str(self.http_port)] + [f"--{s}={self.address(s)}" for s in ("thinker", "code2wav")]
@@ -187,8 +198,12 @@ def cmd_up(args) -> int:
         raise SystemExit("error: --tls-cert needs --tls-ca here: the stages call each other (and the gateway "
                          "calls them), so they need the CA to check the certificates")
     stage_flags, gateway_flags = _up_tls_flags(args)
+    try:
+        layout = Layout.parse(args.devices, args.device)
+    except LayoutError as e:
+        raise SystemExit(f"error: {e}")
     stack = LocalStack(model, host, args.base_port, args.device, http_port=http_port, extra=stage_flags,
-                       gateway_extra=gateway_flags)
+                       gateway_extra=gateway_flags, layout=layout)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -197,8 +212,8 @@ def cmd_up(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stack.start()
-    for stage in STAGES:
-        print(f"{stage:9s} {stack.address(stage)}  (pid {stack.procs[stage].pid})", flush=True)
+    for name, stage, device in stack.layout.processes():
+        print(f"{name:9s} {host}:{stack.ports[name]}  {device}  (pid {stack.procs[name].pid})", flush=True)
     if http_port:
         scheme = "https" if args.ssl_certfile else "http"
         print(f"gateway   {scheme}://{host}:{http_port}/v1  (pid {stack.procs['gateway'].pid})", flush=True)
@@ -344,8 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start the three services locally (tiny checkpoint by default)")
     p.add_argument("--model", help="checkpoint folder (default: the tiny checkpoint, made on first use)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--base-port", type=int, default=50051, help="thinker port; talker +1, code2wav +2")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--base-port", type=int, default=50051,
+                   help="thinker port; the next processes (talker, code2wav, or their replicas) count up from it")
+    p.add_argument("--device", default="auto", help="the device of stages --devices does not name (auto: cuda if present)")
+    p.add_argument("--devices", default="", metavar="LAYOUT",
+                   help="replicas and devices per stage, e.g. thinker=cuda:0,talker=cuda:1+cuda:2,code2wav=cuda:1*2 "
+                        "(DEV*N: N replicas sharing DEV; +: one device per replica)")
     p.add_argument("--http-port", type=int, default=8000,
                    help="the gateway's OpenAI HTTP API port (0: no gateway; none with --say)")
     p.add_argument("--say", metavar="TEXT", help="speak TEXT through the stack, write -o, then stop everything")

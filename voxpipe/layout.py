@@ -1,0 +1,87 @@
+"""Where the stage processes of a local stack run: how many replicas of each stage, each on which
+device. One spec serves `voxpipe up` and `voxpipe bench` (--devices):
+
+    thinker=cuda:0,talker=cuda:1+cuda:2,code2wav=cuda:1+cuda:2    2 talkers, 2 code2wavs on GPUs 1 and 2
+    thinker=cuda:0,talker=cuda:1,code2wav=cuda:1                  the two-GPU layout
+    talker=cuda:0*2                                               two talkers sharing GPU 0
+
+`DEV*N` is N replicas on DEV; `+` lists one device per replica. Stages not named run one replica
+on the default device. Each stage's callers (the thinker for the talkers, the talkers for the
+code2wavs, the gateway for thinkers and code2wavs) get every replica's address and balance over
+them (services.runtime.balancer)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+STAGES = ("thinker", "talker", "code2wav")
+MAX_REPLICAS = 16
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class LayoutError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    devices: dict[str, tuple[str, ...]]     # stage -> one device per replica (every stage present)
+
+    @classmethod
+    def parse(cls, spec: str, default: str) -> "Layout":
+        """A `--devices` spec (see the module docstring); raises LayoutError naming the bad part."""
+        out: dict[str, tuple[str, ...]] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            stage, sep, value = part.partition("=")
+            if stage not in STAGES or not sep or not value:
+                raise LayoutError(f"--devices: expected STAGE=DEVICE with STAGE in {', '.join(STAGES)}, got {part!r}")
+            if stage in out:
+                raise LayoutError(f"--devices: {stage} named twice")
+            replicas: list[str] = []
+            for item in value.split("+"):
+                device, star, count = item.partition("*")
+                if not _DEVICE.match(device):
+                    raise LayoutError(f"--devices: {stage}: {device!r} is not a device (auto, cpu, cuda or cuda:N)")
+                if star and not (count.isdigit() and int(count) >= 1):
+                    raise LayoutError(f"--devices: {stage}: {item!r}: the replica count after * must be a positive integer")
+                replicas += [device] * (int(count) if star else 1)
+            if len(replicas) > MAX_REPLICAS:
+                raise LayoutError(f"--devices: {stage}: {len(replicas)} replicas (at most {MAX_REPLICAS})")
+            out[stage] = tuple(replicas)
+        if not _DEVICE.match(default):
+            raise LayoutError(f"--device: {default!r} is not a device (auto, cpu, cuda or cuda:N)")
+        return cls({s: out.get(s, (default,)) for s in STAGES})
+
+    def replicas(self, stage: str) -> int:
+        return len(self.devices[stage])
+
+    def names(self, stage: str) -> list[str]:
+        """The process names of a stage's replicas: the stage's own name for one, stage0, stage1, ... for more."""
+        n = self.replicas(stage)
+        return [stage] if n == 1 else [f"{stage}{i}" for i in range(n)]
+
+    def processes(self) -> list[tuple[str, str, str]]:
+        """(name, stage, device) of every stage process, stage by stage (a stage dials the next one
+        lazily, at its first request, so they may start in any order)."""
+        return [(name, stage, device) for stage in STAGES
+                for name, device in zip(self.names(stage), self.devices[stage])]
+
+    @property
+    def gpus(self) -> list[str]:
+        """The distinct CUDA devices used (a bare `cuda` counts as cuda:0)."""
+        seen = {d if ":" in d else "cuda:0" for ds in self.devices.values() for d in ds if d.startswith("cuda")}
+        return sorted(seen, key=lambda d: int(d.split(":")[1]))
+
+    @property
+    def single(self) -> bool:
+        """One replica per stage."""
+        return all(len(ds) == 1 for ds in self.devices.values())
+
+    def describe(self) -> str:
+        """'thinker cuda:0; talker 2x (cuda:1, cuda:2); code2wav 2x (cuda:1, cuda:2)'."""
+        parts = []
+        for stage in STAGES:
+            ds = self.devices[stage]
+            parts.append(f"{stage} {ds[0]}" if len(ds) == 1 else f"{stage} {len(ds)}x ({', '.join(ds)})")
+        return "; ".join(parts)
