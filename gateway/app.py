@@ -1,6 +1,7 @@
 """The gateway's FastAPI app: shared state, auth, errors, health/readiness, models and metrics;
 the OpenAI chat and speech routes come from openai_chat.py and speech.py, the realtime
-WebSocket route from realtime.py when it exposes a `router`.
+WebSocket route from realtime.py when it exposes a `router`, the voice console at `/` from
+console.py; cors.py checks browsers' Origin on every request.
 
 `app.state.gateway` is the GatewayState every API uses: the pipeline client, the tokenizer and
 feature extractor for rendering prompts, the SessionLimiter shared by HTTP and realtime, the
@@ -37,6 +38,7 @@ from voxpipe.services.runtime.tls import ClientTLS, aio_channel
 from voxpipe.services.thinker.prompt import FeatureExtractor
 
 from .config import GatewayConfig
+from .cors import OriginCheck
 from .errors import APIError, from_pipeline_error, too_many_sessions
 from .metrics import GatewayMetrics
 from .transcripts import TranscriptStore
@@ -315,14 +317,16 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     app = FastAPI(title="voxpipe gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json", **fastapi_tracing_off())
     app.state.gateway = state
+    app.add_middleware(OriginCheck, allowed=config.cors_allow_origins)   # inside RequestId: refusals carry ids
     app.add_middleware(BodyTimeout, seconds=config.body_timeout_s)
     app.add_middleware(RequestMetrics, metrics=state.metrics)
     app.add_middleware(RequestId)
     app.add_middleware(TracingMiddleware)   # outermost: one span per request, honouring `traceparent`
     _add_error_handlers(app)
     _add_basic_routes(app)
-    from . import openai_chat, speech
+    from . import console, openai_chat, speech
 
+    console.add_console(app)
     app.include_router(openai_chat.router, dependencies=[Depends(require_api_key)])
     app.include_router(speech.router, dependencies=[Depends(require_api_key)])
     realtime = _optional_router("realtime")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from voxpipe.services.runtime.tls import ClientTLS, ServerTLS, client_tls_from_args
 
+from .cors import AllowedOrigins, origins_from_env
 from .limits import MAX_PROMPT_CHARS
 
 
@@ -33,6 +34,7 @@ class GatewayConfig:
     ssl_keyfile: str | None = None     # ... and key (both or neither)
     tls: ServerTLS | None = None       # the same pair, read (for the Converse gRPC port)
     stage_tls: ClientTLS | None = None # how the thinker and code2wav replicas are dialled (None: plaintext)
+    cors_allow_origins: AllowedOrigins = AllowedOrigins()   # browser pages elsewhere that may call the API
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -41,7 +43,8 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, args) -> "GatewayConfig":
-        """The config of the command line; TLSConfigError (naming the flags) for half-given TLS."""
+        """The config of the command line; TLSConfigError (naming the flags) for half-given TLS,
+        OriginsError for a malformed $VOXPIPE_CORS_ALLOW_ORIGINS (the flag is checked by argparse)."""
         certfile, keyfile = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
         tls = ServerTLS.from_files(certfile, keyfile, flags=("--ssl-certfile", "--ssl-keyfile", ""))
         return cls(thinker=args.thinker, code2wav=args.code2wav, model_dir=str(args.model),
@@ -51,4 +54,5 @@ class GatewayConfig:
                    body_timeout_s=args.body_timeout, max_prompt_chars=args.max_prompt_chars,
                    reflection=args.reflection, audio_expiry_s=args.audio_expiry,
                    ssl_certfile=certfile if tls else None, ssl_keyfile=keyfile if tls else None, tls=tls,
-                   stage_tls=client_tls_from_args(args))
+                   stage_tls=client_tls_from_args(args),
+                   cors_allow_origins=getattr(args, "cors_allow_origins", None) or origins_from_env())

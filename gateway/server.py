@@ -12,6 +12,7 @@ import os
 
 from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
 
+from .cors import ENV as CORS_ENV, OriginsError, origins_flag
 from .limits import MAX_PROMPT_CHARS
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve gRPC server reflection on the Converse port")
     parser.add_argument("--audio-expiry", type=int, default=3600,
                         help="seconds an assistant audio id stays usable in later turns")
+    add_cors_argument(parser)
     g = parser.add_argument_group("TLS (serving)")
     g.add_argument("--ssl-certfile", default=os.environ.get("VOXPIPE_SSL_CERTFILE") or None,
                    help="PEM certificate chain: serve HTTPS, WSS and TLS on the Converse port (with --ssl-keyfile; "
@@ -50,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-keyfile", default=os.environ.get("VOXPIPE_SSL_KEYFILE") or None,
                    help="PEM private key of --ssl-certfile (env VOXPIPE_SSL_KEYFILE)")
     add_client_tls_arguments(parser, who="the thinker and code2wav")
+
+
+def add_cors_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cors-allow-origins", type=origins_flag, default=None, metavar="ORIGINS",
+                        help="browser pages on these origins may call the HTTP API (CORS) and open the realtime "
+                             "WebSocket: a comma-separated list of scheme://host[:port], or '*' for any (env "
+                             f"{CORS_ENV}; default: none, only pages the gateway serves itself, like the console "
+                             "at /). Clients that send no Origin header (SDKs, curl) are never refused")
 
 
 async def serve(args) -> None:
@@ -62,7 +72,7 @@ async def serve(args) -> None:
 
     try:
         config = GatewayConfig.from_args(args)
-    except TLSConfigError as e:
+    except (TLSConfigError, OriginsError) as e:
         raise SystemExit(f"gateway: error: {e}") from None
     try:
         app = create_app(config)

@@ -198,6 +198,7 @@ def cmd_up(args) -> int:
         raise SystemExit("error: --tls-cert needs --tls-ca here: the stages call each other (and the gateway "
                          "calls them), so they need the CA to check the certificates")
     stage_flags, gateway_flags = _up_tls_flags(args)
+    gateway_flags += _up_gateway_flags(args)
     try:
         layout = Layout.parse(args.devices, args.device)
     except LayoutError as e:
@@ -246,6 +247,12 @@ def _up_tls_flags(args) -> tuple[list[str], list[str]]:
     gateway = [f"--{flag}={getattr(args, flag.replace('-', '_'))}" for flag in ("ssl-certfile", "ssl-keyfile")
                if getattr(args, flag.replace("-", "_"))]
     return serve + client, gateway + client
+
+
+def _up_gateway_flags(args) -> list[str]:
+    """`voxpipe up`'s flags for the gateway alone (besides TLS)."""
+    origins = args.cors_allow_origins
+    return [] if origins is None else [f"--cors-allow-origins={origins.flag()}"]
 
 
 # ----------------------------------------------------------------------------- say
@@ -374,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("TLS (the gateway)")
     g.add_argument("--ssl-certfile", default=None, help="PEM certificate chain: the gateway serves HTTPS, WSS")
     g.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
+    from voxpipe.gateway.server import add_cors_argument
+
+    add_cors_argument(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("say", help="speak a reply to TEXT through running services into a wav")
