@@ -21,7 +21,8 @@ from conftest import GatewayProcess
 from test_realtime import RATE, speech
 from voxpipe.audio import write_wav
 
-MAX_TOKENS, MAX_FRAMES = 4, 8           # a short reply: the test waits for all of it to play
+SHORT = (4, 8)        # reply limits (text tokens, audio frames): a short reply, to wait for all of it to play
+LONG = (8, 60)        # up to 4.7 s of audio: still playing when the user speaks again
 KEY = "sesame-console"
 
 needs_chromium = pytest.mark.skipif(chromium_binary() is None,
@@ -32,6 +33,8 @@ needs_chromium = pytest.mark.skipif(chromium_binary() is None,
 class TurnView:
     state: str                  # listening / waiting / replying / done / interrupted / failed
     latency_ms: float | None    # shown once the reply's first audio is scheduled
+    audio_ms: int | None        # the reply audio received
+    heard_ms: int | None        # how much of it had played when the user interrupted it
     text: str
 
 
@@ -47,53 +50,62 @@ class ConsoleView:
         status: document.getElementById("status").textContent,
         played: Number(document.getElementById("played").dataset.samples),
         turns: [...document.querySelectorAll("#turns .turn")].map((t) => ({
-            state: t.dataset.state, latency: t.dataset.latencyMs ?? null, text: t.textContent})),
+            state: t.dataset.state, latency: t.dataset.latencyMs ?? null, audio: t.dataset.audioMs ?? null,
+            heard: t.dataset.heardMs ?? null, text: t.textContent})),
     }))()"""
 
     @classmethod
     def of(cls, value: dict) -> "ConsoleView":
+        def number(text: str | None) -> int | None:
+            return None if text is None else int(text)
+
         return cls(status=value["status"], played_samples=value["played"],
-                   turns=[TurnView(t["state"], None if t["latency"] is None else float(t["latency"]), t["text"])
+                   turns=[TurnView(t["state"], number(t["latency"]), number(t["audio"]), number(t["heard"]), t["text"])
                           for t in value["turns"]])
 
 
-# a turn is over, its audio played and its latency shown
-TURN_DONE = """(() => {
-    const done = [...document.querySelectorAll("#turns .turn")]
-        .some((t) => t.dataset.state === "done" && t.dataset.latencyMs !== undefined);
-    const player = document.getElementById("played");
-    return done && Number(player.dataset.samples) > 0 && !document.getElementById("stop").disabled;
-})()"""
+def turn_done(index: int) -> str:
+    """The page's condition: turn `index` is over, with its latency shown, and audio has played."""
+    return f"""(() => {{
+        const turn = document.querySelectorAll("#turns .turn")[{index}];
+        const played = Number(document.getElementById("played").dataset.samples);
+        return turn !== undefined && turn.dataset.state === "done" && turn.dataset.latencyMs !== undefined
+            && played > 0 && !document.getElementById("stop").disabled;
+    }})()"""
 
 
-def start_script(api_key: str | None) -> str:
+def start_script(api_key: str | None, limits: tuple[int, int]) -> str:
     """Fill in the form as a user would and press Start."""
     return f"""(() => {{
         document.getElementById("api-key").value = {json.dumps(api_key or "")};
-        document.getElementById("max-tokens").value = "{MAX_TOKENS}";
-        document.getElementById("max-frames").value = "{MAX_FRAMES}";
+        document.getElementById("max-tokens").value = "{limits[0]}";
+        document.getElementById("max-frames").value = "{limits[1]}";
         document.getElementById("start").click();
     }})()"""
 
 
-@pytest.fixture(scope="module")
-def microphone(tmp_path_factory) -> Path:
-    """One utterance with silence around it (the fake microphone plays it once)."""
-    silence = np.zeros(RATE // 2, np.float32)
-    path = tmp_path_factory.mktemp("microphone") / "question.wav"
-    write_wav(str(path), np.concatenate([silence, speech("What is the weather like today?"), silence, silence,
-                                         silence]), RATE)
+def recording(path: Path, *parts: str | float) -> Path:
+    """A wav for the fake microphone: espeak-ng saying each text part, each number seconds of silence."""
+    audio = [np.zeros(round(RATE * p), np.float32) if isinstance(p, float) else speech(p) for p in parts]
+    write_wav(str(path), np.concatenate(audio), RATE)
     return path
 
 
-def talk(gateway: GatewayProcess, microphone: Path, api_key: str | None = None, *,
-         until: str = TURN_DONE, timeout: float = 90) -> ConsoleView:
+@pytest.fixture(scope="module")
+def microphone(tmp_path_factory) -> Path:
+    """One question with silence around it (the fake microphone plays it once)."""
+    return recording(tmp_path_factory.mktemp("microphone") / "question.wav",
+                     0.5, "What is the weather like today?", 2.0)
+
+
+def talk(gateway: GatewayProcess, microphone: Path, api_key: str | None = None, *, limits: tuple[int, int] = SHORT,
+         until: str = turn_done(0), timeout: float = 90) -> ConsoleView:
     """Open the console in Chromium, start a session and wait for `until`; what the page shows."""
     async def go() -> ConsoleView:
         with Chromium(f"{gateway.base_url}/", microphone) as browser:
             page = await browser.page()
             try:
-                await page.evaluate(start_script(api_key), user_gesture=True)
+                await page.evaluate(start_script(api_key, limits), user_gesture=True)
                 await page.wait_for(until, timeout, "the console did not get there")
                 return ConsoleView.of(await page.evaluate(ConsoleView.SCRIPT))
             finally:
@@ -143,6 +155,23 @@ def test_console_is_served_self_contained(gateway):
 @needs_chromium
 def test_a_spoken_turn_in_chromium(gateway, microphone):
     assert_turn_played(talk(gateway, microphone))
+
+
+@needs_chromium
+def test_speaking_over_the_reply_stops_it(gateway, tmp_path):
+    """Barge-in: the second question starts while the first reply plays; the page stops that
+    audio at once (the server cancels the reply, the page cuts the item to what was heard) and the
+    second question gets its own reply."""
+    microphone = recording(tmp_path / "interruption.wav", 0.5, "What is the weather like today?", 2.5,
+                           "Wait, stop, I have a question.", 2.0)
+    view = talk(gateway, microphone, limits=LONG, until=turn_done(1))
+    first, second = view.turns[:2]
+    assert first.state == "interrupted" and first.heard_ms is not None and first.audio_ms is not None, first
+    assert first.heard_ms <= first.audio_ms
+    # nothing of the first reply played after the interruption
+    assert view.played_samples * 1000 / RATE <= first.heard_ms + second.audio_ms + 50, view
+    assert second.state == "done" and second.latency_ms is not None, second
+    assert "Error" not in view.status, view.status        # the truncate the page sent was accepted
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,8 @@ class Player {
   }
 
   heard(chunk) {
-    return Math.max(0, Math.min(chunk.duration, this.ctx.currentTime - chunk.start));
+    const now = chunk.stoppedAt === undefined ? this.ctx.currentTime : chunk.stoppedAt;
+    return Math.max(0, Math.min(chunk.duration, now - chunk.start));
   }
 
   get playing() {
@@ -98,7 +99,10 @@ class Player {
   /** Stops playback; returns the milliseconds of the current reply that were heard. */
   stop() {
     const heardMs = Math.floor(this.reply.reduce((sum, c) => sum + this.heard(c), 0) * 1000);
-    for (const chunk of this.chunks) chunk.source.stop();
+    for (const chunk of this.chunks) {
+      chunk.stoppedAt = this.ctx.currentTime;
+      chunk.source.stop();
+    }
     this.next = 0;
     return heardMs;
   }
@@ -152,6 +156,16 @@ class Turn {
     if (!this.assistant) this.assistant = this.line("Model", "");
     this.assistant.className = "";
     this.assistant.textContent += delta;
+  }
+
+  /** The user spoke over the reply: `heardMs` of it had played when playback stopped. */
+  interrupt(heardMs) {
+    this.state = "interrupted";
+    this.element.dataset.heardMs = String(heardMs);
+    const p = document.createElement("p");
+    p.className = "latency";
+    p.textContent = `Interrupted after ${(heardMs / 1000).toFixed(1)} s of audio`;
+    this.element.append(p);
   }
 
   addUserDelta(delta) {
@@ -210,7 +224,7 @@ class Console {
     this.turn = null;          // the latest turn
     this.turnsByItem = new Map();
     this.reply = null;         // the response in progress: {turn, itemId, samples, interrupted}
-    this.playingItem = null;   // {itemId, samples} of the last reply whose audio was scheduled
+    this.playingItem = null;   // {itemId, samples, turn} of the last reply whose audio was scheduled
     this.truncateAfter = null; // {itemId, ms}: truncate once that reply's response is done
     this.playedSamples = 0;
     this.ctx = new AudioContext();     // in the click: allowed to play
@@ -380,16 +394,17 @@ class Console {
       reply.turn.setLatency(performance.now() - reply.turn.speechStopped + wait);
     }
     reply.samples += samples.length;
-    this.playingItem = { itemId: reply.itemId, samples: reply.samples };
+    reply.turn.element.dataset.audioMs = String(Math.floor((reply.samples * 1000) / RATE));
+    this.playingItem = { itemId: reply.itemId, samples: reply.samples, turn: reply.turn };
   }
 
   /** The user speaks: silence the reply and, once its response is over, cut its item to what was heard. */
   bargeIn() {
-    if (!this.player || !this.player.playing || !this.playingItem) return;
-    const { itemId, samples } = this.playingItem;
+    const audible = this.player && (this.player.playing || (this.reply && this.reply.samples > 0));
+    if (!audible || !this.playingItem) return;
+    const { itemId, samples, turn } = this.playingItem;
     const ms = Math.min(this.player.stop(), Math.floor((samples * 1000) / RATE));
-    const turn = this.reply ? this.reply.turn : this.turn;
-    if (turn) turn.state = "interrupted";
+    turn.interrupt(ms);
     if (this.reply && this.reply.itemId === itemId) {   // the server cancels it; what still comes is not played
       this.reply.interrupted = true;
       this.truncateAfter = { itemId, ms };
@@ -403,8 +418,8 @@ class Console {
     const reply = this.reply;
     this.reply = null;
     if (!reply) return;
-    if (reply.turn.state !== "interrupted") {
-      reply.turn.state = response.status === "failed" ? "failed" : "done";
+    if (reply.turn.state !== "interrupted") {     // cancelled by the server: the user spoke before any audio
+      reply.turn.state = { cancelled: "interrupted", failed: "failed" }[response.status] || "done";
     }
     const cut = this.truncateAfter;
     if (cut && cut.itemId === reply.itemId) {
