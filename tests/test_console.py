@@ -158,6 +158,36 @@ def test_a_spoken_turn_in_chromium(gateway, microphone):
 
 
 @needs_chromium
+def test_the_microphone_resampler_in_the_page(gateway):
+    """The page's stream resampler (the microphone's rate -> 24 kHz), fed in uneven blocks, equals
+    linear interpolation of the whole signal."""
+    x = np.sin(np.arange(4410) / 7.0).astype(np.float32)
+    script = f"""(() => {{
+        const x = Float32Array.from({json.dumps(x.tolist())});
+        const chunked = new Resampler(44100, {RATE});
+        const sizes = [1, 128, 777, 2048], out = [];
+        for (let at = 0, i = 0; at < x.length; at += sizes[i++ % sizes.length]) {{
+            out.push(...chunked.push(x.subarray(at, at + sizes[i % sizes.length])));
+        }}
+        return out;
+    }})()"""
+
+    async def go() -> list[float]:
+        with Chromium(f"{gateway.base_url}/") as browser:
+            page = await browser.page()
+            try:
+                return await page.evaluate(script)
+            finally:
+                await page.ws.close()
+
+    got = np.array(asyncio.run(go()))
+    step = 44100 / RATE
+    want = np.interp(np.arange(int((len(x) - 1) / step) + 1) * step, np.arange(len(x)), x)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@needs_chromium
 def test_speaking_over_the_reply_stops_it(gateway, tmp_path):
     """Barge-in: the second question starts while the first reply plays; the page stops that
     audio at once (the server cancels the reply, the page cuts the item to what was heard) and the

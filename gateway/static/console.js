@@ -291,6 +291,7 @@ class Console {
     }
     if (!this.ctx) {                      // stopped meanwhile
       this.mic.getTracks().forEach((t) => t.stop());
+      this.mic = null;
       return;
     }
     const source = this.ctx.createMediaStreamSource(this.mic);
