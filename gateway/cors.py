@@ -25,7 +25,7 @@ from starlette.websockets import WebSocket
 FLAG = "--cors-allow-origins"
 ENV = "VOXPIPE_CORS_ALLOW_ORIGINS"
 DEFAULT_PORTS = {"http": 80, "https": 443}
-ALLOWED_METHODS = ("GET", "HEAD", "POST")
+ALLOWED_METHODS = ("GET", "POST")
 # response headers a page may read besides the CORS-safelisted ones (the SDKs read these)
 EXPOSED_HEADERS = "x-request-id, retry-after, www-authenticate"
 PREFLIGHT_MAX_AGE_S = 600
@@ -144,7 +144,7 @@ def _refusal(status: int, message: str, code: str, param: str | None = None) -> 
 
 
 def _origin_refusal(origin: str) -> JSONResponse:
-    return _refusal(403, f"pages of origin {origin!r} may not use this gateway; start it with {FLAG} listing "
+    return _refusal(403, f"pages of origin {origin[:200]!r} may not use this gateway; start it with {FLAG} listing "
                          "that origin to allow them", "origin_not_allowed", "Origin")
 
 

@@ -1,5 +1,5 @@
-"""What browsers get from the gateway (issue #12 item 6), against real gateway processes (no
-stage is needed: nothing here generates): `--cors-allow-origins` -- CORS preflights and response
+"""What browsers get from the gateway (issue #12 item 6), against real gateway processes (the one
+with --cors-allow-origins runs without stages: nothing here generates): `--cors-allow-origins` -- CORS preflights and response
 headers per the Fetch standard for the listed origins, 403 for the others on HTTP and before the
 realtime WebSocket upgrade, clients without an Origin untouched; by default same-host pages only
 and no CORS headers; malformed values refused at start; the API key as a WebSocket subprotocol
