@@ -134,14 +134,14 @@ def test_console_is_served_self_contained(gateway):
         assert label in page.text                      # every field has its label
     assets = re.findall(r'(?:src|href)="(console/[^"]+)"', page.text)
     assert sorted(assets) == ["console/console.css", "console/console.js"]
-    bodies = [page.text]
+    bodies = {"index.html": page.text}
     for asset in [*assets, "console/capture-worklet.js"]:
         r = httpx.get(f"{gateway.base_url}/{asset}")
         assert r.status_code == 200 and r.headers["content-type"].split(";")[0] in ("text/css", "text/javascript")
-        bodies.append(r.text)
-    for body in bodies:                                # nothing from elsewhere (no CDN)
+        bodies[asset.removeprefix("console/")] = r.text
+    for body in bodies.values():                       # nothing from elsewhere (no CDN)
         assert not re.search(r"(?:https?:)?//[a-z0-9.-]+\.[a-z]{2,}/", body), body[:200]
-    js = bodies[2]
+    js = bodies["console.js"]
     for event in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                   "response.output_audio.delta", "response.output_audio_transcript.delta",
                   "conversation.item.input_audio_transcription.completed", "conversation.item.truncate"):
