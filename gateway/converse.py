@@ -31,6 +31,7 @@ from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.rpc_guard import Abort, RequestGuard
 from voxpipe.services.runtime.server import add_health_and_reflection
 from voxpipe.services.runtime.tls import add_port
+from voxpipe.services.thinker.output import stop_strings_problem, top_logprobs_problem
 from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart
 from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
@@ -120,6 +121,12 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
         raise InvalidInput(f"sampling.top_p must be in (0, 1], got {s.top_p:g}")
     if s.HasField("top_k") and s.top_k < 0:
         raise InvalidInput(f"sampling.top_k must be >= 0, got {s.top_k}")
+    problem = stop_strings_problem(start.stop)
+    if problem is not None:
+        raise InvalidInput(f"stop: {problem}")
+    problem = top_logprobs_problem(start.logprobs, start.top_logprobs)
+    if problem is not None:
+        raise InvalidInput(problem)
 
     parts = [ChatPart(audio=_audio_part(a, f"audio[{i}]")) for i, a in enumerate(start.audio)]
     if start.text:
@@ -133,6 +140,7 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
         temperature=s.temperature if s.HasField("temperature") else 0.0,
         top_k=s.top_k if s.HasField("top_k") else 0, top_p=s.top_p if s.HasField("top_p") else 1.0,
         seed=s.seed if s.HasField("seed") else None, encoding=start.audio_encoding or pb.AUDIO_PCM16,
+        stop=tuple(dict.fromkeys(start.stop)), top_logprobs=start.top_logprobs if start.logprobs else None,
         request_id=start.request_id or uuid.uuid4().hex)
     return ConverseTurn(messages, speech)
 
@@ -234,7 +242,8 @@ class ConverseServicer(gw_grpc.GatewayServicer):
                 if isinstance(ev, TextEvent):
                     sent_output = True
                     usage.completion_tokens += len(ev.token_ids)
-                    yield gw.ConverseResponse(text=gw.TextOutput(index=ev.index, token_ids=ev.token_ids, text=ev.text))
+                    yield gw.ConverseResponse(text=gw.TextOutput(index=ev.index, token_ids=ev.token_ids, text=ev.text,
+                                                                 logprobs=[e.to_proto() for e in ev.logprobs]))
                 elif isinstance(ev, AudioEvent):
                     sent_output = True
                     n = int(ev.samples.shape[0])

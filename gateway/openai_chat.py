@@ -10,18 +10,19 @@ import asyncio
 import base64
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, TextEvent
+from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, TextEvent, TokenLogprob
 from voxpipe.v1 import stages_pb2 as pb
 
 from . import audio_formats
 from .app import GatewayState, gateway_state
 from .chat_messages import parse_messages
+from .chat_parameters import check_parameters, stop_strings, stream_options, top_logprobs
 from .errors import bad_request, from_pipeline_error
 from .generation import render_prompt, run_pipeline, speech_request
 from .params import GenerationParams, check_model, generation_params, optional, read_json, resolve_voice
@@ -44,6 +45,7 @@ class ChatOptions:
 
 def chat_options(body: dict, st: GatewayState) -> ChatOptions:
     check_model(body, st.config.model_id)
+    check_parameters(body)
     modalities = optional(body, "modalities", list, ["text"])
     if not modalities or any(m not in ("text", "audio") for m in modalities):
         raise bad_request(f"'modalities' must be ['text'] or ['text', 'audio'], got {modalities}", param="modalities",
@@ -64,9 +66,10 @@ def chat_options(body: dict, st: GatewayState) -> ChatOptions:
         if stream and fmt != "pcm16":
             raise bad_request(f"streaming audio supports only the 'pcm16' format, got {fmt!r}",
                               param="audio.format", code="unsupported_value")
-    stream_options = optional(body, "stream_options", dict, {})
+    include_usage = stream_options(body, stream)
+    params = replace(generation_params(body), stop=stop_strings(body), top_logprobs=top_logprobs(body))
     return ChatOptions(audio_out=audio_out, voice=voice, audio_format=fmt, stream=stream,
-                       include_usage=bool(stream_options.get("include_usage")), params=generation_params(body))
+                       include_usage=include_usage, params=params)
 
 
 @router.post("/v1/chat/completions")
@@ -92,6 +95,14 @@ async def chat_completions(request: Request) -> Response:
     finally:
         if not handed_over:
             session.release()
+
+
+def openai_logprob(e: TokenLogprob) -> dict:
+    """One `logprobs.content[]` entry: the token's text (a part of a character shows as U+FFFD;
+    `bytes` has it exactly), its log probability and the top alternatives."""
+    return {"token": e.token.decode("utf-8", errors="replace"), "logprob": e.logprob, "bytes": list(e.token),
+            "top_logprobs": [{"token": t.token.decode("utf-8", errors="replace"), "logprob": t.logprob,
+                              "bytes": list(t.token)} for t in e.top]}
 
 
 def count_audio_tokens(st: GatewayState, token_ids: list[int]) -> int:
@@ -128,12 +139,19 @@ class Reply:
                                               "text_tokens": done.completion_tokens,
                                               "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}}
 
+    def logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        """OpenAI's `choices[].logprobs` for these tokens (None when the request did not ask)."""
+        if self.opts.params.top_logprobs is None:
+            return None
+        return {"content": [openai_logprob(e) for e in entries], "refusal": None}
+
     async def completion(self) -> dict:
-        text, pcm, done = [], bytearray(), None
+        text, pcm, done, logprobs = [], bytearray(), None, []
         async with aclosing(run_pipeline(self.st, self.req, self.arrived)) as events:
             async for ev in events:
                 if isinstance(ev, TextEvent):
                     text.append(ev.text)
+                    logprobs += ev.logprobs
                 elif isinstance(ev, AudioEvent):
                     pcm += ev.data
                 elif isinstance(ev, DoneEvent):
@@ -148,42 +166,49 @@ class Reply:
             message["audio"] = {"id": self.audio_id, "data": base64.b64encode(data).decode(),
                                 "expires_at": self.expires_at, "transcript": transcript}
         return {**self.envelope("chat.completion"),
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message, "logprobs": self.logprobs(logprobs),
                              "finish_reason": self.finish_reason(done)}],
                 "usage": self.usage(done)}
 
-    def chunk(self, delta: dict, finish_reason: str | None = None) -> str:
+    def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None) -> str:
         return sse({**self.envelope("chat.completion.chunk"),
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]})
+                    "choices": [{"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs) if logprobs else None,
+                                 "finish_reason": finish_reason}]})
 
     async def sse(self):
         yield self.chunk({"role": "assistant", "content": None if self.opts.audio_out else "", "refusal": None})
         first_audio = {"id": self.audio_id, "expires_at": self.expires_at}
         transcript, done = [], None
+        logprobs: list[TokenLogprob] = []     # of tokens not sent yet (those without text wait for text)
         try:
             async with aclosing(run_pipeline(self.st, self.req, self.arrived)) as events:
                 async for ev in events:
                     if isinstance(ev, DoneEvent):
                         done = ev
                         continue
-                    if isinstance(ev, TextEvent) and ev.text:
+                    sent: list[TokenLogprob] = []
+                    if isinstance(ev, TextEvent):
+                        logprobs += ev.logprobs
+                        if not ev.text:
+                            continue
                         transcript.append(ev.text)
+                        sent, logprobs = logprobs, []
                         if not self.opts.audio_out:
-                            yield self.chunk({"content": ev.text})
+                            yield self.chunk({"content": ev.text}, logprobs=sent)
                             continue
                         audio = {"transcript": ev.text}
                     elif isinstance(ev, AudioEvent) and ev.data:
                         audio = {"data": base64.b64encode(ev.data).decode()}
                     else:
                         continue
-                    yield self.chunk({"audio": {**first_audio, **audio}})
+                    yield self.chunk({"audio": {**first_audio, **audio}}, logprobs=sent)
                     first_audio = {}
         except PipelineError as e:
             yield sse(from_pipeline_error(e).body())
             return
         if self.opts.audio_out:
             self.st.transcripts.put(self.audio_id, "".join(transcript), self.expires_at)
-        yield self.chunk({}, self.finish_reason(done))
+        yield self.chunk({}, self.finish_reason(done), logprobs=logprobs)
         if self.opts.include_usage:
             yield sse({**self.envelope("chat.completion.chunk"), "choices": [], "usage": self.usage(done)})
         yield sse("[DONE]")

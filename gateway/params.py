@@ -24,6 +24,8 @@ class GenerationParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    stop: tuple[str, ...] = ()          # chat: stop strings (the thinker ends the text before them)
+    top_logprobs: int | None = None     # chat: None, or log probabilities with this many alternatives
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "an array",

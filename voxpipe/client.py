@@ -55,6 +55,9 @@ class SpeechRequest:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()                # stop strings (ThinkerStart.stop)
+    top_logprobs: int | None = None           # None: no log probabilities; else ThinkerStart.top_logprobs
+    text_cap: tuple[int, int] | None = None   # (frames per text token, base frames); None: the talker's default
     encoding: int = pb.AUDIO_PCM16
     echo_frames: bool = False                 # debug: also the codec frames code2wav received (FramesEvent)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -66,11 +69,39 @@ class SpeechRequest:
         return s
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    token: bytes                   # the token's bytes (may be part of a UTF-8 character)
+
+    def to_proto(self) -> pb.TopLogprob:
+        return pb.TopLogprob(token_id=self.token_id, logprob=self.logprob, token=self.token)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability and the most likely tokens at its step, most likely first."""
+    token_id: int
+    logprob: float
+    token: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+    @classmethod
+    def from_proto(cls, m: pb.TokenLogprob) -> "TokenLogprob":
+        return cls(m.token_id, m.logprob, m.token, tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in m.top))
+
+    def to_proto(self) -> pb.TokenLogprob:
+        return pb.TokenLogprob(token_id=self.token_id, logprob=self.logprob, token=self.token,
+                               top=[t.to_proto() for t in self.top])
+
+
 @dataclass
 class TextEvent:
     index: int
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # with SpeechRequest.top_logprobs
 
 
 @dataclass
@@ -180,12 +211,16 @@ class PipelineClient:
         if req.audio and self.code2wav is None:
             raise ValueError("audio output needs code2wav addresses")
         start = pb.ThinkerStart(request_id=req.request_id, sampling=req.sampling(), max_tokens=req.max_tokens,
-                                min_tokens=req.min_tokens,
+                                min_tokens=req.min_tokens, stop=req.stop, logprobs=req.top_logprobs is not None,
+                                top_logprobs=req.top_logprobs or 0,
                                 audio_features=[to_proto(f.float()) for f in req.audio_features])
         if req.audio:
             start.speech.CopyFrom(pb.SpeechParams(
                 speaker=req.speaker, sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames,
                 code2wav=pb.Code2WavParams(encoding=req.encoding, echo_frames=req.echo_frames)))
+            if req.text_cap is not None:
+                start.speech.text_cap.CopyFrom(pb.TextFrameCap(frames_per_token=req.text_cap[0],
+                                                               base_frames=req.text_cap[1]))
         if req.token_ids is not None:
             start.token_ids.ids.extend(req.token_ids)
         else:
@@ -254,7 +289,8 @@ class PipelineClient:
                     self.received["thinker", "rows"] += 1
                 if kind == "text":
                     t = resp.text
-                    await events.put(TextEvent(t.index, list(t.token_ids), t.text))
+                    await events.put(TextEvent(t.index, list(t.token_ids), t.text,
+                                               [TokenLogprob.from_proto(e) for e in t.logprobs]))
                 elif kind == "routed":
                     r = resp.routed
                     routes[r.stage] = r.address
@@ -341,6 +377,7 @@ class PipelineClient:
             if isinstance(ev, TextEvent):
                 res.text_ids.extend(ev.token_ids)
                 res.text += ev.text
+                res.logprobs.extend(ev.logprobs)
             elif isinstance(ev, AudioEvent):
                 res.chunks.append(ev.samples)
             elif isinstance(ev, FramesEvent):
@@ -355,6 +392,7 @@ class PipelineClient:
 class SpeechResult:
     text_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     chunks: list[np.ndarray] = field(default_factory=list)
     frames: list[torch.Tensor] = field(default_factory=list)
     audio: np.ndarray | None = None

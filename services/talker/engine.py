@@ -57,6 +57,7 @@ class TalkerJob(EngineRequest):
     params: SamplingParams = field(default_factory=SamplingParams)
     max_frames: int = 0
     min_frames: int = 0
+    text_cap: tuple[int, int] = (10, 25)        # (frames per text row, base frames): see frame_cap
     code2wav: pb.Code2WavParams | None = None   # frames continue in a code2wav (see relay.py)
     rows: list[torch.Tensor] = field(default_factory=list)   # thinker-space text rows [H] in order
     text_done: bool = False
@@ -66,6 +67,14 @@ class TalkerJob(EngineRequest):
     pending: torch.Tensor | None = None         # next input without its text row [Hk]
     generator: torch.Generator | None = None
     frames_sent: int = 0
+
+    def frame_cap(self) -> int:
+        """The most frames to speak by the text (TalkerStart.text_cap) once it has ended, never below
+        min_frames; while text still comes, no bound of its own (the talker trails the text rows then)."""
+        if not self.text_done:
+            return self.max_frames
+        per_token, base = self.text_cap
+        return max(per_token * len(self.rows) + base, self.min_frames)
 
     def row_state(self, i: int) -> str:
         """'row' if text row i is usable, 'eos' / 'pad' past the text, 'wait' if not known yet."""
@@ -371,7 +380,7 @@ class TalkerEngine(StageEngine):
             job.codes0.append(c0)
             if c0 == eos:
                 self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP, completion_tokens=job.frames_sent)))
-            elif len(job.codes0) >= job.max_frames:
+            elif len(job.codes0) >= job.max_frames or job.frames_sent >= job.frame_cap():
                 self.finish(job, pb.TalkerResponse(finished=pb.Finished(reason=pb.LENGTH, completion_tokens=job.frames_sent)))
             else:
                 framing.append(i)

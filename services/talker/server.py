@@ -29,6 +29,10 @@ from .model import TalkerModel
 from .relay import Code2WavRelay
 
 DEFAULT_MAX_FRAMES = 4096          # transformers' talker_max_new_tokens default
+# The default bound on a spoken reply from its text (TalkerStart.text_cap unset): 10 frames
+# (0.8 s) per text row plus 25 (2 s). Speech takes about 3 to 5 frames per token, so this ends
+# only a reply that would not end by itself (a talker that never emits its codec EOS).
+DEFAULT_TEXT_CAP = (10, 25)
 DEFAULT_REPETITION_PENALTY = 1.05  # transformers' talker_repetition_penalty default
 ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -130,6 +134,8 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         job = TalkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                         user_rows=user, user_mm_mask=mm, head=head, special=special, speaker_id=cfg.speakers[speaker],
                         params=params, max_frames=max_frames, min_frames=start.min_frames,
+                        text_cap=((start.text_cap.frames_per_token, start.text_cap.base_frames)
+                                  if start.HasField("text_cap") else DEFAULT_TEXT_CAP),
                         code2wav=start.code2wav if start.HasField("code2wav") else None)
         if prefix is not None and prefix.shape[0]:
             job.rows.extend(prefix.unbind(0))

@@ -21,6 +21,9 @@ from ..runtime.kv_cache import SlotKVCache, SlotStep
 from ..runtime.sampling import SamplingParams, apply_repetition_penalty, finite_rows, pick
 from ..runtime.tensors import to_proto
 from .model import ThinkerModel
+from .output import IncrementalDetokenizer, ReplyText, TokenBytes
+
+__all__ = ["ThinkerEngine", "ThinkerJob", "IncrementalDetokenizer", "talker_prompt", "assistant_head_index"]
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +37,12 @@ class ThinkerJob(EngineRequest):
     min_tokens: int = 0
     talker_rows: bool = False
     speech: pb.SpeechParams | None = None   # a spoken reply continues in a talker (see relay.py)
+    stops: tuple[str, ...] = ()             # stop strings (see output.py)
+    top_logprobs: int | None = None         # None: no log probabilities; else how many alternatives
     slot: int | None = None
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    detok: "IncrementalDetokenizer | None" = None
+    text: ReplyText | None = None           # the text deltas (made at the first token)
     prefilled: int = 0                          # prompt tokens in the KV cache (chunked prefill)
     embeds: torch.Tensor | None = None          # [P, H] while a chunked prefill runs
     kept: list[torch.Tensor] = field(default_factory=list)   # per chunk: the talker's hidden layer
@@ -92,6 +97,7 @@ class ThinkerEngine(StageEngine):
         self.prefill_batch, self.prefill_tokens, self.prefill_chunk = prefill_batch, prefill_tokens, prefill_chunk
         self.chunking: ThinkerJob | None = None     # the request whose prompt is being prefilled in chunks
         self.model, self.cfg, self.tokenizer, self.device = model, cfg, tokenizer, device
+        self.token_bytes = TokenBytes(tokenizer)
         dtype = next(model.parameters()).dtype
         t = cfg.text
         self.cache = SlotKVCache(t.num_layers, max_active, max_len, t.num_kv_heads, t.head_dim, dtype, device)
@@ -211,7 +217,7 @@ class ThinkerEngine(StageEngine):
             logits, hidden = self._prefill_fn(n, s, x, last, slots, keep)
         for b, j in enumerate(jobs):
             j.generator = j.params.generator(dev)
-            j.detok = IncrementalDetokenizer(self.tokenizer)
+            j.text = ReplyText(self.tokenizer, j.stops, j.min_tokens)
             if j.talker_rows:
                 p = len(j.prompt)
                 kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
@@ -240,7 +246,7 @@ class ThinkerEngine(StageEngine):
         with self.lock:
             self.chunking = None
         job.generator = job.params.generator(dev)
-        job.detok = IncrementalDetokenizer(self.tokenizer)
+        job.text = ReplyText(self.tokenizer, job.stops, job.min_tokens)
         if job.talker_rows:
             kept = torch.cat(job.kept).cpu() if job.kept else None
             prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
@@ -304,49 +310,58 @@ class ThinkerEngine(StageEngine):
         self.finish(job, self.nonfinite(job, what))
 
     def _emit(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> None:
-        tokens = self._choose(jobs, logits.float())
+        logits = logits.float()
+        asked = [i for i, j in enumerate(jobs) if j.top_logprobs is not None]
+        # before _choose, which may mask EOS in place; only the rows that asked (none: no cost)
+        logprobs = logits[torch.tensor(asked, device=logits.device)].log_softmax(-1) if asked else None
+        tokens = self._choose(jobs, logits)
+        entries = self._logprobs(jobs, tokens, asked, logprobs) if asked else {}
         for j, tok in zip(jobs, tokens):
             if tok < 0:
                 self._fail_nonfinite(j, "logits")
-        jobs, tokens = [j for j, t in zip(jobs, tokens) if t >= 0], [t for t in tokens if t >= 0]
+        kept = [i for i, t in enumerate(tokens) if t >= 0]
         embeds = None
-        if any(j.talker_rows for j in jobs):
-            embeds = self.model.model.embed_tokens(torch.tensor(tokens, device=self.device)).cpu()
-        for i, (j, tok) in enumerate(zip(jobs, tokens)):
-            index = len(j.generated)
+        if any(jobs[i].talker_rows for i in kept):
+            embeds = self.model.model.embed_tokens(torch.tensor([tokens[i] for i in kept], device=self.device)).cpu()
+        for row, i in enumerate(kept):
+            j, tok = jobs[i], tokens[i]
             j.generated.append(tok)
-            delta = pb.TextDelta(index=index, token_ids=[tok], text=j.detok.push(tok))
-            if j.talker_rows:
-                delta.embeddings.CopyFrom(to_proto(embeds[i:i + 1]))
-            j.mark_output()
-            j.outbox.put(pb.ThinkerResponse(text=delta))
             if tok in self.eos_ids and len(j.generated) >= j.min_tokens:
                 reason = pb.STOP
             elif len(j.generated) >= j.max_tokens:
                 reason = pb.LENGTH
             else:
+                reason = None
+            deltas, stopped = j.text.push(tok, embeds[row] if j.talker_rows else None, entries.get(i),
+                                          last=reason is not None)
+            j.mark_output()
+            for delta in deltas:
+                j.outbox.put(pb.ThinkerResponse(text=delta))
+            if stopped:
+                reason = pb.STOP
+            if reason is not None:
+                self.finish(j, pb.ThinkerResponse(finished=pb.Finished(
+                    reason=reason, prompt_tokens=len(j.prompt), completion_tokens=len(j.generated))))
+
+    def _logprobs(self, jobs: list[ThinkerJob], tokens: list[int], asked: list[int],
+                  logprobs: torch.Tensor) -> dict[int, pb.TokenLogprob]:
+        """Each asking row's chosen token's log probability and its top alternatives (log-softmax of
+        the raw logits, `logprobs` [len(asked), V]), by row index; rows whose token failed get none.
+        One host read for all of them."""
+        k = max(jobs[i].top_logprobs for i in asked)
+        chosen = torch.tensor([max(tokens[i], 0) for i in asked], device=logprobs.device)
+        values = logprobs.gather(1, chosen[:, None])
+        if k:
+            top = torch.topk(logprobs, k, dim=-1)
+            values = torch.cat((values, top.values), dim=1)
+            top_ids = top.indices.cpu().tolist()
+        values = values.cpu().tolist()
+        out = {}
+        for r, i in enumerate(asked):
+            if tokens[i] < 0:
                 continue
-            self.finish(j, pb.ThinkerResponse(finished=pb.Finished(
-                reason=reason, prompt_tokens=len(j.prompt), completion_tokens=len(j.generated))))
-
-
-class IncrementalDetokenizer:
-    """Text deltas for a growing token list at O(1) cost per token: decodes only the tokens since
-    the last emitted boundary, with a few tokens of context before it (so spacing and merges come
-    out as a full decode would), and holds back an incomplete UTF-8 sequence."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0      # context starts here
-        self.read = 0        # tokens before this are emitted
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = decode(self.ids[self.prefix:], skip_special_tokens=True)
-        if text.endswith("\ufffd") or len(text) <= len(before):
-            return ""   # an incomplete UTF-8 sequence (or nothing visible yet): wait for the next token
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
+            entry = pb.TokenLogprob(token_id=tokens[i], logprob=values[r][0], token=self.token_bytes(tokens[i]))
+            for t, v in zip(top_ids[r][:jobs[i].top_logprobs] if k else [], values[r][1:]):
+                entry.top.add(token_id=t, logprob=v, token=self.token_bytes(t))
+            out[i] = entry
+        return out

@@ -27,6 +27,7 @@ from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import ThinkerEngine, ThinkerJob, assistant_head_index
 from .model import ThinkerModel, audio_output_length
+from .output import stop_strings_problem, top_logprobs_problem
 from .prompt import ChatMessage, ChatPart, render
 from .relay import TalkerRelay
 
@@ -48,7 +49,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         a, b = first.text, then.text
         if b.index != a.index + len(a.token_ids) or a.HasField("embeddings") != b.HasField("embeddings"):
             return None
-        delta = pb.TextDelta(index=a.index, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text)
+        delta = pb.TextDelta(index=a.index, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text,
+                             logprobs=[*a.logprobs, *b.logprobs])
         if a.HasField("embeddings"):
             rows = concat_rows(a.embeddings, b.embeddings)
             if rows is None:
@@ -126,9 +128,13 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         if len(ids) + max_tokens > self.engine.max_len:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}")
+        problem = stop_strings_problem(start.stop) or top_logprobs_problem(start.logprobs, start.top_logprobs)
+        if problem is not None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                           prompt=ids, audio=audio, params=params, max_tokens=max_tokens, min_tokens=start.min_tokens,
-                          talker_rows=rows, speech=speech)
+                          talker_rows=rows, speech=speech, stops=tuple(start.stop),
+                          top_logprobs=start.top_logprobs if start.logprobs else None)
 
     def _speech(self, start: pb.ThinkerStart) -> pb.SpeechParams | None:
         """The checked speech parameters of a start message (None: no spoken reply)."""

@@ -59,6 +59,10 @@ class ChatMLByteTokenizer:
             text += "<|im_start|>assistant\n"
         return self.encode(text) if tokenize else text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes: the byte itself, a special token's name, b"" for an unknown id."""
+        return bytes([token_id]) if token_id < 256 else self._by_id.get(token_id, "").encode()
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         out = bytearray()
         for i in ids:

@@ -34,7 +34,7 @@ class AudioInput(_message.Message):
     def __init__(self, pcm16: _Optional[_Union[Pcm16Audio, _Mapping]] = ..., wav: _Optional[bytes] = ...) -> None: ...
 
 class ConverseStart(_message.Message):
-    __slots__ = ("request_id", "instructions", "audio", "text", "voice", "output_modalities", "sampling", "max_tokens", "min_tokens", "max_frames", "min_frames", "ignore_eos", "audio_encoding")
+    __slots__ = ("request_id", "instructions", "audio", "text", "voice", "output_modalities", "sampling", "max_tokens", "min_tokens", "max_frames", "min_frames", "ignore_eos", "audio_encoding", "stop", "logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,9 @@ class ConverseStart(_message.Message):
     MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     AUDIO_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instructions: str
     audio: _containers.RepeatedCompositeFieldContainer[AudioInput]
@@ -61,7 +64,10 @@ class ConverseStart(_message.Message):
     min_frames: int
     ignore_eos: bool
     audio_encoding: _stages_pb2.AudioEncoding
-    def __init__(self, request_id: _Optional[str] = ..., instructions: _Optional[str] = ..., audio: _Optional[_Iterable[_Union[AudioInput, _Mapping]]] = ..., text: _Optional[str] = ..., voice: _Optional[str] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_stages_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., audio_encoding: _Optional[_Union[_stages_pb2.AudioEncoding, str]] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., instructions: _Optional[str] = ..., audio: _Optional[_Iterable[_Union[AudioInput, _Mapping]]] = ..., text: _Optional[str] = ..., voice: _Optional[str] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_stages_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., audio_encoding: _Optional[_Union[_stages_pb2.AudioEncoding, str]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
     __slots__ = ("start", "cancel")
@@ -72,14 +78,16 @@ class ConverseRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[ConverseStart, _Mapping]] = ..., cancel: _Optional[_Union[_stages_pb2.Cancel, _Mapping]] = ...) -> None: ...
 
 class TextOutput(_message.Message):
-    __slots__ = ("index", "token_ids", "text")
+    __slots__ = ("index", "token_ids", "text", "logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_stages_pb2.TokenLogprob]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_stages_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "audio_frames", "audio_samples")

@@ -99,7 +99,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ThinkerStart(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech")
+    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech", "stop", "logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,9 @@ class ThinkerStart(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TALKER_ROWS_FIELD_NUMBER: _ClassVar[int]
     SPEECH_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: TokenIds
     text: str
@@ -118,21 +121,56 @@ class ThinkerStart(_message.Message):
     min_tokens: int
     talker_rows: bool
     speech: SpeechParams
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ..., speech: _Optional[_Union[SpeechParams, _Mapping]] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ..., speech: _Optional[_Union[SpeechParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "token")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    token: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "token", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    token: bytes
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[bytes] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class SpeechParams(_message.Message):
-    __slots__ = ("speaker", "sampling", "max_frames", "min_frames", "code2wav")
+    __slots__ = ("speaker", "sampling", "max_frames", "min_frames", "code2wav", "text_cap")
     SPEAKER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
     CODE2WAV_FIELD_NUMBER: _ClassVar[int]
+    TEXT_CAP_FIELD_NUMBER: _ClassVar[int]
     speaker: str
     sampling: Sampling
     max_frames: int
     min_frames: int
     code2wav: Code2WavParams
-    def __init__(self, speaker: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., code2wav: _Optional[_Union[Code2WavParams, _Mapping]] = ...) -> None: ...
+    text_cap: TextFrameCap
+    def __init__(self, speaker: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., code2wav: _Optional[_Union[Code2WavParams, _Mapping]] = ..., text_cap: _Optional[_Union[TextFrameCap, _Mapping]] = ...) -> None: ...
+
+class TextFrameCap(_message.Message):
+    __slots__ = ("frames_per_token", "base_frames")
+    FRAMES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BASE_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames_per_token: int
+    base_frames: int
+    def __init__(self, frames_per_token: _Optional[int] = ..., base_frames: _Optional[int] = ...) -> None: ...
 
 class Code2WavParams(_message.Message):
     __slots__ = ("encoding", "first_chunk_frames", "chunk_frames", "echo_frames")
@@ -173,16 +211,18 @@ class ThinkerRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[ThinkerStart, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "embeddings")
+    __slots__ = ("index", "token_ids", "text", "embeddings", "logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     embeddings: Tensor
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TalkerPrompt(_message.Message):
     __slots__ = ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special")
@@ -219,7 +259,7 @@ class ThinkerResponse(_message.Message):
     def __init__(self, talker_prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., routed: _Optional[_Union[Routed, _Mapping]] = ..., talker_finished: _Optional[_Union[Finished, _Mapping]] = ..., first_output: _Optional[_Union[FirstOutput, _Mapping]] = ...) -> None: ...
 
 class TalkerStart(_message.Message):
-    __slots__ = ("request_id", "prompt", "speaker", "sampling", "max_frames", "min_frames", "code2wav")
+    __slots__ = ("request_id", "prompt", "speaker", "sampling", "max_frames", "min_frames", "code2wav", "text_cap")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SPEAKER_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +267,7 @@ class TalkerStart(_message.Message):
     MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
     CODE2WAV_FIELD_NUMBER: _ClassVar[int]
+    TEXT_CAP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: TalkerPrompt
     speaker: str
@@ -234,7 +275,8 @@ class TalkerStart(_message.Message):
     max_frames: int
     min_frames: int
     code2wav: Code2WavParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., code2wav: _Optional[_Union[Code2WavParams, _Mapping]] = ...) -> None: ...
+    text_cap: TextFrameCap
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., code2wav: _Optional[_Union[Code2WavParams, _Mapping]] = ..., text_cap: _Optional[_Union[TextFrameCap, _Mapping]] = ...) -> None: ...
 
 class TextRows(_message.Message):
     __slots__ = ("token_ids", "rows")
