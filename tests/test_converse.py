@@ -155,6 +155,35 @@ def test_text_in_text_and_audio_out_equals_the_pipeline(channel, stack):
     assert got_pcm.shape == ref_pcm.shape and np.abs(got_pcm.astype(int) - ref_pcm).max() <= 1
 
 
+def test_stop_and_logprobs(channel, stack, tokenizer):
+    """ConverseStart.stop ends text and speech (greedy: the text without stop, cut before the stop
+    string; the audio equals the run that ends by length one token after the last spoken one);
+    logprobs come with each text output, one per token."""
+    full = converse(channel, start(text=TEXT, max_tokens=12, output_modalities=[gw.MODALITY_TEXT], logprobs=True,
+                                   top_logprobs=3))
+    text, _, done = split(full)
+    tokens = [i for t in text for i in t.token_ids]
+    entries = [e for t in text for e in t.logprobs]
+    assert [e.token_id for e in entries] == tokens and all(len(e.top) == 3 for e in entries)
+    assert all(e.top[0].logprob == e.logprob for e in entries)            # greedy: the top token was chosen
+    ref = pipeline_reference(stack, text=TEXT, audio=False, max_tokens=12)
+    assert tokens == ref.text_ids
+    from voxpipe.services.thinker.output import IncrementalDetokenizer
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(t) for t in tokens]
+    whole = "".join(pieces)
+    m = next(m for m in range(1, len(pieces) - 1) if len(pieces[m]) >= 2 and pieces[m + 1] and pieces[m - 1]
+             and "\ufffd" not in pieces[m][-1] + pieces[m + 1][0]
+             and whole.find(pieces[m][-1] + pieces[m + 1][0]) == len("".join(pieces[:m + 1])) - 1)
+    stop, at = pieces[m][-1] + pieces[m + 1][0], len("".join(pieces[:m + 1])) - 1
+    text, audio, done = split(converse(channel, start(text=TEXT, max_tokens=12, max_frames=30, stop=[stop])))
+    assert "".join(t.text for t in text) == whole[:at] and done.text_finish == pb.STOP
+    _, ref_audio, ref_done = split(converse(channel, start(text=TEXT, max_tokens=m + 1, max_frames=30)))
+    got, want = (np.frombuffer(b"".join(a.data for a in x), dtype="<i2").astype(int) for x in (audio, ref_audio))
+    assert got.shape == want.shape and got.size > 0 and np.abs(got - want).max() <= 1
+    assert done.usage.audio_frames == ref_done.usage.audio_frames
+
+
 def test_float32_audio_and_text_only_modality(channel):
     _, audio, done = split(converse(channel, start(text=TEXT, max_tokens=4, max_frames=6, ignore_eos=True,
                                                    audio_encoding=pb.AUDIO_FLOAT32)))
@@ -284,6 +313,11 @@ BAD = [
      "audio[0].pcm16: the audio is 601 s long; the limit is 600 s"),
     ([start(text="x" * 200_001, output_modalities=[gw.MODALITY_TEXT])], "the limit is 200000"),
     ([start(text="hi", max_frames=2**32 - 1)], "talker: "),        # in range: the talker's own refusal
+    ([start(text="hi", stop=["a", "b", "c", "d", "e"])], "stop: at most 4 stop strings, got 5"),
+    ([start(text="hi", stop=["a", ""])], "stop: stop string 1 is empty"),
+    ([start(text="hi", stop=["y" * 257])], "stop: stop string 0 has 257 characters; the limit is 256"),
+    ([start(text="hi", logprobs=True, top_logprobs=21)], "top_logprobs must be from 0 to 20, got 21"),
+    ([start(text="hi", top_logprobs=2)], "top_logprobs needs logprobs"),
 ]
 
 
