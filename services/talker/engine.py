@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 PROMPT_TAIL = 9   # prompt rows after the user turns: assistant head (3), 4 x tts_pad, tts_bos, first text row
 
+# The default bound on a spoken reply from its text (TalkerStart.text_cap unset): 10 frames
+# (0.8 s) per text row plus 25 (2 s). Speech takes about 3 to 5 frames per token, so this ends
+# only a reply that would not end by itself (a talker that never emits its codec EOS).
+DEFAULT_TEXT_CAP = (10, 25)
+
 # transformers samples the code predictor with these whenever the talker samples
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
 
@@ -57,7 +62,7 @@ class TalkerJob(EngineRequest):
     params: SamplingParams = field(default_factory=SamplingParams)
     max_frames: int = 0
     min_frames: int = 0
-    text_cap: tuple[int, int] = (10, 25)        # (frames per text row, base frames): see frame_cap
+    text_cap: tuple[int, int] = DEFAULT_TEXT_CAP   # (frames per text row, base frames): see frame_cap
     code2wav: pb.Code2WavParams | None = None   # frames continue in a code2wav (see relay.py)
     rows: list[torch.Tensor] = field(default_factory=list)   # thinker-space text rows [H] in order
     text_done: bool = False

@@ -24,15 +24,11 @@ from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_
 from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import annotate, setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
-from .engine import TalkerEngine, TalkerJob
+from .engine import DEFAULT_TEXT_CAP, TalkerEngine, TalkerJob
 from .model import TalkerModel
 from .relay import Code2WavRelay
 
 DEFAULT_MAX_FRAMES = 4096          # transformers' talker_max_new_tokens default
-# The default bound on a spoken reply from its text (TalkerStart.text_cap unset): 10 frames
-# (0.8 s) per text row plus 25 (2 s). Speech takes about 3 to 5 frames per token, so this ends
-# only a reply that would not end by itself (a talker that never emits its codec EOS).
-DEFAULT_TEXT_CAP = (10, 25)
 DEFAULT_REPETITION_PENALTY = 1.05  # transformers' talker_repetition_penalty default
 ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -334,7 +334,8 @@ class ThinkerEngine(StageEngine):
                 reason = None
             deltas, stopped = j.text.push(tok, embeds[row] if j.talker_rows else None, entries.get(i),
                                           last=reason is not None)
-            j.mark_output()
+            if deltas:
+                j.mark_output()
             for delta in deltas:
                 j.outbox.put(pb.ThinkerResponse(text=delta))
             if stopped:
