@@ -2,7 +2,12 @@
 
 Audio replies: `message.audio = {id, data, expires_at, transcript}` with `content` null; in a
 stream, `delta.audio` pieces carry the transcript and pcm16 24 kHz data as soon as each exists
-(id and expires_at in the first). The id names the reply's transcript in later turns."""
+(id and expires_at in the first). The id names the reply's transcript in later turns.
+
+`stop` ends the text and the speech (matched in the thinker, services/thinker/output.py);
+`logprobs` / `top_logprobs` fill `choices[].logprobs.content` in the completion and in each
+chunk (a token without text of its own rides with the next text); every other parameter is
+served, accepted as a no-op or refused naming it (chat_parameters.py)."""
 
 from __future__ import annotations
 
