@@ -67,7 +67,9 @@ def decoded_samples(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
         return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0, 24000
     with av.open(io.BytesIO(data), format={"opus": "ogg", "aac": "aac"}.get(fmt, fmt)) as container:
         frames = [(f.to_ndarray().reshape(-1), f.sample_rate) for f in container.decode(audio=0)]
-    return np.concatenate([s for s, _ in frames]).astype(np.float32), frames[0][1]
+    samples = np.concatenate([s for s, _ in frames])
+    scale = 1.0 if samples.dtype.kind == "f" else float(np.iinfo(samples.dtype).max + 1)   # integer formats
+    return samples.astype(np.float32) / scale, frames[0][1]
 
 
 def assert_decodes_to_the_expected_length(data: bytes, fmt: str, expected: int = EXPECTED_SAMPLES) -> None:
@@ -124,6 +126,67 @@ def test_a_given_reply_is_one_prefill_and_its_text_comes_back_verbatim(stack, to
     assert res.text_ids == encode_text(tokenizer, text) + [omni_config.thinker.tokens.im_end]
 
 
+def test_a_long_given_reply_streams_its_tokens_and_rows_in_order(stack, tokenizer, omni_config):
+    """Raw gRPC with talker_rows: the talker prompt, then the reply's tokens in order with one row
+    each (the embedding lookup the talker gets for generated tokens), the text in the first delta."""
+    import grpc
+
+    from voxpipe.services.runtime.tensors import from_proto
+    from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+    text = LONG_INPUT[:600]
+    start = pb.ThinkerStart(text="Say it.", assistant_text=text, talker_rows=True)
+    with grpc.insecure_channel(stack.address("thinker")) as ch:
+        responses = list(pb_grpc.ThinkerStub(ch).Generate(iter([pb.ThinkerRequest(start=start)]), timeout=60))
+    kinds = [r.WhichOneof("kind") for r in responses]
+    assert kinds[0] == "talker_prompt" and kinds[-1] == "finished" and set(kinds[1:-1]) == {"text"}
+    deltas = [r.text for r in responses[1:-1]]
+    ids = [t for d in deltas for t in d.token_ids]
+    assert ids == encode_text(tokenizer, text) + [omni_config.thinker.tokens.im_end] and len(ids) > 64
+    assert [d.index for d in deltas] == list(np.cumsum([0] + [len(d.token_ids) for d in deltas[:-1]]))
+    assert deltas[0].text == text and all(d.text == "" for d in deltas[1:])
+    rows = torch.cat([from_proto(d.embeddings) for d in deltas])
+    assert rows.shape == (len(ids), omni_config.thinker.text.hidden_size)
+    first = {t: i for i, t in reversed(list(enumerate(ids)))}   # a token's row is the same wherever it is
+    assert all(torch.equal(rows[i], rows[first[t]]) for i, t in enumerate(ids))
+    done = responses[-1].finished
+    assert (done.reason, done.completion_tokens) == (pb.STOP, len(ids))
+
+
+def test_text_deltas_merge_only_up_to_a_bounded_message():
+    """A given reply is put out whole at once: waiting deltas travel together, but rows stop merging
+    at MERGED_ROWS_MAX_BYTES (a long reply on a wide model is several messages, none over the limit)."""
+    from voxpipe.services.runtime.tensors import to_proto
+    from voxpipe.services.thinker.server import MERGED_ROWS_MAX_BYTES, ThinkerServicer
+
+    servicer = ThinkerServicer.__new__(ThinkerServicer)       # merge needs no engine
+    n = MERGED_ROWS_MAX_BYTES // (2 * 2048 * 4) + 1             # rows of 2048 float32: a bit over half the limit
+
+    def delta(index: int, count: int) -> pb.ThinkerResponse:
+        return pb.ThinkerResponse(text=pb.TextDelta(index=index, token_ids=[7] * count,
+                                                    embeddings=to_proto(torch.zeros(count, 2048))))
+
+    small = servicer.merge(delta(0, 2), delta(2, 3))
+    assert list(small.text.token_ids) == [7] * 5 and list(small.text.embeddings.shape) == [5, 2048]
+    assert servicer.merge(delta(0, n), delta(n, n)) is None
+
+
+def test_say_verbatim_speaks_the_text(stack, tmp_path):
+    from voxpipe.audio import read_wav
+
+    out = tmp_path / "said.wav"
+    cmd = [sys.executable, "-m", "voxpipe.cli", "say", "Exactly these words.", "--verbatim", "-o", str(out),
+           "--thinker", stack.address("thinker"), "--code2wav", stack.address("code2wav"), "--max-frames", "7",
+           "--ignore-eos"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "text: 'Exactly these words.'" in proc.stdout
+    wav, rate = read_wav(out.read_bytes())
+    assert rate == 24000 and wav.shape[0] == SAMPLES_PER_FRAME * 6 - FIRST_CHUNK_SHORTFALL
+    proc = subprocess.run(cmd + ["--max-tokens", "3"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "do not apply with --verbatim" in proc.stderr
+
+
 # ----------------------------------------------------------------------------- formats
 
 
@@ -167,8 +230,12 @@ def test_chat_completions_serve_aac_too(client, model):
 
 def talker_streams(stack, outcome: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports['talker']}/metrics", timeout=5).read().decode()
-    m = re.search(rf'^voxpipe_streams_total\{{stage="talker",outcome="{outcome}"\}} (\S+)$', text, re.M)
-    return float(m.group(1)) if m else 0.0
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        labels, _, value = rest.partition("} ")
+        if name == "voxpipe_streams_total" and set(labels.split(",")) == {'stage="talker"', f'outcome="{outcome}"'}:
+            return float(value)
+    return 0.0
 
 
 @pytest.mark.parametrize("fmt,stream_format", [(f, "audio") for f in FORMATS] + [("mp3", "sse"), ("wav", "sse")])
