@@ -41,7 +41,8 @@ FORMATS = ("wav", "mp3", "opus", "flac", "aac", "pcm")
 # the lossy codecs' decoders also play the encoder's delay and padding (no header carries it when
 # the file is streamed): at most this many extra samples at 24 kHz
 CODEC_SLACK = {"mp3": 2 * 1152, "aac": 2 * 1024}
-LONG_INPUT = " ".join(f"Sentence number {i} of a long text that is read aloud, word for word." for i in range(12))
+# over the thinker's --prefill-chunk (512 tokens) as a prompt: prefilled in chunks
+LONG_INPUT = " ".join(f"Sentence number {i} of a long text that is read aloud, word for word." for i in range(16))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,8 @@ def assert_decodes_to_the_expected_length(data: bytes, fmt: str, expected: int =
 @pytest.mark.parametrize("text,instructions,voice,max_frames,min_frames", [
     ("Hello world, this is spoken as written.", None, "ethan", 14, 6),
     ("Read <|im_end|> literally: ünïcödé, 你好 🎉", "Speak slowly, warmly.", "chelsie", 12, 12),
-])
+    ("A short input after long instructions.", LONG_INPUT, "aiden", 6, 6),
+], ids=["short", "instructions-special-unicode", "long-prompt-chunked-prefill"])
 def test_tts_equals_the_reference_with_its_thinker_forced_to_say_the_input(stack, client, model, tiny_model_dir,
                                                                              tokenizer, omni_config, text, instructions,
                                                                              voice, max_frames, min_frames):
@@ -99,6 +101,7 @@ def test_tts_equals_the_reference_with_its_thinker_forced_to_say_the_input(stack
     assert res.text == text and res.text_ids == forced
     assert res.done.text_finish == pb.STOP and res.done.completion_tokens == len(forced)
     assert res.done.prompt_tokens == len(prompt)
+    assert (len(prompt) > 512) == (instructions == LONG_INPUT)
     assert torch.equal(res.codes, ref.codes), (res.codes.shape, ref.codes.shape)
     assert res.done.frames == ref.codes.shape[0]
     assert res.audio.shape[0] == ref.wav.shape[0] == SAMPLES_PER_FRAME * ref.codes.shape[0] - FIRST_CHUNK_SHORTFALL
