@@ -59,9 +59,10 @@ class SpeechOptions:
     stream_format: str
 
 
-def _text(body: dict, key: str, limit: int, required_: bool) -> str | None:
-    value = required(body, key, str) if required_ else optional(body, key, str)
-    if value is None or (not required_ and value == ""):
+def _text(body: dict, key: str, limit: int, *, needed: bool) -> str | None:
+    """A text parameter of 1 to `limit` characters, not blank; an optional one may be absent or ""."""
+    value = required(body, key, str) if needed else optional(body, key, str)
+    if value is None or (not needed and value == ""):
         return None
     if not value.strip() or len(value) > limit:
         raise bad_request(f"'{key}' must be 1 to {limit} characters, not blank", param=key, code="invalid_value")
@@ -70,8 +71,8 @@ def _text(body: dict, key: str, limit: int, required_: bool) -> str | None:
 
 def speech_options(body: dict, st: GatewayState) -> SpeechOptions:
     check_model(body, st.config.model_id)
-    text = _text(body, "input", MAX_INPUT_CHARS, required_=True)
-    instructions = _text(body, "instructions", MAX_INSTRUCTIONS_CHARS, required_=False)
+    text = _text(body, "input", MAX_INPUT_CHARS, needed=True)
+    instructions = _text(body, "instructions", MAX_INSTRUCTIONS_CHARS, needed=False)
     voice = resolve_voice(body.get("voice"), st.speakers, "voice")
     fmt = optional(body, "response_format", str, "mp3")
     if fmt not in SPEECH_FORMATS:
@@ -133,7 +134,7 @@ async def create_speech(request: Request) -> Response:
             session.release()
 
 
-async def _prepend(first, rest: AsyncIterator):
+async def _prepend(first: bytes | str | None, rest: AsyncIterator[bytes | str]) -> AsyncIterator[bytes | str]:
     async with aclosing(rest):
         if first is not None:
             yield first

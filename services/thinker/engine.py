@@ -2,7 +2,8 @@
 forward, a CUDA graph per (batch, length) bucket), then runs one batched decode step over every
 running request. A prompt longer than `prefill_chunk` is prefilled in chunks, one per step, so
 that the running requests keep decoding meanwhile. Emits text deltas, and for audio output the
-talker's rows."""
+talker's rows. A request whose reply is given (ThinkerStart.assistant_text) is prefilled only: its
+reply goes out whole, as if generated, right after its prefill."""
 
 from __future__ import annotations
 
