@@ -47,6 +47,8 @@ STREAM_FORMATS = ("audio", "sse")
 MAX_INPUT_CHARS = 4096          # OpenAI's limit for `input`
 MAX_INSTRUCTIONS_CHARS = 4096
 TEXT_LENGTH_PARAMS = ("max_tokens", "max_completion_tokens", "min_tokens")
+OPENAI_PARAMS = frozenset({"model", "input", "voice", "instructions", "response_format", "speed", "stream_format"})
+EXTENSIONS = frozenset({"max_audio_frames", "ignore_eos", "temperature", "top_p", "top_k", "seed"})   # the talker's
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -90,11 +92,16 @@ def speech_options(body: dict, st: GatewayState) -> SpeechOptions:
 
 
 def speech_params(body: dict) -> GenerationParams:
-    """The talker's sampling and length; the text's length is `input`'s."""
-    for key in TEXT_LENGTH_PARAMS:
-        if body.get(key) is not None:
-            raise bad_request(f"'{key}' does not apply to speech: the spoken text is exactly 'input' "
-                              "(use 'max_audio_frames' to bound the audio)", param=key, code="unsupported_parameter")
+    """The talker's sampling and length; the text's length is `input`'s. A parameter that is neither
+    OpenAI's nor an extension is refused (as OpenAI does), a text-length one too (the text is given)."""
+    for key, value in body.items():
+        if key in TEXT_LENGTH_PARAMS:
+            if value is not None:
+                raise bad_request(f"'{key}' does not apply to speech: the spoken text is exactly 'input' "
+                                  "(use 'max_audio_frames' to bound the audio)", param=key,
+                                  code="unsupported_parameter")
+        elif key not in OPENAI_PARAMS and key not in EXTENSIONS:
+            raise bad_request(f"unrecognized request argument supplied: '{key}'", param=key, code="unknown_parameter")
     return generation_params(body)
 
 

@@ -313,6 +313,9 @@ BAD = [
     ({"max_tokens": 5}, "max_tokens", r"'max_tokens' does not apply to speech"),
     ({"max_completion_tokens": 5}, "max_completion_tokens", r"does not apply to speech"),
     ({"min_tokens": 1}, "min_tokens", r"does not apply to speech"),
+    ({"n": 2}, "n", r"unrecognized request argument supplied: 'n'"),
+    ({"stop": "."}, "stop", r"unrecognized request argument supplied: 'stop'"),
+    ({"speeed": 1.0}, "speeed", r"unrecognized request argument"),
     ({"max_audio_frames": 0}, "max_audio_frames", r"from 1 to 4294967295"),
     ({"temperature": 3}, "temperature", r"between 0 and 2"),
 ]
