@@ -48,9 +48,12 @@ class InProcessPipeline:
             s.engine.stop()
 
     async def stream(self, req: SpeechRequest) -> AsyncIterator:
-        start = pb.ThinkerStart(request_id=req.request_id, sampling=req.sampling(), max_tokens=req.max_tokens,
-                                min_tokens=req.min_tokens, talker_rows=True,
-                                audio_features=[to_proto(f.float()) for f in req.audio_features])
+        start = pb.ThinkerStart(request_id=req.request_id, max_tokens=req.max_tokens, min_tokens=req.min_tokens,
+                                talker_rows=True, audio_features=[to_proto(f.float()) for f in req.audio_features])
+        if req.assistant_text is None:
+            start.sampling.CopyFrom(req.sampling())
+        else:       # as the pipeline client: the reply is given, the sampling values are the talker's
+            start.assistant_text = req.assistant_text
         start.token_ids.ids.extend(req.token_ids)
         tj = self.thinker.make_job(start)
         self.thinker.engine.submit(tj)

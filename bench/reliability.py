@@ -435,7 +435,7 @@ def strategies(model_id: str, omni):
 
     # --------------------------------------------------------------- HTTP speech
     speech_base = {"model": model_id, "input": "Hello there.", "voice": "ethan", "response_format": "wav",
-                   "max_tokens": 4, "max_audio_frames": 4, "temperature": 0.0}
+                   "max_audio_frames": 4, "temperature": 0.0}
     speech = body(speech_base, {
         "model": st.one_of(drop, hostile), "input": st.one_of(drop, text_content),
         "voice": st.one_of(drop, voice),
@@ -889,7 +889,7 @@ def known_good(dep: Deployment, tokenizer_ids: list[int]) -> dict[str, str]:
                                           + base64.b64decode(msg["audio"]["data"])).hexdigest()
         r = c.post("/v1/audio/speech", json={"model": dep.model_dir.name, "input": "One two three.", "voice": "aiden",
                                               "response_format": "pcm", "temperature": 0.9, "seed": 99,
-                                              "max_tokens": 10, "max_audio_frames": 10})
+                                              "max_audio_frames": 10})
         r.raise_for_status()
         out["http_speech"] = hashlib.sha256(r.content).hexdigest()
     with grpc.insecure_channel(dep.converse_address) as ch:
@@ -950,7 +950,7 @@ def disconnects(dep: Deployment, n: int, seed: int) -> dict:
                 elif kind == "http_speech_pcm":
                     with http.stream("POST", "/v1/audio/speech", json={
                             "model": model, "input": f"Count {i}", "voice": "aiden", "response_format": "pcm",
-                            "max_tokens": 30, "max_audio_frames": 30, "ignore_eos": True}) as r:
+                            "max_audio_frames": 30, "ignore_eos": True}) as r:
                         for k, _ in enumerate(r.iter_bytes(1920)):
                             if k >= cut:
                                 break
@@ -1040,8 +1040,7 @@ def soak(dep: Deployment, n: int, concurrency: int) -> dict:
                         "max_tokens": 16, "max_audio_frames": 16})
                 else:
                     r = c.post("/v1/audio/speech", json={"model": model, "input": f"Soak {i}", "voice": "chelsie",
-                                                          "response_format": "wav", "max_tokens": 16,
-                                                          "max_audio_frames": 16})
+                                                          "response_format": "wav", "max_audio_frames": 16})
                 return f"{kind}:{r.status_code}"
         except Exception as e:
             return f"{kind}:{type(e).__name__}"

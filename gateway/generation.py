@@ -46,19 +46,22 @@ def render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
         return render(state.tokenizer, state.omni.thinker, [ChatMessage(m.role, ps) for m, ps in zip(messages, parts)])
 
 
-async def render_prompt(state, messages: list[ChatMessage]) -> RenderedPrompt:
+async def render_prompt(state, messages: list[ChatMessage], param: str = "messages") -> RenderedPrompt:
+    """`param`: the request parameter a refusal names."""
     try:
         return await asyncio.to_thread(render_now, state, messages)
     except ValueError as e:
-        raise bad_request(f"could not render the conversation: {e}", param="messages") from None
+        raise bad_request(f"could not render the conversation: {e}", param=param) from None
 
 
-def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str, audio: bool) -> SpeechRequest:
+def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str, audio: bool,
+                   assistant_text: str | None = None) -> SpeechRequest:
+    """`assistant_text`: the reply, given (text to speech; the sampling values are then the talker's)."""
     return SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=voice, audio=audio,
                          max_tokens=params.max_tokens, min_tokens=params.min_tokens, max_frames=params.max_frames,
                          min_frames=params.min_frames, temperature=params.temperature, top_k=params.top_k,
                          top_p=params.top_p, seed=params.seed, stop=params.stop, top_logprobs=params.top_logprobs,
-                         encoding=pb.AUDIO_PCM16)
+                         encoding=pb.AUDIO_PCM16, assistant_text=assistant_text)
 
 
 async def run_pipeline(state, req: SpeechRequest, arrived: float

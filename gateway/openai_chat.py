@@ -34,7 +34,7 @@ from .params import GenerationParams, check_model, generation_params, optional, 
 from .streaming import CancellableStream, sse, until_disconnect
 
 router = APIRouter()
-CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
+CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm16")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

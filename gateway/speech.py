@@ -1,14 +1,22 @@
-"""POST /v1/audio/speech, shaped as OpenAI's: the `input` text is the user's turn (and
-`instructions`, when given, the system turn); the body is the spoken reply.
+"""POST /v1/audio/speech, as OpenAI's: text to speech. The reply speaks `input` verbatim.
 
-stream_format "audio" (default): the file in `response_format`; raw `pcm` streams each chunk
-as it is made. stream_format "sse": `speech.audio.delta` events ({audio: base64}) then
-`speech.audio.done` with usage; pcm deltas stream, other formats come as one delta.
+The prompt is the chat template with one user turn (`instructions`, when given, then `input`),
+and the assistant's reply is `input` itself: the thinker generates nothing (ThinkerStart.
+assistant_text), it streams `input`'s tokens and their talker rows as if it had generated them,
+so the voice is exactly what transformers' generate makes when its thinker is forced to say
+`input` (tests/test_tts.py). Sampling parameters (`temperature`, `top_p`, `top_k`, `seed`) and
+`max_audio_frames` / `ignore_eos` are the talker's; text-length parameters (`max_tokens` ...) are
+refused: the text is given.
 
-A failure before the first audio is an HTTP error status. After it (the status is sent): a raw pcm
-body ends without its terminating chunk (the exception reaches the server, which drops the
-connection: clients see an incomplete body), an SSE stream with an `error` event instead of
-`speech.audio.done`."""
+stream_format "audio" (default): the body is the file in `response_format`, streamed: each piece
+leaves as soon as the encoder has it (wav with unknown sizes 0xFFFFFFFF in its header, mp3, Ogg
+Opus, flac, ADTS aac, raw pcm). stream_format "sse": `speech.audio.delta` events ({audio: base64
+of the next piece of that file}) then `speech.audio.done` with usage.
+
+The status waits for the first piece, so a failure before any audio is an HTTP error status. After
+it (the status is sent): a raw body ends without its terminating chunk (the exception reaches the
+server, which drops the connection: clients see an incomplete body), an SSE stream with an `error`
+event instead of `speech.audio.done`."""
 
 from __future__ import annotations
 
@@ -30,12 +38,18 @@ from . import audio_formats
 from .app import GatewayState, gateway_state
 from .errors import bad_request, from_pipeline_error
 from .generation import render_prompt, run_pipeline, speech_request
-from .params import check_model, generation_params, optional, read_json, required, resolve_voice
+from .params import GenerationParams, check_model, generation_params, optional, read_json, required, resolve_voice
 from .streaming import CancellableStream, sse, until_disconnect
 
 router = APIRouter()
-SPEECH_FORMATS = ("mp3", "opus", "flac", "wav", "pcm")
-MAX_INPUT_CHARS = 4096
+SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+STREAM_FORMATS = ("audio", "sse")
+MAX_INPUT_CHARS = 4096          # OpenAI's limit for `input`
+MAX_INSTRUCTIONS_CHARS = 4096
+TEXT_LENGTH_PARAMS = ("max_tokens", "max_completion_tokens", "min_tokens")
+OPENAI_PARAMS = frozenset({"model", "input", "voice", "instructions", "response_format", "speed", "stream_format"})
+EXTENSIONS = frozenset({"max_audio_frames", "ignore_eos", "temperature", "top_p", "top_k", "seed"})   # the talker's
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(frozen=True)
@@ -47,25 +61,53 @@ class SpeechOptions:
     stream_format: str
 
 
+def _text(body: dict, key: str, limit: int, *, needed: bool) -> str | None:
+    """A text parameter of 1 to `limit` characters, not blank; an optional one may be absent or ""."""
+    value = required(body, key, str) if needed else optional(body, key, str)
+    if value is None or (not needed and value == ""):
+        return None
+    if not value.strip() or len(value) > limit:
+        raise bad_request(f"'{key}' must be 1 to {limit} characters, not blank", param=key, code="invalid_value")
+    return value
+
+
 def speech_options(body: dict, st: GatewayState) -> SpeechOptions:
     check_model(body, st.config.model_id)
-    text = required(body, "input", str)
-    if not text.strip() or len(text) > MAX_INPUT_CHARS:
-        raise bad_request(f"'input' must be 1 to {MAX_INPUT_CHARS} characters", param="input", code="invalid_value")
+    text = _text(body, "input", MAX_INPUT_CHARS, needed=True)
+    instructions = _text(body, "instructions", MAX_INSTRUCTIONS_CHARS, needed=False)
     voice = resolve_voice(body.get("voice"), st.speakers, "voice")
     fmt = optional(body, "response_format", str, "mp3")
     if fmt not in SPEECH_FORMATS:
         raise bad_request(f"'response_format' must be one of {', '.join(SPEECH_FORMATS)}, got {fmt!r}",
                           param="response_format", code="invalid_value")
     stream_format = optional(body, "stream_format", str, "audio")
-    if stream_format not in ("audio", "sse"):
+    if stream_format not in STREAM_FORMATS:
         raise bad_request(f"'stream_format' must be 'audio' or 'sse', got {stream_format!r}", param="stream_format",
                           code="invalid_value")
     speed = optional(body, "speed", (int, float), 1.0)
     if speed != 1.0:
         raise bad_request("only 'speed' 1.0 is supported", param="speed", code="unsupported_value")
-    return SpeechOptions(text=text, instructions=optional(body, "instructions", str), voice=voice,
-                         response_format=fmt, stream_format=stream_format)
+    return SpeechOptions(text=text, instructions=instructions, voice=voice, response_format=fmt,
+                         stream_format=stream_format)
+
+
+def speech_params(body: dict) -> GenerationParams:
+    """The talker's sampling and length; the text's length is `input`'s. A parameter that is neither
+    OpenAI's nor an extension is refused (as OpenAI does), a text-length one too (the text is given)."""
+    for key, value in body.items():
+        if key in TEXT_LENGTH_PARAMS:
+            if value is not None:
+                raise bad_request(f"'{key}' does not apply to speech: the spoken text is exactly 'input' "
+                                  "(use 'max_audio_frames' to bound the audio)", param=key,
+                                  code="unsupported_parameter")
+        elif key not in OPENAI_PARAMS and key not in EXTENSIONS:
+            raise bad_request(f"unrecognized request argument supplied: '{key}'", param=key, code="unknown_parameter")
+    return generation_params(body)
+
+
+def speech_messages(text: str, instructions: str | None) -> list[ChatMessage]:
+    """The prompt of a spoken `text`: one user turn, the instructions (if any), a blank line, the text."""
+    return [ChatMessage.text("user", f"{instructions}\n\n{text}" if instructions else text)]
 
 
 @router.post("/v1/audio/speech")
@@ -74,78 +116,89 @@ async def create_speech(request: Request) -> Response:
     st = gateway_state(request)
     body = await read_json(request, st.config.max_body_bytes)
     opts = speech_options(body, st)
-    params = generation_params(body)
+    params = speech_params(body)
     session, handed_over = st.sessions.acquire("http"), False
     try:
-        messages = ([ChatMessage.text("system", opts.instructions)] if opts.instructions else []) + \
-            [ChatMessage.text("user", opts.text)]
-        prompt = await render_prompt(st, messages)
-        spoken = SpokenReply(st, speech_request(prompt, params, opts.voice, audio=True), arrived, opts.response_format)
-        media_type = audio_formats.content_type(opts.response_format)
-        if opts.stream_format == "sse":
-            handed_over = True
-            return CancellableStream(spoken.sse_events(), on_close=session.release, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        if opts.response_format == "pcm":
-            chunks = spoken.pcm_chunks()
-            try:  # wait for the first audio, so that an early failure is still an HTTP error status
-                first = await until_disconnect(request.receive, anext(chunks, b""))
-            except ClientDisconnect:
-                return Response(status_code=499)
-            handed_over = True
-            return CancellableStream(_prepend(first, chunks), on_close=session.release, media_type=media_type)
-        try:
-            return Response(await until_disconnect(request.receive, spoken.file()), media_type=media_type)
+        prompt = await render_prompt(st, speech_messages(opts.text, opts.instructions), param="input")
+        req = speech_request(prompt, params, opts.voice, audio=True, assistant_text=opts.text)
+        spoken = SpokenReply(st, req, arrived, opts.response_format)
+        body_iter = spoken.sse_events() if opts.stream_format == "sse" else spoken.pieces()
+        try:  # wait for the first piece, so that an early failure is still an HTTP error status
+            first = await until_disconnect(request.receive, anext(body_iter, None))
         except ClientDisconnect:
+            await body_iter.aclose()
             return Response(status_code=499)
+        except BaseException:
+            await body_iter.aclose()
+            raise
+        media_type = "text/event-stream" if opts.stream_format == "sse" else \
+            audio_formats.content_type(opts.response_format)
+        handed_over = True
+        return CancellableStream(_prepend(first, body_iter), on_close=session.release, media_type=media_type,
+                                 headers=SSE_HEADERS if opts.stream_format == "sse" else None)
     finally:
         if not handed_over:
             session.release()
 
 
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _prepend(first: bytes | str | None, rest: AsyncIterator[bytes | str]) -> AsyncIterator[bytes | str]:
     async with aclosing(rest):
-        if first:
+        if first is not None:
             yield first
-        async for chunk in rest:
-            yield chunk
+        async for item in rest:
+            yield item
 
 
 class SpokenReply:
+    """One spoken `input`: the pipeline's pcm16 audio, encoded to `fmt` as it comes."""
+
     def __init__(self, st: GatewayState, req: SpeechRequest, arrived: float, fmt: str) -> None:
         self.st, self.req, self.arrived, self.fmt = st, req, arrived, fmt
         self.done: DoneEvent | None = None
 
-    async def pcm_chunks(self) -> AsyncIterator[bytes]:
-        async with aclosing(run_pipeline(self.st, self.req, self.arrived)) as events:
-            async for ev in events:
-                if isinstance(ev, AudioEvent) and ev.data:
-                    yield ev.data
-                elif isinstance(ev, DoneEvent):
-                    self.done = ev
+    async def pieces(self) -> AsyncIterator[bytes]:
+        """The file in `fmt`, piece by piece: each non-empty piece as soon as the encoder makes it
+        (the encoder runs in a worker thread, off the event loop)."""
+        rate = self.st.omni.code2wav.sample_rate
+        raw = self.fmt in audio_formats.RAW_PCM
 
-    async def file(self) -> bytes:
-        pcm = bytearray()
-        async with aclosing(self.pcm_chunks()) as chunks:
-            async for chunk in chunks:
-                pcm += chunk
-        return await asyncio.to_thread(audio_formats.encode, bytes(pcm), self.st.omni.code2wav.sample_rate, self.fmt)
+        async def encoded(call, *args) -> bytes:
+            return call(*args) if raw else await asyncio.to_thread(call, *args)
+
+        encoder = await encoded(audio_formats.AudioEncoder, self.fmt, rate)
+        try:
+            async with aclosing(run_pipeline(self.st, self.req, self.arrived)) as events:
+                async for ev in events:
+                    if isinstance(ev, AudioEvent) and ev.data:
+                        piece = await encoded(encoder.push, ev.data)
+                        if piece:
+                            yield piece
+                    elif isinstance(ev, DoneEvent):
+                        self.done = ev
+            piece = await encoded(encoder.finish)
+            if piece:
+                yield piece
+        finally:
+            encoder.close()
 
     def usage(self) -> dict:
+        """The text (the prompt and the given reply) is input; the audio frames are the output."""
         d = self.done
-        output = d.completion_tokens + d.frames
-        return {"input_tokens": d.prompt_tokens, "output_tokens": output, "total_tokens": d.prompt_tokens + output}
+        given = d.prompt_tokens + d.completion_tokens
+        return {"input_tokens": given, "output_tokens": d.frames, "total_tokens": given + d.frames}
 
     async def sse_events(self) -> AsyncIterator[str]:
+        """The pieces as `speech.audio.delta` events, then `speech.audio.done`. A failure before the
+        first event raises (the HTTP status says it); after it, an `error` event ends the stream."""
+        started = False
         try:
-            if self.fmt == "pcm":
-                async with aclosing(self.pcm_chunks()) as chunks:
-                    async for chunk in chunks:
-                        yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
-            else:
-                data = await self.file()
-                yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            async with aclosing(self.pieces()) as pieces:
+                async for piece in pieces:
+                    started = True
+                    yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode()})
         except PipelineError as e:
+            if not started:
+                raise
             yield sse({"type": "error", **from_pipeline_error(e).body()})
             return
         yield sse({"type": "speech.audio.done", "usage": self.usage()})

@@ -74,21 +74,28 @@ def reference_generate(
     *,
     input_features: torch.Tensor | None = None,
     speaker: str = "ethan",
-    max_tokens: int,
+    max_tokens: int | None = None,
     min_tokens: int = 0,
     max_frames: int,
     min_frames: int = 0,
     talker_repetition_penalty: float = 1.05,
+    forced_ids: list[int] | None = None,
 ) -> Reference:
     """Greedy ``generate(return_audio=True)`` of transformers' reference implementation.
 
     ``input_features``: [1, 128, T] (or [128, T]) float32 Whisper features of the single audio clip in
     the prompt (the prompt must already hold the expanded ``<|audio_pad|>`` run, see
     :func:`num_audio_tokens`).  ``max_frames``/``min_frames`` are talker steps (``talker_max_new_tokens``
-    / ``talker_min_new_tokens``): at most ``max_frames - 1`` frames come out.
+    / ``talker_min_new_tokens``): at most ``max_frames - 1`` frames come out.  ``forced_ids``: the
+    thinker emits exactly these ids (a logits processor leaves only the next one possible; end them
+    with ``<|im_end|>`` to stop there), as for a reply given verbatim (text to speech).
     """
     model = load_reference_model(model_dir)
     ids = torch.tensor([list(input_ids)], dtype=torch.long)
+    if forced_ids is not None:
+        max_tokens = len(forced_ids)
+    if max_tokens is None:
+        raise ValueError("max_tokens (or forced_ids) is required")
     kwargs = dict(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
@@ -103,6 +110,10 @@ def reference_generate(
         talker_min_new_tokens=min_frames,
         talker_repetition_penalty=talker_repetition_penalty,
     )
+    if forced_ids is not None:
+        from transformers import LogitsProcessorList
+
+        kwargs["thinker_logits_processor"] = LogitsProcessorList([_ForceTokens(ids.shape[1], forced_ids)])
     if input_features is not None:
         feats = input_features.to(torch.float32)
         if feats.dim() == 2:
@@ -135,6 +146,19 @@ def reference_generate(
         codes=codes[0].transpose(0, 1).contiguous().to(torch.int64),
         wav=wav.reshape(-1).to(torch.float32),
     )
+
+
+class _ForceTokens:
+    """A thinker logits processor: at generated position k only ``ids[k]`` stays possible."""
+
+    def __init__(self, prompt_len: int, ids: list[int]) -> None:
+        self.prompt_len, self.ids = prompt_len, list(ids)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        k = input_ids.shape[1] - self.prompt_len
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.ids[k]] = 0.0
+        return forced
 
 
 def _feature_extractor():

@@ -438,6 +438,30 @@ CASES += [
          r"echo_frames needs to_listener"),
 ]
 
+# a reply given verbatim (text to speech: ThinkerStart.assistant_text)
+CASES += [
+    Case("thinker", "assistant-text-empty", lambda: [thinker_start(assistant_text="")], r"assistant_text is empty"),
+    Case("thinker", "assistant-text-too-long", lambda: [thinker_start(assistant_text="a" * 32769)],
+         r"assistant_text has 32769 characters; the limit is 32768"),
+    Case("thinker", "assistant-text-over-the-context", lambda: [thinker_start(assistant_text="a" * 4089)],
+         r"prompt of 10 tokens \+ assistant_text of 4090 tokens \(<\|im_end\|> included\) exceeds the context of 4096"),
+    Case("thinker", "assistant-text-with-max-tokens", lambda: [thinker_start(assistant_text="Hi.", max_tokens=2)],
+         r"assistant_text excludes max_tokens: the reply is given"),
+    Case("thinker", "assistant-text-with-stop-and-logprobs",
+         lambda: [thinker_start(assistant_text="Hi.", stop=["."], logprobs=True)],
+         r"assistant_text excludes stop, logprobs"),
+    Case("thinker", "assistant-text-with-sampling-and-min-tokens",
+         lambda: [thinker_start(assistant_text="Hi.", min_tokens=1, sampling=pb.Sampling(temperature=0.5))],
+         r"assistant_text excludes sampling, min_tokens"),
+    Case("thinker", "assistant-text-speech-without-assistant-turn",
+         lambda: [thinker_start(token_ids=pb.TokenIds(ids=[IM_START, USER, NL]), assistant_text="Hi.",
+                                speech=pb.SpeechParams())],
+         r"speech needs a prompt ending in an assistant turn"),
+    Case("thinker", "assistant-text-speech-unknown-speaker",
+         lambda: [thinker_start(assistant_text="Hi.", speech=pb.SpeechParams(speaker="Bob"))],
+         r"unknown speaker 'Bob'"),
+]
+
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.stage}-{c.name}" for c in CASES])
 def test_bad_request_gets_a_clear_status_and_the_stage_keeps_serving(stack, channels, case):

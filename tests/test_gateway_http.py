@@ -201,15 +201,14 @@ def test_multi_turn_refers_to_earlier_audio_by_id(client, model, gateway):
 
 def test_speech_wav(client, model):
     resp = client.audio.speech.create(model=model, voice="Aiden", input="Read this aloud.", response_format="wav",
-                                      extra_body={"max_tokens": 4, "max_audio_frames": 8, "ignore_eos": True,
-                                                  "temperature": 0})
+                                      extra_body={"max_audio_frames": 8, "ignore_eos": True, "temperature": 0})
     assert resp.response.headers["content-type"].startswith("audio/wav")
     samples, rate = soundfile.read(io.BytesIO(resp.content), dtype="int16")
     assert rate == 24000 and samples.shape[0] == SAMPLES_PER_FRAME * 7 - FIRST_CHUNK_SHORTFALL
 
 
 def test_speech_sse_equals_pcm_stream(gateway, model):
-    body = {"model": model, "voice": "chelsie", "input": "Stream this.", "response_format": "pcm", "max_tokens": 4,
+    body = {"model": model, "voice": "chelsie", "input": "Stream this.", "response_format": "pcm",
             "max_audio_frames": 8, "ignore_eos": True, "temperature": 0}
     raw = httpx.post(f"{gateway.base_url}/v1/audio/speech", json=body, timeout=60)
     assert raw.status_code == 200 and raw.headers["content-type"] == "audio/pcm"
@@ -449,7 +448,7 @@ def test_a_stage_failing_mid_stream_ends_pcm_abnormally_and_sse_with_an_error_ev
     assert chain.alive("code2wav"), "this test runs before test_stage_down_is_503, which kills it"
     gw = GatewayProcess(tiny_model_dir, chain.address("thinker"), chain.address("code2wav"))
     body = {"model": tiny_model_dir.name, "input": "Talk for a long while.", "voice": "ethan", "response_format": "pcm",
-            "ignore_eos": True, "max_tokens": 40, "max_audio_frames": 400}
+            "ignore_eos": True, "max_audio_frames": 400}
     started = {"pcm": threading.Event(), "sse": threading.Event()}
     outcome: dict = {}
 

@@ -344,7 +344,7 @@ def test_gateway_with_dns_replica_lists(replicas, tiny_model_dir):
     gw = GatewayProcess(tiny_model_dir, dns(replicas.thinkers), replicas.code2wav_set, "--served-model-name", "tiny")
     try:
         before = sum(p.finished_streams() for p in replicas.code2wavs)
-        body = {"model": "tiny", "voice": "ethan", "input": "Hello.", "response_format": "pcm", "max_tokens": 3,
+        body = {"model": "tiny", "voice": "ethan", "input": "Hello.", "response_format": "pcm",
                 "max_audio_frames": 6, "ignore_eos": True, "temperature": 0}
         for _ in range(2):
             resp = httpx.post(f"{gw.base_url}/v1/audio/speech", json=body, timeout=60)

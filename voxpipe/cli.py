@@ -260,10 +260,10 @@ def _up_gateway_flags(args) -> list[str]:
 def _add_say_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default="reply.wav", help="where to write the 24 kHz mono 16-bit wav")
     p.add_argument("--voice", default="ethan", help="a checkpoint speaker (chelsie, ethan, aiden)")
-    p.add_argument("--max-tokens", type=int, default=64, help="thinker max_new_tokens")
+    p.add_argument("--max-tokens", type=int, default=None, help="thinker max_new_tokens (default 64; not with --verbatim)")
     p.add_argument("--max-frames", type=int, default=128,
                    help="talker max_new_tokens (codec steps; at the limit max_frames - 1 frames are spoken)")
-    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--min-tokens", type=int, default=0, help="thinker min_new_tokens (not with --verbatim)")
     p.add_argument("--min-frames", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="min = max for text tokens and codec frames")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -272,6 +272,9 @@ def _add_say_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--audio", help="a wav file to include as an audio part of the user turn (its features are "
                                    "computed here from --model's config)")
+    p.add_argument("--verbatim", action="store_true",
+                   help="text to speech: speak TEXT itself (the thinker is given TEXT as its reply and generates "
+                        "nothing), as POST /v1/audio/speech does")
     p.add_argument("--render-locally", action="store_true",
                    help="render the turn here with --model's tokenizer instead of letting the thinker render it")
 
@@ -279,15 +282,21 @@ def _add_say_options(p: argparse.ArgumentParser) -> None:
 def cmd_say(args) -> int:
     """Text goes to the thinker as text: it renders the turn with its own checkpoint's chat template,
     so `voxpipe say` needs no local checkpoint. With --audio (features are computed here, from
-    --model's config) or --render-locally, the turn is rendered here with --model's tokenizer."""
+    --model's config) or --render-locally, the turn is rendered here with --model's tokenizer. With
+    --verbatim TEXT is also the reply, given to the thinker (ThinkerStart.assistant_text)."""
     from voxpipe.audio import read_wav, resample, write_wav
     from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, TextEvent
 
     text = args.text if getattr(args, "text", None) is not None else args.say
-    sampling = dict(speaker=args.voice, max_tokens=args.max_tokens,
-                    min_tokens=args.max_tokens if args.ignore_eos else args.min_tokens, max_frames=args.max_frames,
+    if args.verbatim and (args.max_tokens is not None or args.min_tokens):
+        print("error: --max-tokens / --min-tokens do not apply with --verbatim (the reply is TEXT)", file=sys.stderr)
+        return 2
+    max_tokens = 0 if args.verbatim else 64 if args.max_tokens is None else args.max_tokens
+    sampling = dict(speaker=args.voice, max_tokens=max_tokens,
+                    min_tokens=max_tokens if args.ignore_eos else args.min_tokens, max_frames=args.max_frames,
                     min_frames=args.max_frames if args.ignore_eos else args.min_frames, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    assistant_text=text if args.verbatim else None)
     if args.audio or args.render_locally:
         from voxpipe.services.runtime.config import OmniConfig
         from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
@@ -386,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cors_argument(p)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("say", help="speak a reply to TEXT through running services into a wav")
+    p = sub.add_parser("say", help="speak a reply to TEXT (with --verbatim: TEXT itself) through running "
+                                        "services into a wav")
     p.add_argument("text")
     p.add_argument("--model", help="checkpoint folder, only for --audio / --render-locally (default: the tiny "
                                    "checkpoint); otherwise the thinker renders the text with its own")

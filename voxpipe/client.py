@@ -44,6 +44,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 class SpeechRequest:
     token_ids: list[int] | None = None        # rendered prompt (see services.thinker.prompt.render)
     text: str | None = None                   # or: one user turn, rendered by the thinker
+    # or the reply, verbatim (text to speech; ThinkerStart.assistant_text): the thinker samples nothing, so
+    # the sampling values are the talker's alone, and max_tokens / min_tokens must stay 0
+    assistant_text: str | None = None
     audio_features: list[torch.Tensor] = field(default_factory=list)
     speaker: str = "ethan"
     audio: bool = True                        # False: text only (the talker and code2wav are not used)
@@ -210,10 +213,13 @@ class PipelineClient:
         parent = context if context is not None else otel_context.get_current()
         if req.audio and self.code2wav is None:
             raise ValueError("audio output needs code2wav addresses")
-        start = pb.ThinkerStart(request_id=req.request_id, sampling=req.sampling(), max_tokens=req.max_tokens,
-                                min_tokens=req.min_tokens, stop=req.stop, logprobs=req.top_logprobs is not None,
-                                top_logprobs=req.top_logprobs or 0,
+        start = pb.ThinkerStart(request_id=req.request_id, max_tokens=req.max_tokens, min_tokens=req.min_tokens,
+                                stop=req.stop, logprobs=req.top_logprobs is not None, top_logprobs=req.top_logprobs or 0,
                                 audio_features=[to_proto(f.float()) for f in req.audio_features])
+        if req.assistant_text is None:
+            start.sampling.CopyFrom(req.sampling())
+        else:       # the thinker samples nothing: the sampling values are the talker's (speech.sampling)
+            start.assistant_text = req.assistant_text
         if req.audio:
             start.speech.CopyFrom(pb.SpeechParams(
                 speaker=req.speaker, sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames,

@@ -2,7 +2,8 @@
 forward, a CUDA graph per (batch, length) bucket), then runs one batched decode step over every
 running request. A prompt longer than `prefill_chunk` is prefilled in chunks, one per step, so
 that the running requests keep decoding meanwhile. Emits text deltas, and for audio output the
-talker's rows."""
+talker's rows. A request whose reply is given (ThinkerStart.assistant_text) is prefilled only: its
+reply goes out whole, as if generated, right after its prefill."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ __all__ = ["ThinkerEngine", "ThinkerJob", "IncrementalDetokenizer", "talker_prom
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ForcedReply:
+    """A reply given in advance (ThinkerStart.assistant_text): the thinker emits it instead of sampling."""
+    token_ids: list[int]     # the text's tokens, then the end-of-turn token
+    text: str                # verbatim, as the client sent it
+
+
+FORCED_DELTA_TOKENS = 64     # a forced reply's tokens per TextDelta (its rows: a bounded message each)
+
+
 @dataclass
 class ThinkerJob(EngineRequest):
     prompt: list[int] = field(default_factory=list)
@@ -39,6 +50,7 @@ class ThinkerJob(EngineRequest):
     speech: pb.SpeechParams | None = None   # a spoken reply continues in a talker (see relay.py)
     stops: tuple[str, ...] = ()             # stop strings (see output.py)
     top_logprobs: int | None = None         # None: no log probabilities; else how many alternatives
+    forced: ForcedReply | None = None       # the reply is given: emitted whole after the prefill
     slot: int | None = None
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -223,7 +235,7 @@ class ThinkerEngine(StageEngine):
                 kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
                 prompt = talker_prompt(self.cfg, torch.tensor(j.prompt), embeds[b].cpu(), kept, self.tts_special)
                 j.outbox.put(pb.ThinkerResponse(talker_prompt=prompt))
-        self._emit(jobs, logits)
+        self._after_prefill(jobs, logits)
 
     def _prefill_chunk(self, job: ThinkerJob) -> None:
         """The next `prefill_chunk` tokens of a long prompt (eager), attending to the cached part;
@@ -252,7 +264,38 @@ class ThinkerEngine(StageEngine):
             prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
             job.outbox.put(pb.ThinkerResponse(talker_prompt=prompt))
         job.embeds, job.kept = None, []
-        self._emit([job], logits)
+        self._after_prefill([job], logits)
+
+    def _after_prefill(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> None:
+        """Prefilled jobs' first outputs: a forced reply whole (its request ends here), the others'
+        first sampled token from logits [n, V]."""
+        sampled = [i for i, j in enumerate(jobs) if j.forced is None]
+        for j in jobs:
+            if j.forced is not None:
+                self._emit_forced(j)
+        if len(sampled) < len(jobs):
+            if not sampled:
+                return
+            jobs, logits = [jobs[i] for i in sampled], logits[torch.tensor(sampled, device=logits.device)]
+        self._emit(jobs, logits)
+
+    def _emit_forced(self, job: ThinkerJob) -> None:
+        """The given reply as if generated: its tokens (end of turn included) in deltas of
+        FORCED_DELTA_TOKENS with their talker rows (lookups in the embedding table, as for sampled
+        tokens), the whole text in the first delta; then STOP."""
+        ids = job.forced.token_ids
+        rows = (self.model.model.embed_tokens(torch.tensor(ids, device=self.device)).cpu()
+                if job.talker_rows else None)
+        job.mark_output()
+        for start in range(0, len(ids), FORCED_DELTA_TOKENS):
+            piece = ids[start:start + FORCED_DELTA_TOKENS]
+            delta = pb.TextDelta(index=start, token_ids=piece, text=job.forced.text if start == 0 else "")
+            if rows is not None:
+                delta.embeddings.CopyFrom(to_proto(rows[start:start + len(piece)]))
+            job.outbox.put(pb.ThinkerResponse(text=delta))
+        job.generated.extend(ids)
+        self.finish(job, pb.ThinkerResponse(finished=pb.Finished(
+            reason=pb.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids))))
 
     def _decode(self, jobs: list[ThinkerJob]) -> None:
         """Jobs are the owners of slots 0..n-1, in slot order. A saturated job (its client reads too

@@ -112,6 +112,12 @@ def _sentinel(k: int) -> str:
     return f"\ue000{k}\ue001"
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Message text as tokens: special-token strings ("<|im_end|>") stay ordinary text. An assistant
+    reply given verbatim (ThinkerStart.assistant_text) is these tokens, then <|im_end|>."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
 def _encode_template(tokenizer, conv: list[dict], texts: list[str], add_generation_prompt: bool) -> list[int]:
     """The chat template's own markup is tokenized with its special tokens; message text is
     tokenized with special-token strings split into ordinary text, so a user who types
@@ -121,7 +127,7 @@ def _encode_template(tokenizer, conv: list[dict], texts: list[str], add_generati
     pos = 0
     for m in _SENTINEL.finditer(rendered):
         ids += tokenizer.encode(rendered[pos:m.start()], add_special_tokens=False)
-        ids += tokenizer.encode(texts[int(m.group(1))], add_special_tokens=False, split_special_tokens=True)
+        ids += encode_text(tokenizer, texts[int(m.group(1))])
         pos = m.end()
     ids += tokenizer.encode(rendered[pos:], add_special_tokens=False)
     return ids

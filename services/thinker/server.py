@@ -25,14 +25,16 @@ from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_
 from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
-from .engine import ThinkerEngine, ThinkerJob, assistant_head_index
+from .engine import ForcedReply, ThinkerEngine, ThinkerJob, assistant_head_index
 from .model import ThinkerModel, audio_output_length
 from .output import stop_strings_problem, top_logprobs_problem
-from .prompt import ChatMessage, ChatPart, render
+from .prompt import ChatMessage, ChatPart, encode_text, render
 from .relay import TalkerRelay
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
+MAX_ASSISTANT_TEXT_CHARS = 32768    # ThinkerStart.assistant_text, checked before it is tokenized
+MERGED_ROWS_MAX_BYTES = 4 << 20     # text deltas merge into one message up to this many bytes of talker rows
 
 
 class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
@@ -52,6 +54,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         delta = pb.TextDelta(index=a.index, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text,
                              logprobs=[*a.logprobs, *b.logprobs])
         if a.HasField("embeddings"):
+            if len(a.embeddings.data) + len(b.embeddings.data) > MERGED_ROWS_MAX_BYTES:
+                return None
             rows = concat_rows(a.embeddings, b.embeddings)
             if rows is None:
                 return None
@@ -122,7 +126,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{'talker_rows' if start.talker_rows else 'speech'} needs a prompt ending in an assistant "
                         "turn start ('<|im_start|>assistant\\n'): render with add_generation_prompt")
-        max_tokens = start.max_tokens or DEFAULT_MAX_TOKENS
+        forced = self._forced(start, len(ids))
+        max_tokens = len(forced.token_ids) if forced is not None else start.max_tokens or DEFAULT_MAX_TOKENS
         if start.min_tokens > max_tokens:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_tokens {start.min_tokens} > max_tokens {max_tokens}")
         if len(ids) + max_tokens > self.engine.max_len:
@@ -134,7 +139,30 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                           prompt=ids, audio=audio, params=params, max_tokens=max_tokens, min_tokens=start.min_tokens,
                           talker_rows=rows, speech=speech, stops=tuple(start.stop),
-                          top_logprobs=start.top_logprobs if start.logprobs else None)
+                          top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced)
+
+    def _forced(self, start: pb.ThinkerStart, prompt_tokens: int) -> ForcedReply | None:
+        """The checked reply of a start message with assistant_text (None: the thinker generates)."""
+        if not start.HasField("assistant_text"):
+            return None
+        text = start.assistant_text
+        given = [name for name, present in (("sampling", start.HasField("sampling")), ("max_tokens", start.max_tokens),
+                                            ("min_tokens", start.min_tokens), ("stop", start.stop),
+                                            ("logprobs", start.logprobs or start.top_logprobs)) if present]
+        if given:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"assistant_text excludes {', '.join(given)}: the reply is given, nothing is sampled")
+        if not text:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "assistant_text is empty")
+        if len(text) > MAX_ASSISTANT_TEXT_CHARS:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"assistant_text has {len(text)} characters; the limit is {MAX_ASSISTANT_TEXT_CHARS}")
+        ids = encode_text(self.tokenizer, text) + [self.cfg.thinker.tokens.im_end]
+        if prompt_tokens + len(ids) > self.engine.max_len:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"prompt of {prompt_tokens} tokens + assistant_text of {len(ids)} tokens (<|im_end|> included) "
+                        f"exceeds the context of {self.engine.max_len}")
+        return ForcedReply(token_ids=ids, text=text)
 
     def _speech(self, start: pb.ThinkerStart) -> pb.SpeechParams | None:
         """The checked speech parameters of a start message (None: no spoken reply)."""
