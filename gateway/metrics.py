@@ -4,6 +4,8 @@ voxpipe_gateway_requests_total{route,status}      HTTP requests by route and sta
 voxpipe_gateway_active_streams                    generations in flight (HTTP and realtime)
 voxpipe_gateway_sessions{api}                     slots of --max-sessions held: api = http (a chat or
                                                   speech request), realtime (a WebSocket), converse (a call)
+voxpipe_gateway_transcriptions_total{outcome}     realtime input audio transcriptions (completed, failed,
+                                                  cancelled: the session ended first)
 voxpipe_gateway_audio_ttfp_seconds                request arrival -> first audio bytes
 voxpipe_gateway_audio_rtf                         generation wall time / seconds of audio produced
 voxpipe_gateway_stage_first_output_seconds{stage} request arrival -> thinker first token,
@@ -32,6 +34,10 @@ class GatewayMetrics:
                               ["api"], registry=self.registry)
         for api in SESSION_APIS:
             self.sessions.labels(api)
+        self.transcriptions = Counter("voxpipe_gateway_transcriptions", "Realtime input audio transcriptions",
+                                      ["outcome"], registry=self.registry)
+        for outcome in ("completed", "failed", "cancelled"):
+            self.transcriptions.labels(outcome)
         self.ttfp = Histogram("voxpipe_gateway_audio_ttfp_seconds", "Request arrival to first audio",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.rtf = Histogram("voxpipe_gateway_audio_rtf", "Generation time / audio duration", buckets=RTF_BUCKETS,

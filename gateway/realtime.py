@@ -30,6 +30,7 @@ from .realtime_server_events import (Error, InputAudioCleared, InputAudioCommitt
 from .realtime_session import (MIN_COMMIT_MS, Conversation, ConversationItem, InputAudioBuffer, ItemContent,
                                ResponseSettings, SessionConfig, default_voice, ms_to_samples, new_item_content,
                                samples_to_ms)
+from .realtime_transcription import Transcriber, TranscriptionJob
 from .vad import FRAME_MS, ServerVad, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class RealtimeConnection:
         self.speech_start = 0                       # timeline sample where that utterance begins (with padding)
         self.response: ResponseRun | None = None
         self.outbox = Outbox()
+        self.transcriber = Transcriber(self)
 
     # ------------------------------------------------------------------------- plumbing
 
@@ -146,6 +148,7 @@ class RealtimeConnection:
             if self.response is not None and self.response.active:
                 self.response.task.cancel()                 # frees the request in all three stages
                 await asyncio.gather(self.response.task, return_exceptions=True)
+            await self.transcriber.close()
             await self.outbox.close()
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)
@@ -240,15 +243,18 @@ class RealtimeConnection:
         end = min(ms_to_samples(ev.end_ms), self.buffer.end)
         if end - max(self.speech_start, self.buffer.start) < ms_to_samples(MIN_COMMIT_MS):
             return
-        await self._commit(self.buffer.take(self.speech_start, end), item_id)
-        if not params.create_response:
-            return
-        if self.response is not None and self.response.active:
-            await self.emit(Error.of(ProtocolError(
-                "the speech ended while a response is in progress (interrupt_response is off); no new response "
-                "was created", code="conversation_already_has_active_response")))
-            return
-        await self.create_response(ResponseOverrides())
+        item = await self._commit(self.buffer.take(self.speech_start, end), item_id)
+        try:
+            if not params.create_response:
+                return
+            if self.response is not None and self.response.active:
+                await self.emit(Error.of(ProtocolError(
+                    "the speech ended while a response is in progress (interrupt_response is off); no new response "
+                    "was created", code="conversation_already_has_active_response")))
+                return
+            await self.create_response(ResponseOverrides())
+        finally:
+            self._transcribe(item)          # after the response has started: it never waits for this
 
     async def commit_audio(self) -> None:
         have_ms = samples_to_ms(self.buffer.size)
@@ -257,12 +263,12 @@ class RealtimeConnection:
                                 f"has {have_ms} ms", code="input_audio_buffer_commit_empty")
         item_id = self.speech_item_id or new_id("item")
         self.speech_item_id = None
-        await self._commit(self.buffer.take(), item_id)
+        self._transcribe(await self._commit(self.buffer.take(), item_id))
 
     def _features(self, audio_24k):
         return self.state.features(resample(audio_24k, INPUT_SAMPLE_RATE, FEATURE_SAMPLE_RATE))
 
-    async def _commit(self, clip, item_id: str) -> None:
+    async def _commit(self, clip, item_id: str) -> ConversationItem:
         """The whole utterance, encoded once, becomes a user item."""
         features = await asyncio.to_thread(self._features, clip)
         item = ConversationItem(item_id, "user", [ItemContent("input_audio", features=features,
@@ -271,6 +277,15 @@ class RealtimeConnection:
         await self.emit(InputAudioCommitted(previous, item_id))
         await self.emit(ItemAdded(previous, item))
         await self.emit(ItemDone(previous, item))
+        return item
+
+    def _transcribe(self, item: ConversationItem) -> None:
+        """Transcribe a committed user audio item when the session asks for it (in the background)."""
+        settings = self.session.transcription
+        if settings is None:
+            return
+        content = item.content[0]
+        self.transcriber.submit(TranscriptionJob(item.id, 0, content.features, content.audio_samples, settings))
 
     # ------------------------------------------------------------------------- conversation
 

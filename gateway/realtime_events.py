@@ -44,6 +44,17 @@ UNSET = Unset.UNSET
 # ----------------------------------------------------------------------------- client events
 
 @dataclass(frozen=True)
+class TranscriptionPatch:
+    """`audio.input.transcription` (GA) / `input_audio_transcription` (beta): transcribe each
+    committed user audio item with the served model. `param`: where it was given (for errors)."""
+
+    param: str
+    model: str | None = None                   # the served model's id, or unset
+    language: str | None = None                # e.g. "en" (ISO-639-1), put into the transcription prompt
+    prompt: str | None = None                  # guidance text, put into the transcription prompt
+
+
+@dataclass(frozen=True)
 class SessionPatch:
     """The fields a session.update sets; None (or UNSET for turn_detection, where null means
     manual turns) leaves a field as it is."""
@@ -52,6 +63,7 @@ class SessionPatch:
     audio_out: bool | None = None              # output modalities: ["audio"] (with transcript) or ["text"]
     instructions: str | None = None
     turn_detection: ServerVadParams | None | Unset = UNSET
+    transcription: TranscriptionPatch | None | Unset = UNSET   # None: transcription off
     max_output_tokens: int | None = None       # 0: no limit ("inf")
     temperature: float | None = None           # vendor fields (beta has temperature too)
     ignore_eos: bool | None = None
@@ -255,6 +267,33 @@ def _turn_detection(value: Any, param: str) -> ServerVadParams | None:
                            interrupt_response=d.interrupt_response if interrupt is None else interrupt)
 
 
+TRANSCRIPTION_FIELDS = ("model", "language", "prompt")
+MAX_TRANSCRIPTION_PROMPT_CHARS = 4000
+
+
+def _transcription(value: Any, param: str) -> TranscriptionPatch | None:
+    """The transcription object (null: off). Fields other than model, language and prompt are
+    refused when set: they are not served."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"'{param}' must be an object or null", code="invalid_type", param=param)
+    for key, v in value.items():
+        if key not in TRANSCRIPTION_FIELDS and v is not None:
+            raise ProtocolError(f"'{param}.{key}' is not supported; set only {', '.join(TRANSCRIPTION_FIELDS)}",
+                                param=f"{param}.{key}")
+    language = _get(value, "language", str, param)
+    if language is not None and not (0 < len(language) <= 16 and language.replace("-", "").isalpha()):
+        raise ProtocolError(f"'{param}.language' must be a language code such as \"en\", got {language!r}",
+                            param=f"{param}.language")
+    prompt = _get(value, "prompt", str, param)
+    if prompt is not None and len(prompt) > MAX_TRANSCRIPTION_PROMPT_CHARS:
+        raise ProtocolError(f"'{param}.prompt' has {len(prompt)} characters; the limit is "
+                            f"{MAX_TRANSCRIPTION_PROMPT_CHARS}", param=f"{param}.prompt")
+    return TranscriptionPatch(param=param, model=_get(value, "model", str, param), language=language,
+                              prompt=prompt or None)
+
+
 def _voice(value: Any, param: str) -> str | None:
     if isinstance(value, dict):                 # GA custom voice form {"id": name}
         value = value.get("id")
@@ -302,6 +341,13 @@ def _session_patch(s: Any) -> SessionPatch:
         turn = _turn_detection(s["turn_detection"], "session.turn_detection")
     else:
         turn = UNSET
+    if "transcription" in audio_in:
+        transcription: TranscriptionPatch | None | Unset = _transcription(
+            audio_in["transcription"], "session.audio.input.transcription")
+    elif "input_audio_transcription" in s:
+        transcription = _transcription(s["input_audio_transcription"], "session.input_audio_transcription")
+    else:
+        transcription = UNSET
     voice = _voice(audio_out.get("voice"), "session.audio.output.voice") or _voice(s.get("voice"), "session.voice")
     max_tokens = _max_tokens(s, "max_output_tokens", "session")
     if max_tokens is None:
@@ -309,7 +355,8 @@ def _session_patch(s: Any) -> SessionPatch:
     ignore_eos = _get(s, "ignore_eos", bool, "session")
     return SessionPatch(voice=voice, audio_out=_modalities(s, "session"),
                         instructions=_get(s, "instructions", str, "session"), turn_detection=turn,
-                        max_output_tokens=max_tokens, temperature=_temperature(s, "session"), ignore_eos=ignore_eos,
+                        transcription=transcription, max_output_tokens=max_tokens,
+                        temperature=_temperature(s, "session"), ignore_eos=ignore_eos,
                         max_audio_frames=_positive_int(s, "max_audio_frames", "session"))
 
 

@@ -2,9 +2,10 @@
 response events, and finish it as completed, incomplete (max_output_tokens), cancelled
 (client_cancelled / turn_detected) or failed.
 
-A cancelled spoken reply keeps what reached the client: its queued audio is dropped, its item
-is truncated to the audio delivered (`conversation.item.truncated`), and its transcript keeps the
-text made up to the cancellation."""
+A cancelled spoken reply keeps what reached the client: its queued audio is dropped, and after
+`response.done` (whose transcript is all the text made, as the deltas said) its item is truncated
+to the audio delivered (`conversation.item.truncated`): the item's transcript then keeps only
+the text spoken in that audio (ItemContent.align: the same audio time per text token)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from voxpipe.audio import resample
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, TextEvent
+from voxpipe.services.runtime.logs import REQUEST_ID
 from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt
 from voxpipe.v1 import stages_pb2 as pb
 
@@ -109,6 +111,7 @@ class ResponseRun:
     async def _run(self) -> None:
         emit = self.conn.emit
         self.started = True
+        REQUEST_ID.set(self.id)           # this task's logs (and the stages') name the response
         try:
             await emit(ResponseCreated(self))
             await emit(OutputItemAdded(self.id, 0, self.item))
@@ -167,9 +170,9 @@ class ResponseRun:
 
     async def _on_text(self, ev: TextEvent) -> None:
         self.text_tokens += len(ev.token_ids)
+        self.content.add_text(len(ev.token_ids), ev.text)
         if not ev.text:
             return
-        self.content.text += ev.text
         delta = TranscriptDelta if self.settings.audio_out else TextDelta
         await self.conn.emit(delta(**self._part_ids(), delta=ev.text))
 
@@ -182,7 +185,6 @@ class ResponseRun:
         if not n:
             return
         self.produced_samples += n
-        self.content.text_marks.append((self.produced_samples, len(self.content.text)))
         await self.conn.emit(AudioDelta(**self._part_ids(), delta=base64.b64encode(pcm).decode("ascii")),
                              response_id=self.id, audio_samples=n, on_sent=self._on_sent)
 
@@ -194,15 +196,12 @@ class ResponseRun:
 
     async def _finish(self, status: str, details: dict[str, Any] | None) -> None:
         emit, content = self.conn.emit, self.content
-        truncated = False
+        delivered = None
         if status == "cancelled":
             await self.conn.outbox.drop_audio(self.id)
             delivered = self.sent_samples + self.conn.outbox.in_flight_audio(self.id)
-            truncated = self.settings.audio_out
-            content.audio_samples = delivered
-            content.text_marks.append((delivered, len(content.text)))
-        else:
-            content.audio_samples = self.produced_samples
+        # the talker finished (completed, or the text hit max_output_tokens): the audio is whole
+        content.align(self.produced_samples, complete=status in ("completed", "incomplete"))
         self.status, self.status_details = status, details
         self.item.status = "completed" if status == "completed" else "incomplete"
         self.usage = self._usage()
@@ -217,8 +216,10 @@ class ResponseRun:
         if self.in_conversation:
             await emit(ItemDone(self.previous_item_id, self.item))
         await emit(ResponseDone(self))
-        if truncated and self.in_conversation and self.conn.conversation.has(self.item.id):
-            await emit(ItemTruncated(self.item.id, 0, samples_to_ms(content.audio_samples)))
+        if delivered is not None and self.settings.audio_out:
+            content.truncate_audio(delivered)       # what the client has not got is not in the conversation
+            if self.in_conversation and self.conn.conversation.has(self.item.id):
+                await emit(ItemTruncated(self.item.id, 0, samples_to_ms(delivered)))
 
     def _usage(self) -> dict[str, Any]:
         ids = self.prompt.token_ids if self.prompt is not None else []

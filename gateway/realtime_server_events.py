@@ -236,3 +236,59 @@ class TextDelta(_PartEvent):
 class TextDone(_PartEvent):
     GA, BETA = "response.output_text.done", "response.text.done"
     text: str
+
+
+# ----------------------------------------------------------------------------- input audio transcription
+
+@dataclass
+class TranscriptionUsage:
+    """The transcription request's tokens (the `tokens` form of OpenAI's usage)."""
+
+    input_tokens: int
+    output_tokens: int
+    input_audio_tokens: int
+
+    def wire(self, dialect: Dialect) -> dict[str, Any]:
+        return {"type": "tokens", "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "total_tokens": self.input_tokens + self.output_tokens,
+                "input_token_details": {"text_tokens": self.input_tokens - self.input_audio_tokens,
+                                        "audio_tokens": self.input_audio_tokens}}
+
+
+@dataclass
+class TranscriptionError:
+    type: str
+    code: str | None
+    message: str
+    param: str | None = None
+
+    def wire(self, dialect: Dialect) -> dict[str, Any]:
+        return {"type": self.type, "code": self.code, "message": self.message, "param": self.param}
+
+
+@_same
+@dataclass
+class InputTranscriptionDelta(ServerEvent):
+    GA = "conversation.item.input_audio_transcription.delta"
+    item_id: str
+    content_index: int
+    delta: str
+
+
+@_same
+@dataclass
+class InputTranscriptionCompleted(ServerEvent):
+    GA = "conversation.item.input_audio_transcription.completed"
+    item_id: str
+    content_index: int
+    transcript: str
+    usage: TranscriptionUsage
+
+
+@_same
+@dataclass
+class InputTranscriptionFailed(ServerEvent):
+    GA = "conversation.item.input_audio_transcription.failed"
+    item_id: str
+    content_index: int
+    error: TranscriptionError

@@ -13,12 +13,15 @@ from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
 
 from .params import DEFAULT_TEMPERATURE
 from .realtime_events import (INPUT_SAMPLE_RATE, MAX_INPUT_SECONDS, UNSET, Dialect, NewItem, PartKind, ProtocolError,
-                              ResponseOverrides, SessionPatch)
+                              ResponseOverrides, SessionPatch, TranscriptionPatch)
 from .vad import ServerVadParams
 
 PCM_FORMAT = {"type": "audio/pcm", "rate": INPUT_SAMPLE_RATE}
 PREFERRED_VOICE = "ethan"
 MIN_COMMIT_MS = 100                # OpenAI's smallest committable buffer
+# a spoken reply stopped before the talker finished: its text is taken as spoken at this rate
+# (320 ms per token, about 3 tokens a second: ordinary speech) when the audio made so far is shorter
+DEFAULT_SAMPLES_PER_TOKEN = 4 * 1920
 
 
 def ms_to_samples(ms: int) -> int:
@@ -43,6 +46,26 @@ def check_voice(voice: str, speakers: dict[str, int], param: str) -> str:
 # ----------------------------------------------------------------------------- settings
 
 @dataclass(frozen=True)
+class TranscriptionSettings:
+    """Input audio transcription is on: each committed user audio item is transcribed by the
+    served model (gateway/realtime_transcription.py)."""
+
+    language: str | None = None
+    prompt: str | None = None
+
+    @classmethod
+    def of(cls, patch: TranscriptionPatch, served_model: str) -> "TranscriptionSettings":
+        if patch.model is not None and patch.model != served_model:
+            raise ProtocolError(f"the transcription model {patch.model!r} is not served here: the served model "
+                                f"{served_model!r} transcribes (give its id or leave the model unset)",
+                                param=f"{patch.param}.model")
+        return cls(language=patch.language, prompt=patch.prompt)
+
+    def wire(self, model: str) -> dict[str, Any]:
+        return {"model": model, "language": self.language, "prompt": self.prompt}
+
+
+@dataclass(frozen=True)
 class SessionConfig:
     id: str
     model: str
@@ -50,6 +73,7 @@ class SessionConfig:
     audio_out: bool = True
     instructions: str = ""
     turn_detection: ServerVadParams | None = field(default_factory=ServerVadParams)
+    transcription: TranscriptionSettings | None = None     # None: committed audio is not transcribed
     max_output_tokens: int = 0                 # 0: "inf" (the thinker's default)
     temperature: float = DEFAULT_TEMPERATURE
     ignore_eos: bool = False
@@ -61,6 +85,9 @@ class SessionConfig:
             changes["voice"] = check_voice(patch.voice, speakers, "session.audio.output.voice")
         if patch.turn_detection is not UNSET:
             changes["turn_detection"] = patch.turn_detection
+        if patch.transcription is not UNSET:
+            changes["transcription"] = (None if patch.transcription is None
+                                        else TranscriptionSettings.of(patch.transcription, self.model))
         for name in ("audio_out", "instructions", "max_output_tokens", "temperature", "ignore_eos", "max_audio_frames"):
             value = getattr(patch, name)
             if value is not None:
@@ -70,17 +97,18 @@ class SessionConfig:
     def wire(self, dialect: Dialect) -> dict[str, Any]:
         turn = None if self.turn_detection is None else {"type": "server_vad", **vars(self.turn_detection)}
         limit = self.max_output_tokens or "inf"
+        transcription = None if self.transcription is None else self.transcription.wire(self.model)
         vendor = {"temperature": self.temperature, "ignore_eos": self.ignore_eos,
                   "max_audio_frames": self.max_audio_frames or None}
         if dialect is Dialect.BETA:
             return {"id": self.id, "object": "realtime.session", "model": self.model,
                     "modalities": ["audio", "text"] if self.audio_out else ["text"], "instructions": self.instructions,
                     "voice": self.voice, "input_audio_format": "pcm16", "output_audio_format": "pcm16",
-                    "input_audio_transcription": None, "turn_detection": turn, "tools": [], "tool_choice": "auto",
+                    "input_audio_transcription": transcription, "turn_detection": turn, "tools": [], "tool_choice": "auto",
                     "max_response_output_tokens": limit, **vendor}
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
                 "output_modalities": ["audio"] if self.audio_out else ["text"], "instructions": self.instructions,
-                "audio": {"input": {"format": PCM_FORMAT, "transcription": None, "noise_reduction": None,
+                "audio": {"input": {"format": PCM_FORMAT, "transcription": transcription, "noise_reduction": None,
                                     "turn_detection": turn},
                           "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0}},
                 "tools": [], "tool_choice": "auto", "max_output_tokens": limit, **vendor}
@@ -130,26 +158,62 @@ class ItemContent:
     text: str = ""                             # input_text / output_text; the transcript of output_audio
     features: torch.Tensor | None = None       # input_audio: the whole clip's log-mel features [mel_bins, frames]
     audio_samples: int = 0                     # input_audio / output_audio: 24 kHz samples (after truncation)
-    text_marks: list[tuple[int, int]] = field(default_factory=list)  # output_audio: (samples made, len(text))
+    transcript: str | None = None              # input_audio: its transcription, once completed
+    token_ends: list[int] = field(default_factory=list)   # output_audio: len(text) after each text token
+    samples_per_token: float = 0.0             # output_audio: the audio time of one text token (see `align`)
 
     def wire(self, dialect: Dialect) -> dict[str, Any]:
         if self.kind == "input_text":
             return {"type": "input_text", "text": self.text}
         if self.kind == "input_audio":
-            return {"type": "input_audio", "transcript": None}
+            return {"type": "input_audio", "transcript": self.transcript}
         beta = dialect is Dialect.BETA
         if self.kind == "output_text":
             return {"type": "text" if beta else "output_text", "text": self.text}
         return {"type": "audio" if beta else "output_audio", "transcript": self.text}
 
+    def add_text(self, tokens: int, text: str) -> None:
+        """A text delta of `tokens` tokens. The delta's text is counted as its last token's (a delta of
+        several tokens cannot be split), so a cut inside it keeps none of it."""
+        self.text += text
+        if tokens <= 0:
+            if self.token_ends:
+                self.token_ends[-1] = len(self.text)
+            elif text:
+                self.token_ends.append(len(self.text))
+            return
+        before = self.token_ends[-1] if self.token_ends else 0
+        self.token_ends += [before] * (tokens - 1) + [len(self.text)]
+
+    def align(self, samples: int, complete: bool) -> None:
+        """How the text maps to the audio time: the speech spends the same time on each text token,
+        token k (from 1) of T counted as spoken once k * samples_per_token samples have played. A
+        reply whose talker finished (`complete`) spreads its T tokens over all of its audio; one
+        stopped early (cancelled, failed: its length is unknown) uses the larger of that and
+        DEFAULT_SAMPLES_PER_TOKEN."""
+        self.audio_samples = samples
+        tokens = len(self.token_ends)
+        if not tokens:
+            self.samples_per_token = 0.0
+            return
+        spread = samples / tokens
+        self.samples_per_token = spread if complete else max(spread, float(DEFAULT_SAMPLES_PER_TOKEN))
+
+    def spoken_tokens(self, samples: int) -> int:
+        """Text tokens spoken in the first `samples` of the audio (see `align`)."""
+        if samples <= 0 or not self.token_ends:
+            return 0
+        if self.samples_per_token <= 0:
+            return len(self.token_ends)
+        return min(len(self.token_ends), int(samples / self.samples_per_token + 1e-9))
+
     def truncate_audio(self, samples: int) -> None:
-        """Keep the first `samples` of the audio and the transcript made by the time the chunk
-        holding the last kept sample was made (the text runs ahead of the audio)."""
-        keep = 0 if samples <= 0 else next((chars for made, chars in self.text_marks if made >= samples),
-                                           len(self.text))
-        self.text, self.audio_samples = self.text[:keep], samples
-        self.text_marks = [(made, min(chars, keep)) for made, chars in self.text_marks if made < samples]
-        self.text_marks.append((samples, keep))
+        """Keep the first `samples` of the audio and the text spoken in them (`align`); what was
+        cut is gone from the transcript and from every later prompt."""
+        keep = self.spoken_tokens(samples)
+        self.text = self.text[:self.token_ends[keep - 1]] if keep else ""
+        self.token_ends = self.token_ends[:keep]
+        self.audio_samples = samples
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""Input audio transcription in a realtime session, by the served model itself.
+
+With `audio.input.transcription` (GA) / `input_audio_transcription` (beta) set, every committed
+user audio item (server VAD or input_audio_buffer.commit) is transcribed by a text-only request
+to the thinker: one user turn holding the item's audio (its stored features) and an instruction
+(TRANSCRIBE_INSTRUCTION, with the configured language and prompt), greedy, no talker. Its text
+comes back as `conversation.item.input_audio_transcription.delta` events and one `.completed`
+(with the request's token usage; `.failed` when it fails), and becomes the item's `transcript`.
+
+It runs beside the session's responses, never before them: a response is started first and never
+waits for a transcription. A session's transcriptions run one at a time, in commit order. Each is
+one more thinker request (counted in voxpipe_gateway_active_streams and the thinker's own
+gauges, and by outcome in voxpipe_gateway_transcriptions_total); it holds no --max-sessions slot
+of its own (the session's covers it), its tokens are not in any response's usage, and it is
+cancelled when the session ends."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from voxpipe.client import DoneEvent, PipelineError, TextEvent
+from voxpipe.services.runtime.logs import REQUEST_ID
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
+
+from .errors import APIError, from_pipeline_error
+from .generation import render_prompt, run_pipeline, speech_request
+from .params import GenerationParams
+from .realtime_events import INPUT_SAMPLE_RATE
+from .realtime_server_events import (InputTranscriptionCompleted, InputTranscriptionDelta, InputTranscriptionFailed,
+                                     TranscriptionError, TranscriptionUsage)
+from .realtime_session import TranscriptionSettings
+
+if TYPE_CHECKING:
+    from .realtime import RealtimeConnection
+
+log = logging.getLogger(__name__)
+
+TRANSCRIBE_INSTRUCTION = "Transcribe the audio into text. Reply with the transcript only."
+# a transcript's length bound: 16 tokens plus 8 a second of audio (ordinary speech is ~3 a second)
+MAX_TOKENS_BASE, MAX_TOKENS_PER_SECOND = 16, 8
+
+
+@dataclass(frozen=True)
+class TranscriptionJob:
+    item_id: str
+    content_index: int
+    features: torch.Tensor            # the committed audio's log-mel features, as the item stores them
+    audio_samples: int                # at 24 kHz
+    settings: TranscriptionSettings
+
+
+def instruction(settings: TranscriptionSettings) -> str:
+    text = TRANSCRIBE_INSTRUCTION
+    if settings.language:
+        text += f" The speech is in the language with the ISO-639-1 code {settings.language!r}."
+    if settings.prompt:
+        text += f" Context for the transcript: {settings.prompt}"
+    return text
+
+
+def transcription_messages(job: TranscriptionJob) -> list[ChatMessage]:
+    """The transcription request's conversation: one user turn, the audio then the instruction."""
+    return [ChatMessage("user", [ChatPart(features=job.features), ChatPart(text=instruction(job.settings))])]
+
+
+def max_tokens(audio_samples: int) -> int:
+    return MAX_TOKENS_BASE + MAX_TOKENS_PER_SECOND * math.ceil(audio_samples / INPUT_SAMPLE_RATE)
+
+
+class Transcriber:
+    """One session's transcriptions: submitted jobs run one at a time, in order, on their own task."""
+
+    def __init__(self, conn: "RealtimeConnection") -> None:
+        self.conn = conn
+        self.jobs: asyncio.Queue[TranscriptionJob] = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+
+    def submit(self, job: TranscriptionJob) -> None:
+        self.jobs.put_nowait(job)
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._work())
+
+    async def close(self) -> None:
+        """Cancel what runs (its thinker request is freed) and what waits."""
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def _work(self) -> None:
+        while True:
+            job = await self.jobs.get()
+            try:
+                await self._transcribe(job)
+            except asyncio.CancelledError:
+                self.conn.state.metrics.transcriptions.labels("cancelled").inc()
+                raise
+
+    async def _transcribe(self, job: TranscriptionJob) -> None:
+        st, emit = self.conn.state, self.conn.emit
+        arrived = time.perf_counter()
+        text, prompt_ids, output_tokens = "", [], 0
+        try:
+            prompt = await render_prompt(st, transcription_messages(job))
+            prompt_ids = prompt.token_ids
+            req = speech_request(prompt, GenerationParams(max_tokens=max_tokens(job.audio_samples), temperature=0.0),
+                                 voice="", audio=False)
+            req.request_id = f"{job.item_id}-transcription"
+            REQUEST_ID.set(req.request_id)
+            async with aclosing(run_pipeline(st, req, arrived)) as events:
+                async for ev in events:
+                    if isinstance(ev, TextEvent):
+                        output_tokens += len(ev.token_ids)
+                        if ev.text:
+                            text += ev.text
+                            await emit(InputTranscriptionDelta(job.item_id, job.content_index, ev.text))
+                    elif isinstance(ev, DoneEvent):
+                        output_tokens = ev.completion_tokens or output_tokens
+        except PipelineError as e:
+            await self._failed(job, from_pipeline_error(e))
+            return
+        except APIError as e:
+            await self._failed(job, e)
+            return
+        except Exception:
+            log.exception("transcribing realtime item %s failed", job.item_id)
+            await self._failed(job, APIError(500, "the server failed while transcribing this audio",
+                                             type="server_error", code="server_error"))
+            return
+        if self.conn.conversation.has(job.item_id):
+            item = self.conn.conversation.find(job.item_id)
+            if job.content_index < len(item.content):
+                item.content[job.content_index].transcript = text
+        audio_tokens = prompt_ids.count(st.omni.thinker.tokens.audio_token)
+        st.metrics.transcriptions.labels("completed").inc()
+        await emit(InputTranscriptionCompleted(job.item_id, job.content_index, text,
+                                               TranscriptionUsage(len(prompt_ids), output_tokens, audio_tokens)))
+
+    async def _failed(self, job: TranscriptionJob, e: APIError) -> None:
+        log.info("transcribing realtime item %s failed: %s", job.item_id, e.message)
+        self.conn.state.metrics.transcriptions.labels("failed").inc()
+        await self.conn.emit(InputTranscriptionFailed(job.item_id, job.content_index,
+                                                      TranscriptionError(e.type, e.code, e.message, e.param)))
