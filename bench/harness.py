@@ -60,8 +60,9 @@ def mode_names(spec: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder or config.json (default: the released config, dummy weights)")
-    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"],
+                   help="dummy (default): full-size random weights built on the device; auto: --model's weights")
+    p.add_argument("--device", default="cuda", help="cpu, cuda, cuda:N for every stage (default cuda)")
     p.add_argument("--modes", default="gateway,split,inprocess", type=mode_names,
                    help="comma list of gateway (OpenAI SDK or realtime WebSocket -> gateway -> services), split "
                         "(gRPC pipeline client -> services), inprocess (engines in one process)")
@@ -69,14 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of levels for every workload (default: each workload's own, BENCHMARK.md: "
                         + "; ".join(f"{n} {','.join(map(str, w.levels))}" for n, w in WORKLOADS.items()) + ")")
     p.add_argument("--requests", type=int, default=0, help="per level (default max(20, 5 x c); --quick: max(8, 2 x c))")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5, help="untimed requests before each level (at most c of them; --quick: at most 2)")
     p.add_argument("--quick", action="store_true", help="fewer requests, fits one 10-minute device call")
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers' generate at c=1 in a separate process, once per workload")
-    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=64, help="every stage's --max-batch")
     p.add_argument("--extra", default="", help="extra flags for every stage service (split and in-process)")
-    p.add_argument("--out", default="bench/out")
-    p.add_argument("--base-port", type=int, default=52051)
+    p.add_argument("--out", default="bench/out", help="folder for the run's JSON and reports")
+    p.add_argument("--base-port", type=int, default=52051,
+                   help="the started services' thinker port; talker +1, code2wav +2, their metrics +10.., the "
+                        "gateway +20")
     p.add_argument("--mps", action="store_true",
                    help="split mode: run the three services under a CUDA MPS daemon started (and quit) by the bench")
     p.add_argument("--ablation", action="store_true",

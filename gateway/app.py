@@ -31,6 +31,7 @@ from prometheus_client import Gauge
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from voxpipe.client import PipelineClient, PipelineError
+from voxpipe.services.runtime.logs import REQUEST_ID, AccessRecord, log_access
 from voxpipe.services.runtime.tracing import TracingMiddleware, fastapi_tracing_off
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.metrics import watch_loop_lag
@@ -147,25 +148,68 @@ _REQUEST_ID_OK = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 class RequestId:
     """ASGI middleware: every HTTP response carries `x-request-id` -- the client's own when it sent a
     well-formed one (letters, digits, `._:-`, at most 128), else a new `req_<hex>`. The id is in
-    scope["state"]["request_id"] for the handlers and logs."""
+    scope["state"]["request_id"] for the handlers and the current REQUEST_ID for the logs; a
+    WebSocket session gets one the same way (its logs carry it; no header goes back)."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers", ())).get(REQUEST_ID_HEADER, b"")
         request_id = given if _REQUEST_ID_OK.match(given) else f"req_{uuid.uuid4().hex}".encode()
         scope.setdefault("state", {})["request_id"] = request_id.decode()
+        token = REQUEST_ID.set(request_id.decode())          # the logs of this request carry it
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER, request_id)]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id if scope["type"] == "http" else send)
+        finally:
+            REQUEST_ID.reset(token)
+
+
+class AccessLog:
+    """ASGI middleware: an access line (services.runtime.logs, logger voxpipe.access) for every
+    HTTP request but GET / HEAD / OPTIONS (probes and scrapes) once its response has ended, and
+    for every WebSocket session once it has ended (status: the close code the server sent, or
+    101 when the client hung up)."""
+
+    QUIET = ("GET", "HEAD", "OPTIONS")
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or (kind == "http" and scope.get("method") in self.QUIET):
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"value": "500" if kind == "http" else "-"}
+
+        async def watched(message) -> None:
+            t = message["type"]
+            if t in ("http.response.start", "websocket.http.response.start"):
+                status["value"] = str(message["status"])
+            elif t == "websocket.accept":
+                status["value"] = "101"
+            elif t == "websocket.close":
+                status["value"] = str(message.get("code", 1000))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            client = scope.get("client")
+            log_access(AccessRecord(scope.get("method", "GET") if kind == "http" else "WEBSOCKET",
+                                    scope.get("path", ""), status["value"], time.perf_counter() - started,
+                                    f"{client[0]}:{client[1]}" if client else None))
 
 
 class RequestMetrics:
@@ -239,6 +283,15 @@ async def stage_health(addresses: str, timeout: float = 2.0, tls: ClientTLS | No
     return dict(zip(addrs, await asyncio.gather(*(check(a) for a in addrs))))
 
 
+async def readiness(cfg: GatewayConfig) -> tuple[bool, dict[str, dict[str, str]]]:
+    """Whether every replica of the stages the gateway calls is SERVING (what /ready answers, and
+    what the Converse port's grpc.health.v1 status follows), and each replica's status."""
+    stages = dict(zip(STAGES, await asyncio.gather(*(stage_health(getattr(cfg, s), tls=cfg.stage_tls)
+                                                     for s in STAGES))))
+    ok = all(status == "SERVING" for per_stage in stages.values() for status in per_stage.values())
+    return ok, stages
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -265,10 +318,7 @@ def _add_basic_routes(app: FastAPI) -> None:
 
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:
-        cfg = gateway_state(request).config
-        stages = dict(zip(STAGES, await asyncio.gather(*(stage_health(getattr(cfg, s), tls=cfg.stage_tls)
-                                                         for s in STAGES))))
-        ok = all(status == "SERVING" for per_stage in stages.values() for status in per_stage.values())
+        ok, stages = await readiness(gateway_state(request).config)
         return JSONResponse({"ready": ok, "stages": stages}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -320,6 +370,7 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     app.add_middleware(OriginCheck, allowed=config.cors_allow_origins)   # inside RequestId: refusals carry ids
     app.add_middleware(BodyTimeout, seconds=config.body_timeout_s)
     app.add_middleware(RequestMetrics, metrics=state.metrics)
+    app.add_middleware(AccessLog)           # inside RequestId and the tracing span: its lines carry their ids
     app.add_middleware(RequestId)
     app.add_middleware(TracingMiddleware)   # outermost: one span per request, honouring `traceparent`
     _add_error_handlers(app)

@@ -5,12 +5,17 @@ sampling, lengths) -> text deltas and 24 kHz audio chunks as the pipeline makes 
 A Cancel message, or the client cancelling the call, stops the turn and frees it in every stage.
 With --api-key, a call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise).
 Served with grpc.health.v1 and (unless --no-reflection) server reflection on the gateway's
---grpc-port, on --host; request messages that do not parse are INVALID_ARGUMENT (rpc_guard).
+--grpc-port, on --host; request messages that do not parse are INVALID_ARGUMENT (rpc_guard). The
+health status follows /ready: SERVING while every thinker and code2wav replica is, NOT_SERVING
+otherwise (re-checked every READY_POLL_S). A turn cancelled by the client still ends with a Done
+whose usage is complete: prompt tokens as rendered, text tokens and audio samples sent, and the
+codec frames of that audio.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -26,7 +31,8 @@ from opentelemetry import context as otel_context
 from voxpipe.audio import resample
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, TextEvent
 from voxpipe.services.runtime import tracing
-from voxpipe.services.runtime.calls import abort
+from voxpipe.services.runtime.calls import ClientGone, abort
+from voxpipe.services.runtime.logs import REQUEST_ID, AccessRecord, log_access
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.rpc_guard import Abort, RequestGuard
 from voxpipe.services.runtime.server import add_health_and_reflection
@@ -37,7 +43,7 @@ from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
 
-from .app import authorized
+from .app import authorized, readiness
 from .audio_formats import decode_clip
 from .generation import render_now, run_pipeline
 from .limits import AUDIO_RATES, audio_problem
@@ -145,10 +151,46 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
     return ConverseTurn(messages, speech)
 
 
+def cancelled_usage(usage: gw.Usage, prompt_tokens: int, samples_per_frame: int) -> None:
+    """Complete a cancelled turn's usage, which no stage reported: the prompt's tokens as rendered,
+    the text tokens and audio samples sent, and the codec frames of that audio (each frame is
+    `samples_per_frame` samples, the first a little less: ceil)."""
+    usage.prompt_tokens = usage.prompt_tokens or prompt_tokens
+    usage.audio_frames = usage.audio_frames or -(-usage.audio_samples // samples_per_frame)
+
+
 # ----------------------------------------------------------------------------- the servicer
 
 _END = object()
 _CANCEL = object()
+
+
+def access_logged(handler):
+    """An access line (services.runtime.logs) for every Converse call once it has ended: its gRPC
+    status name (CANCELLED when the client cancelled the call; OK for a turn it ended with Cancel)."""
+
+    @functools.wraps(handler)
+    async def logged(self, request_iterator, context: grpc.aio.ServicerContext):
+        started, status = time.perf_counter(), "OK"
+        try:
+            async with aclosing(handler(self, request_iterator, context)) as inner:
+                async for item in inner:
+                    yield item
+        except grpc.aio.AbortError:
+            code = context.code()
+            status = code.name if isinstance(code, grpc.StatusCode) else "ABORTED"
+            raise
+        except (ClientGone, GeneratorExit, asyncio.CancelledError):
+            status = "CANCELLED"
+            raise
+        except Exception:
+            status = "UNKNOWN"
+            raise
+        finally:
+            log_access(AccessRecord("GRPC", f"/{SERVICE_NAME}/Converse", status, time.perf_counter() - started,
+                                    context.peer()))
+
+    return logged
 
 
 class ConverseServicer(gw_grpc.GatewayServicer):
@@ -167,6 +209,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
         turn.speech.audio_features = prompt.audio_features
 
     @tracing.traced_rpc(SERVICE_NAME, "Converse")
+    @access_logged
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext):
         metadata = dict(context.invocation_metadata() or ())
         if not authorized(self.state.config, metadata.get("authorization")):
@@ -195,6 +238,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         speech = turn.speech
+        REQUEST_ID.set(speech.request_id)          # this call's logs (and its access line) carry it
         tracing.annotate(request_id=speech.request_id, voice=speech.speaker if speech.audio else None)
         # the trace to join: this call's span, or (tracing off here) the caller's traceparent as is
         trace_context = (otel_context.get_current() if tracing.enabled()
@@ -259,6 +303,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
                     break
                 elif ev is _CANCEL:
                     pump_task.cancel()          # closes the pipeline stream: every stage frees the request
+                    cancelled_usage(usage, len(speech.token_ids or ()), self.state.omni.code2wav.samples_per_frame)
                     text_finish = text_finish or pb.CANCELLED
                     audio_finish = (audio_finish or pb.CANCELLED) if speech.audio else audio_finish
                     tracing.annotate(cancelled=True)
@@ -283,13 +328,47 @@ class ConverseServicer(gw_grpc.GatewayServicer):
 
 # ----------------------------------------------------------------------------- serving
 
+READY_POLL_S = 2.0      # how often the Converse port's health status is brought in line with /ready
+
+
+class HealthFollowsReadiness:
+    """The Converse port's health status (overall and voxpipe.v1.Gateway): SERVING while /ready
+    would answer 200 (every thinker and code2wav replica SERVING), NOT_SERVING otherwise."""
+
+    def __init__(self, health_servicer: health.aio.HealthServicer, config: Any) -> None:
+        self.health, self.config = health_servicer, config
+        self.status: int | None = None
+
+    async def check(self) -> None:
+        try:
+            ok, _ = await readiness(self.config)
+        except Exception:       # a check that fails in an unexpected way says "not ready"
+            log.exception("checking the stages' readiness failed")
+            ok = False
+        now = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        if now != self.status:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, now)
+            log.info("Converse health: %s", health_pb2.HealthCheckResponse.ServingStatus.Name(now))
+            self.status = now
+
+    async def follow(self, interval: float = READY_POLL_S) -> None:
+        """Until cancelled: check every `interval` seconds."""
+        while True:
+            await asyncio.sleep(interval)
+            await self.check()
+
+
 @dataclass
 class ConverseServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    readiness: asyncio.Task
 
     async def stop(self, grace: float | None = None) -> None:
+        self.readiness.cancel()
+        await asyncio.gather(self.readiness, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
 
@@ -308,8 +387,11 @@ async def serve_converse(app_state: Any, port: int, host: str = "[::]") -> Conve
     bound = add_port(server, address, app_state.config.tls)     # TLS with the gateway's --ssl-certfile/--ssl-keyfile
     if bound == 0:
         raise RuntimeError(f"could not bind the Converse gRPC port {host}:{port}")
+    for name in ("", SERVICE_NAME):        # until the first check says otherwise
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    follower = HealthFollowsReadiness(health_servicer, app_state.config)
+    await follower.check()
+    following = asyncio.ensure_future(follower.follow())
     log.info("Converse gRPC API on port %d%s", bound, " (TLS)" if app_state.config.tls else "")
-    return ConverseServer(server, bound, health_servicer)
+    return ConverseServer(server, bound, health_servicer, following)

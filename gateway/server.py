@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "(default: the tiny checkpoint)")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the checkpoint folder name)")
     parser.add_argument("--host", default="0.0.0.0", help="the address of every listener (HTTP and Converse)")
-    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="the OpenAI HTTP API, realtime WebSocket and /metrics port (0: any free port)")
     parser.add_argument("--grpc-port", type=int, default=0, help="serve the Converse gRPC API here (0: off)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on HTTP, WebSocket "
                                                         "and Converse (default: $VOXPIPE_API_KEY; unset: no auth)")
@@ -80,7 +81,8 @@ async def serve(args) -> None:
         raise SystemExit(f"gateway: {e}") from None
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, loop="none",
                                            http="auto", ws="auto", log_level=args.log_level.lower(),
-                                           access_log=False, timeout_graceful_shutdown=10,
+                                           # logs in voxpipe's format (logs.py), the access lines its own
+                                           log_config=None, access_log=False, timeout_graceful_shutdown=10,
                                            ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
     serving = asyncio.ensure_future(server.serve())
     while not server.started and not serving.done():

@@ -267,6 +267,35 @@ def test_cancel_message_ends_the_turn_and_frees_every_stage(channel, stack):
     assert error_streams(stack) == errors
 
 
+def test_done_after_a_cancel_carries_the_whole_usage(channel, omni_config):
+    """A turn cancelled once audio flows ends with a Done whose usage has the prompt's tokens (as
+    the uncancelled turn reports them), the text tokens and audio samples sent, and the frames of
+    that audio."""
+    whole = split(converse(channel, start(text=TEXT, max_tokens=2, max_frames=3)))[2]
+    requests: queue.Queue = queue.Queue()
+    requests.put(long_turn())
+
+    def request_stream():
+        while (item := requests.get()) is not None:
+            yield item
+
+    got = []
+    for resp in gw_grpc.GatewayStub(channel).Converse(request_stream(), timeout=120):
+        got.append(resp)
+        if [r.WhichOneof("kind") for r in got].count("audio") == 2 and resp.WhichOneof("kind") == "audio":
+            requests.put(gw.ConverseRequest(cancel=pb.Cancel()))
+            requests.put(None)
+    text, audio, done = split(got)
+    assert done.audio_finish == pb.CANCELLED
+    usage = done.usage
+    samples = sum(a.num_samples for a in audio)
+    assert usage.prompt_tokens == whole.usage.prompt_tokens > 0
+    assert usage.completion_tokens == sum(len(t.token_ids) for t in text) > 0
+    assert usage.audio_samples == samples > 0
+    per_frame = omni_config.code2wav.samples_per_frame
+    assert usage.audio_frames == -(-samples // per_frame) >= 2
+
+
 def test_client_cancelling_the_call_frees_every_stage(channel, stack):
     errors = error_streams(stack)
     for turn in range(6):

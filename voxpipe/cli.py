@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 from voxpipe.layout import Layout, LayoutError
+from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
 
 DEFAULT_HOME = Path(os.environ.get("VOXPIPE_HOME", Path.home() / ".cache" / "voxpipe"))
 STAGES = ("thinker", "talker", "code2wav")
@@ -87,7 +87,10 @@ def cmd_health(args) -> int:
     from voxpipe.services.runtime.tls import channel
 
     tls = _client_tls(args)
-    addrs = [args.addr] if args.addr else [f"localhost:{p}" for p in (50051, 50052, 50053)]
+    if args.addr and args.address and args.addr != args.address:
+        raise SystemExit(f"error: two addresses given ({args.address} and --addr {args.addr}); give one")
+    addr = args.address or args.addr
+    addrs = [addr] if addr else [f"localhost:{p}" for p in (50051, 50052, 50053)]
     for addr in addrs:
         try:
             with channel(addr, tls) as ch:
@@ -110,11 +113,14 @@ class LocalStack:
 
     def __init__(self, model: Path, host: str, base_port: int, device: str, extra: list[str] | None = None,
                  metrics_ports: dict[str, int] | None = None, http_port: int = 0,
-                 layout: Layout | None = None, gateway_extra: list[str] | None = None) -> None:
+                 layout: Layout | None = None, gateway_extra: list[str] | None = None,
+                 global_flags: list[str] | None = None, gateway_env: dict[str, str] | None = None) -> None:
         """`layout`: replicas and devices per stage (default: one replica of each on `device`);
         ports are given out from `base_port` in process order. `metrics_ports`: by process name
         (a stage's name when it has one replica, see Layout.names). `extra`: flags of every stage
-        (TLS ones, say); `gateway_extra`: flags of the gateway."""
+        (TLS ones, say); `gateway_extra`: flags of the gateway; `global_flags`: `voxpipe` flags
+        before the command (--log-level, --log-format) of every process; `gateway_env`: more
+        environment for the gateway (VOXPIPE_API_KEY: a key stays off the command line)."""
         self.model, self.host, self.device = model, host, device
         self.layout = layout or Layout.parse("", device)
         self.stage_of = {name: stage for name, stage, _ in self.layout.processes()}
@@ -124,6 +130,8 @@ class LocalStack:
         self.metrics_ports = metrics_ports or {}
         self.extra = extra or []
         self.gateway_extra = gateway_extra or []
+        self.global_flags = global_flags or []
+        self.gateway_env = gateway_env or {}
         self.http_port = http_port          # > 0: also run the gateway (OpenAI HTTP API) on this port
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -141,8 +149,8 @@ class LocalStack:
 
     def start(self, timeout: float = 300.0) -> None:
         for name, stage, device in self.layout.processes():
-            cmd = [sys.executable, "-m", "voxpipe.cli", stage, "--model", str(self.model), "--host", self.host,
-                   "--port", str(self.ports[name]), "--device", device] + self.extra
+            cmd = [sys.executable, "-m", "voxpipe.cli", *self.global_flags, stage, "--model", str(self.model),
+                   "--host", self.host, "--port", str(self.ports[name]), "--device", device] + self.extra
             if self.metrics_ports.get(name):
                 cmd += ["--metrics-port", str(self.metrics_ports[name])]
             cmd += self.next_stage_flags(stage)
@@ -151,10 +159,11 @@ class LocalStack:
         for name, proc in list(self.procs.items()):
             self._wait_ready(name, proc, deadline, timeout)
         if self.http_port:
-            cmd = [sys.executable, "-m", "voxpipe.cli", "gateway", "--model", str(self.model), "--host", self.host,
-                   "--http-port", str(self.http_port)] + [f"--{s}={self.address(s)}" for s in ("thinker", "code2wav")]
-            cmd += self.gateway_extra
-            self.procs["gateway"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+            cmd = [sys.executable, "-m", "voxpipe.cli", *self.global_flags, "gateway", "--model", str(self.model),
+                   "--host", self.host, "--http-port", str(self.http_port)]
+            cmd += [f"--{s}={self.address(s)}" for s in ("thinker", "code2wav")] + self.gateway_extra
+            env = {**os.environ, **self.gateway_env} if self.gateway_env else None
+            self.procs["gateway"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
             self._wait_ready("gateway", self.procs["gateway"], deadline, timeout)
 
     def _wait_ready(self, name: str, proc: subprocess.Popen, deadline: float, timeout: float) -> None:
@@ -198,13 +207,19 @@ def cmd_up(args) -> int:
         raise SystemExit("error: --tls-cert needs --tls-ca here: the stages call each other (and the gateway "
                          "calls them), so they need the CA to check the certificates")
     stage_flags, gateway_flags = _up_tls_flags(args)
+    stage_flags += _up_stage_flags(args)
     gateway_flags += _up_gateway_flags(args)
     try:
         layout = Layout.parse(args.devices, args.device)
     except LayoutError as e:
         raise SystemExit(f"error: {e}")
+    metrics_ports = ({name: args.metrics_base_port + i for i, (name, _, _) in enumerate(layout.processes())}
+                     if args.metrics_base_port else None)
+    api_key = args.api_key or os.environ.get("VOXPIPE_API_KEY")
     stack = LocalStack(model, host, args.base_port, args.device, http_port=http_port, extra=stage_flags,
-                       gateway_extra=gateway_flags, layout=layout)
+                       gateway_extra=gateway_flags, layout=layout, metrics_ports=metrics_ports,
+                       global_flags=[f"--log-level={args.log_level}", f"--log-format={args.log_format}"],
+                       gateway_env={"VOXPIPE_API_KEY": api_key} if api_key else None)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -214,10 +229,14 @@ def cmd_up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     stack.start()
     for name, stage, device in stack.layout.processes():
-        print(f"{name:9s} {host}:{stack.ports[name]}  {device}  (pid {stack.procs[name].pid})", flush=True)
+        metrics = f", metrics http://{host}:{stack.metrics_ports[name]}/metrics" if stack.metrics_ports else ""
+        print(f"{name:9s} {host}:{stack.ports[name]}  {device}  (pid {stack.procs[name].pid}{metrics})", flush=True)
     if http_port:
         scheme = "https" if args.ssl_certfile else "http"
-        print(f"gateway   {scheme}://{host}:{http_port}/v1  (pid {stack.procs['gateway'].pid})", flush=True)
+        print(f"gateway   {scheme}://{host}:{http_port}/v1  (pid {stack.procs['gateway'].pid}, metrics "
+              f"{scheme}://{host}:{http_port}/metrics)", flush=True)
+        if args.grpc_port:
+            print(f"converse  {host}:{args.grpc_port}  (voxpipe.v1.Gateway/Converse)", flush=True)
     try:
         if args.say is not None:
             args.thinker, args.code2wav = stack.address("thinker"), stack.address("code2wav")
@@ -235,6 +254,26 @@ def cmd_up(args) -> int:
         stack.stop()
 
 
+def _up_stage_flags(args) -> list[str]:
+    """`voxpipe up`'s flags for every stage: the engine ones given, then --stage-arg's, as written."""
+    flags = [f"--max-batch={args.max_batch}"] if args.max_batch else []
+    flags += [f"--load-format={args.load_format}", f"--dtype={args.dtype}"]
+    return flags + list(args.stage_arg or [])
+
+
+def _up_gateway_flags(args) -> list[str]:
+    """`voxpipe up`'s flags for the gateway besides TLS (the API key travels in its environment),
+    then --gateway-arg's, as written."""
+    flags = [f"--grpc-port={args.grpc_port}"] if args.grpc_port else []
+    if args.served_model_name:
+        flags.append(f"--served-model-name={args.served_model_name}")
+    if args.max_sessions is not None:
+        flags.append(f"--max-sessions={args.max_sessions}")
+    if args.cors_allow_origins is not None:
+        flags.append(f"--cors-allow-origins={args.cors_allow_origins.flag()}")
+    return flags + list(args.gateway_arg or [])
+
+
 def _up_tls_flags(args) -> tuple[list[str], list[str]]:
     """`voxpipe up`'s TLS flags as the stages' flags and the gateway's: the stages serve with
     --tls-cert/--tls-key(/--tls-client-ca) and call each other with --tls-ca(/--tls-client-*), the
@@ -249,12 +288,6 @@ def _up_tls_flags(args) -> tuple[list[str], list[str]]:
     return serve + client, gateway + client
 
 
-def _up_gateway_flags(args) -> list[str]:
-    """`voxpipe up`'s flags for the gateway alone (besides TLS)."""
-    origins = args.cors_allow_origins
-    return [] if origins is None else [f"--cors-allow-origins={origins.flag()}"]
-
-
 # ----------------------------------------------------------------------------- say
 
 def _add_say_options(p: argparse.ArgumentParser) -> None:
@@ -264,12 +297,13 @@ def _add_say_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-frames", type=int, default=128,
                    help="talker max_new_tokens (codec steps; at the limit max_frames - 1 frames are spoken)")
     p.add_argument("--min-tokens", type=int, default=0, help="thinker min_new_tokens (not with --verbatim)")
-    p.add_argument("--min-frames", type=int, default=0)
+    p.add_argument("--min-frames", type=int, default=0, help="talker min_new_tokens (no end of speech before)")
     p.add_argument("--ignore-eos", action="store_true", help="min = max for text tokens and codec frames")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                                                             "holding this much probability (1: all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: random)")
     p.add_argument("--audio", help="a wav file to include as an audio part of the user turn (its features are "
                                    "computed here from --model's config)")
     p.add_argument("--verbatim", action="store_true",
@@ -359,7 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     from voxpipe.services.runtime.tls import add_client_tls_arguments, add_server_tls_arguments
 
     parser = argparse.ArgumentParser(prog="voxpipe", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("VOXPIPE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", type=_log_level, default=os.environ.get("VOXPIPE_LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING, ERROR or CRITICAL (env VOXPIPE_LOG_LEVEL; default INFO)")
+    parser.add_argument("--log-format", choices=FORMATS, default=os.environ.get("VOXPIPE_LOG_FORMAT", "plain"),
+                        help="plain: one text line per record; json: one JSON object per line; both carry the "
+                             "request and trace ids where known (env VOXPIPE_LOG_FORMAT; default plain)")
     sub = parser.add_subparsers(dest="command", required=True)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"run the {stage} gRPC service")
@@ -372,9 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_args(p)
     p.set_defaults(func=tiny_run)
 
-    p = sub.add_parser("up", help="start the three services locally (tiny checkpoint by default)")
+    p = sub.add_parser("up", help="start the three services and the gateway locally (tiny checkpoint by default)")
     p.add_argument("--model", help="checkpoint folder (default: the tiny checkpoint, made on first use)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address every service listens on")
     p.add_argument("--base-port", type=int, default=50051,
                    help="thinker port; the next processes (talker, code2wav, or their replicas) count up from it")
     p.add_argument("--device", default="auto", help="the device of stages --devices does not name (auto: cuda if present)")
@@ -383,6 +421,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "(DEV*N: N replicas sharing DEV; +: one device per replica)")
     p.add_argument("--http-port", type=int, default=8000,
                    help="the gateway's OpenAI HTTP API port (0: no gateway; none with --say)")
+    g = p.add_argument_group("passed on to the gateway")
+    g.add_argument("--api-key", default=None,
+                   help="the gateway requires 'Authorization: Bearer KEY' (HTTP, WebSocket, Converse); handed over "
+                        "in its environment, not on its command line (default: $VOXPIPE_API_KEY; unset: no auth)")
+    g.add_argument("--grpc-port", type=int, default=0, help="the gateway serves the Converse gRPC API here (0: off)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: the checkpoint folder name)")
+    g.add_argument("--max-sessions", type=int, default=None,
+                   help="concurrent generations, realtime and Converse sessions before 429 (default: the gateway's)")
+    g.add_argument("--gateway-arg", action="append", metavar="FLAG",
+                   help="one more gateway flag, as written (repeatable; e.g. --gateway-arg=--max-body-mb=64)")
+    g = p.add_argument_group("passed on to every stage")
+    g.add_argument("--metrics-base-port", type=int, default=0,
+                   help="the stages serve Prometheus /metrics: the thinker on this port, the next processes "
+                        "(talker, code2wav, or their replicas) counting up from it (0: off; the gateway's is its "
+                        "HTTP port's /metrics)")
+    g.add_argument("--max-batch", type=int, default=0, help="streams each stage engine runs at once "
+                                                            "(default: the stages' own)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: full-size random weights built on the device from config.json")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the stages' weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--stage-arg", action="append", metavar="FLAG",
+                   help="one more flag of every stage, as written (repeatable; e.g. --stage-arg=--max-len=8192)")
     p.add_argument("--say", metavar="TEXT", help="speak TEXT through the stack, write -o, then stop everything")
     _add_say_options(p)
     add_server_tls_arguments(p)
@@ -397,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("say", help="speak a reply to TEXT (with --verbatim: TEXT itself) through running "
                                         "services into a wav")
-    p.add_argument("text")
+    p.add_argument("text", help="the user's turn (with --verbatim: what is spoken)")
     p.add_argument("--model", help="checkpoint folder, only for --audio / --render-locally (default: the tiny "
                                    "checkpoint); otherwise the thinker renders the text with its own")
     p.add_argument("--thinker", default="127.0.0.1:50051", help="the thinker replicas (it picks the talker)")
@@ -419,18 +481,27 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_args(p)
     p.set_defaults(func=gateway_run)
 
-    p = sub.add_parser("health", help="check a service's grpc.health.v1 status")
-    p.add_argument("--addr", help="host:port (default: try localhost:50051..50053)")
-    p.add_argument("--service", default="")
-    p.add_argument("--timeout", type=float, default=3.0)
+    p = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 when SERVING)")
+    p.add_argument("address", nargs="?", metavar="ADDR",
+                   help="host:port of a stage or of the gateway's Converse port (default: try localhost:50051..50053)")
+    p.add_argument("--addr", help="the same as ADDR")
+    p.add_argument("--service", default="", help="the service name to ask about (default: the server as a whole)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     add_client_tls_arguments(p, who="the service")
     p.set_defaults(func=cmd_health)
     return parser
 
 
+def _log_level(value: str) -> str:
+    try:
+        return level_name(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}; use one of {', '.join(LEVELS)}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     rc = args.func(args)
     return int(rc or 0)
 

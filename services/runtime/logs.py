@@ -13,8 +13,9 @@ trace_id / span_id when known, the exception text when there is one, and for acc
 The request id is the current one of this context (REQUEST_ID: set by the gateway per HTTP
 request, realtime session and Converse call, and by the stages per stream from the start
 message's request_id); the trace and span ids are the current OpenTelemetry span's (a recording
-span, or a caller's `traceparent` honoured with tracing off). Uvicorn's own loggers go through
-the same handler; the gateway writes the access lines itself (logger `voxpipe.access`).
+span, or a caller's `traceparent` honoured with tracing off). Uvicorn's, transformers' and
+Python's warnings go through the same handler; the gateway writes the access lines itself
+(logger `voxpipe.access`). The gRPC C core's own messages (GRPC_VERBOSITY) are not Python logs.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class JsonFormatter(logging.Formatter):
                 body[name] = value
         access = getattr(record, "access", None)
         if isinstance(access, AccessRecord):
-            body["access"] = asdict(access)
+            body["access"] = {**asdict(access), "duration_s": round(access.duration_s, 6)}
         if record.exc_info:
             body["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:
@@ -103,9 +104,25 @@ def level_name(value: str) -> str:
     return name
 
 
+_configured = False
+
+
+def adopt_transformers_logging() -> None:
+    """transformers logs through a handler of its own, in its own format: once this process has
+    set up voxpipe's logging, send its records through voxpipe's handler instead. Call it where
+    transformers is imported anyway (importing it costs seconds)."""
+    if not _configured:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+
+
 def setup_logging(level: str = "INFO", fmt: str = "plain", stream: TextIO | None = None) -> None:
     """Every record of this process, uvicorn's and grpc's Python loggers included, through one
     handler in `fmt` ("plain" or "json") at `level`."""
+    global _configured
     if fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; use one of {', '.join(FORMATS)}")
     handler = logging.StreamHandler(stream or sys.stderr)
@@ -116,6 +133,10 @@ def setup_logging(level: str = "INFO", fmt: str = "plain", stream: TextIO | None
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level_name(level))
+    logging.captureWarnings(True)           # Python warnings in the same format (logger py.warnings)
+    _configured = True
+    if "transformers" in sys.modules:
+        adopt_transformers_logging()
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):     # uvicorn's, when it has set them up
         logger = logging.getLogger(name)
         for old in list(logger.handlers):

@@ -2,6 +2,7 @@
 
 voxpipe_active_streams{stage}      streams admitted and not finished (autoscaling signal)
 voxpipe_queue_depth{stage}         streams waiting for an engine slot (autoscaling signal)
+voxpipe_stage_capacity{stage}      streams the engine runs at once (--max-batch): active streams above it wait
 voxpipe_throttled_streams{stage}   streams paused because their client reads too slowly
 voxpipe_stage_latency_seconds{stage,phase}  queue_wait | first_output | total per stream
 voxpipe_engine_step_seconds{stage}  one engine step
@@ -34,6 +35,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 ACTIVE = Gauge("voxpipe_active_streams", "Streams admitted and not finished", ["stage"], registry=REGISTRY)
 THROTTLED = Gauge("voxpipe_throttled_streams", "Streams paused because their client reads too slowly", ["stage"],
                   registry=REGISTRY)
+CAPACITY = Gauge("voxpipe_stage_capacity", "Streams the engine runs at once (its max batch, --max-batch)", ["stage"],
+                 registry=REGISTRY)
 QUEUE = Gauge("voxpipe_queue_depth", "Streams waiting for an engine slot", ["stage"], registry=REGISTRY)
 LATENCY = Histogram("voxpipe_stage_latency_seconds", "Per-stream latency by phase", ["stage", "phase"],
                     buckets=LATENCY_BUCKETS, registry=REGISTRY)

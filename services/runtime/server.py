@@ -25,6 +25,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from .engine import EngineRequest, StageEngine, StageError
 from . import metrics
+from .logs import REQUEST_ID
 from .metrics import serve_metrics
 from .calls import ClientGone, abort, when_done
 from .rpc_guard import Abort, RequestGuard
@@ -127,6 +128,8 @@ class StageServicer:
         try:
             try:
                 start = await self.read_head(it, "start", "chunk")
+                if start.request_id:
+                    REQUEST_ID.set(start.request_id)      # this call's logs carry it
                 self.admit()
                 return self.make_job(start)
             except Abort as e:
@@ -311,6 +314,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
         if health_server.add_insecure_port(f"{opts.host}:{opts.health_port}") == 0:
             raise RuntimeError(f"could not bind the health port {opts.host}:{opts.health_port}")
     servicer.engine.start()
+    metrics.CAPACITY.labels(servicer.engine.name).set(servicer.engine.max_active)
     serve_metrics(opts.metrics_port, listen_host(opts.host))
     await server.start()
     if health_server is not None:
@@ -356,10 +360,12 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
 
 def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) -> None:
     parser.add_argument("--model", help="checkpoint folder (config.json + safetensors); default: the tiny checkpoint")
-    parser.add_argument("--host", default="[::]")
-    parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument("--host", default="[::]", help="the address every listener binds (gRPC, --health-port, "
+                                                         "--metrics-port; default: all)")
+    parser.add_argument("--port", type=int, default=default_port, help=f"the gRPC port (default {default_port})")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: full-size random weights built on the device from config.json")
     parser.add_argument("--max-batch", type=int, default=16, help="concurrent streams in the engine")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..runtime.config import OmniConfig, ThinkerConfig
+from ..runtime.logs import adopt_transformers_logging
 from .model import audio_output_length
 
 # the audio encoder's front end (STAGES.md); the mel bins come from config.json
@@ -64,6 +65,7 @@ class FeatureExtractor:
         from `num_mel_bins` alone."""
         from transformers import WhisperFeatureExtractor
 
+        adopt_transformers_logging()
         self.num_mel_bins = num_mel_bins
         if preprocessor_dir is None:
             self.fe = WhisperFeatureExtractor(feature_size=num_mel_bins, sampling_rate=FEATURE_SAMPLE_RATE,

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from ..runtime.config import ThinkerConfig
+from ..runtime.logs import adopt_transformers_logging
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def load_tokenizer(model: str | Path, cfg: ThinkerConfig | None = None, role_ids
     if path.is_dir() and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         from transformers import AutoTokenizer
 
+        adopt_transformers_logging()
         return AutoTokenizer.from_pretrained(str(path))
     if cfg is None:
         raise FileNotFoundError(f"no tokenizer files in {model}")
