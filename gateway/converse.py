@@ -171,7 +171,8 @@ def access_logged(handler):
 
     @functools.wraps(handler)
     async def logged(self, request_iterator, context: grpc.aio.ServicerContext):
-        started, status = time.perf_counter(), "OK"
+        # read while the call is live: grpc-Python may crash (SIGSEGV) on peer() of a cancelled call
+        started, status, peer = time.perf_counter(), "OK", context.peer()
         try:
             async with aclosing(handler(self, request_iterator, context)) as inner:
                 async for item in inner:
@@ -187,8 +188,7 @@ def access_logged(handler):
             status = "UNKNOWN"
             raise
         finally:
-            log_access(AccessRecord("GRPC", f"/{SERVICE_NAME}/Converse", status, time.perf_counter() - started,
-                                    context.peer()))
+            log_access(AccessRecord("GRPC", f"/{SERVICE_NAME}/Converse", status, time.perf_counter() - started, peer))
 
     return logged
 
