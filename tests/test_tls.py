@@ -275,7 +275,7 @@ def node_realtime(tmp_path_factory) -> Path:
     node, npm = shutil.which("node"), shutil.which("npm")
     assert node and npm, "node and npm are needed (.ci/run installs them: apt-get install nodejs npm)"
     workdir = tmp_path_factory.mktemp("node-realtime")
-    for name in ("package.json", "realtime.mjs"):
+    for name in ("package.json", "realtime.mjs", "transcribe.mjs"):
         shutil.copy(NODE_REALTIME / name, workdir / name)
     proc = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=workdir,
                           capture_output=True, text=True, timeout=300)
@@ -295,6 +295,36 @@ def test_node_sdk_realtime_client_over_wss(tls_gateway, certs, tiny_model_dir, n
     assert out["events"][0] == "session.created" and "session.updated" in out["events"]
     assert out["audio_bytes"] > 0 and out["transcript"] and out["events"][-1] == "response.done"
     assert out["status"] in ("completed", "incomplete")
+
+
+def test_node_sdk_realtime_client_gets_the_transcription(tls_gateway, mtls_stack, certs, tiny_model_dir, tokenizer,
+                                                         omni_config, node_realtime, tmp_path):
+    """The Node SDK's realtime client, unchanged, asks for input audio transcription by the served
+    model: the committed clip's transcript is the pipeline's text for the transcription prompt."""
+    import numpy as np
+
+    from voxpipe.audio import resample
+    from voxpipe.gateway.realtime_session import TranscriptionSettings
+    from voxpipe.gateway.realtime_transcription import TranscriptionJob, max_tokens, transcription_messages
+    from voxpipe.services.thinker.prompt import FeatureExtractor, render
+
+    pcm = (np.random.default_rng(3).normal(0, 0.1, 24000) * 32767).round().astype("<i2")
+    (tmp_path / "clip.pcm16").write_bytes(pcm.tobytes())
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "NODE_EXTRA_CA_CERTS": certs.ca, "OPENAI_API_KEY": "unused"}
+    proc = subprocess.run(["node", str(node_realtime / "transcribe.mjs"), f"{tls_gateway.base_url}/v1",
+                           tiny_model_dir.name, str(tmp_path / "clip.pcm16")], cwd=node_realtime,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["events"][0] == "session.created" and "input_audio_buffer.committed" in out["events"]
+    features = FeatureExtractor.for_model(tiny_model_dir)(resample(pcm.astype(np.float32) / 32768.0, 24000, 16000))
+    prompt = render(tokenizer, omni_config.thinker, transcription_messages(
+        TranscriptionJob("item", 0, features, len(pcm), TranscriptionSettings())))
+    text, _, done = collect(mtls_stack, certs.client_tls(), token_ids=prompt.token_ids,
+                            audio_features=prompt.audio_features, audio=False, max_tokens=max_tokens(len(pcm)))
+    assert text and out["transcript"] == out["deltas"] == text
+    assert out["usage"]["type"] == "tokens" and out["usage"]["output_tokens"] == done.completion_tokens
+    assert out["usage"]["input_tokens"] == len(prompt.token_ids)
 
 
 # ----------------------------------------------------------------------------- bad flags
