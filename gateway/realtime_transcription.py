@@ -7,8 +7,9 @@ to the thinker: one user turn holding the item's audio (its stored features) and
 comes back as `conversation.item.input_audio_transcription.delta` events and one `.completed`
 (with the request's token usage; `.failed` when it fails), and becomes the item's `transcript`.
 
-It runs beside the session's responses, never before them: a response is started first and never
-waits for a transcription. A session's transcriptions run one at a time, in commit order. Each is
+It runs beside the session's responses and a response never waits for it (after a server VAD
+commit the response is started first; both are requests in the thinker's batch). A session's
+transcriptions run one at a time, in commit order. Each is
 one more thinker request (counted in voxpipe_gateway_active_streams and the thinker's own
 gauges, and by outcome in voxpipe_gateway_transcriptions_total); it holds no --max-sessions slot
 of its own (the session's covers it), its tokens are not in any response's usage, and it is
