@@ -52,6 +52,7 @@ class ResponseRun:
         self.usage: dict[str, int] | None = None
         self.prompt: RenderedPrompt | None = None
         self.text_tokens = self.frames = 0
+        self.audio_finish: int | None = None    # the talker's finish reason (STOP: it ended the speech itself)
         self.produced_samples = self.sent_samples = 0
         self.cancel_reason: CancelReason | None = None
         self.previous_item_id: str | None = None
@@ -152,6 +153,7 @@ class ResponseRun:
                     elif isinstance(ev, DoneEvent):
                         finish = ev.text_finish
                         self.frames = ev.frames     # the talker's own count
+                        self.audio_finish = ev.audio_finish
         except PipelineError as e:
             return self._failed(from_pipeline_error(e))
         except APIError as e:
@@ -200,8 +202,8 @@ class ResponseRun:
         if status == "cancelled":
             await self.conn.outbox.drop_audio(self.id)
             delivered = self.sent_samples + self.conn.outbox.in_flight_audio(self.id)
-        # the talker finished (completed, or the text hit max_output_tokens): the audio is whole
-        content.align(self.produced_samples, complete=status in ("completed", "incomplete"))
+        # the speech is whole only when the talker ended it itself (not at max_audio_frames, not cut off)
+        content.align(self.produced_samples, complete=self.audio_finish == pb.STOP)
         self.status, self.status_details = status, details
         self.item.status = "completed" if status == "completed" else "incomplete"
         self.usage = self._usage()

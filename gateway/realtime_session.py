@@ -19,8 +19,8 @@ from .vad import ServerVadParams
 PCM_FORMAT = {"type": "audio/pcm", "rate": INPUT_SAMPLE_RATE}
 PREFERRED_VOICE = "ethan"
 MIN_COMMIT_MS = 100                # OpenAI's smallest committable buffer
-# a spoken reply stopped before the talker finished: its text is taken as spoken at this rate
-# (320 ms per token, about 3 tokens a second: ordinary speech) when the audio made so far is shorter
+# a spoken reply whose speech stopped short (max_audio_frames, cancelled, failed): its text is taken as
+# spoken at most this fast (320 ms per token, about 3 tokens a second: ordinary speech)
 DEFAULT_SAMPLES_PER_TOKEN = 4 * 1920
 
 
@@ -188,9 +188,9 @@ class ItemContent:
     def align(self, samples: int, complete: bool) -> None:
         """How the text maps to the audio time: the speech spends the same time on each text token,
         token k (from 1) of T counted as spoken once k * samples_per_token samples have played. A
-        reply whose talker finished (`complete`) spreads its T tokens over all of its audio; one
-        stopped early (cancelled, failed: its length is unknown) uses the larger of that and
-        DEFAULT_SAMPLES_PER_TOKEN."""
+        reply whose talker ended the speech itself (`complete`) spreads its T tokens over all of its
+        audio; one whose speech stopped short (at max_audio_frames, cancelled, failed: how long the
+        whole would have been is unknown) uses the larger of that and DEFAULT_SAMPLES_PER_TOKEN."""
         self.audio_samples = samples
         tokens = len(self.token_ends)
         if not tokens:

@@ -251,9 +251,9 @@ def test_alignment_of_text_and_audio():
 
 
 def test_truncate_keeps_the_text_spoken_up_to_the_cut(gateway, stack, tokenizer, omni_config):
-    """A whole spoken reply of T tokens over N samples, truncated at half its audio: the item keeps
-    the text of the first floor(T * cut / N) tokens (at a delta's boundary), and the next reply's
-    prompt holds exactly that text."""
+    """A spoken reply of T tokens over N samples, its speech stopped at max_audio_frames, truncated at
+    half its audio: the item keeps the text of the first floor(cut / max(N / T, 320 ms)) tokens (at
+    a delta's boundary), and the next reply's prompt holds exactly that text."""
     question, follow_up = "Tell me something.", "Go on."
 
     async def go():
@@ -282,9 +282,18 @@ def test_truncate_keeps_the_text_spoken_up_to_the_cut(gateway, stack, tokenizer,
     assert text == transcript and len(ids) == first[-1]["response"]["usage"]["output_token_details"]["text_tokens"]
     detok = IncrementalDetokenizer(tokenizer)
     pieces = [detok.push(t) for t in ids]
-    spoken = len(ids) * (cut_ms * RATE // 1000) // len(audio)
+    assert first[-1]["response"]["usage"]["output_token_details"]["audio_tokens"] == 29   # stopped at the cap
+    per_token = max(len(audio) / len(ids), DEFAULT_SAMPLES_PER_TOKEN)
+    spoken = min(len(ids), int((cut_ms * RATE // 1000) / per_token))
     assert 0 < spoken < len(ids)
-    assert kept in {"".join(pieces[:j]) for j in range(spoken + 1)}, (kept, pieces, spoken)
+    # cut at the last boundary of the deltas the gateway got at or before token `spoken`
+    ends, boundaries = 0, {0}
+    for d in of(first, "response.output_audio_transcript.delta"):
+        ends += len(d["delta"])
+        boundaries.add(ends)
+    want_kept = max(("".join(pieces[:j]) for j in range(spoken + 1) if len("".join(pieces[:j])) in boundaries),
+                    key=len)
+    assert kept == want_kept and transcript.startswith(kept), (kept, pieces, spoken)
     assert len(kept) < len(transcript) or not "".join(pieces[spoken:])
     # what was cut is not in the conversation any more
     messages = [ChatMessage.text("user", question)] + ([ChatMessage.text("assistant", kept)] if kept else []) + \
