@@ -157,7 +157,9 @@ def test_chat_text_only_stream_equals_pipeline_client(client, model, stack, toke
     prompt = render(tokenizer, omni_config.thinker, [ChatMessage.text("user", "Just text.")])
     ref_text, ref_pcm = pipeline_result(stack, prompt, audio=False, max_tokens=5, min_tokens=5)
     assert "".join(pieces) == ref_text and ref_pcm.size == 0 and finish == "length"
-    assert sum(1 for p in pieces if p) >= 2       # streamed piece by piece
+    # streamed as chunks: the text (deltas already waiting when one is sent travel together, so on a
+    # loaded machine the 5 tokens may come as one piece) and the finish in a chunk of its own
+    assert sum(1 for p in pieces if p) >= 1 and len(pieces) >= 2 and pieces[-1] == ""
 
 
 @pytest.mark.parametrize("fmt", ["wav", "mp3"])
