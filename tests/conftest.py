@@ -187,3 +187,40 @@ def start_chain(model_dir, *, talkers: int = 1, code2wav_port: int | None = None
     procs.start("thinker", "thinker", "--talker", ",".join(addresses), *extra.get("thinker", []))
     procs.code2wav_address = c2w
     return procs.wait_ready()
+
+
+# ---------------------------------------------------------------- Node.js clients (npm packages pinned in tests/node*)
+
+def install_node_package(tmp_path_factory, folder: str, *files: str):
+    """tests/<folder> (its package.json pins the npm packages) with `files`, installed by npm into a
+    temporary folder; node and npm are required (.ci/run installs them): Node tests never skip."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    node, npm = shutil.which("node"), shutil.which("npm")
+    assert node and npm, "node and npm are needed (.ci/run installs them: apt-get install nodejs npm)"
+    source = Path(__file__).resolve().parent / folder
+    workdir = tmp_path_factory.mktemp(folder.replace("_", "-"))
+    for name in ("package.json", *files):
+        shutil.copy(source / name, workdir / name)
+    proc = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=workdir,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"npm install in {folder} failed:\n{proc.stdout}{proc.stderr}"
+    return workdir
+
+
+# ---------------------------------------------------------------- the openai SDK against the session's gateway
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    import openai
+
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(gateway) -> str:
+    import httpx
+
+    return httpx.get(f"{gateway.base_url}/v1/models").json()["data"][0]["id"]

@@ -10,7 +10,6 @@ import asyncio
 import base64
 import io
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import soundfile
 import torch
 
 from oracle import load_reference_model
+from conftest import install_node_package
 from voxpipe.client import PipelineClient, SpeechRequest, TextEvent
 from voxpipe.services.thinker.output import IncrementalDetokenizer, ReplyText
 from voxpipe.services.thinker.prompt import ChatMessage, render
@@ -36,14 +36,6 @@ N = 16                      # text tokens of the reference run
 FRAMES = 40                 # max_audio_frames of the spoken runs (39 frames at most)
 
 
-@pytest.fixture(scope="module")
-def client(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(gateway) -> str:
-    return httpx.get(f"{gateway.base_url}/v1/models").json()["data"][0]["id"]
 
 
 def prompt_ids(tokenizer, omni_config, text: str = PROMPT) -> list[int]:
@@ -379,16 +371,7 @@ def test_every_sdk_parameter_is_served_accepted_or_refused():
 
 @pytest.fixture(scope="module")
 def node_chat(tmp_path_factory) -> Path:
-    """tests/node_chat (the `openai` npm package, pinned) installed into a temporary folder."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    assert node and npm, "node and npm are needed (.ci/run installs them: apt-get install nodejs npm)"
-    workdir = tmp_path_factory.mktemp("node-chat")
-    for name in ("package.json", "chat.mjs"):
-        shutil.copy(ROOT / "tests" / "node_chat" / name, workdir / name)
-    proc = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=workdir,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"npm install failed:\n{proc.stdout}{proc.stderr}"
-    return workdir
+    return install_node_package(tmp_path_factory, "node_chat", "chat.mjs")
 
 
 def test_node_sdk_stop_logprobs_and_refusals(gateway, model, node_chat, reference):

@@ -8,7 +8,6 @@ import io
 import json
 import queue
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -23,14 +22,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import STAGES, GatewayProcess, free_port
+from conftest import STAGES, GatewayProcess, free_port, install_node_package
 from voxpipe.client import PipelineClient, SpeechRequest
 from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
-NODE_CLIENT = ROOT / "tests" / "node"
 TEXT = "Hello there, how are you?"
 
 
@@ -468,21 +466,7 @@ def test_cancel_and_channel_drop_free_the_session_slots(keyed_gateway, stack):
 
 @pytest.fixture(scope="module")
 def node_client(tmp_path_factory) -> Path:
-    """tests/node installed (npm install) into a temporary folder."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node and npm are not installed")
-    workdir = tmp_path_factory.mktemp("node-client")
-    for name in ("package.json", "converse.js"):
-        shutil.copy(NODE_CLIENT / name, workdir / name)
-    proc = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=workdir,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        out = proc.stdout + proc.stderr
-        unreachable = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "ECONNRESET", "network")
-        if any(s in out for s in unreachable):
-            pytest.skip(f"the npm registry is unreachable: {out.strip()[-300:]}")
-        raise AssertionError(f"npm install failed:\n{out}")
-    return workdir
+    return install_node_package(tmp_path_factory, "node", "converse.js")
 
 
 def test_node_client_converses(converse_gateway, node_client):

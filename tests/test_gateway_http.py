@@ -30,14 +30,6 @@ FORCED = {"ignore_eos": True, "max_audio_frames": 10}   # 9 frames (max_new_toke
 SAMPLES_PER_FRAME, FIRST_CHUNK_SHORTFALL = 1920, 555
 
 
-@pytest.fixture(scope="module")
-def client(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(gateway) -> str:
-    return httpx.get(f"{gateway.base_url}/v1/models").json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import asyncio
 import datetime
 import ipaddress
 import json
-import shutil
 import ssl
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import STAGES, GatewayProcess, free_port
+from conftest import STAGES, GatewayProcess, free_port, install_node_package
 from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, SpeechRequest, TextEvent
 from voxpipe.services.runtime.balancer import StageBalancer
 from voxpipe.services.runtime.tls import ClientTLS, ServerTLS, TLSConfigError
@@ -34,8 +33,6 @@ from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
 
-ROOT = Path(__file__).resolve().parent.parent
-NODE_REALTIME = ROOT / "tests" / "node_realtime"
 HEALTH = {"thinker": "voxpipe.v1.Thinker", "talker": "voxpipe.v1.Talker", "code2wav": "voxpipe.v1.Code2Wav"}
 
 
@@ -271,16 +268,7 @@ def test_converse_over_tls(tls_gateway, certs):
 
 @pytest.fixture(scope="module")
 def node_realtime(tmp_path_factory) -> Path:
-    """tests/node_realtime (the `openai` npm package, pinned) installed into a temporary folder."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    assert node and npm, "node and npm are needed (.ci/run installs them: apt-get install nodejs npm)"
-    workdir = tmp_path_factory.mktemp("node-realtime")
-    for name in ("package.json", "realtime.mjs", "transcribe.mjs"):
-        shutil.copy(NODE_REALTIME / name, workdir / name)
-    proc = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=workdir,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"npm install failed:\n{proc.stdout}{proc.stderr}"
-    return workdir
+    return install_node_package(tmp_path_factory, "node_realtime", "realtime.mjs", "transcribe.mjs")
 
 
 def test_node_sdk_realtime_client_over_wss(tls_gateway, certs, tiny_model_dir, node_realtime):

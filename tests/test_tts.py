@@ -11,7 +11,6 @@ import base64
 import io
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -26,13 +25,12 @@ import pytest
 import torch
 
 from oracle import reference_generate
+from conftest import install_node_package
 from voxpipe.client import PipelineClient, SpeechRequest
 from voxpipe.gateway.speech import MAX_INPUT_CHARS, MAX_INSTRUCTIONS_CHARS, speech_messages
 from voxpipe.services.thinker.prompt import encode_text, render
 from voxpipe.v1 import stages_pb2 as pb
 
-ROOT = Path(__file__).resolve().parent.parent
-NODE_SPEECH = ROOT / "tests" / "node_speech"
 SAMPLES_PER_FRAME, FIRST_CHUNK_SHORTFALL = 1920, 555
 FRAMES = 10                                      # max_audio_frames with ignore_eos: 9 frames spoken
 EXPECTED_SAMPLES = SAMPLES_PER_FRAME * (FRAMES - 1) - FIRST_CHUNK_SHORTFALL
@@ -45,14 +43,6 @@ CODEC_SLACK = {"mp3": 2 * 1152, "aac": 2 * 1024}
 LONG_INPUT = " ".join(f"Sentence number {i} of a long text that is read aloud, word for word." for i in range(16))
 
 
-@pytest.fixture(scope="module")
-def model(gateway) -> str:
-    return httpx.get(f"{gateway.base_url}/v1/models").json()["data"][0]["id"]
-
-
-@pytest.fixture(scope="module")
-def client(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
 
 
 def collect(stack, req: SpeechRequest):
@@ -355,16 +345,7 @@ def test_the_thinker_refuses_an_assistant_text_that_does_not_fit_its_context(gat
 
 @pytest.fixture(scope="module")
 def node_speech(tmp_path_factory) -> Path:
-    """tests/node_speech (the `openai` npm package, pinned) installed into a temporary folder."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    assert node and npm, "node and npm are needed (.ci/run installs them: apt-get install nodejs npm)"
-    workdir = tmp_path_factory.mktemp("node-speech")
-    for name in ("package.json", "speech.mjs"):
-        shutil.copy(NODE_SPEECH / name, workdir / name)
-    proc = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=workdir,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"npm install failed:\n{proc.stdout}{proc.stderr}"
-    return workdir
+    return install_node_package(tmp_path_factory, "node_speech", "speech.mjs")
 
 
 def node(node_speech: Path, gateway, model: str, fmt: str, stream_format: str) -> dict:
