@@ -59,6 +59,8 @@ def run_checks(base_url: str) -> bool:
         got = s.choices[0].message.content or ""
         ok &= _check("chat stop", got == text[:text.index(cut)] and s.choices[0].finish_reason == "stop",
                      stop=cut, text=text, got=got)
+    else:
+        print(json.dumps({"check": "chat stop", "skipped": f"no usable stop string in the reply {text!r}"}), flush=True)
 
     t0 = time.perf_counter()
     first = None

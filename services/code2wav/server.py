@@ -38,6 +38,7 @@ class FramesEndedEarly(Abort):
     def __init__(self) -> None:
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before frames_end")
 DEFAULT_LISTEN_TIMEOUT_S = 30.0
+CALL_END_GRACE_S = 0.5     # how long a request stream that ended early waits to see whether its call was cancelled
 
 
 class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
@@ -130,15 +131,11 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             except FramesEndedEarly as e:
                 # the talker went away mid-request (died, or cancelled by its own caller): to the
                 # listener that is the talker's failure, which the thinker stream reports too. A
-                # cancel may end the request stream a moment before the call shows it as cancelled.
-                for _ in range(50):
-                    if context.cancelled() or context.done():
-                        break
-                    await asyncio.sleep(0.01)
-                if context.cancelled() or context.done():
-                    self._fail(job, StageError(grpc.StatusCode.CANCELLED, "the talker went away before its last frame",
-                                               "talker"))
-                else:
+                # cancel may end the request stream a moment before the call ends: then on_done
+                # below ends the request as cancelled; a stream only half-closed early is a bad one.
+                try:
+                    await asyncio.wait_for(asyncio.shield(job.ended), CALL_END_GRACE_S)
+                except asyncio.TimeoutError:
                     self._fail(job, StageError(e.code, f"the talker's frames: {e.message}", "talker"))
             except (Abort, TensorError) as e:
                 code = e.code if isinstance(e, Abort) else grpc.StatusCode.INVALID_ARGUMENT
