@@ -48,7 +48,8 @@ def main() -> int:
     def prefill_pair(name: str, engine, model, prompts: list[torch.Tensor], step_ids) -> None:
         """Batched graphed prefill of `prompts` ([L, H] each) into slots 0..n-1 (3 prompts: a padding
         row on the scratch KV row), then one eager decode step; the same with one eager prefill per
-        prompt: logits of both must agree."""
+        prompt: logits of both must agree. `engine`: what holds the prefill graphs and the KV cache
+        (the thinker's engine, the talker's runner)."""
         n = len(prompts)
         lens = torch.tensor([p.shape[0] for p in prompts], device=dev)
         slots = torch.arange(n, device=dev)
@@ -77,7 +78,8 @@ def main() -> int:
     # ---- talker: prefill / step / predictor graphs vs eager; grouped MoE vs loop
     talker = layers.serving_layout(load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev,
                                                dtype=torch.bfloat16, load_format="dummy"), dev)
-    te = TalkerEngine(talker, cfg.talker, device=dev, max_active=8, max_len=1024, cuda_graphs=True)
+    # the engine's runner: its KV cache, graphs and step functions
+    te = TalkerEngine(talker, cfg.talker, device=dev, max_active=8, max_len=1024, cuda_graphs=True).runner
     h = cfg.talker.text.hidden_size
     lens = [37, 80, 5]
     for _ in range(4):
@@ -173,7 +175,7 @@ def main() -> int:
 
     c2w = layers.serving_layout(load_module(lambda: Code2WavModel(cfg.code2wav), "", "code2wav.", device=dev,
                                             dtype=torch.float32, load_format="dummy"), dev)
-    ce = Code2WavEngine(c2w, cfg.code2wav, device=dev, max_active=8, cuda_graphs=True)
+    ce = Code2WavEngine(c2w, cfg.code2wav, device=dev, max_active=8, cuda_graphs=True).runner   # store, graphs
     eager_store = StreamStore(c2w, 8, torch.float32, dev)
     codes = torch.randint(0, 2048, (2, cfg.code2wav.num_quantizers, 6), device=dev)
     g_slots = torch.tensor([ce.store.allocate() for _ in range(2)], device=dev)

@@ -1,5 +1,6 @@
 """All three stage engines in one process, chained without gRPC: the baseline that tells what the
-three-service split costs. Same engines, same servicer validation, same messages."""
+three-service split costs. Same engines, same servicer validation; the engines' typed outputs are
+passed on as they are, but audio, which goes out in its wire encoding as the code2wav servicer sends it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 from voxpipe.client import AudioEvent, DoneEvent, FramesEvent, SpeechRequest, TextEvent, _decode_audio
 from voxpipe.services.code2wav import server as code2wav_server
 from voxpipe.services.runtime import metrics
+from voxpipe.services.runtime.engine import StageError
+from voxpipe.services.runtime.outputs import AudioOut, Finished, FramesOut
 from voxpipe.services.runtime.tensors import from_proto, to_proto
 from voxpipe.services.talker import server as talker_server
 from voxpipe.services.thinker import server as thinker_server
@@ -70,17 +73,18 @@ class InProcessPipeline:
                 item, waited = await job.outbox.get_timed()
                 metrics.OUTBOX_WAIT.labels(tag).observe(waited)   # as the stage servers do
                 await merged.put((tag, item))
-                if not hasattr(item, "WhichOneof") or item.WhichOneof("kind") == "finished":
+                if isinstance(item, (Finished, StageError)):
                     return
 
         tasks = [asyncio.ensure_future(pump(tj, "thinker"))]
         try:
             while not (text_done and audio_done):
                 tag, item = await merged.get()
-                if not hasattr(item, "WhichOneof"):
+                if isinstance(item, StageError):
                     raise RuntimeError(f"{tag}: {item}")
-                kind = item.WhichOneof("kind")
                 if tag == "thinker":
+                    item = self.thinker.to_proto(tj, item)     # its outputs are messages already but Finished
+                    kind = item.WhichOneof("kind")
                     if kind == "talker_prompt":
                         ts = pb.TalkerStart(request_id=req.request_id, prompt=item.talker_prompt, speaker=req.speaker,
                                             sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames)
@@ -99,20 +103,20 @@ class InProcessPipeline:
                         text_done, reason_text = True, item.finished.reason
                         self.talker.engine.end_text(ta_job)
                 elif tag == "talker":
-                    if kind == "frames":
-                        codes = from_proto(item.frames.codes).to(torch.int64)
+                    if isinstance(item, FramesOut):
+                        codes = item.codes.to(torch.int64)
                         frames += codes.shape[0]
                         self.code2wav.engine.add_frames(cw_job, codes)
-                        yield FramesEvent(item.frames.index, codes)
-                    elif kind == "finished":
-                        reason_audio = item.finished.reason
+                        yield FramesEvent(item.index, codes)
+                    elif isinstance(item, Finished):
+                        reason_audio = int(item.reason)
                         self.code2wav.engine.end_frames(cw_job)
                 elif tag == "code2wav":
-                    if kind == "audio":
-                        samples += item.audio.num_samples
-                        yield AudioEvent(item.audio.sample_offset, item.audio.sample_rate, _decode_audio(item.audio),
-                                         item.audio.data)
-                    elif kind == "finished":
+                    if isinstance(item, AudioOut):
+                        chunk = self.code2wav.to_proto(cw_job, item).audio   # the wire encoding, as served
+                        samples += chunk.num_samples
+                        yield AudioEvent(chunk.sample_offset, chunk.sample_rate, _decode_audio(chunk), chunk.data)
+                    elif isinstance(item, Finished):
                         audio_done = True
             yield DoneEvent(reason_text, reason_audio, len(req.token_ids), req.max_tokens, frames, samples)
         finally:

@@ -30,46 +30,53 @@ def test_outbox_saturates_and_wakes_the_engine_when_half_drained():
 def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
     """A stage handler sends the outputs already waiting in a request's outbox as one message where
     they concatenate (talker frames, code2wav audio), and nothing else changes: order, offsets and
-    content are kept, non-contiguous or different outputs go separately."""
+    content are kept, non-contiguous or different outputs go separately. The audio is encoded
+    (pcm16 or float32, as the request asked) after merging: the same bytes as chunk by chunk."""
+    import numpy as np
+
     from voxpipe.cli import build_parser
     from voxpipe.services.code2wav import server as code2wav_server
     from voxpipe.services.code2wav.engine import Code2WavJob
+    from voxpipe.services.code2wav.server import encode_samples
+    from voxpipe.services.runtime.outputs import AudioOut, Finished, FinishReason, FramesOut
     from voxpipe.services.runtime.tensors import concat_rows, from_proto, to_proto
     from voxpipe.services.talker import server as talker_server
 
-    def audio(offset: int, n: int, enc=pb.AUDIO_PCM16) -> pb.Code2WavResponse:
-        return pb.Code2WavResponse(audio=pb.AudioChunk(sample_offset=offset, sample_rate=24000, encoding=enc,
-                                                       data=bytes([offset % 251]) * (2 * n), num_samples=n))
+    def audio(offset: int, n: int) -> AudioOut:
+        return AudioOut(offset, np.linspace(-1.2, 1.2, n, dtype=np.float32) * (offset % 5) / 4)
 
     ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
     servicer = code2wav_server.build(ns)
+    echo = FramesOut(0, torch.ones(2, 16, dtype=torch.uint16))
+    items = (audio(0, 10), audio(10, 5), audio(15, 7), audio(40, 3), echo, audio(43, 2), Finished(FinishReason.STOP))
 
-    async def go() -> list:
-        job = Code2WavJob(request_id="c", outbox=Outbox(asyncio.get_running_loop()))
-        for item in (audio(0, 10), audio(10, 5), audio(15, 7), audio(40, 3), audio(43, 2, pb.AUDIO_FLOAT32),
-                     pb.Code2WavResponse(finished=pb.Finished(reason=pb.STOP))):
+    async def go(encoding: int) -> list:
+        job = Code2WavJob(request_id="c", outbox=Outbox(asyncio.get_running_loop()), encoding=encoding)
+        for item in items:
             job.outbox.put(item)
         await asyncio.sleep(0)             # the puts land on the loop
         return [m async for m in servicer.serve_request(job, None, None)]
 
-    sent = asyncio.run(go())
-    kinds = [m.WhichOneof("kind") for m in sent]
-    assert kinds == ["audio", "audio", "audio", "finished"]
-    first = sent[0].audio
-    assert (first.sample_offset, first.num_samples, first.data) == (
-        0, 22, bytes([0]) * 20 + bytes([10]) * 10 + bytes([15]) * 14)
-    assert (sent[1].audio.sample_offset, sent[1].audio.num_samples) == (40, 3)      # not contiguous: apart
-    assert sent[2].audio.encoding == pb.AUDIO_FLOAT32                               # other encoding: apart
+    for encoding in (pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
+        sent = asyncio.run(go(encoding))
+        assert [m.WhichOneof("kind") for m in sent] == ["audio", "audio", "frames", "audio", "finished"]
+        first = sent[0].audio
+        assert (first.sample_offset, first.num_samples, first.encoding, first.sample_rate) == (0, 22, encoding, 24000)
+        assert first.data == b"".join(encode_samples(a.samples, encoding) for a in items[:3])
+        assert (sent[1].audio.sample_offset, sent[1].audio.num_samples) == (40, 3)      # an echo between: apart
+        assert torch.equal(from_proto(sent[2].frames.codes), echo.codes)
+        assert sent[4].finished.reason == pb.STOP
 
     ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
     talker = talker_server.build(ns)
     a, b = ((torch.arange(16 * n).view(n, 16) + k).to(torch.uint16) for n, k in ((1, 0), (2, 100)))
-    frames = [pb.TalkerResponse(frames=pb.CodecFrames(index=i, codes=to_proto(c))) for i, c in ((0, a), (1, b))]
+    frames = [FramesOut(0, a), FramesOut(1, b)]
     merged = talker.merge(*frames)
-    assert merged.frames.index == 0
-    assert torch.equal(from_proto(merged.frames.codes), torch.cat((a, b)))
+    assert merged.index == 0 and torch.equal(merged.codes, torch.cat((a, b)))
+    wire = talker.to_proto(None, merged).frames                                       # as the bytes concatenated
+    assert wire.index == 0 and wire.codes == concat_rows(to_proto(a), to_proto(b))
     assert talker.merge(frames[1], frames[0]) is None                                # out of order: apart
-    assert talker.merge(frames[0], pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP))) is None
+    assert talker.merge(frames[0], Finished(FinishReason.STOP)) is None
     assert concat_rows(to_proto(a), to_proto(a.view(16, 1))) is None                 # shapes differ
 
     from voxpipe.services.thinker import server as thinker_server
@@ -90,6 +97,17 @@ def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
     assert thinker.merge(text(4, [7], "a", None), text(5, [8], "b", None)).text.text == "ab"
     assert thinker.merge(text(4, [7], "a", rows[:1]), text(5, [8], "b", None)) is None   # rows on one side only
     assert thinker.merge(text(4, [7], "a", None), text(6, [8], "b", None)) is None       # a gap
+
+
+def test_typed_finished_is_the_wire_finished():
+    from voxpipe.services.runtime.outputs import Finished, FinishReason
+    from voxpipe.services.runtime.server import finished_proto
+
+    assert {r.name: r.value for r in FinishReason} == {
+        "UNSPECIFIED": pb.FINISH_REASON_UNSPECIFIED, "STOP": pb.STOP, "LENGTH": pb.LENGTH, "CANCELLED": pb.CANCELLED}
+    assert len(FinishReason) == len(pb.FinishReason.keys())
+    assert finished_proto(Finished(FinishReason.LENGTH, 3, 4, 5)) == pb.Finished(
+        reason=pb.LENGTH, prompt_tokens=3, completion_tokens=4, samples=5)
 
 
 def _gauge(stack, stage: str, name: str) -> float:

@@ -165,7 +165,7 @@ def test_code2wav_frame_rounds_equal_whole_utterance_decode(tiny_model_dir):
     from voxpipe.services.code2wav.engine import Code2WavJob
     from voxpipe.services.code2wav.model import StreamStore
     from voxpipe.services.runtime.engine import Outbox
-    from voxpipe.v1 import stages_pb2 as pb
+    from voxpipe.services.runtime.outputs import AudioOut
 
     ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"])
     engine = code2wav_server.build(ns).engine
@@ -175,8 +175,8 @@ def test_code2wav_frame_rounds_equal_whole_utterance_decode(tiny_model_dir):
     arrivals = [[1, 3, 2, 1], [4, 1, 2], [2, 0, 5]]      # frames per utterance before each step
 
     async def run() -> list[np.ndarray]:
-        jobs = [Code2WavJob(request_id=f"c{i}", outbox=Outbox(asyncio.get_running_loop(), limit=1000),
-                            encoding=pb.AUDIO_FLOAT32) for i in range(3)]
+        jobs = [Code2WavJob(request_id=f"c{i}", outbox=Outbox(asyncio.get_running_loop(), limit=1000))
+                for i in range(3)]
         for j in jobs:
             engine.submit(j)
         sent = [0, 0, 0]
@@ -197,17 +197,18 @@ def test_code2wav_frame_rounds_equal_whole_utterance_decode(tiny_model_dir):
             chunks = []
             while not j.outbox._queue.empty():
                 _, item = j.outbox._queue.get_nowait()
-                if item.WhichOneof("kind") == "audio":
-                    chunks.append(np.frombuffer(item.audio.data, dtype="<f4"))
+                if isinstance(item, AudioOut):
+                    chunks.append(item.samples)
             out.append(np.concatenate(chunks))
         return out
 
     got = asyncio.run(run())
-    store = StreamStore(engine.model, 3, torch.float32, "cpu")
+    model = engine.runner.model
+    store = StreamStore(model, 3, torch.float32, "cpu")
     with torch.inference_mode():
         for i, g in enumerate(got):
             slot = torch.tensor([store.allocate()])
-            want = engine.model.decode(codes[i].T[None], slot, torch.zeros(1, dtype=torch.long), store, first=True)[0]
+            want = model.decode(codes[i].T[None], slot, torch.zeros(1, dtype=torch.long), store, first=True)[0]
             assert g.shape == tuple(want.shape) and g.shape[0] > 0
             assert np.abs(g - want.numpy()).max() <= 1e-5
 
@@ -216,7 +217,8 @@ def test_code2wav_due_chunk_drains_over_capped_steps(tiny_model_dir):
     became due is drained by the following steps without waiting for `chunk` more frames; frames
     that arrive one at a time go out in chunks of `chunk_frames` (the first chunk: 1 frame)."""
     from voxpipe.services.code2wav import server as code2wav_server
-    from voxpipe.services.code2wav.engine import MAX_FRAMES_PER_STEP, Code2WavJob
+    from voxpipe.services.code2wav.engine import Code2WavJob
+    from voxpipe.services.code2wav.scheduler import MAX_FRAMES_PER_STEP
     from voxpipe.services.runtime.engine import Outbox
 
     ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
@@ -248,14 +250,16 @@ def test_code2wav_due_chunk_drains_over_capped_steps(tiny_model_dir):
 
 def test_talker_prefill_batch_respects_the_padded_row_budget(tiny_model_dir):
     """The talker admits ready requests in arrival order while the padded batch (longest prompt x
-    requests) stays within prefill_tokens; the rest wait for the next step."""
+    requests) stays within prefill_tokens; the rest wait for the next step. (The service's engine and
+    its TalkerJobs here; tests/test_schedulers.py holds the scheduler's own cases.)"""
     from voxpipe.services.runtime.engine import Outbox
     from voxpipe.services.talker import server as talker_server
-    from voxpipe.services.talker.engine import PROMPT_TAIL, TalkerJob
+    from voxpipe.services.talker.engine import TalkerJob
+    from voxpipe.services.talker.scheduler import PROMPT_TAIL
 
     ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "8"])
     engine = talker_server.build(ns).engine
-    engine.prefill_tokens = 3 * (40 + PROMPT_TAIL)
+    engine.scheduler.prefill_tokens = 3 * (40 + PROMPT_TAIL)
     h = engine.cfg.thinker_hidden_size
 
     async def admit() -> list[int]:
@@ -264,9 +268,11 @@ def test_talker_prefill_batch_respects_the_padded_row_budget(tiny_model_dir):
             job = TalkerJob(request_id=f"t{i}", outbox=Outbox(loop), user_rows=torch.zeros(users, h),
                             user_mm_mask=torch.zeros(users, dtype=torch.bool), rows=[torch.zeros(h)] * 2)
             engine.submit(job)
+        free = engine.runner.free_slots
         with engine.lock:
-            first = engine._admit()
-            second = engine._admit()
+            first = engine.scheduler.schedule(engine.waiting, engine.running, free).prefill
+            rest = [j for j in engine.waiting if all(j is not f for f in first)]
+            second = engine.scheduler.schedule(rest, engine.running, free - len(first)).prefill
         return [len(first), len(second)]
 
     # 10, 40, 20 fit (3 x 49 rows); adding 5 would make 4 x 49 > budget; then 5 and 30 fit together

@@ -90,16 +90,17 @@ def test_a_graph_that_cannot_be_captured_stops_the_start_unless_eager_fallback(t
         def __init__(self, *args, **kwargs) -> None:
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    for stage in ("thinker", "talker", "code2wav"):
-        monkeypatch.setattr(f"voxpipe.services.{stage}.engine.GraphedStep", Uncapturable)
+    for module in ("thinker.engine", "talker.runner", "code2wav.runner"):     # where each stage captures
+        monkeypatch.setattr(f"voxpipe.services.{module}.GraphedStep", Uncapturable)
     argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"]
     with pytest.raises(cuda_graphs.GraphCaptureError, match="CUDA graph capture failed.*--eager-fallback"):
         InProcessPipeline.from_argv(argv)
     pipe = InProcessPipeline.from_argv(argv + ["--eager-fallback"])
     try:
         assert pipe.thinker.engine.graphs is None and pipe.thinker.engine.prefill_graphs is None
-        assert pipe.talker.engine.step_graphs is None and pipe.talker.engine.predictor_graphs is None
-        assert pipe.code2wav.engine.graphs is None and pipe.code2wav.engine.first_graphs is None
+        talker, code2wav = pipe.talker.engine.runner, pipe.code2wav.engine.runner
+        assert talker.step_graphs is None and talker.predictor_graphs is None
+        assert code2wav.graphs is None and code2wav.first_graphs is None
     finally:
         pipe.close()
 
@@ -110,7 +111,7 @@ def test_a_stage_refuses_to_start_on_a_failed_capture_with_a_clear_message(tiny_
     import sys
 
     code = ("import sys; from voxpipe.services.runtime import cuda_graphs; cuda_graphs.EMULATE = True\n"
-            "import voxpipe.services.code2wav.engine as e\n"
+            "import voxpipe.services.code2wav.runner as e\n"
             "class U:\n    def __init__(self, *a, **k): raise RuntimeError('capture refused')\n"
             "e.GraphedStep = U\n"
             "from voxpipe.cli import main\n"

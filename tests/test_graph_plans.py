@@ -28,10 +28,10 @@ def test_graph_plans_equal_eager_engines(tiny_model_dir, tokenizer, omni_config,
     eager = _pipeline(tiny_model_dir, False, monkeypatch)
     graphed = _pipeline(tiny_model_dir, True, monkeypatch)
     try:
-        assert eager.thinker.engine.graphs is None and eager.code2wav.engine.graphs is None
-        for eng in (graphed.thinker.engine, graphed.talker.engine, graphed.code2wav.engine):
-            assert eng.graphs if hasattr(eng, "graphs") else eng.step_graphs
-        assert graphed.thinker.engine.prefill_graphs.emulated and graphed.talker.engine.predictor_graphs.emulated
+        assert eager.thinker.engine.graphs is None and eager.code2wav.engine.runner.graphs is None
+        assert graphed.thinker.engine.graphs and graphed.talker.engine.runner.step_graphs
+        assert graphed.code2wav.engine.runner.graphs
+        assert graphed.thinker.engine.prefill_graphs.emulated and graphed.talker.engine.runner.predictor_graphs.emulated
         # different prompt lengths; one longer than --prefill-chunk (chunked, then decoded in the graphs)
         texts = PROMPTS + ["Please describe, in some detail, how a lighthouse lens focuses its light at night."]
         reqs = [_request(tokenizer, omni_config, t, i) for i, t in enumerate(texts)]

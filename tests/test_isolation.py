@@ -20,8 +20,9 @@ import torch
 
 from voxpipe.cli import build_parser
 from voxpipe.services.runtime.engine import EngineRequest, Outbox, StageEngine, StageError
+from voxpipe.services.runtime.outputs import AudioOut, Finished, FramesOut
 from voxpipe.services.runtime.sampling import GREEDY_BELOW, SamplingParams, check_features, finite_rows, pick
-from voxpipe.services.runtime.tensors import TensorError, from_proto, to_proto
+from voxpipe.services.runtime.tensors import TensorError, to_proto
 from voxpipe.v1 import stages_pb2 as pb
 
 HUGE = 3e38            # finite in float32, overflows any layer it enters
@@ -43,7 +44,8 @@ def _build(stage: str, model_dir, graphs: bool):
         cuda_graphs.EMULATE = emulate
     engine = (built[0] if stage == "thinker" else built).engine
     if graphs:
-        assert getattr(engine, "graphs", None) or getattr(engine, "step_graphs", None)
+        plans = getattr(engine, "runner", engine)     # the thinker's engine holds its graphs itself
+        assert getattr(plans, "graphs", None) or getattr(plans, "step_graphs", None)
     return engine
 
 
@@ -150,8 +152,8 @@ def _thinker_job(engine, loop, rid: str, text: str, params: SamplingParams = Sam
 async def _thinker_output(job) -> tuple[list[int], str, list[bytes]]:
     """Token ids, text and the talker's rows (raw bytes) the job streamed; it must have finished well."""
     items = await _items(job)
-    assert items[-1].WhichOneof("kind") == "finished", items[-1]
-    deltas = [i.text for i in items if i.WhichOneof("kind") == "text"]
+    assert isinstance(items[-1], Finished), items[-1]
+    deltas = [i.text for i in items[:-1] if i.WhichOneof("kind") == "text"]
     return ([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
             [d.embeddings.data for d in deltas])
 
@@ -224,8 +226,8 @@ def _talker_job(engine, loop, rid: str, seed: int, params: SamplingParams, scale
 
 async def _talker_frames(job) -> torch.Tensor:
     items = await _items(job)
-    assert items[-1].WhichOneof("kind") == "finished", items[-1]
-    return torch.cat([from_proto(i.frames.codes) for i in items if i.WhichOneof("kind") == "frames"])
+    assert isinstance(items[-1], Finished), items[-1]
+    return torch.cat([i.codes for i in items if isinstance(i, FramesOut)])
 
 
 def test_talker_poisoned_rows_fail_alone(talker_engine):
@@ -255,7 +257,7 @@ def test_talker_poisoned_rows_fail_alone(talker_engine):
         await _assert_poisoned(penalty, "talker")
         for job, want in zip(together, solo):
             assert torch.equal(await _talker_frames(job), want)
-        assert engine.cache.used == 0
+        assert engine.runner.cache.used == 0
         # a longer poisoned prompt alone in slot 0, then the innocents together (as for the thinker)
         rows = _talker_job(engine, loop, "bad-rows-2", 8, default, scale=HUGE, users=30)
         _run(engine, [rows])
@@ -276,10 +278,10 @@ def test_code_predictor_flags_a_non_finite_row_only(talker_engine):
     hidden = torch.randn(3, h, generator=torch.Generator().manual_seed(0))
     code0 = torch.tensor([5, 100, 7])
     with torch.inference_mode():
-        want, want_next, want_ok = engine._predict_fn(3, 1, hidden, code0)
+        want, want_next, want_ok = engine.runner._predict_fn(3, 1, hidden, code0)
         poisoned = hidden.clone()
         poisoned[1] = float("inf")
-        got, got_next, got_ok = engine._predict_fn(3, 1, poisoned, code0)
+        got, got_next, got_ok = engine.runner._predict_fn(3, 1, poisoned, code0)
     assert want_ok.tolist() == [True, True, True] and got_ok.tolist() == [True, False, True]
     assert torch.equal(got[[0, 2]], want[[0, 2]]) and torch.equal(got_next[[0, 2]], want_next[[0, 2]])
 
@@ -300,8 +302,8 @@ def _code2wav_job(engine, loop, rid: str):
 
 async def _audio(job) -> np.ndarray:
     items = await _items(job)
-    assert items[-1].WhichOneof("kind") == "finished", items[-1]
-    return np.concatenate([np.frombuffer(i.audio.data, dtype="<f4") for i in items if i.WhichOneof("kind") == "audio"])
+    assert isinstance(items[-1], Finished), items[-1]
+    return np.concatenate([i.samples for i in items if isinstance(i, AudioOut)])
 
 
 def test_code2wav_poisoned_state_fails_alone(code2wav_engine):
@@ -328,7 +330,7 @@ def test_code2wav_poisoned_state_fails_alone(code2wav_engine):
             def between(step: int) -> None:
                 if poison and step == 1:
                     assert jobs[1].frames_decoded > 0
-                    for v in engine.store.window.v:
+                    for v in engine.runner.store.window.v:
                         v[jobs[1].slot].fill_(float("inf"))
 
             _run(engine, jobs, between)
@@ -349,7 +351,7 @@ def test_code2wav_poisoned_state_fails_alone(code2wav_engine):
             got = await _audio(job)
             assert np.array_equal(got, want)
             assert got.shape == alone.shape and np.abs(got - alone).max() <= 1e-5
-        assert engine.store.free_slots == 4
+        assert engine.runner.store.free_slots == 4
         # poisoned alone, then a clean utterance on the same slot (scrubbed: the window's stale
         # values are read under a False mask, and 0 * inf is NaN)
         slots, jobs = [], []
@@ -362,7 +364,7 @@ def test_code2wav_poisoned_state_fails_alone(code2wav_engine):
                 if step == 1:
                     slots.append(job.slot)
                     if job.request_id.startswith("bad"):
-                        for v in engine.store.window.v:
+                        for v in engine.runner.store.window.v:
                             v[job.slot].fill_(float("inf"))
 
             _run(engine, [job], between)

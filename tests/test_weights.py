@@ -441,4 +441,4 @@ def test_dummy_service_stage_serves_without_weights_files(tmp_path, tiny_model_d
     code2wav_server.add_arguments(parser)
     args = parser.parse_args(["--model", str(folder), "--device", "cpu", "--load-format", "dummy", "--max-batch", "1"])
     servicer = code2wav_server.build(args)
-    assert all(torch.isfinite(p).all() for p in servicer.engine.model.parameters())
+    assert all(torch.isfinite(p).all() for p in servicer.engine.runner.model.parameters())

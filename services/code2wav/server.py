@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 from voxpipe.v1 import stages_pb2 as pb
@@ -21,8 +22,9 @@ from ..runtime import tracing
 from ..runtime.calls import abort, when_done
 from ..runtime.engine import Outbox, StageError
 from ..runtime.layers import serving_layout
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, run_async, run_server,
-                             server_options)
+from ..runtime.outputs import AudioOut, Finished, FramesOut
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, finished_proto, frames_proto,
+                             run_async, run_server, server_options)
 from ..runtime.tensors import TensorError, from_proto
 from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
@@ -30,6 +32,13 @@ from .engine import Code2WavEngine, Code2WavJob
 from .model import Code2WavModel
 
 CODE_DTYPES = (torch.uint16, torch.int32, torch.int64)
+
+
+def encode_samples(samples: np.ndarray, encoding: int) -> bytes:
+    """Samples [n] float32 in [-1, 1] as the wire's bytes: float32 or pcm16, little-endian."""
+    if encoding == pb.AUDIO_FLOAT32:
+        return samples.astype("<f4").tobytes()
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
 
 class FramesEndedEarly(Abort):
@@ -50,16 +59,25 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
         self.listen_timeout_s = listen_timeout_s
         self.listening: dict[str, Code2WavJob] = {}   # listen token -> a to_listener request no listener took yet
 
-    def merge(self, first: pb.Code2WavResponse, then: pb.Code2WavResponse) -> pb.Code2WavResponse | None:
-        """Consecutive audio chunks of one request (same encoding, contiguous samples) travel as one."""
-        if first.WhichOneof("kind") != "audio" or then.WhichOneof("kind") != "audio":
+    def merge(self, first: AudioOut | FramesOut, then: AudioOut | FramesOut) -> AudioOut | None:
+        """Consecutive audio of one request (contiguous samples) travels as one chunk."""
+        if not isinstance(first, AudioOut) or not isinstance(then, AudioOut):
             return None
-        a, b = first.audio, then.audio
-        if (b.encoding, b.sample_rate) != (a.encoding, a.sample_rate) or b.sample_offset != a.sample_offset + a.num_samples:
+        if then.sample_offset != first.sample_offset + first.samples.shape[0]:
             return None
-        return pb.Code2WavResponse(audio=pb.AudioChunk(sample_offset=a.sample_offset, sample_rate=a.sample_rate,
-                                                       encoding=a.encoding, data=a.data + b.data,
-                                                       num_samples=a.num_samples + b.num_samples))
+        return AudioOut(first.sample_offset, np.concatenate((first.samples, then.samples)))
+
+    def to_proto(self, req: Code2WavJob, item: AudioOut | FramesOut | Finished) -> pb.Code2WavResponse:
+        """Audio in the request's wire encoding (pcm16 or float32 little-endian)."""
+        if isinstance(item, AudioOut):
+            return pb.Code2WavResponse(audio=pb.AudioChunk(
+                sample_offset=item.sample_offset, sample_rate=self.cfg.code2wav.sample_rate, encoding=req.encoding,
+                data=encode_samples(item.samples, req.encoding), num_samples=item.samples.shape[0]))
+        if isinstance(item, FramesOut):
+            return pb.Code2WavResponse(frames=frames_proto(item))
+        if isinstance(item, Finished):
+            return pb.Code2WavResponse(finished=finished_proto(item))
+        raise TypeError(f"code2wav has no message for {item!r}")
 
     def make_job(self, start: pb.Code2WavStart) -> Code2WavJob:
         if start.encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
@@ -86,21 +104,21 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                 if kind == "frames":
                     if job.frames_end:
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "frames after frames_end")
-                    codes = from_proto(msg.frames.codes, shape=(None, cw.num_quantizers), name="frames.codes")
-                    if codes.dtype not in CODE_DTYPES:
+                    received = from_proto(msg.frames.codes, shape=(None, cw.num_quantizers), name="frames.codes")
+                    if received.dtype not in CODE_DTYPES:
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "frames.codes must be uint16, int32 or int64")
-                    codes = codes.to(torch.int64)
+                    codes = received.to(torch.int64)
                     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= cw.codebook_size):
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"codec codes must be in [0, {cw.codebook_size}), got {int(codes.min())}..{int(codes.max())}")
                     self.engine.add_frames(job, codes)
                     if job.echo_frames:
-                        job.outbox.put(pb.Code2WavResponse(frames=msg.frames))
+                        job.outbox.put(FramesOut(msg.frames.index, received))
                 elif kind == "frames_end":
                     self.engine.end_frames(job)
                 elif kind == "cancel":
                     self.engine.cancel(job)
-                    job.outbox.put(pb.Code2WavResponse(finished=self.cancelled()))
+                    job.outbox.put(self.cancelled())
                     return
                 else:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")
@@ -167,7 +185,7 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             final = await asyncio.shield(job.ended)   # a cancelled handler must not cancel the future itself
             if isinstance(final, StageError):
                 await abort(context, final.code, final.message)
-            yield final
+            yield self.to_proto(job, final)
         finally:
             timer.cancel()
             self.listening.pop(token, None)
@@ -202,8 +220,8 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                 if isinstance(item, StageError):
                     job.end(item)
                     await abort(context, item.code, item.message, item.stage)
-                yield item
-                if item.WhichOneof("kind") == "finished":
+                yield self.to_proto(job, item)
+                if isinstance(item, Finished):
                     job.end(item)
                     return
         finally:

@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from . import metrics
+from .outputs import Finished, FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ def is_device_fatal(exc: BaseException) -> bool:
         return True
     return isinstance(exc, RuntimeError) and ("CUDA error" in str(exc) or "CUBLAS_STATUS" in str(exc)
                                               or "cuDNN error" in str(exc))
+
+
+OUTCOMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "cancelled"}
 
 
 @dataclass
@@ -270,8 +274,8 @@ class StageEngine:
         self._gauges()
         return self.has_work()
 
-    def finish(self, req: EngineRequest, final: Any) -> None:
-        """Send the last item (a Finished message or a StageError) and free the request's resources."""
+    def finish(self, req: EngineRequest, final: Finished | StageError) -> None:
+        """Send the last item and free the request's resources."""
         with self.lock:
             if req in self.running:
                 self.running.remove(req)
@@ -292,11 +296,11 @@ class StageEngine:
                           f"{self.name}: request {req.request_id}: {what} not finite (NaN or infinity): "
                           f"the request's values overflow the model's arithmetic")
 
-    def _observe(self, req: EngineRequest, final: Any) -> None:
+    def _observe(self, req: EngineRequest, final: Finished | StageError) -> None:
         if isinstance(final, StageError):
             outcome = "error"
         else:
-            outcome = {1: "stop", 2: "length", 3: "cancelled"}.get(final.finished.reason, "other")
+            outcome = OUTCOMES.get(final.reason, "other")
         metrics.STREAMS.labels(self.name, outcome).inc()
         lat = metrics.LATENCY
         if req.started is not None:

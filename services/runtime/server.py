@@ -24,12 +24,14 @@ from grpc_reflection.v1alpha import reflection
 from voxpipe.v1 import stages_pb2 as pb
 
 from .engine import EngineRequest, StageEngine, StageError
+from .outputs import Finished, FinishReason, FramesOut
 from . import metrics
 from .logs import REQUEST_ID
 from .metrics import serve_metrics
 from .calls import ClientGone, abort, when_done
 from .rpc_guard import Abort, RequestGuard
 from .tensors import Reassembler, TensorError
+from .tensors import to_proto as tensor_proto
 from . import tracing
 from .tls import (ClientTLS, ServerTLS, TLSConfigError, add_client_tls_arguments, add_port, add_server_tls_arguments,
                   client_tls_from_args, server_tls_from_args)
@@ -87,8 +89,9 @@ class Relay(Protocol):
     done: bool   # the caller's stream is complete: nothing more will be forwarded
 
     async def forward(self, item: Any) -> list[Any]:
-        """Pass one engine output (or an item the relay itself put in the outbox) on; returns
-        the messages for this stage's caller. Failures reach the outbox as StageErrors."""
+        """Pass one outbox item (an engine output, merged, or an item the relay itself put in the
+        outbox) on; returns the outputs for this stage's caller, which `to_proto` turns into its
+        messages. Failures reach the outbox as StageErrors."""
         ...
 
     def close(self) -> None:
@@ -177,18 +180,23 @@ class StageServicer:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def merge(self, first: Any, then: Any) -> Any | None:
-        """One response carrying both `first` and `then` (consecutive outputs of one request), or
-        None if they cannot travel as one. Stages whose outputs concatenate override this."""
+        """One output holding both `first` and `then` (consecutive outputs of one request, never a
+        Finished), or None if they cannot travel as one. Stages whose outputs concatenate override this."""
         return None
+
+    def to_proto(self, req: EngineRequest, item: Any) -> Any:
+        """The response message of one output for `req`'s caller (an engine output, merged, a
+        relay's report or the Finished). Each stage's servicer builds its own."""
+        raise NotImplementedError
 
     async def serve_request(self, req: EngineRequest, context: grpc.aio.ServicerContext,
                             reader: Callable[[], Any] | None, relay: "Relay | None" = None) -> AsyncIterator[Any]:
         """Submit `req`, run `reader` (the rest of the request stream) beside it, and yield the
-        engine's outputs until the final one. Outputs that are already waiting when one is sent go
-        with it as one message where `merge` allows (no wait is added: under load, fewer and larger
-        messages). With a `relay` (the request continues in the next stage), each output goes
-        through `relay.forward`, which yields what the caller gets, and the stream ends once the
-        relay is done. Frees the request on cancel or disconnect."""
+        messages (`to_proto`) of the engine's outputs until the final one. Outputs that are already
+        waiting when one is sent go with it as one message where `merge` allows (no wait is added:
+        under load, fewer and larger messages). With a `relay` (the request continues in the next
+        stage), each output goes through `relay.forward`, which returns what the caller gets, and
+        the stream ends once the relay is done. Frees the request on cancel or disconnect."""
         self.engine.submit(req)
         task = asyncio.ensure_future(self._guard(reader, req)) if reader is not None else None
 
@@ -211,24 +219,19 @@ class StageServicer:
                 if isinstance(item, StageError):
                     final = final or item
                     await abort(context, item.code, item.message, item.stage)
-                finished = item.WhichOneof("kind") == "finished"
-                if finished:
+                if isinstance(item, Finished):
                     final = item
-                if relay is None:
-                    yield item
-                    if finished:
-                        return
-                    continue
-                for out in await relay.forward(item):
-                    yield out
-                if relay.done:
+                for out in [item] if relay is None else await relay.forward(item):
+                    yield self.to_proto(req, out)
+                if relay.done if relay is not None else isinstance(item, Finished):
                     return
         finally:
             on_done(context)
             tracing.record_phases(self.engine.name, req, final)
 
     async def _outputs(self, req: EngineRequest) -> AsyncIterator[Any]:
-        """The request's outbox items, consecutive mergeable ones merged (see `merge`)."""
+        """The request's outbox items, consecutive mergeable ones merged (see `merge`); the last
+        one (a Finished or a StageError) is never merged."""
         wait = metrics.OUTBOX_WAIT.labels(self.engine.name)
         held = None
         while True:
@@ -237,10 +240,10 @@ class StageServicer:
                 wait.observe(waited)
             else:
                 item, held = held, None
-            if not isinstance(item, StageError):
+            if not isinstance(item, (StageError, Finished)):
                 while (polled := req.outbox.poll_timed()) is not None:
                     wait.observe(polled[1])
-                    merged = None if isinstance(polled[0], StageError) else self.merge(item, polled[0])
+                    merged = None if isinstance(polled[0], (StageError, Finished)) else self.merge(item, polled[0])
                     if merged is None:
                         held = polled[0]
                         break
@@ -262,8 +265,18 @@ class StageServicer:
             log.debug("request reader ended: %r", e)
             self.engine.cancel(req)
 
-    def cancelled(self) -> pb.Finished:
-        return pb.Finished(reason=pb.CANCELLED)
+    def cancelled(self) -> Finished:
+        """The last output of a request its caller cancelled with a cancel message."""
+        return Finished(FinishReason.CANCELLED)
+
+
+def finished_proto(finished: Finished) -> pb.Finished:
+    return pb.Finished(reason=int(finished.reason), prompt_tokens=finished.prompt_tokens,
+                       completion_tokens=finished.completion_tokens, samples=finished.samples)
+
+
+def frames_proto(frames: FramesOut) -> pb.CodecFrames:
+    return pb.CodecFrames(index=frames.index, codes=tensor_proto(frames.codes))
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_name: str,

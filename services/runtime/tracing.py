@@ -29,6 +29,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .calls import ClientGone
+from .outputs import Finished
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ _enabled = False
 
 # the phase between "started" and "first output", per stage
 FIRST_OUTPUT_PHASE = {"thinker": "prefill", "talker": "prefill", "code2wav": "first_chunk_out"}
-FINISH_REASONS = {0: "unspecified", 1: "stop", 2: "length", 3: "cancelled"}
 
 
 def otlp_endpoint() -> str | None:
@@ -199,8 +199,8 @@ def _mark_cancelled(span: trace.Span) -> None:
 
 def record_phases(stage: str, req: Any, final: Any) -> None:
     """Child spans of the current (server) span from an EngineRequest's perf_counter timestamps,
-    plus the request's outcome on the server span. `final` is the last item the engine sent
-    (a response with `finished`, a StageError) or None when the call ended early."""
+    plus the request's outcome on the server span. `final` is the request's last outbox item
+    (a Finished, a StageError) or None when the call ended early."""
     span = trace.get_current_span()
     if not _enabled or not span.is_recording():
         return
@@ -222,16 +222,15 @@ def record_phases(stage: str, req: Any, final: Any) -> None:
         tracer().start_span(name, context=parent, start_time=ns(t0), attributes=common).end(end_time=ns(max(t0, t1)))
 
     span.set_attribute("voxpipe.request_id", req.request_id)
-    finished = final.finished if hasattr(final, "WhichOneof") and final.WhichOneof("kind") == "finished" else None
-    if finished is not None:
-        span.set_attribute("voxpipe.finish_reason", FINISH_REASONS.get(finished.reason, str(finished.reason)))
+    if isinstance(final, Finished):
+        span.set_attribute("voxpipe.finish_reason", final.reason.name.lower())
         if stage == "thinker":
-            span.set_attribute("voxpipe.prompt_tokens", finished.prompt_tokens)
-            span.set_attribute("voxpipe.tokens", finished.completion_tokens)
+            span.set_attribute("voxpipe.prompt_tokens", final.prompt_tokens)
+            span.set_attribute("voxpipe.tokens", final.completion_tokens)
         else:
-            span.set_attribute("voxpipe.frames", finished.completion_tokens)
+            span.set_attribute("voxpipe.frames", final.completion_tokens)
         if stage == "code2wav":
-            span.set_attribute("voxpipe.samples", finished.samples)
+            span.set_attribute("voxpipe.samples", final.samples)
     elif final is None or req.cancelled:
         span.set_attribute("voxpipe.finish_reason", "cancelled")
     else:

@@ -3,7 +3,10 @@ picks; the thinker (its caller) gets where code2wav runs and, once code2wav has 
 frame, the talker's Finished.
 
     engine outputs -> Code2WavRelay.forward -> code2wav: Code2WavStart (to_listener), CodecFrames, FramesEnd
-                                            -> caller:   Routed (code2wav, listen token), Finished
+                                            -> caller:   Routed (code2wav, listen token), FirstOutput, Finished
+
+It reads the request's outbox items as they are (FramesOut, Finished, and the Routed it put there
+itself) and returns typed outputs for the caller, which the servicer's `to_proto` turns into messages.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.downstream import Downstream, DownstreamFailed, NextStage
 from ..runtime.engine import StageError
+from ..runtime.outputs import Finished, FinishReason, FirstOutput, FramesOut, Routed
+from ..runtime.server import frames_proto
 from .engine import TalkerJob
 
 log = logging.getLogger(__name__)
@@ -28,24 +33,21 @@ class Code2WavRelay:
         self.done = False
         loop = asyncio.get_running_loop()
         self._down: asyncio.Future[Downstream | None] = loop.create_future()
-        self._finished: pb.TalkerResponse | None = None   # the engine's Finished, held until code2wav ends
+        self._finished: Finished | None = None   # the engine's Finished, held until code2wav ends
         self._closed = False
         self._task = asyncio.ensure_future(self._run())
 
-    async def forward(self, item: pb.TalkerResponse) -> list[pb.TalkerResponse]:
-        kind = item.WhichOneof("kind")
-        if kind == "routed":
+    async def forward(self, item: FramesOut | Finished | Routed) -> list[Finished | Routed | FirstOutput]:
+        if isinstance(item, Routed):
             return [item]
         down = await asyncio.shield(self._down)     # a cancelled handler must not cancel the future _run resolves
         if down is None:                    # code2wav could not be reached: the StageError is on its way
             return []
-        if kind == "frames":
-            await down.write(pb.Code2WavRequest(frames=item.frames))
-            if item.frames.index == 0:
-                return [pb.TalkerResponse(first_output=pb.FirstOutput(stage="talker"))]
-            return []
-        if kind == "finished":
-            if item.finished.reason == pb.CANCELLED or self._finished is not None:
+        if isinstance(item, FramesOut):
+            await down.write(pb.Code2WavRequest(frames=frames_proto(item)))
+            return [FirstOutput("talker")] if item.index == 0 else []
+        if isinstance(item, Finished):
+            if item.reason == FinishReason.CANCELLED or self._finished is not None:
                 # cancelled (close() cancels code2wav's side), or _run put the held Finished back
                 # once code2wav decoded every frame (the audio is the listener's)
                 self.done = True
@@ -73,8 +75,7 @@ class Code2WavRelay:
             async for resp in down.responses():
                 kind = resp.WhichOneof("kind")
                 if kind == "accepted":
-                    outbox.put(pb.TalkerResponse(routed=pb.Routed(stage="code2wav", address=down.address,
-                                                                  listen_token=resp.accepted.listen_token)))
+                    outbox.put(Routed("code2wav", down.address, resp.accepted.listen_token))
                 elif kind == "finished":
                     down.ended = True
                     if self._finished is None:   # code2wav cannot end before the frames did

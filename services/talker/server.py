@@ -19,9 +19,10 @@ from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
 from ..runtime.sampling import MAX_ROW_VALUE, SamplingParams, check_features
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, run_async, run_server,
-                             server_options)
-from ..runtime.tensors import TensorError, concat_rows, from_proto
+from ..runtime.outputs import Finished, FirstOutput, FramesOut, Routed
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, finished_proto, frames_proto,
+                             run_async, run_server, server_options)
+from ..runtime.tensors import TensorError, from_proto
 from ..runtime.tracing import annotate, setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import DEFAULT_TEXT_CAP, TalkerEngine, TalkerJob
@@ -47,15 +48,23 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         self.cfg = cfg
         self.code2wav = code2wav   # the code2wav replicas routed frames go to (--code2wav); None: frames to the caller
 
-    def merge(self, first: pb.TalkerResponse, then: pb.TalkerResponse) -> pb.TalkerResponse | None:
-        """Consecutive frame messages of one request travel as one CodecFrames [n1 + n2, G]."""
-        if first.WhichOneof("kind") != "frames" or then.WhichOneof("kind") != "frames":
+    def merge(self, first: FramesOut | Routed, then: FramesOut | Routed) -> FramesOut | None:
+        """Consecutive frames of one request travel as one CodecFrames [n1 + n2, G]."""
+        if not isinstance(first, FramesOut) or not isinstance(then, FramesOut) or then.index != first.index + first.count:
             return None
-        a, b = first.frames, then.frames
-        if b.index != a.index + (a.codes.shape[0] if a.codes.shape else 0):
-            return None
-        codes = concat_rows(a.codes, b.codes)
-        return None if codes is None else pb.TalkerResponse(frames=pb.CodecFrames(index=a.index, codes=codes))
+        return FramesOut(first.index, torch.cat((first.codes, then.codes)))
+
+    def to_proto(self, req: TalkerJob, item: FramesOut | Finished | Routed | FirstOutput) -> pb.TalkerResponse:
+        if isinstance(item, FramesOut):
+            return pb.TalkerResponse(frames=frames_proto(item))
+        if isinstance(item, Finished):
+            return pb.TalkerResponse(finished=finished_proto(item))
+        if isinstance(item, Routed):
+            return pb.TalkerResponse(routed=pb.Routed(stage=item.stage, address=item.address,
+                                                      listen_token=item.listen_token))
+        if isinstance(item, FirstOutput):
+            return pb.TalkerResponse(first_output=pb.FirstOutput(stage=item.stage))
+        raise TypeError(f"the talker has no message for {item!r}")
 
     @traced_rpc("voxpipe.v1.Talker", "Generate")
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -80,7 +89,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
                     self.engine.end_text(job)
                 elif kind == "cancel":
                     self.engine.cancel(job)
-                    job.outbox.put(pb.TalkerResponse(finished=self.cancelled()))
+                    job.outbox.put(self.cancelled())
                     return
                 else:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")

@@ -19,6 +19,7 @@ from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache, SlotStep
+from ..runtime.outputs import Finished, FinishReason
 from ..runtime.sampling import SamplingParams, apply_repetition_penalty, finite_rows, pick
 from ..runtime.tensors import to_proto
 from .model import ThinkerModel
@@ -384,8 +385,8 @@ class ThinkerEngine(StageEngine):
             if stopped:
                 reason = pb.STOP
             if reason is not None:
-                self.finish(j, pb.ThinkerResponse(finished=pb.Finished(
-                    reason=reason, prompt_tokens=len(j.prompt), completion_tokens=len(j.generated))))
+                self.finish(j, Finished(FinishReason(reason), prompt_tokens=len(j.prompt),
+                                        completion_tokens=len(j.generated)))
 
     def _logprobs(self, jobs: list[ThinkerJob], tokens: list[int], asked: list[int],
                   logprobs: torch.Tensor) -> dict[int, pb.TokenLogprob]:

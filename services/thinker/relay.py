@@ -17,6 +17,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.downstream import Downstream, DownstreamFailed, NextStage
 from ..runtime.engine import StageError
+from ..runtime.outputs import Finished
 from .engine import ThinkerJob
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,8 @@ class TalkerRelay:
     def done(self) -> bool:
         return self.text_done and self.talker_done
 
-    async def forward(self, item: pb.ThinkerResponse) -> list[pb.ThinkerResponse]:
-        kind = item.WhichOneof("kind")
+    async def forward(self, item: pb.ThinkerResponse | Finished) -> list[pb.ThinkerResponse | Finished]:
+        kind = "finished" if isinstance(item, Finished) else item.WhichOneof("kind")
         if kind == "talker_prompt":
             await self._open(item.talker_prompt)
             return []

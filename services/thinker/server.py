@@ -20,8 +20,9 @@ from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.layers import serving_layout
 from ..runtime.sampling import SamplingParams, check_audio_features
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, run_async, run_server,
-                             server_options)
+from ..runtime.outputs import Finished
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, finished_proto, run_async,
+                             run_server, server_options)
 from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import setup_tracing, traced_rpc
 from ..runtime.weights import load_module, resolve_device, resolve_dtype
@@ -38,6 +39,10 @@ MERGED_ROWS_MAX_BYTES = 4 << 20     # text deltas merge into one message up to t
 
 
 class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
+    """The thinker's engine is not on typed outputs yet (issue #10 item 2): its text deltas and
+    talker prompts are ThinkerResponse messages built on the engine thread, and only its last
+    output is a typed Finished, which `to_proto` turns into a message."""
+
     def __init__(self, engine: ThinkerEngine, opts, tokenizer, cfg: OmniConfig, talker: NextStage | None = None) -> None:
         super().__init__(engine, opts)
         self.tokenizer, self.cfg = tokenizer, cfg
@@ -62,6 +67,9 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             delta.embeddings.CopyFrom(rows)
         return pb.ThinkerResponse(text=delta)
 
+    def to_proto(self, req: ThinkerJob, item: Finished | pb.ThinkerResponse) -> pb.ThinkerResponse:
+        return pb.ThinkerResponse(finished=finished_proto(item)) if isinstance(item, Finished) else item
+
     @traced_rpc("voxpipe.v1.Thinker", "Generate")
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
@@ -74,7 +82,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                 kind = msg.WhichOneof("kind")
                 if kind == "cancel":
                     self.engine.cancel(job)
-                    job.outbox.put(pb.ThinkerResponse(finished=self.cancelled()))
+                    job.outbox.put(self.cancelled())
                     return
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")
 

@@ -1,0 +1,290 @@
+"""Talker model runner: the talker on its device, its KV slots, CUDA graphs and sampling.
+
+A step: one right-padded prefill of the requests admitted now, one codec-0 forward over every slot
+0..n-1 (dense, graph-friendly), then code 0 and the code predictor's residual codes for each row
+that made logits. Greedy rows (`greedy_frames`) run the predictor for every row before the host
+reads anything: one host read per step, and the frames of rows that stop are dropped. Sampled rows
+read code 0 first (`sample_code0`), and only the rows that go on run the predictor (`predict`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from voxpipe import kernels
+
+from ..runtime.config import TalkerConfig
+from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
+from ..runtime.kv_cache import SlotKVCache
+from ..runtime.sampling import SamplingParams, finite_rows, pick
+from .model import TalkerModel
+
+# transformers samples the code predictor with these whenever the talker samples
+PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+
+
+def greedy_codes(usable: list[torch.Tensor]):
+    """The code predictor's greedy `pick`: argmax per row; appends each pass's per-row finite flags
+    [B] bool to `usable` (static shapes, no host sync: it runs inside the predictor's CUDA graph)."""
+
+    def pick_codes(logits: torch.Tensor, group: int) -> torch.Tensor:
+        usable.append(finite_rows(logits))
+        return logits.argmax(-1)
+
+    return pick_codes
+
+
+@dataclass
+class Code0:
+    """Code 0 of each row of a sampled step."""
+
+    ids: torch.Tensor          # [n] on the device
+    host: list[int]            # the same, read on the host
+    usable: list[int]          # per row: 1 if its logits were finite
+
+
+@dataclass
+class Frames:
+    """Whole frames of a step's rows."""
+
+    codes: torch.Tensor        # [rows, G] uint16 on the host: code 0, then the G - 1 residual codes
+    usable: list[int]          # per row: 1 if every logit that made its frame was finite
+    next_inputs: torch.Tensor  # [rows, Hk] on the device: each row's next input (its G code embeddings summed)
+
+
+class TalkerRunner:
+    def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
+                 max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_graph_len: int = 512,
+                 eager_fallback: bool = False) -> None:
+        """Prompts up to `prefill_graph_len` rows, `prefill_batch` at a time, replay CUDA graphs."""
+        self.model, self.cfg, self.device = model, cfg, device
+        self.dtype = next(model.parameters()).dtype
+        t = cfg.text
+        self.cache = SlotKVCache(t.num_layers, max_active, max_len, t.num_kv_heads, t.head_dim, self.dtype, device)
+        suppress = torch.zeros(t.vocab_size, dtype=torch.bool, device=device)
+        suppress[list(cfg.suppressed_tokens)] = True
+        suppress[cfg.codec.eos] = False
+        self.suppress = suppress
+        self.seen = torch.zeros(max_active, t.vocab_size, dtype=torch.bool, device=device)  # codec-0 ids per slot
+        self.step_graphs = self.predictor_graphs = self.prefill_graphs = None
+        if cuda_graphs and graphs_available(device):
+            self._capture(max_active, max_len, min(prefill_batch, max_active), min(prefill_graph_len, max_len),
+                          eager_fallback)
+
+    @torch.inference_mode()
+    def _capture(self, max_active: int, max_len: int, n: int, prefill_len: int, eager_fallback: bool) -> None:
+        """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
+        h, dev = self.cfg.text.hidden_size, self.device
+        self.prefill_graphs = captured("talker prefill", lambda: GraphedStep(
+            self._prefill_fn, (torch.zeros(n, prefill_len, h, dtype=self.dtype, device=dev),
+                               torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)),
+            buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill",
+            pad=(None, 0, self.cache.scratch)), eager_fallback)   # padding rows write the scratch KV row
+        self.step_graphs = captured("talker step", lambda: GraphedStep(
+            self._step_fn, (torch.zeros(max_active, 1, h, dtype=self.dtype, device=dev),
+                            torch.zeros(max_active, dtype=torch.long, device=dev)),
+            buckets(max_active), buckets(max_len, min(256, max_len)), "talker step"), eager_fallback)
+        self.predictor_graphs = captured("code predictor", lambda: GraphedStep(
+            self._predict_fn, (torch.zeros(max_active, h, dtype=self.dtype, device=dev),
+                               torch.zeros(max_active, dtype=torch.long, device=dev)),
+            buckets(max_active), [1], "code predictor (15 steps)"), eager_fallback)
+
+    def _prefill_fn(self, n: int, s: int, x: torch.Tensor, last: torch.Tensor,
+                    slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts [n, >= s, H] (right-padded to s) from position 0 into KV slots [n]: codec-0
+        logits [n, V] and final hidden [n, H] at each prompt's `last` position."""
+        positions = torch.arange(s, device=x.device)[None].expand(n, s)
+        return self.model(x[:, :s], positions, self.cache.prefill_view(slots, s), last=last)
+
+    def _step_fn(self, n: int, kv_len: int, x: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One codec step for the sequences in slots 0..n-1: x [n, 1, H] inputs, start [n] positions."""
+        return self.model(x, start[:, None], self.cache.decode_view(n, kv_len, start))
+
+    def _predict_fn(self, n: int, _kv: int, hidden: torch.Tensor,
+                    code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy residual codes [n, G-1], the next input's codec part (sum of all G embeddings)
+        [n, H], and whether every pass's logits were finite [n] bool."""
+        code0_embed = self.model.model.codec_embedding(code0)
+        usable: list[torch.Tensor] = []
+        residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, greedy_codes(usable))
+        return residual, torch.stack([code0_embed] + embeds, dim=1).sum(1), torch.stack(usable, 1).all(1)
+
+    # ---- slots (dense: the requests hold slots 0..used-1)
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots
+
+    def allocate(self, job) -> None:
+        job.slot = self.cache.allocate(job)
+        self.seen[job.slot] = False
+
+    def release(self, job) -> None:
+        """Free the job's slot; the request in the last slot moves into it."""
+        if job.slot is not None:
+            last = self.cache.used - 1
+            moved = self.cache.release(job.slot)
+            if moved is not None:
+                self.seen[job.slot] = self.seen[last]
+                moved.slot = job.slot
+            job.slot = None
+
+    def scrub(self, job) -> None:
+        """Zero the job's KV slot and the graphs' float inputs, so that nothing its non-finite numbers
+        left on the device reaches a later request (SlotKVCache.scrub)."""
+        if job.slot is not None:
+            self.cache.scrub(job.slot)
+        for graphs in (self.step_graphs, self.predictor_graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.scrub()
+
+    # ---- forwards
+    def forward(self, prefill: list, decode: list, text_rows: list[torch.Tensor]) -> tuple[list, torch.Tensor,
+                                                                                           torch.Tensor]:
+        """The step's forwards: the prefill of the `prefill` jobs, then the codec step of the `decode`
+        jobs (each with its text row). The jobs that made logits (prefilled first, then decoded in
+        slot order), their codec-0 logits [n, V] float32 and final hidden rows [n, Hk]."""
+        results: list[tuple[object, torch.Tensor, torch.Tensor]] = []
+        if prefill:
+            logits, hidden = self._prefill(prefill)
+            results.extend((j, logits[b], hidden[b]) for b, j in enumerate(prefill))
+        if decode:
+            results.extend(self._decode(decode, text_rows))
+        return ([r[0] for r in results], torch.stack([r[1] for r in results]).float(),
+                torch.stack([r[2] for r in results]))
+
+    def _prefill(self, jobs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the jobs' prompts (right-padded): codec-0 logits [n, V], hidden [n, Hk]."""
+        dev = self.device
+        prompts = [self._prompt(j) for j in jobs]
+        for j, p in zip(jobs, prompts):
+            j.prompt_len = p.shape[0]
+            j.generator = j.params.generator(dev)
+        n, s = len(jobs), max(j.prompt_len for j in jobs)
+        x = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)                   # [n, s, Hk]
+        last = torch.tensor([j.prompt_len - 1 for j in jobs]).to(dev, non_blocking=True)
+        slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
+        g = self.prefill_graphs
+        if g is not None and g.fits(n, s):   # padding rows go to the scratch KV row
+            return g(n, s, x, last, slots)
+        return self._prefill_fn(n, s, x, last, slots)
+
+    def _decode(self, jobs: list, text_rows: list[torch.Tensor]) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
+        """One step over every slot 0..n-1 for `jobs` (each with its text row): rows of the other
+        slots compute garbage at a position they will overwrite later, and their results are
+        dropped. (job, codec-0 logits [V], hidden [Hk]) per job, in slot order."""
+        owners = self.cache.owners[:self.cache.used]
+        n, h = len(owners), self.cfg.text.hidden_size
+        x = torch.zeros(n, h, device=self.device, dtype=self.dtype)
+        order = sorted(range(len(jobs)), key=lambda k: jobs[k].slot)
+        idx = [jobs[k].slot for k in order]
+        rows = torch.tensor(idx, device=self.device)
+        x[rows] = torch.stack([owners[i].pending for i in idx]) + self._project([text_rows[k] for k in order])
+        start_list = [j.prompt_len + max(len(j.codes0) - 1, 0) for j in owners]
+        start = torch.tensor(start_list).to(self.device, non_blocking=True)
+        kv_len = max(start_list) + 1
+        for i in idx:
+            owners[i].pending = None
+        if self.step_graphs is not None and self.step_graphs.fits(n, kv_len):
+            logits, hidden = self.step_graphs(n, kv_len, x[:, None], start)
+        else:
+            logits, hidden = self._step_fn(n, kv_len, x[:, None], start)
+        return [(owners[i], logits[i], hidden[i]) for i in idx]
+
+    def _project(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        x = torch.stack(rows).to(self.device, self.dtype)
+        return self.model.text_projection(x)
+
+    def _prompt(self, job) -> torch.Tensor:
+        """The talker's prompt rows [L, Hk]: the user turns (text rows projected, audio rows through
+        the hidden projection), the assistant head, four tts_pad, tts_bos and the first text row,
+        each with its codec-side embedding (nothink, think_bos, think_eos, speaker, pad, bos)."""
+        m, c = self.model, self.cfg.codec
+        dev, dt = self.device, self.dtype
+        user = job.user_rows.to(dev, dt)
+        mm = job.user_mm_mask.to(dev)
+        user_part = torch.empty(user.shape[0], self.cfg.text.hidden_size, device=dev, dtype=dt)
+        if bool(mm.any()):
+            user_part[mm] = m.hidden_projection(user[mm])
+        if bool((~mm).any()):
+            user_part[~mm] = m.text_projection(user[~mm])
+        head = m.text_projection(job.head.to(dev, dt))                                    # [3, Hk]
+        bos, _eos, pad = m.text_projection(job.special.to(dev, dt)).unbind(0)
+        first = m.text_projection(job.rows[0].to(dev, dt)[None])[0]
+        text_side = torch.cat((head, pad.expand(4, -1), bos[None], first[None]))          # [PROMPT_TAIL, Hk]
+        codec_ids = torch.tensor([c.nothink, c.think_bos, c.think_eos, job.speaker_id, c.pad, c.bos], device=dev)
+        codec_side = torch.cat((torch.zeros(3, text_side.shape[1], device=dev, dtype=dt),
+                                m.model.codec_embedding(codec_ids)))
+        return torch.cat((user_part, text_side + codec_side))
+
+    # ---- sampling
+    def _penalized(self, jobs: list, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codec-0 logits with each row's repetition penalty on the ids its slot has seen; the rows'
+        slots [n]; whether each row is finite [n] bool (after the penalty, before any mask)."""
+        slots = torch.tensor([j.slot for j in jobs], device=self.device)
+        penalty = torch.tensor([j.params.repetition_penalty for j in jobs], device=self.device)[:, None]
+        seen = self.seen[slots]
+        logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+        return logits, slots, finite_rows(logits)
+
+    def greedy_frames(self, jobs: list, logits: torch.Tensor, hidden: torch.Tensor, ban: list[bool]) -> Frames:
+        """Every row's whole frame, greedy: the suppress mask, the EOS ban (`ban`: per row) and argmax
+        (one Triton kernel on CUDA), then the code predictor for every row straight away; the host
+        reads code 0, the residual codes and the usable flags in one sync."""
+        eos = self.cfg.codec.eos
+        logits, slots, finite = self._penalized(jobs, logits)
+        ban_rows = torch.tensor(ban).to(self.device, non_blocking=True)
+        code0 = kernels.sampling.run(logits, self.suppress, ban_rows, eos)
+        self.seen[slots, code0] = True
+        n = len(jobs)
+        if self.predictor_graphs is not None and self.predictor_graphs.fits(n, 1):
+            residual, nxt, predicted = self.predictor_graphs(n, 1, hidden, code0)
+        else:
+            residual, nxt, predicted = self._predict_fn(n, 1, hidden, code0)
+        # [n, G + 1]: the frame, then its usable flag (one host read)
+        usable = (finite & predicted).long()[:, None]
+        host = torch.cat((code0[:, None], residual, usable), dim=1).to(torch.int64).cpu()
+        # graph outputs are overwritten by the next replay
+        return Frames(host[:, :-1].to(torch.uint16), host[:, -1].tolist(), nxt.clone())
+
+    def sample_code0(self, jobs: list, logits: torch.Tensor, ban: list[bool]) -> Code0:
+        """Code 0 of each row, sampled (or argmax for greedy rows) with its own generator; the host
+        reads the ids and the usable flags."""
+        eos = self.cfg.codec.eos
+        logits, slots, finite = self._penalized(jobs, logits)
+        logits = logits.masked_fill(self.suppress, float("-inf"))
+        if any(ban):
+            logits[torch.tensor(ban, device=self.device), eos] = float("-inf")
+        picks = [pick(row, j.params, j.generator) for j, row in zip(jobs, logits)]
+        code0 = torch.stack([token for token, _ in picks])
+        self.seen[slots, code0] = True
+        host, usable = torch.stack((code0, (finite & torch.stack([ok for _, ok in picks])).long())).tolist()
+        return Code0(code0, host, usable)
+
+    def predict(self, jobs: list, going: list[int], code0: Code0, hidden: torch.Tensor) -> Frames:
+        """The frames of the rows `going` (the jobs that go on) after their sampled code 0: the code
+        predictor's residual codes, sampled; one host read."""
+        rows = torch.tensor(going, device=self.device)
+        code0, hidden = code0.ids[rows], hidden[rows]
+        code0_embed = self.model.model.codec_embedding(code0)
+        passes: list[torch.Tensor] = []     # per predictor pass: [len(going)] bool usable
+        residual, embeds = self.model.code_predictor.predict(hidden, code0_embed,
+                                                             self._picker([jobs[i] for i in going], passes))
+        nxt = torch.stack([code0_embed] + embeds, dim=1).sum(1)
+        host = torch.cat((code0[:, None], residual, torch.stack(passes, 1).all(1).long()[:, None]),
+                         dim=1).to(torch.int64).cpu()
+        return Frames(host[:, :-1].to(torch.uint16), host[:, -1].tolist(), nxt)
+
+    def _picker(self, jobs: list, usable: list[torch.Tensor]):
+        """The code predictor's `pick` for these jobs (each samples unless greedy); appends each
+        pass's per-row usable flags [B] bool to `usable`. No host sync."""
+        if all(j.params.greedy for j in jobs):
+            return greedy_codes(usable)
+
+        def pick_codes(logits: torch.Tensor, group: int) -> torch.Tensor:
+            picks = [pick(row, PREDICTOR_SAMPLING if not j.params.greedy else SamplingParams(), j.generator)
+                     for j, row in zip(jobs, logits.float())]
+            usable.append(finite_rows(logits) & torch.stack([ok for _, ok in picks]))
+            return torch.stack([token for token, _ in picks])
+
+        return pick_codes

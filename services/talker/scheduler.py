@@ -1,0 +1,97 @@
+"""Talker scheduler: which waiting requests take a KV slot and are prefilled now, and which running
+requests make a frame. Pure Python (no tensors, no model); the engine applies the schedule, the
+runner computes, the engine's output step decides what a frame means (EOS, min / max frames).
+
+Text rows arrive while the talker runs. Row i of a request is the thinker embedding of the
+(i+1)-th assistant text token; the very last token the thinker produces is never spoken, so a
+row is usable only once a later row (or the end of text) has arrived. The prompt ends with row 0;
+the step that makes frame k (k >= 1) reads text row k, then tts_eos once past the text, then
+tts_pad: a request whose row is not there yet simply sits out that step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol, Sequence
+
+PROMPT_TAIL = 9   # prompt rows after the user turns: assistant head (3), 4 x tts_pad, tts_bos, first text row
+
+
+class TextRow(Enum):
+    """What the text side of a talker input is."""
+
+    ROW = "row"      # a text row, usable
+    EOS = "eos"      # tts_eos: the text ended just before
+    PAD = "pad"      # tts_pad: past the text
+    WAIT = "wait"    # not known yet: the next row (or the end of text) has not arrived
+
+
+def text_row(rows: int, text_done: bool, i: int) -> TextRow:
+    """The text side of the input that reads row `i`, for a request that has `rows` rows so far."""
+    if i < rows - 1:
+        return TextRow.ROW
+    if not text_done:
+        return TextRow.WAIT
+    return TextRow.EOS if i == rows - 1 else TextRow.PAD
+
+
+class Reader(Protocol):
+    saturated: bool
+
+
+class Speech(Protocol):
+    """What the scheduler reads of a request (services.talker.engine.TalkerJob)."""
+
+    rows: Sequence[object]       # thinker text rows so far
+    text_done: bool              # no more rows will come
+    codes0: Sequence[int]        # code 0 of each frame made so far
+    pending: object | None       # its next input (without the text row); None until its last step's output is in
+    prompt_rows: int             # rows of its prompt
+    outbox: Reader
+
+
+@dataclass
+class TalkerSchedule:
+    unspeakable: list = field(default_factory=list)   # text ended before a usable row: finish now (STOP)
+    prefill: list = field(default_factory=list)       # take a slot and prefill now, in arrival order
+    decode: list = field(default_factory=list)        # running requests that make their next frame now
+
+
+class TalkerScheduler:
+    def __init__(self, prefill_batch: int, prefill_tokens: int) -> None:
+        """A step prefills up to `prefill_batch` requests whose padded prompts (the longest prompt
+        times the requests) stay within `prefill_tokens` rows; one request always fits."""
+        self.prefill_batch, self.prefill_tokens = prefill_batch, prefill_tokens
+
+    def has_work(self, waiting: Sequence[Speech], running: Sequence[Speech], free_slots: int) -> bool:
+        if any(self.decode_ready(s) for s in running):
+            return True
+        return free_slots > 0 and any(self.prefill_ready(s) for s in waiting)
+
+    def schedule(self, waiting: Sequence[Speech], running: Sequence[Speech], free_slots: int) -> TalkerSchedule:
+        plan = TalkerSchedule(decode=[s for s in running if self.decode_ready(s)])
+        ready = []
+        for s in waiting:
+            state = text_row(len(s.rows), s.text_done, 0)
+            if state == TextRow.ROW:
+                ready.append(s)
+            elif state != TextRow.WAIT:
+                plan.unspeakable.append(s)
+        longest = 0
+        for s in ready[:min(self.prefill_batch, free_slots)]:
+            if plan.prefill and max(longest, s.prompt_rows) * (len(plan.prefill) + 1) > self.prefill_tokens:
+                break
+            plan.prefill.append(s)
+            longest = max(longest, s.prompt_rows)
+        return plan
+
+    @staticmethod
+    def prefill_ready(s: Speech) -> bool:
+        """Its prompt is known: its first text row is usable, or its text ended."""
+        return text_row(len(s.rows), s.text_done, 0) != TextRow.WAIT
+
+    @staticmethod
+    def decode_ready(s: Speech) -> bool:
+        """Its next input and the text row that goes with it are there, and its reader keeps up."""
+        return (s.pending is not None and not s.outbox.saturated
+                and text_row(len(s.rows), s.text_done, len(s.codes0)) != TextRow.WAIT)

@@ -1,0 +1,282 @@
+"""The code2wav and talker schedulers on their own: synthetic requests, no model, no tensors, no
+torch import. Each test steps a scheduler as its engine does (admitted requests start running,
+finished ones leave, a decoded step's frames are consumed and counted) and checks its decisions
+step by step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from voxpipe.services.code2wav.scheduler import MAX_FRAMES_PER_STEP, Code2WavScheduler
+from voxpipe.services.talker.scheduler import PROMPT_TAIL, TalkerScheduler, TextRow, text_row
+
+
+@dataclass(eq=False)
+class Reader:
+    saturated: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- code2wav
+
+
+@dataclass(eq=False)
+class Utterance:
+    name: str
+    first_chunk_frames: int = 1
+    chunk_frames: int = 1
+    frames: list[int] = field(default_factory=list)
+    frames_end: bool = False
+    frames_decoded: int = 0
+    owed: int = 0
+    outbox: Reader = field(default_factory=Reader)
+
+    def add(self, n: int, end: bool = False) -> None:
+        self.frames.extend(range(len(self.frames), len(self.frames) + n))
+        self.frames_end = self.frames_end or end
+
+
+class Code2WavStage:
+    """The engine's bookkeeping around Code2WavScheduler, with `slots` decoder slots."""
+
+    def __init__(self, slots: int) -> None:
+        self.scheduler = Code2WavScheduler()
+        self.slots = slots
+        self.waiting: list[Utterance] = []
+        self.running: list[Utterance] = []
+        self.finished: list[str] = []
+
+    def submit(self, *utterances: Utterance) -> None:
+        self.waiting.extend(utterances)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work(self.waiting, self.running, self.slots - len(self.running))
+
+    def step(self) -> dict[str, int]:
+        """One step; the frames each utterance decoded, by name (in the schedule's order)."""
+        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running))
+        for u in plan.admitted:
+            self.waiting.remove(u)
+            self.running.append(u)
+        for u in plan.finished:
+            self.running.remove(u)
+            self.finished.append(u.name)
+        decoded = {}
+        for u, n in plan.decode:
+            del u.frames[:n]
+            u.frames_decoded += n
+            decoded[u.name] = n
+        return decoded
+
+
+def test_code2wav_admits_in_arrival_order_as_slots_allow_and_admitted_ones_step_at_once():
+    stage = Code2WavStage(slots=2)
+    a, b, c = Utterance("a"), Utterance("b"), Utterance("c")
+    for u in (a, b, c):
+        u.add(1)
+    stage.submit(a, b, c)
+    assert stage.has_work()
+    assert stage.step() == {"a": 1, "b": 1}
+    assert [u.name for u in stage.running] == ["a", "b"] and stage.waiting == [c]
+    assert not stage.has_work()                      # no slot for c, nothing left for a and b
+    a.add(1, end=True)
+    assert stage.step() == {"a": 1}
+    assert stage.step() == {} and stage.finished == ["a"]
+    assert stage.step() == {"c": 1}                  # a's slot went to c
+
+
+def test_code2wav_chunk_sizes_first_then_later():
+    stage = Code2WavStage(slots=1)
+    u = Utterance("u", first_chunk_frames=2, chunk_frames=3)
+    stage.submit(u)
+    sizes = []
+    for arrive in (1, 1, 1, 1, 1, 1, 1):
+        u.add(arrive)
+        sizes.append(stage.step().get("u", 0))
+    assert sizes == [0, 2, 0, 0, 3, 0, 0]
+    u.add(0, end=True)                               # the end makes the rest due, short of a chunk
+    assert stage.step() == {"u": 2}
+    assert stage.step() == {} and stage.finished == ["u"]
+
+
+def test_code2wav_a_backlog_drains_in_capped_steps_without_waiting_for_more_frames():
+    assert MAX_FRAMES_PER_STEP == 4
+    stage = Code2WavStage(slots=2)
+    burst, trickle = Utterance("burst", chunk_frames=6), Utterance("trickle", chunk_frames=6)
+    burst.add(20)
+    stage.submit(burst, trickle)
+    burst_sizes, trickle_sizes = [], []
+    for _ in range(14):
+        trickle.add(1)
+        decoded = stage.step()
+        burst_sizes += [decoded["burst"]] if "burst" in decoded else []
+        trickle_sizes += [decoded["trickle"]] if "trickle" in decoded else []
+    assert burst_sizes == [4, 6, 6, 4]               # the first chunk capped at 4, then owed frames go on
+    assert trickle_sizes == [1, 6, 6]                # first chunk 1 frame, then whole chunks of 6
+    assert burst.owed == 0 and not burst.frames
+
+
+def test_code2wav_a_saturated_outbox_pauses_only_its_utterance():
+    stage = Code2WavStage(slots=2)
+    slow, fast = Utterance("slow", chunk_frames=2), Utterance("fast", chunk_frames=2)
+    stage.submit(slow, fast)
+    slow.add(1)
+    fast.add(1)
+    assert stage.step() == {"slow": 1, "fast": 1}
+    slow.add(5)
+    fast.add(2)
+    slow.outbox.saturated = True
+    assert stage.step() == {"fast": 2}
+    assert (len(slow.frames), slow.owed) == (5, 0)   # untouched while it sits out
+    assert not stage.has_work()
+    slow.outbox.saturated = False
+    assert stage.has_work()
+    assert stage.step() == {"slow": 4}               # due: 5 wait, capped at 4; 1 owed
+    assert slow.owed == 1
+    slow.outbox.saturated = True
+    assert stage.step() == {}
+    slow.outbox.saturated = False
+    assert stage.step() == {"slow": 1}               # the owed frame, without waiting for a chunk
+    assert not stage.has_work()
+
+
+def test_code2wav_finishes_once_the_frames_ended_and_all_are_decoded():
+    stage = Code2WavStage(slots=2)
+    empty, late, slow = Utterance("empty"), Utterance("late", chunk_frames=4), Utterance("slow")
+    empty.add(0, end=True)
+    late.add(1)
+    stage.submit(empty, late)
+    assert stage.step() == {"late": 1}
+    assert stage.finished == ["empty"]               # admitted and finished in one step: no frames at all
+    late.add(2, end=True)
+    assert stage.step() == {"late": 2}
+    assert stage.finished == ["empty"]               # still running: its last frames went this step
+    assert stage.has_work()
+    assert stage.step() == {} and stage.finished == ["empty", "late"]
+    slow.add(1, end=True)
+    stage.submit(slow)
+    assert stage.step() == {"slow": 1}
+    slow.outbox.saturated = True                     # a saturated reader still gets its Finished
+    assert stage.has_work()
+    assert stage.step() == {} and stage.finished[-1] == "slow"
+    assert not stage.running and not stage.has_work()
+
+
+# ---------------------------------------------------------------------------------------------- talker
+
+
+@dataclass(eq=False)
+class Speech:
+    name: str
+    prompt_rows: int = 20
+    rows: list[int] = field(default_factory=list)
+    text_done: bool = False
+    codes0: list[int] = field(default_factory=list)
+    pending: object | None = None
+    outbox: Reader = field(default_factory=Reader)
+
+
+class TalkerStage:
+    """The engine's bookkeeping around TalkerScheduler, with `slots` KV slots; a step's output is
+    one frame per prefilled or decoded request, whose next input is then pending."""
+
+    def __init__(self, slots: int, prefill_batch: int = 8, prefill_tokens: int = 4096) -> None:
+        self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens)
+        self.slots = slots
+        self.waiting: list[Speech] = []
+        self.running: list[Speech] = []
+        self.finished: list[str] = []
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work(self.waiting, self.running, self.slots - len(self.running))
+
+    def step(self) -> tuple[list[str], list[str]]:
+        """One step: the names prefilled, the names decoded."""
+        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running))
+        for s in plan.unspeakable:
+            self.waiting.remove(s)
+            self.finished.append(s.name)
+        for s in plan.prefill:
+            self.waiting.remove(s)
+            self.running.append(s)
+        for s in plan.prefill + plan.decode:
+            s.codes0.append(7)
+            s.pending = object()
+        return [s.name for s in plan.prefill], [s.name for s in plan.decode]
+
+
+def test_text_rows_usable_only_once_a_later_row_or_the_end_arrived():
+    assert [text_row(3, False, i) for i in range(4)] == [TextRow.ROW, TextRow.ROW, TextRow.WAIT, TextRow.WAIT]
+    assert [text_row(3, True, i) for i in range(5)] == [TextRow.ROW, TextRow.ROW, TextRow.EOS, TextRow.PAD,
+                                                       TextRow.PAD]
+    assert text_row(0, True, 0) == TextRow.PAD and text_row(0, False, 0) == TextRow.WAIT
+
+
+def test_talker_rows_not_ready_sit_out():
+    stage = TalkerStage(slots=4)
+    a, b = Speech("a", rows=[0, 1]), Speech("b", rows=[0])
+    stage.waiting += [a, b]
+    assert stage.step() == (["a"], [])               # b's row 0 is not usable yet (no later row, no end)
+    assert stage.step() == ([], [])                  # a made frame 0; frame 1 needs row 1, usable once row 2 is in
+    assert not stage.has_work()
+    a.rows.append(2)
+    b.rows.append(1)
+    assert stage.has_work()
+    assert stage.step() == (["b"], ["a"])
+    a.text_done = True                               # a's row 2 is its last token (never spoken): tts_eos, then tts_pad
+    assert stage.step() == ([], ["a"])
+    assert stage.step() == ([], ["a"])
+    assert stage.step() == ([], ["a"])
+    assert len(a.codes0) == 5 and len(b.codes0) == 1   # b waits for row 1's successor
+    a.pending = None                                 # a's next input is not back yet: it sits out too
+    assert stage.step() == ([], []) and not stage.has_work()
+
+
+def test_talker_a_saturated_outbox_sits_out():
+    stage = TalkerStage(slots=2)
+    a, b = Speech("a", rows=[0, 1, 2], text_done=True), Speech("b", rows=[0, 1, 2], text_done=True)
+    stage.waiting += [a, b]
+    assert stage.step() == (["a", "b"], [])
+    a.outbox.saturated = True
+    assert stage.step() == ([], ["b"])
+    b.outbox.saturated = True
+    assert not stage.has_work()
+    a.outbox.saturated = False
+    assert stage.step() == ([], ["a"])
+
+
+def test_talker_admits_ready_requests_in_arrival_order_within_batch_and_slots():
+    stage = TalkerStage(slots=3, prefill_batch=2)
+    speeches = [Speech(n, rows=[0, 1], text_done=True) for n in "abcdef"]
+    speeches[1] = Speech("b", rows=[0])              # not ready: passed over, not waited for
+    stage.waiting += speeches
+    assert stage.step() == (["a", "c"], [])          # the batch limit
+    assert stage.step() == (["d"], ["a", "c"])       # the last free slot
+    assert stage.step() == ([], ["a", "c", "d"])
+    assert [s.name for s in stage.waiting] == ["b", "e", "f"]
+    stage.running.remove(speeches[0])                # a's slot is free again
+    assert stage.step() == (["e"], ["c", "d"])
+
+
+def test_talker_prefill_keeps_the_padded_rows_within_the_budget():
+    budget = 3 * (40 + PROMPT_TAIL)
+    stage = TalkerStage(slots=8, prefill_tokens=budget)
+    stage.waiting += [Speech(f"p{users}", prompt_rows=users + PROMPT_TAIL, rows=[0, 1]) for users in (10, 40, 20, 5, 30)]
+    # 10, 40, 20 fit (3 x 49 rows); adding 5 would make 4 x 49 > the budget; then 5 and 30 fit together
+    assert stage.step()[0] == ["p10", "p40", "p20"]
+    assert stage.step()[0] == ["p5", "p30"]
+    huge = Speech("huge", prompt_rows=2 * budget, rows=[0, 1])
+    small = Speech("small", prompt_rows=10, rows=[0, 1])
+    stage.waiting += [huge, small]
+    assert stage.step()[0] == ["huge"]               # one request always fits, alone
+    assert stage.step()[0] == ["small"]
+
+
+def test_talker_text_that_ended_before_a_usable_row_finishes_at_once():
+    stage = TalkerStage(slots=1)
+    nothing = Speech("nothing", rows=[], text_done=True)
+    one = Speech("one", rows=[0], text_done=True)      # its only row is the unspoken last token
+    speaks = Speech("speaks", rows=[0, 1])
+    stage.running.append(Speech("busy"))               # holds the only slot
+    stage.waiting += [nothing, one, speaks]
+    assert stage.step() == ([], [])
+    assert stage.finished == ["nothing", "one"] and stage.waiting == [speaks]
