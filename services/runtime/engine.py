@@ -35,6 +35,7 @@ def is_device_fatal(exc: BaseException) -> bool:
                                               or "cuDNN error" in str(exc))
 
 
+# the voxpipe_streams_total outcome of a request that finished with these reasons
 OUTCOMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "cancelled"}
 
 

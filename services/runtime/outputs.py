@@ -41,7 +41,7 @@ class FramesOut:
     the frames it received)."""
 
     index: int                       # the first frame's index in the utterance
-    codes: "torch.Tensor"            # [n, num_code_groups] uint16, on the host
+    codes: "torch.Tensor"            # [n, num_code_groups] on the host: uint16 (an echo: as received)
 
     @property
     def count(self) -> int:

@@ -221,9 +221,14 @@ class StageServicer:
                     await abort(context, item.code, item.message, item.stage)
                 if isinstance(item, Finished):
                     final = item
-                for out in [item] if relay is None else await relay.forward(item):
+                if relay is None:
+                    yield self.to_proto(req, item)
+                    if isinstance(item, Finished):
+                        return
+                    continue
+                for out in await relay.forward(item):
                     yield self.to_proto(req, out)
-                if relay.done if relay is not None else isinstance(item, Finished):
+                if relay.done:
                     return
         finally:
             on_done(context)
