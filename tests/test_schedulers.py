@@ -260,7 +260,8 @@ def test_talker_admits_ready_requests_in_arrival_order_within_batch_and_slots():
 def test_talker_prefill_keeps_the_padded_rows_within_the_budget():
     budget = 3 * (40 + PROMPT_TAIL)
     stage = TalkerStage(slots=8, prefill_tokens=budget)
-    stage.waiting += [Speech(f"p{users}", prompt_rows=users + PROMPT_TAIL, rows=[0, 1]) for users in (10, 40, 20, 5, 30)]
+    stage.waiting += [Speech(f"p{users}", prompt_rows=users + PROMPT_TAIL, rows=[0, 1])
+                      for users in (10, 40, 20, 5, 30)]
     # 10, 40, 20 fit (3 x 49 rows); adding 5 would make 4 x 49 > the budget; then 5 and 30 fit together
     assert stage.step()[0] == ["p10", "p40", "p20"]
     assert stage.step()[0] == ["p5", "p30"]

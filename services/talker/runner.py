@@ -9,6 +9,7 @@ read code 0 first (`sample_code0`), and only the rows that go on run the predict
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_availab
 from ..runtime.kv_cache import SlotKVCache
 from ..runtime.sampling import SamplingParams, finite_rows, pick
 from .model import TalkerModel
+
+if TYPE_CHECKING:
+    from .engine import TalkerJob
 
 # transformers samples the code predictor with these whenever the talker samples
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
@@ -115,11 +119,11 @@ class TalkerRunner:
     def free_slots(self) -> int:
         return self.cache.free_slots
 
-    def allocate(self, job) -> None:
+    def allocate(self, job: TalkerJob) -> None:
         job.slot = self.cache.allocate(job)
         self.seen[job.slot] = False
 
-    def release(self, job) -> None:
+    def release(self, job: TalkerJob) -> None:
         """Free the job's slot; the request in the last slot moves into it."""
         if job.slot is not None:
             last = self.cache.used - 1
@@ -129,7 +133,7 @@ class TalkerRunner:
                 moved.slot = job.slot
             job.slot = None
 
-    def scrub(self, job) -> None:
+    def scrub(self, job: TalkerJob) -> None:
         """Zero the job's KV slot and the graphs' float inputs, so that nothing its non-finite numbers
         left on the device reaches a later request (SlotKVCache.scrub)."""
         if job.slot is not None:
@@ -139,12 +143,12 @@ class TalkerRunner:
                 graphs.scrub()
 
     # ---- forwards
-    def forward(self, prefill: list, decode: list, text_rows: list[torch.Tensor]) -> tuple[list, torch.Tensor,
-                                                                                           torch.Tensor]:
+    def forward(self, prefill: list[TalkerJob], decode: list[TalkerJob],
+                text_rows: list[torch.Tensor]) -> tuple[list[TalkerJob], torch.Tensor, torch.Tensor]:
         """The step's forwards: the prefill of the `prefill` jobs, then the codec step of the `decode`
         jobs (each with its text row). The jobs that made logits (prefilled first, then decoded in
         slot order), their codec-0 logits [n, V] float32 and final hidden rows [n, Hk]."""
-        results: list[tuple[object, torch.Tensor, torch.Tensor]] = []
+        results: list[tuple[TalkerJob, torch.Tensor, torch.Tensor]] = []
         if prefill:
             logits, hidden = self._prefill(prefill)
             results.extend((j, logits[b], hidden[b]) for b, j in enumerate(prefill))
@@ -153,7 +157,7 @@ class TalkerRunner:
         return ([r[0] for r in results], torch.stack([r[1] for r in results]).float(),
                 torch.stack([r[2] for r in results]))
 
-    def _prefill(self, jobs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill(self, jobs: list[TalkerJob]) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the jobs' prompts (right-padded): codec-0 logits [n, V], hidden [n, Hk]."""
         dev = self.device
         prompts = [self._prompt(j) for j in jobs]
@@ -169,7 +173,8 @@ class TalkerRunner:
             return g(n, s, x, last, slots)
         return self._prefill_fn(n, s, x, last, slots)
 
-    def _decode(self, jobs: list, text_rows: list[torch.Tensor]) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
+    def _decode(self, jobs: list[TalkerJob],
+                text_rows: list[torch.Tensor]) -> list[tuple[TalkerJob, torch.Tensor, torch.Tensor]]:
         """One step over every slot 0..n-1 for `jobs` (each with its text row): rows of the other
         slots compute garbage at a position they will overwrite later, and their results are
         dropped. (job, codec-0 logits [V], hidden [Hk]) per job, in slot order."""
@@ -195,7 +200,7 @@ class TalkerRunner:
         x = torch.stack(rows).to(self.device, self.dtype)
         return self.model.text_projection(x)
 
-    def _prompt(self, job) -> torch.Tensor:
+    def _prompt(self, job: TalkerJob) -> torch.Tensor:
         """The talker's prompt rows [L, Hk]: the user turns (text rows projected, audio rows through
         the hidden projection), the assistant head, four tts_pad, tts_bos and the first text row,
         each with its codec-side embedding (nothink, think_bos, think_eos, speaker, pad, bos)."""
@@ -218,7 +223,8 @@ class TalkerRunner:
         return torch.cat((user_part, text_side + codec_side))
 
     # ---- sampling
-    def _penalized(self, jobs: list, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _penalized(self, jobs: list[TalkerJob],
+                   logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Codec-0 logits with each row's repetition penalty on the ids its slot has seen; the rows'
         slots [n]; whether each row is finite [n] bool (after the penalty, before any mask)."""
         slots = torch.tensor([j.slot for j in jobs], device=self.device)
@@ -227,7 +233,8 @@ class TalkerRunner:
         logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
         return logits, slots, finite_rows(logits)
 
-    def greedy_frames(self, jobs: list, logits: torch.Tensor, hidden: torch.Tensor, ban: list[bool]) -> Frames:
+    def greedy_frames(self, jobs: list[TalkerJob], logits: torch.Tensor, hidden: torch.Tensor,
+                      ban: list[bool]) -> Frames:
         """Every row's whole frame, greedy: the suppress mask, the EOS ban (`ban`: per row) and argmax
         (one Triton kernel on CUDA), then the code predictor for every row straight away; the host
         reads code 0, the residual codes and the usable flags in one sync."""
@@ -247,7 +254,7 @@ class TalkerRunner:
         # graph outputs are overwritten by the next replay
         return Frames(host[:, :-1].to(torch.uint16), host[:, -1].tolist(), nxt.clone())
 
-    def sample_code0(self, jobs: list, logits: torch.Tensor, ban: list[bool]) -> Code0:
+    def sample_code0(self, jobs: list[TalkerJob], logits: torch.Tensor, ban: list[bool]) -> Code0:
         """Code 0 of each row, sampled (or argmax for greedy rows) with its own generator; the host
         reads the ids and the usable flags."""
         eos = self.cfg.codec.eos
@@ -261,7 +268,7 @@ class TalkerRunner:
         host, usable = torch.stack((code0, (finite & torch.stack([ok for _, ok in picks])).long())).tolist()
         return Code0(code0, host, usable)
 
-    def predict(self, jobs: list, going: list[int], code0: Code0, hidden: torch.Tensor) -> Frames:
+    def predict(self, jobs: list[TalkerJob], going: list[int], code0: Code0, hidden: torch.Tensor) -> Frames:
         """The frames of the rows `going` (the jobs that go on) after their sampled code 0: the code
         predictor's residual codes, sampled; one host read."""
         rows = torch.tensor(going, device=self.device)
@@ -275,7 +282,7 @@ class TalkerRunner:
                          dim=1).to(torch.int64).cpu()
         return Frames(host[:, :-1].to(torch.uint16), host[:, -1].tolist(), nxt)
 
-    def _picker(self, jobs: list, usable: list[torch.Tensor]):
+    def _picker(self, jobs: list[TalkerJob], usable: list[torch.Tensor]):
         """The code predictor's `pick` for these jobs (each samples unless greedy); appends each
         pass's per-row usable flags [B] bool to `usable`. No host sync."""
         if all(j.params.greedy for j in jobs):

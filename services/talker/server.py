@@ -50,7 +50,9 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
 
     def merge(self, first: FramesOut | Routed, then: FramesOut | Routed) -> FramesOut | None:
         """Consecutive frames of one request travel as one CodecFrames [n1 + n2, G]."""
-        if not isinstance(first, FramesOut) or not isinstance(then, FramesOut) or then.index != first.index + first.count:
+        if not isinstance(first, FramesOut) or not isinstance(then, FramesOut):
+            return None
+        if then.index != first.index + first.count:
             return None
         return FramesOut(first.index, torch.cat((first.codes, then.codes)))
 
