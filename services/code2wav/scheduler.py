@@ -37,9 +37,9 @@ class Utterance(Protocol):
 
 @dataclass
 class Code2WavSchedule:
-    admitted: list = field(default_factory=list)       # take a slot now, in arrival order; they step too
+    admitted: list[Utterance] = field(default_factory=list)   # take a slot now, in arrival order; they step too
     decode: list[tuple[Utterance, int]] = field(default_factory=list)   # (utterance, frames it decodes now)
-    finished: list = field(default_factory=list)       # frames ended, every one decoded: finish now
+    finished: list[Utterance] = field(default_factory=list)   # frames ended, every one decoded: finish now
 
 
 class Code2WavScheduler:

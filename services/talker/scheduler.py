@@ -52,9 +52,9 @@ class Speech(Protocol):
 
 @dataclass
 class TalkerSchedule:
-    unspeakable: list = field(default_factory=list)   # text ended before a usable row: finish now (STOP)
-    prefill: list = field(default_factory=list)       # take a slot and prefill now, in arrival order
-    decode: list = field(default_factory=list)        # running requests that make their next frame now
+    unspeakable: list[Speech] = field(default_factory=list)   # text ended before a usable row: finish now (STOP)
+    prefill: list[Speech] = field(default_factory=list)       # take a slot and prefill now, in arrival order
+    decode: list[Speech] = field(default_factory=list)        # running requests that make their next frame now
 
 
 class TalkerScheduler:
