@@ -145,7 +145,8 @@ class TalkerEngine(StageEngine):
         self._emit(jobs, framing, frames)
 
     def _emit(self, jobs: list[TalkerJob], framing: list[tuple[int, int]], frames: Frames) -> None:
-        """Job jobs[i] gets row `row` of `frames` for each (i, row) in `framing`."""
+        """For each (i, row) in `framing`: jobs[i] gets row `row` of `frames` (its next input, and
+        the frame out)."""
         with self.lock:
             for i, row in framing:
                 jobs[i].pending = frames.next_inputs[row]
