@@ -295,8 +295,7 @@ class ThinkerEngine(StageEngine):
                 delta.embeddings.CopyFrom(to_proto(rows[start:start + len(piece)]))
             job.outbox.put(pb.ThinkerResponse(text=delta))
         job.generated.extend(ids)
-        self.finish(job, pb.ThinkerResponse(finished=pb.Finished(
-            reason=pb.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids))))
+        self.finish(job, Finished(FinishReason.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids)))
 
     def _decode(self, jobs: list[ThinkerJob]) -> None:
         """Jobs are the owners of slots 0..n-1, in slot order. A saturated job (its client reads too
