@@ -27,7 +27,8 @@ class GatewayStream:
         stream = await self.client.chat.completions.create(
             model=self.model, messages=req.messages, modalities=["text", "audio"],
             audio={"voice": req.voice, "format": "pcm16"}, stream=True, stream_options={"include_usage": True},
-            max_completion_tokens=req.max_tokens, temperature=0,
+            max_completion_tokens=req.max_tokens, temperature=req.temperature,
+            seed=req.index if req.temperature else None,
             extra_body={"ignore_eos": True, "max_audio_frames": req.max_audio_frames})
         offset = index = 0
         usage = None

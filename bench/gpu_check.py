@@ -122,6 +122,27 @@ def main() -> int:
                            q_ok, torch.tensor([True, False, True], device=dev), exact=True))
     results.append(compare("code predictor graph: the other rows' codes unchanged beside a non-finite row",
                            q_codes[[0, 2]], e_codes[[0, 2]], exact=True))
+    # sampled predictor graphs: a greedy row and two sampled rows, noise from seeded generators
+    from voxpipe.services.runtime.sampling import RowSampling, SamplingParams, exponential_noise, pick, sample_rows
+    from voxpipe.services.talker.runner import PREDICTOR_SAMPLING
+    groups, vp = te.cfg.num_code_groups - 1, te.predictor_vocab
+    gens = [None] + [torch.Generator(device=dev).manual_seed(s) for s in (1, 2)]
+    noise = exponential_noise(gens, groups * vp, dev).view(3, groups, vp)
+    rows = RowSampling.of([SamplingParams(), PREDICTOR_SAMPLING, PREDICTOR_SAMPLING], vp, dev)
+    se_codes, se_sum, se_ok = te._predict_sampled_fn(3, 1, hid, c0, *rows.tensors(), noise)
+    sg_codes, sg_sum, sg_ok = te.sampled_predictor_graphs(3, 1, hid, c0, *rows.tensors(), noise)
+    results.append(compare("sampled code predictor: graph vs eager codes", sg_codes, se_codes, exact=True))
+    results.append(compare("sampled code predictor: graph vs eager next input", sg_sum, se_sum, exact=True))
+    results.append(compare("sampled code predictor: the greedy row's codes are its greedy codes",
+                           sg_codes[0], e_codes[0], exact=True))
+    # batched sampling on the GPU equals transformers' processors + multinomial row by row
+    logits = torch.randn(6, 3072, device=dev) * 4
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s) for s, (t, k, p) in
+              enumerate([(0.9, 50, 1.0), (1.0, 50, 0.8), (0.7, 0, 1.0), (1.0, 0, 0.9), (0.0, 0, 1.0), (2.0, 5, 0.5)])]
+    ids, _ = sample_rows(logits, RowSampling.of(params, 3072, dev),
+                         exponential_noise([p.generator(dev) for p in params], 3072, dev))
+    want = torch.stack([pick(row, p, p.generator(dev))[0] for row, p in zip(logits, params)])
+    results.append(compare("sample_rows vs pick (multinomial) row by row", ids, want, exact=True))
     kernels.ENABLED = False
     p_codes, p_sum, _ = te._predict_fn(3, 1, hid, c0)
     kernels.ENABLED = True

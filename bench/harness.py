@@ -40,6 +40,19 @@ def workload_names(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def temperature_value(spec: str) -> float:
+    """--temperature: 0 (greedy) or a sampling temperature the services accept."""
+    from voxpipe.services.runtime.sampling import MAX_TEMPERATURE
+
+    try:
+        t = float(spec)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {spec!r}") from None
+    if not 0.0 <= t <= MAX_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {spec}")
+    return t
+
+
 def concurrency_levels(spec: str) -> list[int]:
     """--concurrency: a comma list of positive integers ('' : each workload's own levels)."""
     try:
@@ -103,12 +116,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=0, help="override the workloads' text prompt length")
     p.add_argument("--text-tokens", type=int, default=0, help="override the workloads' forced text tokens")
     p.add_argument("--frames", type=int, default=0, help="override the workloads' forced codec frames")
+    p.add_argument("--temperature", type=temperature_value, default=0.0,
+                   help="thinker and talker sample at this temperature (in (0, 100]), each request seeded by its "
+                        "index, as /v1/audio/speech and chat without temperature=0 do; default 0: greedy, as the "
+                        "transformers reference")
 
 
 def workloads_from(args) -> list[Workload]:
     """The named workloads with any of --prompt-tokens / --text-tokens / --frames / --realtime-audio applied."""
-    return [WORKLOADS[n].with_overrides(args.prompt_tokens, args.text_tokens, args.frames, args.realtime_audio)
-            for n in args.workload]
+    return [WORKLOADS[n].with_overrides(args.prompt_tokens, args.text_tokens, args.frames, args.realtime_audio,
+                                        args.temperature) for n in args.workload]
 
 
 def levels_of(args, wl: Workload) -> list[int]:
@@ -136,6 +153,9 @@ class Plan:
                 if skipped else []
             if not modes[wl.name]:
                 raise SystemExit(f"--workload {wl.name} runs only in gateway mode; add gateway to --modes")
+            if wl.temperature:
+                notes[wl.name].append("the transformers reference runs greedy (its cost per token and frame is "
+                                      "that of sampling but for the draws)")
         try:
             layout = Layout.parse(args.devices, args.device)
         except LayoutError as e:

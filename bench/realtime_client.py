@@ -36,7 +36,7 @@ class RealtimeStream:
             await _send(ws, "session.update", session={
                 "type": "realtime", "instructions": req.instructions, "output_modalities": ["audio"],
                 "audio": {"input": {"turn_detection": None}, "output": {"voice": req.voice}},
-                "max_output_tokens": req.max_tokens, "temperature": 0.0,
+                "max_output_tokens": req.max_tokens, "temperature": req.temperature,
                 "ignore_eos": True, "max_audio_frames": req.max_audio_frames})
             await _expect(ws, "session.updated")
             if req.text is not None:

@@ -31,6 +31,7 @@ class ChatRequest:
     voice: str
     max_tokens: int
     max_audio_frames: int
+    temperature: float = 0.0      # > 0: sampled, seeded with the index
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class RealtimeRequest:
     voice: str
     max_tokens: int
     max_audio_frames: int
+    temperature: float = 0.0      # the session's (realtime sessions take no seed)
 
 
 class RequestMaker:
@@ -69,10 +71,11 @@ class RequestMaker:
             ids, feats = wl.prompt(self.cfg, index), []
         return SpeechRequest(token_ids=ids, audio_features=feats, speaker=wl.speaker, max_tokens=wl.text_tokens,
                              min_tokens=wl.text_tokens, max_frames=wl.frames + 1, min_frames=wl.frames + 1,
+                             temperature=wl.temperature, seed=index if wl.temperature else None,
                              request_id=f"bench-{index}")
 
     def chat(self, index: int) -> ChatRequest:
-        """Output forced with `ignore_eos`, greedy; the gateway renders the same prompt as `speech`
+        """Output forced with `ignore_eos` (greedy unless the workload samples); the gateway renders the same prompt as `speech`
         (voice) or one of exactly `prompt_tokens` ids (text)."""
         if self.wl.voice:
             audio = {"data": base64.b64encode(self.clip.wav).decode("ascii"), "format": "wav"}
@@ -83,7 +86,8 @@ class RequestMaker:
             user = self.user_text(index)
         return ChatRequest(index=index, messages=[{"role": "system", "content": SYSTEM_TEXT},
                                                   {"role": "user", "content": user}],
-                           voice=self.wl.speaker, max_tokens=self.wl.text_tokens, max_audio_frames=self.wl.frames + 1)
+                           voice=self.wl.speaker, max_tokens=self.wl.text_tokens, max_audio_frames=self.wl.frames + 1,
+                           temperature=self.wl.temperature)
 
     def realtime(self, index: int) -> RealtimeRequest:
         pcm = b""
@@ -93,7 +97,8 @@ class RequestMaker:
         else:
             text = self.user_text(index)
         return RealtimeRequest(index=index, instructions=SYSTEM_TEXT, text=text, audio_pcm16=pcm, voice=self.wl.speaker,
-                               max_tokens=self.wl.text_tokens, max_audio_frames=self.wl.frames + 1)
+                               max_tokens=self.wl.text_tokens, max_audio_frames=self.wl.frames + 1,
+                               temperature=self.wl.temperature)
 
     # ------------------------------------------------------------------------- prompts
 

@@ -30,6 +30,7 @@ class Workload:
     voice: bool = False               # the user turn is the speech clip followed by `voice_text`
     voice_text: str = ""
     realtime: bool = False            # driven through the gateway's realtime WebSocket (gateway mode only)
+    temperature: float = 0.0          # > 0: thinker and talker sample (each request seeded by its index)
 
     def prompt(self, cfg: OmniConfig, index: int) -> list[int]:
         """ChatML system + user turn; user tokens random ids from the normal text range; ends with the
@@ -49,11 +50,12 @@ class Workload:
         return [m for m in asked if m == "gateway"] if self.realtime else list(asked)
 
     def with_overrides(self, prompt_tokens: int = 0, text_tokens: int = 0, frames: int = 0,
-                       realtime_audio: bool = False) -> "Workload":
-        """Non-zero lengths replace the workload's; `realtime_audio` makes a realtime workload's user turn
-        the voice clip (input_audio_buffer.append + commit, no text) instead of a text prompt."""
+                       realtime_audio: bool = False, temperature: float = 0.0) -> "Workload":
+        """Non-zero lengths (and temperature) replace the workload's; `realtime_audio` makes a realtime
+        workload's user turn the voice clip (input_audio_buffer.append + commit, no text) instead of a
+        text prompt."""
         wl = replace(self, prompt_tokens=prompt_tokens or self.prompt_tokens, text_tokens=text_tokens or self.text_tokens,
-                     frames=frames or self.frames)
+                     frames=frames or self.frames, temperature=temperature or self.temperature)
         return replace(wl, voice=True, voice_text="") if realtime_audio and self.realtime else wl
 
     def describe(self) -> str:
@@ -64,7 +66,9 @@ class Workload:
         else:
             user = f"a {self.prompt_tokens}-token text prompt"
         via = " over the realtime WebSocket (TTFP from response.create)" if self.realtime else ""
-        return f"{self.name}: {user}{via}, {self.text_tokens} text tokens, {self.frames} frames forced"
+        how = (f"sampled at temperature {self.temperature:g} (seed: the request's index)" if self.temperature
+               else "greedy")
+        return f"{self.name}: {user}{via}, {self.text_tokens} text tokens, {self.frames} frames forced, {how}"
 
 
 SYSTEM_TEXT = "You are a helpful assistant."

@@ -80,6 +80,7 @@ def reference_generate(
     min_frames: int = 0,
     talker_repetition_penalty: float = 1.05,
     forced_ids: list[int] | None = None,
+    talker_sampling: tuple[float, int, float, int] | None = None,
 ) -> Reference:
     """Greedy ``generate(return_audio=True)`` of transformers' reference implementation.
 
@@ -89,6 +90,9 @@ def reference_generate(
     / ``talker_min_new_tokens``): at most ``max_frames - 1`` frames come out.  ``forced_ids``: the
     thinker emits exactly these ids (a logits processor leaves only the next one possible; end them
     with ``<|im_end|>`` to stop there), as for a reply given verbatim (text to speech).
+    ``talker_sampling``: (temperature, top_k, top_p, seed): the talker samples (and with it the code
+    predictor, at top_k 50 / top_p 0.8) from torch's global generator seeded with ``seed`` right
+    before ``generate``; with a greedy or forced thinker those are its only draws.
     """
     model = load_reference_model(model_dir)
     ids = torch.tensor([list(input_ids)], dtype=torch.long)
@@ -110,6 +114,9 @@ def reference_generate(
         talker_min_new_tokens=min_frames,
         talker_repetition_penalty=talker_repetition_penalty,
     )
+    if talker_sampling is not None:
+        temperature, top_k, top_p, seed = talker_sampling
+        kwargs.update(talker_do_sample=True, talker_temperature=temperature, talker_top_k=top_k, talker_top_p=top_p)
     if forced_ids is not None:
         from transformers import LogitsProcessorList
 
@@ -132,6 +139,8 @@ def reference_generate(
     code2wav.chunked_decode = capture  # instance attribute shadows the method for this call only
     try:
         with torch.no_grad():
+            if talker_sampling is not None:
+                torch.manual_seed(talker_sampling[3])
             sequences, wav = model.generate(**kwargs)
     finally:
         del code2wav.chunked_decode

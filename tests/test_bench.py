@@ -134,10 +134,11 @@ def test_bench_voice_in_on_a_model_without_a_preprocessor_config(tiny_model_dir,
 
 def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_dir, tmp_path):
     """Two workloads against one start of the services, laid out as two talkers and two code2wavs
-    (--devices, issue 14's layouts on the CPU); realtime runs in gateway mode only and says so; its
-    reference is seedtts-like's (the same model work)."""
+    (--devices, issue 14's layouts on the CPU), sampled (--temperature: chat, realtime and the gRPC
+    pipeline client each ask for it); realtime runs in gateway mode only and says so; its reference
+    is seedtts-like's (the same model work)."""
     proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "seedtts-like,realtime", "--modes", "gateway,split",
-                           "--devices", "talker=cpu+cpu,code2wav=cpu*2", "--base-port", "53351")
+                           "--devices", "talker=cpu+cpu,code2wav=cpu*2", "--temperature", "0.9", "--base-port", "53351")
     assert proc.stdout.count("split: starting the stage services (thinker cpu; talker 2x (cpu, cpu); "
                              "code2wav 2x (cpu, cpu)) and the gateway") == 1
     assert res["layout"] == {"thinker": ["cpu"], "talker": ["cpu", "cpu"], "code2wav": ["cpu", "cpu"]}
@@ -150,7 +151,12 @@ def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_di
     levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
     want = {("seedtts-like", m, c) for m in ("gateway", "split") for c in (1, 2)} | {("realtime", "gateway", c) for c in (1, 2)}
     _check_levels(levels, want, prompt_tokens=100)
-    assert res["notes"]["realtime"] == ["not run in mode split: the realtime WebSocket is the gateway's"]
+    greedy_reference = ("the transformers reference runs greedy (its cost per token and frame is that of sampling "
+                        "but for the draws)")
+    assert res["notes"]["realtime"] == ["not run in mode split: the realtime WebSocket is the gateway's",
+                                        greedy_reference]
+    assert res["notes"]["seedtts-like"] == [greedy_reference]
+    assert "frames forced, sampled at temperature 0.9 (seed: the request's index)" in md
     refs = res["references"]
     assert refs["seedtts-like"]["result"] and refs["realtime"]["result"] == refs["seedtts-like"]["result"]
     assert "same model work as seedtts-like" in refs["realtime"]["note"]
@@ -175,6 +181,8 @@ def test_bench_refuses_bad_workload_flags(tmp_path):
     cases = [
         (["--workload", "seedtts-like,voice-out"], "unknown workload 'voice-out'; choose from seedtts-like, long-prompt"),
         (["--workload", ""], "unknown workload"),
+        (["--temperature", "warm"], "--temperature: not a number: 'warm'"),
+        (["--temperature", "-0.5"], "--temperature: temperature must be in [0, 100], got -0.5"),
         (["--concurrency", "1,x"], "--concurrency: expected positive integers"),
         (["--modes", "gateway,grpc"], "--modes: expected a comma list of gateway, split, inprocess"),
         (["--workload", "realtime", "--modes", "split,inprocess"], "--workload realtime runs only in gateway mode"),

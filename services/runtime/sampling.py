@@ -2,6 +2,13 @@
 limits on the values a request brings to a stage (every stage checks its own requests: the gRPC
 stage API is public).
 
+Batched choice: `RowSampling` carries each row's values as tensors and `sample_rows` applies them to
+[B, V] logits in one set of kernels whatever the mix of greedy and sampled rows, so that it can run
+inside a CUDA graph. Randomness comes in as exponential noise drawn from each row's own generator
+(`exponential_noise`): torch.multinomial draws one sample as argmax(probs / q) with q ~ Exp(1), so
+a row sampled with noise drawn from its generator equals `pick` with that generator, and a row's
+draws never depend on the rows beside it.
+
 Per-row guards: `finite_rows` and `pick` compute, on the device and without a host sync, whether a
 row's numbers are usable, so that an engine reads that flag together with the ids it already copies
 to the host and finishes only the row that went non-finite."""
@@ -130,7 +137,7 @@ def pick(logits: torch.Tensor, params: SamplingParams,
         kth = torch.topk(scores, k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
+        sorted_scores, order = torch.sort(scores, stable=True)
         cum = sorted_scores.softmax(-1).cumsum(-1)
         drop = cum <= (1 - params.top_p)
         drop[-1] = False
@@ -140,3 +147,64 @@ def pick(logits: torch.Tensor, params: SamplingParams,
     stand_in[0] = 1.0
     probs = torch.where(ok, probs, stand_in)
     return torch.multinomial(probs, 1, generator=generator)[0], ok
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling values as tensors on one device, [B] each (`of` builds them)."""
+
+    greedy: torch.Tensor        # bool: argmax of the logits (temperature below GREEDY_BELOW)
+    temperature: torch.Tensor   # float32: the divisor of the logits (1 for greedy rows)
+    top_k: torch.Tensor         # int64 in [1, V]: V where top-k is off
+    drop_below: torch.Tensor    # float32: 1 - top_p, computed in double as `pick` does (0: top-p off)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab: int, device: torch.device | str) -> "RowSampling":
+        host = torch.tensor([[p.greedy, p.temperature if not p.greedy else 1.0,
+                              min(p.top_k, vocab) if p.top_k > 0 else vocab,
+                              1 - p.top_p if p.top_p < 1.0 else 0.0] for p in params], dtype=torch.float64)
+        host = host.to(device, non_blocking=True)
+        return cls(host[:, 0] != 0, host[:, 1].float(), host[:, 2].long(), host[:, 3].float())
+
+    @classmethod
+    def empty(cls, n: int, device: torch.device | str) -> "RowSampling":
+        """Greedy rows: a CUDA graph's static inputs."""
+        return cls(torch.ones(n, dtype=torch.bool, device=device), torch.ones(n, device=device),
+                   torch.ones(n, dtype=torch.long, device=device), torch.zeros(n, device=device))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.greedy, self.temperature, self.top_k, self.drop_below
+
+
+def exponential_noise(generators: list[torch.Generator | None], width: int,
+                      device: torch.device | str) -> torch.Tensor:
+    """[B, width] float32: row b drawn from Exp(1) with generators[b] (one launch a row); rows
+    without a generator (greedy) are 1."""
+    noise = torch.ones(len(generators), width, device=device)
+    for row, g in zip(noise, generators):
+        if g is not None:
+            row.exponential_(1, generator=g)
+    return noise
+
+
+def sample_rows(logits: torch.Tensor, rows: RowSampling, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pick` for every row of logits [B, V] float32 at once, with static shapes and no host sync
+    (CUDA-graph safe): (ids [B] int64, ok [B] bool). A sampled row takes its randomness from
+    noise [B, V] (Exp(1) draws, `exponential_noise`): it equals `pick` whose generator would have
+    drawn that noise. Greedy rows take the argmax of their logits and ignore the noise."""
+    inf = float("-inf")
+    scores = logits / rows.temperature[:, None]
+    ok = torch.isfinite(scores.amax(-1))                          # NaN if any score is
+    kth = scores.sort(-1, descending=True).values.gather(1, (rows.top_k - 1)[:, None])
+    scores = scores.masked_fill(scores < kth, inf)                # top-k (k = V: nothing below the min)
+    ascending, order = scores.sort(dim=-1, stable=True)
+    cum = ascending.softmax(-1).cumsum(-1)
+    drop = (cum <= rows.drop_below[:, None]) & (rows.drop_below > 0)[:, None]
+    drop[:, -1] = False
+    scores = scores.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), inf)   # top-p
+    probs = scores.softmax(-1)
+    stand_in = torch.zeros_like(probs)
+    stand_in[:, 0] = 1.0
+    probs = torch.where(ok[:, None], probs, stand_in)
+    ids = torch.where(rows.greedy, logits.argmax(-1), (probs / noise).argmax(-1))
+    return ids, ok

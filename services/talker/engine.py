@@ -126,34 +126,24 @@ class TalkerEngine(StageEngine):
     def _output(self, jobs: list[TalkerJob], logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """Code 0 and then the whole frame of each row; stop checks; each frame that goes on out."""
         ban = [len(j.codes0) < j.min_frames for j in jobs]   # EOS not allowed yet
-        if all(j.params.greedy for j in jobs):
-            frames = self.runner.greedy_frames(jobs, logits, hidden, ban)
-            going = self._advance(jobs, frames.codes[:, 0].tolist(), frames.usable)
-            framing = [(i, i) for i in going]
-        else:
-            code0 = self.runner.sample_code0(jobs, logits, ban)
-            going = self._advance(jobs, code0.host, code0.usable)
-            if not going:
-                return
-            frames = self.runner.predict(jobs, going, code0, hidden)
-            framing = []
-            for row, (i, ok) in enumerate(zip(going, frames.usable)):
-                if ok:
-                    framing.append((i, row))
-                else:
-                    self._fail_nonfinite(jobs[i], "code predictor logits")
-        self._emit(jobs, framing, frames)
+        frames = self.runner.frames(jobs, logits, hidden, ban)
+        going = []
+        for i in self._advance(jobs, frames.codes[:, 0].tolist(), frames.code0_usable):
+            if frames.usable[i]:
+                going.append(i)
+            else:
+                self._fail_nonfinite(jobs[i], "code predictor logits")
+        self._emit(jobs, going, frames)
 
-    def _emit(self, jobs: list[TalkerJob], framing: list[tuple[int, int]], frames: Frames) -> None:
-        """For each (i, row) in `framing`: jobs[i] gets row `row` of `frames` (its next input, and
-        the frame out)."""
+    def _emit(self, jobs: list[TalkerJob], going: list[int], frames: Frames) -> None:
+        """Each jobs[i] for i in `going` gets row i of `frames`: its next input, and the frame out."""
         with self.lock:
-            for i, row in framing:
-                jobs[i].pending = frames.next_inputs[row]
-        for i, row in framing:
+            for i in going:
+                jobs[i].pending = frames.next_inputs[i]
+        for i in going:
             job = jobs[i]
             job.mark_output()
-            job.outbox.put(FramesOut(job.frames_sent, frames.codes[row:row + 1]))
+            job.outbox.put(FramesOut(job.frames_sent, frames.codes[i:i + 1]))
             job.frames_sent += 1
 
     def _fail_nonfinite(self, job: TalkerJob, what: str) -> None:

@@ -1,10 +1,13 @@
 """Talker model runner: the talker on its device, its KV slots, CUDA graphs and sampling.
 
 A step: one right-padded prefill of the requests admitted now, one codec-0 forward over every slot
-0..n-1 (dense, graph-friendly), then code 0 and the code predictor's residual codes for each row
-that made logits. Greedy rows (`greedy_frames`) run the predictor for every row before the host
-reads anything: one host read per step, and the frames of rows that stop are dropped. Sampled rows
-read code 0 first (`sample_code0`), and only the rows that go on run the predictor (`predict`)."""
+0..n-1 (dense, graph-friendly), then code 0 and the code predictor's residual codes for every row
+that made logits (`frames`), and one host read of the whole step: the frames of rows that stop are
+dropped. Greedy batches pick code 0 with one Triton kernel and replay the greedy predictor graphs.
+A batch with a sampled row draws each sampled row's noise for the whole frame from its own
+generator (one launch a row), picks code 0 for all rows at once and replays the sampled predictor
+graphs, which sample inside the graph (runtime/sampling.py: `sample_rows`); greedy rows in it get
+exactly their greedy codes."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from voxpipe import kernels
 from ..runtime.config import TalkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime.kv_cache import SlotKVCache
-from ..runtime.sampling import SamplingParams, finite_rows, pick
+from ..runtime.sampling import RowSampling, SamplingParams, exponential_noise, finite_rows, sample_rows
 from .model import TalkerModel
 
 if TYPE_CHECKING:
@@ -40,20 +43,12 @@ def greedy_codes(usable: list[torch.Tensor]):
 
 
 @dataclass
-class Code0:
-    """Code 0 of each row of a sampled step."""
-
-    ids: torch.Tensor          # [n] on the device
-    host: list[int]            # the same, read on the host
-    usable: list[int]          # per row: 1 if its logits were finite
-
-
-@dataclass
 class Frames:
     """Whole frames of a step's rows."""
 
     codes: torch.Tensor        # [rows, G] uint16 on the host: code 0, then the G - 1 residual codes
-    usable: list[int]          # per row: 1 if every logit that made its frame was finite
+    code0_usable: list[int]    # per row: 1 if its codec-0 logits (penalised, scaled) were finite
+    usable: list[int]          # per row: 1 if every code predictor logit of its frame was finite too
     next_inputs: torch.Tensor  # [rows, Hk] on the device: each row's next input (its G code embeddings summed)
 
 
@@ -71,7 +66,8 @@ class TalkerRunner:
         suppress[cfg.codec.eos] = False
         self.suppress = suppress
         self.seen = torch.zeros(max_active, t.vocab_size, dtype=torch.bool, device=device)  # codec-0 ids per slot
-        self.step_graphs = self.predictor_graphs = self.prefill_graphs = None
+        self.predictor_vocab = cfg.code_predictor.vocab_size
+        self.step_graphs = self.predictor_graphs = self.sampled_predictor_graphs = self.prefill_graphs = None
         if cuda_graphs and graphs_available(device):
             self._capture(max_active, max_len, min(prefill_batch, max_active), min(prefill_graph_len, max_len),
                           eager_fallback)
@@ -93,6 +89,13 @@ class TalkerRunner:
             self._predict_fn, (torch.zeros(max_active, h, dtype=self.dtype, device=dev),
                                torch.zeros(max_active, dtype=torch.long, device=dev)),
             buckets(max_active), [1], "code predictor (15 steps)"), eager_fallback)
+        g, vp = self.cfg.num_code_groups - 1, self.predictor_vocab
+        self.sampled_predictor_graphs = captured("sampled code predictor", lambda: GraphedStep(
+            self._predict_sampled_fn, (torch.zeros(max_active, h, dtype=self.dtype, device=dev),
+                                       torch.zeros(max_active, dtype=torch.long, device=dev),
+                                       *RowSampling.empty(max_active, dev).tensors(),
+                                       torch.ones(max_active, g, vp, device=dev)),
+            buckets(max_active), [1], "sampled code predictor (15 steps)"), eager_fallback)
 
     def _prefill_fn(self, n: int, s: int, x: torch.Tensor, last: torch.Tensor,
                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +115,23 @@ class TalkerRunner:
         code0_embed = self.model.model.codec_embedding(code0)
         usable: list[torch.Tensor] = []
         residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, greedy_codes(usable))
+        return residual, torch.stack([code0_embed] + embeds, dim=1).sum(1), torch.stack(usable, 1).all(1)
+
+    def _predict_sampled_fn(self, n: int, _kv: int, hidden: torch.Tensor, code0: torch.Tensor,
+                            greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                            drop_below: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`_predict_fn` with each row's codes sampled (RowSampling's tensors) with its noise
+        [n, G-1, Vp]: pass g reads noise[:, g - 1]."""
+        rows = RowSampling(greedy, temperature, top_k, drop_below)
+        code0_embed = self.model.model.codec_embedding(code0)
+        usable: list[torch.Tensor] = []
+
+        def pick_codes(logits: torch.Tensor, group: int) -> torch.Tensor:
+            ids, ok = sample_rows(logits.float(), rows, noise[:, group - 1])
+            usable.append(finite_rows(logits) & ok)
+            return ids
+
+        residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, pick_codes)
         return residual, torch.stack([code0_embed] + embeds, dim=1).sum(1), torch.stack(usable, 1).all(1)
 
     # ---- slots (dense: the requests hold slots 0..used-1)
@@ -138,7 +158,7 @@ class TalkerRunner:
         left on the device reaches a later request (SlotKVCache.scrub)."""
         if job.slot is not None:
             self.cache.scrub(job.slot)
-        for graphs in (self.step_graphs, self.predictor_graphs, self.prefill_graphs):
+        for graphs in (self.step_graphs, self.predictor_graphs, self.sampled_predictor_graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.scrub()
 
@@ -233,65 +253,35 @@ class TalkerRunner:
         logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
         return logits, slots, finite_rows(logits)
 
-    def greedy_frames(self, jobs: list[TalkerJob], logits: torch.Tensor, hidden: torch.Tensor,
-                      ban: list[bool]) -> Frames:
-        """Every row's whole frame, greedy: the suppress mask, the EOS ban (`ban`: per row) and argmax
-        (one Triton kernel on CUDA), then the code predictor for every row straight away; the host
-        reads code 0, the residual codes and the usable flags in one sync."""
-        eos = self.cfg.codec.eos
+    def frames(self, jobs: list[TalkerJob], logits: torch.Tensor, hidden: torch.Tensor, ban: list[bool]) -> Frames:
+        """Every row's whole frame: the repetition penalty, the suppress mask and the EOS ban (`ban`:
+        per row), code 0, then the code predictor for every row straight away; the host reads code 0,
+        the residual codes and the usable flags in one sync."""
+        eos, dev, n = self.cfg.codec.eos, self.device, len(jobs)
         logits, slots, finite = self._penalized(jobs, logits)
-        ban_rows = torch.tensor(ban).to(self.device, non_blocking=True)
-        code0 = kernels.sampling.run(logits, self.suppress, ban_rows, eos)
-        self.seen[slots, code0] = True
-        n = len(jobs)
-        if self.predictor_graphs is not None and self.predictor_graphs.fits(n, 1):
-            residual, nxt, predicted = self.predictor_graphs(n, 1, hidden, code0)
-        else:
-            residual, nxt, predicted = self._predict_fn(n, 1, hidden, code0)
-        # [n, G + 1]: the frame, then its usable flag (one host read)
-        usable = (finite & predicted).long()[:, None]
-        host = torch.cat((code0[:, None], residual, usable), dim=1).to(torch.int64).cpu()
-        # graph outputs are overwritten by the next replay
-        return Frames(host[:, :-1].to(torch.uint16), host[:, -1].tolist(), nxt.clone())
-
-    def sample_code0(self, jobs: list[TalkerJob], logits: torch.Tensor, ban: list[bool]) -> Code0:
-        """Code 0 of each row, sampled (or argmax for greedy rows) with its own generator; the host
-        reads the ids and the usable flags."""
-        eos = self.cfg.codec.eos
-        logits, slots, finite = self._penalized(jobs, logits)
-        logits = logits.masked_fill(self.suppress, float("-inf"))
-        if any(ban):
-            logits[torch.tensor(ban, device=self.device), eos] = float("-inf")
-        picks = [pick(row, j.params, j.generator) for j, row in zip(jobs, logits)]
-        code0 = torch.stack([token for token, _ in picks])
-        self.seen[slots, code0] = True
-        host, usable = torch.stack((code0, (finite & torch.stack([ok for _, ok in picks])).long())).tolist()
-        return Code0(code0, host, usable)
-
-    def predict(self, jobs: list[TalkerJob], going: list[int], code0: Code0, hidden: torch.Tensor) -> Frames:
-        """The frames of the rows `going` (the jobs that go on) after their sampled code 0: the code
-        predictor's residual codes, sampled; one host read."""
-        rows = torch.tensor(going, device=self.device)
-        code0, hidden = code0.ids[rows], hidden[rows]
-        code0_embed = self.model.model.codec_embedding(code0)
-        passes: list[torch.Tensor] = []     # per predictor pass: [len(going)] bool usable
-        residual, embeds = self.model.code_predictor.predict(hidden, code0_embed,
-                                                             self._picker([jobs[i] for i in going], passes))
-        nxt = torch.stack([code0_embed] + embeds, dim=1).sum(1)
-        host = torch.cat((code0[:, None], residual, torch.stack(passes, 1).all(1).long()[:, None]),
-                         dim=1).to(torch.int64).cpu()
-        return Frames(host[:, :-1].to(torch.uint16), host[:, -1].tolist(), nxt)
-
-    def _picker(self, jobs: list[TalkerJob], usable: list[torch.Tensor]):
-        """The code predictor's `pick` for these jobs (each samples unless greedy); appends each
-        pass's per-row usable flags [B] bool to `usable`. No host sync."""
+        ban_rows = torch.tensor(ban).to(dev, non_blocking=True)
         if all(j.params.greedy for j in jobs):
-            return greedy_codes(usable)
-
-        def pick_codes(logits: torch.Tensor, group: int) -> torch.Tensor:
-            picks = [pick(row, PREDICTOR_SAMPLING if not j.params.greedy else SamplingParams(), j.generator)
-                     for j, row in zip(jobs, logits.float())]
-            usable.append(finite_rows(logits) & torch.stack([ok for _, ok in picks]))
-            return torch.stack([token for token, _ in picks])
-
-        return pick_codes
+            code0 = kernels.sampling.run(logits, self.suppress, ban_rows, eos)   # one Triton kernel on CUDA
+            code0_ok = finite
+            graphs, fn, extra = self.predictor_graphs, self._predict_fn, ()
+        else:
+            v, g, vp = logits.shape[1], self.cfg.num_code_groups - 1, self.predictor_vocab
+            noise = exponential_noise([j.generator for j in jobs], v + g * vp, dev)   # code 0, then each pass
+            masked = logits.masked_fill(self.suppress, float("-inf"))
+            masked = masked.masked_fill(ban_rows[:, None] & (torch.arange(v, device=dev) == eos), float("-inf"))
+            code0, ok = sample_rows(masked, RowSampling.of([j.params for j in jobs], v, dev), noise[:, :v])
+            code0_ok = finite & ok
+            predictor = RowSampling.of([SamplingParams() if j.params.greedy else PREDICTOR_SAMPLING for j in jobs],
+                                       vp, dev)
+            graphs, fn = self.sampled_predictor_graphs, self._predict_sampled_fn
+            extra = (*predictor.tensors(), noise[:, v:].view(n, g, vp))
+        self.seen[slots, code0] = True
+        if graphs is not None and graphs.fits(n, 1):
+            residual, nxt, predicted = graphs(n, 1, hidden, code0, *extra)
+        else:
+            residual, nxt, predicted = fn(n, 1, hidden, code0, *extra)
+        # [n, G + 2]: the frame, then its two usable flags (one host read)
+        host = torch.cat((code0[:, None], residual, code0_ok.long()[:, None], (code0_ok & predicted).long()[:, None]),
+                         dim=1).to(torch.int64).cpu()
+        # graph outputs are overwritten by the next replay
+        return Frames(host[:, :-2].to(torch.uint16), host[:, -2].tolist(), host[:, -1].tolist(), nxt.clone())

@@ -20,7 +20,8 @@ from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_availab
 from ..runtime.engine import EngineRequest, StageEngine
 from ..runtime.kv_cache import SlotKVCache, SlotStep
 from ..runtime.outputs import Finished, FinishReason
-from ..runtime.sampling import SamplingParams, apply_repetition_penalty, finite_rows, pick
+from ..runtime.sampling import (RowSampling, SamplingParams, apply_repetition_penalty, exponential_noise,
+                                finite_rows, sample_rows)
 from ..runtime.tensors import to_proto
 from .model import ThinkerModel
 from .output import IncrementalDetokenizer, ReplyText, TokenBytes
@@ -323,24 +324,21 @@ class ThinkerEngine(StageEngine):
         """Each row's token from logits [n, V] float32, or -1 for a row whose logits are not finite
         (or overflow once penalised / scaled): the flags ride in the one host read of the ids."""
         finite = finite_rows(logits)       # [n] bool, before the EOS ban writes -inf
+        ban = [i for i, j in enumerate(jobs) if len(j.generated) < j.min_tokens]
+        if ban:
+            rows = torch.tensor(ban, device=logits.device)
+            logits[rows[:, None], self.eos[None, :]] = float("-inf")
         if all(j.params.greedy and j.params.repetition_penalty == 1.0 for j in jobs):
-            ban = [i for i, j in enumerate(jobs) if len(j.generated) < j.min_tokens]
-            if ban:
-                rows = torch.tensor(ban, device=logits.device)
-                logits[rows[:, None], self.eos[None, :]] = float("-inf")
             return torch.where(finite, logits.argmax(-1), -1).tolist()
-        tokens, usable = [], []
-        for j, row in zip(jobs, logits):
-            if len(j.generated) < j.min_tokens:
-                row = row.clone()
-                row[list(self.eos_ids)] = float("-inf")
+        # every row at once (`sample_rows`); a sampled row draws its noise from its own generator
+        for i, j in enumerate(jobs):
             if j.params.repetition_penalty != 1.0:
-                seen = torch.tensor(j.prompt + j.generated, device=row.device)
-                row = apply_repetition_penalty(row, seen, j.params.repetition_penalty)
-            token, ok = pick(row, j.params, j.generator)
-            tokens.append(token)
-            usable.append(ok)
-        return torch.where(finite & torch.stack(usable), torch.stack(tokens), -1).tolist()
+                seen = torch.tensor(j.prompt + j.generated, device=logits.device)
+                logits[i] = apply_repetition_penalty(logits[i], seen, j.params.repetition_penalty)
+        v = logits.shape[1]
+        tokens, ok = sample_rows(logits, RowSampling.of([j.params for j in jobs], v, logits.device),
+                                 exponential_noise([j.generator for j in jobs], v, logits.device))
+        return torch.where(finite & ok, tokens, -1).tolist()
 
     def _fail_nonfinite(self, job: ThinkerJob, what: str) -> None:
         """Finish `job` alone with a clear error; its KV slot and the graphs' float inputs are zeroed
