@@ -61,12 +61,17 @@ def test_a_device_error_fails_the_streams_turns_not_serving_and_exits(tiny_model
             call = pb_grpc.Code2WavStub(channel).Decode()
             await call.write(pb.Code2WavRequest(start=pb.Code2WavStart()))
             await call.write(pb.Code2WavRequest(frames=pb.CodecFrames(codes=to_proto(torch.zeros(2, 16, dtype=torch.int32)))))
+            # a whole request (frames_end, then the half-close): a stream half-closed before frames_end
+            # is a bad request that may be refused before the engine ever steps it
+            await call.write(pb.Code2WavRequest(frames_end=pb.FramesEnd()))
             await call.done_writing()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in call:
                     pass
             statuses = set()
+            deadline = asyncio.get_running_loop().time() + 60
             while not serving.done():     # NOT_SERVING while it stops, then no server at all
+                assert asyncio.get_running_loop().time() < deadline, (err.value.code(), err.value.details())
                 try:
                     statuses.add((await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status)
                 except grpc.aio.AioRpcError:

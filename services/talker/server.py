@@ -28,6 +28,7 @@ from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import DEFAULT_TEXT_CAP, TalkerEngine, TalkerJob
 from .model import TalkerModel
 from .relay import Code2WavRelay
+from .scheduler import PROMPT_TAIL
 
 DEFAULT_MAX_FRAMES = 4096          # transformers' talker_max_new_tokens default
 DEFAULT_REPETITION_PENALTY = 1.05  # transformers' talker_repetition_penalty default
@@ -134,10 +135,10 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         max_frames = start.max_frames or DEFAULT_MAX_FRAMES
         if start.min_frames > max_frames:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_frames {start.min_frames} > max_frames {max_frames}")
-        length = user.shape[0] + 9 + max_frames
+        length = user.shape[0] + PROMPT_TAIL + max_frames
         if length > self.engine.max_len:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{user.shape[0]} user rows + 9 + max_frames {max_frames} exceed the talker context of {self.engine.max_len}")
+                        f"{user.shape[0]} user rows + {PROMPT_TAIL} prompt rows + max_frames {max_frames} exceed the talker context of {self.engine.max_len}")
         job = TalkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                         user_rows=user, user_mm_mask=mm, head=head, special=special, speaker_id=cfg.speakers[speaker],
                         params=params, max_frames=max_frames, min_frames=start.min_frames,
