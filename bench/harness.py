@@ -535,8 +535,9 @@ def run(args) -> int:
     gpus = len(plan.layout.gpus)
     header = (f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · commit {commit} · {device_name or args.device}\n\n"
               f"`{cmd}` — layout: {plan.layout.describe()}"
-              + (f" ({gpus} GPUs: req/s per GPU = req/s / {gpus})" if gpus > 1 else "") + "; greedy; "
-              f"copy bandwidth {bw / 1e12:.2f} TB/s; "
+              + (f" ({gpus} GPUs: req/s per GPU = req/s / {gpus})" if gpus > 1 else "")
+              + (f"; sampled at temperature {args.temperature:g}; " if args.temperature else "; greedy; ")
+              + f"copy bandwidth {bw / 1e12:.2f} TB/s; "
               f"TTFP measured at the client: gateway = the openai SDK streaming chat completions (SSE) from the "
               f"gateway, or for realtime a WebSocket client from response.create to the first "
               f"response.output_audio.delta; split = the gRPC pipeline client calling the three services; "

@@ -1,7 +1,9 @@
 """Per-stage step profile on one GPU, each stage alone in this process (no gRPC, no other stage
 competing for the GPU): the real engine step paths (`step()` with real jobs and outboxes), full-size
-dummy weights. `python -m voxpipe.bench.profile_stages [--batches 1,16,64]`. Prints JSON lines:
-mean step time per batch size per stage, then a torch.profiler summary of one batch-1 step."""
+dummy weights. `python -m voxpipe.bench.profile_stages [--batches 1,16,64] [--temperatures 0,0.9]`.
+Prints JSON lines: mean step time per batch size per stage (and per temperature: 0 is greedy, else
+every request samples, seeded by its index), then a torch.profiler summary of one step at the first
+and the last batch size."""
 
 from __future__ import annotations
 
@@ -83,16 +85,24 @@ def admit_and_measure(eng, label: str, b: int, first: bool, last: bool = False) 
 
 
 @torch.inference_mode()
-def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
+def sampling(temperature: float, index: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=index if temperature else None, **kw)
+
+
+def label_of(what: str, temperature: float) -> str:
+    return f"{what}, sampled at {temperature:g}" if temperature else what
+
+
+def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device, temperatures: list[float]) -> None:
     model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
                         load_format="dummy")
     serving_layout(model, dev)
     eng = ThinkerEngine(model, cfg.thinker, ChatMLByteTokenizer(cfg.thinker, cfg.role_ids), device=dev,
                         max_active=max(batches), max_len=1024, eos_ids=(cfg.thinker.tokens.im_end,))
     gen = torch.Generator().manual_seed(0)
-    for b in batches:
+    for temperature, b in ((t, b) for t in temperatures for b in batches):
         jobs = [ThinkerJob(request_id=f"t{i}", outbox=Outbox(LOOP), max_tokens=10_000, min_tokens=10_000,
-                           talker_rows=True, params=SamplingParams(),
+                           talker_rows=True, params=sampling(temperature, i),
                            prompt=[cfg.thinker.tokens.im_start] + torch.randint(1000, 100000, (98,), generator=gen).tolist()
                            + [cfg.thinker.tokens.assistant, 198])
                 for i in range(b)]
@@ -100,34 +110,36 @@ def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
         for j in jobs:
             j.prompt[-3:] = [cfg.thinker.tokens.im_start, cfg.thinker.tokens.assistant, 198]
             eng.submit(j)
-        admit_and_measure(eng, "thinker decode", b, first=b == batches[0], last=b == batches[-1])
-    del eng, model
-    torch.cuda.empty_cache()
-
-
-@torch.inference_mode()
-def talker(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
-    model = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
-                        load_format="dummy")
-    serving_layout(model, dev)
-    eng = TalkerEngine(model, cfg.talker, device=dev, max_active=max(batches), max_len=2048)
-    h = cfg.talker.thinker_hidden_size
-    for b in batches:
-        for i in range(b):
-            job = TalkerJob(request_id=f"k{i}", outbox=Outbox(LOOP), user_rows=torch.randn(20, h).bfloat16(),
-                            user_mm_mask=torch.zeros(20, dtype=torch.bool), head=torch.randn(3, h).bfloat16(),
-                            special=torch.randn(3, h).bfloat16(), speaker_id=cfg.talker.speakers["ethan"],
-                            params=SamplingParams(repetition_penalty=1.05), max_frames=10_000, min_frames=10_000)
-            job.rows.extend(torch.randn(1500, h).bfloat16().unbind(0))
-            eng.submit(job)
-        admit_and_measure(eng, "talker step + code predictor (one frame each)", b, first=b == batches[0],
+        admit_and_measure(eng, label_of("thinker decode", temperature), b, first=b == batches[0],
                           last=b == batches[-1])
     del eng, model
     torch.cuda.empty_cache()
 
 
 @torch.inference_mode()
-def code2wav(cfg: OmniConfig, batches: list[int], dev: torch.device) -> None:
+def talker(cfg: OmniConfig, batches: list[int], dev: torch.device, temperatures: list[float]) -> None:
+    model = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
+                        load_format="dummy")
+    serving_layout(model, dev)
+    eng = TalkerEngine(model, cfg.talker, device=dev, max_active=max(batches), max_len=2048)
+    h = cfg.talker.thinker_hidden_size
+    for temperature, b in ((t, b) for t in temperatures for b in batches):
+        for i in range(b):
+            job = TalkerJob(request_id=f"k{i}", outbox=Outbox(LOOP), user_rows=torch.randn(20, h).bfloat16(),
+                            user_mm_mask=torch.zeros(20, dtype=torch.bool), head=torch.randn(3, h).bfloat16(),
+                            special=torch.randn(3, h).bfloat16(), speaker_id=cfg.talker.speakers["ethan"],
+                            params=sampling(temperature, i, top_k=50, repetition_penalty=1.05), max_frames=10_000,
+                            min_frames=10_000)
+            job.rows.extend(torch.randn(1500, h).bfloat16().unbind(0))
+            eng.submit(job)
+        admit_and_measure(eng, label_of("talker step + code predictor (one frame each)", temperature), b,
+                          first=b == batches[0], last=b == batches[-1])
+    del eng, model
+    torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def code2wav(cfg: OmniConfig, batches: list[int], dev: torch.device, temperatures: list[float]) -> None:
     model = load_module(lambda: Code2WavModel(cfg.code2wav), "", "code2wav.", device=dev, dtype=torch.float32,
                         load_format="dummy")
     serving_layout(model, dev)
@@ -164,12 +176,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--stages", default="thinker,talker,code2wav")
+    p.add_argument("--temperatures", default="0", help="comma list; 0: greedy (code2wav does not sample)")
     args = p.parse_args()
     dev = torch.device("cuda")
     cfg = OmniConfig.load(released_config_path())
     batches = [int(x) for x in args.batches.split(",")]
     for stage in args.stages.split(","):
-        {"thinker": thinker, "talker": talker, "code2wav": code2wav}[stage](cfg, batches, dev)
+        {"thinker": thinker, "talker": talker, "code2wav": code2wav}[stage](
+            cfg, batches, dev, [float(t) for t in args.temperatures.split(",")])
 
 
 if __name__ == "__main__":

@@ -365,7 +365,7 @@ CASES = [
     Case("talker", "min-over-max", lambda: [talker_start(max_frames=4, min_frames=9)],
          r"min_frames 9 > max_frames 4"),
     Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=500, min_frames=0)],
-         rf"8000 user rows \+ 9 \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}"),
+         rf"8000 user rows \+ 9 prompt rows \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}"),
     Case("talker", "bad-repetition-penalty",
          lambda: [talker_start(sampling=pb.Sampling(repetition_penalty=0.0))],
          r"repetition_penalty must be in \[0\.01, 100\], got 0\.0"),

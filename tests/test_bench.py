@@ -157,6 +157,7 @@ def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_di
                                         greedy_reference]
     assert res["notes"]["seedtts-like"] == [greedy_reference]
     assert "frames forced, sampled at temperature 0.9 (seed: the request's index)" in md
+    assert "; sampled at temperature 0.9; copy bandwidth" in md and "; greedy; " not in md
     refs = res["references"]
     assert refs["seedtts-like"]["result"] and refs["realtime"]["result"] == refs["seedtts-like"]["result"]
     assert "same model work as seedtts-like" in refs["realtime"]["note"]
