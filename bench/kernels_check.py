@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from voxpipe.kernels import attention, experts, glu, moe, rmsnorm, rope, sampling, snakebeta
+from voxpipe.kernels import attention, experts, glu, moe, rmsnorm, rope, sample, sampling, snakebeta
 
 ATOL, RTOL, BUDGET_16 = 1e-5, 1e-5, 1.25
 EPS = 1e-6
@@ -121,6 +121,24 @@ def main() -> int:
         lines.append(report("masked_argmax", logits.shape, logits.dtype, err,
                             lambda: sampling.kernel(logits, suppress, ban_rows, banned),
                             lambda: sampling.reference(logits, suppress, ban_rows, banned)))
+    from voxpipe.services.runtime.sampling import RowSampling, SamplingParams, exponential_noise
+    for rows, v in ((1, 2048), (64, 2048), (64, 3072)):
+        # the code predictor's sampling (top-k 50, top-p 0.8), the talker's (top-k 50), and greedy rows
+        settings = [SamplingParams(temperature=1.0, top_k=50, top_p=0.8, seed=1),
+                    SamplingParams(temperature=0.9, top_k=50, seed=2), SamplingParams()]
+        params = [settings[i % 3] for i in range(rows)]
+        logits = (torch.randn(rows, v, device=dev) * 3).to(torch.bfloat16).float()     # bf16 ties, as served
+        args = (logits, *RowSampling.of(params, v, dev).tensors(),
+                exponential_noise([p.generator(dev) for p in params], v, dev))
+        assert sample.eligible(*args)
+        got, got_ok = sample.kernel(*args)
+        want, want_ok = sample.reference(*args)
+        top_p = torch.tensor([p.top_p < 1.0 for p in params], device=dev)
+        err = {"ok_flags_exact": torch.equal(got_ok, want_ok), "other_rows_exact": torch.equal(got[~top_p], want[~top_p]),
+               "top_p_rows_equal_fraction": float((got[top_p] == want[top_p]).float().mean()) if bool(top_p.any()) else 1.0}
+        err["ok"] = err["ok_flags_exact"] and err["other_rows_exact"] and err["top_p_rows_equal_fraction"] >= 0.98
+        lines.append(report("sample_rows", logits.shape, logits.dtype, err, lambda: sample.kernel(*args),
+                            lambda: sample.reference(*args)))
     for b, hq, hkv, d in ((1, 32, 4, 128), (64, 32, 4, 128), (64, 16, 2, 128)):
         dt = torch.bfloat16
         q, k = torch.randn(b, 1, hq, d, device=dev).to(dt), torch.randn(b, 1, hkv, d, device=dev).to(dt)

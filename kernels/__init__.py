@@ -4,6 +4,7 @@ with the same contract (see each module's docstring):
 - `rmsnorm`: RMSNorm and fused "residual add + RMSNorm" (decoder pre-norm pattern)
 - `snakebeta`: Code2Wav's SnakeBeta activation over [B, C, T]
 - `sampling`: greedy "suppress mask + banned id + argmax" over [B, V] logits
+- `sample`: per-row temperature / top-k / top-p and a draw with given noise (or argmax), over [B, V]
 - `rope`: per-head q/k RMSNorm + rotary embedding, fused and in place
 - `moe`: MoE routing (float32 softmax + top-k + renormalisation) in one launch
 - `glu`: SwiGLU (silu(gate) * up) on a fused gate/up projection output
@@ -33,7 +34,7 @@ def active(t) -> bool:
     (or on the CPU under Triton's interpreter, so the CPU tests can run the layers' kernel path)."""
     return ENABLED and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
-KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "rope", "moe", "glu", "attention", "experts")
+KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "attention", "experts")
 
 
 def __getattr__(name: str):

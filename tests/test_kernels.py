@@ -12,6 +12,9 @@ Error budgets (the same on CPU and CUDA):
   to 16 bits): against a float32 reference computed on the same (already rounded) inputs, the kernel's
   max and mean absolute errors are each at most BUDGET_16 x the 16-bit reference's own (+ 1e-6).
 - exact: the fused add's new residual equals the reference's sum bit for bit; argmax indices are equal.
+- sample: ok flags, greedy rows and rows without top-p equal the reference exactly; rows with top-p
+  sum and sort in another order (see kernels/sample.py), so at most SAMPLE_MISMATCH of them may
+  choose another id.
 - fallback: ineligible inputs (float64, non-contiguous / wrong stride, too wide, autograd needed,
   kernels disabled, CPU without the interpreter) make `eligible()` false and `run()` return exactly
   `reference()`.
@@ -30,8 +33,9 @@ import torch
 
 ATOL, RTOL = 1e-5, 1e-5
 BUDGET_16 = 1.25
+SAMPLE_MISMATCH = 0.02
 EPS = 1e-6
-KERNELS = ("rmsnorm", "snakebeta", "sampling", "rope", "moe", "glu", "attention", "experts", "layers")
+KERNELS = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "attention", "experts", "layers")
 
 try:
     import triton  # noqa: F401  (imported only to know; no kernel runs in this process on the CPU)
@@ -220,6 +224,75 @@ def check_sampling(device: str) -> list[dict]:
         out.append(_fallback_record("masked_argmax fallback ENABLED=False", sampling.eligible(logits, suppress, ban_rows),
                                     sampling.run(logits, suppress, ban_rows, 3),
                                     sampling.reference(logits, suppress, ban_rows, 3)))
+    return out
+
+
+def check_sample(device: str) -> list[dict]:
+    from voxpipe.kernels import sample
+    from voxpipe.services.runtime.sampling import RowSampling, SamplingParams, exponential_noise
+    params = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=0.9, top_k=50), SamplingParams(temperature=100.0),
+              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.8),
+              SamplingParams(temperature=0.5, top_k=40, top_p=0.9), SamplingParams(temperature=1.0, top_k=50, top_p=0.8),
+              SamplingParams(temperature=1.0, top_p=1e-6)]
+    out = []
+    # the interpreter takes most of a second a row: a few short rows (13 wide: padded to 16) on the
+    # CPU, the real widths on CUDA (and in bench/kernels_check.py)
+    sizes = [(300, 6), (2048, 2), (3072, 1), (7, 2)] if device == "cuda" else [(13, 1)]
+    if device != "cuda":
+        params = params[::2] + [params[-3]]
+    for v, seeds in sizes:
+        rows, ps = [], []
+        for seed in range(seeds):
+            g = torch.Generator().manual_seed(seed)
+            plain = torch.randn(v, generator=g) * 3
+            kinds = [plain, plain.to(torch.bfloat16).float().clamp(-2, 2)]
+            kinds += [(plain * 4).to(torch.bfloat16).float()] if device == "cuda" else []
+            masked = torch.full((v,), float("-inf"))
+            masked[torch.randperm(v, generator=g)[:min(5, v)]] = torch.randn(min(5, v), generator=g)
+            kinds.append(masked)
+            if seed == 0:
+                nan, pinf = plain.clone(), plain.clone()
+                nan[v // 2], pinf[v - 1] = float("nan"), float("inf")
+                kinds += [nan, torch.full((v,), float("-inf"))]
+                kinds += [pinf, plain * 1e37] if device == "cuda" else []
+            for lg in kinds:
+                for p in params:
+                    rows.append(lg)
+                    ps.append(p)
+        gens = [None if p.greedy else torch.Generator().manual_seed(i) for i, p in enumerate(ps)]
+        wide = exponential_noise(gens, v + 3, "cpu")        # rows strided, as a view of a wider buffer
+        args = [t.to(device) for t in (torch.stack(rows), *RowSampling.of(ps, v, "cpu").tensors())]
+        noise = wide.to(device)[:, 3:]
+        assert sample.eligible(*args, noise), f"sample {len(ps)}x{v} should launch the kernel on {device}"
+        got, got_ok = sample.run(*args, noise)
+        want, want_ok = sample.reference(*args, noise)
+        top_p = torch.tensor([p.top_p < 1.0 and not p.greedy for p in ps], device=device)
+        usable = want_ok
+        exact = usable & ~top_p
+        rec = _exact_record(f"sample {len(ps)}x{v}: ok flags", got_ok, want_ok)
+        out.append(rec)
+        out.append(_exact_record(f"sample {len(ps)}x{v}: ids of greedy, temperature and top-k rows",
+                                 got[exact], want[exact]))
+        differ = int((got[usable & top_p] != want[usable & top_p]).sum())
+        total = int((usable & top_p).sum())
+        out.append({"check": f"sample {len(ps)}x{v}: ids of top-p rows", "kind": "sample", "differ": differ,
+                    "rows": total, "ok": differ <= SAMPLE_MISMATCH * total})
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)).to(device)
+    rows = RowSampling.of([SamplingParams(temperature=0.8, top_p=0.9)] * 4, 50, device).tensors()
+    noise = torch.ones(4, 50, device=device)
+    cases = {"float64 logits": (logits.double(), *rows, noise),
+             "non-contiguous logits": (logits.t().contiguous().t(), *rows, noise),
+             "noise strided along V": (logits, *rows, torch.ones(4, 100, device=device)[:, ::2]),
+             "too wide": (torch.randn(1, sample.MAX_V + 1, device=device),
+                          *RowSampling.of([SamplingParams()], sample.MAX_V + 1, device).tensors(),
+                          torch.ones(1, sample.MAX_V + 1, device=device))}
+    for name, a in cases.items():
+        out.append(_fallback_record(f"sample fallback {name}", sample.eligible(*a), sample.run(*a), sample.reference(*a)))
+    with _disabled():
+        a = (logits, *rows, noise)
+        out.append(_fallback_record("sample fallback ENABLED=False", sample.eligible(*a), sample.run(*a),
+                                    sample.reference(*a)))
     return out
 
 
@@ -605,7 +678,8 @@ def check_layers(device: str) -> list[dict]:
     return out
 
 
-CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling, "rope": check_rope,
+CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling, "sample": check_sample,
+          "rope": check_rope,
           "moe": check_moe, "glu": check_glu, "attention": check_attention,
           "experts": check_experts, "layers": check_layers}
 

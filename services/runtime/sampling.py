@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from voxpipe import kernels
 from voxpipe.v1 import stages_pb2 as pb
 
 from .tensors import TensorError
@@ -191,20 +192,6 @@ def sample_rows(logits: torch.Tensor, rows: RowSampling, noise: torch.Tensor) ->
     """`pick` for every row of logits [B, V] float32 at once, with static shapes and no host sync
     (CUDA-graph safe): (ids [B] int64, ok [B] bool). A sampled row takes its randomness from
     noise [B, V] (Exp(1) draws, `exponential_noise`): it equals `pick` whose generator would have
-    drawn that noise. Greedy rows take the argmax of their logits and ignore the noise."""
-    inf = float("-inf")
-    scores = logits / rows.temperature[:, None]
-    ok = torch.isfinite(scores.amax(-1))                          # NaN if any score is
-    kth = scores.sort(-1, descending=True).values.gather(1, (rows.top_k - 1)[:, None])
-    scores = scores.masked_fill(scores < kth, inf)                # top-k (k = V: nothing below the min)
-    ascending, order = scores.sort(dim=-1, stable=True)
-    cum = ascending.softmax(-1).cumsum(-1)
-    drop = (cum <= rows.drop_below[:, None]) & (rows.drop_below > 0)[:, None]
-    drop[:, -1] = False
-    scores = scores.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), inf)   # top-p
-    probs = scores.softmax(-1)
-    stand_in = torch.zeros_like(probs)
-    stand_in[:, 0] = 1.0
-    probs = torch.where(ok[:, None], probs, stand_in)
-    ids = torch.where(rows.greedy, logits.argmax(-1), (probs / noise).argmax(-1))
-    return ids, ok
+    drawn that noise. Greedy rows take the argmax of their logits and ignore the noise. One Triton
+    launch on CUDA (kernels/sample.py, whose `reference` is the PyTorch form)."""
+    return kernels.sample.run(logits, *rows.tensors(), noise)
