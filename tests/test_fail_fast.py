@@ -46,8 +46,14 @@ def test_a_device_error_fails_the_streams_turns_not_serving_and_exits(tiny_model
                               "--port", str(port), "--grace", "1"])
     servicer = code2wav_server.build(args)
 
+    engine = servicer.engine
+
     def poisoned_step() -> None:
-        raise RuntimeError(ILLEGAL_ADDRESS)
+        """The device fails on the first step after the whole request arrived (its frames_end): a
+        failure while the client still writes would end the call under that write, which grpc-Python
+        may report to the writer as INTERNAL instead of the call's status."""
+        if all(j.frames_end for j in engine.waiting + engine.running):
+            raise RuntimeError(ILLEGAL_ADDRESS)
 
     servicer.engine.step = poisoned_step
 
