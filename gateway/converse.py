@@ -43,10 +43,11 @@ from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
 
-from .app import authorized, readiness
 from .audio_formats import decode_clip
 from .generation import render_now, run_pipeline
+from .health import readiness
 from .limits import AUDIO_RATES, audio_problem
+from .state import authorized
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def access_logged(handler):
 
 
 class ConverseServicer(gw_grpc.GatewayServicer):
-    """Serves Converse from the gateway's GatewayState (gateway/app.py): its pipeline client,
+    """Serves Converse from the gateway's GatewayState (gateway/state.py): its pipeline client,
     tokenizer and feature extractor, session limit (shared with HTTP and realtime) and metrics."""
 
     def __init__(self, state: Any) -> None:

@@ -25,7 +25,7 @@ from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, 
 from voxpipe.v1 import stages_pb2 as pb
 
 from . import audio_formats
-from .app import GatewayState, gateway_state
+from .state import GatewayState, gateway_state
 from .chat_messages import parse_messages
 from .chat_parameters import check_parameters, stop_strings, stream_options, top_logprobs
 from .errors import bad_request, from_pipeline_error

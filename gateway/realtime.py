@@ -18,7 +18,7 @@ from starlette.websockets import WebSocketDisconnect
 from voxpipe.audio import resample
 from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE
 
-from .app import GatewayState, authorized
+from .state import GatewayState, authorized
 from .realtime_events import (INPUT_SAMPLE_RATE, ClientEvent, Dialect, InputAudioAppend, InputAudioClear,
                               InputAudioCommit, ItemCreate, ItemDelete, ItemRetrieve, ItemTruncate, ProtocolError,
                               ResponseCancel, ResponseCreate, ResponseOverrides, SessionUpdate, parse_client_event)

@@ -35,7 +35,7 @@ from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest
 from voxpipe.services.thinker.prompt import ChatMessage
 
 from . import audio_formats
-from .app import GatewayState, gateway_state
+from .state import GatewayState, gateway_state
 from .errors import bad_request, from_pipeline_error
 from .generation import render_prompt, run_pipeline, speech_request
 from .params import GenerationParams, check_model, generation_params, optional, read_json, required, resolve_voice

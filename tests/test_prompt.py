@@ -52,7 +52,7 @@ def _config_only_folder(path, mel_bins: int = 128):
 
 
 def _gateway_state(model):
-    from voxpipe.gateway.app import GatewayState
+    from voxpipe.gateway.state import GatewayState
     from voxpipe.gateway.config import GatewayConfig
 
     return GatewayState.load(GatewayConfig(thinker="127.0.0.1:1", code2wav="127.0.0.1:3",
