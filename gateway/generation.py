@@ -1,12 +1,16 @@
 """Shared by the HTTP (and realtime) APIs: rendering a conversation into a prompt off the event
-loop, and running one pipeline request with the gateway's metrics."""
+loop, and running one pipeline request with the gateway's metrics. `Generation` is the two bound
+to one GatewayState, for runs that are given them rather than the state (the realtime responses
+and transcriptions)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from voxpipe.client import AudioEvent, DoneEvent, SpeechRequest, StageEvent, TextEvent
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, RenderedPrompt, render
@@ -15,6 +19,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from .errors import bad_request
 from .params import GenerationParams
 
+PipelineEvent = TextEvent | StageEvent | AudioEvent | DoneEvent
 
 
 def first_output_stage(ev: object) -> str | None:
@@ -64,8 +69,7 @@ def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str,
                          encoding=pb.AUDIO_PCM16, assistant_text=assistant_text)
 
 
-async def run_pipeline(state, req: SpeechRequest, arrived: float
-                       ) -> AsyncIterator[TextEvent | StageEvent | AudioEvent | DoneEvent]:
+async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterator[PipelineEvent]:
     """`state.pipeline.stream(req)` with the active-streams gauge, each stage's first-output
     latency, time to first audio and the real-time factor recorded (`arrived`: perf_counter at
     the request's arrival). Raises PipelineError as the client does."""
@@ -91,3 +95,19 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float
             m.rtf.observe((time.perf_counter() - arrived) / (samples / rate))
     finally:
         m.active_streams.dec()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """`render_prompt` and `run_pipeline` bound to one GatewayState: `render(messages)` (a refusal
+    is a 400 APIError naming `messages`), `run(req, arrived)`, and the prompt's audio placeholder
+    id (`audio_token`: usage counts the prompt's audio tokens)."""
+
+    render: Callable[[list[ChatMessage]], Awaitable[RenderedPrompt]]
+    run: Callable[[SpeechRequest, float], AsyncIterator[PipelineEvent]]
+    audio_token: int
+
+    @classmethod
+    def of(cls, state) -> "Generation":
+        return cls(render=functools.partial(render_prompt, state), run=functools.partial(run_pipeline, state),
+                   audio_token=state.omni.thinker.tokens.audio_token)

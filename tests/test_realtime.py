@@ -574,7 +574,7 @@ def test_session_cap_and_api_key(capped_gateway):
 # ----------------------------------------------------------------------------- the parts on their own
 
 def test_server_vad_finds_the_utterance_in_real_speech():
-    from voxpipe.gateway.vad import ServerVad, ServerVadParams, SpeechStarted, SpeechStopped
+    from voxpipe.gateway.realtime.vad import ServerVad, ServerVadParams, SpeechStarted, SpeechStopped
 
     words = speech("Good evening, everybody.")
     stream = np.concatenate([np.zeros(RATE // 2, np.float32), words, np.zeros(RATE, np.float32)])
@@ -587,7 +587,7 @@ def test_server_vad_finds_the_utterance_in_real_speech():
 
 
 def test_stream_resampler_matches_linear_interpolation_of_the_whole():
-    from voxpipe.gateway.vad import StreamResampler
+    from voxpipe.gateway.realtime.vad import StreamResampler
 
     x = np.random.default_rng(1).normal(size=RATE).astype(np.float32)
     r = StreamResampler(RATE, 16000)
@@ -598,7 +598,7 @@ def test_stream_resampler_matches_linear_interpolation_of_the_whole():
 
 
 def test_outbox_is_bounded_and_drops_a_cancelled_replys_audio():
-    from voxpipe.gateway.realtime_outbox import Outbox, Outgoing
+    from voxpipe.gateway.realtime.outbox import Outbox, Outgoing
 
     async def go():
         box = Outbox(max_events=2)

@@ -18,8 +18,8 @@ from test_realtime import (MANUAL, RATE, SERVER_VAD, decoded, of, pcm16_base64, 
                            text_turn, user_text)
 from voxpipe.audio import resample
 from voxpipe.client import DoneEvent, PipelineClient, SpeechRequest, TextEvent
-from voxpipe.gateway.realtime_session import DEFAULT_SAMPLES_PER_TOKEN, ItemContent, TranscriptionSettings
-from voxpipe.gateway.realtime_transcription import TranscriptionJob, max_tokens, transcription_messages
+from voxpipe.gateway.realtime.session import DEFAULT_SAMPLES_PER_TOKEN, ItemContent, TranscriptionSettings
+from voxpipe.gateway.realtime.transcription import TranscriptionJob, max_tokens, transcription_messages
 from voxpipe.services.thinker.engine import IncrementalDetokenizer
 from voxpipe.services.thinker.prompt import ChatMessage, FeatureExtractor, render
 

@@ -292,8 +292,8 @@ def test_node_sdk_realtime_client_gets_the_transcription(tls_gateway, mtls_stack
     import numpy as np
 
     from voxpipe.audio import resample
-    from voxpipe.gateway.realtime_session import TranscriptionSettings
-    from voxpipe.gateway.realtime_transcription import TranscriptionJob, max_tokens, transcription_messages
+    from voxpipe.gateway.realtime.session import TranscriptionSettings
+    from voxpipe.gateway.realtime.transcription import TranscriptionJob, max_tokens, transcription_messages
     from voxpipe.services.thinker.prompt import FeatureExtractor, render
 
     pcm = (np.random.default_rng(3).normal(0, 0.1, 24000) * 32767).round().astype("<i2")

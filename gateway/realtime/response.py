@@ -5,7 +5,25 @@ response events, and finish it as completed, incomplete (max_output_tokens), can
 A cancelled spoken reply keeps what reached the client: its queued audio is dropped, and after
 `response.done` (whose transcript is all the text made, as the deltas said) its item is truncated
 to the audio delivered (`conversation.item.truncated`): the item's transcript then keeps only
-the text spoken in that audio (ItemContent.align: the same audio time per text token)."""
+the text spoken in that audio (ItemContent.align: the same audio time per text token).
+
+What a run uses of its session is all in the ResponseContext it is given (the connection makes
+it); it holds no reference to the connection, its outbox or its conversation:
+
+- `generation`: the gateway's rendering and pipeline (generation.Generation);
+- `conversation_id`: the session's, for the `response` objects of in-conversation runs;
+- `emit(event, response_id=, audio_samples=, on_sent=)`: send a server event (server_events.Emit);
+  each audio delta names the response and its samples, and `on_sent(samples)` is called once it is
+  written to the socket;
+- `insert_item(item)`: append the reply's item to the conversation (not for out-of-band runs);
+  returns the id of the item before it;
+- `has_item(item_id)`: whether an item is still in the conversation (a cancelled reply's item the
+  client deleted meanwhile is not truncated);
+- `withdraw_audio(response_id)`: drop the response's audio deltas still queued; returns the samples
+  of its delta being written at that moment, which still reach the client.
+
+The connection, in turn, uses of a run only `id`, `item`, `active`, `task`, `start()` and
+`cancel(reason)`."""
 
 from __future__ import annotations
 
@@ -13,8 +31,10 @@ import asyncio
 import base64
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
@@ -24,26 +44,35 @@ from voxpipe.services.runtime.logs import REQUEST_ID
 from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt
 from voxpipe.v1 import stages_pb2 as pb
 
-from .errors import APIError, from_pipeline_error
-from .generation import render_prompt, run_pipeline, speech_request
-from .params import GenerationParams
-from .realtime_events import INPUT_SAMPLE_RATE, Dialect
-from .realtime_server_events import (AudioDelta, AudioDone, ContentPart, ContentPartAdded, ContentPartDone, ItemAdded,
-                                     ItemDone, ItemTruncated, OutputItemAdded, OutputItemDone, ResponseCreated,
-                                     ResponseDone, TextDelta, TextDone, TranscriptDelta, TranscriptDone, new_id)
-from .realtime_session import ConversationItem, ItemContent, ResponseSettings, samples_to_ms
-
-if TYPE_CHECKING:
-    from .realtime import RealtimeConnection
+from ..errors import APIError, from_pipeline_error
+from ..generation import Generation, speech_request
+from ..params import GenerationParams
+from .events import INPUT_SAMPLE_RATE, Dialect
+from .server_events import (AudioDelta, AudioDone, ContentPart, ContentPartAdded, ContentPartDone, Emit, ItemAdded,
+                            ItemDone, ItemTruncated, OutputItemAdded, OutputItemDone, ResponseCreated, ResponseDone,
+                            TextDelta, TextDone, TranscriptDelta, TranscriptDone, new_id)
+from .session import ConversationItem, ItemContent, ResponseSettings, samples_to_ms
 
 log = logging.getLogger(__name__)
 OUTPUT_SAMPLE_RATE = INPUT_SAMPLE_RATE        # OpenAI's realtime audio: pcm16 24 kHz both ways
 CancelReason = Literal["client_cancelled", "turn_detected"]
 
 
+@dataclass(frozen=True)
+class ResponseContext:
+    """What a response run uses of its session (see the module's docstring)."""
+
+    generation: Generation
+    conversation_id: str
+    emit: Emit
+    insert_item: Callable[[ConversationItem], str | None]
+    has_item: Callable[[str], bool]
+    withdraw_audio: Callable[[str], Awaitable[int]]
+
+
 class ResponseRun:
-    def __init__(self, conn: "RealtimeConnection", settings: ResponseSettings, messages: list[ChatMessage]) -> None:
-        self.conn, self.settings, self.messages = conn, settings, messages
+    def __init__(self, ctx: ResponseContext, settings: ResponseSettings, messages: list[ChatMessage]) -> None:
+        self.ctx, self.settings, self.messages = ctx, settings, messages
         self.id = new_id("resp")
         self.arrived = time.perf_counter()
         kind = "output_audio" if settings.audio_out else "output_text"
@@ -93,7 +122,7 @@ class ResponseRun:
         body: dict[str, Any] = {
             "object": "realtime.response", "id": self.id, "status": self.status, "status_details": self.status_details,
             "output": [self.item.wire(dialect)] if self.status != "in_progress" else [],
-            "conversation_id": None if s.out_of_band else self.conn.conversation_id,
+            "conversation_id": None if s.out_of_band else self.ctx.conversation_id,
             "max_output_tokens": s.max_output_tokens or "inf", "metadata": s.metadata, "usage": self.usage}
         if dialect is Dialect.BETA:
             body.update(modalities=["audio", "text"] if s.audio_out else ["text"], voice=s.voice,
@@ -110,14 +139,14 @@ class ResponseRun:
     # ------------------------------------------------------------------------- running
 
     async def _run(self) -> None:
-        emit = self.conn.emit
+        emit = self.ctx.emit
         self.started = True
         REQUEST_ID.set(self.id)           # this task's logs (and the stages') name the response
         try:
             await emit(ResponseCreated(self))
             await emit(OutputItemAdded(self.id, 0, self.item))
             if not self.settings.out_of_band:
-                self.previous_item_id = self.conn.conversation.insert(self.item)
+                self.previous_item_id = self.ctx.insert_item(self.item)
                 self.in_conversation = True
                 await emit(ItemAdded(self.previous_item_id, self.item))
             await emit(ContentPartAdded(**self._part_ids(), part=ContentPart(self.settings.audio_out)))
@@ -133,10 +162,10 @@ class ResponseRun:
         await self._finish(*outcome)
 
     async def _generate(self) -> tuple[str, dict[str, Any] | None]:
-        st = self.conn.state
+        gen = self.ctx.generation
         s = self.settings
         try:
-            self.prompt = await render_prompt(st, self.messages)
+            self.prompt = await gen.render(self.messages)
             forced = s.ignore_eos
             params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if forced else 0,
                                       max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if forced else 0,
@@ -144,7 +173,7 @@ class ResponseRun:
             req = speech_request(self.prompt, params, s.voice, s.audio_out)
             req.request_id = self.id
             finish = None
-            async with aclosing(run_pipeline(st, req, self.arrived)) as events:
+            async with aclosing(gen.run(req, self.arrived)) as events:
                 async for ev in events:
                     if isinstance(ev, TextEvent):
                         await self._on_text(ev)
@@ -176,7 +205,7 @@ class ResponseRun:
         if not ev.text:
             return
         delta = TranscriptDelta if self.settings.audio_out else TextDelta
-        await self.conn.emit(delta(**self._part_ids(), delta=ev.text))
+        await self.ctx.emit(delta(**self._part_ids(), delta=ev.text))
 
     async def _on_audio(self, ev: AudioEvent) -> None:
         pcm = ev.data
@@ -187,8 +216,8 @@ class ResponseRun:
         if not n:
             return
         self.produced_samples += n
-        await self.conn.emit(AudioDelta(**self._part_ids(), delta=base64.b64encode(pcm).decode("ascii")),
-                             response_id=self.id, audio_samples=n, on_sent=self._on_sent)
+        await self.ctx.emit(AudioDelta(**self._part_ids(), delta=base64.b64encode(pcm).decode("ascii")),
+                            response_id=self.id, audio_samples=n, on_sent=self._on_sent)
 
     def _on_sent(self, samples: int) -> None:
         if not self.finishing:
@@ -197,11 +226,11 @@ class ResponseRun:
     # ------------------------------------------------------------------------- finishing
 
     async def _finish(self, status: str, details: dict[str, Any] | None) -> None:
-        emit, content = self.conn.emit, self.content
+        emit, content = self.ctx.emit, self.content
         delivered = None
         if status == "cancelled":
-            await self.conn.outbox.drop_audio(self.id)
-            delivered = self.sent_samples + self.conn.outbox.in_flight_audio(self.id)
+            in_flight = await self.ctx.withdraw_audio(self.id)
+            delivered = self.sent_samples + in_flight
         # the speech is whole only when the talker ended it itself (not at max_audio_frames, not cut off)
         content.align(self.produced_samples, complete=self.audio_finish == pb.STOP)
         self.status, self.status_details = status, details
@@ -220,12 +249,12 @@ class ResponseRun:
         await emit(ResponseDone(self))
         if delivered is not None and self.settings.audio_out:
             content.truncate_audio(delivered)       # what the client has not got is not in the conversation
-            if self.in_conversation and self.conn.conversation.has(self.item.id):
+            if self.in_conversation and self.ctx.has_item(self.item.id):
                 await emit(ItemTruncated(self.item.id, 0, samples_to_ms(delivered)))
 
     def _usage(self) -> dict[str, Any]:
         ids = self.prompt.token_ids if self.prompt is not None else []
-        audio_in = ids.count(self.conn.state.omni.thinker.tokens.audio_token)
+        audio_in = ids.count(self.ctx.generation.audio_token)
         out = self.text_tokens + self.frames
         return {"total_tokens": len(ids) + out, "input_tokens": len(ids), "output_tokens": out,
                 "input_token_details": {"text_tokens": len(ids) - audio_in, "audio_tokens": audio_in,

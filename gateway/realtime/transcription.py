@@ -13,7 +13,12 @@ transcriptions run one at a time, in commit order. Each is
 one more thinker request (counted in voxpipe_gateway_active_streams and the thinker's own
 gauges, and by outcome in voxpipe_gateway_transcriptions_total); it holds no --max-sessions slot
 of its own (the session's covers it), its tokens are not in any response's usage, and it is
-cancelled when the session ends."""
+cancelled when the session ends.
+
+What the transcriber uses of its session is all in the TranscriptionContext it is given (the
+connection makes it): `generation` (the gateway's rendering and pipeline), `emit` (send a server
+event, server_events.Emit), `set_transcript(item_id, content_index, text)` (a no-op for an item no
+longer in the conversation) and `count(outcome)` (voxpipe_gateway_transcriptions_total)."""
 
 from __future__ import annotations
 
@@ -21,9 +26,9 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,16 +36,13 @@ from voxpipe.client import DoneEvent, PipelineError, TextEvent
 from voxpipe.services.runtime.logs import REQUEST_ID
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
 
-from .errors import APIError, from_pipeline_error
-from .generation import render_prompt, run_pipeline, speech_request
-from .params import GenerationParams
-from .realtime_events import INPUT_SAMPLE_RATE
-from .realtime_server_events import (InputTranscriptionCompleted, InputTranscriptionDelta, InputTranscriptionFailed,
-                                     TranscriptionError, TranscriptionUsage)
-from .realtime_session import TranscriptionSettings
-
-if TYPE_CHECKING:
-    from .realtime import RealtimeConnection
+from ..errors import APIError, from_pipeline_error
+from ..generation import Generation, speech_request
+from ..params import GenerationParams
+from .events import INPUT_SAMPLE_RATE
+from .server_events import (Emit, InputTranscriptionCompleted, InputTranscriptionDelta, InputTranscriptionFailed,
+                            TranscriptionError, TranscriptionUsage)
+from .session import TranscriptionSettings
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +78,21 @@ def max_tokens(audio_samples: int) -> int:
     return MAX_TOKENS_BASE + MAX_TOKENS_PER_SECOND * math.ceil(audio_samples / INPUT_SAMPLE_RATE)
 
 
+@dataclass(frozen=True)
+class TranscriptionContext:
+    """What the transcriber uses of its session (see the module's docstring)."""
+
+    generation: Generation
+    emit: Emit
+    set_transcript: Callable[[str, int, str], None]
+    count: Callable[[str], None]
+
+
 class Transcriber:
     """One session's transcriptions: submitted jobs run one at a time, in order, on their own task."""
 
-    def __init__(self, conn: "RealtimeConnection") -> None:
-        self.conn = conn
+    def __init__(self, ctx: TranscriptionContext) -> None:
+        self.ctx = ctx
         self.jobs: asyncio.Queue[TranscriptionJob] = asyncio.Queue()
         self.task: asyncio.Task | None = None
 
@@ -101,21 +113,21 @@ class Transcriber:
             try:
                 await self._transcribe(job)
             except asyncio.CancelledError:
-                self.conn.state.metrics.transcriptions.labels("cancelled").inc()
+                self.ctx.count("cancelled")
                 raise
 
     async def _transcribe(self, job: TranscriptionJob) -> None:
-        st, emit = self.conn.state, self.conn.emit
+        gen, emit = self.ctx.generation, self.ctx.emit
         arrived = time.perf_counter()
         text, prompt_ids, output_tokens = "", [], 0
         try:
-            prompt = await render_prompt(st, transcription_messages(job))
+            prompt = await gen.render(transcription_messages(job))
             prompt_ids = prompt.token_ids
             req = speech_request(prompt, GenerationParams(max_tokens=max_tokens(job.audio_samples), temperature=0.0),
                                  voice="", audio=False)
             req.request_id = f"{job.item_id}-transcription"
             REQUEST_ID.set(req.request_id)
-            async with aclosing(run_pipeline(st, req, arrived)) as events:
+            async with aclosing(gen.run(req, arrived)) as events:
                 async for ev in events:
                     if isinstance(ev, TextEvent):
                         output_tokens += len(ev.token_ids)
@@ -135,17 +147,14 @@ class Transcriber:
             await self._failed(job, APIError(500, "the server failed while transcribing this audio",
                                              type="server_error", code="server_error"))
             return
-        if self.conn.conversation.has(job.item_id):
-            item = self.conn.conversation.find(job.item_id)
-            if job.content_index < len(item.content):
-                item.content[job.content_index].transcript = text
-        audio_tokens = prompt_ids.count(st.omni.thinker.tokens.audio_token)
-        st.metrics.transcriptions.labels("completed").inc()
+        self.ctx.set_transcript(job.item_id, job.content_index, text)
+        audio_tokens = prompt_ids.count(gen.audio_token)
+        self.ctx.count("completed")
         await emit(InputTranscriptionCompleted(job.item_id, job.content_index, text,
                                                TranscriptionUsage(len(prompt_ids), output_tokens, audio_tokens)))
 
     async def _failed(self, job: TranscriptionJob, e: APIError) -> None:
         log.info("transcribing realtime item %s failed: %s", job.item_id, e.message)
-        self.conn.state.metrics.transcriptions.labels("failed").inc()
-        await self.conn.emit(InputTranscriptionFailed(job.item_id, job.content_index,
-                                                      TranscriptionError(e.type, e.code, e.message, e.param)))
+        self.ctx.count("failed")
+        await self.ctx.emit(InputTranscriptionFailed(job.item_id, job.content_index,
+                                                     TranscriptionError(e.type, e.code, e.message, e.param)))

@@ -3,7 +3,9 @@ Realtime protocol (GA event names; the beta names with the `OpenAI-Beta: realtim
 
 One connection is one session: its settings, its conversation, its input audio buffer with
 server VAD, at most one response at a time, and a bounded send queue drained by its own task.
-Each concurrent session holds a slot of the gateway's SessionLimiter while it is open."""
+Each concurrent session holds a slot of the gateway's SessionLimiter while it is open. A response
+run (response.py) and the transcriber (transcription.py) are given what they may use of the
+session, a ResponseContext / TranscriptionContext, not the connection."""
 
 from __future__ import annotations
 
@@ -18,19 +20,19 @@ from starlette.websockets import WebSocketDisconnect
 from voxpipe.audio import resample
 from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE
 
-from .state import GatewayState, authorized
-from .realtime_events import (INPUT_SAMPLE_RATE, ClientEvent, Dialect, InputAudioAppend, InputAudioClear,
-                              InputAudioCommit, ItemCreate, ItemDelete, ItemRetrieve, ItemTruncate, ProtocolError,
-                              ResponseCancel, ResponseCreate, ResponseOverrides, SessionUpdate, parse_client_event)
-from .realtime_outbox import Outbox, Outgoing
-from .realtime_response import ResponseRun
-from .realtime_server_events import (Error, InputAudioCleared, InputAudioCommitted, ItemAdded, ItemDeleted, ItemDone,
-                                     ItemRetrieved, ItemTruncated, ServerEvent, SessionCreated, SessionUpdated,
-                                     SpeechStartedEvent, SpeechStoppedEvent, new_id)
-from .realtime_session import (MIN_COMMIT_MS, Conversation, ConversationItem, InputAudioBuffer, ItemContent,
-                               ResponseSettings, SessionConfig, default_voice, ms_to_samples, new_item_content,
-                               samples_to_ms)
-from .realtime_transcription import Transcriber, TranscriptionJob
+from ..generation import Generation
+from ..state import GatewayState, authorized
+from .events import (INPUT_SAMPLE_RATE, ClientEvent, Dialect, InputAudioAppend, InputAudioClear, InputAudioCommit,
+                     ItemCreate, ItemDelete, ItemRetrieve, ItemTruncate, ProtocolError, ResponseCancel, ResponseCreate,
+                     ResponseOverrides, SessionUpdate, parse_client_event)
+from .outbox import Outbox, Outgoing
+from .response import ResponseContext, ResponseRun
+from .server_events import (Error, InputAudioCleared, InputAudioCommitted, ItemAdded, ItemDeleted, ItemDone,
+                            ItemRetrieved, ItemTruncated, ServerEvent, SessionCreated, SessionUpdated,
+                            SpeechStartedEvent, SpeechStoppedEvent, new_id)
+from .session import (MIN_COMMIT_MS, Conversation, ConversationItem, InputAudioBuffer, ItemContent, ResponseSettings,
+                      SessionConfig, default_voice, ms_to_samples, new_item_content, samples_to_ms)
+from .transcription import Transcriber, TranscriptionContext, TranscriptionJob
 from .vad import FRAME_MS, ServerVad, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,14 @@ class RealtimeConnection:
         self.speech_start = 0                       # timeline sample where that utterance begins (with padding)
         self.response: ResponseRun | None = None
         self.outbox = Outbox()
-        self.transcriber = Transcriber(self)
+        generation = Generation.of(state)
+        self.response_context = ResponseContext(
+            generation=generation, conversation_id=self.conversation_id, emit=self.emit,
+            insert_item=self.conversation.insert, has_item=self.conversation.has,
+            withdraw_audio=self.outbox.withdraw_audio)
+        self.transcriber = Transcriber(TranscriptionContext(
+            generation=generation, emit=self.emit, set_transcript=self.conversation.set_transcript,
+            count=lambda outcome: state.metrics.transcriptions.labels(outcome).inc()))
 
     # ------------------------------------------------------------------------- plumbing
 
@@ -326,7 +335,7 @@ class RealtimeConnection:
             raise ProtocolError(f"the conversation already has an active response ({self.response.id}); cancel it "
                                 "or wait for response.done", code="conversation_already_has_active_response")
         settings = ResponseSettings.resolve(self.session, overrides, self.state.speakers)
-        self.response = ResponseRun(self, settings, self.conversation.messages(settings.instructions))
+        self.response = ResponseRun(self.response_context, settings, self.conversation.messages(settings.instructions))
         self.response.start()
 
     async def cancel_response(self, event: ResponseCancel) -> None:

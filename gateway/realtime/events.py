@@ -1,6 +1,6 @@
 """The realtime API's client events, parsed from JSON into dataclasses (every problem a
 ProtocolError naming the parameter), in both dialects: OpenAI's GA Realtime API and the older
-beta (`OpenAI-Beta: realtime=v1`). Server events live in realtime_server_events.py."""
+beta (`OpenAI-Beta: realtime=v1`). Server events live in server_events.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .limits import UINT32_MAX
+from ..limits import UINT32_MAX
 from .vad import ServerVadParams
 
 INPUT_SAMPLE_RATE = 24000      # pcm16 mono, as OpenAI's realtime API

@@ -1,5 +1,5 @@
 """A realtime session's state: its settings, its conversation (the items every reply reads) and
-its input audio buffer. No I/O here; realtime.py drives it."""
+its input audio buffer. No I/O here; connection.py drives it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
 
-from .params import DEFAULT_TEMPERATURE
-from .realtime_events import (INPUT_SAMPLE_RATE, MAX_INPUT_SECONDS, UNSET, Dialect, NewItem, PartKind, ProtocolError,
-                              ResponseOverrides, SessionPatch, TranscriptionPatch)
+from ..params import DEFAULT_TEMPERATURE
+from .events import (INPUT_SAMPLE_RATE, MAX_INPUT_SECONDS, UNSET, Dialect, NewItem, PartKind, ProtocolError,
+                     ResponseOverrides, SessionPatch, TranscriptionPatch)
 from .vad import ServerVadParams
 
 PCM_FORMAT = {"type": "audio/pcm", "rate": INPUT_SAMPLE_RATE}
@@ -48,7 +48,7 @@ def check_voice(voice: str, speakers: dict[str, int], param: str) -> str:
 @dataclass(frozen=True)
 class TranscriptionSettings:
     """Input audio transcription is on: each committed user audio item is transcribed by the
-    served model (gateway/realtime_transcription.py)."""
+    served model (transcription.py)."""
 
     language: str | None = None
     prompt: str | None = None
@@ -264,6 +264,13 @@ class Conversation:
             at = self.items.index(self.find(previous_item_id, "previous_item_id")) + 1
         self.items.insert(at, item)
         return self.items[at - 1].id if at else None
+
+    def set_transcript(self, item_id: str, content_index: int, text: str) -> None:
+        """Set a content part's transcript; a no-op when the item or the part is gone."""
+        if self.has(item_id):
+            item = self.find(item_id)
+            if content_index < len(item.content):
+                item.content[content_index].transcript = text
 
     def delete(self, item_id: str) -> None:
         self.items.remove(self.find(item_id))

@@ -5,10 +5,11 @@ the connection's dialect when the event is queued, so the JSON is a snapshot of 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
-from .realtime_events import Dialect, ProtocolError
+from .events import Dialect, ProtocolError
 
 
 def new_id(prefix: str) -> str:
@@ -28,6 +29,16 @@ class ServerEvent:
             value = getattr(self, f.name)
             body[f.name] = value.wire(dialect) if hasattr(value, "wire") else value
         return body
+
+
+class Emit(Protocol):
+    """How the session's producers (the event handlers, a response run, the transcriber) send a
+    server event: rendered in the session's dialect and queued in its outbox (RealtimeConnection.
+    emit). An audio delta names its response and its samples; `on_sent(samples)` is called once
+    it is written to the socket."""
+
+    async def __call__(self, event: ServerEvent, *, response_id: str | None = None, audio_samples: int = 0,
+                       on_sent: Callable[[int], None] | None = None) -> None: ...
 
 
 def _same(cls):

@@ -69,6 +69,12 @@ class Outbox:
                 self._cond.notify_all()
             return sum(i.audio_samples for i in dropped)
 
+    async def withdraw_audio(self, response_id: str) -> int:
+        """Drop the queued, unsent audio deltas of a response; returns the samples of its delta
+        being written right now (they still reach the client)."""
+        await self.drop_audio(response_id)
+        return self.in_flight_audio(response_id)
+
     async def close(self) -> None:
         async with self._cond:
             self.closed = True
