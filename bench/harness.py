@@ -488,7 +488,7 @@ def make_requests(args, cfg, plan: Plan, model: str) -> dict[str, RequestMaker]:
 
 
 def load_tokenizer(model: str, cfg):
-    from voxpipe.services.thinker.server import load_tokenizer as load
+    from voxpipe.services.thinker.prompt import load_tokenizer as load
 
     return load(model, cfg)
 

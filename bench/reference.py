@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     from voxpipe.bench.voice_clip import load_clip
     from voxpipe.bench.workload import WORKLOADS
     from voxpipe.services.runtime.config import OmniConfig
-    from voxpipe.services.thinker.prompt import FeatureExtractor
-    from voxpipe.services.thinker.server import load_tokenizer
+    from voxpipe.services.thinker.prompt import FeatureExtractor, load_tokenizer
 
     wl = WORKLOADS[args.workload].with_overrides(args.prompt_tokens, args.text_tokens, args.frames, args.realtime_audio)
     cfg = OmniConfig.load(args.model)

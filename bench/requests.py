@@ -14,7 +14,7 @@ import numpy as np
 
 from voxpipe.client import SpeechRequest
 from voxpipe.services.runtime.config import OmniConfig
-from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, RenderedPrompt, render
+from voxpipe.services.thinker.prompt import FeatureExtractor, RenderedPrompt, render, user_turn
 
 from .voice_clip import VoiceClip
 from .workload import SYSTEM_TEXT, Workload
@@ -106,15 +106,13 @@ class RequestMaker:
         """System turn + user turn [the clip's features, the workload's voice text], as the gateway
         renders it."""
         if not hasattr(self, "_voice_prompt"):
-            parts = [ChatPart(features=self.features(self.clip.samples))]
-            parts += [ChatPart(text=self.wl.voice_text)] if self.wl.voice_text else []
-            user = ChatMessage("user", parts)
-            self._voice_prompt = render(self.tokenizer, self.cfg.thinker, [ChatMessage.text("system", SYSTEM_TEXT), user])
+            self._voice_prompt = render(self.tokenizer, self.cfg.thinker,
+                                        user_turn(self.wl.voice_text or None, [self.features(self.clip.samples)],
+                                                  instructions=SYSTEM_TEXT))
         return self._voice_prompt
 
     def _chat_length(self, user: str) -> int:
-        msgs = [ChatMessage.text("system", SYSTEM_TEXT), ChatMessage.text("user", user)]
-        return len(render(self.tokenizer, self.cfg.thinker, msgs).token_ids)
+        return len(render(self.tokenizer, self.cfg.thinker, user_turn(user, instructions=SYSTEM_TEXT)).token_ids)
 
     def _user_text(self, index: int) -> str:
         """Random lowercase words whose chat prompt (system + user turn, rendered as the gateway does)

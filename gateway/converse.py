@@ -38,7 +38,7 @@ from voxpipe.services.runtime.rpc_guard import Abort, RequestGuard
 from voxpipe.services.runtime.server import add_health_and_reflection
 from voxpipe.services.runtime.tls import add_port
 from voxpipe.services.thinker.output import stop_strings_problem, top_logprobs_problem
-from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, ChatPart
+from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, user_turn
 from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
@@ -135,11 +135,8 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
     if problem is not None:
         raise InvalidInput(problem)
 
-    parts = [ChatPart(audio=_audio_part(a, f"audio[{i}]")) for i, a in enumerate(start.audio)]
-    if start.text:
-        parts.append(ChatPart(text=start.text))
-    messages = [ChatMessage.text("system", start.instructions)] if start.instructions else []
-    messages.append(ChatMessage("user", parts))
+    messages = user_turn(start.text or None, [_audio_part(a, f"audio[{i}]") for i, a in enumerate(start.audio)],
+                         instructions=start.instructions)
     speech = SpeechRequest(
         speaker=voice, audio=want_audio, max_tokens=start.max_tokens,
         min_tokens=start.max_tokens if start.ignore_eos else start.min_tokens,

@@ -13,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from voxpipe.client import AudioEvent, DoneEvent, SpeechRequest, StageEvent, TextEvent
-from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, RenderedPrompt, render
+from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt, render, with_features
 from voxpipe.v1 import stages_pb2 as pb
 
 from .errors import bad_request
@@ -45,10 +45,9 @@ def render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
         raise ValueError(f"the conversation has {chars} characters of text; the limit is {limit}")
     # features in this worker thread; the tokenizer (not thread-safe) under the state's lock
     # (a part that already carries features, e.g. a realtime user turn, is kept as it is)
-    parts = [[p if p.audio is None else ChatPart(features=state.features(p.audio))
-              for p in m.parts] for m in messages]
+    messages = with_features(messages, state.features)
     with state.tokenizer_lock:
-        return render(state.tokenizer, state.omni.thinker, [ChatMessage(m.role, ps) for m, ps in zip(messages, parts)])
+        return render(state.tokenizer, state.omni.thinker, messages)
 
 
 async def render_prompt(state, messages: list[ChatMessage], param: str = "messages") -> RenderedPrompt:

@@ -32,7 +32,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest
-from voxpipe.services.thinker.prompt import ChatMessage
+from voxpipe.services.thinker.prompt import speech_turn
 
 from . import audio_formats
 from .state import GatewayState, gateway_state
@@ -105,11 +105,6 @@ def speech_params(body: dict) -> GenerationParams:
     return generation_params(body)
 
 
-def speech_messages(text: str, instructions: str | None) -> list[ChatMessage]:
-    """The prompt of a spoken `text`: one user turn, the instructions (if any), a blank line, the text."""
-    return [ChatMessage.text("user", f"{instructions}\n\n{text}" if instructions else text)]
-
-
 @router.post("/v1/audio/speech")
 async def create_speech(request: Request) -> Response:
     arrived = time.perf_counter()
@@ -119,7 +114,7 @@ async def create_speech(request: Request) -> Response:
     params = speech_params(body)
     session, handed_over = st.sessions.acquire("http"), False
     try:
-        prompt = await render_prompt(st, speech_messages(opts.text, opts.instructions), param="input")
+        prompt = await render_prompt(st, speech_turn(opts.text, opts.instructions), param="input")
         req = speech_request(prompt, params, opts.voice, audio=True, assistant_text=opts.text)
         spoken = SpokenReply(st, req, arrived, opts.response_format)
         body_iter = spoken.sse_events() if opts.stream_format == "sse" else spoken.pieces()

@@ -19,7 +19,7 @@ from prometheus_client import Gauge
 
 from voxpipe.client import PipelineClient
 from voxpipe.services.runtime.config import OmniConfig
-from voxpipe.services.thinker.prompt import FeatureExtractor
+from voxpipe.services.thinker.prompt import FeatureExtractor, load_tokenizer
 
 from .config import GatewayConfig
 from .errors import APIError, too_many_sessions
@@ -84,8 +84,6 @@ class GatewayState:
 
     @classmethod
     def load(cls, config: GatewayConfig) -> "GatewayState":
-        from voxpipe.services.thinker.server import load_tokenizer
-
         metrics = GatewayMetrics()
         omni = OmniConfig.load(config.model_dir)
         return cls(config=config, omni=omni, tokenizer=load_tokenizer(config.model_dir),

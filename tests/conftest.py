@@ -38,7 +38,7 @@ def stack(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
-    from voxpipe.services.thinker.server import load_tokenizer
+    from voxpipe.services.thinker.prompt import load_tokenizer
 
     return load_tokenizer(str(tiny_model_dir))
 

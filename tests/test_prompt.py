@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from voxpipe.services.thinker.model import audio_output_length
-from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
+from voxpipe.services.thinker.prompt import (ChatMessage, ChatPart, render, speech_turn, user_turn, with_features,
+                                             with_instructions)
 
 
 def test_plain_text_renders_exactly_as_the_chat_template(tokenizer, omni_config):
@@ -33,6 +34,31 @@ def test_audio_parts_expand_to_the_encoder_length(tokenizer, omni_config):
     n = omni_config.thinker.audio.n_window
     assert r.token_ids.count(omni_config.thinker.tokens.audio_token) == sum(audio_output_length(f.shape[1], n) for f in feats)
     assert r.audio_features == feats
+
+
+def test_the_prompt_shapes_are_the_messages_they_stand_for(tokenizer, omni_config):
+    """user_turn / speech_turn / with_instructions / with_features, which every caller renders through,
+    make exactly the message lists they document."""
+    def ids(messages):
+        return render(tokenizer, omni_config.thinker, messages).token_ids
+
+    feats, wav = torch.rand(128, 100), (0.1 * torch.randn(16000)).numpy()
+
+    def features(audio):            # a stand-in FeatureExtractor
+        return feats
+
+    system = ChatMessage.text("system", "Be brief.")
+    assert ids(user_turn("Hi.")) == ids([ChatMessage.text("user", "Hi.")])
+    assert ids(user_turn("Hi.", instructions="Be brief.")) == ids([system, ChatMessage.text("user", "Hi.")])
+    assert ids(user_turn("Hi.", instructions="")) == ids([ChatMessage.text("user", "Hi.")])
+    assert ids(user_turn("What?", [feats], instructions="Be brief.")) == \
+        ids([system, ChatMessage("user", [ChatPart(features=feats), ChatPart(text="What?")])])
+    assert ids(user_turn(None, [feats])) == ids([ChatMessage("user", [ChatPart(features=feats)])])
+    assert ids(with_features(user_turn("What?", [wav]), features)) == ids(user_turn("What?", [feats]))
+    assert ids(with_instructions("Be brief.", [ChatMessage.text("user", "Hi.")])) == \
+        ids(user_turn("Hi.", instructions="Be brief."))
+    assert ids(speech_turn("Hello world")) == ids([ChatMessage.text("user", "Hello world")])
+    assert ids(speech_turn("Hello world", "Cheerful.")) == ids([ChatMessage.text("user", "Cheerful.\n\nHello world")])
 
 
 # ---------------------------------------------------------------- audio features from the model's config

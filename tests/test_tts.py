@@ -27,8 +27,8 @@ import torch
 from oracle import reference_generate
 from conftest import install_node_package
 from voxpipe.client import PipelineClient, SpeechRequest
-from voxpipe.gateway.speech import MAX_INPUT_CHARS, MAX_INSTRUCTIONS_CHARS, speech_messages
-from voxpipe.services.thinker.prompt import encode_text, render
+from voxpipe.gateway.speech import MAX_INPUT_CHARS, MAX_INSTRUCTIONS_CHARS
+from voxpipe.services.thinker.prompt import encode_text, render, speech_turn
 from voxpipe.v1 import stages_pb2 as pb
 
 SAMPLES_PER_FRAME, FIRST_CHUNK_SHORTFALL = 1920, 555
@@ -81,7 +81,7 @@ def assert_decodes_to_the_expected_length(data: bytes, fmt: str, expected: int =
 def test_tts_equals_the_reference_with_its_thinker_forced_to_say_the_input(stack, client, model, tiny_model_dir,
                                                                              tokenizer, omni_config, text, instructions,
                                                                              voice, max_frames, min_frames):
-    prompt = render(tokenizer, omni_config.thinker, speech_messages(text, instructions)).token_ids
+    prompt = render(tokenizer, omni_config.thinker, speech_turn(text, instructions)).token_ids
     forced = encode_text(tokenizer, text) + [omni_config.thinker.tokens.im_end]
     ref = reference_generate(tiny_model_dir, prompt, speaker=voice, forced_ids=forced, max_frames=max_frames,
                              min_frames=min_frames)
@@ -121,7 +121,7 @@ def test_sampled_speech_equals_the_reference_sampling_with_the_same_seed(stack, 
     equals the reference sampling with that seed -- alone, beside a greedy request and another
     sampled one in the same steps, and through /v1/audio/speech."""
     text, max_frames = "Sampled speech is the reference's too.", 12
-    prompt = render(tokenizer, omni_config.thinker, speech_messages(text, None)).token_ids
+    prompt = render(tokenizer, omni_config.thinker, speech_turn(text, None)).token_ids
     forced = encode_text(tokenizer, text) + [omni_config.thinker.tokens.im_end]
     ref = reference_generate(tiny_model_dir, prompt, forced_ids=forced, max_frames=max_frames, min_frames=min_frames,
                              talker_sampling=(temperature, top_k, top_p, seed))
@@ -311,7 +311,7 @@ def test_sse_deltas_carry_the_file_and_done_the_usage(client, model, tokenizer, 
     deltas, done = events[:-1], events[-1]
     assert len(deltas) >= 2 and all(set(e) == {"type", "audio"} and e["type"] == "speech.audio.delta" for e in deltas)
     assert set(done) == {"type", "usage"} and done["type"] == "speech.audio.done"
-    prompt = render(tokenizer, omni_config.thinker, speech_messages(text, None)).token_ids
+    prompt = render(tokenizer, omni_config.thinker, speech_turn(text, None)).token_ids
     given = len(prompt) + len(encode_text(tokenizer, text)) + 1
     assert done["usage"] == {"input_tokens": given, "output_tokens": FRAMES - 1, "total_tokens": given + FRAMES - 1}
     assert_decodes_to_the_expected_length(b"".join(base64.b64decode(e["audio"]) for e in deltas), fmt)

@@ -333,26 +333,24 @@ def cmd_say(args) -> int:
                     assistant_text=text if args.verbatim else None)
     if args.audio or args.render_locally:
         from voxpipe.services.runtime.config import OmniConfig
-        from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
-        from voxpipe.services.thinker.server import load_tokenizer
+        from voxpipe.services.thinker.prompt import FeatureExtractor, load_tokenizer, render, user_turn
 
         model = Path(args.model) if args.model else default_model_dir()
         cfg = OmniConfig.load(model)
         features = FeatureExtractor.for_model(model, cfg.thinker)
-        parts = []
+        audio_features = []
         if args.audio:
             try:
                 wav, rate = read_wav(Path(args.audio).read_bytes())
             except (OSError, ValueError) as e:
                 print(f"error: --audio {args.audio}: {e}", file=sys.stderr)
                 return 2
-            parts.append(ChatPart(features=features(resample(wav, rate, 16000))))
+            audio_features.append(features(resample(wav, rate, 16000)))
         if args.render_locally:
-            parts.append(ChatPart(text=text))
-            prompt = render(load_tokenizer(str(model)), cfg.thinker, [ChatMessage("user", parts)], features)
+            prompt = render(load_tokenizer(str(model)), cfg.thinker, user_turn(text, audio_features), features)
             req = SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, **sampling)
-        else:     # the thinker renders the audio part(s) and the text with its own template
-            req = SpeechRequest(text=text, audio_features=[p.features for p in parts], **sampling)
+        else:     # the thinker renders the audio part(s) and the text with its own template (user_turn)
+            req = SpeechRequest(text=text, audio_features=audio_features, **sampling)
     else:
         req = SpeechRequest(text=text, **sampling)
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, with_instructions
 
 from ..params import DEFAULT_TEMPERATURE
 from .events import (INPUT_SAMPLE_RATE, MAX_INPUT_SECONDS, UNSET, Dialect, NewItem, PartKind, ProtocolError,
@@ -276,8 +276,7 @@ class Conversation:
         self.items.remove(self.find(item_id))
 
     def messages(self, instructions: str) -> list[ChatMessage]:
-        head = [ChatMessage.text("system", instructions)] if instructions else []
-        return head + [m for m in (item.chat_message() for item in self.items) if m is not None]
+        return with_instructions(instructions, [m for m in (item.chat_message() for item in self.items) if m is not None])
 
 
 def new_item_content(item: NewItem, features_of) -> list[ItemContent]:

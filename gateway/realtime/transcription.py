@@ -34,7 +34,7 @@ import torch
 
 from voxpipe.client import DoneEvent, PipelineError, TextEvent
 from voxpipe.services.runtime.logs import REQUEST_ID
-from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
+from voxpipe.services.thinker.prompt import ChatMessage, user_turn
 
 from ..errors import APIError, from_pipeline_error
 from ..generation import Generation, speech_request
@@ -71,7 +71,7 @@ def instruction(settings: TranscriptionSettings) -> str:
 
 def transcription_messages(job: TranscriptionJob) -> list[ChatMessage]:
     """The transcription request's conversation: one user turn, the audio then the instruction."""
-    return [ChatMessage("user", [ChatPart(features=job.features), ChatPart(text=instruction(job.settings))])]
+    return user_turn(instruction(job.settings), [job.features])
 
 
 def max_tokens(audio_samples: int) -> int:

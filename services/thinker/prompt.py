@@ -1,10 +1,15 @@
-"""Prompt rendering: chat messages -> token ids with audio placeholders expanded, and audio
-waveforms -> the audio encoder's log-mel features. Used by the thinker service (text prompts)
-and by clients (the pipeline client, the gateway)."""
+"""Prompt rendering, the one place where a thinker prompt is made: the prompt shapes (`user_turn`:
+an optional system turn of instructions, then one user turn of audio and text; `speech_turn`: the
+text-to-speech prompt; `with_instructions`), chat messages -> token ids with audio placeholders
+expanded (`render`, the checkpoint's chat template), audio waveforms -> the audio encoder's log-mel
+features (`FeatureExtractor`, `with_features`), and the tokenizer (`load_tokenizer`). Used by the
+thinker service (text prompts), the gateway (each API turns its own messages into ChatMessages,
+then renders here), `voxpipe say` and the bench."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +44,33 @@ class ChatMessage:
     @classmethod
     def text(cls, role: str, text: str) -> "ChatMessage":
         return cls(role, [ChatPart(text=text)])
+
+
+AudioInput = np.ndarray | torch.Tensor    # a 16 kHz mono float32 waveform, or its features [num_mel_bins, frames]
+
+
+def audio_part(audio: AudioInput) -> ChatPart:
+    """The part of a waveform (np.ndarray) or of its features (torch.Tensor)."""
+    return ChatPart(features=audio) if isinstance(audio, torch.Tensor) else ChatPart(audio=audio)
+
+
+def with_instructions(instructions: str | None, messages: list[ChatMessage]) -> list[ChatMessage]:
+    """`messages` after a system turn of `instructions`; without one when they are None or ""."""
+    return ([ChatMessage.text("system", instructions)] if instructions else []) + messages
+
+
+def user_turn(text: str | None = None, audio: Sequence[AudioInput] = (),
+              instructions: str | None = None) -> list[ChatMessage]:
+    """One user turn -- its audio parts in order, then the text (no text part when `text` is None;
+    "" is a part) -- after a system turn of `instructions` when given (see `with_instructions`)."""
+    parts = [audio_part(a) for a in audio] + ([ChatPart(text=text)] if text is not None else [])
+    return with_instructions(instructions, [ChatMessage("user", parts)])
+
+
+def speech_turn(text: str, instructions: str | None = None) -> list[ChatMessage]:
+    """The prompt of a spoken `text` (POST /v1/audio/speech): one user turn, the instructions (if
+    any), a blank line, the text."""
+    return user_turn(f"{instructions}\n\n{text}" if instructions else text)
 
 
 @dataclass
@@ -105,6 +137,21 @@ class FeatureExtractor:
                       padding=True, truncation=False, return_tensors="pt")
         valid = int(out["attention_mask"][0].sum())
         return out["input_features"][0, :, :valid].float()
+
+
+def with_features(messages: list[ChatMessage], features: "FeatureExtractor") -> list[ChatMessage]:
+    """`messages` with every waveform part replaced by a part of its features (`features(audio)`),
+    so that a later `render` needs no FeatureExtractor; the other parts are kept."""
+    return [ChatMessage(m.role, [p if p.audio is None else ChatPart(features=features(p.audio)) for p in m.parts])
+            for m in messages]
+
+
+def load_tokenizer(model: str | Path, cfg: OmniConfig | None = None):
+    """The checkpoint's tokenizer, or the ChatML byte tokenizer for a bare config (dummy weights)."""
+    from .tokenizer import load_tokenizer as load
+
+    cfg = cfg or OmniConfig.load(model)
+    return load(model, cfg.thinker, cfg.role_ids)
 
 
 _SENTINEL = re.compile("\ue000([0-9]+)\ue001")

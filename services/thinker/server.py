@@ -29,7 +29,7 @@ from ..runtime.weights import load_module, resolve_device, resolve_dtype
 from .engine import ForcedReply, ThinkerEngine, ThinkerJob, assistant_head_index
 from .model import ThinkerModel, audio_output_length
 from .output import stop_strings_problem, top_logprobs_problem
-from .prompt import ChatMessage, ChatPart, encode_text, render
+from .prompt import encode_text, load_tokenizer, render, user_turn
 from .relay import TalkerRelay
 
 log = logging.getLogger(__name__)
@@ -105,9 +105,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features with zero frames")
         kind = start.WhichOneof("prompt")
         if kind == "text":
-            parts = [ChatPart(features=a) for a in audio] + [ChatPart(text=start.text)]
             try:
-                ids = render(self.tokenizer, th, [ChatMessage("user", parts)]).token_ids
+                ids = render(self.tokenizer, th, user_turn(start.text, audio)).token_ids
             except ValueError as e:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         elif kind == "token_ids":
@@ -191,14 +190,6 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         if sp.code2wav.encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown audio encoding {sp.code2wav.encoding}")
         return sp
-
-
-def load_tokenizer(model: str, cfg: OmniConfig | None = None):
-    """The checkpoint's tokenizer, or the ChatML byte tokenizer for a bare config (dummy weights)."""
-    from .tokenizer import load_tokenizer as load
-
-    cfg = cfg or OmniConfig.load(model)
-    return load(model, cfg.thinker, cfg.role_ids)
 
 
 def build(args) -> tuple[ThinkerServicer, OmniConfig]:
