@@ -21,13 +21,11 @@ from ..runtime.config import OmniConfig
 from ..runtime import tracing
 from ..runtime.calls import abort, when_done
 from ..runtime.engine import Outbox, StageError
-from ..runtime.layers import serving_layout
 from ..runtime.outputs import AudioOut, Finished, FramesOut
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, finished_proto, frames_proto,
-                             run_async, run_server, server_options)
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, frames_proto, load_stage_model,
+                              serve_stage, stage_setup)
 from ..runtime.tensors import TensorError, from_proto
-from ..runtime.tracing import setup_tracing, traced_rpc
-from ..runtime.weights import load_module, resolve_device, resolve_dtype
+from ..runtime.tracing import traced_rpc
 from .engine import Code2WavEngine, Code2WavJob
 from .model import Code2WavModel
 
@@ -230,21 +228,15 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
 
 
 def build(args) -> Code2WavServicer:
-    opts = server_options(args)         # bad flags fail before the weights load
-    client_tls(args)                    # code2wav calls no stage; its client flags (a shared env) are checked all the same
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    if args.gpu_memory_fraction and device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction, device)
+    setup = stage_setup(args)      # bad flags fail before the weights load (code2wav dials no stage: setup.tls unused)
     cfg = OmniConfig.load(args.model)
-    model = load_module(lambda: Code2WavModel(cfg.code2wav), args.model, "code2wav.", device=device,
-                        dtype=torch.float32 if args.dtype == "auto" else dtype, load_format=args.load_format)
-    serving_layout(model, device)
-    engine = Code2WavEngine(model, cfg.code2wav, device=device, max_active=args.max_batch,
+    model = load_stage_model(args, setup, lambda: Code2WavModel(cfg.code2wav), "code2wav.",
+                             dtype=torch.float32 if args.dtype == "auto" else setup.dtype)
+    engine = Code2WavEngine(model, cfg.code2wav, device=setup.device, max_active=args.max_batch,
                             cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback)
     if args.listen_timeout <= 0:
         raise SystemExit(f"--listen-timeout must be positive, got {args.listen_timeout}")
-    return Code2WavServicer(engine, opts, cfg, args.first_chunk_frames, args.chunk_frames,
+    return Code2WavServicer(engine, setup.opts, cfg, args.first_chunk_frames, args.chunk_frames,
                             args.listen_timeout)
 
 
@@ -257,7 +249,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> None:
-    setup_tracing("voxpipe-code2wav")
-    servicer = build(args)
-    run_async(run_server(servicer, pb_grpc.add_Code2WavServicer_to_server, "voxpipe.v1.Code2Wav", servicer.opts,
-                         ready=lambda port: print(f"code2wav ready on port {port}", flush=True)))
+    serve_stage(args, "code2wav", build, pb_grpc.add_Code2WavServicer_to_server, "voxpipe.v1.Code2Wav")

@@ -1,6 +1,10 @@
-"""gRPC plumbing shared by the three stage servers: the aio server with health, reflection (can be
-turned off) and graceful SIGTERM; and the per-stream pattern (first message = Start, optional
-payload chunks, engine outputs streamed back, cancellation and disconnects freeing the request).
+"""What the three stage servers share: the aio server with health, reflection (can be turned off)
+and graceful SIGTERM; the per-stream pattern (first message = Start, optional payload chunks,
+engine outputs streamed back, cancellation and disconnects freeing the request); the common flags
+(`add_stage_arguments`); and a stage's build and run: `stage_setup` (options, TLS, device and dtype
+from the flags), `load_stage_model` (the stage's weights, laid out for serving) and `serve_stage`
+(tracing, build, serve until SIGTERM). Each stage's server.py has only its servicer, its build of
+engine and model, and its own flags.
 
 Limits: a connection older than `max_connection_age_s` is told to go away (GOAWAY: new streams go
 to a new connection) but is never closed while a stream on it is active; the payload chunks of
@@ -20,6 +24,8 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+import torch
+from torch import nn
 
 from voxpipe.v1 import stages_pb2 as pb
 
@@ -35,6 +41,8 @@ from .tensors import to_proto as tensor_proto
 from . import tracing
 from .tls import (ClientTLS, ServerTLS, TLSConfigError, add_client_tls_arguments, add_port, add_server_tls_arguments,
                   client_tls_from_args, server_tls_from_args)
+from .layers import serving_layout
+from .weights import load_module, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -446,3 +454,50 @@ def run_async(coro) -> None:
         runner(coro)
     except DeviceFailure as e:
         raise SystemExit(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- a stage's build and run
+
+@dataclass(frozen=True)
+class StageSetup:
+    """What a stage's build starts from (`stage_setup`)."""
+
+    opts: ServerOptions
+    tls: ClientTLS | None         # how it dials its next stage (--tls-ca ...; None: plaintext)
+    device: torch.device
+    dtype: torch.dtype
+
+
+def stage_setup(args) -> StageSetup:
+    """The server options and client TLS of the stage's flags (SystemExit naming the flags when they
+    are bad: before any weights load; every stage checks the client flags, a shared environment, even
+    one that dials no stage), its device (--device) and dtype (--dtype), with --gpu-memory-fraction
+    applied on CUDA."""
+    opts, tls = server_options(args), client_tls(args)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if args.gpu_memory_fraction and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction, device)
+    return StageSetup(opts=opts, tls=tls, device=device, dtype=dtype)
+
+
+def load_stage_model(args, setup: StageSetup, factory: Callable[[], nn.Module], prefix: str, *,
+                     dtype: torch.dtype | None = None, ignore: tuple[str, ...] = ()) -> nn.Module:
+    """The stage's module built by `factory` on the setup's device, in `dtype` (default: the setup's),
+    its `prefix` tensors read from --model (--load-format; `ignore`: prefixes of the stage's tensors
+    it does not use), laid out for serving (fused projections on CUDA)."""
+    model = load_module(factory, args.model, prefix, device=setup.device, dtype=setup.dtype if dtype is None else dtype,
+                        load_format=args.load_format, ignore=ignore)
+    serving_layout(model, setup.device)
+    return model
+
+
+def serve_stage(args, stage: str, build: Callable[[Any], StageServicer],
+                add_to_server: Callable[[Any, grpc.aio.Server], None], service_name: str) -> None:
+    """`voxpipe STAGE`: tracing (service voxpipe-STAGE), the servicer of `build(args)`, served by
+    `run_server` until SIGTERM (run_async: uvloop when installed, a device failure exits non-zero);
+    "STAGE ready on port N" is printed once it serves."""
+    tracing.setup_tracing(f"voxpipe-{stage}")
+    servicer = build(args)
+    run_async(run_server(servicer, add_to_server, service_name, servicer.opts,
+                         ready=lambda port: print(f"{stage} ready on port {port}", flush=True)))

@@ -17,14 +17,12 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
-from ..runtime.layers import serving_layout
 from ..runtime.sampling import MAX_ROW_VALUE, SamplingParams, check_features
 from ..runtime.outputs import Finished, FirstOutput, FramesOut, Routed
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, finished_proto, frames_proto,
-                             run_async, run_server, server_options)
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, frames_proto, load_stage_model,
+                              serve_stage, stage_setup)
 from ..runtime.tensors import TensorError, from_proto
-from ..runtime.tracing import annotate, setup_tracing, traced_rpc
-from ..runtime.weights import load_module, resolve_device, resolve_dtype
+from ..runtime.tracing import annotate, traced_rpc
 from .engine import DEFAULT_TEXT_CAP, TalkerEngine, TalkerJob
 from .model import TalkerModel
 from .relay import Code2WavRelay
@@ -151,20 +149,14 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
 
 
 def build(args) -> TalkerServicer:
-    opts, tls = server_options(args), client_tls(args)      # bad flags fail before the weights load
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    if args.gpu_memory_fraction and device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction, device)
+    setup = stage_setup(args)      # bad flags fail before the weights load
     cfg = OmniConfig.load(args.model)
-    model = load_module(lambda: TalkerModel(cfg.talker), args.model, "talker.", device=device, dtype=dtype,
-                        load_format=args.load_format)
-    serving_layout(model, device)
-    engine = TalkerEngine(model, cfg.talker, device=device, max_active=args.max_batch, max_len=args.max_len,
+    model = load_stage_model(args, setup, lambda: TalkerModel(cfg.talker), "talker.")
+    engine = TalkerEngine(model, cfg.talker, device=setup.device, max_active=args.max_batch, max_len=args.max_len,
                           cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback)
-    code2wav = NextStage("code2wav", args.code2wav, max_message_bytes=opts.max_message_bytes,
-                         tls=tls) if args.code2wav else None
-    return TalkerServicer(engine, opts, cfg, code2wav)
+    code2wav = NextStage("code2wav", args.code2wav, max_message_bytes=setup.opts.max_message_bytes,
+                         tls=setup.tls) if args.code2wav else None
+    return TalkerServicer(engine, setup.opts, cfg, code2wav)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,7 +167,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> None:
-    setup_tracing("voxpipe-talker")
-    servicer = build(args)
-    run_async(run_server(servicer, pb_grpc.add_TalkerServicer_to_server, "voxpipe.v1.Talker", servicer.opts,
-                         ready=lambda port: print(f"talker ready on port {port}", flush=True)))
+    serve_stage(args, "talker", build, pb_grpc.add_TalkerServicer_to_server, "voxpipe.v1.Talker")

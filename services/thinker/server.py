@@ -18,14 +18,12 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
-from ..runtime.layers import serving_layout
 from ..runtime.sampling import SamplingParams, check_audio_features
 from ..runtime.outputs import Finished
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, client_tls, finished_proto, run_async,
-                             run_server, server_options)
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, load_stage_model, serve_stage,
+                              stage_setup)
 from ..runtime.tensors import TensorError, concat_rows, from_proto
-from ..runtime.tracing import setup_tracing, traced_rpc
-from ..runtime.weights import load_module, resolve_device, resolve_dtype
+from ..runtime.tracing import traced_rpc
 from .engine import ForcedReply, ThinkerEngine, ThinkerJob, assistant_head_index
 from .model import ThinkerModel, audio_output_length
 from .output import stop_strings_problem, top_logprobs_problem
@@ -193,23 +191,17 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
 
 
 def build(args) -> tuple[ThinkerServicer, OmniConfig]:
-    opts, tls = server_options(args), client_tls(args)      # bad flags fail before the weights load
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    if args.gpu_memory_fraction and device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction, device)
+    setup = stage_setup(args)      # bad flags fail before the weights load
     if args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     cfg = OmniConfig.load(args.model)
-    model = load_module(lambda: ThinkerModel(cfg.thinker), args.model, "thinker.", device=device, dtype=dtype,
-                        load_format=args.load_format, ignore=("visual.",))
-    serving_layout(model, device)
-    engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=device, max_active=args.max_batch,
-                           max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
+    model = load_stage_model(args, setup, lambda: ThinkerModel(cfg.thinker), "thinker.", ignore=("visual.",))
+    engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=setup.device,
+                           max_active=args.max_batch, max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
                            cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk, eager_fallback=args.eager_fallback)
-    talker = NextStage("talker", args.talker, max_message_bytes=opts.max_message_bytes,
-                       tls=tls) if args.talker else None
-    return ThinkerServicer(engine, opts, engine.tokenizer, cfg, talker), cfg
+    talker = NextStage("talker", args.talker, max_message_bytes=setup.opts.max_message_bytes,
+                       tls=setup.tls) if args.talker else None
+    return ThinkerServicer(engine, setup.opts, engine.tokenizer, cfg, talker), cfg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -223,7 +215,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> None:
-    setup_tracing("voxpipe-thinker")
-    servicer, _ = build(args)
-    run_async(run_server(servicer, pb_grpc.add_ThinkerServicer_to_server, "voxpipe.v1.Thinker",
-                           servicer.opts, ready=lambda port: print(f"thinker ready on port {port}", flush=True)))
+    serve_stage(args, "thinker", lambda a: build(a)[0], pb_grpc.add_ThinkerServicer_to_server, "voxpipe.v1.Thinker")
