@@ -8,7 +8,7 @@ to the audio delivered (`conversation.item.truncated`): the item's transcript th
 the text spoken in that audio (ItemContent.align: the same audio time per text token).
 
 What a run uses of its session is all in the ResponseContext it is given (the connection makes
-it); it holds no reference to the connection, its outbox or its conversation:
+it): these values and callbacks, never the connection, its outbox or its conversation themselves:
 
 - `generation`: the gateway's rendering and pipeline (generation.Generation);
 - `conversation_id`: the session's, for the `response` objects of in-conversation runs;
@@ -17,8 +17,8 @@ it); it holds no reference to the connection, its outbox or its conversation:
   written to the socket;
 - `insert_item(item)`: append the reply's item to the conversation (not for out-of-band runs);
   returns the id of the item before it;
-- `has_item(item_id)`: whether an item is still in the conversation (a cancelled reply's item the
-  client deleted meanwhile is not truncated);
+- `has_item(item_id)`: whether an item is still in the conversation (a cancelled reply whose item
+  is gone sends no `conversation.item.truncated`);
 - `withdraw_audio(response_id)`: drop the response's audio deltas still queued; returns the samples
   of its delta being written at that moment, which still reach the client.
 
