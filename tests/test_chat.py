@@ -23,7 +23,7 @@ import torch
 
 from oracle import load_reference_model
 from conftest import install_node_package
-from voxpipe.client import PipelineClient, SpeechRequest, TextEvent
+from voxpipe.client import PipelineClient, SpeechRequest
 from voxpipe.services.thinker.output import IncrementalDetokenizer, ReplyText
 from voxpipe.services.thinker.prompt import ChatMessage, render
 from voxpipe.v1 import stages_pb2 as pb

@@ -19,7 +19,7 @@ import openai
 import pytest
 import soundfile
 
-from conftest import STAGES, GatewayProcess, free_port, start_chain
+from conftest import STAGES, GatewayProcess, start_chain
 from voxpipe.audio import resample
 from voxpipe.client import AudioEvent, PipelineClient, SpeechRequest, TextEvent
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render

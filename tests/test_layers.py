@@ -17,7 +17,7 @@ import torch
 from oracle import load_reference_model
 from voxpipe.services.code2wav.model import Code2WavModel, StreamStore
 from voxpipe.services.runtime.config import OmniConfig
-from voxpipe.services.runtime.kv_cache import GrowingCache, ShortCache, SlidingWindowCache, SlotKVCache, SlotStep
+from voxpipe.services.runtime.kv_cache import GrowingCache, ShortCache, SlotKVCache, SlotStep
 from voxpipe.services.runtime.layers import RMSNorm, RotaryEmbedding
 from voxpipe.services.runtime.weights import load_module
 from voxpipe.services.talker.model import TalkerModel

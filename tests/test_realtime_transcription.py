@@ -14,7 +14,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from conftest import GatewayProcess, free_port
-from test_realtime import (MANUAL, RATE, SERVER_VAD, decoded, of, pcm16_base64, realtime, run, speech, stream_audio,
+from test_realtime import (MANUAL, RATE, decoded, of, pcm16_base64, realtime, run, speech, stream_audio,
                            text_turn, user_text)
 from voxpipe.audio import resample
 from voxpipe.client import DoneEvent, PipelineClient, SpeechRequest, TextEvent

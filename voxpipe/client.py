@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from voxpipe.services.runtime import tracing
-from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer
+from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica
 from voxpipe.services.runtime.calls import failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
