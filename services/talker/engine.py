@@ -7,67 +7,18 @@ them, then each frame out as soon as it exists (a FramesOut).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
-
-from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime import metrics
 from ..runtime.config import TalkerConfig
-from ..runtime.engine import EngineRequest, StageEngine
+from ..runtime.engine import StageEngine
 from ..runtime.outputs import Finished, FinishReason, FramesOut
-from ..runtime.sampling import SamplingParams
+from .job import DEFAULT_TEXT_CAP, TalkerJob
 from .model import TalkerModel
 from .runner import Frames, TalkerRunner
-from .scheduler import PROMPT_TAIL, TalkerScheduler, TextRow, text_row
+from .scheduler import TalkerScheduler
 
-# The default bound on a spoken reply from its text (TalkerStart.text_cap unset): 10 frames
-# (0.8 s) per text row plus 25 (2 s). Speech takes about 3 to 5 frames per token, so this ends
-# only a reply that would not end by itself (a talker that never emits its codec EOS).
-DEFAULT_TEXT_CAP = (10, 25)
-
-
-@dataclass
-class TalkerJob(EngineRequest):
-    user_rows: torch.Tensor | None = None       # [U, thinker_hidden]
-    user_mm_mask: torch.Tensor | None = None    # [U] bool
-    head: torch.Tensor | None = None            # [3, thinker_hidden]
-    special: torch.Tensor | None = None         # [3, thinker_hidden]: tts_bos, tts_eos, tts_pad
-    speaker_id: int = 0
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_frames: int = 0
-    min_frames: int = 0
-    text_cap: tuple[int, int] = DEFAULT_TEXT_CAP   # (frames per text row, base frames): see frame_cap
-    code2wav: pb.Code2WavParams | None = None   # frames continue in a code2wav (see relay.py)
-    rows: list[torch.Tensor] = field(default_factory=list)   # thinker-space text rows [H] in order
-    text_done: bool = False
-    slot: int | None = None
-    prompt_len: int = 0
-    codes0: list[int] = field(default_factory=list)
-    pending: torch.Tensor | None = None         # next input without its text row [Hk]
-    generator: torch.Generator | None = None
-    frames_sent: int = 0
-
-    def frame_cap(self) -> int:
-        """The most frames to speak by the text (TalkerStart.text_cap) once it has ended, never below
-        min_frames; while text still comes, no bound of its own (the talker trails the text rows then)."""
-        if not self.text_done:
-            return self.max_frames
-        per_token, base = self.text_cap
-        return max(per_token * len(self.rows) + base, self.min_frames)
-
-    @property
-    def prompt_rows(self) -> int:
-        """Rows of its talker prompt: the user turns, then PROMPT_TAIL."""
-        return self.user_rows.shape[0] + PROMPT_TAIL
-
-    def next_text_row(self) -> torch.Tensor:
-        """The thinker-space text row of its next step (the step that makes frame len(codes0))."""
-        state = text_row(len(self.rows), self.text_done, len(self.codes0))
-        if state == TextRow.ROW:
-            return self.rows[len(self.codes0)]
-        return self.special[1] if state == TextRow.EOS else self.special[2]
+__all__ = ["DEFAULT_TEXT_CAP", "TalkerEngine", "TalkerJob"]   # the job and its default cap: job.py
 
 
 class TalkerEngine(StageEngine):

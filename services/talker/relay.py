@@ -22,7 +22,7 @@ from ..runtime.downstream import Downstream, DownstreamFailed, NextStage
 from ..runtime.engine import StageError
 from ..runtime.outputs import Finished, FinishReason, FirstOutput, FramesOut, Routed
 from ..runtime.server import frames_proto
-from .engine import TalkerJob
+from .job import TalkerJob
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ exactly their greedy codes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,10 +21,8 @@ from ..runtime.config import TalkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime.kv_cache import SlotKVCache
 from ..runtime.sampling import RowSampling, SamplingParams, exponential_noise, finite_rows, sample_rows
+from .job import TalkerJob
 from .model import TalkerModel
-
-if TYPE_CHECKING:
-    from .engine import TalkerJob
 
 # transformers samples the code predictor with these whenever the talker samples
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)

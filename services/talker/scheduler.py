@@ -40,7 +40,7 @@ class Reader(Protocol):
 
 
 class Speech(Protocol):
-    """What the scheduler reads of a request (services.talker.engine.TalkerJob)."""
+    """What the scheduler reads of a request (services.talker.job.TalkerJob)."""
 
     rows: Sequence[object]       # thinker text rows so far
     text_done: bool              # no more rows will come

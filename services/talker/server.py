@@ -23,7 +23,8 @@ from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finishe
                               serve_stage, stage_setup)
 from ..runtime.tensors import TensorError, from_proto
 from ..runtime.tracing import annotate, traced_rpc
-from .engine import DEFAULT_TEXT_CAP, TalkerEngine, TalkerJob
+from .engine import TalkerEngine
+from .job import DEFAULT_TEXT_CAP, TalkerJob
 from .model import TalkerModel
 from .relay import Code2WavRelay
 from .scheduler import PROMPT_TAIL
