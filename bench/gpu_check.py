@@ -49,7 +49,7 @@ def main() -> int:
         """Batched graphed prefill of `prompts` ([L, H] each) into slots 0..n-1 (3 prompts: a padding
         row on the scratch KV row), then one eager decode step; the same with one eager prefill per
         prompt: logits of both must agree. `engine`: what holds the prefill graphs and the KV cache
-        (the thinker's engine, the talker's runner)."""
+        (each stage's runner)."""
         n = len(prompts)
         lens = torch.tensor([p.shape[0] for p in prompts], device=dev)
         slots = torch.arange(n, device=dev)
@@ -166,7 +166,7 @@ def main() -> int:
                                                 dtype=torch.bfloat16, load_format="dummy"), dev)
     tok = ChatMLByteTokenizer(cfg.thinker, cfg.role_ids)
     th = ThinkerEngine(thinker, cfg.thinker, tok, device=dev, max_active=8, max_len=1024,
-                       eos_ids=(cfg.thinker.tokens.im_end,), cuda_graphs=True)
+                       eos_ids=(cfg.thinker.tokens.im_end,), cuda_graphs=True).runner   # cache, graphs, step functions
     for _ in range(4):
         th.cache.allocate(Owner())
     step_ids = torch.randint(1000, 100000, (4, 1), device=dev)

@@ -101,14 +101,15 @@ def test_a_graph_that_cannot_be_captured_stops_the_start_unless_eager_fallback(t
         def __init__(self, *args, **kwargs) -> None:
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    for module in ("thinker.engine", "talker.runner", "code2wav.runner"):     # where each stage captures
+    for module in ("thinker.runner", "talker.runner", "code2wav.runner"):     # where each stage captures
         monkeypatch.setattr(f"voxpipe.services.{module}.GraphedStep", Uncapturable)
     argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"]
     with pytest.raises(cuda_graphs.GraphCaptureError, match="CUDA graph capture failed.*--eager-fallback"):
         InProcessPipeline.from_argv(argv)
     pipe = InProcessPipeline.from_argv(argv + ["--eager-fallback"])
     try:
-        assert pipe.thinker.engine.graphs is None and pipe.thinker.engine.prefill_graphs is None
+        thinker = pipe.thinker.engine.runner
+        assert thinker.graphs is None and thinker.prefill_graphs is None
         talker, code2wav = pipe.talker.engine.runner, pipe.code2wav.engine.runner
         assert talker.step_graphs is None and talker.predictor_graphs is None
         assert code2wav.graphs is None and code2wav.first_graphs is None

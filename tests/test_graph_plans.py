@@ -28,10 +28,11 @@ def test_graph_plans_equal_eager_engines(tiny_model_dir, tokenizer, omni_config,
     eager = _pipeline(tiny_model_dir, False, monkeypatch)
     graphed = _pipeline(tiny_model_dir, True, monkeypatch)
     try:
-        assert eager.thinker.engine.graphs is None and eager.code2wav.engine.runner.graphs is None
-        assert graphed.thinker.engine.graphs and graphed.talker.engine.runner.step_graphs
+        assert eager.thinker.engine.runner.graphs is None and eager.code2wav.engine.runner.graphs is None
+        assert graphed.thinker.engine.runner.graphs and graphed.talker.engine.runner.step_graphs
         assert graphed.code2wav.engine.runner.graphs
-        assert graphed.thinker.engine.prefill_graphs.emulated and graphed.talker.engine.runner.predictor_graphs.emulated
+        assert graphed.thinker.engine.runner.prefill_graphs.emulated
+        assert graphed.talker.engine.runner.predictor_graphs.emulated
         # different prompt lengths; one longer than --prefill-chunk (chunked, then decoded in the graphs)
         texts = PROMPTS + ["Please describe, in some detail, how a lighthouse lens focuses its light at night."]
         reqs = [_request(tokenizer, omni_config, t, i) for i, t in enumerate(texts)]
@@ -80,7 +81,7 @@ def test_padded_prefill_rows_write_only_the_scratch_slot(tiny_model_dir, monkeyp
     and no sequence's slot, and the 3 prompts' logits equal one eager prefill each."""
     pipe = _pipeline(tiny_model_dir, True, monkeypatch)
     try:
-        eng = pipe.thinker.engine
+        eng = pipe.thinker.engine.runner     # its KV cache, graphs and step functions
         class Owner:
             slot = None
         slots = [eng.cache.allocate(Owner()) for _ in range(3)]

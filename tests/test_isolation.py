@@ -44,8 +44,7 @@ def _build(stage: str, model_dir, graphs: bool):
         cuda_graphs.EMULATE = emulate
     engine = (built[0] if stage == "thinker" else built).engine
     if graphs:
-        plans = getattr(engine, "runner", engine)     # the thinker's engine holds its graphs itself
-        assert getattr(plans, "graphs", None) or getattr(plans, "step_graphs", None)
+        assert getattr(engine.runner, "graphs", None) or getattr(engine.runner, "step_graphs", None)
     return engine
 
 
@@ -188,7 +187,7 @@ def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
         await _assert_poisoned(penalty, "thinker")
         await _assert_poisoned(features, "thinker")
         assert [await _thinker_output(j) for j in together] == solo
-        assert engine.cache.used == 0
+        assert engine.runner.cache.used == 0
         # a long poisoned prompt alone in slot 0 (its KV rows NaN), then the innocents together: the
         # shortest in slot 0 attends under a False mask to positions the poisoned one wrote (0 * NaN
         # is NaN): the slot was scrubbed, no trace

@@ -1,4 +1,4 @@
-"""The code2wav and talker schedulers on their own: synthetic requests, no model, no tensors, no
+"""The code2wav, talker and thinker schedulers on their own: synthetic requests, no model, no tensors, no
 torch import. Each test steps a scheduler as its engine does (admitted requests start running,
 finished ones leave, a decoded step's frames are consumed and counted) and checks its decisions
 step by step."""
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from voxpipe.services.code2wav.scheduler import MAX_FRAMES_PER_STEP, Code2WavScheduler
 from voxpipe.services.talker.scheduler import PROMPT_TAIL, TalkerScheduler, TextRow, text_row
+from voxpipe.services.thinker.scheduler import ThinkerScheduler
 
 
 @dataclass(eq=False)
@@ -281,3 +282,150 @@ def test_talker_text_that_ended_before_a_usable_row_finishes_at_once():
     stage.waiting += [nothing, one, speaks]
     assert stage.step() == ([], [])
     assert stage.finished == ["nothing", "one"] and stage.waiting == [speaks]
+
+
+# ---------------------------------------------------------------------------------------------- thinker
+
+
+@dataclass(eq=False)
+class Reply:
+    name: str
+    prompt_tokens: int = 10
+    max_tokens: int = 100
+    prompt: list[int] = field(init=False)
+    generated: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    outbox: Reader = field(default_factory=Reader)
+
+    def __post_init__(self) -> None:
+        self.prompt = list(range(self.prompt_tokens))
+
+
+class ThinkerStage:
+    """The engine's bookkeeping around ThinkerScheduler, with `slots` KV slots: admitted requests
+    start running, a chunk advances `prefilled`, a prefill that ends makes the first token, each
+    decoded request makes its next token, a request that reached max_tokens finishes."""
+
+    def __init__(self, slots: int, prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_chunk: int = 16) -> None:
+        self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk)
+        self.slots = slots
+        self.waiting: list[Reply] = []
+        self.running: list[Reply] = []
+        self.finished: list[str] = []
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work(self.waiting, self.running, self.slots - len(self.running))
+
+    def step(self) -> dict[str, object]:
+        """One step: the names admitted, the chunk run (name, start, length), the names prefilled
+        together and the names decoded (in the schedule's order)."""
+        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running))
+        for r in plan.admitted:
+            self.waiting.remove(r)
+            self.running.append(r)
+        chunk = None
+        if plan.chunk is not None:
+            r = plan.chunk.request
+            chunk = (r.name, plan.chunk.start, plan.chunk.length)
+            r.prefilled = plan.chunk.start + plan.chunk.length
+            if plan.chunk.last:
+                self._token(r)
+        for r in plan.prefill:
+            r.prefilled = len(r.prompt)
+            self._token(r)
+        decoded = [r for r in plan.decode if r in self.running]   # the engine leaves out the finished
+        for r in decoded:
+            self._token(r)
+        return {"admitted": [r.name for r in plan.admitted], "chunk": chunk,
+                "prefill": [r.name for r in plan.prefill], "decode": [r.name for r in decoded]}
+
+    def _token(self, r: Reply) -> None:
+        r.generated.append(7)
+        if len(r.generated) >= r.max_tokens:
+            self.running.remove(r)
+            self.finished.append(r.name)
+
+
+def test_thinker_admits_in_arrival_order_within_the_batch_and_the_free_slots():
+    stage = ThinkerStage(slots=3, prefill_batch=2)
+    stage.waiting += [Reply(n) for n in "abcde"]
+    assert stage.step() == {"admitted": ["a", "b"], "chunk": None, "prefill": ["a", "b"], "decode": ["a", "b"]}
+    # prefilled and decoded in one step: a first token from the prefill, the second from the decode
+    assert [len(r.generated) for r in stage.running] == [2, 2]
+    assert stage.step() == {"admitted": ["c"], "chunk": None, "prefill": ["c"], "decode": ["a", "b", "c"]}
+    assert stage.step()["admitted"] == [] and [r.name for r in stage.waiting] == ["d", "e"]
+    stage.running.remove(stage.running[1])           # b leaves: its slot goes to d, the first waiting
+    assert stage.step() == {"admitted": ["d"], "chunk": None, "prefill": ["d"], "decode": ["a", "c", "d"]}
+
+
+def test_thinker_prefill_keeps_the_padded_tokens_within_the_budget():
+    stage = ThinkerStage(slots=8, prefill_tokens=3 * 12, prefill_chunk=64)
+    stage.waiting += [Reply(f"p{n}", prompt_tokens=n) for n in (4, 12, 9, 2, 10)]
+    # 4, 12, 9 fit (3 x 12 tokens padded); adding 2 would make 4 x 12; then 2 and 10 fit together
+    assert stage.step()["prefill"] == ["p4", "p12", "p9"]
+    assert stage.step()["prefill"] == ["p2", "p10"]
+    stage.waiting += [Reply("huge", prompt_tokens=50), Reply("small", prompt_tokens=3)]
+    assert stage.step()["prefill"] == ["huge"]       # one prompt always fits, alone
+    assert stage.step()["prefill"] == ["small"]
+
+
+def test_thinker_chunks_a_long_prompt_one_at_a_time_without_holding_up_short_ones():
+    stage = ThinkerStage(slots=4, prefill_chunk=16)
+    long1, long2 = Reply("long1", prompt_tokens=40), Reply("long2", prompt_tokens=20)
+    short1, short2 = Reply("short1", prompt_tokens=16), Reply("short2", prompt_tokens=5)
+    stage.waiting += [long1, long2, short1, short2]
+    # long1 takes a slot before the short ones and runs its first chunk; long2 waits for it, the
+    # short prompts behind long2 do not (16 tokens is not long: prefilled whole)
+    assert stage.step() == {"admitted": ["long1", "short1", "short2"], "chunk": ("long1", 0, 16),
+                            "prefill": ["short1", "short2"], "decode": ["short1", "short2"]}
+    assert stage.step() == {"admitted": [], "chunk": ("long1", 16, 16), "prefill": [], "decode": ["short1", "short2"]}
+    assert not long1.generated and [r.name for r in stage.waiting] == ["long2"]
+    # the last chunk (8 tokens) makes long1's first token; it decodes in the same step
+    assert stage.step() == {"admitted": [], "chunk": ("long1", 32, 8), "prefill": [],
+                            "decode": ["short1", "short2", "long1"]}
+    assert len(long1.generated) == 2 and long1.prefilled == 40
+    # long2 is admitted once no chunked prefill runs, and starts at once; the running decode in
+    # the order they were admitted
+    assert stage.step() == {"admitted": ["long2"], "chunk": ("long2", 0, 16), "prefill": [],
+                            "decode": ["long1", "short1", "short2"]}
+    assert stage.step()["chunk"] == ("long2", 16, 4)
+    assert stage.step()["chunk"] is None and not stage.waiting
+
+
+def test_thinker_a_long_prompt_takes_a_free_slot_in_arrival_order():
+    stage = ThinkerStage(slots=2, prefill_chunk=8)
+    busy = Reply("busy", prompt_tokens=5)
+    stage.waiting.append(busy)
+    stage.step()
+    stage.waiting += [Reply("long", prompt_tokens=20), Reply("short", prompt_tokens=5)]
+    assert stage.step() == {"admitted": ["long"], "chunk": ("long", 0, 8), "prefill": [], "decode": ["busy"]}
+    assert stage.step() == {"admitted": [], "chunk": ("long", 8, 8), "prefill": [], "decode": ["busy"]}
+    stage.running.remove(busy)                       # a slot for short: prefilled beside long's last chunk
+    assert stage.step() == {"admitted": ["short"], "chunk": ("long", 16, 4), "prefill": ["short"],
+                            "decode": ["long", "short"]}
+
+
+def test_thinker_a_saturated_outbox_sits_out_of_decode():
+    stage = ThinkerStage(slots=4)
+    a, b = Reply("a"), Reply("b")
+    stage.waiting += [a, b]
+    stage.step()
+    a.outbox.saturated = True
+    assert stage.step()["decode"] == ["b"]
+    assert len(a.generated) == 2 and len(b.generated) == 3   # a's state unchanged while it sits out
+    b.outbox.saturated = True
+    assert not stage.has_work()                      # no reader keeps up, nothing waits
+    stage.waiting.append(Reply("c"))
+    assert stage.has_work()                          # a waiting request and a free slot
+    assert stage.step() == {"admitted": ["c"], "chunk": None, "prefill": ["c"], "decode": ["c"]}
+    a.outbox.saturated = False
+    assert stage.step()["decode"] == ["a", "c"]
+
+
+def test_thinker_a_request_finished_by_its_first_token_does_not_decode():
+    stage = ThinkerStage(slots=2)
+    one, more = Reply("one", max_tokens=1), Reply("more")
+    stage.waiting += [one, more]
+    assert stage.step() == {"admitted": ["one", "more"], "chunk": None, "prefill": ["one", "more"],
+                            "decode": ["more"]}
+    assert stage.finished == ["one"] and len(more.generated) == 2

@@ -345,7 +345,7 @@ def test_thinker_ignores_the_vision_tower(tmp_path, tiny_cfg, tiny_model_dir, ti
     args = parser.parse_args(["--model", str(tiny_model_dir), "--device", "cpu", "--max-len", "64",
                               "--max-batch", "1"])
     servicer, _ = thinker_server.build(args)
-    assert_same_state(servicer.engine.model.state_dict(), module.state_dict())
+    assert_same_state(servicer.engine.runner.model.state_dict(), module.state_dict())
 
 
 # ---------------------------------------------------------------------------------------------- bad checkpoints

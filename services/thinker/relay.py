@@ -18,7 +18,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from ..runtime.downstream import Downstream, DownstreamFailed, NextStage
 from ..runtime.engine import StageError
 from ..runtime.outputs import Finished
-from .engine import ThinkerJob
+from .job import ThinkerJob
 
 log = logging.getLogger(__name__)
 

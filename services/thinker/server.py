@@ -24,7 +24,8 @@ from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finishe
                               stage_setup)
 from ..runtime.tensors import TensorError, concat_rows, from_proto
 from ..runtime.tracing import traced_rpc
-from .engine import ForcedReply, ThinkerEngine, ThinkerJob, assistant_head_index
+from .engine import ThinkerEngine, assistant_head_index
+from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
 from .output import stop_strings_problem, top_logprobs_problem
 from .prompt import encode_text, load_tokenizer, render, user_turn

@@ -1,0 +1,283 @@
+"""Thinker model runner: the thinker on its device, its KV slots, CUDA graphs and sampling.
+
+A step's forwards: the next chunk of a long prompt (eager, attending to the prompt's cached part),
+one right-padded prefill of the short prompts admitted now (a CUDA graph per (batch, length)
+bucket; eager when the talker needs a hidden layer of an audio prompt, or past the graphs'
+lengths), and one decode forward over every slot 0..n-1 (dense, graph-friendly). `sample` picks
+every row's token at once (runtime/sampling.py: `sample_rows`, each sampled row's noise from its
+own generator) with one host read, and looks up the log probabilities and talker rows asked for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from voxpipe.v1 import stages_pb2 as pb
+
+from ..runtime.config import ThinkerConfig
+from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
+from ..runtime.kv_cache import SlotKVCache, SlotStep
+from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
+from ..runtime.tensors import to_proto
+from .job import ThinkerJob
+from .model import ThinkerModel
+from .output import TokenBytes
+
+
+def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
+                  special: torch.Tensor) -> pb.TalkerPrompt:
+    """What the talker needs from a prompt (transformers' `_get_talker_user_parts` / assistant parts):
+    rows of user turns (role = the token after the latest <|im_start|>), the assistant head, any
+    prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H]."""
+    tok = cfg.tokens
+    p = ids.shape[0]
+    pos = torch.arange(p)
+    starts = torch.where(ids == tok.im_start, pos, torch.full_like(pos, -1))
+    prev_start = torch.cummax(starts, 0).values.clamp_min(0)
+    role = ids[(prev_start + 1).clamp_max(p - 1)]
+    user = role == tok.user
+    mm = (ids == tok.audio_token) | (ids == tok.image_token) | (ids == tok.video_token)
+    rows = embeds[user]
+    user_mm = mm[user]
+    if bool(user_mm.any()):
+        rows = rows.clone()
+        rows[user_mm] = hidden[user][user_mm]
+    head = torch.nonzero((ids[:-1] == tok.im_start) & (ids[1:] == tok.assistant)).flatten()
+    start = int(head[-1])
+    return pb.TalkerPrompt(
+        user_rows=to_proto(rows), user_mm_mask=to_proto(user_mm), user_token_ids=to_proto(ids[user]),
+        assistant_head=to_proto(embeds[start:start + 3]), assistant_prefix=to_proto(embeds[start + 3:]),
+        tts_special=to_proto(special))
+
+
+@dataclass
+class Prefilled:
+    """Prompts whose prefill ended: their logits at the last prompt position, and their talker prompts."""
+
+    logits: torch.Tensor                        # [n, V]
+    prompts: list[pb.TalkerPrompt | None]       # per request: what the talker needs (talker_rows), else None
+
+
+@dataclass
+class Sampled:
+    """A step's tokens, row by row."""
+
+    tokens: list[int]                           # -1: the row's logits were not finite (its request fails)
+    logprobs: dict[int, pb.TokenLogprob]        # by row: the rows that asked for log probabilities
+    rows: list[torch.Tensor | None]             # the token's talker row [H] on the host (talker_rows), else None
+
+
+class ThinkerRunner:
+    def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, tokenizer, *, device: torch.device, max_active: int,
+                 max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True, prefill_batch: int = 8,
+                 prefill_graph_len: int = 512, eager_fallback: bool = False) -> None:
+        """Prompts up to `prefill_graph_len` tokens, `prefill_batch` at a time, replay CUDA graphs."""
+        self.model, self.cfg, self.device = model, cfg, device
+        self.prefill_batch = prefill_batch
+        self.token_bytes = TokenBytes(tokenizer)
+        dtype = next(model.parameters()).dtype
+        t = cfg.text
+        self.cache = SlotKVCache(t.num_layers, max_active, max_len, t.num_kv_heads, t.head_dim, dtype, device)
+        special = torch.tensor([cfg.tokens.tts_bos, cfg.tokens.tts_eos, cfg.tokens.tts_pad], device=device)
+        self.eos = torch.tensor(eos_ids, device=device)
+        with torch.inference_mode():
+            self.tts_special = model.model.embed_tokens(special).cpu()
+            self.graphs = self.prefill_graphs = None
+            if cuda_graphs and graphs_available(device):
+                self._capture(max_active, max_len, min(prefill_graph_len, max_len), eager_fallback)
+
+    def _capture(self, max_active: int, max_len: int, prefill_len: int, eager_fallback: bool) -> None:
+        """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
+        dev, h = self.device, self.cfg.text.hidden_size
+        dtype = self.tts_special.dtype
+        self.graphs = captured("thinker decode", lambda: GraphedStep(
+            self._decode_fn, (torch.zeros(max_active, 1, dtype=torch.long, device=dev),
+                              torch.zeros(max_active, dtype=torch.long, device=dev)),
+            buckets(max_active), buckets(max_len, min(256, max_len)), "thinker decode"), eager_fallback)
+        n = min(self.prefill_batch, max_active)
+        self.prefill_graphs = captured("thinker prefill", lambda: GraphedStep(
+            lambda *args: self._prefill_fn(*args)[:1],
+            (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+             torch.arange(n, dtype=torch.long, device=dev)),
+            buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill",
+            pad=(None, 0, self.cache.scratch)), eager_fallback)   # padding rows write the scratch KV row
+
+    def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, slots: torch.Tensor,
+                    keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prompts [n, >= s, H] (right-padded to s), from position 0, into KV slots [n];
+        logits [n, V] at each prompt's `last` position, and the `keep` hidden layer if asked."""
+        positions = torch.arange(s, device=embeds.device)[None].expand(n, s)
+        return self.model(embeds[:, :s], positions, self.cache.prefill_view(slots, s), keep_hidden=keep, last=last)
+
+    def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor]:
+        """One token for each sequence in slots 0..n-1: ids [n, 1], start [n] (their positions)."""
+        view = self.cache.decode_view(n, kv_len, start)
+        logits, _ = self.model(self.model.model.embed_tokens(ids), start[:, None], view)
+        return (logits,)
+
+    # ---- slots (dense: the requests hold slots 0..used-1)
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots
+
+    def allocate(self, job: ThinkerJob) -> None:
+        job.slot = self.cache.allocate(job)
+
+    def release(self, job: ThinkerJob) -> None:
+        """Free the job's slot (the request in the last slot moves into it) and its prefill state."""
+        job.embeds, job.kept = None, []
+        if job.slot is not None:
+            moved = self.cache.release(job.slot)
+            if moved is not None:
+                moved.slot = job.slot
+            job.slot = None
+
+    def scrub(self, job: ThinkerJob) -> None:
+        """Zero the job's KV slot and the graphs' float inputs, so that nothing its non-finite numbers
+        left on the device reaches a later request (SlotKVCache.scrub)."""
+        if job.slot is not None:
+            self.cache.scrub(job.slot)
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.scrub()
+
+    # ---- forwards
+    def prefill(self, jobs: list[ThinkerJob]) -> Prefilled:
+        """One forward over the jobs' prompts (right-padded), from position 0, into their slots."""
+        dev = self.device
+        ids = [torch.tensor(j.prompt, device=dev) for j in jobs]
+        embeds = [self.model.embed(i, [a.to(dev, torch.float32) for a in j.audio]) for i, j in zip(ids, jobs)]
+        audio = [bool(j.audio) for j in jobs]   # the server checked: features <=> audio placeholders
+        keep = self.cfg.accept_hidden_layer if any(j.talker_rows and a for j, a in zip(jobs, audio)) else None
+        n, s = len(jobs), max(len(j.prompt) for j in jobs)
+        x = torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True)                   # [n, s, H]
+        last = torch.tensor([len(j.prompt) - 1 for j in jobs]).to(dev, non_blocking=True)
+        slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
+        g = self.prefill_graphs
+        if keep is None and g is not None and g.fits(n, s):   # padding rows go to the scratch KV row
+            (logits,), hidden = g(n, s, x, last, slots), None
+        else:
+            logits, hidden = self._prefill_fn(n, s, x, last, slots, keep)
+        prompts = []
+        for b, j in enumerate(jobs):
+            j.generator = j.params.generator(dev)
+            prompt = None
+            if j.talker_rows:
+                p = len(j.prompt)
+                kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
+                prompt = talker_prompt(self.cfg, torch.tensor(j.prompt), embeds[b].cpu(), kept, self.tts_special)
+            prompts.append(prompt)
+        return Prefilled(logits, prompts)
+
+    def prefill_chunk(self, job: ThinkerJob, start: int, length: int) -> Prefilled | None:
+        """Prompt tokens start .. start + length - 1 of a long prompt (eager), attending to the cached
+        part; after its last chunk, what its prefill made (as `prefill`), else None."""
+        dev = self.device
+        if job.embeds is None:   # first chunk: the whole prompt's embeddings, kept until the last chunk
+            ids = torch.tensor(job.prompt, device=dev)
+            job.embeds = self.model.embed(ids, [a.to(dev, torch.float32) for a in job.audio])
+        keep = self.cfg.accept_hidden_layer if job.talker_rows and job.audio else None
+        step = SlotStep.build([job.slot], [start], length, dev)
+        positions = torch.arange(start, start + length, device=dev)[None]
+        logits, hidden = self.model(job.embeds[None, start:start + length], positions, self.cache.bind(step),
+                                    keep_hidden=keep)
+        if hidden is not None:
+            job.kept.append(hidden[0])
+        if start + length < len(job.prompt):
+            return None
+        job.generator = job.params.generator(dev)
+        prompt = None
+        if job.talker_rows:
+            kept = torch.cat(job.kept).cpu() if job.kept else None
+            prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
+        job.embeds, job.kept = None, []
+        return Prefilled(logits, [prompt])
+
+    def decode(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
+        """One decode forward over every slot 0..n-1; `jobs` (each with a token to feed) get logits.
+        Returns them in slot order and their logits [len(jobs), V]. The other slots' rows (a prompt
+        still in chunked prefill, a reader that is behind) are computed with the rest, writing a KV
+        entry that is rewritten before anything attends to it, and dropped."""
+        owners = self.cache.owners[:self.cache.used]
+        n = len(owners)
+        ids = torch.tensor([[j.generated[-1] if j.generated else 0] for j in owners]).to(self.device, non_blocking=True)
+        # a row still in chunked prefill writes where its next chunk starts (that chunk rewrites it)
+        start_list = [len(j.prompt) + len(j.generated) - 1 if j.generated else j.prefilled for j in owners]
+        start = torch.tensor(start_list).to(self.device, non_blocking=True)
+        kv_len = max(start_list) + 1
+        if self.graphs is not None and self.graphs.fits(n, kv_len):
+            (logits,) = self.graphs(n, kv_len, ids, start)
+        else:
+            (logits,) = self._decode_fn(n, kv_len, ids, start)
+        wanted = {id(j) for j in jobs}
+        keep = [i for i, j in enumerate(owners) if id(j) in wanted]
+        if len(keep) < n:
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        return [owners[i] for i in keep], logits
+
+    def forced_rows(self, ids: list[int]) -> torch.Tensor:
+        """The talker rows [len(ids), H] of given tokens (lookups in the embedding table), on the host."""
+        return self.model.model.embed_tokens(torch.tensor(ids, device=self.device)).cpu()
+
+    # ---- sampling
+    def sample(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> Sampled:
+        """Each row's token from logits [n, V] (row i: jobs[i]), its log probabilities (log-softmax
+        of the raw logits, for the rows that asked) and its talker row."""
+        logits = logits.float()
+        asked = [i for i, j in enumerate(jobs) if j.top_logprobs is not None]
+        # before _choose, which may mask EOS in place; only the rows that asked (none: no cost)
+        logprobs = logits[torch.tensor(asked, device=logits.device)].log_softmax(-1) if asked else None
+        tokens = self._choose(jobs, logits)
+        entries = self._logprobs(jobs, tokens, asked, logprobs) if asked else {}
+        kept = [i for i, t in enumerate(tokens) if t >= 0]
+        rows: list[torch.Tensor | None] = [None] * len(jobs)
+        if any(jobs[i].talker_rows for i in kept):
+            embeds = self.model.model.embed_tokens(torch.tensor([tokens[i] for i in kept], device=self.device)).cpu()
+            for r, i in enumerate(kept):
+                if jobs[i].talker_rows:
+                    rows[i] = embeds[r]
+        return Sampled(tokens, entries, rows)
+
+    def _choose(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> list[int]:
+        """Each row's token from logits [n, V] float32, or -1 for a row whose logits are not finite
+        (or overflow once penalised / scaled): the flags ride in the one host read of the ids."""
+        finite = finite_rows(logits)       # [n] bool, before the EOS ban writes -inf
+        ban = [i for i, j in enumerate(jobs) if len(j.generated) < j.min_tokens]
+        if ban:
+            rows = torch.tensor(ban, device=logits.device)
+            logits[rows[:, None], self.eos[None, :]] = float("-inf")
+        if all(j.params.greedy and j.params.repetition_penalty == 1.0 for j in jobs):
+            return torch.where(finite, logits.argmax(-1), -1).tolist()
+        # every row at once (`sample_rows`); a sampled row draws its noise from its own generator
+        for i, j in enumerate(jobs):
+            if j.params.repetition_penalty != 1.0:
+                seen = torch.tensor(j.prompt + j.generated, device=logits.device)
+                logits[i] = apply_repetition_penalty(logits[i], seen, j.params.repetition_penalty)
+        v = logits.shape[1]
+        tokens, ok = sample_rows(logits, RowSampling.of([j.params for j in jobs], v, logits.device),
+                                 exponential_noise([j.generator for j in jobs], v, logits.device))
+        return torch.where(finite & ok, tokens, -1).tolist()
+
+    def _logprobs(self, jobs: list[ThinkerJob], tokens: list[int], asked: list[int],
+                  logprobs: torch.Tensor) -> dict[int, pb.TokenLogprob]:
+        """Each asking row's chosen token's log probability and its top alternatives (log-softmax of
+        the raw logits, `logprobs` [len(asked), V]), by row index; rows whose token failed get none.
+        One host read for all of them."""
+        k = max(jobs[i].top_logprobs for i in asked)
+        chosen = torch.tensor([max(tokens[i], 0) for i in asked], device=logprobs.device)
+        values = logprobs.gather(1, chosen[:, None])
+        if k:
+            top = torch.topk(logprobs, k, dim=-1)
+            values = torch.cat((values, top.values), dim=1)
+            top_ids = top.indices.cpu().tolist()
+        values = values.cpu().tolist()
+        out = {}
+        for r, i in enumerate(asked):
+            if tokens[i] < 0:
+                continue
+            entry = pb.TokenLogprob(token_id=tokens[i], logprob=values[r][0], token=self.token_bytes(tokens[i]))
+            for t, v in zip(top_ids[r][:jobs[i].top_logprobs] if k else [], values[r][1:]):
+                entry.top.add(token_id=t, logprob=v, token=self.token_bytes(t))
+            out[i] = entry
+        return out

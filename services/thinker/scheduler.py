@@ -1,0 +1,95 @@
+"""Thinker scheduler: which waiting requests take a KV slot and are prefilled now, which long prompt
+prefills its next chunk, and which running requests decode. Pure Python (no tensors, no model); the
+engine applies the schedule, the runner computes, the engine's output step decides what a token
+means (EOS, min / max tokens, stop strings).
+
+Short prompts (at most `prefill_chunk` tokens) are prefilled together, right-padded, in arrival
+order: up to `prefill_batch` of them while the padded batch (the longest prompt times the prompts)
+stays within `prefill_tokens` tokens (one prompt always fits) and a slot is free for each. A longer
+prompt takes a slot and is prefilled `prefill_chunk` tokens per step, one such prompt at a time;
+long prompts that wait for it do not hold up the short ones behind them. Every running request
+with a token to feed decodes in every step -- those whose prefill ends in this step too, once the
+prefill made their first token -- except one whose reader is behind (its outbox saturated): it sits
+out, its state unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+class Reader(Protocol):
+    saturated: bool
+
+
+class Request(Protocol):
+    """What the scheduler reads of a request (services.thinker.job.ThinkerJob)."""
+
+    prompt: Sequence[int]
+    generated: Sequence[int]     # tokens made so far: a request decodes once it has one
+    prefilled: int               # prompt tokens in the KV cache (a long prompt: chunk by chunk)
+    outbox: Reader
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The part of a long prompt that a step prefills: tokens start .. start + length - 1."""
+
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def last(self) -> bool:
+        """The prompt's last chunk: the request makes its first token in this step."""
+        return self.start + self.length >= len(self.request.prompt)
+
+
+@dataclass
+class ThinkerSchedule:
+    admitted: list[Request] = field(default_factory=list)   # take a slot now, in this order (a long prompt first)
+    chunk: Chunk | None = None                                # the next chunk of the long prompt in prefill
+    prefill: list[Request] = field(default_factory=list)    # short prompts prefilled together now, in arrival order
+    # requests that decode now: running ones with a token to feed, then those whose prefill ends in this
+    # step (the engine leaves out any that the prefill's first token finished)
+    decode: list[Request] = field(default_factory=list)
+
+
+class ThinkerScheduler:
+    def __init__(self, prefill_batch: int, prefill_tokens: int, prefill_chunk: int) -> None:
+        self.prefill_batch, self.prefill_tokens, self.prefill_chunk = prefill_batch, prefill_tokens, prefill_chunk
+
+    def has_work(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int) -> bool:
+        return any(not r.outbox.saturated for r in running) or (bool(waiting) and free_slots > 0)
+
+    def schedule(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int) -> ThinkerSchedule:
+        plan = ThinkerSchedule(decode=[r for r in running if r.generated and not r.outbox.saturated])
+        chunking = self.chunking(running)
+        free, longest = free_slots, 0
+        for r in waiting:
+            if len(plan.prefill) >= min(self.prefill_batch, free):
+                break
+            if len(r.prompt) > self.prefill_chunk:     # a long prompt: chunked, one at a time
+                if chunking is None and free > len(plan.prefill):
+                    plan.admitted.append(r)
+                    chunking = r
+                    free -= 1
+                continue
+            longest_next = max(longest, len(r.prompt))
+            if plan.prefill and longest_next * (len(plan.prefill) + 1) > self.prefill_tokens:
+                break
+            plan.prefill.append(r)
+            longest = longest_next
+        plan.admitted += plan.prefill
+        if chunking is not None:
+            start = chunking.prefilled
+            plan.chunk = Chunk(chunking, start, min(self.prefill_chunk, len(chunking.prompt) - start))
+            if plan.chunk.last and not chunking.outbox.saturated:
+                plan.decode.append(chunking)
+        plan.decode += [r for r in plan.prefill if not r.outbox.saturated]
+        return plan
+
+    @staticmethod
+    def chunking(running: Sequence[Request]) -> Request | None:
+        """The running request whose prompt is still being prefilled (in chunks; at most one)."""
+        return next((r for r in running if r.prefilled < len(r.prompt)), None)
