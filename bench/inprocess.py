@@ -13,8 +13,9 @@ from voxpipe.client import AudioEvent, DoneEvent, FramesEvent, SpeechRequest, Te
 from voxpipe.services.code2wav import server as code2wav_server
 from voxpipe.services.runtime import metrics
 from voxpipe.services.runtime.engine import StageError
-from voxpipe.services.runtime.outputs import AudioOut, Finished, FramesOut
-from voxpipe.services.runtime.tensors import from_proto, to_proto
+from voxpipe.services.runtime.outputs import AudioOut, Finished, FramesOut, TalkerPromptOut, TextOut
+from voxpipe.services.runtime.server import talker_prompt_proto
+from voxpipe.services.runtime.tensors import to_proto
 from voxpipe.services.talker import server as talker_server
 from voxpipe.services.thinker import server as thinker_server
 from voxpipe.v1 import stages_pb2 as pb
@@ -83,11 +84,10 @@ class InProcessPipeline:
                 if isinstance(item, StageError):
                     raise RuntimeError(f"{tag}: {item}")
                 if tag == "thinker":
-                    item = self.thinker.to_proto(tj, item)     # its outputs are messages already but Finished
-                    kind = item.WhichOneof("kind")
-                    if kind == "talker_prompt":
-                        ts = pb.TalkerStart(request_id=req.request_id, prompt=item.talker_prompt, speaker=req.speaker,
-                                            sampling=req.sampling(), max_frames=req.max_frames, min_frames=req.min_frames)
+                    if isinstance(item, TalkerPromptOut):      # the talker's start message, as the relay sends it
+                        ts = pb.TalkerStart(request_id=req.request_id, prompt=talker_prompt_proto(item),
+                                            speaker=req.speaker, sampling=req.sampling(), max_frames=req.max_frames,
+                                            min_frames=req.min_frames)
                         ta_job = self.talker.make_job(ts)
                         self.talker.engine.submit(ta_job)
                         tasks.append(asyncio.ensure_future(pump(ta_job, "talker")))
@@ -95,12 +95,12 @@ class InProcessPipeline:
                                                              encoding=req.encoding)
                         self.code2wav.engine.submit(cw_job)
                         tasks.append(asyncio.ensure_future(pump(cw_job, "code2wav")))
-                    elif kind == "text":
-                        t = item.text
-                        yield TextEvent(t.index, list(t.token_ids), t.text)
-                        self.talker.engine.add_rows(ta_job, from_proto(t.embeddings))
-                    elif kind == "finished":
-                        text_done, reason_text = True, item.finished.reason
+                    elif isinstance(item, TextOut):
+                        yield TextEvent(item.index, list(item.token_ids), item.text)
+                        if item.rows is not None:
+                            self.talker.engine.add_rows(ta_job, item.rows)
+                    elif isinstance(item, Finished):
+                        text_done, reason_text = True, int(item.reason)
                         self.talker.engine.end_text(ta_job)
                 elif tag == "talker":
                     if isinstance(item, FramesOut):

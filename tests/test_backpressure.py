@@ -79,24 +79,32 @@ def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
     assert talker.merge(frames[0], Finished(FinishReason.STOP)) is None
     assert concat_rows(to_proto(a), to_proto(a.view(16, 1))) is None                 # shapes differ
 
+    from voxpipe.services.runtime.outputs import TextOut, TokenLogprob
     from voxpipe.services.thinker import server as thinker_server
+    from voxpipe.services.thinker.job import ThinkerJob
 
     ns = build_parser().parse_args(["thinker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
     thinker, _ = thinker_server.build(ns)
     rows = torch.randn(3, 8).to(torch.bfloat16)
+    job = ThinkerJob(request_id="t", outbox=None)
+    logprob = TokenLogprob(7, -0.25, ((7, -0.25), (9, -2.0)))
 
-    def text(index: int, ids: list[int], txt: str, emb: torch.Tensor | None) -> pb.ThinkerResponse:
-        delta = pb.TextDelta(index=index, token_ids=ids, text=txt)
-        if emb is not None:
-            delta.embeddings.CopyFrom(to_proto(emb))
-        return pb.ThinkerResponse(text=delta)
+    def text(index: int, ids: list[int], txt: str, emb: torch.Tensor | None, lp=()) -> TextOut:
+        return TextOut(index, tuple(ids), txt, emb, lp)
 
-    merged = thinker.merge(text(4, [7], "He", rows[:1]), text(5, [8, 9], "llo", rows[1:]))
-    assert (merged.text.index, list(merged.text.token_ids), merged.text.text) == (4, [7, 8, 9], "Hello")
-    assert torch.equal(from_proto(merged.text.embeddings), rows)
-    assert thinker.merge(text(4, [7], "a", None), text(5, [8], "b", None)).text.text == "ab"
+    merged = thinker.merge(text(4, [7], "He", rows[:1], (logprob,)), text(5, [8, 9], "llo", rows[1:]))
+    assert (merged.index, merged.token_ids, merged.text, merged.logprobs) == (4, (7, 8, 9), "Hello", (logprob,))
+    assert torch.equal(merged.rows, rows)
+    wire = thinker.to_proto(job, merged).text                                        # as the bytes concatenated
+    assert (wire.index, list(wire.token_ids), wire.text) == (4, [7, 8, 9], "Hello")
+    assert wire.embeddings == concat_rows(to_proto(rows[:1]), to_proto(rows[1:]))
+    assert wire.logprobs[0] == pb.TokenLogprob(token_id=7, logprob=-0.25, token=thinker.token_bytes(7), top=[
+        pb.TopLogprob(token_id=7, logprob=-0.25, token=thinker.token_bytes(7)),
+        pb.TopLogprob(token_id=9, logprob=-2.0, token=thinker.token_bytes(9))]) and len(wire.logprobs) == 1
+    assert thinker.merge(text(4, [7], "a", None), text(5, [8], "b", None)).text == "ab"
     assert thinker.merge(text(4, [7], "a", rows[:1]), text(5, [8], "b", None)) is None   # rows on one side only
     assert thinker.merge(text(4, [7], "a", None), text(6, [8], "b", None)) is None       # a gap
+    assert thinker.merge(text(4, [7], "a", rows[:1]), Finished(FinishReason.STOP)) is None
 
 
 def test_typed_finished_is_the_wire_finished():

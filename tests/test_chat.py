@@ -189,8 +189,7 @@ def test_reply_text_holds_back_what_may_begin_a_stop_string(tokenizer):
         text = "".join(d.text for d in out)
         assert stopped and text == "Hello world, this is a test."[:"Hello world, this is a test.".find(stop)], stop
         assert [t for d in out for t in d.token_ids] == ids[:len([t for d in out for t in d.token_ids])]
-        rows = [float(x) for d in out if d.HasField("embeddings") for x in
-                torch.frombuffer(bytearray(d.embeddings.data), dtype=torch.float32)[::2]]
+        rows = [float(x) for d in out if d.rows is not None for x in d.rows[:, 0]]
         assert rows == [float(k) for k in range(len(rows))]          # rows in order, a prefix
         spoken = len(rows) - 1                                       # the last row is never spoken
         assert len(tokenizer.decode(ids[:spoken])) <= len(text)

@@ -20,7 +20,7 @@ import torch
 
 from voxpipe.cli import build_parser
 from voxpipe.services.runtime.engine import EngineRequest, Outbox, StageEngine, StageError
-from voxpipe.services.runtime.outputs import AudioOut, Finished, FramesOut
+from voxpipe.services.runtime.outputs import AudioOut, Finished, FramesOut, TextOut
 from voxpipe.services.runtime.sampling import GREEDY_BELOW, SamplingParams, check_features, finite_rows, pick
 from voxpipe.services.runtime.tensors import TensorError, to_proto
 from voxpipe.v1 import stages_pb2 as pb
@@ -152,9 +152,9 @@ async def _thinker_output(job) -> tuple[list[int], str, list[bytes]]:
     """Token ids, text and the talker's rows (raw bytes) the job streamed; it must have finished well."""
     items = await _items(job)
     assert isinstance(items[-1], Finished), items[-1]
-    deltas = [i.text for i in items[:-1] if i.WhichOneof("kind") == "text"]
-    return ([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
-            [d.embeddings.data for d in deltas])
+    outs = [i for i in items[:-1] if isinstance(i, TextOut)]
+    return ([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+            [to_proto(o.rows).data for o in outs])
 
 
 INNOCENT_TEXTS = ["Hi.", "Tell me a long story about a lighthouse keeper.", "What is two plus two?"]

@@ -187,18 +187,17 @@ def test_a_long_given_reply_streams_its_tokens_and_rows_in_order(stack, tokenize
 def test_text_deltas_merge_only_up_to_a_bounded_message():
     """A given reply is put out whole at once: waiting deltas travel together, but rows stop merging
     at MERGED_ROWS_MAX_BYTES (a long reply on a wide model is several messages, none over the limit)."""
-    from voxpipe.services.runtime.tensors import to_proto
+    from voxpipe.services.runtime.outputs import TextOut
     from voxpipe.services.thinker.server import MERGED_ROWS_MAX_BYTES, ThinkerServicer
 
     servicer = ThinkerServicer.__new__(ThinkerServicer)       # merge needs no engine
     n = MERGED_ROWS_MAX_BYTES // (2 * 2048 * 4) + 1             # rows of 2048 float32: a bit over half the limit
 
-    def delta(index: int, count: int) -> pb.ThinkerResponse:
-        return pb.ThinkerResponse(text=pb.TextDelta(index=index, token_ids=[7] * count,
-                                                    embeddings=to_proto(torch.zeros(count, 2048))))
+    def delta(index: int, count: int) -> TextOut:
+        return TextOut(index, (7,) * count, "", torch.zeros(count, 2048))
 
     small = servicer.merge(delta(0, 2), delta(2, 3))
-    assert list(small.text.token_ids) == [7] * 5 and list(small.text.embeddings.shape) == [5, 2048]
+    assert small.token_ids == (7,) * 5 and small.rows.shape == (5, 2048)
     assert servicer.merge(delta(0, n), delta(n, n)) is None
 
 

@@ -36,6 +36,44 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability and its most likely alternatives, most likely first (the
+    servicer adds each id's bytes)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()     # (token id, log probability)
+
+
+@dataclass(frozen=True)
+class TextOut:
+    """Consecutive generated tokens of one reply (the thinker's output): ids, text, talker rows."""
+
+    index: int                       # the first token's index among the reply's tokens
+    token_ids: tuple[int, ...]
+    text: str                        # the text that became final with them
+    rows: "torch.Tensor | None" = None   # [n, H] on the host: their talker rows (talker_rows)
+    logprobs: tuple[TokenLogprob, ...] = ()   # one per token, when asked
+
+    @property
+    def count(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class TalkerPromptOut:
+    """What the talker needs from the prompt (the thinker's first output with talker rows; the
+    fields of voxpipe.v1.TalkerPrompt), on the host."""
+
+    user_rows: "torch.Tensor"        # [U, H] text tokens' input embeddings; audio: the accept_hidden_layer rows
+    user_mm_mask: "torch.Tensor"     # [U] bool, true where the row is a multimodal hidden state
+    user_token_ids: "torch.Tensor"   # [U] int64
+    assistant_head: "torch.Tensor"   # [3, H] "<|im_start|>", "assistant", "\n"
+    assistant_prefix: "torch.Tensor"   # [A, H] prompt tokens after the head (usually A = 0)
+    tts_special: "torch.Tensor"      # [3, H] tts_bos, tts_eos, tts_pad
+
+
+@dataclass(frozen=True)
 class FramesOut:
     """Consecutive codec frames of one utterance (the talker's output; code2wav's debug echo of
     the frames it received)."""
@@ -70,3 +108,11 @@ class FirstOutput:
     """`stage` made its first output (a relay's report for the caller)."""
 
     stage: str
+
+
+@dataclass(frozen=True)
+class StageFinished:
+    """The next stage finished its part of the request (a relay's report for the caller)."""
+
+    stage: str
+    finished: Finished

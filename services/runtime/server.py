@@ -30,7 +30,7 @@ from torch import nn
 from voxpipe.v1 import stages_pb2 as pb
 
 from .engine import EngineRequest, StageEngine, StageError
-from .outputs import Finished, FinishReason, FramesOut
+from .outputs import Finished, FinishReason, FramesOut, TalkerPromptOut
 from . import metrics
 from .logs import REQUEST_ID
 from .metrics import serve_metrics
@@ -288,8 +288,23 @@ def finished_proto(finished: Finished) -> pb.Finished:
                        completion_tokens=finished.completion_tokens, samples=finished.samples)
 
 
+def finished_from_proto(msg: pb.Finished) -> Finished:
+    """A next stage's Finished as a typed one (a reason this build does not know: UNSPECIFIED)."""
+    known = msg.reason in FinishReason._value2member_map_
+    return Finished(FinishReason(msg.reason) if known else FinishReason.UNSPECIFIED, prompt_tokens=msg.prompt_tokens,
+                    completion_tokens=msg.completion_tokens, samples=msg.samples)
+
+
 def frames_proto(frames: FramesOut) -> pb.CodecFrames:
     return pb.CodecFrames(index=frames.index, codes=tensor_proto(frames.codes))
+
+
+def talker_prompt_proto(prompt: TalkerPromptOut) -> pb.TalkerPrompt:
+    return pb.TalkerPrompt(user_rows=tensor_proto(prompt.user_rows), user_mm_mask=tensor_proto(prompt.user_mm_mask),
+                           user_token_ids=tensor_proto(prompt.user_token_ids),
+                           assistant_head=tensor_proto(prompt.assistant_head),
+                           assistant_prefix=tensor_proto(prompt.assistant_prefix),
+                           tts_special=tensor_proto(prompt.tts_special))
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_name: str,

@@ -1,8 +1,9 @@
-"""Thinker engine: each step prefills a batch of waiting requests (right-padded prompts, one
-forward), runs the next chunk of a long prompt, then one batched decode step over every running
-request. Emits text deltas, and for audio output the talker's rows. A request whose reply is given
-(ThinkerStart.assistant_text) is prefilled only: its reply goes out whole, as if generated, right
-after its prefill.
+"""Thinker engine: each step runs the next chunk of a long prompt, prefills a batch of waiting
+requests (right-padded prompts, one forward), then one batched decode step over every running
+request. Emits typed outputs (runtime/outputs.py; the servicer builds the messages): with talker
+rows a TalkerPromptOut first, then TextOuts (token ids, text, talker rows, log probabilities), then
+the Finished. A request whose reply is given (ThinkerStart.assistant_text) is prefilled only: its
+reply goes out whole, as if generated, right after its prefill.
 
     step: scheduler (slots, prefill batch and budget, the chunk of a long prompt, rows that decode:
           scheduler.py) -> runner (forwards, CUDA graphs, sampling: runner.py) -> output step here
@@ -15,13 +16,10 @@ import logging
 
 import torch
 
-from voxpipe.v1 import stages_pb2 as pb
-
 from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
 from ..runtime.engine import StageEngine
-from ..runtime.outputs import Finished, FinishReason
-from ..runtime.tensors import to_proto
+from ..runtime.outputs import Finished, FinishReason, TextOut
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel
 from .output import IncrementalDetokenizer, ReplyText
@@ -33,7 +31,7 @@ __all__ = ["ThinkerEngine", "ThinkerJob", "ForcedReply", "IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
-FORCED_DELTA_TOKENS = 64     # a forced reply's tokens per TextDelta (its rows: a bounded message each)
+FORCED_DELTA_TOKENS = 64     # a forced reply's tokens per TextOut (its rows: a bounded message each)
 
 
 def assistant_head_index(cfg: ThinkerConfig, ids: list[int]) -> int | None:
@@ -59,7 +57,7 @@ class ThinkerEngine(StageEngine):
         self.cfg, self.tokenizer, self.device, self.max_len = cfg, tokenizer, device, max_len
         self.eos_ids = eos_ids
         self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk)
-        self.runner = ThinkerRunner(model, cfg, tokenizer, device=device, max_active=max_active, max_len=max_len,
+        self.runner = ThinkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
                                     eos_ids=eos_ids, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback)
 
@@ -103,7 +101,7 @@ class ThinkerEngine(StageEngine):
         for job, prompt in zip(jobs, prefilled.prompts):
             job.text = ReplyText(self.tokenizer, job.stops, job.min_tokens)
             if prompt is not None:
-                job.outbox.put(pb.ThinkerResponse(talker_prompt=prompt))
+                job.outbox.put(prompt)
         sampled = [i for i, j in enumerate(jobs) if j.forced is None]
         for job in jobs:
             if job.forced is not None:
@@ -124,10 +122,8 @@ class ThinkerEngine(StageEngine):
         job.mark_output()
         for start in range(0, len(ids), FORCED_DELTA_TOKENS):
             piece = ids[start:start + FORCED_DELTA_TOKENS]
-            delta = pb.TextDelta(index=start, token_ids=piece, text=job.forced.text if start == 0 else "")
-            if rows is not None:
-                delta.embeddings.CopyFrom(to_proto(rows[start:start + len(piece)]))
-            job.outbox.put(pb.ThinkerResponse(text=delta))
+            job.outbox.put(TextOut(start, tuple(piece), job.forced.text if start == 0 else "",
+                                   None if rows is None else rows[start:start + len(piece)]))
         job.generated.extend(ids)
         self.finish(job, Finished(FinishReason.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids)))
 
@@ -151,7 +147,7 @@ class ThinkerEngine(StageEngine):
             if deltas:
                 job.mark_output()
             for delta in deltas:
-                job.outbox.put(pb.ThinkerResponse(text=delta))
+                job.outbox.put(delta)
             if stopped:
                 reason = FinishReason.STOP
             if reason is not None:

@@ -18,9 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from voxpipe.v1 import stages_pb2 as pb
-
-from ..runtime.tensors import to_proto
+from ..runtime.outputs import TextOut, TokenLogprob
 
 MAX_STOP_STRINGS = 4          # as OpenAI
 MAX_STOP_CHARS = 256
@@ -121,15 +119,15 @@ class Piece:
     token: int
     text: str                                   # the text that became final with it ("" : none yet)
     row: torch.Tensor | None = None             # [H] its talker row (talker_rows)
-    logprob: pb.TokenLogprob | None = None
+    logprob: TokenLogprob | None = None
     end: int | None = None                      # held: where its text ends in the held text
 
 
 @dataclass
 class ReplyText:
-    """A request's generated tokens turned into TextDeltas, stop strings applied (see the module
-    docstring). `push` each token; it returns the deltas to send now and whether a stop string
-    ended the text. Without stop strings every token goes out at once, as its own delta."""
+    """A request's generated tokens turned into TextOuts, stop strings applied (see the module
+    docstring). `push` each token; it returns the outputs to send now and whether a stop string
+    ended the text. Without stop strings every token goes out at once, as its own output."""
 
     tokenizer: object
     stops: tuple[str, ...] = ()
@@ -143,8 +141,8 @@ class ReplyText:
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer)
 
-    def push(self, token: int, row: torch.Tensor | None = None, logprob: pb.TokenLogprob | None = None,
-             last: bool = False) -> tuple[list[pb.TextDelta], bool]:
+    def push(self, token: int, row: torch.Tensor | None = None, logprob: TokenLogprob | None = None,
+             last: bool = False) -> tuple[list[TextOut], bool]:
         """`last`: the generation ends with this token (EOS or max_tokens): nothing is held back."""
         text = self.detok.push(token)
         self.count += 1
@@ -186,7 +184,7 @@ class ReplyText:
                     break
         return longest
 
-    def _release(self, n: int, chars: int) -> list[pb.TextDelta]:
+    def _release(self, n: int, chars: int) -> list[TextOut]:
         pieces, self.held = self.held[:n], self.held[n:]
         text, self.held_text = self.held_text[:chars], self.held_text[chars:]
         for p in self.held:
@@ -194,7 +192,7 @@ class ReplyText:
                 p.end -= chars
         return [self._delta(pieces, text)] if pieces or text else []
 
-    def _stop(self, at: int) -> list[pb.TextDelta]:
+    def _stop(self, at: int) -> list[TextOut]:
         n = 0
         while self.held[n].end is not None and self.held[n].end <= at:
             n += 1
@@ -209,10 +207,9 @@ class ReplyText:
         self.held, self.held_text = [], ""
         return deltas
 
-    def _delta(self, pieces: list[Piece], text: str, rows: bool = True) -> pb.TextDelta:
-        delta = pb.TextDelta(index=self.sent, token_ids=[p.token for p in pieces], text=text)
+    def _delta(self, pieces: list[Piece], text: str, rows: bool = True) -> TextOut:
+        out = TextOut(self.sent, tuple(p.token for p in pieces), text,
+                      torch.stack([p.row for p in pieces]) if rows and pieces and pieces[0].row is not None else None,
+                      tuple(p.logprob for p in pieces if p.logprob is not None))
         self.sent += len(pieces)
-        if rows and pieces and pieces[0].row is not None:
-            delta.embeddings.CopyFrom(to_proto(torch.stack([p.row for p in pieces])))
-        delta.logprobs.extend(p.logprob for p in pieces if p.logprob is not None)
-        return delta
+        return out

@@ -1,14 +1,19 @@
 """A spoken reply's way on from the thinker: its talker inputs go to a talker replica this
 thinker picks; the caller gets the text, where the talker and code2wav run, and the talker's end.
 
-    engine outputs -> TalkerRelay.forward -> caller: TextDelta (no rows), Finished,
-                                             Routed (talker, code2wav), talker_finished
+    engine outputs -> TalkerRelay.forward -> caller: TextOut (no rows), Finished,
+                                             Routed (talker, code2wav), FirstOutput, StageFinished (talker)
                                           -> talker: TalkerStart (prompt), TextRows, TextEnd
+
+It reads the request's outbox items as they are (TalkerPromptOut, TextOut, Finished, and the
+reports it put there itself) and returns typed outputs for the caller, which the servicer's
+`to_proto` turns into messages; the talker's messages are built here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import grpc
@@ -17,8 +22,12 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.downstream import Downstream, DownstreamFailed, NextStage
 from ..runtime.engine import StageError
-from ..runtime.outputs import Finished
+from ..runtime.outputs import Finished, FirstOutput, Routed, StageFinished, TalkerPromptOut, TextOut
+from ..runtime.server import finished_from_proto, talker_prompt_proto
+from ..runtime.tensors import to_proto
 from .job import ThinkerJob
+
+Output = TalkerPromptOut | TextOut | Finished | Routed | FirstOutput | StageFinished
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +44,18 @@ class TalkerRelay:
     def done(self) -> bool:
         return self.text_done and self.talker_done
 
-    async def forward(self, item: pb.ThinkerResponse | Finished) -> list[pb.ThinkerResponse | Finished]:
-        kind = "finished" if isinstance(item, Finished) else item.WhichOneof("kind")
-        if kind == "talker_prompt":
-            await self._open(item.talker_prompt)
+    async def forward(self, item: Output) -> list[Output]:
+        if isinstance(item, TalkerPromptOut):
+            await self._open(talker_prompt_proto(item))
             return []
-        if kind == "text":
-            delta = item.text
-            if self.down is not None and delta.HasField("embeddings"):
-                await self.down.write(pb.TalkerRequest(rows=pb.TextRows(token_ids=delta.token_ids,
-                                                                         rows=delta.embeddings)))
-            delta.ClearField("embeddings")
-            return [item]
-        if kind == "finished":
+        if isinstance(item, TextOut):
+            if item.rows is None:
+                return [item]
+            if self.down is not None:
+                await self.down.write(pb.TalkerRequest(rows=pb.TextRows(token_ids=item.token_ids,
+                                                                         rows=to_proto(item.rows))))
+            return [dataclasses.replace(item, rows=None)]
+        if isinstance(item, Finished):
             self.text_done = True
             if self.down is None:           # ended before its prompt (cancelled): no talker to wait for
                 self.talker_done = True
@@ -55,9 +63,9 @@ class TalkerRelay:
                 await self.down.write(pb.TalkerRequest(text_end=pb.TextEnd()))
                 await self.down.done_writing()
             return [item]
-        if kind == "talker_finished":
+        if isinstance(item, StageFinished):
             self.talker_done = True
-        return [item]                       # routed / talker_finished, put by _read
+        return [item]                       # Routed / FirstOutput / StageFinished, put by _read
 
     async def _open(self, prompt: pb.TalkerPrompt) -> None:
         job, speech = self.job, self.speech
@@ -81,13 +89,14 @@ class TalkerRelay:
                 kind = resp.WhichOneof("kind")
                 if kind == "routed":
                     # the talker's first response: it holds the request (a retry can no longer move it)
-                    outbox.put(pb.ThinkerResponse(routed=pb.Routed(stage="talker", address=down.address)))
-                    outbox.put(pb.ThinkerResponse(routed=resp.routed))
+                    outbox.put(Routed("talker", down.address))
+                    r = resp.routed
+                    outbox.put(Routed(r.stage, r.address, r.listen_token))
                 elif kind == "first_output":
-                    outbox.put(pb.ThinkerResponse(first_output=resp.first_output))
+                    outbox.put(FirstOutput(resp.first_output.stage))
                 elif kind == "finished":
                     down.ended = True
-                    outbox.put(pb.ThinkerResponse(talker_finished=resp.finished))
+                    outbox.put(StageFinished("talker", finished_from_proto(resp.finished)))
                     return
                 else:
                     raise DownstreamFailed("talker", grpc.StatusCode.INTERNAL,

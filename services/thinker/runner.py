@@ -13,20 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-from voxpipe.v1 import stages_pb2 as pb
-
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime.kv_cache import SlotKVCache, SlotStep
+from ..runtime.outputs import TalkerPromptOut, TokenLogprob
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
-from ..runtime.tensors import to_proto
 from .job import ThinkerJob
 from .model import ThinkerModel
-from .output import TokenBytes
 
 
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
-                  special: torch.Tensor) -> pb.TalkerPrompt:
+                  special: torch.Tensor) -> TalkerPromptOut:
     """What the talker needs from a prompt (transformers' `_get_talker_user_parts` / assistant parts):
     rows of user turns (role = the token after the latest <|im_start|>), the assistant head, any
     prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H]."""
@@ -45,10 +42,9 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
         rows[user_mm] = hidden[user][user_mm]
     head = torch.nonzero((ids[:-1] == tok.im_start) & (ids[1:] == tok.assistant)).flatten()
     start = int(head[-1])
-    return pb.TalkerPrompt(
-        user_rows=to_proto(rows), user_mm_mask=to_proto(user_mm), user_token_ids=to_proto(ids[user]),
-        assistant_head=to_proto(embeds[start:start + 3]), assistant_prefix=to_proto(embeds[start + 3:]),
-        tts_special=to_proto(special))
+    return TalkerPromptOut(user_rows=rows, user_mm_mask=user_mm, user_token_ids=ids[user],
+                           assistant_head=embeds[start:start + 3], assistant_prefix=embeds[start + 3:],
+                           tts_special=special)
 
 
 @dataclass
@@ -56,7 +52,7 @@ class Prefilled:
     """Prompts whose prefill ended: their logits at the last prompt position, and their talker prompts."""
 
     logits: torch.Tensor                        # [n, V]
-    prompts: list[pb.TalkerPrompt | None]       # per request: what the talker needs (talker_rows), else None
+    prompts: list[TalkerPromptOut | None]       # per request: what the talker needs (talker_rows), else None
 
 
 @dataclass
@@ -64,18 +60,17 @@ class Sampled:
     """A step's tokens, row by row."""
 
     tokens: list[int]                           # -1: the row's logits were not finite (its request fails)
-    logprobs: dict[int, pb.TokenLogprob]        # by row: the rows that asked for log probabilities
+    logprobs: dict[int, TokenLogprob]           # by row: the rows that asked for log probabilities
     rows: list[torch.Tensor | None]             # the token's talker row [H] on the host (talker_rows), else None
 
 
 class ThinkerRunner:
-    def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, tokenizer, *, device: torch.device, max_active: int,
+    def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True, prefill_batch: int = 8,
                  prefill_graph_len: int = 512, eager_fallback: bool = False) -> None:
         """Prompts up to `prefill_graph_len` tokens, `prefill_batch` at a time, replay CUDA graphs."""
         self.model, self.cfg, self.device = model, cfg, device
         self.prefill_batch = prefill_batch
-        self.token_bytes = TokenBytes(tokenizer)
         dtype = next(model.parameters()).dtype
         t = cfg.text
         self.cache = SlotKVCache(t.num_layers, max_active, max_len, t.num_kv_heads, t.head_dim, dtype, device)
@@ -260,7 +255,7 @@ class ThinkerRunner:
         return torch.where(finite & ok, tokens, -1).tolist()
 
     def _logprobs(self, jobs: list[ThinkerJob], tokens: list[int], asked: list[int],
-                  logprobs: torch.Tensor) -> dict[int, pb.TokenLogprob]:
+                  logprobs: torch.Tensor) -> dict[int, TokenLogprob]:
         """Each asking row's chosen token's log probability and its top alternatives (log-softmax of
         the raw logits, `logprobs` [len(asked), V]), by row index; rows whose token failed get none.
         One host read for all of them."""
@@ -276,8 +271,6 @@ class ThinkerRunner:
         for r, i in enumerate(asked):
             if tokens[i] < 0:
                 continue
-            entry = pb.TokenLogprob(token_id=tokens[i], logprob=values[r][0], token=self.token_bytes(tokens[i]))
-            for t, v in zip(top_ids[r][:jobs[i].top_logprobs] if k else [], values[r][1:]):
-                entry.top.add(token_id=t, logprob=v, token=self.token_bytes(t))
-            out[i] = entry
+            top = tuple(zip(top_ids[r][:jobs[i].top_logprobs], values[r][1:])) if k else ()
+            out[i] = TokenLogprob(tokens[i], values[r][0], top)
         return out

@@ -19,15 +19,15 @@ from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.sampling import SamplingParams, check_audio_features
-from ..runtime.outputs import Finished
+from ..runtime.outputs import Finished, FirstOutput, Routed, StageFinished, TalkerPromptOut, TextOut
 from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, load_stage_model, serve_stage,
-                              stage_setup)
-from ..runtime.tensors import TensorError, concat_rows, from_proto
+                              stage_setup, talker_prompt_proto)
+from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
 from .engine import ThinkerEngine, assistant_head_index
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
-from .output import stop_strings_problem, top_logprobs_problem
+from .output import TokenBytes, stop_strings_problem, top_logprobs_problem
 from .prompt import encode_text, load_tokenizer, render, user_turn
 from .relay import TalkerRelay
 
@@ -38,36 +38,58 @@ MERGED_ROWS_MAX_BYTES = 4 << 20     # text deltas merge into one message up to t
 
 
 class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
-    """The thinker's engine is not on typed outputs yet (issue #10 item 2): its text deltas and
-    talker prompts are ThinkerResponse messages built on the engine thread, and only its last
-    output is a typed Finished, which `to_proto` turns into a message."""
+    """The engine's outputs are typed (runtime/outputs.py): a TalkerPromptOut first (talker rows),
+    TextOuts, then the Finished; a spoken reply's relay adds Routed, FirstOutput and the talker's
+    StageFinished. `to_proto` builds their messages on the event loop, after merging: the talker
+    rows' and the prompt's tensors as bytes, each log probability's token bytes."""
 
     def __init__(self, engine: ThinkerEngine, opts, tokenizer, cfg: OmniConfig, talker: NextStage | None = None) -> None:
         super().__init__(engine, opts)
         self.tokenizer, self.cfg = tokenizer, cfg
+        self.token_bytes = TokenBytes(tokenizer)
         self.talker = talker      # the talker replicas spoken replies go to (--talker); None: text only
 
-    def merge(self, first: pb.ThinkerResponse, then: pb.ThinkerResponse) -> pb.ThinkerResponse | None:
-        """Consecutive text deltas of one request travel as one (token ids, text and the talker's
-        embedding rows concatenated)."""
-        if first.WhichOneof("kind") != "text" or then.WhichOneof("kind") != "text":
+    def merge(self, first: object, then: object) -> TextOut | None:
+        """Consecutive text outputs of one request travel as one (token ids, text, the talker's rows
+        and log probabilities concatenated), up to MERGED_ROWS_MAX_BYTES of rows."""
+        if not isinstance(first, TextOut) or not isinstance(then, TextOut):
             return None
-        a, b = first.text, then.text
-        if b.index != a.index + len(a.token_ids) or a.HasField("embeddings") != b.HasField("embeddings"):
+        if then.index != first.index + first.count or (first.rows is None) != (then.rows is None):
             return None
-        delta = pb.TextDelta(index=a.index, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text,
-                             logprobs=[*a.logprobs, *b.logprobs])
-        if a.HasField("embeddings"):
-            if len(a.embeddings.data) + len(b.embeddings.data) > MERGED_ROWS_MAX_BYTES:
+        rows = None
+        if first.rows is not None:
+            a, b = first.rows, then.rows
+            if a.nbytes + b.nbytes > MERGED_ROWS_MAX_BYTES or a.dtype != b.dtype or a.shape[1:] != b.shape[1:]:
                 return None
-            rows = concat_rows(a.embeddings, b.embeddings)
-            if rows is None:
-                return None
-            delta.embeddings.CopyFrom(rows)
-        return pb.ThinkerResponse(text=delta)
+            rows = torch.cat((a, b))
+        return TextOut(first.index, first.token_ids + then.token_ids, first.text + then.text, rows,
+                       first.logprobs + then.logprobs)
 
-    def to_proto(self, req: ThinkerJob, item: Finished | pb.ThinkerResponse) -> pb.ThinkerResponse:
-        return pb.ThinkerResponse(finished=finished_proto(item)) if isinstance(item, Finished) else item
+    def to_proto(self, req: ThinkerJob, item: object) -> pb.ThinkerResponse:
+        if isinstance(item, TextOut):
+            return pb.ThinkerResponse(text=self.text_delta(req, item))
+        if isinstance(item, Finished):
+            return pb.ThinkerResponse(finished=finished_proto(item))
+        if isinstance(item, TalkerPromptOut):
+            return pb.ThinkerResponse(talker_prompt=talker_prompt_proto(item))
+        if isinstance(item, Routed):
+            return pb.ThinkerResponse(routed=pb.Routed(stage=item.stage, address=item.address,
+                                                       listen_token=item.listen_token))
+        if isinstance(item, FirstOutput):
+            return pb.ThinkerResponse(first_output=pb.FirstOutput(stage=item.stage))
+        if isinstance(item, StageFinished):
+            return pb.ThinkerResponse(talker_finished=finished_proto(item.finished))
+        raise TypeError(f"the thinker has no message for {item!r}")
+
+    def text_delta(self, req: ThinkerJob, out: TextOut) -> pb.TextDelta:
+        delta = pb.TextDelta(index=out.index, token_ids=out.token_ids, text=out.text)
+        if out.rows is not None:
+            delta.embeddings.CopyFrom(to_proto(out.rows))
+        for lp in out.logprobs:
+            entry = delta.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, token=self.token_bytes(lp.token_id))
+            for t, v in lp.top:
+                entry.top.add(token_id=t, logprob=v, token=self.token_bytes(t))
+        return delta
 
     @traced_rpc("voxpipe.v1.Thinker", "Generate")
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
