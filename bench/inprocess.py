@@ -96,7 +96,7 @@ class InProcessPipeline:
                         self.code2wav.engine.submit(cw_job)
                         tasks.append(asyncio.ensure_future(pump(cw_job, "code2wav")))
                     elif isinstance(item, TextOut):
-                        yield TextEvent(item.index, list(item.token_ids), item.text)
+                        yield TextEvent(item.index, list(item.token_ids), self.thinker.text(tj, item))
                         if item.rows is not None:
                             self.talker.engine.add_rows(ta_job, item.rows)
                     elif isinstance(item, Finished):

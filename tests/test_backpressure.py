@@ -32,6 +32,8 @@ def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
     they concatenate (talker frames, code2wav audio), and nothing else changes: order, offsets and
     content are kept, non-contiguous or different outputs go separately. The audio is encoded
     (pcm16 or float32, as the request asked) after merging: the same bytes as chunk by chunk."""
+    import functools
+
     import numpy as np
 
     from voxpipe.cli import build_parser
@@ -105,6 +107,15 @@ def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
     assert thinker.merge(text(4, [7], "a", rows[:1]), text(5, [8], "b", None)) is None   # rows on one side only
     assert thinker.merge(text(4, [7], "a", None), text(6, [8], "b", None)) is None       # a gap
     assert thinker.merge(text(4, [7], "a", rows[:1]), Finished(FinishReason.STOP)) is None
+    # outputs whose text the engine left out (no stop strings) merge too; the servicer makes it once, in order
+    ids = thinker.tokenizer.encode("Hello world, again", add_special_tokens=False)
+    plain = [text(i, [t], None, None) for i, t in enumerate(ids)]
+    merged = functools.reduce(thinker.merge, plain)
+    assert merged.text is None and merged.token_ids == tuple(ids)
+    assert thinker.merge(plain[0], text(1, [7], "x", None)) is None                  # text made and not: apart
+    assert thinker.to_proto(ThinkerJob("u", None), merged).text.text == "Hello world, again"
+    one = ThinkerJob("v", None)
+    assert "".join(thinker.to_proto(one, o).text.text for o in plain) == "Hello world, again"
 
 
 def test_typed_finished_is_the_wire_finished():

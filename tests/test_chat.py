@@ -24,7 +24,7 @@ import torch
 from oracle import load_reference_model
 from conftest import install_node_package
 from voxpipe.client import PipelineClient, SpeechRequest
-from voxpipe.services.thinker.output import IncrementalDetokenizer, ReplyText
+from voxpipe.services.thinker.output import IncrementalDetokenizer, ReplyText, StreamText
 from voxpipe.services.thinker.prompt import ChatMessage, render
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
@@ -181,8 +181,10 @@ def test_reply_text_holds_back_what_may_begin_a_stop_string(tokenizer):
                 break
         return out, stopped
 
-    plain, stopped = run([])
-    assert not stopped and "".join(d.text for d in plain) == "Hello world, this is a test."
+    plain, stopped = run([])          # no stop strings: one output a token, its text made off the engine thread
+    stream_text = StreamText(tokenizer)
+    assert not stopped and len(plain) == len(ids) and all(d.text is None for d in plain)
+    assert "".join(stream_text(d) for d in plain) == "Hello world, this is a test."
     assert [t for d in plain for t in d.token_ids] == ids
     for stop in ("world", "lo wor", "o", "is a t", "."):
         out, stopped = run([stop, "zzz"])

@@ -148,12 +148,16 @@ def _thinker_job(engine, loop, rid: str, text: str, params: SamplingParams = Sam
                       audio=list(rendered.audio_features), params=params, max_tokens=6, min_tokens=6, talker_rows=True)
 
 
-async def _thinker_output(job) -> tuple[list[int], str, list[bytes]]:
-    """Token ids, text and the talker's rows (raw bytes) the job streamed; it must have finished well."""
+async def _thinker_output(engine, job) -> tuple[list[int], str, list[bytes]]:
+    """Token ids, text (made as the servicer makes it) and the talker's rows (raw bytes) the job
+    streamed; it must have finished well."""
+    from voxpipe.services.thinker.output import StreamText
+
     items = await _items(job)
     assert isinstance(items[-1], Finished), items[-1]
     outs = [i for i in items[:-1] if isinstance(i, TextOut)]
-    return ([t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
+    text = StreamText(engine.tokenizer)
+    return ([t for o in outs for t in o.token_ids], "".join(text(o) for o in outs),
             [to_proto(o.rows).data for o in outs])
 
 
@@ -178,7 +182,7 @@ def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
         solo = []
         for job in innocents():
             _run(engine, [job])
-            solo.append(await _thinker_output(job))
+            solo.append(await _thinker_output(engine, job))
         together = innocents()
         penalty = _thinker_job(engine, loop, "bad-penalty", "Hello there.",
                                SamplingParams(temperature=0.9, seed=1, repetition_penalty=1e-40))
@@ -186,7 +190,7 @@ def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
         _run(engine, [together[0], penalty, together[1], features, together[2]])
         await _assert_poisoned(penalty, "thinker")
         await _assert_poisoned(features, "thinker")
-        assert [await _thinker_output(j) for j in together] == solo
+        assert [await _thinker_output(engine, j) for j in together] == solo
         assert engine.runner.cache.used == 0
         # a long poisoned prompt alone in slot 0 (its KV rows NaN), then the innocents together: the
         # shortest in slot 0 attends under a False mask to positions the poisoned one wrote (0 * NaN
@@ -196,7 +200,7 @@ def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
         await _assert_poisoned(features, "thinker")
         again = innocents()
         _run(engine, again)
-        assert [await _thinker_output(j) for j in again] == solo
+        assert [await _thinker_output(engine, j) for j in again] == solo
 
     asyncio.run(run())
 

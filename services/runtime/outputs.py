@@ -51,7 +51,9 @@ class TextOut:
 
     index: int                       # the first token's index among the reply's tokens
     token_ids: tuple[int, ...]
-    text: str                        # the text that became final with them
+    # the text that became final with them; None: not made on the engine thread (a reply without stop
+    # strings): the servicer detokenizes the stream's tokens in order (services/thinker/output.py)
+    text: str | None
     rows: "torch.Tensor | None" = None   # [n, H] on the host: their talker rows (talker_rows)
     logprobs: tuple[TokenLogprob, ...] = ()   # one per token, when asked
 

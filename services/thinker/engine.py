@@ -1,8 +1,9 @@
 """Thinker engine: each step runs the next chunk of a long prompt, prefills a batch of waiting
 requests (right-padded prompts, one forward), then one batched decode step over every running
 request. Emits typed outputs (runtime/outputs.py; the servicer builds the messages): with talker
-rows a TalkerPromptOut first, then TextOuts (token ids, text, talker rows, log probabilities), then
-the Finished. A request whose reply is given (ThinkerStart.assistant_text) is prefilled only: its
+rows a TalkerPromptOut first, then TextOuts (token ids, talker rows, log probabilities, and the text
+only for a reply with stop strings: the servicer detokenizes the others, see output.py), then the
+Finished. A request whose reply is given (ThinkerStart.assistant_text) is prefilled only: its
 reply goes out whole, as if generated, right after its prefill.
 
     step: scheduler (slots, prefill batch and budget, the chunk of a long prompt, rows that decode:

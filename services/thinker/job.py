@@ -12,7 +12,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.engine import EngineRequest
 from ..runtime.sampling import SamplingParams
-from .output import ReplyText
+from .output import ReplyText, StreamText
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class ThinkerJob(EngineRequest):
     slot: int | None = None
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    text: ReplyText | None = None           # the text deltas (made at the first token)
+    text: ReplyText | None = None           # its tokens on their way out (the engine's; made at the first token)
+    stream_text: StreamText | None = None   # the text the engine left out (the servicer's, on the event loop)
     prefilled: int = 0                          # prompt tokens in the KV cache (the scheduler reads it)
     embeds: torch.Tensor | None = None          # [P, H] while a chunked prefill runs
     kept: list[torch.Tensor] = field(default_factory=list)   # per chunk: the talker's hidden layer

@@ -9,7 +9,18 @@ before it; the tokens wholly before it go out as usual and the talker gets, as i
 row of the first token that reaches into the stop string: the talker never speaks its last row
 (it stands where an EOS would), so the voice ends with the last token wholly before the stop
 string and never says what the text leaves out. The stopping tokens are still reported (their
-ids and log probabilities; they were generated), without text."""
+ids and log probabilities; they were generated), without text.
+
+Where the text is made. A reply without stop strings needs no text to decide anything: the engine
+sends each token at once (ReplyText: a TextOut whose text is None) and the servicer detokenizes
+the stream's tokens on the event loop, in order, as they leave (StreamText) -- off the engine
+thread. A reply with stop strings is detokenized on the engine thread (ReplyText), because its
+text decides, in the step that made the token, whether the token's row may leave (held back, or
+never sent after a stop), and whether the request ends there: the engine finishes it with STOP in
+that step, generates nothing past the stop and reports exactly the tokens up to it. On the event
+loop the match would come steps late: the engine would go on generating, filling the outbox and
+the KV cache, for a request the handler would then have to end from outside with the right counts.
+The servicer adds the log probabilities' token bytes (TokenBytes) in both cases."""
 
 from __future__ import annotations
 
@@ -127,7 +138,8 @@ class Piece:
 class ReplyText:
     """A request's generated tokens turned into TextOuts, stop strings applied (see the module
     docstring). `push` each token; it returns the outputs to send now and whether a stop string
-    ended the text. Without stop strings every token goes out at once, as its own output."""
+    ended the text. Without stop strings every token goes out at once, as its own output, and
+    without its text (None: StreamText makes it off the engine thread)."""
 
     tokenizer: object
     stops: tuple[str, ...] = ()
@@ -144,8 +156,13 @@ class ReplyText:
     def push(self, token: int, row: torch.Tensor | None = None, logprob: TokenLogprob | None = None,
              last: bool = False) -> tuple[list[TextOut], bool]:
         """`last`: the generation ends with this token (EOS or max_tokens): nothing is held back."""
-        text = self.detok.push(token)
         self.count += 1
+        if not self.stops:       # nothing to match: out at once, the text left to the servicer
+            out = TextOut(self.sent, (token,), None, None if row is None else row[None],
+                          () if logprob is None else (logprob,))
+            self.sent += 1
+            return [out], False
+        text = self.detok.push(token)
         piece = Piece(token, text, row, logprob)
         self.held.append(piece)
         self.held_text += text
@@ -154,7 +171,7 @@ class ReplyText:
                 if p.end is not None:
                     break
                 p.end = len(self.held_text)
-        if not self.stops or self.count < self.min_tokens or last and not text:
+        if self.count < self.min_tokens or last and not text:
             return self._release(len(self.held), len(self.held_text)), False
         if text:
             at = self._find_stop()
@@ -213,3 +230,17 @@ class ReplyText:
                       tuple(p.logprob for p in pieces if p.logprob is not None))
         self.sent += len(pieces)
         return out
+
+
+class StreamText:
+    """The servicer's side of a stream's text (see the module docstring): the text of the TextOuts
+    the engine left without one, its tokens detokenized incrementally, in the stream's order, on the
+    event loop. Each output once, in order."""
+
+    def __init__(self, tokenizer) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+
+    def __call__(self, out: TextOut) -> str:
+        if out.text is not None:
+            return out.text
+        return "".join(self.detok.push(t) for t in out.token_ids)

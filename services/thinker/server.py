@@ -27,7 +27,7 @@ from ..runtime.tracing import traced_rpc
 from .engine import ThinkerEngine, assistant_head_index
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
-from .output import TokenBytes, stop_strings_problem, top_logprobs_problem
+from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_problem
 from .prompt import encode_text, load_tokenizer, render, user_turn
 from .relay import TalkerRelay
 
@@ -41,7 +41,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
     """The engine's outputs are typed (runtime/outputs.py): a TalkerPromptOut first (talker rows),
     TextOuts, then the Finished; a spoken reply's relay adds Routed, FirstOutput and the talker's
     StageFinished. `to_proto` builds their messages on the event loop, after merging: the talker
-    rows' and the prompt's tensors as bytes, each log probability's token bytes."""
+    rows' and the prompt's tensors as bytes, each log probability's token bytes, and the text of a
+    reply without stop strings, which the engine leaves out (output.py: StreamText, per stream)."""
 
     def __init__(self, engine: ThinkerEngine, opts, tokenizer, cfg: OmniConfig, talker: NextStage | None = None) -> None:
         super().__init__(engine, opts)
@@ -56,14 +57,16 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             return None
         if then.index != first.index + first.count or (first.rows is None) != (then.rows is None):
             return None
+        if (first.text is None) != (then.text is None):
+            return None
         rows = None
         if first.rows is not None:
             a, b = first.rows, then.rows
             if a.nbytes + b.nbytes > MERGED_ROWS_MAX_BYTES or a.dtype != b.dtype or a.shape[1:] != b.shape[1:]:
                 return None
             rows = torch.cat((a, b))
-        return TextOut(first.index, first.token_ids + then.token_ids, first.text + then.text, rows,
-                       first.logprobs + then.logprobs)
+        text = None if first.text is None else first.text + then.text
+        return TextOut(first.index, first.token_ids + then.token_ids, text, rows, first.logprobs + then.logprobs)
 
     def to_proto(self, req: ThinkerJob, item: object) -> pb.ThinkerResponse:
         if isinstance(item, TextOut):
@@ -81,8 +84,17 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             return pb.ThinkerResponse(talker_finished=finished_proto(item.finished))
         raise TypeError(f"the thinker has no message for {item!r}")
 
+    def text(self, req: ThinkerJob, out: TextOut) -> str:
+        """`out`'s text: the engine's, or (None) its tokens detokenized now, after the stream's earlier
+        ones. Call it once per output, in the stream's order."""
+        if out.text is not None:
+            return out.text
+        if req.stream_text is None:
+            req.stream_text = StreamText(self.tokenizer)
+        return req.stream_text(out)
+
     def text_delta(self, req: ThinkerJob, out: TextOut) -> pb.TextDelta:
-        delta = pb.TextDelta(index=out.index, token_ids=out.token_ids, text=out.text)
+        delta = pb.TextDelta(index=out.index, token_ids=out.token_ids, text=self.text(req, out))
         if out.rows is not None:
             delta.embeddings.CopyFrom(to_proto(out.rows))
         for lp in out.logprobs:
