@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -91,22 +92,24 @@ class Chromium:
         binary = chromium_binary()
         if binary is None:
             raise FileNotFoundError("chromium is not installed")
-        self.profile = tempfile.TemporaryDirectory(prefix="voxpipe-chromium-")
+        self.profile = Path(tempfile.mkdtemp(prefix="voxpipe-chromium-"))
         args = [binary, "--headless=new", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                 "--no-default-browser-check", "--disable-extensions", "--disable-background-networking",
                 "--disable-sync", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-                f"--user-data-dir={self.profile.name}", "--autoplay-policy=no-user-gesture-required",
+                f"--user-data-dir={self.profile}", "--autoplay-policy=no-user-gesture-required",
                 "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
         if microphone is not None:
             args.append(f"--use-file-for-fake-audio-capture={microphone}%noloop")
         if os.geteuid() == 0:          # Chromium's sandbox refuses to run as root
             args.append("--no-sandbox")
         self.url = url
-        self.proc = subprocess.Popen([*args, url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # its own session: close() ends chromium's helper processes too, which write into the profile
+        self.proc = subprocess.Popen([*args, url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
         self.port = self._devtools_port(timeout=30)
 
     def _devtools_port(self, timeout: float) -> int:
-        marker = Path(self.profile.name) / "DevToolsActivePort"
+        marker = self.profile / "DevToolsActivePort"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -137,7 +140,20 @@ class Chromium:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.profile.cleanup()
+        try:                            # helpers still running after the browser process
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        # a helper may still flush a file into the profile as it dies: retry for a few seconds
+        for _ in range(50):
+            try:
+                shutil.rmtree(self.profile)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+        shutil.rmtree(self.profile, ignore_errors=True)
 
     def __enter__(self) -> "Chromium":
         return self
