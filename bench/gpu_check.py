@@ -1,6 +1,7 @@
 """GPU correctness of the optimized paths at full size (dummy weights): CUDA-graph replays vs the
-same step run eagerly, batched right-padded prefill (graphed) vs one eager prefill per prompt, and
-the grouped-GEMM MoE vs the per-expert loop, on identical inputs.
+same step run eagerly, batched right-padded prefill (graphed) vs one eager prefill per prompt, long
+prompts' packed chunks vs one eager prefill per prompt, and the grouped-GEMM MoE vs the per-expert
+loop, on identical inputs.
 `python -m voxpipe.bench.gpu_check` (device tool); prints one line per comparison and exits 1 if a
 graph replay differs from its eager step."""
 
@@ -14,7 +15,7 @@ import torch
 import voxpipe.kernels as kernels
 from voxpipe.services.runtime import layers
 from voxpipe.services.runtime.config import OmniConfig, released_config_path
-from voxpipe.services.runtime.kv_cache import SlotStep
+from voxpipe.services.runtime.kv_cache import PackedStep, SlotStep
 from voxpipe.services.runtime.weights import load_module
 from voxpipe.services.talker.engine import TalkerEngine
 from voxpipe.services.talker.model import TalkerModel
@@ -194,6 +195,22 @@ def main() -> int:
     kernels.ENABLED = True
     results.append(compare("thinker decode: grouped-GEMM MoE vs per-expert loop (kernels off)", plain, lp))
     moe_kernels_vs_torch("thinker", thinker.model.layers[0].mlp, thinker.cfg.text.hidden_size)
+    # long prompts: chunks packed into one row (flash attention over each slot's cached part) vs one
+    # eager prefill per prompt (masked SDPA); 700 + 300 tokens, then the 700-token prompt's last 200
+    for _ in range(2):
+        th.cache.allocate(Owner())
+    prompts = [thinker.model.embed_tokens(torch.randint(1000, 100000, (n,), device=dev)) for n in (700, 300)]
+    want = []
+    for slot, p in zip((4, 5), prompts):
+        step = SlotStep.build([slot], [0], p.shape[0], dev)
+        want.append(thinker(p[None], torch.arange(p.shape[0], device=dev)[None], th.cache.bind(step))[0])
+    first = PackedStep.pack([(4, 0, 500), (5, 0, 300)])
+    x = torch.cat([prompts[0][:500], prompts[1]])[None]
+    got_short = thinker(x, first.positions(dev), th.cache.packed(first), last=first.ends(dev))[0][1:]
+    second = PackedStep.pack([(4, 500, 200)])
+    got_long = thinker(prompts[0][None, 500:], second.positions(dev), th.cache.packed(second), last=second.ends(dev))[0]
+    results.append(compare("thinker long prompts: packed chunks (flash) vs one eager prefill each, logits",
+                           torch.cat([got_long, got_short]), torch.cat(want)))
     del th, thinker
     torch.cuda.empty_cache()
 

@@ -3,7 +3,15 @@ competing for the GPU): the real engine step paths (`step()` with real jobs and 
 dummy weights. `python -m voxpipe.bench.profile_stages [--batches 1,16,64] [--temperatures 0,0.9]`.
 Prints JSON lines: mean step time per batch size per stage (and per temperature: 0 is greedy, else
 every request samples, seeded by its index), then a torch.profiler summary of one step at the first
-and the last batch size."""
+and the last batch size.
+
+Two more stages profile what a request's first token waits for in the thinker:
+- `long-prompt`: 2,500-token prompts (BENCHMARK.md's long-prompt workload), 1 and 4 at once, for
+  each `--prefill-chunks` step budget (the thinker's --prefill-chunk): the time to each first token,
+  the steps taken, and a kernel table of one packed step; and the attention of one 512-token chunk
+  over 2,500 cached positions, masked SDPA against the flash path the packed chunks take.
+- `voice-in`: the shipped 5.7 s clip's features through the audio encoder, and the 139-token prompt's
+  prefill that keeps the talker's hidden layer, as a CUDA graph and eagerly."""
 
 from __future__ import annotations
 
@@ -172,18 +180,187 @@ def code2wav(cfg: OmniConfig, batches: list[int], dev: torch.device, temperature
     torch.cuda.empty_cache()
 
 
+def _long_jobs(cfg: OmniConfig, n: int, length: int, gen: torch.Generator) -> list[ThinkerJob]:
+    tok = cfg.thinker.tokens
+    vocab = cfg.thinker.text.vocab_size
+    return [ThinkerJob(request_id=f"L{i}", outbox=Outbox(LOOP), max_tokens=4, min_tokens=4, talker_rows=True,
+                       params=sampling(0.0, i),
+                       prompt=[tok.im_start] + torch.randint(vocab // 8, min(100000, vocab // 2), (length - 4,),
+                                                            generator=gen).tolist() + [tok.im_start, tok.assistant, 198])
+            for i in range(n)]
+
+
+@torch.inference_mode()
+def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: int = 2500) -> None:
+    """Each budget: n prompts of `length` tokens submitted at once; steps until every one has its first
+    token; each one's time to it (from submission) and the steps."""
+    from voxpipe.services.runtime.kv_cache import _causal_flash, _sdpa
+
+    model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
+                        load_format="dummy")
+    serving_layout(model, dev)
+    eng = ThinkerEngine(model, cfg.thinker, ChatMLByteTokenizer(cfg.thinker, cfg.role_ids), device=dev,
+                        max_active=8, max_len=4096, eos_ids=(cfg.thinker.tokens.im_end,))
+    gen = torch.Generator().manual_seed(0)
+    for budget in budgets:
+        eng.scheduler.prefill_chunk = budget
+        for n in (1, 4, 1):     # the first n = 1 warms up this budget's shapes
+            jobs = _long_jobs(cfg, n, length, gen)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for j in jobs:
+                eng.submit(j)
+            first: dict[str, float] = {}
+            steps = 0
+            while len(first) < n:
+                eng.step()
+                steps += 1
+                done = [j for j in jobs if j.generated and j.request_id not in first]
+                if done:
+                    torch.cuda.synchronize()
+                    for j in done:
+                        first[j.request_id] = (time.perf_counter() - t0) * 1000.0
+            drop_all(eng)
+            print(json.dumps({"stage": "thinker long-prompt prefill", "prompt_tokens": length, "prompts": n,
+                              "prefill_chunk": budget, "steps": steps,
+                              "first_token_ms": sorted(round(v, 1) for v in first.values())}), flush=True)
+    # one packed step of the largest budget, profiled
+    eng.scheduler.prefill_chunk = budgets[-1]
+    for j in _long_jobs(cfg, 2, length, gen):
+        eng.submit(j)
+    profile_one(eng, f"thinker: one packed long-prompt step ({budgets[-1]} tokens of 2 prompts)")
+    drop_all(eng)
+    # one layer's attention of a 512-token chunk over 2,500 positions: masked SDPA vs the flash path
+    t = cfg.thinker.text
+    q = torch.randn(1, t.num_heads, 512, t.head_dim, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, t.num_kv_heads, length, t.head_dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q_pos = torch.arange(length - 512, length, device=dev)
+    mask = (torch.arange(length, device=dev)[None, :] <= q_pos[:, None])[None, None]
+    scale = t.head_dim ** -0.5
+    masked = _sdpa(q, k, v, mask, scale)
+    flash = _causal_flash(q, k, v, scale)
+    for name, fn in (("masked SDPA (before)", lambda: _sdpa(q, k, v, mask, scale)),
+                     ("repeated heads + flash, causal_lower_right", lambda: _causal_flash(q, k, v, scale))):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        print(json.dumps({"stage": "attention of a 512-token chunk over 2,500 positions, one layer", "path": name,
+                          "ms": round((time.perf_counter() - t0) / 20 * 1000.0, 3)}), flush=True)
+    print(json.dumps({"check": "flash vs masked SDPA", "max_abs": float((flash.float() - masked.float()).abs().max())}),
+          flush=True)
+    del eng, model
+    torch.cuda.empty_cache()
+    # the talker's prompt for such a request: the 2,500 user rows + its head, one eager prefill
+    talker_model = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
+                               load_format="dummy")
+    serving_layout(talker_model, dev)
+    te = TalkerEngine(talker_model, cfg.talker, device=dev, max_active=8, max_len=4096).runner
+    h = cfg.talker.text.hidden_size
+    x = torch.randn(1, length + 9, h, device=dev, dtype=torch.bfloat16)
+    last, slots = torch.tensor([length + 8], device=dev), torch.tensor([0], device=dev)
+    for _ in range(2):
+        te._prefill_fn(1, length + 9, x, last, slots)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        te._prefill_fn(1, length + 9, x, last, slots)
+    torch.cuda.synchronize()
+    print(json.dumps({"stage": "talker prefill of a long prompt (eager)", "rows": length + 9,
+                      "ms": round((time.perf_counter() - t0) / 5 * 1000.0, 2)}), flush=True)
+    del te, talker_model
+    torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def voice_in(cfg: OmniConfig, dev: torch.device) -> None:
+    """The audio encoder over the shipped clip's features, then the voice-in prompt's prefill keeping
+    the talker's hidden layer: the CUDA graph (what the runner replays) and eagerly."""
+    from pathlib import Path
+
+    from voxpipe.audio import read_wav, resample
+    from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
+
+    model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
+                        load_format="dummy")
+    serving_layout(model, dev)
+    tokenizer = ChatMLByteTokenizer(cfg.thinker, cfg.role_ids)
+    eng = ThinkerEngine(model, cfg.thinker, tokenizer, device=dev, max_active=8, max_len=1024,
+                        eos_ids=(cfg.thinker.tokens.im_end,))
+    wav, rate = read_wav((Path(__file__).parent / "data" / "voice-in.wav").read_bytes())
+    wav = resample(wav, rate, 16000)
+    fe = FeatureExtractor(cfg.thinker.audio.num_mel_bins)
+    t0 = time.perf_counter()
+    feats = fe(wav)
+    fe_ms = (time.perf_counter() - t0) * 1000.0
+    prompt = render(tokenizer, cfg.thinker, [ChatMessage("user", [ChatPart(features=feats), ChatPart(text="Answer.")])])
+    runner = eng.runner
+
+    def timed(fn, reps: int = 10) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps * 1000.0
+
+    f = feats.to(dev, torch.float32)
+    enc_ms = timed(lambda: model.audio_tower(f))
+    ids = torch.tensor(prompt.token_ids, device=dev)
+    x = model.embed(ids, [f])[None]
+    s = x.shape[1]
+    last, slots = torch.tensor([s - 1], device=dev), torch.tensor([0], device=dev)
+    keep = cfg.thinker.accept_hidden_layer
+    eager_ms = timed(lambda: runner._prefill_fn(1, s, x, last, slots, keep))
+    graphs = runner.prefill_graphs
+    graph_ms = timed(lambda: graphs(1, s, x, last, slots)) if graphs is not None else None
+    e_logits, e_hidden = runner._prefill_fn(1, s, x, last, slots, keep)
+    g_logits, g_hidden = graphs(1, s, x, last, slots) if graphs is not None else (e_logits, e_hidden)
+    print(json.dumps({"stage": "thinker voice-in", "clip_s": round(len(wav) / 16000, 2), "mel_frames": feats.shape[1],
+                      "prompt_tokens": s, "features_ms_cpu": round(fe_ms, 2), "audio_encoder_ms": round(enc_ms, 2),
+                      "prefill_keep_hidden_eager_ms": round(eager_ms, 2),
+                      "prefill_keep_hidden_graph_ms": None if graph_ms is None else round(graph_ms, 2),
+                      "graph_vs_eager_hidden_max_abs": float((g_hidden[0, :s].float() - e_hidden[0].float()).abs().max()),
+                      "graph_vs_eager_logits_max_abs": float((g_logits.float() - e_logits.float()).abs().max())}),
+          flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.audio_tower(f)
+        torch.cuda.synchronize()
+    kernels_ = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    print(json.dumps({"profile": "audio encoder, one clip", "kernels": len(kernels_),
+                      "kernel_us": round(sum(e.device_time for e in kernels_), 1)}), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60), flush=True)
+    del eng, model
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--stages", default="thinker,talker,code2wav")
     p.add_argument("--temperatures", default="0", help="comma list; 0: greedy (code2wav does not sample)")
+    p.add_argument("--prefill-chunks", default="512,2048,4096",
+                   help="long-prompt: the thinker's --prefill-chunk values to measure (comma list)")
     args = p.parse_args()
     dev = torch.device("cuda")
     cfg = OmniConfig.load(released_config_path())
     batches = [int(x) for x in args.batches.split(",")]
     for stage in args.stages.split(","):
-        {"thinker": thinker, "talker": talker, "code2wav": code2wav}[stage](
-            cfg, batches, dev, [float(t) for t in args.temperatures.split(",")])
+        if stage == "long-prompt":
+            long_prompt(cfg, [int(x) for x in args.prefill_chunks.split(",")], dev)
+        elif stage == "voice-in":
+            voice_in(cfg, dev)
+        else:
+            {"thinker": thinker, "talker": talker, "code2wav": code2wav}[stage](
+                cfg, batches, dev, [float(t) for t in args.temperatures.split(",")])
 
 
 if __name__ == "__main__":

@@ -89,10 +89,33 @@ def chunked_pipeline(tiny_model_dir):
     pipe.close()
 
 
-def test_chunked_prefill_equals_whole_prefill(pipeline, chunked_pipeline, tokenizer, omni_config):
+@pytest.fixture(scope="module")
+def packed_pipeline(tiny_model_dir):
+    """Prompts over 7 tokens are long; a step packs up to 40 of their tokens (several prompts' chunks
+    in one row: what --prefill-chunk does with prompts over 512 tokens at full size)."""
+    pipe = InProcessPipeline.from_argv(["--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"],
+                                       stage_argv={"thinker": ["--prefill-chunk", "40"]})
+    pipe.thinker.engine.scheduler.long_prompt = 7
+    runner = pipe.thinker.engine.runner
+    packed = runner.packed_rows = []
+    original = runner.prefill_chunks
+
+    def recording(chunks):
+        packed.append([(job.request_id, start, length) for job, start, length in chunks])
+        return original(chunks)
+
+    runner.prefill_chunks = recording
+    yield pipe
+    pipe.close()
+
+
+@pytest.mark.parametrize("chunked", ["chunked_pipeline", "packed_pipeline"])
+def test_chunked_prefill_equals_whole_prefill(pipeline, chunked, request, tokenizer, omni_config):
     """Prompts longer than --prefill-chunk (7 tokens here) are prefilled 7 tokens per step while the
-    other requests keep decoding; every request, text or audio prompt, alone or concurrent, gets
-    what the unchunked engine gives it."""
+    other requests keep decoding; with a larger step budget several prompts' chunks are packed into
+    one row. Every request, text or audio prompt, alone or concurrent, gets what the unchunked
+    engine gives it."""
+    chunked_pipeline = request.getfixturevalue(chunked)
     from oracle import audio_features
     from voxpipe.services.thinker.prompt import ChatPart
 
@@ -117,6 +140,10 @@ def test_chunked_prefill_equals_whole_prefill(pipeline, chunked_pipeline, tokeni
             assert ids_g == ids_w
             assert torch.equal(codes_g, codes_w)
             assert audio_g.shape == audio_w.shape and (audio_g - audio_w).abs().max() <= 1e-4
+    packed = getattr(chunked_pipeline.thinker.engine.runner, "packed_rows", None)
+    if packed is not None:   # the concurrent run packed several prompts, chunks split across steps among them
+        assert max(len(step) for step in packed) >= 3, packed
+        assert any(start > 0 for step in packed for _, start, _ in step), packed
 
 
 def test_short_prompts_pass_long_ones_waiting_for_the_chunked_prefill(tiny_model_dir, tokenizer, omni_config):

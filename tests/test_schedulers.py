@@ -306,8 +306,9 @@ class ThinkerStage:
     start running, a chunk advances `prefilled`, a prefill that ends makes the first token, each
     decoded request makes its next token, a request that reached max_tokens finishes."""
 
-    def __init__(self, slots: int, prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_chunk: int = 16) -> None:
-        self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk)
+    def __init__(self, slots: int, prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_chunk: int = 16,
+                 long_prompt: int | None = None) -> None:
+        self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk, long_prompt)
         self.slots = slots
         self.waiting: list[Reply] = []
         self.running: list[Reply] = []
@@ -317,26 +318,25 @@ class ThinkerStage:
         return self.scheduler.has_work(self.waiting, self.running, self.slots - len(self.running))
 
     def step(self) -> dict[str, object]:
-        """One step: the names admitted, the chunk run (name, start, length), the names prefilled
-        together and the names decoded (in the schedule's order)."""
+        """One step: the names admitted, the chunks run packed (name, start, length), the names
+        prefilled together and the names decoded (in the schedule's order)."""
         plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running))
         for r in plan.admitted:
             self.waiting.remove(r)
             self.running.append(r)
-        chunk = None
-        if plan.chunk is not None:
-            r = plan.chunk.request
-            chunk = (r.name, plan.chunk.start, plan.chunk.length)
-            r.prefilled = plan.chunk.start + plan.chunk.length
-            if plan.chunk.last:
-                self._token(r)
+        chunks = []
+        for c in plan.chunks:
+            chunks.append((c.request.name, c.start, c.length))
+            c.request.prefilled = c.start + c.length
+            if c.last:
+                self._token(c.request)
         for r in plan.prefill:
             r.prefilled = len(r.prompt)
             self._token(r)
         decoded = [r for r in plan.decode if r in self.running]   # the engine leaves out the finished
         for r in decoded:
             self._token(r)
-        return {"admitted": [r.name for r in plan.admitted], "chunk": chunk,
+        return {"admitted": [r.name for r in plan.admitted], "chunks": chunks,
                 "prefill": [r.name for r in plan.prefill], "decode": [r.name for r in decoded]}
 
     def _token(self, r: Reply) -> None:
@@ -349,13 +349,13 @@ class ThinkerStage:
 def test_thinker_admits_in_arrival_order_within_the_batch_and_the_free_slots():
     stage = ThinkerStage(slots=3, prefill_batch=2)
     stage.waiting += [Reply(n) for n in "abcde"]
-    assert stage.step() == {"admitted": ["a", "b"], "chunk": None, "prefill": ["a", "b"], "decode": ["a", "b"]}
+    assert stage.step() == {"admitted": ["a", "b"], "chunks": [], "prefill": ["a", "b"], "decode": ["a", "b"]}
     # prefilled and decoded in one step: a first token from the prefill, the second from the decode
     assert [len(r.generated) for r in stage.running] == [2, 2]
-    assert stage.step() == {"admitted": ["c"], "chunk": None, "prefill": ["c"], "decode": ["a", "b", "c"]}
+    assert stage.step() == {"admitted": ["c"], "chunks": [], "prefill": ["c"], "decode": ["a", "b", "c"]}
     assert stage.step()["admitted"] == [] and [r.name for r in stage.waiting] == ["d", "e"]
     stage.running.remove(stage.running[1])           # b leaves: its slot goes to d, the first waiting
-    assert stage.step() == {"admitted": ["d"], "chunk": None, "prefill": ["d"], "decode": ["a", "c", "d"]}
+    assert stage.step() == {"admitted": ["d"], "chunks": [], "prefill": ["d"], "decode": ["a", "c", "d"]}
 
 
 def test_thinker_prefill_keeps_the_padded_tokens_within_the_budget():
@@ -369,27 +369,38 @@ def test_thinker_prefill_keeps_the_padded_tokens_within_the_budget():
     assert stage.step()["prefill"] == ["small"]
 
 
-def test_thinker_chunks_a_long_prompt_one_at_a_time_without_holding_up_short_ones():
+def test_thinker_chunks_long_prompts_within_the_step_budget_without_holding_up_short_ones():
     stage = ThinkerStage(slots=4, prefill_chunk=16)
     long1, long2 = Reply("long1", prompt_tokens=40), Reply("long2", prompt_tokens=20)
     short1, short2 = Reply("short1", prompt_tokens=16), Reply("short2", prompt_tokens=5)
     stage.waiting += [long1, long2, short1, short2]
-    # long1 takes a slot before the short ones and runs its first chunk; long2 waits for it, the
-    # short prompts behind long2 do not (16 tokens is not long: prefilled whole)
-    assert stage.step() == {"admitted": ["long1", "short1", "short2"], "chunk": ("long1", 0, 16),
+    # long1 takes a slot before the short ones and the step's 16 chunk tokens; long2 waits for
+    # tokens, the short prompts behind it do not (16 tokens is not long: prefilled whole)
+    assert stage.step() == {"admitted": ["long1", "short1", "short2"], "chunks": [("long1", 0, 16)],
                             "prefill": ["short1", "short2"], "decode": ["short1", "short2"]}
-    assert stage.step() == {"admitted": [], "chunk": ("long1", 16, 16), "prefill": [], "decode": ["short1", "short2"]}
+    assert stage.step() == {"admitted": [], "chunks": [("long1", 16, 16)], "prefill": [], "decode": ["short1", "short2"]}
     assert not long1.generated and [r.name for r in stage.waiting] == ["long2"]
-    # the last chunk (8 tokens) makes long1's first token; it decodes in the same step
-    assert stage.step() == {"admitted": [], "chunk": ("long1", 32, 8), "prefill": [],
+    # long1's last chunk (8 tokens) makes its first token, and it decodes in the same step; the 8
+    # tokens left in the step go to long2, admitted now and packed beside it
+    assert stage.step() == {"admitted": ["long2"], "chunks": [("long1", 32, 8), ("long2", 0, 8)], "prefill": [],
                             "decode": ["short1", "short2", "long1"]}
     assert len(long1.generated) == 2 and long1.prefilled == 40
-    # long2 is admitted once no chunked prefill runs, and starts at once; the running decode in
-    # the order they were admitted
-    assert stage.step() == {"admitted": ["long2"], "chunk": ("long2", 0, 16), "prefill": [],
-                            "decode": ["long1", "short1", "short2"]}
-    assert stage.step()["chunk"] == ("long2", 16, 4)
-    assert stage.step()["chunk"] is None and not stage.waiting
+    # running requests decode in the order they were admitted
+    assert stage.step() == {"admitted": [], "chunks": [("long2", 8, 12)], "prefill": [],
+                            "decode": ["long1", "short1", "short2", "long2"]}
+    assert stage.step()["chunks"] == [] and not stage.waiting
+
+
+def test_thinker_packs_several_long_prompts_in_admission_order_up_to_the_batch():
+    stage = ThinkerStage(slots=8, prefill_batch=3, prefill_chunk=100, long_prompt=10)
+    longs = [Reply(f"L{i}", prompt_tokens=n) for i, n in enumerate((30, 50, 40, 20))]
+    stage.waiting += longs
+    # every long prompt that fits the step's 100 tokens is admitted, at most 3 in prefill at once
+    assert stage.step()["chunks"] == [("L0", 0, 30), ("L1", 0, 50), ("L2", 0, 20)]
+    # running ones first, in admission order; L3 waits for a place among the 3 in prefill
+    assert stage.step() == {"admitted": ["L3"], "chunks": [("L2", 20, 20), ("L3", 0, 20)], "prefill": [],
+                            "decode": ["L0", "L1", "L2", "L3"]}
+    assert all(r.prefilled == len(r.prompt) for r in longs)
 
 
 def test_thinker_a_long_prompt_takes_a_free_slot_in_arrival_order():
@@ -398,10 +409,10 @@ def test_thinker_a_long_prompt_takes_a_free_slot_in_arrival_order():
     stage.waiting.append(busy)
     stage.step()
     stage.waiting += [Reply("long", prompt_tokens=20), Reply("short", prompt_tokens=5)]
-    assert stage.step() == {"admitted": ["long"], "chunk": ("long", 0, 8), "prefill": [], "decode": ["busy"]}
-    assert stage.step() == {"admitted": [], "chunk": ("long", 8, 8), "prefill": [], "decode": ["busy"]}
+    assert stage.step() == {"admitted": ["long"], "chunks": [("long", 0, 8)], "prefill": [], "decode": ["busy"]}
+    assert stage.step() == {"admitted": [], "chunks": [("long", 8, 8)], "prefill": [], "decode": ["busy"]}
     stage.running.remove(busy)                       # a slot for short: prefilled beside long's last chunk
-    assert stage.step() == {"admitted": ["short"], "chunk": ("long", 16, 4), "prefill": ["short"],
+    assert stage.step() == {"admitted": ["short"], "chunks": [("long", 16, 4)], "prefill": ["short"],
                             "decode": ["long", "short"]}
 
 
@@ -417,7 +428,7 @@ def test_thinker_a_saturated_outbox_sits_out_of_decode():
     assert not stage.has_work()                      # no reader keeps up, nothing waits
     stage.waiting.append(Reply("c"))
     assert stage.has_work()                          # a waiting request and a free slot
-    assert stage.step() == {"admitted": ["c"], "chunk": None, "prefill": ["c"], "decode": ["c"]}
+    assert stage.step() == {"admitted": ["c"], "chunks": [], "prefill": ["c"], "decode": ["c"]}
     a.outbox.saturated = False
     assert stage.step()["decode"] == ["a", "c"]
 
@@ -426,6 +437,6 @@ def test_thinker_a_request_finished_by_its_first_token_does_not_decode():
     stage = ThinkerStage(slots=2)
     one, more = Reply("one", max_tokens=1), Reply("more")
     stage.waiting += [one, more]
-    assert stage.step() == {"admitted": ["one", "more"], "chunk": None, "prefill": ["one", "more"],
+    assert stage.step() == {"admitted": ["one", "more"], "chunks": [], "prefill": ["one", "more"],
                             "decode": ["more"]}
     assert stage.finished == ["one"] and len(more.generated) == 2

@@ -3,8 +3,9 @@
 rotated) and get [B, Hq, S, D] back.
 
 - `SlotKVCache`: one preallocated slot per running sequence (thinker, talker). A step is
-  described by a `SlotStep` (which slots, where each sequence's new tokens start), or by the
-  graph-friendly views `prefill_view` (whole prompts from position 0) and `decode_view`.
+  described by a `SlotStep` (which slots, where each sequence's new tokens start), a `PackedStep`
+  (chunks of several prompts packed into one row, no padding: long prompts' chunked prefill), or by
+  the graph-friendly views `prefill_view` (whole prompts from position 0) and `decode_view`.
 - `GrowingCache`: a throwaway cache for short self-contained sequences (tests).
 - `ShortCache`: preallocated keys for short self-contained sequences that advance together (the code
   predictor's 16-position frame); also offers the token-major `attend_tokens` (fused kernel).
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from voxpipe import kernels
 
@@ -53,6 +55,22 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return _sdpa(q, k, v, mask.expand(q.shape[0], 1, s, total), scale)
 
 
+def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`_causal_sdpa` for long chunks: on CUDA in bf16 / fp16 the key heads are repeated for the
+    query heads and flash attention runs with the causal mask aligned to the last key
+    (`causal_lower_right`), so no [S, L] mask is built or read (with one, SDPA leaves flash for a
+    slower kernel); elsewhere `_causal_sdpa` itself."""
+    s, total = q.shape[2], k.shape[2]
+    if s == 1 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return _causal_sdpa(q, k, v, scale)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if s == total:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, total), scale=scale)
+
+
 @dataclass
 class SlotStep:
     """Where one engine step's tokens go: sequence b writes S tokens at positions
@@ -72,6 +90,46 @@ class SlotStep:
         k_pos = torch.arange(kv_len, device=device)
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)                # [B, 1, S, L]
         return cls(torch.tensor(slots, dtype=torch.long, device=device), st, new_tokens, kv_len, mask)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's part of a packed row: its `length` new tokens sit at `offset` .. offset +
+    length - 1 of the row and go to positions `start` .. start + length - 1 of cache slot `slot`."""
+
+    slot: int
+    start: int
+    length: int
+    offset: int
+
+
+@dataclass
+class PackedStep:
+    """Several sequences' new tokens packed into one row [1, T] (no padding): each segment writes
+    its keys into its own slot and attends causally to its slot's earlier positions and to itself."""
+
+    segments: list[Segment]
+
+    @classmethod
+    def pack(cls, parts: list[tuple[int, int, int]]) -> "PackedStep":
+        """`parts`: (slot, start, length) per sequence, in row order."""
+        segments, offset = [], 0
+        for slot, start, length in parts:
+            segments.append(Segment(slot, start, length, offset))
+            offset += length
+        return cls(segments)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[1, T]: each token's position in its own sequence."""
+        return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in self.segments])[None]
+
+    def ends(self, device: torch.device) -> torch.Tensor:
+        """[segments]: the row index of each segment's last token."""
+        return torch.tensor([s.offset + s.length - 1 for s in self.segments], device=device)
 
 
 class SlotKVCache:
@@ -139,6 +197,9 @@ class SlotKVCache:
     def bind(self, step: SlotStep) -> "_BoundSlotCache":
         return _BoundSlotCache(self, step)
 
+    def packed(self, step: PackedStep) -> "_PackedSlotCache":
+        return _PackedSlotCache(self, step)
+
 
 class _BoundSlotCache:
     def __init__(self, cache: SlotKVCache, step: SlotStep) -> None:
@@ -162,6 +223,26 @@ class _BoundSlotCache:
         return _sdpa(q, keys, values, st.mask, scale)
 
 
+class _PackedSlotCache:
+    def __init__(self, cache: SlotKVCache, step: PackedStep) -> None:
+        self.cache, self.step = cache, step
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [1, Hq, T, D], k / v [1, Hkv, T, D]: segment by segment, its keys into its slot, then its
+        queries over its slot's positions 0 .. start + length - 1."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        segments = self.step.segments
+        outs = []
+        for sg in segments:
+            rows = slice(sg.offset, sg.offset + sg.length)
+            end = sg.start + sg.length
+            kc[sg.slot, :, sg.start:end] = k[0, :, rows]
+            vc[sg.slot, :, sg.start:end] = v[0, :, rows]
+            outs.append(_causal_flash(q[:, :, rows], kc[sg.slot:sg.slot + 1, :, :end], vc[sg.slot:sg.slot + 1, :, :end],
+                                     scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 class _DensePrefill:
     def __init__(self, cache: SlotKVCache, slots: torch.Tensor, s: int) -> None:
         self.cache, self.slots = cache, slots[:, None]
@@ -173,6 +254,8 @@ class _DensePrefill:
         # advanced indices around a slice: the indexed view is [B, S, Hkv, D]
         self.cache.k[layer][self.slots, :, self.pos] = k.transpose(1, 2)
         self.cache.v[layer][self.slots, :, self.pos] = v.transpose(1, 2)
+        if q.is_cuda:   # every prompt starts at position 0: plain causal, flash attention (no mask read)
+            return _causal_flash(q, k, v, scale)
         return _sdpa(q, k, v, self.mask, scale)
 
 

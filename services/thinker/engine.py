@@ -44,20 +44,25 @@ def assistant_head_index(cfg: ThinkerConfig, ids: list[int]) -> int | None:
     return None
 
 
+PREFILL_CHUNK = 2048   # long prompts' tokens a step prefills, packed (--prefill-chunk)
+
+
 class ThinkerEngine(StageEngine):
     name = "thinker"
 
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, tokenizer, *, device: torch.device,
                  max_active: int, max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True,
                  prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512,
-                 prefill_chunk: int = 512, eager_fallback: bool = False) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, eager_fallback: bool = False) -> None:
         """A step prefills up to `prefill_batch` prompts with at most `prefill_tokens` padded tokens
-        together; prompts up to `prefill_graph_len` tokens replay CUDA graphs; longer than
-        `prefill_chunk` tokens are prefilled `prefill_chunk` tokens per step."""
+        together; prompts up to `prefill_graph_len` tokens replay CUDA graphs. Longer prompts (and
+        any longer than `prefill_chunk`) are prefilled in chunks packed into one row, at most
+        `prefill_chunk` tokens per step (ThinkerScheduler)."""
         super().__init__(max_active)
         self.cfg, self.tokenizer, self.device, self.max_len = cfg, tokenizer, device, max_len
         self.eos_ids = eos_ids
-        self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk)
+        self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk,
+                                          long_prompt=min(prefill_chunk, prefill_graph_len))
         self.runner = ThinkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
                                     eos_ids=eos_ids, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback)
@@ -78,12 +83,12 @@ class ThinkerEngine(StageEngine):
                 job.mark_started()
                 self.running.append(job)
                 self.waiting.remove(job)
-        if plan.chunk is not None:
-            chunk = plan.chunk
-            prefilled = self.runner.prefill_chunk(chunk.request, chunk.start, chunk.length)
-            chunk.request.prefilled = chunk.start + chunk.length
-            if prefilled is not None:
-                self._first_outputs([chunk.request], prefilled)
+        if plan.chunks:
+            done, prefilled = self.runner.prefill_chunks([(c.request, c.start, c.length) for c in plan.chunks])
+            for c in plan.chunks:
+                c.request.prefilled = c.start + c.length
+            if done:
+                self._first_outputs(done, prefilled)
         if plan.prefill:
             metrics.PREFILL_BATCH.labels(self.name).observe(len(plan.prefill))
             prefilled = self.runner.prefill(plan.prefill)

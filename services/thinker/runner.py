@@ -15,7 +15,7 @@ import torch
 
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
-from ..runtime.kv_cache import SlotKVCache, SlotStep
+from ..runtime.kv_cache import PackedStep, SlotKVCache
 from ..runtime.outputs import TalkerPromptOut, TokenLogprob
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
 from .job import ThinkerJob
@@ -91,8 +91,9 @@ class ThinkerRunner:
                               torch.zeros(max_active, dtype=torch.long, device=dev)),
             buckets(max_active), buckets(max_len, min(256, max_len)), "thinker decode"), eager_fallback)
         n = min(self.prefill_batch, max_active)
+        # the graphs also return the hidden layer that audio prompts' talker rows take (one add more)
         self.prefill_graphs = captured("thinker prefill", lambda: GraphedStep(
-            lambda *args: self._prefill_fn(*args)[:1],
+            lambda *args: self._prefill_fn(*args, keep=self.cfg.accept_hidden_layer),
             (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
              torch.arange(n, dtype=torch.long, device=dev)),
             buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill",
@@ -150,8 +151,8 @@ class ThinkerRunner:
         last = torch.tensor([len(j.prompt) - 1 for j in jobs]).to(dev, non_blocking=True)
         slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
         g = self.prefill_graphs
-        if keep is None and g is not None and g.fits(n, s):   # padding rows go to the scratch KV row
-            (logits,), hidden = g(n, s, x, last, slots), None
+        if g is not None and g.fits(n, s):   # padding rows go to the scratch KV row
+            logits, hidden = g(n, s, x, last, slots)
         else:
             logits, hidden = self._prefill_fn(n, s, x, last, slots, keep)
         prompts = []
@@ -165,29 +166,39 @@ class ThinkerRunner:
             prompts.append(prompt)
         return Prefilled(logits, prompts)
 
-    def prefill_chunk(self, job: ThinkerJob, start: int, length: int) -> Prefilled | None:
-        """Prompt tokens start .. start + length - 1 of a long prompt (eager), attending to the cached
-        part; after its last chunk, what its prefill made (as `prefill`), else None."""
+    def prefill_chunks(self, chunks: list[tuple[ThinkerJob, int, int]]) -> tuple[list[ThinkerJob], Prefilled]:
+        """Chunks (job, start, length) of long prompts packed into one row (eager, no padding), each
+        attending to its job's cached part. Returns the jobs whose prompt ended in this step, in
+        order, and what their prefill made (as `prefill`)."""
         dev = self.device
-        if job.embeds is None:   # first chunk: the whole prompt's embeddings, kept until the last chunk
-            ids = torch.tensor(job.prompt, device=dev)
-            job.embeds = self.model.embed(ids, [a.to(dev, torch.float32) for a in job.audio])
-        keep = self.cfg.accept_hidden_layer if job.talker_rows and job.audio else None
-        step = SlotStep.build([job.slot], [start], length, dev)
-        positions = torch.arange(start, start + length, device=dev)[None]
-        logits, hidden = self.model(job.embeds[None, start:start + length], positions, self.cache.bind(step),
-                                    keep_hidden=keep)
-        if hidden is not None:
-            job.kept.append(hidden[0])
-        if start + length < len(job.prompt):
-            return None
-        job.generator = job.params.generator(dev)
-        prompt = None
-        if job.talker_rows:
-            kept = torch.cat(job.kept).cpu() if job.kept else None
-            prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
-        job.embeds, job.kept = None, []
-        return Prefilled(logits, [prompt])
+        for job, _, _ in chunks:
+            if job.embeds is None:   # first chunk: the whole prompt's embeddings, kept until the last chunk
+                ids = torch.tensor(job.prompt, device=dev)
+                job.embeds = self.model.embed(ids, [a.to(dev, torch.float32) for a in job.audio])
+        kept_by = [bool(job.talker_rows and job.audio) for job, _, _ in chunks]
+        keep = self.cfg.accept_hidden_layer if any(kept_by) else None
+        step = PackedStep.pack([(job.slot, start, length) for job, start, length in chunks])
+        x = torch.cat([job.embeds[start:start + length] for job, start, length in chunks])[None]
+        logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
+                                    last=step.ends(dev))
+        done, rows, prompts = [], [], []
+        for i, ((job, start, length), seg) in enumerate(zip(chunks, step.segments)):
+            if kept_by[i]:
+                job.kept.append(hidden[0, seg.offset:seg.offset + length])
+            if start + length < len(job.prompt):
+                continue
+            job.generator = job.params.generator(dev)
+            prompt = None
+            if job.talker_rows:
+                kept = torch.cat(job.kept).cpu() if job.kept else None
+                prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
+            job.embeds, job.kept = None, []
+            done.append(job)
+            rows.append(i)
+            prompts.append(prompt)
+        if len(rows) < len(chunks):
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        return done, Prefilled(logits, prompts)
 
     def decode(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
         """One decode forward over every slot 0..n-1; `jobs` (each with a token to feed) get logits.

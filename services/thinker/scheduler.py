@@ -3,11 +3,13 @@ prefills its next chunk, and which running requests decode. Pure Python (no tens
 engine applies the schedule, the runner computes, the engine's output step decides what a token
 means (EOS, min / max tokens, stop strings).
 
-Short prompts (at most `prefill_chunk` tokens) are prefilled together, right-padded, in arrival
+Short prompts (at most `long_prompt` tokens) are prefilled together, right-padded, in arrival
 order: up to `prefill_batch` of them while the padded batch (the longest prompt times the prompts)
 stays within `prefill_tokens` tokens (one prompt always fits) and a slot is free for each. A longer
-prompt takes a slot and is prefilled `prefill_chunk` tokens per step, one such prompt at a time;
-long prompts that wait for it do not hold up the short ones behind them. Every running request
+prompt takes a slot and is prefilled in chunks: a step packs up to `prefill_chunk` tokens of long
+prompts into one row (no padding), the running ones first, in the order they were admitted, then
+waiting long prompts while tokens of the step are left (at most `prefill_batch` long prompts in
+prefill at once); long prompts that wait do not hold up the short ones behind them. Every running request
 with a token to feed decodes in every step -- those whose prefill ends in this step too, once the
 prefill made their first token -- except one whose reader is behind (its outbox saturated): it sits
 out, its state unchanged."""
@@ -47,8 +49,8 @@ class Chunk:
 
 @dataclass
 class ThinkerSchedule:
-    admitted: list[Request] = field(default_factory=list)   # take a slot now, in this order (a long prompt first)
-    chunk: Chunk | None = None                                # the next chunk of the long prompt in prefill
+    admitted: list[Request] = field(default_factory=list)   # take a slot now, in this order (long prompts first)
+    chunks: list[Chunk] = field(default_factory=list)        # long prompts' next chunks, packed into one row
     prefill: list[Request] = field(default_factory=list)    # short prompts prefilled together now, in arrival order
     # requests that decode now: running ones with a token to feed, then those whose prefill ends in this
     # step (the engine leaves out any that the prefill's first token finished)
@@ -56,8 +58,10 @@ class ThinkerSchedule:
 
 
 class ThinkerScheduler:
-    def __init__(self, prefill_batch: int, prefill_tokens: int, prefill_chunk: int) -> None:
+    def __init__(self, prefill_batch: int, prefill_tokens: int, prefill_chunk: int, long_prompt: int | None = None) -> None:
+        """`long_prompt`: prompts longer than this are prefilled in chunks (default: `prefill_chunk`)."""
         self.prefill_batch, self.prefill_tokens, self.prefill_chunk = prefill_batch, prefill_tokens, prefill_chunk
+        self.long_prompt = prefill_chunk if long_prompt is None else long_prompt
 
     def has_work(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int) -> bool:
         return any(not r.outbox.saturated for r in running) or (bool(waiting) and free_slots > 0)
@@ -65,14 +69,23 @@ class ThinkerScheduler:
     def schedule(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int) -> ThinkerSchedule:
         plan = ThinkerSchedule(decode=[r for r in running if r.generated and not r.outbox.saturated])
         chunking = self.chunking(running)
+        budget = self.prefill_chunk
+        for r in chunking:
+            if budget <= 0:
+                break
+            plan.chunks.append(Chunk(r, r.prefilled, min(budget, len(r.prompt) - r.prefilled)))
+            budget -= plan.chunks[-1].length
+        in_prefill = len(chunking)
         free, longest = free_slots, 0
         for r in waiting:
             if len(plan.prefill) >= min(self.prefill_batch, free):
                 break
-            if len(r.prompt) > self.prefill_chunk:     # a long prompt: chunked, one at a time
-                if chunking is None and free > len(plan.prefill):
+            if len(r.prompt) > self.long_prompt:       # a long prompt: chunked, packed with the others
+                if budget > 0 and in_prefill < self.prefill_batch and free > len(plan.prefill):
                     plan.admitted.append(r)
-                    chunking = r
+                    plan.chunks.append(Chunk(r, 0, min(budget, len(r.prompt))))
+                    budget -= plan.chunks[-1].length
+                    in_prefill += 1
                     free -= 1
                 continue
             longest_next = max(longest, len(r.prompt))
@@ -81,15 +94,11 @@ class ThinkerScheduler:
             plan.prefill.append(r)
             longest = longest_next
         plan.admitted += plan.prefill
-        if chunking is not None:
-            start = chunking.prefilled
-            plan.chunk = Chunk(chunking, start, min(self.prefill_chunk, len(chunking.prompt) - start))
-            if plan.chunk.last and not chunking.outbox.saturated:
-                plan.decode.append(chunking)
+        plan.decode += [c.request for c in plan.chunks if c.last and not c.request.outbox.saturated]
         plan.decode += [r for r in plan.prefill if not r.outbox.saturated]
         return plan
 
     @staticmethod
-    def chunking(running: Sequence[Request]) -> Request | None:
-        """The running request whose prompt is still being prefilled (in chunks; at most one)."""
-        return next((r for r in running if r.prefilled < len(r.prompt)), None)
+    def chunking(running: Sequence[Request]) -> list[Request]:
+        """The running requests whose prompts are still being prefilled (in chunks), in admission order."""
+        return [r for r in running if r.prefilled < len(r.prompt)]

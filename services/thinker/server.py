@@ -24,7 +24,7 @@ from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finishe
                               stage_setup, talker_prompt_proto)
 from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
-from .engine import ThinkerEngine, assistant_head_index
+from .engine import PREFILL_CHUNK, ThinkerEngine, assistant_head_index
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
 from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_problem
@@ -244,9 +244,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--talker", default=os.environ.get("VOXPIPE_TALKER", ""),
                         help="the talker replicas spoken replies go to: host:port and/or dns:///name:port, "
                              "comma-separated (env VOXPIPE_TALKER); unset: text only")
-    parser.add_argument("--prefill-chunk", type=int, default=512,
-                        help="prompts longer than this many tokens are prefilled in chunks of it, one per engine "
-                             "step, so running requests keep decoding")
+    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                        help="long prompts (over 512 tokens, or over this) are prefilled in chunks: an engine step "
+                             "packs at most this many of their tokens into one forward, so running requests keep "
+                             "decoding between steps")
 
 
 def run(args) -> None:
