@@ -98,7 +98,7 @@ class InProcessPipeline:
                     elif isinstance(item, TextOut):
                         yield TextEvent(item.index, list(item.token_ids), self.thinker.text(tj, item))
                         if item.rows is not None:
-                            self.talker.engine.add_rows(ta_job, item.rows)
+                            self.talker.engine.add_rows(ta_job, item.rows, more=item.more)
                     elif isinstance(item, Finished):
                         text_done, reason_text = True, int(item.reason)
                         self.talker.engine.end_text(ta_job)

@@ -569,6 +569,38 @@ def test_a_refusal_reaches_an_asyncio_client_that_is_still_writing(stack):
     assert all("unknown speaker 'Bob'" in details for _, details in statuses)
 
 
+def test_a_row_sent_with_more_is_spoken_before_the_next_row(stack, channels):
+    """TextRows.more says the reply goes on after a row: the talker prefills on it (and makes frame
+    0) without waiting for the next row, as it must wait without the flag. A client that says more
+    and then ends the text gets its frames and a normal end, and the stage keeps serving."""
+    async def first_frame_wait(more: bool) -> tuple[float | None, list[str]]:
+        async with grpc.aio.insecure_channel(stack.address("talker"), options=CHANNEL_OPTIONS) as ch:
+            call = pb_grpc.TalkerStub(ch).Generate()
+            await call.write(talker_start())
+            await call.write(text_rows(1, more=more))
+            t0 = time.monotonic()
+            reading = asyncio.ensure_future(call.read())     # not cancelled on the timeout: that ends the call
+            done, _ = await asyncio.wait([reading], timeout=3.0)
+            waited = time.monotonic() - t0 if done else None
+            await call.write(text_rows(2))
+            await call.write(TEXT_END)
+            await call.done_writing()
+            kinds = [(await reading).WhichOneof("kind")]
+            while (r := await call.read()) is not grpc.aio.EOF:
+                kinds.append(r.WhichOneof("kind"))
+            return waited, kinds
+
+    waited, kinds = asyncio.run(first_frame_wait(True))
+    assert waited is not None and kinds[0] == "frames" and kinds[-1] == "finished", (waited, kinds)
+    waited, kinds = asyncio.run(first_frame_wait(False))
+    assert waited is None and kinds[0] == "frames" and kinds[-1] == "finished", (waited, kinds)
+    # more on every row, then the end: the rows all count as spoken, the request ends normally
+    responses, err = call(channels, "talker", [talker_start(), text_rows(2, more=True), TEXT_END])
+    assert err is None, (err.code(), err.details())
+    assert responses[-1].WhichOneof("kind") == "finished"
+    assert_still_serving(stack, channels, "talker")
+
+
 def pending_upload_bytes(stack, stage: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports[stage]}/metrics", timeout=5).read().decode()
     m = re.search(rf'^voxpipe_pending_upload_bytes\{{stage="{stage}"\}} (\S+)$', text, re.M)

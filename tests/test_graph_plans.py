@@ -78,7 +78,8 @@ def test_graphed_step_pads_and_buckets(n):
 
 def test_padded_prefill_rows_write_only_the_scratch_slot(tiny_model_dir, monkeypatch):
     """A graphed prefill of 3 prompts runs the 4-row bucket: the padding row writes the scratch KV row
-    and no sequence's slot, and the 3 prompts' logits equal one eager prefill each."""
+    and no sequence's slot, and the 3 prompts' logits and kept hidden layers (the talker's rows of
+    an audio prompt) equal one eager prefill each."""
     pipe = _pipeline(tiny_model_dir, True, monkeypatch)
     try:
         eng = pipe.thinker.engine.runner     # its KV cache, graphs and step functions
@@ -94,12 +95,15 @@ def test_padded_prefill_rows_write_only_the_scratch_slot(tiny_model_dir, monkeyp
                       for n in lens]
             x = torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True)
             last = torch.tensor([n - 1 for n in lens])
-            (got,) = eng.prefill_graphs(3, max(lens), x, last, torch.tensor(slots))
+            got, kept = eng.prefill_graphs(3, max(lens), x, last, torch.tensor(slots))
             assert eng.prefill_graphs.static[2][3].item() == eng.cache.scratch
             assert torch.equal(eng.cache.k[0][3:eng.cache.scratch], before)
             assert not (eng.cache.k[0][eng.cache.scratch, :, :max(lens)] == 7.0).any()
-            want = [eng._prefill_fn(1, n, e[None], torch.tensor([n - 1]), torch.tensor([s]))[0]
+            layer = eng.cfg.accept_hidden_layer
+            want = [eng._prefill_fn(1, n, e[None], torch.tensor([n - 1]), torch.tensor([s]), layer)
                     for n, e, s in zip(lens, embeds, slots)]
-        assert torch.allclose(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+        assert torch.allclose(got, torch.cat([w[0] for w in want]), atol=1e-5, rtol=1e-5)
+        for b, (n, w) in enumerate(zip(lens, want)):
+            assert torch.allclose(kept[b, :n], w[1][0], atol=1e-5, rtol=1e-5)
     finally:
         pipe.close()

@@ -171,6 +171,7 @@ class Speech:
     prompt_rows: int = 20
     rows: list[int] = field(default_factory=list)
     text_done: bool = False
+    spoken: int = 0
     codes0: list[int] = field(default_factory=list)
     pending: object | None = None
     outbox: Reader = field(default_factory=Reader)
@@ -210,6 +211,23 @@ def test_text_rows_usable_only_once_a_later_row_or_the_end_arrived():
     assert [text_row(3, True, i) for i in range(5)] == [TextRow.ROW, TextRow.ROW, TextRow.EOS, TextRow.PAD,
                                                        TextRow.PAD]
     assert text_row(0, True, 0) == TextRow.PAD and text_row(0, False, 0) == TextRow.WAIT
+    # rows the thinker said the reply goes on after (TextRows.more) are usable at once
+    assert [text_row(3, False, i, spoken=3) for i in range(4)] == [TextRow.ROW] * 3 + [TextRow.WAIT]
+    assert text_row(4, True, 2, spoken=3) == TextRow.ROW and text_row(4, True, 3, spoken=3) == TextRow.EOS
+
+
+def test_talker_starts_on_a_row_known_to_be_spoken():
+    """With TextRows.more the first row is usable before the second arrives: the prefill (and frame
+    0) one thinker step earlier; frame 1 then waits for row 1 as usual."""
+    stage = TalkerStage(slots=4)
+    sure, unsure = Speech("sure", rows=[0], spoken=1), Speech("unsure", rows=[0])
+    stage.waiting += [sure, unsure]
+    assert stage.step() == (["sure"], [])
+    assert not stage.has_work()
+    sure.rows.append(1)                              # sent without more: usable once row 2 or the end is in
+    assert not stage.has_work()
+    sure.spoken = 2
+    assert stage.step() == ([], ["sure"])
 
 
 def test_talker_rows_not_ready_sit_out():

@@ -56,10 +56,12 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """`_causal_sdpa` for long chunks: on CUDA in bf16 / fp16 the key heads are repeated for the
-    query heads and flash attention runs with the causal mask aligned to the last key
-    (`causal_lower_right`), so no [S, L] mask is built or read (with one, SDPA leaves flash for a
-    slower kernel); elsewhere `_causal_sdpa` itself."""
+    """`_causal_sdpa` for long prompts' chunks: on CUDA in bf16 / fp16 the key heads are repeated
+    for the query heads and flash attention runs with the causal mask aligned to the last key
+    (`causal_lower_right`), so no mask is built: `_sdpa`'s grouped-query regrouping would make it
+    [Hq / Hkv * S, L] (268 MB a layer for a 4,096-token chunk as an additive bias); elsewhere
+    `_causal_sdpa` itself. On the H200 a 512-token chunk over 2,500 positions takes 0.14 ms a layer
+    this way and 0.12 ms masked (bench/RESULTS.md): the choice is for the mask's memory, not speed."""
     s, total = q.shape[2], k.shape[2]
     if s == 1 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return _causal_sdpa(q, k, v, scale)
@@ -254,8 +256,6 @@ class _DensePrefill:
         # advanced indices around a slice: the indexed view is [B, S, Hkv, D]
         self.cache.k[layer][self.slots, :, self.pos] = k.transpose(1, 2)
         self.cache.v[layer][self.slots, :, self.pos] = v.transpose(1, 2)
-        if q.is_cuda:   # every prompt starts at position 0: plain causal, flash attention (no mask read)
-            return _causal_flash(q, k, v, scale)
         return _sdpa(q, k, v, self.mask, scale)
 
 

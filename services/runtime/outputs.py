@@ -56,6 +56,7 @@ class TextOut:
     text: str | None
     rows: "torch.Tensor | None" = None   # [n, H] on the host: their talker rows (talker_rows)
     logprobs: tuple[TokenLogprob, ...] = ()   # one per token, when asked
+    more: bool = False   # the reply surely goes on after these tokens (TextRows.more: their last row is spoken)
 
     @property
     def count(self) -> int:

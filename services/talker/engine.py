@@ -37,9 +37,12 @@ class TalkerEngine(StageEngine):
                                    prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback)
 
     # ---- inputs from the handler
-    def add_rows(self, job: TalkerJob, rows: torch.Tensor) -> None:
+    def add_rows(self, job: TalkerJob, rows: torch.Tensor, more: bool = False) -> None:
+        """`more`: the reply surely goes on after these rows (TextRows.more): all of them are spoken."""
         with self.lock:
             job.rows.extend(rows.unbind(0))
+            if more:
+                job.spoken = len(job.rows)
             self.lock.notify_all()
 
     def end_text(self, job: TalkerJob) -> None:

@@ -34,6 +34,7 @@ class TalkerJob(EngineRequest):
     code2wav: pb.Code2WavParams | None = None   # frames continue in a code2wav (see relay.py)
     rows: list[torch.Tensor] = field(default_factory=list)   # thinker-space text rows [H] in order
     text_done: bool = False
+    spoken: int = 0     # rows known to be spoken (TextRows.more): the reply went on after them
     slot: int | None = None
     prompt_len: int = 0
     codes0: list[int] = field(default_factory=list)
@@ -56,7 +57,7 @@ class TalkerJob(EngineRequest):
 
     def next_text_row(self) -> torch.Tensor:
         """The thinker-space text row of its next step (the step that makes frame len(codes0))."""
-        state = text_row(len(self.rows), self.text_done, len(self.codes0))
+        state = text_row(len(self.rows), self.text_done, len(self.codes0), self.spoken)
         if state == TextRow.ROW:
             return self.rows[len(self.codes0)]
         return self.special[1] if state == TextRow.EOS else self.special[2]

@@ -4,7 +4,8 @@ runner computes, the engine's output step decides what a frame means (EOS, min /
 
 Text rows arrive while the talker runs. Row i of a request is the thinker embedding of the
 (i+1)-th assistant text token; the very last token the thinker produces is never spoken, so a
-row is usable only once a later row (or the end of text) has arrived. The prompt ends with row 0;
+row is usable only once a later row (or the end of text) has arrived, or once the thinker said
+that the reply goes on after it (TextRows.more: `spoken` rows are sure). The prompt ends with row 0;
 the step that makes frame k (k >= 1) reads text row k, then tts_eos once past the text, then
 tts_pad: a request whose row is not there yet simply sits out that step."""
 
@@ -26,9 +27,10 @@ class TextRow(Enum):
     WAIT = "wait"    # not known yet: the next row (or the end of text) has not arrived
 
 
-def text_row(rows: int, text_done: bool, i: int) -> TextRow:
-    """The text side of the input that reads row `i`, for a request that has `rows` rows so far."""
-    if i < rows - 1:
+def text_row(rows: int, text_done: bool, i: int, spoken: int = 0) -> TextRow:
+    """The text side of the input that reads row `i`, for a request that has `rows` rows so far, of
+    which the first `spoken` are known to be followed by more text."""
+    if i < rows - 1 or i < spoken:
         return TextRow.ROW
     if not text_done:
         return TextRow.WAIT
@@ -44,6 +46,7 @@ class Speech(Protocol):
 
     rows: Sequence[object]       # thinker text rows so far
     text_done: bool              # no more rows will come
+    spoken: int                  # the first `spoken` rows are surely spoken (the reply went on after them)
     codes0: Sequence[int]        # code 0 of each frame made so far
     pending: object | None       # its next input (without the text row); None until its last step's output is in
     prompt_rows: int             # rows of its prompt
@@ -72,7 +75,7 @@ class TalkerScheduler:
         plan = TalkerSchedule(decode=[s for s in running if self.decode_ready(s)])
         ready = []
         for s in waiting:
-            state = text_row(len(s.rows), s.text_done, 0)
+            state = text_row(len(s.rows), s.text_done, 0, s.spoken)
             if state == TextRow.ROW:
                 ready.append(s)
             elif state != TextRow.WAIT:
@@ -88,10 +91,10 @@ class TalkerScheduler:
     @staticmethod
     def prefill_ready(s: Speech) -> bool:
         """Its prompt is known: its first text row is usable, or its text ended."""
-        return text_row(len(s.rows), s.text_done, 0) != TextRow.WAIT
+        return text_row(len(s.rows), s.text_done, 0, s.spoken) != TextRow.WAIT
 
     @staticmethod
     def decode_ready(s: Speech) -> bool:
         """Its next input and the text row that goes with it are there, and its reader keeps up."""
         return (s.pending is not None and not s.outbox.saturated
-                and text_row(len(s.rows), s.text_done, len(s.codes0)) != TextRow.WAIT)
+                and text_row(len(s.rows), s.text_done, len(s.codes0), s.spoken) != TextRow.WAIT)

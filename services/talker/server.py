@@ -86,7 +86,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
                     if len(msg.rows.token_ids) not in (0, rows.shape[0]):
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"{len(msg.rows.token_ids)} token ids for {rows.shape[0]} rows")
-                    self.engine.add_rows(job, rows)
+                    self.engine.add_rows(job, rows, more=msg.rows.more)
                 elif kind == "text_end":
                     self.engine.end_text(job)
                 elif kind == "cancel":

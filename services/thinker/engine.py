@@ -44,7 +44,7 @@ def assistant_head_index(cfg: ThinkerConfig, ids: list[int]) -> int | None:
     return None
 
 
-PREFILL_CHUNK = 2048   # long prompts' tokens a step prefills, packed (--prefill-chunk)
+PREFILL_CHUNK = 4096   # long prompts' tokens a step prefills, packed (--prefill-chunk; bench/RESULTS.md)
 
 
 class ThinkerEngine(StageEngine):
@@ -129,7 +129,8 @@ class ThinkerEngine(StageEngine):
         for start in range(0, len(ids), FORCED_DELTA_TOKENS):
             piece = ids[start:start + FORCED_DELTA_TOKENS]
             job.outbox.put(TextOut(start, tuple(piece), job.forced.text if start == 0 else "",
-                                   None if rows is None else rows[start:start + len(piece)]))
+                                   None if rows is None else rows[start:start + len(piece)],
+                                   more=start + len(piece) < len(ids)))
         job.generated.extend(ids)
         self.finish(job, Finished(FinishReason.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids)))
 

@@ -159,7 +159,7 @@ class ReplyText:
         self.count += 1
         if not self.stops:       # nothing to match: out at once, the text left to the servicer
             out = TextOut(self.sent, (token,), None, None if row is None else row[None],
-                          () if logprob is None else (logprob,))
+                          () if logprob is None else (logprob,), more=not last)
             self.sent += 1
             return [out], False
         text = self.detok.push(token)

@@ -53,7 +53,7 @@ class TalkerRelay:
                 return [item]
             if self.down is not None:
                 await self.down.write(pb.TalkerRequest(rows=pb.TextRows(token_ids=item.token_ids,
-                                                                         rows=to_proto(item.rows))))
+                                                                         rows=to_proto(item.rows), more=item.more)))
             return [dataclasses.replace(item, rows=None)]
         if isinstance(item, Finished):
             self.text_done = True

@@ -66,7 +66,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                 return None
             rows = torch.cat((a, b))
         text = None if first.text is None else first.text + then.text
-        return TextOut(first.index, first.token_ids + then.token_ids, text, rows, first.logprobs + then.logprobs)
+        return TextOut(first.index, first.token_ids + then.token_ids, text, rows, first.logprobs + then.logprobs,
+                       more=then.more)
 
     def to_proto(self, req: ThinkerJob, item: object) -> pb.ThinkerResponse:
         if isinstance(item, TextOut):

@@ -281,12 +281,14 @@ class TalkerStart(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[TalkerPrompt, _Mapping]] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., code2wav: _Optional[_Union[Code2WavParams, _Mapping]] = ..., text_cap: _Optional[_Union[TextFrameCap, _Mapping]] = ...) -> None: ...
 
 class TextRows(_message.Message):
-    __slots__ = ("token_ids", "rows")
+    __slots__ = ("token_ids", "rows", "more")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     rows: Tensor
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    more: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class TextEnd(_message.Message):
     __slots__ = ()
