@@ -24,7 +24,7 @@ from . import server_stats
 from .report import ReferenceRun, section
 from .requests import RequestMaker
 from .workload import WORKLOADS, LevelResult, Workload, run_level
-from voxpipe.layout import Layout, LayoutError
+from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, parse_sm_shares, sm_share_env
 
 STAGES = ("thinker", "talker", "code2wav")
 MODES = ("gateway", "split", "inprocess")
@@ -95,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gateway +20")
     p.add_argument("--mps", action="store_true",
                    help="split mode: run the three services under a CUDA MPS daemon started (and quit) by the bench")
+    p.add_argument("--mps-sm-percent", default="", metavar="SHARES", help=MPS_SM_HELP + " (with --mps)")
     p.add_argument("--ablation", action="store_true",
                    help="split mode at the first concurrency level once per optimization layer, adding one at a time")
     p.add_argument("--devices", default="", metavar="LAYOUT",
@@ -141,6 +142,7 @@ class Plan:
     modes: dict[str, list[str]]        # workload name -> modes
     notes: dict[str, list[str]]        # workload name -> lines for the report
     layout: Layout                     # replicas and devices per stage (--devices, --device)
+    sm_shares: dict[str, int]          # stage -> percent of the SMs under MPS (--mps-sm-percent)
 
     @classmethod
     def of(cls, args) -> "Plan":
@@ -158,12 +160,15 @@ class Plan:
                                       "that of sampling but for the draws)")
         try:
             layout = Layout.parse(args.devices, args.device)
+            shares = parse_sm_shares(args.mps_sm_percent)
         except LayoutError as e:
             raise SystemExit(str(e)) from None
+        if shares and not args.mps:
+            raise SystemExit("--mps-sm-percent limits the stages' share of the SMs under CUDA MPS: add --mps")
         if not layout.single and "inprocess" in args.modes:
             raise SystemExit(f"--devices {args.devices}: replicas need separate processes (modes split, gateway); "
                              f"inprocess runs one engine per stage: leave it out of --modes")
-        return cls(wls, modes, notes, layout)
+        return cls(wls, modes, notes, layout, shares)
 
     def wants(self, mode: str) -> bool:
         return any(mode in m for m in self.modes.values())
@@ -358,7 +363,8 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
     metrics_ports = {name: args.base_port + 100 + i for i, name in enumerate(names)}
     http_port = args.base_port + 99 if plan.wants("gateway") else 0
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
-                       metrics_ports=metrics_ports, http_port=http_port, layout=plan.layout)
+                       metrics_ports=metrics_ports, http_port=http_port, layout=plan.layout,
+                       stage_env=sm_share_env(plan.sm_shares))
     pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
     scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
     t0 = time.perf_counter()
@@ -536,6 +542,8 @@ def run(args) -> int:
     header = (f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · commit {commit} · {device_name or args.device}\n\n"
               f"`{cmd}` — layout: {plan.layout.describe()}"
               + (f" ({gpus} GPUs: req/s per GPU = req/s / {gpus})" if gpus > 1 else "")
+              + (f"; SM shares under MPS: {', '.join(f'{s} {p}%' for s, p in plan.sm_shares.items())}"
+                 if plan.sm_shares else "")
               + (f"; sampled at temperature {args.temperature:g}; " if args.temperature else "; greedy; ")
               + f"copy bandwidth {bw / 1e12:.2f} TB/s; "
               f"TTFP measured at the client: gateway = the openai SDK streaming chat completions (SSE) from the "
@@ -552,7 +560,7 @@ def run(args) -> int:
     (out / "results.json").write_text(json.dumps({
         "commit": commit, "device": device_name, "command": cmd, "copy_bandwidth": bw,
         "layout": {stage: list(ds) for stage, ds in plan.layout.devices.items()}, "gpus": len(plan.layout.gpus),
-        "reference": first.result if first else None,
+        "sm_shares": plan.sm_shares, "reference": first.result if first else None,
         "references": {name: r.as_dict() for name, r in refs.items()},
         "workloads": {w.name: w.describe() for w in plan.workloads},
         "notes": plan.notes, "split_info": info, "levels": [r.as_dict() for r in results]}, indent=1))

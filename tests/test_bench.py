@@ -68,6 +68,28 @@ def test_layouts_parse_and_bad_specs_are_refused():
             Layout.parse(bad, "cpu")
 
 
+def test_sm_shares_parse_reach_their_stage_processes_and_bad_specs_are_refused(stack):
+    import pytest
+
+    from voxpipe.layout import MPS_SM_ENV, LayoutError, parse_sm_shares, sm_share_env
+
+    assert parse_sm_shares("thinker=60, code2wav=100") == {"thinker": 60, "code2wav": 100}
+    assert parse_sm_shares("") == {} and sm_share_env({"talker": 40}) == {"talker": {MPS_SM_ENV: "40"}}
+    for bad, message in [("vocoder=50", "expected STAGE=PERCENT"), ("thinker", "expected STAGE=PERCENT"),
+                         ("thinker=0", "not a whole percentage"), ("thinker=101", "not a whole percentage"),
+                         ("thinker=50%", "not a whole percentage"), ("talker=40,talker=50", "talker named twice")]:
+        with pytest.raises(LayoutError, match=message):
+            parse_sm_shares(bad)
+
+    def environ(stage: str) -> dict[str, str]:
+        raw = open(f"/proc/{stack.procs[stage].pid}/environ", "rb").read().split(b"\0")
+        return dict(item.decode().partition("=")[::2] for item in raw if item)
+
+    # the session's stack runs its talker as `voxpipe up --mps-sm-percent talker=40` does
+    assert environ("talker").get(MPS_SM_ENV) == "40"
+    assert MPS_SM_ENV not in environ("thinker") and MPS_SM_ENV not in environ("code2wav")
+
+
 def test_bench_and_up_refuse_bad_layouts(tmp_path):
     base = [sys.executable, "-m", "voxpipe.cli"]
     cases = [
@@ -76,6 +98,9 @@ def test_bench_and_up_refuse_bad_layouts(tmp_path):
         (["bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path), "--devices", "talker=tpu"],
          "--devices: talker: 'tpu' is not a device"),
         (["up", "--devices", "code2wav=cpu*0"], "error: --devices: code2wav: 'cpu*0': the replica count"),
+        (["up", "--mps-sm-percent", "thinker=0"], "error: --mps-sm-percent: thinker: '0' is not a whole percentage"),
+        (["bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path), "--mps-sm-percent", "thinker=60"],
+         "--mps-sm-percent limits the stages' share of the SMs under CUDA MPS: add --mps"),
     ]
     for flags, message in cases:
         proc = subprocess.run(base + flags, capture_output=True, text=True, timeout=120)

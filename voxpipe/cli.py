@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from voxpipe.layout import Layout, LayoutError
+from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, parse_sm_shares, sm_share_env
 from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
 
 DEFAULT_HOME = Path(os.environ.get("VOXPIPE_HOME", Path.home() / ".cache" / "voxpipe"))
@@ -114,13 +114,15 @@ class LocalStack:
     def __init__(self, model: Path, host: str, base_port: int, device: str, extra: list[str] | None = None,
                  metrics_ports: dict[str, int] | None = None, http_port: int = 0,
                  layout: Layout | None = None, gateway_extra: list[str] | None = None,
-                 global_flags: list[str] | None = None, gateway_env: dict[str, str] | None = None) -> None:
+                 global_flags: list[str] | None = None, gateway_env: dict[str, str] | None = None,
+                 stage_env: dict[str, dict[str, str]] | None = None) -> None:
         """`layout`: replicas and devices per stage (default: one replica of each on `device`);
         ports are given out from `base_port` in process order. `metrics_ports`: by process name
         (a stage's name when it has one replica, see Layout.names). `extra`: flags of every stage
         (TLS ones, say); `gateway_extra`: flags of the gateway; `global_flags`: `voxpipe` flags
         before the command (--log-level, --log-format) of every process; `gateway_env`: more
-        environment for the gateway (VOXPIPE_API_KEY: a key stays off the command line)."""
+        environment for the gateway (VOXPIPE_API_KEY: a key stays off the command line); `stage_env`:
+        more environment per stage, for each of its processes (voxpipe.layout.sm_share_env)."""
         self.model, self.host, self.device = model, host, device
         self.layout = layout or Layout.parse("", device)
         self.stage_of = {name: stage for name, stage, _ in self.layout.processes()}
@@ -132,6 +134,7 @@ class LocalStack:
         self.gateway_extra = gateway_extra or []
         self.global_flags = global_flags or []
         self.gateway_env = gateway_env or {}
+        self.stage_env = stage_env or {}
         self.http_port = http_port          # > 0: also run the gateway (OpenAI HTTP API) on this port
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -154,7 +157,8 @@ class LocalStack:
             if self.metrics_ports.get(name):
                 cmd += ["--metrics-port", str(self.metrics_ports[name])]
             cmd += self.next_stage_flags(stage)
-            self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+            env = {**os.environ, **self.stage_env[stage]} if self.stage_env.get(stage) else None
+            self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
         deadline = time.monotonic() + timeout
         for name, proc in list(self.procs.items()):
             self._wait_ready(name, proc, deadline, timeout)
@@ -211,6 +215,7 @@ def cmd_up(args) -> int:
     gateway_flags += _up_gateway_flags(args)
     try:
         layout = Layout.parse(args.devices, args.device)
+        shares = parse_sm_shares(args.mps_sm_percent)
     except LayoutError as e:
         raise SystemExit(f"error: {e}")
     metrics_ports = ({name: args.metrics_base_port + i for i, (name, _, _) in enumerate(layout.processes())}
@@ -219,7 +224,8 @@ def cmd_up(args) -> int:
     stack = LocalStack(model, host, args.base_port, args.device, http_port=http_port, extra=stage_flags,
                        gateway_extra=gateway_flags, layout=layout, metrics_ports=metrics_ports,
                        global_flags=[f"--log-level={args.log_level}", f"--log-format={args.log_format}"],
-                       gateway_env={"VOXPIPE_API_KEY": api_key} if api_key else None)
+                       gateway_env={"VOXPIPE_API_KEY": api_key} if api_key else None,
+                       stage_env=sm_share_env(shares))
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -417,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", default="", metavar="LAYOUT",
                    help="replicas and devices per stage, e.g. thinker=cuda:0,talker=cuda:1+cuda:2,code2wav=cuda:1*2 "
                         "(DEV*N: N replicas sharing DEV; +: one device per replica)")
+    p.add_argument("--mps-sm-percent", default="", metavar="SHARES", help=MPS_SM_HELP)
     p.add_argument("--http-port", type=int, default=8000,
                    help="the gateway's OpenAI HTTP API port (0: no gateway; none with --say)")
     g = p.add_argument_group("passed on to the gateway")

@@ -85,3 +85,31 @@ class Layout:
             ds = self.devices[stage]
             parts.append(f"{stage} {ds[0]}" if len(ds) == 1 else f"{stage} {len(ds)}x ({', '.join(ds)})")
         return "; ".join(parts)
+
+
+MPS_SM_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+MPS_SM_HELP = ("under CUDA MPS, the share of the GPU's SMs each stage's processes may use, e.g. thinker=60: the "
+               "thinker's large kernels then leave SMs free for a talker step (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE "
+               "in their environment); stages not named use every SM")
+
+
+def parse_sm_shares(spec: str) -> dict[str, int]:
+    """A `--mps-sm-percent` spec, e.g. `thinker=60,code2wav=40`: per stage, the percentage of the
+    GPU's SMs (1-100) its processes may use under CUDA MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in
+    their environment); stages not named use every SM. Raises LayoutError naming the bad part."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        stage, sep, value = part.partition("=")
+        if stage not in STAGES or not sep:
+            raise LayoutError(f"--mps-sm-percent: expected STAGE=PERCENT with STAGE in {', '.join(STAGES)}, got {part!r}")
+        if stage in out:
+            raise LayoutError(f"--mps-sm-percent: {stage} named twice")
+        if not (value.isdigit() and 1 <= int(value) <= 100):
+            raise LayoutError(f"--mps-sm-percent: {stage}: {value!r} is not a whole percentage from 1 to 100")
+        out[stage] = int(value)
+    return out
+
+
+def sm_share_env(shares: dict[str, int]) -> dict[str, dict[str, str]]:
+    """Per stage, the environment that limits its processes to their share of the SMs."""
+    return {stage: {MPS_SM_ENV: str(pct)} for stage, pct in shares.items()}
