@@ -88,20 +88,20 @@ class ThinkerEngine(StageEngine):
             for c in plan.chunks:
                 c.request.prefilled = c.start + c.length
             if done:
-                self._first_outputs(done, prefilled)
+                self._first_outputs(done, prefilled, f"packed chunks of {len(plan.chunks)} long prompts")
         if plan.prefill:
             metrics.PREFILL_BATCH.labels(self.name).observe(len(plan.prefill))
             prefilled = self.runner.prefill(plan.prefill)
             for job in plan.prefill:
                 job.prefilled = len(job.prompt)
-            self._first_outputs(plan.prefill, prefilled)
+            self._first_outputs(plan.prefill, prefilled, f"prefill of {len(plan.prefill)} prompts")
         decode = [job for job in plan.decode if not job.done]   # a first token may have finished it
         if decode:
             jobs, logits = self.runner.decode(decode)
-            self._output(jobs, logits)
+            self._output(jobs, logits, f"decode of {self.runner.cache.used} slots")
 
     # ---- the output step
-    def _first_outputs(self, jobs: list[ThinkerJob], prefilled: Prefilled) -> None:
+    def _first_outputs(self, jobs: list[ThinkerJob], prefilled: Prefilled, step: str) -> None:
         """Prefilled jobs' first outputs: the talker prompt, then a given reply whole (its request
         ends here) or the first sampled token from the prefill's logits."""
         for job, prompt in zip(jobs, prefilled.prompts):
@@ -117,7 +117,7 @@ class ThinkerEngine(StageEngine):
             if not sampled:
                 return
             jobs, logits = [jobs[i] for i in sampled], logits[torch.tensor(sampled, device=logits.device)]
-        self._output(jobs, logits)
+        self._output(jobs, logits, step)
 
     def _emit_forced(self, job: ThinkerJob) -> None:
         """The given reply as if generated: its tokens (end of turn included) in deltas of
@@ -134,11 +134,14 @@ class ThinkerEngine(StageEngine):
         job.generated.extend(ids)
         self.finish(job, Finished(FinishReason.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids)))
 
-    def _output(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> None:
-        """Each job's next token from its logits row [n, V]: stop checks, its outputs, finishing."""
+    def _output(self, jobs: list[ThinkerJob], logits: torch.Tensor, step: str) -> None:
+        """Each job's next token from its logits row [n, V]: stop checks, its outputs, finishing.
+        `step`: what made the logits, for the log of a row that is not finite."""
         sampled = self.runner.sample(jobs, logits)
         for job, tok in zip(jobs, sampled.tokens):
             if tok < 0:
+                log.warning("request %s: logits not finite in a %s (slot %s, prompt %d tokens, %d generated)",
+                            job.request_id, step, job.slot, len(job.prompt), len(job.generated))
                 self._fail_nonfinite(job, "logits")
         for i, (job, tok) in enumerate(zip(jobs, sampled.tokens)):
             if tok < 0:
