@@ -162,9 +162,24 @@ def test_thinker_rows_stop_before_the_stop_string(stack, tokenizer, omni_config,
     rows = sum(d.embeddings.shape[0] if d.HasField("embeddings") else 0 for d in deltas)
     token_ids = [t for d in deltas for t in d.token_ids]
     assert rows == m + 1
+    assert not any(d.more for d in deltas)      # with stop strings the reply's end is known only later
     assert token_ids == ids[:m + 2]
     assert "".join(d.text for d in deltas) == "".join(texts)[:at]
     assert responses[-1].finished.reason == pb.STOP and responses[-1].finished.completion_tokens == m + 2
+
+
+def test_thinker_rows_say_the_reply_goes_on_after_every_token_but_the_last(stack, tokenizer, omni_config, reference):
+    """Without stop strings each delta's rows are known to be spoken when it leaves (TextDelta.more)
+    except the reply's last token's, which the talker never speaks."""
+    ids, _ = reference
+    start = pb.ThinkerStart(token_ids=pb.TokenIds(ids=prompt_ids(tokenizer, omni_config)), max_tokens=N,
+                            talker_rows=True)
+    with grpc.insecure_channel(stack.address("thinker")) as ch:
+        responses = list(pb_grpc.ThinkerStub(ch).Generate(iter([pb.ThinkerRequest(start=start)]), timeout=60))
+    deltas = [r.text for r in responses if r.WhichOneof("kind") == "text"]
+    assert [t for d in deltas for t in d.token_ids] == ids[:N]
+    assert all(d.HasField("embeddings") for d in deltas)
+    assert [d.more for d in deltas] == [True] * (len(deltas) - 1) + [False]
 
 
 def test_reply_text_holds_back_what_may_begin_a_stop_string(tokenizer):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import re
@@ -176,6 +177,8 @@ def test_a_long_given_reply_streams_its_tokens_and_rows_in_order(stack, tokenize
     assert ids == encode_text(tokenizer, text) + [omni_config.thinker.tokens.im_end] and len(ids) > 64
     assert [d.index for d in deltas] == list(np.cumsum([0] + [len(d.token_ids) for d in deltas[:-1]]))
     assert deltas[0].text == text and all(d.text == "" for d in deltas[1:])
+    # the reply goes on after every delta but the last (TextDelta.more, passed on as TextRows.more)
+    assert [d.more for d in deltas] == [True] * (len(deltas) - 1) + [False]
     rows = torch.cat([from_proto(d.embeddings) for d in deltas])
     assert rows.shape == (len(ids), omni_config.thinker.text.hidden_size)
     first = {t: i for i, t in reversed(list(enumerate(ids)))}   # a token's row is the same wherever it is
@@ -198,6 +201,9 @@ def test_text_deltas_merge_only_up_to_a_bounded_message():
 
     small = servicer.merge(delta(0, 2), delta(2, 3))
     assert small.token_ids == (7,) * 5 and small.rows.shape == (5, 2048)
+    going_on = dataclasses.replace(delta(0, 2), more=True)
+    assert servicer.merge(going_on, dataclasses.replace(delta(2, 3), more=True)).more       # the later one's
+    assert not servicer.merge(going_on, delta(2, 3)).more
     assert servicer.merge(delta(0, n), delta(n, n)) is None
 
 

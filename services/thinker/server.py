@@ -98,6 +98,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         delta = pb.TextDelta(index=out.index, token_ids=out.token_ids, text=self.text(req, out))
         if out.rows is not None:
             delta.embeddings.CopyFrom(to_proto(out.rows))
+            delta.more = out.more
         for lp in out.logprobs:
             entry = delta.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, token=self.token_bytes(lp.token_id))
             for t, v in lp.top:

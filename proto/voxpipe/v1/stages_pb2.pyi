@@ -213,18 +213,20 @@ class ThinkerRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[ThinkerStart, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "embeddings", "logprobs")
+    __slots__ = ("index", "token_ids", "text", "embeddings", "logprobs", "more")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     embeddings: Tensor
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class TalkerPrompt(_message.Message):
     __slots__ = ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special")
