@@ -88,9 +88,11 @@ class Layout:
 
 
 MPS_SM_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-MPS_SM_HELP = ("under CUDA MPS, the share of the GPU's SMs each stage's processes may use, e.g. thinker=60: the "
-               "thinker's large kernels then leave SMs free for a talker step (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE "
-               "in their environment); stages not named use every SM")
+MPS_SM_HELP = ("experimental: under CUDA MPS, the share of the GPU's SMs each stage's processes may use, e.g. "
+               "thinker=60, so that the thinker's large kernels leave SMs free for a talker step "
+               "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in their environment); stages not named use every SM. On one "
+               "H200 it gave no throughput gain, and thinker=70,code2wav=50 failed requests with non-finite "
+               "thinker logits, cause not found (bench/RESULTS.md, 2026-12-01 20:01)")
 
 
 def parse_sm_shares(spec: str) -> dict[str, int]:
