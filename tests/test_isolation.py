@@ -205,6 +205,48 @@ def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
     asyncio.run(run())
 
 
+def test_thinker_a_poisoned_long_prompt_fails_in_the_step_of_its_chunk(thinker_engine):
+    """Long prompts (here: over 8 tokens, 16 tokens a step, packed): one whose 3e38 audio features
+    overflow fails in the step that prefilled its first chunk, not at its last one (a cancel in
+    between would have left the non-finite values in its slot for the next owner); an innocent long
+    prompt packed beside it equals its solo run, and so does one that takes the freed slot after."""
+    engine = thinker_engine
+    sched = engine.scheduler
+    saved = sched.prefill_chunk, sched.long_prompt
+    sched.prefill_chunk, sched.long_prompt = 16, 8
+    wave = torch.full((engine.cfg.audio.num_mel_bins, 100), HUGE)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        story = INNOCENT_TEXTS[1]
+
+        def innocent(rid: str):
+            return _thinker_job(engine, loop, rid, story)
+
+        solo = innocent("solo")
+        _run(engine, [solo])
+        want = await _thinker_output(engine, solo)
+        poisoned = _thinker_job(engine, loop, "bad-long", "What is this? " * 3, audio=wave)
+        beside = innocent("beside")
+        assert len(poisoned.prompt) > 2 * 16 and len(beside.prompt) > 16
+        engine.submit(poisoned)
+        engine.submit(beside)
+        engine.step()                                   # the poisoned prompt's first 16 tokens, nothing of beside's
+        assert poisoned.prefilled == 16 and poisoned.done
+        await _assert_poisoned(poisoned, "thinker")
+        _run(engine, [])
+        assert await _thinker_output(engine, beside) == want
+        after = innocent("after")
+        _run(engine, [after])
+        assert await _thinker_output(engine, after) == want
+        assert engine.runner.cache.used == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        sched.prefill_chunk, sched.long_prompt = saved
+
+
 # ---------------------------------------------------------------------------------------------- talker
 
 

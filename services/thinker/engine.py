@@ -84,11 +84,16 @@ class ThinkerEngine(StageEngine):
                 self.running.append(job)
                 self.waiting.remove(job)
         if plan.chunks:
-            done, prefilled = self.runner.prefill_chunks([(c.request, c.start, c.length) for c in plan.chunks])
+            chunked = self.runner.prefill_chunks([(c.request, c.start, c.length) for c in plan.chunks])
             for c in plan.chunks:
                 c.request.prefilled = c.start + c.length
-            if done:
-                self._first_outputs(done, prefilled, f"packed chunks of {len(plan.chunks)} long prompts")
+            for job in chunked.broken:
+                log.warning("request %s: non-finite values in its prompt's chunk (%d of %d tokens prefilled)",
+                            job.request_id, job.prefilled, len(job.prompt))
+                self._fail_nonfinite(job, "prompt's hidden states")
+            if chunked.done:
+                self._first_outputs(chunked.done, chunked.prefilled,
+                                    f"packed chunks of {len(plan.chunks)} long prompts")
         if plan.prefill:
             metrics.PREFILL_BATCH.labels(self.name).observe(len(plan.prefill))
             prefilled = self.runner.prefill(plan.prefill)

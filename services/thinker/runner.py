@@ -56,6 +56,17 @@ class Prefilled:
 
 
 @dataclass
+class Chunked:
+    """What a step of packed chunks made: the prompts that ended (their outputs as `prefill`'s), and
+    the prompts still in prefill whose chunk left non-finite values in their KV slot (their request
+    fails now, before any later chunk or a cancel could leave the values to the slot's next owner)."""
+
+    done: list[ThinkerJob]
+    prefilled: Prefilled
+    broken: list[ThinkerJob]
+
+
+@dataclass
 class Sampled:
     """A step's tokens, row by row."""
 
@@ -166,10 +177,10 @@ class ThinkerRunner:
             prompts.append(prompt)
         return Prefilled(logits, prompts)
 
-    def prefill_chunks(self, chunks: list[tuple[ThinkerJob, int, int]]) -> tuple[list[ThinkerJob], Prefilled]:
+    def prefill_chunks(self, chunks: list[tuple[ThinkerJob, int, int]]) -> Chunked:
         """Chunks (job, start, length) of long prompts packed into one row (eager, no padding), each
-        attending to its job's cached part. Returns the jobs whose prompt ended in this step, in
-        order, and what their prefill made (as `prefill`)."""
+        attending to its job's cached part. A chunk's last position attends to every position of its
+        prompt so far, so the logits there are finite exactly when nothing non-finite is in its slot."""
         dev = self.device
         for job, _, _ in chunks:
             if job.embeds is None:   # first chunk: the whole prompt's embeddings, kept until the last chunk
@@ -181,6 +192,9 @@ class ThinkerRunner:
         x = torch.cat([job.embeds[start:start + length] for job, start, length in chunks])[None]
         logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
                                     last=step.ends(dev))
+        going_on = [i for i, (job, start, length) in enumerate(chunks) if start + length < len(job.prompt)]
+        finite = torch.isfinite(logits[going_on]).all(dim=-1).tolist() if going_on else []
+        broken = [chunks[i][0] for i, ok in zip(going_on, finite) if not ok]
         done, rows, prompts = [], [], []
         for i, ((job, start, length), seg) in enumerate(zip(chunks, step.segments)):
             if kept_by[i]:
@@ -198,7 +212,7 @@ class ThinkerRunner:
             prompts.append(prompt)
         if len(rows) < len(chunks):
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        return done, Prefilled(logits, prompts)
+        return Chunked(done, Prefilled(logits, prompts), broken)
 
     def decode(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
         """One decode forward over every slot 0..n-1; `jobs` (each with a token to feed) get logits.
