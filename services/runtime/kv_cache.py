@@ -121,10 +121,6 @@ class PackedStep:
             offset += length
         return cls(segments)
 
-    @property
-    def tokens(self) -> int:
-        return sum(s.length for s in self.segments)
-
     def positions(self, device: torch.device) -> torch.Tensor:
         """[1, T]: each token's position in its own sequence."""
         return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in self.segments])[None]
