@@ -38,13 +38,20 @@ from voxpipe.services.thinker.tokenizer import ChatMLByteTokenizer
 LOOP = asyncio.new_event_loop()  # outboxes queue callbacks on it; nobody needs to read them here
 
 
-def timed_steps(engine, steps: int) -> float:
+def timed_ms(fn, reps: int = 20, warm: int = 0) -> float:
+    """Mean ms of `fn()` over `reps` calls (after `warm` untimed ones), the GPU synchronized around."""
+    for _ in range(warm):
+        fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
+    for _ in range(reps):
+        fn()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1000.0
+    return (time.perf_counter() - t0) / reps * 1000.0
+
+
+def timed_steps(engine, steps: int) -> float:
+    return timed_ms(engine.step, steps)
 
 
 def drop_all(engine) -> None:
@@ -163,14 +170,7 @@ def code2wav(cfg: OmniConfig, batches: list[int], dev: torch.device, temperature
             for j in jobs:
                 eng.add_frames(j, torch.randint(0, 2048, (1, q)))
             eng.step()
-        for _ in range(3):
-            feed_and_step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            feed_and_step()
-        torch.cuda.synchronize()
-        report("code2wav frame (1 new frame each)", b, (time.perf_counter() - t0) / 20 * 1000.0)
+        report("code2wav frame (1 new frame each)", b, timed_ms(feed_and_step, 20, warm=3))
         if b == batches[0]:
             for j in jobs:
                 eng.add_frames(j, torch.randint(0, 2048, (1, q)))
@@ -242,15 +242,8 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
     flash = _causal_flash(q, k, v, scale)
     for name, fn in (("masked SDPA (before)", lambda: _sdpa(q, k, v, mask, scale)),
                      ("repeated heads + flash, causal_lower_right", lambda: _causal_flash(q, k, v, scale))):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
         print(json.dumps({"stage": "attention of a 512-token chunk over 2,500 positions, one layer", "path": name,
-                          "ms": round((time.perf_counter() - t0) / 20 * 1000.0, 3)}), flush=True)
+                          "ms": round(timed_ms(fn, 20, warm=3), 3)}), flush=True)
     print(json.dumps({"check": "flash vs masked SDPA", "max_abs": float((flash.float() - masked.float()).abs().max())}),
           flush=True)
     del eng, model
@@ -263,15 +256,9 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
     h = cfg.talker.text.hidden_size
     x = torch.randn(1, length + 9, h, device=dev, dtype=torch.bfloat16)
     last, slots = torch.tensor([length + 8], device=dev), torch.tensor([0], device=dev)
-    for _ in range(2):
-        te._prefill_fn(1, length + 9, x, last, slots)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        te._prefill_fn(1, length + 9, x, last, slots)
-    torch.cuda.synchronize()
-    print(json.dumps({"stage": "talker prefill of a long prompt (eager)", "rows": length + 9,
-                      "ms": round((time.perf_counter() - t0) / 5 * 1000.0, 2)}), flush=True)
+    ms = timed_ms(lambda: te._prefill_fn(1, length + 9, x, last, slots), 5, warm=2)
+    print(json.dumps({"stage": "talker prefill of a long prompt (eager)", "rows": length + 9, "ms": round(ms, 2)}),
+          flush=True)
     del te, talker_model
     torch.cuda.empty_cache()
 
@@ -300,15 +287,8 @@ def voice_in(cfg: OmniConfig, dev: torch.device) -> None:
     prompt = render(tokenizer, cfg.thinker, [ChatMessage("user", [ChatPart(features=feats), ChatPart(text="Answer.")])])
     runner = eng.runner
 
-    def timed(fn, reps: int = 10) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / reps * 1000.0
+    def timed(fn) -> float:
+        return timed_ms(fn, 10, warm=3)
 
     f = feats.to(dev, torch.float32)
     enc_ms = timed(lambda: model.audio_tower(f))
