@@ -265,8 +265,13 @@ async def _levels(stream_fn, make_request, args, wl: Workload, mode: str, scrape
 async def _level(stream_fn, make_request, args, wl: Workload, mode: str, scrape, c: int) -> LevelResult:
     n = args.requests or (max(8, 2 * c) if args.quick else max(20, 5 * c))
     warm = min(args.warmup, 2) if args.quick else args.warmup
-    before = server_stats.parse(await asyncio.to_thread(scrape))
-    records, wall = await run_level(stream_fn, make_request, c, n, warm if c == 1 else min(warm, c))
+    marks = {}
+
+    async def warmed() -> None:     # the server columns count the measured requests only, not the warm-ups
+        marks["before"] = server_stats.parse(await asyncio.to_thread(scrape))
+
+    records, wall = await run_level(stream_fn, make_request, c, n, warm if c == 1 else min(warm, c), warmed)
+    before = marks["before"]
     after = server_stats.parse(await asyncio.to_thread(scrape))
     res = LevelResult.of(mode, c, records, wall, workload=wl.name)
     res.server = server_stats.level_stats(before, after, STAGES + ("gateway", "client"))

@@ -105,7 +105,8 @@ def section(wl: Workload, results: list[LevelResult], ref: ReferenceRun | None, 
     parts = [f"#### {wl.describe()}", table(mine, ref, bw, nbytes)]
     head = [reference_line(ref)] + notes
     parts += ["\n".join(f"- {line}" for line in head if line)]
-    parts += ["Server side (means over each level, from the services' metrics):", server_table(mine)]
+    parts += ["Server side (means over each level's measured requests, warm-ups left out, from the services' "
+              "metrics):", server_table(mine)]
     lines = ratios(mine, ref)
     if lines:
         parts.append("\n".join(lines))

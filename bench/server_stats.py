@@ -76,5 +76,8 @@ def level_stats(before: dict, after: dict, stages: tuple[str, ...]) -> dict[str,
         if "step_ms" in row:
             row["steps"] = after.get(("voxpipe_engine_step_seconds", stage, "", "count"), 0.0) - \
                 before.get(("voxpipe_engine_step_seconds", stage, "", "count"), 0.0)
+        key = ("voxpipe_stage_latency_seconds", stage, "queue_wait", "count")
+        if after.get(key, 0.0) - before.get(key, 0.0):
+            row["requests"] = after[key] - before.get(key, 0.0)     # requests that ended between the scrapes
         out[stage] = row
     return out

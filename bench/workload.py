@@ -142,14 +142,17 @@ async def run_one(stream_fn, req) -> RequestRecord:
     return rec
 
 
-async def run_level(stream_fn, make_request, concurrency: int, requests: int,
-                    warmup: int) -> tuple[list[RequestRecord], float]:
+async def run_level(stream_fn, make_request, concurrency: int, requests: int, warmup: int,
+                    warmed=None) -> tuple[list[RequestRecord], float]:
     """`warmup` requests first (not measured), then `requests` with at most `concurrency` in flight.
     `make_request(index)` builds what `stream_fn` takes; every request is built before the clock starts
-    (a long chat prompt takes a while to fit to its token count)."""
+    (a long chat prompt takes a while to fit to its token count). `warmed`: awaited once the warm-up
+    requests have all ended, before the measured ones start (the servers' metrics are read there)."""
     warm = [make_request(10_000 + i) for i in range(warmup)]
     measured = [make_request(i) for i in range(requests)]
     await asyncio.gather(*(run_one(stream_fn, req) for req in warm))
+    if warmed is not None:
+        await warmed()
     sem = asyncio.Semaphore(concurrency)
 
     async def one(req) -> RequestRecord:

@@ -33,6 +33,7 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
         for stage in ("thinker", "talker", "code2wav"):
             st = lv["server"][stage]
             assert st["steps"] > 0 and st["step_ms"] > 0 and st["first_output_ms"] > 0, (mode, c, stage)
+            assert st["requests"] == 3, (mode, c, stage, st)   # the measured requests: the warm-up left out
             assert st["outbox_wait_ms"] >= 0, (mode, c, stage)
             if mode != "inprocess":   # each service's own event loop
                 assert st["loop_lag_ms"] >= 0, (mode, c, stage)
