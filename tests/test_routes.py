@@ -54,8 +54,11 @@ def test_a_cancelled_listen_stream_frees_the_request_in_every_stage(stack):
         async with grpc.aio.insecure_channel(stack.address("thinker")) as th, \
                 grpc.aio.insecure_channel(stack.address("code2wav")) as cw:
             generate = pb_grpc.ThinkerStub(th).Generate()
+            # the thinker must still be generating when the first audio reaches the listener: 40 tokens
+            # were sometimes all made by then on a loaded 2-core CI machine (the talker starts on the
+            # first row); 400 take far longer than the first frame
             await generate.write(pb.ThinkerRequest(start=pb.ThinkerStart(
-                text="Talk for a while.", max_tokens=LONG["max_tokens"], min_tokens=LONG["min_tokens"],
+                text="Talk for a while.", max_tokens=400, min_tokens=400,
                 speech=pb.SpeechParams(max_frames=LONG["max_frames"], min_frames=LONG["min_frames"]))))
             await generate.done_writing()
             token = None
