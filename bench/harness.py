@@ -504,17 +504,23 @@ def load_tokenizer(model: str, cfg):
     return load(model, cfg)
 
 
-def run(args) -> int:
+def prepare(args) -> tuple[Plan, "OmniConfig", str, dict[str, RequestMaker]]:
+    """Everything checked and loaded before anything starts: the plan, the model's config and path,
+    each workload's request maker. A bad flag or file raises SystemExit naming it."""
     from voxpipe.services.runtime.config import OmniConfig, released_config_path
 
     plan = Plan.of(args)
-    # the services and the gateway log at the bench's level (`voxpipe --log-level WARNING bench ...`)
-    os.environ.setdefault("VOXPIPE_LOG_LEVEL", getattr(args, "log_level", None) or "INFO")
     if not args.ablation:      # fail now, not after the reference and the service start-up
         check_packages(plan)
     model = args.model or str(released_config_path())
     cfg = OmniConfig.load(model)
-    makers = make_requests(args, cfg, plan, model)
+    return plan, cfg, model, make_requests(args, cfg, plan, model)
+
+
+def run(args) -> int:
+    plan, cfg, model, makers = prepare(args)
+    # the services and the gateway log at the bench's level (`voxpipe --log-level WARNING bench ...`)
+    os.environ.setdefault("VOXPIPE_LOG_LEVEL", getattr(args, "log_level", None) or "INFO")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     repo = Path(__file__).resolve().parents[1]

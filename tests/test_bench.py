@@ -92,7 +92,13 @@ def test_sm_shares_parse_reach_their_stage_processes_and_bad_specs_are_refused(s
 
 
 def test_bench_and_up_refuse_bad_layouts(tmp_path):
-    base = [sys.executable, "-m", "voxpipe.cli"]
+    """Refused before anything starts: every case in this process (the CLI's parser, then what the
+    command runs first), one of each command through the real CLI in a subprocess."""
+    import pytest
+
+    from voxpipe.bench import harness
+    from voxpipe.cli import build_parser, cmd_up
+
     cases = [
         (["bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path), "--devices", "talker=cpu*2"],
          "replicas need separate processes (modes split, gateway)"),
@@ -104,7 +110,12 @@ def test_bench_and_up_refuse_bad_layouts(tmp_path):
          "--mps-sm-percent limits the stages' share of the SMs under CUDA MPS: add --mps"),
     ]
     for flags, message in cases:
-        proc = subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
+        args = build_parser().parse_args(flags)
+        with pytest.raises(SystemExit) as refused:
+            harness.prepare(args) if flags[0] == "bench" else cmd_up(args)
+        assert message in str(refused.value.code), (flags, refused.value.code)
+    for flags, message in (cases[1], cases[2]):
+        proc = subprocess.run([sys.executable, "-m", "voxpipe.cli", *flags], capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stderr[-1500:])
         assert "starting the stage services" not in proc.stdout and "all services up" not in proc.stdout, flags
 
@@ -203,8 +214,15 @@ def test_bench_realtime_with_the_voice_clip(tiny_model_dir, tmp_path):
     assert "realtime: the voice clip appended to the input audio buffer and committed" in md
 
 
-def test_bench_refuses_bad_workload_flags(tmp_path):
-    base = [sys.executable, "-m", "voxpipe.cli", "bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path)]
+def test_bench_refuses_bad_workload_flags(tmp_path, capsys):
+    """Each bad flag is refused, naming it, before anything starts: two cases through the real CLI in
+    a subprocess, every case through the same parser and `harness.prepare` (what `bench` runs first)."""
+    import pytest
+
+    from voxpipe.bench import harness
+    from voxpipe.cli import build_parser
+
+    base = ["bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path)]
     cases = [
         (["--workload", "seedtts-like,voice-out"], "unknown workload 'voice-out'; choose from seedtts-like, long-prompt"),
         (["--workload", ""], "unknown workload"),
@@ -220,7 +238,14 @@ def test_bench_refuses_bad_workload_flags(tmp_path):
     cases.append((["--workload", "voice-in", "--modes", "split", "--audio", str(tmp_path / "noise.wav")],
                   "is not a readable wav file"))
     for flags, message in cases:
-        proc = subprocess.run(base + flags, capture_output=True, text=True, timeout=300)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as refused:
+            harness.prepare(build_parser().parse_args(base + flags))
+        said = refused.value.code if isinstance(refused.value.code, str) else capsys.readouterr().err
+        assert refused.value.code != 0 and message in said, (flags, said[-1500:])
+    for flags, message in (cases[2], cases[6]):     # an argparse refusal and a plan refusal, end to end
+        proc = subprocess.run([sys.executable, "-m", "voxpipe.cli", *base, *flags], capture_output=True, text=True,
+                              timeout=300)
         assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stderr[-1500:])
         assert "starting the stage services" not in proc.stdout, flags
 
