@@ -30,7 +30,7 @@ from torch import nn
 from voxpipe.v1 import stages_pb2 as pb
 
 from .engine import EngineRequest, StageEngine, StageError
-from .outputs import Finished, FinishReason, FramesOut, TalkerPromptOut
+from .outputs import Finished, FinishReason, FramesOut, Routed, TalkerPromptOut
 from . import metrics
 from .logs import REQUEST_ID
 from .metrics import serve_metrics
@@ -286,6 +286,10 @@ class StageServicer:
 def finished_proto(finished: Finished) -> pb.Finished:
     return pb.Finished(reason=int(finished.reason), prompt_tokens=finished.prompt_tokens,
                        completion_tokens=finished.completion_tokens, samples=finished.samples)
+
+
+def routed_proto(routed: Routed) -> pb.Routed:
+    return pb.Routed(stage=routed.stage, address=routed.address, listen_token=routed.listen_token)
 
 
 def finished_from_proto(msg: pb.Finished) -> Finished:

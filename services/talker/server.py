@@ -20,7 +20,7 @@ from ..runtime.engine import Outbox
 from ..runtime.sampling import MAX_ROW_VALUE, SamplingParams, check_features
 from ..runtime.outputs import Finished, FirstOutput, FramesOut, Routed
 from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, frames_proto, load_stage_model,
-                              serve_stage, stage_setup)
+                              routed_proto, serve_stage, stage_setup)
 from ..runtime.tensors import TensorError, from_proto
 from ..runtime.tracing import annotate, traced_rpc
 from .engine import TalkerEngine
@@ -62,8 +62,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         if isinstance(item, Finished):
             return pb.TalkerResponse(finished=finished_proto(item))
         if isinstance(item, Routed):
-            return pb.TalkerResponse(routed=pb.Routed(stage=item.stage, address=item.address,
-                                                      listen_token=item.listen_token))
+            return pb.TalkerResponse(routed=routed_proto(item))
         if isinstance(item, FirstOutput):
             return pb.TalkerResponse(first_output=pb.FirstOutput(stage=item.stage))
         raise TypeError(f"the talker has no message for {item!r}")

@@ -20,8 +20,8 @@ from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.sampling import SamplingParams, check_audio_features
 from ..runtime.outputs import Finished, FirstOutput, Routed, StageFinished, TalkerPromptOut, TextOut
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, load_stage_model, serve_stage,
-                              stage_setup, talker_prompt_proto)
+from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, load_stage_model,
+                              routed_proto, serve_stage, stage_setup, talker_prompt_proto)
 from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
 from .engine import PREFILL_CHUNK, ThinkerEngine, assistant_head_index
@@ -77,8 +77,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         if isinstance(item, TalkerPromptOut):
             return pb.ThinkerResponse(talker_prompt=talker_prompt_proto(item))
         if isinstance(item, Routed):
-            return pb.ThinkerResponse(routed=pb.Routed(stage=item.stage, address=item.address,
-                                                       listen_token=item.listen_token))
+            return pb.ThinkerResponse(routed=routed_proto(item))
         if isinstance(item, FirstOutput):
             return pb.ThinkerResponse(first_output=pb.FirstOutput(stage=item.stage))
         if isinstance(item, StageFinished):
