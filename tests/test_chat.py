@@ -54,8 +54,8 @@ def reference(stack, tokenizer, omni_config):
     """The greedy reply without stop: its token ids and each token's text as the thinker streams it."""
     res = collect(stack, SpeechRequest(token_ids=prompt_ids(tokenizer, omni_config), audio=False, max_tokens=N))
     detok = IncrementalDetokenizer(tokenizer)
-    texts = [detok.push(t) for t in res.text_ids]
-    assert "".join(texts) == res.text
+    texts = [detok.push(t, k == len(res.text_ids) - 1) for k, t in enumerate(res.text_ids)]
+    assert "".join(texts) == res.text == tokenizer.decode(res.text_ids, skip_special_tokens=True)
     return res.text_ids, texts
 
 
@@ -180,6 +180,26 @@ def test_thinker_rows_say_the_reply_goes_on_after_every_token_but_the_last(stack
     assert [t for d in deltas for t in d.token_ids] == ids[:N]
     assert all(d.HasField("embeddings") for d in deltas)
     assert [d.more for d in deltas] == [True] * (len(deltas) - 1) + [False]
+
+
+def test_a_reply_ending_inside_a_character_keeps_its_last_bytes(tokenizer):
+    """A reply whose last token splits a UTF-8 character (max_tokens cut it there): its deltas add up
+    to the full decode, U+FFFD at the end as transformers' decode gives it, with stop strings and
+    without; a split character before the end waits for the token that completes it."""
+    ids = tokenizer.encode("caf\u00e9 na\u00efve", add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts, "the tokenizer splits no character in this text"
+    for k in (cuts[0], len(ids)):
+        part = ids[:k]
+        want = tokenizer.decode(part, skip_special_tokens=True)
+        stream_text = StreamText(tokenizer)
+        reply = ReplyText(tokenizer)
+        plain = [d for i, t in enumerate(part) for d in reply.push(t, last=i == k - 1)[0]]
+        assert all(d.text is None for d in plain) and "".join(stream_text(d) for d in plain) == want, k
+        matched = ReplyText(tokenizer, ("zzz",))
+        got = [d for i, t in enumerate(part) for d in matched.push(t, last=i == k - 1)[0]]
+        assert "".join(d.text for d in got) == want and [t for d in got for t in d.token_ids] == part, k
+    assert tokenizer.decode(ids[:cuts[0]]).endswith("\ufffd")      # the case above did end inside one
 
 
 def test_reply_text_holds_back_what_may_begin_a_stop_string(tokenizer):

@@ -152,6 +152,11 @@ class Turn {
     this.user.className = final ? "" : "pending";
   }
 
+  /** The reply ended: one that spoke with no transcript text still gets its line. */
+  endReply(spoke) {
+    if (spoke && !this.assistant) this.line("Model", "(audio without a transcript)");
+  }
+
   appendReply(delta) {
     if (!this.assistant) this.assistant = this.line("Model", "");
     this.assistant.className = "";
@@ -422,6 +427,7 @@ class Console {
     if (reply.turn.state !== "interrupted") {     // cancelled by the server: the user spoke before any audio
       reply.turn.state = { cancelled: "interrupted", failed: "failed" }[response.status] || "done";
     }
+    reply.turn.endReply(reply.samples > 0);
     const cut = this.truncateAfter;
     if (cut && cut.itemId === reply.itemId) {
       this.truncateAfter = null;

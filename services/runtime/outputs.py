@@ -57,6 +57,7 @@ class TextOut:
     rows: "torch.Tensor | None" = None   # [n, H] on the host: their talker rows (talker_rows)
     logprobs: tuple[TokenLogprob, ...] = ()   # one per token, when asked
     more: bool = False   # the reply surely goes on after these tokens (TextRows.more: their last row is spoken)
+    last: bool = False   # the reply ends with these tokens: text held back (a split character) goes out now
 
     @property
     def count(self) -> int:

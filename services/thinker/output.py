@@ -59,7 +59,9 @@ def top_logprobs_problem(logprobs: bool, top: int) -> str | None:
 class IncrementalDetokenizer:
     """Text deltas for a growing token list at O(1) cost per token: decodes only the tokens since
     the last emitted boundary, with a few tokens of context before it (so spacing and merges come
-    out as a full decode would), and holds back an incomplete UTF-8 sequence."""
+    out as a full decode would), and holds back an incomplete UTF-8 sequence until the next token
+    or the last one: the deltas of a whole reply add up to its full decode, a character split at the
+    end included (as U+FFFD, as transformers' decode gives it)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -67,13 +69,14 @@ class IncrementalDetokenizer:
         self.prefix = 0      # context starts here
         self.read = 0        # tokens before this are emitted
 
-    def push(self, token: int) -> str:
+    def push(self, token: int, last: bool = False) -> str:
+        """The text `token` makes final; `last`: no token follows, so nothing is held back."""
         self.ids.append(token)
         decode = self.tokenizer.decode
         before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
         text = decode(self.ids[self.prefix:], skip_special_tokens=True)
-        if text.endswith("\ufffd") or len(text) <= len(before):
-            return ""   # an incomplete UTF-8 sequence (or nothing visible yet): wait for the next token
+        if len(text) <= len(before) or text.endswith("\ufffd") and not last:
+            return ""   # nothing visible yet, or an incomplete UTF-8 sequence: wait for the next token
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before):]
 
@@ -159,10 +162,10 @@ class ReplyText:
         self.count += 1
         if not self.stops:       # nothing to match: out at once, the text left to the servicer
             out = TextOut(self.sent, (token,), None, None if row is None else row[None],
-                          () if logprob is None else (logprob,), more=not last)
+                          () if logprob is None else (logprob,), more=not last, last=last)
             self.sent += 1
             return [out], False
-        text = self.detok.push(token)
+        text = self.detok.push(token, last)
         piece = Piece(token, text, row, logprob)
         self.held.append(piece)
         self.held_text += text
@@ -243,4 +246,5 @@ class StreamText:
     def __call__(self, out: TextOut) -> str:
         if out.text is not None:
             return out.text
-        return "".join(self.detok.push(t) for t in out.token_ids)
+        n = len(out.token_ids)
+        return "".join(self.detok.push(t, out.last and i == n - 1) for i, t in enumerate(out.token_ids))

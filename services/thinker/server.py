@@ -67,7 +67,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             rows = torch.cat((a, b))
         text = None if first.text is None else first.text + then.text
         return TextOut(first.index, first.token_ids + then.token_ids, text, rows, first.logprobs + then.logprobs,
-                       more=then.more)
+                       more=then.more, last=then.last)
 
     def to_proto(self, req: ThinkerJob, item: object) -> pb.ThinkerResponse:
         if isinstance(item, TextOut):
