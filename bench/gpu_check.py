@@ -107,6 +107,14 @@ def main() -> int:
     layers.GROUPED_MM = True
     kernels.ENABLED = True
     results.append(compare("talker step: grouped-GEMM MoE vs per-expert loop (kernels off)", plain[0], looped[0]))
+    # early prefill (the talker prompt before the text): all but the prompt's last row, then frame 0 as a
+    # graphed step at the last row's position, vs the whole prompt's graphed prefill (slot 0)
+    p = torch.randn(1, 70, h, device=dev, dtype=torch.bfloat16)
+    slot0 = torch.zeros(1, dtype=torch.long, device=dev)
+    whole = te.prefill_graphs(1, 70, p, torch.tensor([69], device=dev), slot0)[0].clone()
+    te.prefill_graphs(1, 69, p[:, :69], torch.tensor([68], device=dev), slot0)
+    early = te.step_graphs(1, 70, p[:, 69:70], torch.tensor([69], device=dev))[0]
+    results.append(compare("talker: early prefill + frame-0 step vs the whole prefill, logits", early, whole))
     moe_kernels_vs_torch("talker", talker.model.layers[0].mlp, h)
     hid = torch.randn(3, h, device=dev, dtype=torch.bfloat16)
     c0 = torch.tensor([5, 100, 2000], device=dev)

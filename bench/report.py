@@ -62,10 +62,12 @@ def reference_line(ref: ReferenceRun | None) -> str:
 
 def server_table(results: list[LevelResult]) -> str:
     """Server-side means per stage and level (from the services' Prometheus histograms; the "client"
-    row is the benchmark driver's own event loop)."""
-    rows = ["| mode | c | stage | queue wait ms | first output ms (from arrival) | step ms | steps | prefill batch | "
-            "outbox wait ms | loop lag ms |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    row is the benchmark driver's own event loop). "seen at the gateway": the stage's first output
+    (thinker: first token, talker: first frame, code2wav: first audio) from the request's arrival at
+    the gateway, as the gateway relays it (gateway mode)."""
+    rows = ["| mode | c | stage | queue wait ms | first output ms (from arrival) | seen at the gateway ms | step ms | "
+            "steps | prefill batch | outbox wait ms | loop lag ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for stage, st in (r.server or {}).items():
             def f(key, fmt="{:.1f}"):
@@ -73,6 +75,7 @@ def server_table(results: list[LevelResult]) -> str:
             if not st:
                 continue
             rows.append(f"| {r.mode} | {r.concurrency} | {stage} | {f('queue_wait_ms')} | {f('first_output_ms')} | "
+                        f"{f('at_gateway_ms')} | "
                         f"{f('step_ms', '{:.2f}')} | {f('steps', '{:.0f}')} | {f('prefill_batch', '{:.2f}')} | "
                         f"{f('outbox_wait_ms', '{:.2f}')} | {f('loop_lag_ms', '{:.2f}')} |")
     return "\n".join(rows)

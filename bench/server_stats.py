@@ -16,6 +16,9 @@ COLUMNS = {
     "prefill_batch": ("voxpipe_prefill_batch_size", {}),
     "outbox_wait_ms": ("voxpipe_outbox_wait_seconds", {}),
     "loop_lag_ms": ("voxpipe_event_loop_lag_seconds", {}),
+    # the same first output as the gateway sees it, from the request's arrival at the gateway (gateway
+    # mode): with the stages' own column, where a request's path to first audio goes between stages
+    "at_gateway_ms": ("voxpipe_gateway_stage_first_output_seconds", {}),
 }
 
 

@@ -19,6 +19,7 @@ from voxpipe.client import AudioEvent, FramesEvent, SpeechRequest, TextEvent
 from voxpipe.services.runtime import metrics
 from voxpipe.services.thinker.engine import IncrementalDetokenizer
 from voxpipe.services.thinker.prompt import ChatMessage, render
+from test_isolation import GRAPHS, _build
 
 PROMPTS = ["Hi.", "Tell me a long story about a lighthouse keeper.", "What is two plus two, exactly?"]
 
@@ -304,6 +305,107 @@ def test_talker_prefill_batch_respects_the_padded_row_budget(tiny_model_dir):
 
     # 10, 40, 20 fit (3 x 49 rows); adding 5 would make 4 x 49 > budget; then 5 and 30 fit together
     assert asyncio.run(admit()) == [3, 2]
+
+
+@pytest.mark.parametrize("graphs", GRAPHS["params"], ids=GRAPHS["ids"])
+def test_talker_early_prefill_equals_the_whole_prefill(tiny_model_dir, graphs):
+    """A request whose prompt comes before its text (the thinker sends a text prompt's talker prompt
+    at admission) prefills all but the prompt's last row at once, and its frame 0 is a decode step
+    that reads text row 0 there: the same frames as one whole prefill once the rows are in, and the
+    same as with early prefill off."""
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.runtime.outputs import Finished, FramesOut
+    from voxpipe.services.talker.engine import TalkerJob
+
+    engine = _build("talker", tiny_model_dir, graphs)     # graphs: the prefill and step graph plans, emulated
+    h = engine.cfg.thinker_hidden_size
+    g = torch.Generator().manual_seed(3)
+    user, head, special, rows = (torch.randn(n, h, generator=g) * 0.05 for n in (37, 3, 3, 5))
+
+    async def speak(rows_first: bool, early: bool) -> tuple[bool, torch.Tensor]:
+        engine.scheduler.early = early
+        job = TalkerJob(request_id=f"early-{rows_first}-{early}", outbox=Outbox(asyncio.get_running_loop()),
+                        user_rows=user, user_mm_mask=torch.zeros(37, dtype=torch.bool), head=head, special=special,
+                        speaker_id=next(iter(engine.cfg.speakers.values())), max_frames=9, min_frames=9)
+        engine.submit(job)
+        if rows_first:
+            engine.add_rows(job, rows)
+            engine.end_text(job)
+        engine.step()
+        went_early = job.early
+        if not rows_first:
+            engine.add_rows(job, rows)
+            engine.end_text(job)
+        for _ in range(40):
+            if job.done:
+                break
+            engine.step()
+        await asyncio.sleep(0)
+        items = []
+        while (got := job.outbox.poll_timed()) is not None:
+            items.append(got[0])
+        assert isinstance(items[-1], Finished), items[-1]
+        return went_early, torch.cat([i.codes for i in items if isinstance(i, FramesOut)]).long()
+
+    async def go():
+        return [await speak(*case) for case in ((False, True), (True, True), (False, False))]
+
+    (early, codes), (whole, ref), (off, ref_off) = asyncio.run(go())
+    assert early and not whole and not off          # only a request without its rows prefilled early
+    assert codes.shape == ref.shape == (8, engine.cfg.num_code_groups)
+    assert torch.equal(codes, ref) and torch.equal(codes, ref_off)
+
+
+def test_thinker_sends_a_text_prompts_talker_prompt_before_its_prefill(tiny_model_dir):
+    """A text prompt's TalkerPrompt (embedding lookups only) leaves at admission, before the prefill
+    runs, equal to the one made from the prefill's embeddings; an audio prompt's after its prefill
+    (its audio rows are the prefill's hidden layer). Either comes before the first text."""
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.runtime.outputs import TalkerPromptOut, TextOut
+    from voxpipe.services.thinker.engine import ThinkerJob, talker_prompt
+    from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
+
+    engine = _build("thinker", tiny_model_dir, graphs=False)
+    runner = engine.runner
+    waiting_at_prefill = []
+    prefill = runner.prefill
+
+    def watched(jobs):
+        waiting_at_prefill.extend(j.outbox.backlog for j in jobs)
+        return prefill(jobs)
+
+    runner.prefill = watched
+    mel = engine.cfg.audio.num_mel_bins
+
+    async def first_items(parts: list[ChatPart]) -> tuple[ThinkerJob, list]:
+        rendered = render(engine.tokenizer, engine.cfg, [ChatMessage("user", parts)])
+        job = ThinkerJob(request_id=f"p{len(parts)}", outbox=Outbox(asyncio.get_running_loop()),
+                         prompt=rendered.token_ids, audio=list(rendered.audio_features), max_tokens=4,
+                         talker_rows=True)
+        engine.submit(job)
+        engine.step()
+        await asyncio.sleep(0)
+        items = []
+        while (got := job.outbox.poll_timed()) is not None:
+            items.append(got[0])
+        return job, items
+
+    async def go():
+        return (await first_items([ChatPart(text="Tell me about lighthouses.")]),
+                await first_items([ChatPart(features=torch.zeros(mel, 60)), ChatPart(text="And this?")]))
+
+    (text_job, text_items), (audio_job, audio_items) = asyncio.run(go())
+    assert waiting_at_prefill == [1, 0]      # the text prompt's TalkerPrompt was out when its prefill ran
+    assert text_job.prompt_sent and not audio_job.prompt_sent
+    for items in (text_items, audio_items):
+        assert isinstance(items[0], TalkerPromptOut) and isinstance(items[1], TextOut)
+    got = text_items[0]
+    ids = torch.tensor(text_job.prompt)
+    with torch.inference_mode():
+        want = talker_prompt(engine.cfg, ids, runner.model.embed(ids).cpu(), None, runner.tts_special)
+    for name in ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert bool(audio_items[0].user_mm_mask.any())
 
 
 def test_thinker_refuses_a_prefill_chunk_below_one(tiny_model_dir):

@@ -41,6 +41,12 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
         assert lv["server"]["client"]["loop_lag_ms"] >= 0     # the driver's loop (the relay in split mode)
         if mode == "gateway":                                   # the gateway's loop (the relay in this mode)
             assert lv["server"]["gateway"]["loop_lag_ms"] >= 0
+            # each stage's first output as the gateway saw it: in path order, and after the stage made it
+            seen = [lv["server"][s]["at_gateway_ms"] for s in ("thinker", "talker", "code2wav")]
+            assert 0 < seen[0] <= seen[1] <= seen[2] <= lv["ttfp_ms"]["p99"], seen
+            assert lv["server"]["thinker"]["first_output_ms"] <= seen[0]
+        else:
+            assert all("at_gateway_ms" not in lv["server"][s] for s in ("thinker", "talker", "code2wav"))
     md = (out / "results.md").read_text()
     assert "| transformers | 1 |" in md and "Server side" in md and "| loop lag ms |" in md
     assert "gateway vs transformers at c=1" in md and "c=2: gateway / in-process TTFP p50" in md

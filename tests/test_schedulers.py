@@ -174,6 +174,7 @@ class Speech:
     spoken: int = 0
     codes0: list[int] = field(default_factory=list)
     pending: object | None = None
+    early: bool = False
     outbox: Reader = field(default_factory=Reader)
 
 
@@ -181,8 +182,8 @@ class TalkerStage:
     """The engine's bookkeeping around TalkerScheduler, with `slots` KV slots; a step's output is
     one frame per prefilled or decoded request, whose next input is then pending."""
 
-    def __init__(self, slots: int, prefill_batch: int = 8, prefill_tokens: int = 4096) -> None:
-        self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens)
+    def __init__(self, slots: int, prefill_batch: int = 8, prefill_tokens: int = 4096, early: bool = False) -> None:
+        self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens, early)
         self.slots = slots
         self.waiting: list[Speech] = []
         self.running: list[Speech] = []
@@ -195,13 +196,15 @@ class TalkerStage:
         """One step: the names prefilled, the names decoded."""
         plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running))
         for s in plan.unspeakable:
-            self.waiting.remove(s)
+            (self.waiting if s in self.waiting else self.running).remove(s)
             self.finished.append(s.name)
         for s in plan.prefill:
             self.waiting.remove(s)
             self.running.append(s)
+            s.early = s in plan.early
         for s in plan.prefill + plan.decode:
-            s.codes0.append(7)
+            if not (s.early and s in plan.prefill):      # an early prefill makes no frame
+                s.codes0.append(7)
             s.pending = object()
         return [s.name for s in plan.prefill], [s.name for s in plan.decode]
 
@@ -228,6 +231,37 @@ def test_talker_starts_on_a_row_known_to_be_spoken():
     assert not stage.has_work()
     sure.spoken = 2
     assert stage.step() == ([], ["sure"])
+
+
+def test_talker_early_prefill_takes_a_slot_before_any_row_and_frame_0_is_a_decode_step():
+    """With early prefill a request prefills (all but its prompt's last row) on arrival; frame 0 is
+    then a decode step once row 0 is usable, in the same step as the other rows' frames."""
+    stage = TalkerStage(slots=2, early=True)
+    a, b, c = Speech("a"), Speech("b", rows=[0, 1]), Speech("c")
+    stage.waiting += [a, b, c]
+    assert stage.has_work()
+    assert stage.step() == (["a", "b"], [])          # arrival order; c waits for a slot
+    assert a.early and not b.early and a.codes0 == [] and b.codes0 == [7]
+    assert not stage.has_work()                      # a's row 0 is not usable, b's row 1 neither
+    a.rows += [0, 1]
+    b.rows.append(2)
+    assert stage.step() == ([], ["a", "b"])          # a's frame 0 and b's frame 1, one decode step
+    assert a.codes0 == [7] and b.codes0 == [7, 7]
+    a.rows.append(2)
+    assert stage.step() == ([], ["a"])
+
+
+def test_talker_early_prefilled_request_whose_text_ends_unspoken_finishes():
+    stage = TalkerStage(slots=2, early=True)
+    a, b = Speech("a"), Speech("b")
+    stage.waiting += [a, b]
+    assert stage.step() == (["a", "b"], [])
+    a.rows.append(0)
+    a.text_done = True                               # its only row is the last token: nothing to say
+    b.text_done = True                               # no row at all
+    assert stage.has_work()
+    assert stage.step() == ([], []) and stage.finished == ["a", "b"] and not stage.running
+    assert not stage.has_work()
 
 
 def test_talker_rows_not_ready_sit_out():

@@ -1,7 +1,7 @@
 """Talker engine: codec-0 steps batched across requests, then the code predictor batched across
 them, then each frame out as soon as it exists (a FramesOut).
 
-    step: scheduler (slots, prefill budget, rows ready: scheduler.py) -> runner (forwards,
+    step: scheduler (slots, prefill budget, early prefills, rows ready: scheduler.py) -> runner (forwards,
           sampling: runner.py) -> output step here (EOS, min / max frames, non-finite rows fail
           alone; frames out; finish)"""
 
@@ -26,12 +26,14 @@ class TalkerEngine(StageEngine):
 
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_tokens: int = 4096,
-                 prefill_graph_len: int = 512, eager_fallback: bool = False) -> None:
+                 prefill_graph_len: int = 512, eager_fallback: bool = False, early_prefill: bool = True) -> None:
         """A step prefills up to `prefill_batch` ready requests with at most `prefill_tokens` padded
-        rows together (right-padded); prompts up to `prefill_graph_len` rows replay CUDA graphs."""
+        rows together (right-padded); prompts up to `prefill_graph_len` rows replay CUDA graphs.
+        `early_prefill`: a request prefills all but its prompt's last row as soon as it arrives, and
+        makes frame 0 with a decode step once its first text row is usable (scheduler.py)."""
         super().__init__(max_active)
         self.cfg, self.device, self.max_len = cfg, device, max_len
-        self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens)
+        self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens, early=early_prefill)
         self.runner = TalkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
                                    cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                    prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback)
@@ -64,6 +66,7 @@ class TalkerEngine(StageEngine):
             for job in plan.unspeakable:     # the thinker gave it nothing to say
                 self.finish(job, Finished(FinishReason.STOP))
             for job in plan.prefill:
+                job.early = any(job is e for e in plan.early)
                 self.runner.allocate(job)
                 job.mark_started()
                 self.running.append(job)
@@ -74,7 +77,8 @@ class TalkerEngine(StageEngine):
         if plan.prefill:
             metrics.PREFILL_BATCH.labels(self.name).observe(len(plan.prefill))
         jobs, logits, hidden = self.runner.forward(plan.prefill, plan.decode, text_rows)
-        self._output(jobs, logits, hidden)
+        if jobs:
+            self._output(jobs, logits, hidden)
 
     # ---- the output step
     def _output(self, jobs: list[TalkerJob], logits: torch.Tensor, hidden: torch.Tensor) -> None:

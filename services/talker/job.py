@@ -36,7 +36,8 @@ class TalkerJob(EngineRequest):
     text_done: bool = False
     spoken: int = 0     # rows known to be spoken (TextRows.more): the reply went on after them
     slot: int | None = None
-    prompt_len: int = 0
+    prompt_len: int = 0         # rows of its whole prompt (with the last row, also when `early`)
+    early: bool = False         # prefilled without the prompt's last row (row 0's): frame 0 is a decode step
     codes0: list[int] = field(default_factory=list)
     pending: torch.Tensor | None = None         # next input without its text row [Hk]
     generator: torch.Generator | None = None
@@ -54,6 +55,13 @@ class TalkerJob(EngineRequest):
     def prompt_rows(self) -> int:
         """Rows of its talker prompt: the user turns, then PROMPT_TAIL."""
         return self.user_rows.shape[0] + PROMPT_TAIL
+
+    def next_position(self) -> int:
+        """Where its next input goes in its KV slot: frame k's input sits at prompt_len - 1 + k (frame
+        0's is the prompt's last row). Just prefilled whole (frame 0 made, not yet counted), frame 1's."""
+        if self.codes0 or self.early:
+            return self.prompt_len - 1 + len(self.codes0)
+        return self.prompt_len
 
     def next_text_row(self) -> torch.Tensor:
         """The thinker-space text row of its next step (the step that makes frame len(codes0))."""

@@ -1,6 +1,7 @@
 """Talker model runner: the talker on its device, its KV slots, CUDA graphs and sampling.
 
-A step: one right-padded prefill of the requests admitted now, one codec-0 forward over every slot
+A step: one right-padded prefill of the requests admitted now (an early one without its prompt's
+last row: see scheduler.py), one codec-0 forward over every slot
 0..n-1 (dense, graph-friendly), then code 0 and the code predictor's residual codes for every row
 that made logits (`frames`), and one host read of the whole step: the frames of rows that stop are
 dropped. Greedy batches pick code 0 with one Triton kernel and replay the greedy predictor graphs.
@@ -168,22 +169,32 @@ class TalkerRunner:
         results: list[tuple[TalkerJob, torch.Tensor, torch.Tensor]] = []
         if prefill:
             logits, hidden = self._prefill(prefill)
-            results.extend((j, logits[b], hidden[b]) for b, j in enumerate(prefill))
+            results.extend((j, logits[b], hidden[b]) for b, j in enumerate(prefill) if not j.early)
         if decode:
             results.extend(self._decode(decode, text_rows))
+        if not results:       # early prefills only: no frame this step
+            return [], torch.empty(0), torch.empty(0)
         return ([r[0] for r in results], torch.stack([r[1] for r in results]).float(),
                 torch.stack([r[2] for r in results]))
 
     def _prefill(self, jobs: list[TalkerJob]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over the jobs' prompts (right-padded): codec-0 logits [n, V], hidden [n, Hk]."""
+        """One forward over the jobs' prompts (right-padded): codec-0 logits [n, V], hidden [n, Hk].
+        An `early` job's prompt goes without its last row (its logits here mean nothing); its next
+        input is that row's codec part, which its frame-0 decode step adds to text row 0's projection."""
         dev = self.device
-        prompts = [self._prompt(j) for j in jobs]
+        prompts = [self._prompt(j, last_row=not j.early) for j in jobs]
         for j, p in zip(jobs, prompts):
-            j.prompt_len = p.shape[0]
+            j.prompt_len = p.shape[0] + (1 if j.early else 0)
             j.generator = j.params.generator(dev)
-        n, s = len(jobs), max(j.prompt_len for j in jobs)
+        if any(j.early for j in jobs):
+            bos = self.model.model.codec_embedding(torch.tensor([self.cfg.codec.bos], device=dev))[0]
+            for j in jobs:
+                if j.early:
+                    j.pending = bos
+        lengths = [p.shape[0] for p in prompts]
+        n, s = len(jobs), max(lengths)
         x = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)                   # [n, s, Hk]
-        last = torch.tensor([j.prompt_len - 1 for j in jobs]).to(dev, non_blocking=True)
+        last = torch.tensor([k - 1 for k in lengths]).to(dev, non_blocking=True)
         slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
         g = self.prefill_graphs
         if g is not None and g.fits(n, s):   # padding rows go to the scratch KV row
@@ -202,7 +213,7 @@ class TalkerRunner:
         idx = [jobs[k].slot for k in order]
         rows = torch.tensor(idx, device=self.device)
         x[rows] = torch.stack([owners[i].pending for i in idx]) + self._project([text_rows[k] for k in order])
-        start_list = [j.prompt_len + max(len(j.codes0) - 1, 0) for j in owners]
+        start_list = [j.next_position() for j in owners]
         start = torch.tensor(start_list).to(self.device, non_blocking=True)
         kv_len = max(start_list) + 1
         for i in idx:
@@ -217,10 +228,11 @@ class TalkerRunner:
         x = torch.stack(rows).to(self.device, self.dtype)
         return self.model.text_projection(x)
 
-    def _prompt(self, job: TalkerJob) -> torch.Tensor:
+    def _prompt(self, job: TalkerJob, last_row: bool = True) -> torch.Tensor:
         """The talker's prompt rows [L, Hk]: the user turns (text rows projected, audio rows through
         the hidden projection), the assistant head, four tts_pad, tts_bos and the first text row,
-        each with its codec-side embedding (nothink, think_bos, think_eos, speaker, pad, bos)."""
+        each with its codec-side embedding (nothink, think_bos, think_eos, speaker, pad, bos).
+        Without `last_row`: all but the last ([L - 1, Hk]; the first text row need not be there)."""
         m, c = self.model, self.cfg.codec
         dev, dt = self.device, self.dtype
         user = job.user_rows.to(dev, dt)
@@ -232,11 +244,14 @@ class TalkerRunner:
             user_part[~mm] = m.text_projection(user[~mm])
         head = m.text_projection(job.head.to(dev, dt))                                    # [3, Hk]
         bos, _eos, pad = m.text_projection(job.special.to(dev, dt)).unbind(0)
-        first = m.text_projection(job.rows[0].to(dev, dt)[None])[0]
-        text_side = torch.cat((head, pad.expand(4, -1), bos[None], first[None]))          # [PROMPT_TAIL, Hk]
-        codec_ids = torch.tensor([c.nothink, c.think_bos, c.think_eos, job.speaker_id, c.pad, c.bos], device=dev)
+        text_side = [head, pad.expand(4, -1), bos[None]]
+        codec_ids = [c.nothink, c.think_bos, c.think_eos, job.speaker_id, c.pad]
+        if last_row:
+            text_side.append(m.text_projection(job.rows[0].to(dev, dt)[None]))
+            codec_ids.append(c.bos)
+        text_side = torch.cat(text_side)                                           # [PROMPT_TAIL (- 1), Hk]
         codec_side = torch.cat((torch.zeros(3, text_side.shape[1], device=dev, dtype=dt),
-                                m.model.codec_embedding(codec_ids)))
+                                m.model.codec_embedding(torch.tensor(codec_ids, device=dev))))
         return torch.cat((user_part, text_side + codec_side))
 
     # ---- sampling

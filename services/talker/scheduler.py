@@ -7,7 +7,12 @@ Text rows arrive while the talker runs. Row i of a request is the thinker embedd
 row is usable only once a later row (or the end of text) has arrived, or once the thinker said
 that the reply goes on after it (TextRows.more: `spoken` rows are sure). The prompt ends with row 0;
 the step that makes frame k (k >= 1) reads text row k, then tts_eos once past the text, then
-tts_pad: a request whose row is not there yet simply sits out that step."""
+tts_pad: a request whose row is not there yet simply sits out that step.
+
+Only the prompt's last row is the reply's (row 0); the rest (the user turns, the assistant head,
+tts_pad and tts_bos) is known when the request arrives. With `early` prefill a request whose row 0
+is not usable yet takes a slot and prefills all but that last row while the thinker still works;
+its frame 0 is then a decode step like any later frame, which reads row 0 (TalkerJob.early)."""
 
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class Speech(Protocol):
     codes0: Sequence[int]        # code 0 of each frame made so far
     pending: object | None       # its next input (without the text row); None until its last step's output is in
     prompt_rows: int             # rows of its prompt
+    early: bool                  # prefilled without its last row: frame 0 comes from a decode step
     outbox: Reader
 
 
@@ -57,41 +63,52 @@ class Speech(Protocol):
 class TalkerSchedule:
     unspeakable: list[Speech] = field(default_factory=list)   # text ended before a usable row: finish now (STOP)
     prefill: list[Speech] = field(default_factory=list)       # take a slot and prefill now, in arrival order
+    early: list[Speech] = field(default_factory=list)         # those of `prefill` that prefill without row 0
     decode: list[Speech] = field(default_factory=list)        # running requests that make their next frame now
 
 
 class TalkerScheduler:
-    def __init__(self, prefill_batch: int, prefill_tokens: int) -> None:
+    def __init__(self, prefill_batch: int, prefill_tokens: int, early: bool = True) -> None:
         """A step prefills up to `prefill_batch` requests whose padded prompts (the longest prompt
-        times the requests) stay within `prefill_tokens` rows; one request always fits."""
-        self.prefill_batch, self.prefill_tokens = prefill_batch, prefill_tokens
+        times the requests) stay within `prefill_tokens` rows; one request always fits. `early`: a
+        request may prefill before its first text row is usable (all but the prompt's last row)."""
+        self.prefill_batch, self.prefill_tokens, self.early = prefill_batch, prefill_tokens, early
 
     def has_work(self, waiting: Sequence[Speech], running: Sequence[Speech], free_slots: int) -> bool:
-        if any(self.decode_ready(s) for s in running):
+        if any(self.decode_ready(s) or self.unspeakable(s) for s in running):
             return True
         return free_slots > 0 and any(self.prefill_ready(s) for s in waiting)
 
     def schedule(self, waiting: Sequence[Speech], running: Sequence[Speech], free_slots: int) -> TalkerSchedule:
-        plan = TalkerSchedule(decode=[s for s in running if self.decode_ready(s)])
+        plan = TalkerSchedule(unspeakable=[s for s in running if self.unspeakable(s)])
+        plan.decode = [s for s in running if self.decode_ready(s) and not self.unspeakable(s)]
         ready = []
         for s in waiting:
             state = text_row(len(s.rows), s.text_done, 0, s.spoken)
-            if state == TextRow.ROW:
-                ready.append(s)
+            if state == TextRow.ROW or state == TextRow.WAIT and self.early:
+                ready.append((s, state == TextRow.WAIT))
             elif state != TextRow.WAIT:
                 plan.unspeakable.append(s)
         longest = 0
-        for s in ready[:min(self.prefill_batch, free_slots)]:
+        for s, early in ready[:min(self.prefill_batch, free_slots)]:
             if plan.prefill and max(longest, s.prompt_rows) * (len(plan.prefill) + 1) > self.prefill_tokens:
                 break
             plan.prefill.append(s)
+            if early:
+                plan.early.append(s)
             longest = max(longest, s.prompt_rows)
         return plan
 
+    def prefill_ready(self, s: Speech) -> bool:
+        """It may prefill now: its first text row is usable, or its text ended (it finishes unspoken),
+        or (early prefill) always: its prompt came with it."""
+        return self.early or text_row(len(s.rows), s.text_done, 0, s.spoken) != TextRow.WAIT
+
     @staticmethod
-    def prefill_ready(s: Speech) -> bool:
-        """Its prompt is known: its first text row is usable, or its text ended."""
-        return text_row(len(s.rows), s.text_done, 0, s.spoken) != TextRow.WAIT
+    def unspeakable(s: Speech) -> bool:
+        """An early-prefilled request whose text ended before a usable row: nothing to say."""
+        return s.early and not s.codes0 and text_row(len(s.rows), s.text_done, 0, s.spoken) in (TextRow.EOS,
+                                                                                                 TextRow.PAD)
 
     @staticmethod
     def decode_ready(s: Speech) -> bool:

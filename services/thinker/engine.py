@@ -1,7 +1,8 @@
 """Thinker engine: each step runs the next chunk of a long prompt, prefills a batch of waiting
 requests (right-padded prompts, one forward), then one batched decode step over every running
 request. Emits typed outputs (runtime/outputs.py; the servicer builds the messages): with talker
-rows a TalkerPromptOut first, then TextOuts (token ids, talker rows, log probabilities, and the text
+rows a TalkerPromptOut first (a text prompt's at admission, before its prefill; one with audio
+after its prefill, which makes its audio rows), then TextOuts (token ids, talker rows, log probabilities, and the text
 only for a reply with stop strings: the servicer detokenizes the others, see output.py), then the
 Finished. A request whose reply is given (ThinkerStart.assistant_text) is prefilled only: its
 reply goes out whole, as if generated, right after its prefill.
@@ -83,6 +84,12 @@ class ThinkerEngine(StageEngine):
                 job.mark_started()
                 self.running.append(job)
                 self.waiting.remove(job)
+        for job in plan.admitted:     # a text prompt's talker prompt leaves before its prefill runs
+            if job.talker_rows:
+                prompt = self.runner.early_talker_prompt(job)
+                if prompt is not None:
+                    job.prompt_sent = True
+                    job.outbox.put(prompt)
         if plan.chunks:
             chunked = self.runner.prefill_chunks([(c.request, c.start, c.length) for c in plan.chunks])
             for c in plan.chunks:

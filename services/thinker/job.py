@@ -40,5 +40,6 @@ class ThinkerJob(EngineRequest):
     text: ReplyText | None = None           # its tokens on their way out (the engine's; made at the first token)
     stream_text: StreamText | None = None   # the text the engine left out (the servicer's, on the event loop)
     prefilled: int = 0                          # prompt tokens in the KV cache (the scheduler reads it)
+    prompt_sent: bool = False                   # its TalkerPromptOut went out at admission (a text prompt)
     embeds: torch.Tensor | None = None          # [P, H] while a chunked prefill runs
     kept: list[torch.Tensor] = field(default_factory=list)   # per chunk: the talker's hidden layer

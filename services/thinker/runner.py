@@ -170,7 +170,7 @@ class ThinkerRunner:
         for b, j in enumerate(jobs):
             j.generator = j.params.generator(dev)
             prompt = None
-            if j.talker_rows:
+            if j.talker_rows and not j.prompt_sent:
                 p = len(j.prompt)
                 kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
                 prompt = talker_prompt(self.cfg, torch.tensor(j.prompt), embeds[b].cpu(), kept, self.tts_special)
@@ -203,7 +203,7 @@ class ThinkerRunner:
                 continue
             job.generator = job.params.generator(dev)
             prompt = None
-            if job.talker_rows:
+            if job.talker_rows and not job.prompt_sent:
                 kept = torch.cat(job.kept).cpu() if job.kept else None
                 prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
             job.embeds, job.kept = None, []
@@ -235,6 +235,16 @@ class ThinkerRunner:
         if len(keep) < n:
             logits = logits[torch.tensor(keep, device=logits.device)]
         return [owners[i] for i in keep], logits
+
+    def early_talker_prompt(self, job: ThinkerJob) -> TalkerPromptOut | None:
+        """A text prompt's talker prompt before its prefill (lookups in the embedding table: no row of
+        it needs a hidden state), so that the talker prefills it while this prefill runs; None for a
+        prompt with audio, whose rows need the prefill's hidden layer."""
+        if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
+            return None
+        ids = torch.tensor(job.prompt)
+        embeds = self.model.model.embed_tokens(ids.to(self.device)).cpu()
+        return talker_prompt(self.cfg, ids, embeds, None, self.tts_special)
 
     def forced_rows(self, ids: list[int]) -> torch.Tensor:
         """The talker rows [len(ids), H] of given tokens (lookups in the embedding table), on the host."""
