@@ -84,6 +84,14 @@ class StepDelivery:
                 pass
 
 
+def deliver_now() -> None:
+    """Hand what the running step made so far to the event loops at once, not at the step's end (an
+    output another stage can start on while the step's forwards run)."""
+    delivery = StepDelivery.active()
+    if delivery is not None:
+        delivery.flush()
+
+
 def _deliver(entries: list[tuple["Outbox", tuple[float, Any]]]) -> None:
     for outbox, entry in entries:
         outbox._queue.put_nowait(entry)

@@ -20,7 +20,7 @@ import torch
 
 from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
-from ..runtime.engine import StageEngine
+from ..runtime.engine import StageEngine, deliver_now
 from ..runtime.outputs import Finished, FinishReason, TextOut
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel
@@ -84,12 +84,15 @@ class ThinkerEngine(StageEngine):
                 job.mark_started()
                 self.running.append(job)
                 self.waiting.remove(job)
+        early = False
         for job in plan.admitted:     # a text prompt's talker prompt leaves before its prefill runs
             if job.talker_rows:
                 prompt = self.runner.early_talker_prompt(job)
                 if prompt is not None:
-                    job.prompt_sent = True
+                    job.prompt_sent = early = True
                     job.outbox.put(prompt)
+        if early:
+            deliver_now()
         if plan.chunks:
             chunked = self.runner.prefill_chunks([(c.request, c.start, c.length) for c in plan.chunks])
             for c in plan.chunks:
