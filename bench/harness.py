@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import server_stats
+from . import server_stats, trace_path
 from .report import ReferenceRun, section
 from .requests import RequestMaker
 from .workload import WORKLOADS, LevelResult, Workload, run_level
@@ -117,6 +117,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=0, help="override the workloads' text prompt length")
     p.add_argument("--text-tokens", type=int, default=0, help="override the workloads' forced text tokens")
     p.add_argument("--frames", type=int, default=0, help="override the workloads' forced codec frames")
+    p.add_argument("--trace", action="store_true",
+                   help="gateway mode: the services export their OpenTelemetry spans to a receiver in the bench, "
+                        "and each level's report gets the median path of a request through them (bench/trace_path.py; "
+                        "tracing costs some CPU, so the level's own numbers read slightly high)")
     p.add_argument("--temperature", type=temperature_value, default=0.0,
                    help="thinker and talker sample at this temperature (in (0, 100]), each request seeded by its "
                         "index, as /v1/audio/speech and chat without temperature=0 do; default 0: greedy, as the "
@@ -143,6 +147,7 @@ class Plan:
     notes: dict[str, list[str]]        # workload name -> lines for the report
     layout: Layout                     # replicas and devices per stage (--devices, --device)
     sm_shares: dict[str, int]          # stage -> percent of the SMs under MPS (--mps-sm-percent)
+    trace: bool = False                # --trace: the services' spans, each level's request path
 
     @classmethod
     def of(cls, args) -> "Plan":
@@ -165,10 +170,12 @@ class Plan:
             raise SystemExit(str(e)) from None
         if shares and not args.mps:
             raise SystemExit("--mps-sm-percent limits the stages' share of the SMs under CUDA MPS: add --mps")
+        if args.trace and "gateway" not in args.modes:
+            raise SystemExit("--trace follows requests from the gateway's spans: add gateway to --modes")
         if not layout.single and "inprocess" in args.modes:
             raise SystemExit(f"--devices {args.devices}: replicas need separate processes (modes split, gateway); "
                              f"inprocess runs one engine per stage: leave it out of --modes")
-        return cls(wls, modes, notes, layout, shares)
+        return cls(wls, modes, notes, layout, shares, args.trace)
 
     def wants(self, mode: str) -> bool:
         return any(mode in m for m in self.modes.values())
@@ -187,11 +194,19 @@ def check_packages(plan: Plan) -> None:
     need += ["openai"] if plan.needs_sdk() else []
     need += ["websockets", "silero_vad"] if plan.needs_websockets() else []
     need += ["soundfile"] if any(w.voice and "gateway" in plan.modes[w.name] for w in plan.workloads) else []
-    missing = [name for name in need if importlib.util.find_spec(name) is None]
+    need += ["opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.grpc"] if plan.trace else []
+    missing = [name for name in need if _missing(name)]
     if missing:
         raise SystemExit(f"gateway mode of {', '.join(w.name for w in plan.workloads)} needs the Python packages "
                          f"{', '.join(missing)}: pip install them (on the GPU machine: carry their wheels in .whl/, "
                          f"see bench/device.sh)")
+
+
+def _missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except ModuleNotFoundError:      # a dotted name whose parent package is missing
+        return True
 
 
 def copy_bandwidth(device: str) -> float:
@@ -245,7 +260,8 @@ def gpu_memory_by_pid() -> dict[int, float]:
     return mem
 
 
-async def _levels(stream_fn, make_request, args, wl: Workload, mode: str, scrape) -> list[LevelResult]:
+async def _levels(stream_fn, make_request, args, wl: Workload, mode: str, scrape,
+                  spans=None) -> list[LevelResult]:
     """Run each concurrency level; the server columns come from `scrape` plus this process's own
     metrics, where the "client" row's event-loop lag is this driver's loop (in split mode: the
     pipeline client relaying every row, frame and audio chunk; in-process: all three engines'
@@ -256,25 +272,32 @@ async def _levels(stream_fn, make_request, args, wl: Workload, mode: str, scrape
     lag = asyncio.ensure_future(watch_loop_lag(LOOP_LAG.labels("client").observe))
     try:
         for c in levels_of(args, wl):
-            out.append(await _level(stream_fn, make_request, args, wl, mode, scrape, c))
+            out.append(await _level(stream_fn, make_request, args, wl, mode, scrape, c, spans))
     finally:
         lag.cancel()
     return out
 
 
-async def _level(stream_fn, make_request, args, wl: Workload, mode: str, scrape, c: int) -> LevelResult:
+async def _level(stream_fn, make_request, args, wl: Workload, mode: str, scrape, c: int,
+                 spans=None) -> LevelResult:
+    """`spans`: the bench's SpanReceiver (--trace): the level's measured requests' path through the services."""
     n = args.requests or (max(8, 2 * c) if args.quick else max(20, 5 * c))
     warm = min(args.warmup, 2) if args.quick else args.warmup
     marks = {}
 
     async def warmed() -> None:     # the server columns count the measured requests only, not the warm-ups
         marks["before"] = server_stats.parse(await asyncio.to_thread(scrape))
+        marks["since_ns"] = time.time_ns()
 
     records, wall = await run_level(stream_fn, make_request, c, n, warm if c == 1 else min(warm, c), warmed)
+    until_ns = time.time_ns()
     before = marks["before"]
     after = server_stats.parse(await asyncio.to_thread(scrape))
     res = LevelResult.of(mode, c, records, wall, workload=wl.name)
     res.server = server_stats.level_stats(before, after, STAGES + ("gateway", "client"))
+    if spans is not None and mode == "gateway":
+        await asyncio.sleep(1.0)      # the services export their spans in batches (OTEL_BSP_SCHEDULE_DELAY)
+        res.path = trace_path.path(spans.snapshot(), marks["since_ns"], until_ns)
     print(f"[{wl.name} / {mode}] c={c}: {res.req_per_s:.2f} req/s, TTFP p50 / p90 / p99 {res.ttfp_ms['p50']:.1f} / "
           f"{res.ttfp_ms['p90']:.1f} / {res.ttfp_ms['p99']:.1f} ms, RTF p50 {res.rtf['p50']:.3f}, "
           f"prompt {res.prompt_tokens:.0f} tokens, failed {res.failed}" +
@@ -367,9 +390,13 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
     names = [name for name, _, _ in plan.layout.processes()]
     metrics_ports = {name: args.base_port + 100 + i for i, name in enumerate(names)}
     http_port = args.base_port + 99 if plan.wants("gateway") else 0
+    spans = trace_path.SpanReceiver() if plan.trace else None
+    stage_env = sm_share_env(plan.sm_shares)
+    if spans is not None:
+        stage_env = {stage: {**stage_env.get(stage, {}), **spans.env(stage)} for stage in STAGES}
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
                        metrics_ports=metrics_ports, http_port=http_port, layout=plan.layout,
-                       stage_env=sm_share_env(plan.sm_shares))
+                       stage_env=stage_env, gateway_env=spans.env("gateway") if spans is not None else None)
     pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
     scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
     t0 = time.perf_counter()
@@ -389,11 +416,11 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
                 for mode in plan.modes[wl.name]:
                     if mode == "gateway" and wl.realtime:
                         client = RealtimeStream(base_url, _served_model(http_port))
-                        out += await _levels(client, maker.realtime, args, wl, mode, scrape)
+                        out += await _levels(client, maker.realtime, args, wl, mode, scrape, spans)
                     elif mode == "gateway":
                         client = GatewayStream(base_url + "/v1", _served_model(http_port))
                         try:
-                            out += await _levels(client, maker.chat, args, wl, mode, scrape)
+                            out += await _levels(client, maker.chat, args, wl, mode, scrape, spans)
                         finally:
                             await client.close()
                     elif mode == "split":
@@ -407,6 +434,8 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
         return results, info
     finally:
         stack.stop()
+        if spans is not None:
+            spans.close()
 
 
 def _served_model(http_port: int) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import trace_path
 from .workload import LevelResult, Workload
 
 
@@ -113,4 +114,10 @@ def section(wl: Workload, results: list[LevelResult], ref: ReferenceRun | None, 
     lines = ratios(mine, ref)
     if lines:
         parts.append("\n".join(lines))
+    for r in mine:
+        if r.path:
+            root = "WebSocket session" if wl.realtime else "HTTP request"
+            parts += [f"Path of a request, {r.mode} c={r.concurrency} (--trace: the services' spans of "
+                      f"{r.path[0]['traces']} measured requests; median ms from the gateway's {root} span's start):",
+                      trace_path.table(r.path)]
     return "\n\n".join(p for p in parts if p)

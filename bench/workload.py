@@ -193,6 +193,7 @@ class LevelResult:
     workload: str = ""
     prompt_tokens: float = 0.0                       # mean prompt length (as the server counted it)
     errors: list = field(default_factory=list)       # the first few failures' messages
+    path: list = field(default_factory=list)         # --trace: per span, median start / end ms (bench.trace_path)
 
     @classmethod
     def of(cls, mode: str, concurrency: int, records: list[RequestRecord], wall: float,

@@ -13,6 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from voxpipe.client import AudioEvent, DoneEvent, SpeechRequest, StageEvent, TextEvent
+from voxpipe.services.runtime import tracing
 from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt, render, with_features
 from voxpipe.v1 import stages_pb2 as pb
 
@@ -82,6 +83,7 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterat
                 stage = first_output_stage(ev)
                 if stage is not None and stage not in seen:
                     seen.add(stage)
+                    tracing.event(f"{stage} first output")
                     elapsed = time.perf_counter() - arrived
                     m.stage_first_output.labels(stage).observe(elapsed)
                     if stage == "code2wav":

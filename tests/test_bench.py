@@ -15,7 +15,7 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "voxpipe.cli", "--log-level", "WARNING", "bench", "--model", str(tiny_model_dir),
            "--load-format", "auto", "--device", "cpu", "--modes", "gateway,split,inprocess", "--concurrency", "1,2",
            "--requests", "3", "--warmup", "1", "--text-tokens", "4", "--frames", "6", "--base-port", "53151",
-           "--devices", "thinker=cpu,talker=cpu,code2wav=cpu",
+           "--devices", "thinker=cpu,talker=cpu,code2wav=cpu", "--trace",
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -45,11 +45,27 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
             seen = [lv["server"][s]["at_gateway_ms"] for s in ("thinker", "talker", "code2wav")]
             assert 0 < seen[0] <= seen[1] <= seen[2] <= lv["ttfp_ms"]["p99"], seen
             assert lv["server"]["thinker"]["first_output_ms"] <= seen[0]
+            # --trace: the measured requests' path through the services, from their spans
+            spans = {(r["service"], r["span"]): r for r in lv["path"]}
+            assert all(r["traces"] == 3 and r["requests"] >= 3 for r in lv["path"]), lv["path"]
+            call = spans[("gateway", "voxpipe.v1.Thinker/Generate")]
+            thinker = spans[("thinker", "voxpipe.v1.Thinker/Generate")]
+            prefill = spans[("thinker", "prefill")]
+            talker = spans[("talker", "voxpipe.v1.Talker/Generate")]
+            first_frame = spans[("talker", "prefill")]
+            assert 0 <= call["start_ms"] <= thinker["start_ms"] <= prefill["start_ms"] <= prefill["end_ms"]
+            # the talker's stream opens during the thinker's prefill (the prompt leaves at admission)
+            assert talker["start_ms"] < prefill["end_ms"] < first_frame["end_ms"], lv["path"]
+            assert ("code2wav", "first_chunk_out") in spans and ("gateway", "voxpipe.v1.Code2Wav/Listen") in spans
+            seen = [spans[("gateway", f"event: {s} first output")]["start_ms"] for s in ("thinker", "talker", "code2wav")]
+            assert prefill["end_ms"] <= seen[0] <= seen[1] <= seen[2], lv["path"]
         else:
             assert all("at_gateway_ms" not in lv["server"][s] for s in ("thinker", "talker", "code2wav"))
+            assert lv["path"] == []
     md = (out / "results.md").read_text()
     assert "| transformers | 1 |" in md and "Server side" in md and "| loop lag ms |" in md
     assert "gateway vs transformers at c=1" in md and "c=2: gateway / in-process TTFP p50" in md
+    assert "Path of a request, gateway c=1 (--trace" in md and "| thinker | prefill | 3 |" in md
 
 
 def test_layouts_parse_and_bad_specs_are_refused():
@@ -237,6 +253,7 @@ def test_bench_refuses_bad_workload_flags(tmp_path, capsys):
         (["--concurrency", "1,x"], "--concurrency: expected positive integers"),
         (["--modes", "gateway,grpc"], "--modes: expected a comma list of gateway, split, inprocess"),
         (["--workload", "realtime", "--modes", "split,inprocess"], "--workload realtime runs only in gateway mode"),
+        (["--trace", "--modes", "split"], "--trace follows requests from the gateway's spans: add gateway to --modes"),
         (["--workload", "voice-in", "--modes", "split", "--audio", str(tmp_path / "missing.wav")],
          f"--audio: no such file: {tmp_path / 'missing.wav'}"),
     ]
@@ -277,6 +294,10 @@ def test_bench_names_the_packages_a_gateway_workload_lacks(monkeypatch):
     with pytest.raises(SystemExit, match="needs the Python packages soundfile"):
         harness.check_packages(plan)
     harness.check_packages(harness.Plan.of(p.parse_args(["--workload", "voice-in,long-prompt", "--modes", "split"])))
+    monkeypatch.setattr(importlib.util, "find_spec",        # --trace: the OTLP exporter the services need
+                        lambda name, *a: None if name.startswith("opentelemetry.exporter") else real(name, *a))
+    with pytest.raises(SystemExit, match="needs the Python packages opentelemetry.exporter.otlp.proto.grpc"):
+        harness.check_packages(harness.Plan.of(p.parse_args(["--trace", "--modes", "gateway"])))
     assert [w.levels for w in harness.workloads_from(p.parse_args(["--workload", "long-prompt,realtime"]))] == \
         [(1, 16), (1, 8)]
     wl = harness.workloads_from(p.parse_args(["--workload", "long-prompt", "--text-tokens", "48", "--frames", "125"]))[0]

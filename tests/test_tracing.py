@@ -44,6 +44,7 @@ class ReceivedSpan:
     end_ns: int
     attributes: dict
     status_code: int
+    events: tuple = ()       # (name, time ns)
 
 
 def _value(v) -> object:
@@ -68,7 +69,8 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                         service=str(resource.get("service.name")), name=s.name, trace_id=s.trace_id.hex(),
                         span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(), kind=s.kind,
                         start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
-                        attributes={a.key: _value(a.value) for a in s.attributes}, status_code=s.status.code))
+                        attributes={a.key: _value(a.value) for a in s.attributes}, status_code=s.status.code,
+                        events=tuple((e.name, e.time_unix_nano) for e in s.events)))
         with self.lock:
             self.spans.extend(got)
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -215,6 +217,11 @@ def test_chat_completion_is_one_trace_across_all_services(traced_gateway, otlp_r
     assert request_span.parent_span_id == CLIENT_PARENT_SPAN
     assert request_span.name == "POST /v1/chat/completions"
     assert request_span.attributes["http.response.status_code"] == 200
+    # the gateway marks each stage's first output on it, in the order of the path, inside the span
+    events = [name for name, _ in request_span.events]
+    assert events == ["thinker first output", "talker first output", "code2wav first output"], events
+    times = [t for _, t in request_span.events]
+    assert request_span.start_ns <= times[0] <= times[1] <= times[2] <= request_span.end_ns
 
     thinker = server_span(spans, SERVICE_NAMES["thinker"], "voxpipe.v1.Thinker/Generate")
     talker = server_span(spans, SERVICE_NAMES["talker"], "voxpipe.v1.Talker/Generate")

@@ -126,6 +126,15 @@ def annotate(**attributes: Any) -> None:
                 span.set_attribute(f"voxpipe.{name}", value)
 
 
+def event(name: str, **attributes: Any) -> None:
+    """An event, now, on the current span (no-op when it does not record): the gateway marks each
+    stage's first output on its request span ("thinker first output": the first token, "talker
+    first output": the first frame, "code2wav first output": the first audio)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event(name, {f"voxpipe.{k}": v for k, v in attributes.items() if v is not None})
+
+
 def grpc_error(span: trace.Span, code: grpc.StatusCode | None, details: str) -> None:
     name = code.name if code is not None else "UNKNOWN"
     span.set_attribute("rpc.grpc.status_code", code.value[0] if code is not None else 2)
