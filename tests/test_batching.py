@@ -408,6 +408,44 @@ def test_thinker_sends_a_text_prompts_talker_prompt_before_its_prefill(tiny_mode
     assert bool(audio_items[0].user_mm_mask.any())
 
 
+def test_thinker_first_tokens_leave_before_the_steps_decode_forward(tiny_model_dir):
+    """A step that prefills also decodes (the new tokens' next ones): the prefill's first tokens, and
+    a text prompt's TalkerPrompt before them, are handed to the event loop before that decode forward
+    runs, not with the step's other outputs at its end."""
+    from voxpipe.services.runtime.engine import Outbox, StepDelivery
+    from voxpipe.services.runtime.outputs import TextOut
+    from voxpipe.services.thinker.engine import ThinkerJob
+    from voxpipe.services.thinker.prompt import ChatMessage
+
+    engine = _build("thinker", tiny_model_dir, graphs=False)
+    held_at_decode = []
+    decode = engine.runner.decode
+
+    def watched(jobs):
+        held_at_decode.append([type(item).__name__ for _, (_, item) in StepDelivery.active().entries])
+        return decode(jobs)
+
+    engine.runner.decode = watched
+
+    async def go():
+        ids = render(engine.tokenizer, engine.cfg, [ChatMessage.text("user", "Hello there.")]).token_ids
+        job = ThinkerJob(request_id="first", outbox=Outbox(asyncio.get_running_loop()), prompt=ids, max_tokens=4,
+                         talker_rows=True)
+        engine.submit(job)
+        with StepDelivery():
+            engine.step()
+        await asyncio.sleep(0)
+        items = []
+        while (got := job.outbox.poll_timed()) is not None:
+            items.append(got[0])
+        return items
+
+    items = asyncio.run(go())
+    assert held_at_decode == [[]]                    # nothing of the prefill waited for the decode forward
+    assert [type(i).__name__ for i in items] == ["TalkerPromptOut", "TextOut", "TextOut"]
+    assert all(isinstance(i, TextOut) and i.rows is not None for i in items[1:])
+
+
 def test_thinker_refuses_a_prefill_chunk_below_one(tiny_model_dir):
     proc = subprocess.run([sys.executable, "-m", "voxpipe.cli", "thinker", "--model", str(tiny_model_dir),
                            "--device", "cpu", "--prefill-chunk", "0"], capture_output=True, text=True, timeout=120)

@@ -110,6 +110,8 @@ class ThinkerEngine(StageEngine):
             for job in plan.prefill:
                 job.prefilled = len(job.prompt)
             self._first_outputs(plan.prefill, prefilled, f"prefill of {len(plan.prefill)} prompts")
+        if plan.chunks or plan.prefill:
+            deliver_now()     # first tokens (and their talker rows) leave now, not after this step's decode forward
         decode = [job for job in plan.decode if not job.done]   # a first token may have finished it
         if decode:
             jobs, logits = self.runner.decode(decode)
