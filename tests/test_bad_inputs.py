@@ -307,6 +307,22 @@ CASES = [
     Case("talker", "user-rows-int", lambda: [talker_start(talker_prompt(
         user_rows=to_proto(torch.zeros(5, HIDDEN, dtype=torch.int64))))],
          r"prompt\.user_rows: rows must be float32, bfloat16 or float16"),
+    # user turns as token ids (user_rows unset): the talker looks them up, so they must be text rows it knows
+    Case("talker", "ids-only-with-mm-rows", lambda: [talker_start(talker_prompt(
+        user_rows=None, user_mm_mask=to_proto(torch.tensor([False, True, False, False, False]))))],
+         r"prompt\.user_rows is required when a user row is multimodal"),
+    Case("talker", "ids-only-out-of-vocab", lambda: [talker_start(talker_prompt(
+        user_rows=None, user_token_ids=to_proto(torch.tensor([1, 2, 3, 4, 10**9]))))],
+         r"prompt\.user_token_ids: ids must be in \[0, \d+\) without prompt\.user_rows, got 1\.\.1000000000"),
+    Case("talker", "ids-only-negative", lambda: [talker_start(talker_prompt(
+        user_rows=None, user_token_ids=to_proto(torch.tensor([-1, 2, 3, 4, 5]))))],
+         r"prompt\.user_token_ids: ids must be in \[0, \d+\)"),
+    Case("talker", "ids-only-mask-length", lambda: [talker_start(talker_prompt(
+        user_rows=None, user_mm_mask=to_proto(torch.zeros(4, dtype=torch.bool))))],
+         r"prompt\.user_mm_mask: shape \[4\], expected \[5\]"),
+    Case("talker", "ids-only-ids-float", lambda: [talker_start(talker_prompt(
+        user_rows=None, user_token_ids=to_proto(torch.zeros(5))))],
+         r"prompt\.user_token_ids: dtype FLOAT32, expected INT64"),
     Case("talker", "mm-mask-length", lambda: [talker_start(talker_prompt(
         user_mm_mask=to_proto(torch.zeros(4, dtype=torch.bool))))],
          r"prompt\.user_mm_mask: shape \[4\], expected \[5\]"),

@@ -408,6 +408,71 @@ def test_thinker_sends_a_text_prompts_talker_prompt_before_its_prefill(tiny_mode
     assert bool(audio_items[0].user_mm_mask.any())
 
 
+def test_talker_prompt_as_token_ids_for_a_routed_text_prompt(tiny_model_dir):
+    """A routed spoken reply's text prompt goes to the talker as token ids (TalkerPrompt.user_rows unset);
+    the talker's lookup in the thinker's table (read from the checkpoint) gives the rows the thinker
+    would have sent, so the frames equal those of the prompt with rows. A caller's talker_rows stream,
+    and --talker-prompt-rows, still get the rows."""
+    from safetensors import safe_open
+
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.runtime.outputs import Finished, FramesOut, TalkerPromptOut
+    from voxpipe.services.talker.engine import TalkerJob
+    from voxpipe.services.thinker.engine import ThinkerJob
+    from voxpipe.services.thinker.prompt import ChatMessage
+    from voxpipe.v1 import stages_pb2 as pb
+
+    thinker = _build("thinker", tiny_model_dir, graphs=False)
+    talker = _build("talker", tiny_model_dir, graphs=False)
+    with safe_open(str(tiny_model_dir / "model.safetensors"), framework="pt") as f:
+        table = f.get_tensor("thinker.model.embed_tokens.weight").float()
+    ids = render(thinker.tokenizer, thinker.cfg, [ChatMessage.text("user", "Tell me about the sea.")]).token_ids
+
+    async def prompt_of(speech: bool, ids_flag: bool) -> TalkerPromptOut:
+        thinker.talker_prompt_ids = ids_flag
+        job = ThinkerJob(request_id=f"p-{speech}-{ids_flag}", outbox=Outbox(asyncio.get_running_loop()), prompt=ids,
+                         max_tokens=2, talker_rows=True, speech=pb.SpeechParams() if speech else None)
+        thinker.submit(job)
+        thinker.step()
+        await asyncio.sleep(0)
+        first = job.outbox.poll_timed()[0]
+        thinker.cancel(job)
+        assert isinstance(first, TalkerPromptOut)
+        return first
+
+    async def frames(prompt: TalkerPromptOut, rows: torch.Tensor | None, name: str) -> torch.Tensor:
+        job = TalkerJob(request_id=name, outbox=Outbox(asyncio.get_running_loop()), user_rows=rows,
+                        user_mm_mask=prompt.user_mm_mask, user_ids=prompt.user_token_ids, head=prompt.assistant_head,
+                        special=prompt.tts_special, speaker_id=next(iter(talker.cfg.speakers.values())),
+                        max_frames=6, min_frames=6)
+        talker.submit(job)
+        talker.add_rows(job, table[torch.tensor([11, 12, 13])])
+        talker.end_text(job)
+        while not job.done:
+            talker.step()
+        await asyncio.sleep(0)
+        items = []
+        while (got := job.outbox.poll_timed()) is not None:
+            items.append(got[0])
+        assert isinstance(items[-1], Finished), items[-1]
+        return torch.cat([i.codes for i in items if isinstance(i, FramesOut)]).long()
+
+    async def go():
+        routed, rows_flag, caller = (await prompt_of(True, True), await prompt_of(True, False),
+                                     await prompt_of(False, True))
+        by_ids = await frames(routed, None, "by-ids")
+        by_rows = await frames(rows_flag, rows_flag.user_rows, "by-rows")
+        return routed, rows_flag, caller, by_ids, by_rows
+
+    routed, rows_flag, caller, by_ids, by_rows = asyncio.run(go())
+    assert routed.user_rows is None and rows_flag.user_rows is not None and caller.user_rows is not None
+    assert torch.equal(routed.user_token_ids, caller.user_token_ids)
+    assert torch.equal(caller.user_rows, table[caller.user_token_ids].to(caller.user_rows.dtype))
+    for name in ("assistant_head", "assistant_prefix", "tts_special", "user_mm_mask"):
+        assert torch.equal(getattr(routed, name), getattr(caller, name)), name
+    assert by_ids.shape == (5, talker.cfg.num_code_groups) and torch.equal(by_ids, by_rows)
+
+
 def test_thinker_first_tokens_leave_before_the_steps_decode_forward(tiny_model_dir):
     """A step that prefills also decodes (the new tokens' next ones): the prefill's first tokens, and
     a text prompt's TalkerPrompt before them, are handed to the event loop before that decode forward

@@ -69,7 +69,10 @@ class TalkerPromptOut:
     """What the talker needs from the prompt (the thinker's first output with talker rows; the
     fields of voxpipe.v1.TalkerPrompt), on the host."""
 
-    user_rows: "torch.Tensor"        # [U, H] text tokens' input embeddings; audio: the accept_hidden_layer rows
+    # [U, H] text tokens' input embeddings; audio: the accept_hidden_layer rows. None: every user row is a
+    # text token's embedding, which the talker looks up from user_token_ids itself (a text prompt's, sent
+    # to a talker: ids instead of 10 MB of rows for a long conversation)
+    user_rows: "torch.Tensor | None"
     user_mm_mask: "torch.Tensor"     # [U] bool, true where the row is a multimodal hidden state
     user_token_ids: "torch.Tensor"   # [U] int64
     assistant_head: "torch.Tensor"   # [3, H] "<|im_start|>", "assistant", "\n"

@@ -304,7 +304,8 @@ def frames_proto(frames: FramesOut) -> pb.CodecFrames:
 
 
 def talker_prompt_proto(prompt: TalkerPromptOut) -> pb.TalkerPrompt:
-    return pb.TalkerPrompt(user_rows=tensor_proto(prompt.user_rows), user_mm_mask=tensor_proto(prompt.user_mm_mask),
+    rows = None if prompt.user_rows is None else tensor_proto(prompt.user_rows)
+    return pb.TalkerPrompt(user_rows=rows, user_mm_mask=tensor_proto(prompt.user_mm_mask),
                            user_token_ids=tensor_proto(prompt.user_token_ids),
                            assistant_head=tensor_proto(prompt.assistant_head),
                            assistant_prefix=tensor_proto(prompt.assistant_prefix),

@@ -14,7 +14,7 @@ from ..runtime.config import TalkerConfig
 from ..runtime.engine import StageEngine
 from ..runtime.outputs import Finished, FinishReason, FramesOut
 from .job import DEFAULT_TEXT_CAP, TalkerJob
-from .model import TalkerModel
+from .model import TalkerModel, ThinkerTextEmbedding
 from .runner import Frames, TalkerRunner
 from .scheduler import TalkerScheduler
 
@@ -26,7 +26,8 @@ class TalkerEngine(StageEngine):
 
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_tokens: int = 4096,
-                 prefill_graph_len: int = 512, eager_fallback: bool = False, early_prefill: bool = True) -> None:
+                 prefill_graph_len: int = 512, eager_fallback: bool = False, early_prefill: bool = True,
+                 text_table: ThinkerTextEmbedding | None = None) -> None:
         """A step prefills up to `prefill_batch` ready requests with at most `prefill_tokens` padded
         rows together (right-padded); prompts up to `prefill_graph_len` rows replay CUDA graphs.
         `early_prefill`: a request prefills all but its prompt's last row as soon as it arrives, and
@@ -36,7 +37,8 @@ class TalkerEngine(StageEngine):
         self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens, early=early_prefill)
         self.runner = TalkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
                                    cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
-                                   prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback)
+                                   prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
+                                   text_table=text_table)
 
     # ---- inputs from the handler
     def add_rows(self, job: TalkerJob, rows: torch.Tensor, more: bool = False) -> None:

@@ -22,8 +22,9 @@ DEFAULT_TEXT_CAP = (10, 25)
 
 @dataclass
 class TalkerJob(EngineRequest):
-    user_rows: torch.Tensor | None = None       # [U, thinker_hidden]
+    user_rows: torch.Tensor | None = None       # [U, thinker_hidden]; None: looked up from user_ids
     user_mm_mask: torch.Tensor | None = None    # [U] bool
+    user_ids: torch.Tensor | None = None        # [U] int64: the user turns' token ids (their rows when user_rows is None)
     head: torch.Tensor | None = None            # [3, thinker_hidden]
     special: torch.Tensor | None = None         # [3, thinker_hidden]: tts_bos, tts_eos, tts_pad
     speaker_id: int = 0
@@ -54,7 +55,7 @@ class TalkerJob(EngineRequest):
     @property
     def prompt_rows(self) -> int:
         """Rows of its talker prompt: the user turns, then PROMPT_TAIL."""
-        return self.user_rows.shape[0] + PROMPT_TAIL
+        return self.user_mm_mask.shape[0] + PROMPT_TAIL
 
     def next_position(self) -> int:
         """Where its next input goes in its KV slot: frame k's input sits at prompt_len - 1 + k (frame

@@ -79,6 +79,19 @@ class CodePredictor(nn.Module):
         return torch.stack(codes, dim=1), embeds
 
 
+class ThinkerTextEmbedding(nn.Module):
+    """The thinker's input embedding table (checkpoint `thinker.model.embed_tokens.weight`), kept by
+    the talker so that a text prompt's user turns can come as token ids: the talker looks their rows
+    up itself, the same values the thinker's embedding gives (TalkerPrompt.user_rows unset)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight)
+
+
 class TalkerModel(nn.Module):
     def __init__(self, cfg: TalkerConfig) -> None:
         super().__init__()

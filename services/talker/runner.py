@@ -23,7 +23,7 @@ from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_availab
 from ..runtime.kv_cache import SlotKVCache
 from ..runtime.sampling import RowSampling, SamplingParams, exponential_noise, finite_rows, sample_rows
 from .job import TalkerJob
-from .model import TalkerModel
+from .model import TalkerModel, ThinkerTextEmbedding
 
 # transformers samples the code predictor with these whenever the talker samples
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
@@ -53,9 +53,11 @@ class Frames:
 class TalkerRunner:
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_graph_len: int = 512,
-                 eager_fallback: bool = False) -> None:
-        """Prompts up to `prefill_graph_len` rows, `prefill_batch` at a time, replay CUDA graphs."""
+                 eager_fallback: bool = False, text_table: ThinkerTextEmbedding | None = None) -> None:
+        """Prompts up to `prefill_graph_len` rows, `prefill_batch` at a time, replay CUDA graphs.
+        `text_table`: the thinker's embedding table, for prompts whose user turns come as token ids."""
         self.model, self.cfg, self.device = model, cfg, device
+        self.text_table = text_table
         self.dtype = next(model.parameters()).dtype
         t = cfg.text
         self.cache = SlotKVCache(t.num_layers, max_active, max_len, t.num_kv_heads, t.head_dim, self.dtype, device)
@@ -235,7 +237,10 @@ class TalkerRunner:
         Without `last_row`: all but the last ([L - 1, Hk]; the first text row need not be there)."""
         m, c = self.model, self.cfg.codec
         dev, dt = self.device, self.dtype
-        user = job.user_rows.to(dev, dt)
+        if job.user_rows is not None:
+            user = job.user_rows.to(dev, dt)
+        else:           # a text prompt's user turns as token ids (the server checked: no multimodal rows)
+            user = self.text_table(job.user_ids.to(dev)).to(dt)
         mm = job.user_mm_mask.to(dev)
         user_part = torch.empty(user.shape[0], self.cfg.text.hidden_size, device=dev, dtype=dt)
         if bool(mm.any()):

@@ -25,7 +25,7 @@ from ..runtime.tensors import TensorError, from_proto
 from ..runtime.tracing import annotate, traced_rpc
 from .engine import TalkerEngine
 from .job import DEFAULT_TEXT_CAP, TalkerJob
-from .model import TalkerModel
+from .model import TalkerModel, ThinkerTextEmbedding
 from .relay import Code2WavRelay
 from .scheduler import PROMPT_TAIL
 
@@ -115,9 +115,22 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt is required")
         p = start.prompt
         try:
-            user = _rows(p.user_rows, h, "prompt.user_rows")
-            mm = from_proto(p.user_mm_mask, dtype=torch.bool, shape=(user.shape[0],), name="prompt.user_mm_mask")
-            from_proto(p.user_token_ids, dtype=torch.int64, shape=(user.shape[0],), name="prompt.user_token_ids")
+            if p.HasField("user_rows"):
+                user = _rows(p.user_rows, h, "prompt.user_rows")
+                users = user.shape[0]
+                mm = from_proto(p.user_mm_mask, dtype=torch.bool, shape=(users,), name="prompt.user_mm_mask")
+                ids = from_proto(p.user_token_ids, dtype=torch.int64, shape=(users,), name="prompt.user_token_ids")
+            else:           # a text prompt's user turns as token ids: this talker looks their rows up
+                user = None
+                ids = from_proto(p.user_token_ids, dtype=torch.int64, shape=(None,), name="prompt.user_token_ids")
+                users = ids.shape[0]
+                mm = from_proto(p.user_mm_mask, dtype=torch.bool, shape=(users,), name="prompt.user_mm_mask")
+                if bool(mm.any()):
+                    raise ValueError("prompt.user_rows is required when a user row is multimodal (user_mm_mask)")
+                vocab = self.engine.runner.text_table.weight.shape[0]
+                if users and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                    raise ValueError(f"prompt.user_token_ids: ids must be in [0, {vocab}) without prompt.user_rows, "
+                                     f"got {int(ids.min())}..{int(ids.max())}")
             head = _rows(p.assistant_head, h, "prompt.assistant_head", 3)
             prefix = _rows(p.assistant_prefix, h, "prompt.assistant_prefix") if p.HasField("assistant_prefix") else None
             special = _rows(p.tts_special, h, "prompt.tts_special", 3)
@@ -133,12 +146,12 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         max_frames = start.max_frames or DEFAULT_MAX_FRAMES
         if start.min_frames > max_frames:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_frames {start.min_frames} > max_frames {max_frames}")
-        length = user.shape[0] + PROMPT_TAIL + max_frames
+        length = users + PROMPT_TAIL + max_frames
         if length > self.engine.max_len:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{user.shape[0]} user rows + {PROMPT_TAIL} prompt rows + max_frames {max_frames} exceed the talker context of {self.engine.max_len}")
+                        f"{users} user rows + {PROMPT_TAIL} prompt rows + max_frames {max_frames} exceed the talker context of {self.engine.max_len}")
         job = TalkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
-                        user_rows=user, user_mm_mask=mm, head=head, special=special, speaker_id=cfg.speakers[speaker],
+                        user_rows=user, user_mm_mask=mm, user_ids=ids, head=head, special=special, speaker_id=cfg.speakers[speaker],
                         params=params, max_frames=max_frames, min_frames=start.min_frames,
                         text_cap=((start.text_cap.frames_per_token, start.text_cap.base_frames)
                                   if start.HasField("text_cap") else DEFAULT_TEXT_CAP),
@@ -152,8 +165,12 @@ def build(args) -> TalkerServicer:
     setup = stage_setup(args)      # bad flags fail before the weights load
     cfg = OmniConfig.load(args.model)
     model = load_stage_model(args, setup, lambda: TalkerModel(cfg.talker), "talker.")
+    # the thinker's input embeddings: text prompts' user turns come as token ids (TalkerPrompt.user_rows unset)
+    table = load_stage_model(args, setup, lambda: ThinkerTextEmbedding(cfg.thinker.text.vocab_size,
+                                                                       cfg.talker.thinker_hidden_size),
+                             "thinker.model.embed_tokens.")
     engine = TalkerEngine(model, cfg.talker, device=setup.device, max_active=args.max_batch, max_len=args.max_len,
-                          cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback)
+                          cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback, text_table=table)
     code2wav = NextStage("code2wav", args.code2wav, max_message_bytes=setup.opts.max_message_bytes,
                          tls=setup.tls) if args.code2wav else None
     return TalkerServicer(engine, setup.opts, cfg, code2wav)

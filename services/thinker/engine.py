@@ -54,12 +54,16 @@ class ThinkerEngine(StageEngine):
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, tokenizer, *, device: torch.device,
                  max_active: int, max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True,
                  prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512,
-                 prefill_chunk: int = PREFILL_CHUNK, eager_fallback: bool = False) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, eager_fallback: bool = False,
+                 talker_prompt_ids: bool = True) -> None:
         """A step prefills up to `prefill_batch` prompts with at most `prefill_tokens` padded tokens
         together; prompts up to `prefill_graph_len` tokens replay CUDA graphs. Longer prompts (and
         any longer than `prefill_chunk`) are prefilled in chunks packed into one row, at most
-        `prefill_chunk` tokens per step (ThinkerScheduler)."""
+        `prefill_chunk` tokens per step (ThinkerScheduler). `talker_prompt_ids`: a text prompt's user
+        turns go to a routed talker as token ids, which it looks up itself (TalkerPrompt.user_rows unset);
+        off: as rows (for talkers older than that)."""
         super().__init__(max_active)
+        self.talker_prompt_ids = talker_prompt_ids
         self.cfg, self.tokenizer, self.device, self.max_len = cfg, tokenizer, device, max_len
         self.eos_ids = eos_ids
         self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk,
@@ -87,7 +91,8 @@ class ThinkerEngine(StageEngine):
         early = False
         for job in plan.admitted:     # a text prompt's talker prompt leaves before its prefill runs
             if job.talker_rows:
-                prompt = self.runner.early_talker_prompt(job)
+                # a routed talker looks the user rows up itself; a caller that asked for talker_rows gets them
+                prompt = self.runner.early_talker_prompt(job, ids_only=self.talker_prompt_ids and job.speech is not None)
                 if prompt is not None:
                     job.prompt_sent = early = True
                     job.outbox.put(prompt)

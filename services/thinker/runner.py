@@ -23,10 +23,12 @@ from .model import ThinkerModel
 
 
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
-                  special: torch.Tensor) -> TalkerPromptOut:
+                  special: torch.Tensor, user_rows: bool = True) -> TalkerPromptOut:
     """What the talker needs from a prompt (transformers' `_get_talker_user_parts` / assistant parts):
     rows of user turns (role = the token after the latest <|im_start|>), the assistant head, any
-    prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H]."""
+    prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H].
+    Without `user_rows` (a text prompt only): the user turns as token ids alone, for a talker that looks
+    their embeddings up itself."""
     tok = cfg.tokens
     p = ids.shape[0]
     pos = torch.arange(p)
@@ -35,9 +37,11 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
     role = ids[(prev_start + 1).clamp_max(p - 1)]
     user = role == tok.user
     mm = (ids == tok.audio_token) | (ids == tok.image_token) | (ids == tok.video_token)
-    rows = embeds[user]
     user_mm = mm[user]
-    if bool(user_mm.any()):
+    if not user_rows and bool(user_mm.any()):
+        raise ValueError("a prompt with audio, image or video rows sends its user rows")
+    rows = embeds[user] if user_rows else None
+    if user_rows and bool(user_mm.any()):
         rows = rows.clone()
         rows[user_mm] = hidden[user][user_mm]
     head = torch.nonzero((ids[:-1] == tok.im_start) & (ids[1:] == tok.assistant)).flatten()
@@ -236,15 +240,24 @@ class ThinkerRunner:
             logits = logits[torch.tensor(keep, device=logits.device)]
         return [owners[i] for i in keep], logits
 
-    def early_talker_prompt(self, job: ThinkerJob) -> TalkerPromptOut | None:
+    def early_talker_prompt(self, job: ThinkerJob, ids_only: bool) -> TalkerPromptOut | None:
         """A text prompt's talker prompt before its prefill (lookups in the embedding table: no row of
         it needs a hidden state), so that the talker prefills it while this prefill runs; None for a
-        prompt with audio, whose rows need the prefill's hidden layer."""
+        prompt with audio, whose rows need the prefill's hidden layer. `ids_only`: the user turns go as
+        token ids (the talker looks their rows up); only the assistant head and what follows it are
+        looked up here."""
         if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
             return None
         ids = torch.tensor(job.prompt)
-        embeds = self.model.model.embed_tokens(ids.to(self.device)).cpu()
-        return talker_prompt(self.cfg, ids, embeds, None, self.tts_special)
+        if not ids_only:
+            embeds = self.model.model.embed_tokens(ids.to(self.device)).cpu()
+            return talker_prompt(self.cfg, ids, embeds, None, self.tts_special)
+        tok = self.cfg.tokens
+        head = torch.nonzero((ids[:-1] == tok.im_start) & (ids[1:] == tok.assistant)).flatten()
+        start = int(head[-1])
+        embeds = torch.zeros(len(job.prompt), self.cfg.text.hidden_size, dtype=self.tts_special.dtype)
+        embeds[start:] = self.model.model.embed_tokens(ids[start:].to(self.device)).cpu()
+        return talker_prompt(self.cfg, ids, embeds, None, self.tts_special, user_rows=False)
 
     def forced_rows(self, ids: list[int]) -> torch.Tensor:
         """The talker rows [len(ids), H] of given tokens (lookups in the embedding table), on the host."""

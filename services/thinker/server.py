@@ -234,7 +234,8 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     model = load_stage_model(args, setup, lambda: ThinkerModel(cfg.thinker), "thinker.", ignore=("visual.",))
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=setup.device,
                            max_active=args.max_batch, max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
-                           cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk, eager_fallback=args.eager_fallback)
+                           cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk, eager_fallback=args.eager_fallback,
+                           talker_prompt_ids=not args.talker_prompt_rows)
     talker = NextStage("talker", args.talker, max_message_bytes=setup.opts.max_message_bytes,
                        tls=setup.tls) if args.talker else None
     return ThinkerServicer(engine, setup.opts, engine.tokenizer, cfg, talker), cfg
@@ -249,6 +250,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="long prompts (over 512 tokens, or over this) are prefilled in chunks: an engine step "
                              "packs at most this many of their tokens into one forward, so running requests keep "
                              "decoding between steps")
+    parser.add_argument("--talker-prompt-rows", action="store_true",
+                        help="send a text prompt's user turns to the talker as embedding rows (a 2,500-token "
+                             "conversation: 10 MB), as before talkers looked them up from their token ids; for "
+                             "talkers of an older voxpipe during a rolling upgrade")
 
 
 def run(args) -> None:
