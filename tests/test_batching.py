@@ -49,6 +49,15 @@ async def _collect(pipe: InProcessPipeline, req: SpeechRequest) -> tuple[list[in
     return ids, torch.cat(codes), torch.from_numpy(np.concatenate(audio))
 
 
+async def _delivered(job) -> list:
+    """The items a job's outbox holds, once the event loop ran the engine's deliveries."""
+    await asyncio.sleep(0)
+    items = []
+    while (got := job.outbox.poll_timed()) is not None:
+        items.append(got[0])
+    return items
+
+
 def _prefills(stage: str) -> tuple[float, float]:
     """(steps that prefilled, requests prefilled) so far."""
     get = metrics.REGISTRY.get_sample_value
@@ -340,10 +349,7 @@ def test_talker_early_prefill_equals_the_whole_prefill(tiny_model_dir, graphs):
             if job.done:
                 break
             engine.step()
-        await asyncio.sleep(0)
-        items = []
-        while (got := job.outbox.poll_timed()) is not None:
-            items.append(got[0])
+        items = await _delivered(job)
         assert isinstance(items[-1], Finished), items[-1]
         return went_early, torch.cat([i.codes for i in items if isinstance(i, FramesOut)]).long()
 
@@ -384,10 +390,7 @@ def test_thinker_sends_a_text_prompts_talker_prompt_before_its_prefill(tiny_mode
                          talker_rows=True)
         engine.submit(job)
         engine.step()
-        await asyncio.sleep(0)
-        items = []
-        while (got := job.outbox.poll_timed()) is not None:
-            items.append(got[0])
+        items = await _delivered(job)
         return job, items
 
     async def go():
@@ -450,10 +453,7 @@ def test_talker_prompt_as_token_ids_for_a_routed_text_prompt(tiny_model_dir):
         talker.end_text(job)
         while not job.done:
             talker.step()
-        await asyncio.sleep(0)
-        items = []
-        while (got := job.outbox.poll_timed()) is not None:
-            items.append(got[0])
+        items = await _delivered(job)
         assert isinstance(items[-1], Finished), items[-1]
         return torch.cat([i.codes for i in items if isinstance(i, FramesOut)]).long()
 
@@ -499,10 +499,7 @@ def test_thinker_first_tokens_leave_before_the_steps_decode_forward(tiny_model_d
         engine.submit(job)
         with StepDelivery():
             engine.step()
-        await asyncio.sleep(0)
-        items = []
-        while (got := job.outbox.poll_timed()) is not None:
-            items.append(got[0])
+        items = await _delivered(job)
         return items
 
     items = asyncio.run(go())
