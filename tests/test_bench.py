@@ -52,7 +52,7 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
             thinker = spans[("thinker", "voxpipe.v1.Thinker/Generate")]
             prefill = spans[("thinker", "prefill")]
             talker = spans[("talker", "voxpipe.v1.Talker/Generate")]
-            first_frame = spans[("talker", "prefill")]
+            first_frame = spans[("talker", "first_frame")]
             assert 0 <= call["start_ms"] <= thinker["start_ms"] <= prefill["start_ms"] <= prefill["end_ms"]
             # the talker's stream opens during the thinker's prefill (the prompt leaves at admission)
             assert talker["start_ms"] < prefill["end_ms"] < first_frame["end_ms"], lv["path"]

@@ -239,7 +239,7 @@ def test_chat_completion_is_one_trace_across_all_services(traced_gateway, otlp_r
     assert talker_call in code2wav_chain and thinker_call in code2wav_chain and request_span in code2wav_chain
 
     # per-stage phases as children of each server span, inside it in time
-    for server, first_phase in ((thinker, "prefill"), (talker, "prefill"), (code2wav, "first_chunk_out")):
+    for server, first_phase in ((thinker, "prefill"), (talker, "first_frame"), (code2wav, "first_chunk_out")):
         phases = {s.name: s for s in spans if s.parent_span_id == server.span_id}
         assert {"queue_wait", first_phase, "decode"} <= set(phases), (server.service, sorted(phases))
         for p in phases.values():

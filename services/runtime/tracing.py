@@ -10,7 +10,8 @@ the stage servers skip span work entirely.
 W3C trace context travels in gRPC metadata (`traceparent`, `tracestate`) and HTTP headers.
 Stage servers open a SERVER span per stream (`traced_rpc`) and, when the request is done,
 add its phases from the engine's timestamps (`record_phases`): queue_wait (arrived ->
-started), prefill / first_chunk_out (started -> first output), decode (first output -> end).
+started), prefill / first_frame / first_chunk_out (thinker / talker / code2wav: started -> first
+output), decode (first output -> end).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ TRACER_NAME = "voxpipe"
 _enabled = False
 
 # the phase between "started" and "first output", per stage
-FIRST_OUTPUT_PHASE = {"thinker": "prefill", "talker": "prefill", "code2wav": "first_chunk_out"}
+# the talker's: its prefill, and with a text prompt (sent before the text) also its wait for text row 0
+FIRST_OUTPUT_PHASE = {"thinker": "prefill", "talker": "first_frame", "code2wav": "first_chunk_out"}
 
 
 def otlp_endpoint() -> str | None:
