@@ -22,13 +22,19 @@ from .job import ThinkerJob
 from .model import ThinkerModel
 
 
+def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor) -> int:
+    """Where the prompt's last "<|im_start|>assistant" begins (the talker prompt's assistant head)."""
+    tok = cfg.tokens
+    return int(torch.nonzero((ids[:-1] == tok.im_start) & (ids[1:] == tok.assistant)).flatten()[-1])
+
+
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
                   special: torch.Tensor, user_rows: bool = True) -> TalkerPromptOut:
     """What the talker needs from a prompt (transformers' `_get_talker_user_parts` / assistant parts):
     rows of user turns (role = the token after the latest <|im_start|>), the assistant head, any
     prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H].
     Without `user_rows` (a text prompt only): the user turns as token ids alone, for a talker that looks
-    their embeddings up itself."""
+    their embeddings up itself; `embeds` then holds only the rows from `assistant_start` on."""
     tok = cfg.tokens
     p = ids.shape[0]
     pos = torch.arange(p)
@@ -38,17 +44,19 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
     user = role == tok.user
     mm = (ids == tok.audio_token) | (ids == tok.image_token) | (ids == tok.video_token)
     user_mm = mm[user]
-    if not user_rows and bool(user_mm.any()):
-        raise ValueError("a prompt with audio, image or video rows sends its user rows")
-    rows = embeds[user] if user_rows else None
-    if user_rows and bool(user_mm.any()):
-        rows = rows.clone()
-        rows[user_mm] = hidden[user][user_mm]
-    head = torch.nonzero((ids[:-1] == tok.im_start) & (ids[1:] == tok.assistant)).flatten()
-    start = int(head[-1])
+    start = assistant_start(cfg, ids)
+    if user_rows:
+        rows = embeds[user]
+        if bool(user_mm.any()):
+            rows = rows.clone()
+            rows[user_mm] = hidden[user][user_mm]
+        tail = embeds[start:]
+    else:
+        if bool(user_mm.any()):
+            raise ValueError("a prompt with audio, image or video rows sends its user rows")
+        rows, tail = None, embeds
     return TalkerPromptOut(user_rows=rows, user_mm_mask=user_mm, user_token_ids=ids[user],
-                           assistant_head=embeds[start:start + 3], assistant_prefix=embeds[start + 3:],
-                           tts_special=special)
+                           assistant_head=tail[:3], assistant_prefix=tail[3:], tts_special=special)
 
 
 @dataclass
@@ -252,12 +260,8 @@ class ThinkerRunner:
         if not ids_only:
             embeds = self.model.model.embed_tokens(ids.to(self.device)).cpu()
             return talker_prompt(self.cfg, ids, embeds, None, self.tts_special)
-        tok = self.cfg.tokens
-        head = torch.nonzero((ids[:-1] == tok.im_start) & (ids[1:] == tok.assistant)).flatten()
-        start = int(head[-1])
-        embeds = torch.zeros(len(job.prompt), self.cfg.text.hidden_size, dtype=self.tts_special.dtype)
-        embeds[start:] = self.model.model.embed_tokens(ids[start:].to(self.device)).cpu()
-        return talker_prompt(self.cfg, ids, embeds, None, self.tts_special, user_rows=False)
+        tail = self.model.model.embed_tokens(ids[assistant_start(self.cfg, ids):].to(self.device)).cpu()
+        return talker_prompt(self.cfg, ids, tail, None, self.tts_special, user_rows=False)
 
     def forced_rows(self, ids: list[int]) -> torch.Tensor:
         """The talker rows [len(ids), H] of given tokens (lookups in the embedding table), on the host."""
