@@ -21,8 +21,10 @@ from conftest import GatewayProcess
 from test_realtime import RATE, speech
 from voxpipe.audio import write_wav
 
-SHORT = (4, 8)        # reply limits (text tokens, audio frames): a short reply, to wait for all of it to play
-LONG = (8, 60)        # up to 4.7 s of audio: still playing when the user speaks again
+# reply settings (text tokens, audio frames, temperature; None: the field left empty)
+SHORT = (4, 8, None)  # a short reply, to wait for all of it to play
+LONG = (8, 60, 0)     # 4.7 s of audio, still playing when the user speaks again (greedy: a sampled reply
+                      # sometimes ends early, by itself, before the user speaks)
 KEY = "sesame-console"
 
 needs_chromium = pytest.mark.skipif(chromium_binary() is None,
@@ -64,6 +66,15 @@ class ConsoleView:
                           for t in value["turns"]])
 
 
+# installed before the session starts: the client events the page sends, as sent
+SENT_SPY = """(() => {
+    window.sentEvents = [];
+    const send = WebSocket.prototype.send;
+    WebSocket.prototype.send = function (data) { window.sentEvents.push(JSON.parse(data)); return send.call(this, data); };
+})()"""
+SENT = "window.sentEvents.filter((e) => e.type === 'session.update').map((e) => e.session)"
+
+
 def turn_done(index: int) -> str:
     """The page's condition: turn `index` is over, with its latency shown, and audio has played."""
     return f"""(() => {{
@@ -74,12 +85,14 @@ def turn_done(index: int) -> str:
     }})()"""
 
 
-def start_script(api_key: str | None, limits: tuple[int, int]) -> str:
+def start_script(api_key: str | None, limits: tuple) -> str:
     """Fill in the form as a user would and press Start."""
+    tokens, frames, temperature = limits
     return f"""(() => {{
         document.getElementById("api-key").value = {json.dumps(api_key or "")};
-        document.getElementById("max-tokens").value = "{limits[0]}";
-        document.getElementById("max-frames").value = "{limits[1]}";
+        document.getElementById("max-tokens").value = "{tokens}";
+        document.getElementById("max-frames").value = "{frames}";
+        document.getElementById("temperature").value = {json.dumps("" if temperature is None else str(temperature))};
         document.getElementById("start").click();
     }})()"""
 
@@ -98,15 +111,19 @@ def microphone(tmp_path_factory) -> Path:
                      0.5, "What is the weather like today?", 2.0)
 
 
-def talk(gateway: GatewayProcess, microphone: Path, api_key: str | None = None, *, limits: tuple[int, int] = SHORT,
-         until: str = turn_done(0), timeout: float = 90) -> ConsoleView:
-    """Open the console in Chromium, start a session and wait for `until`; what the page shows."""
+def talk(gateway: GatewayProcess, microphone: Path, api_key: str | None = None, *, limits: tuple = SHORT,
+         until: str = turn_done(0), timeout: float = 90, sent: list | None = None) -> ConsoleView:
+    """Open the console in Chromium, start a session and wait for `until`; what the page shows
+    (and in `sent`, the sessions of the session.update events it sent)."""
     async def go() -> ConsoleView:
         with Chromium(f"{gateway.base_url}/", microphone) as browser:
             page = await browser.page()
             try:
+                await page.evaluate(SENT_SPY)
                 await page.evaluate(start_script(api_key, limits), user_gesture=True)
                 await page.wait_for(until, timeout, "the console did not get there")
+                if sent is not None:
+                    sent.extend(await page.evaluate(SENT))
                 return ConsoleView.of(await page.evaluate(ConsoleView.SCRIPT))
             finally:
                 await page.ws.close()
@@ -194,7 +211,10 @@ def test_speaking_over_the_reply_stops_it(gateway, tmp_path):
     second question gets its own reply."""
     microphone = recording(tmp_path / "interruption.wav", 0.5, "What is the weather like today?", 2.5,
                            "Wait, stop, I have a question.", 2.0)
-    view = talk(gateway, microphone, limits=LONG, until=turn_done(1))
+    sent = []
+    view = talk(gateway, microphone, limits=LONG, until=turn_done(1), sent=sent)
+    assert {"type": "realtime", "max_output_tokens": 8, "max_audio_frames": 60, "temperature": 0} == {
+        k: v for k, v in sent[0].items() if k != "audio"}, sent
     first, second = view.turns[:2]
     assert first.state == "interrupted" and first.heard_ms is not None and first.audio_ms is not None, first
     assert first.heard_ms <= first.audio_ms
@@ -218,3 +238,24 @@ def test_with_an_api_key(keyed_gateway, microphone):
     assert refused.status == "The gateway refused the connection (is the API key right?).", refused
     assert not refused.turns
     assert_turn_played(talk(keyed_gateway, microphone, KEY))
+
+
+@needs_chromium
+def test_settings_out_of_range_do_not_start_a_session(gateway):
+    """A temperature the gateway would refuse (above 2) keeps the form from submitting: the browser
+    flags the field and no session opens (the page would otherwise start without its settings)."""
+    async def go() -> dict:
+        with Chromium(f"{gateway.base_url}/") as browser:
+            page = await browser.page()
+            try:
+                await page.evaluate(SENT_SPY)
+                await page.evaluate(start_script(None, (4, 8, 5)), user_gesture=True)
+                return await page.evaluate("""(() => ({
+                    overflow: document.getElementById("temperature").validity.rangeOverflow,
+                    started: !document.getElementById("stop").disabled,
+                    sent: window.sentEvents.length}))()""")
+            finally:
+                await page.ws.close()
+
+    assert asyncio.run(go()) == {"overflow": True, "started": False, "sent": 0}
+

@@ -13,7 +13,7 @@ import torch
 
 from conftest import STAGES, start_chain
 from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, StageEvent
-from voxpipe.services.runtime.calls import STAGE_METADATA
+from voxpipe.services.runtime.calls import AWAITS_ADMISSION_METADATA, STAGE_METADATA, is_admitted
 from voxpipe.services.runtime.tensors import to_proto
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
@@ -118,6 +118,54 @@ def test_a_routed_decode_cancelled_by_its_talker_frees_the_request(stack):
         asyncio.run(once(i % 3))
         assert wait_for(lambda: stack_metric(stack, "code2wav") == 0, timeout=10), (i, stack_metric(stack, "code2wav"))
     assert stack_metric(stack, "code2wav", "voxpipe_streams_total", 'outcome="cancelled",') == cancelled + 12
+
+
+# ----------------------------------------------------------------------------- admission
+
+def test_a_stage_admits_a_stream_with_headers_and_refuses_a_waiting_caller_at_once(stack):
+    """A stage sends its admission headers (calls.ADMITTED_METADATA) once it has read and queued a
+    start, before any response; a refused start gets no such headers. A caller that says it awaits
+    admission (and so writes nothing after its start) gets the refusal while its stream is still
+    open: the server does not first wait for the client to stop writing."""
+    async def go():
+        async with grpc.aio.insecure_channel(stack.address("code2wav")) as cw:
+            stub = pb_grpc.Code2WavStub(cw)
+            decode = stub.Decode()
+            await decode.write(pb.Code2WavRequest(start=pb.Code2WavStart(to_listener=True)))
+            admitted = await decode.initial_metadata()
+            decode.cancel()
+            refused = stub.Decode(metadata=((AWAITS_ADMISSION_METADATA, "1"),), timeout=60)
+            await refused.write(pb.Code2WavRequest(start=pb.Code2WavStart(encoding=99)))
+            headers = await refused.initial_metadata()      # no done_writing: the stream stays open
+            return admitted, headers, await refused.code(), await refused.details()
+
+    admitted, headers, code, details = asyncio.run(go())
+    assert is_admitted(admitted), admitted
+    assert not is_admitted(headers), headers
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "encoding" in details, (code, details)
+
+
+def test_a_talker_refusing_a_start_reaches_every_caller_with_its_code_while_text_streams(stack):
+    """The thinker opens the talker stream at admission and writes text rows for as long as its
+    reply runs; a talker that refuses the start (max_frames beyond its context) fails each request
+    with INVALID_ARGUMENT naming the talker -- not grpc's INTERNAL "Internal error from Core", which a
+    status racing those writes turned into (tests/test_converse.py's bad input saw it on CI)."""
+    def one(i: int) -> tuple:
+        with grpc.insecure_channel(stack.address("thinker")) as ch:
+            req = pb.ThinkerRequest(start=pb.ThinkerStart(
+                request_id=f"refused-{i}", text="Talk for a while.", max_tokens=400, min_tokens=400,
+                speech=pb.SpeechParams(max_frames=2**32 - 1)))
+            with pytest.raises(grpc.RpcError) as err:
+                list(pb_grpc.ThinkerStub(ch).Generate(iter([req]), timeout=120))
+            stage = dict(err.value.trailing_metadata() or ()).get(STAGE_METADATA)
+            return err.value.code(), err.value.details(), stage
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(24)))
+    for code, details, stage in results:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceed the talker context" in details, (code, details)
+        assert stage == "talker"
 
 
 # ----------------------------------------------------------------------------- a replica dying mid-stream

@@ -208,12 +208,15 @@ class Console {
     this.status.classList.toggle("error", error);
   }
 
+  /** The reply settings of the form (the form only submits when they are in range). */
   limits() {
     const out = {};
     for (const [id, field] of [["max-tokens", "max_output_tokens"], ["max-frames", "max_audio_frames"]]) {
       const value = $(id).valueAsNumber;
       if (Number.isInteger(value) && value > 0) out[field] = value;
     }
+    const temperature = $("temperature").valueAsNumber;
+    if (Number.isFinite(temperature)) out.temperature = temperature;
     return out;
   }
 

@@ -12,7 +12,9 @@ with UNAVAILABLE is unhealthy: skipped by new picks, re-probed with grpc.health.
 `cooldown_s` until it answers SERVING. A replica that refuses a new stream because it is draining
 (SIGTERM) is skipped the same way. A stream refused (UNAVAILABLE, or grpc's "Internal error from
 Core" that hides the status when the refusal races a write) before its first response is
-replayed once on another replica; after the first response a failure is the request's.
+replayed once on another replica; after the first response a failure is the request's. Once
+its start is written (`end_head`), a stream writes on only after the replica's admission
+headers (services.runtime.calls.ADMITTED_METADATA), so a refusal of a start never races a write.
 Channels ping every 20 s during streams, so a replica whose host vanished fails its streams
 (UNAVAILABLE) within ~30 s instead of hanging them.
 
@@ -35,6 +37,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from .calls import is_admitted
 from .tls import ClientTLS, aio_channel
 
 log = logging.getLogger(__name__)
@@ -415,6 +418,8 @@ class BalancedStream:
         self._call = None
         self._tried: list[Replica] = []
         self._sent: list | None = []        # replayed on a retry; None once the first response came
+        self._head: int | None = None       # messages of the stream's start, once all written (end_head)
+        self._admitted = None               # the call whose replica admitted the stream
         self._half_closed = False
         self._lock = asyncio.Lock()
         self._closed = False
@@ -437,15 +442,38 @@ class BalancedStream:
     def _may_retry(self) -> bool:
         return not self.committed and len(self._tried) <= self.balancer.options.retries and not self._closed
 
+    def end_head(self) -> None:
+        """The stream's start (its first message and continuations) is written: every later write
+        waits until the replica admits the stream (its ADMITTED_METADATA response headers). A
+        refusal then ends the call while nothing is being written, so its status comes through
+        (a write racing it would turn it into LOST_STATUS)."""
+        if self._head is None:
+            self._head = len(self._sent) if self._sent is not None else 0
+
+    async def _admission(self) -> bool:
+        """Whether the current call's replica admitted the stream (waits for its response headers;
+        False: it refused, and the reader gets the status)."""
+        call = self._call
+        if self._head is None or call is self._admitted:
+            return True
+        if is_admitted(await call.initial_metadata()):
+            self._admitted = call
+            return True
+        return False
+
     async def write(self, msg) -> None:
         async with self._lock:
             if self._sent is not None:
                 self._sent.append(msg)
+            if not await self._admission():
+                return          # refused: the reader sees the status (and may replay this on another replica)
             await self._forward(self._call.write(msg))
 
     async def done_writing(self) -> None:
         async with self._lock:
             self._half_closed = True
+            if not await self._admission():
+                return
             await self._forward(self._call.done_writing())
 
     async def _forward(self, op) -> None:
@@ -493,9 +521,11 @@ class BalancedStream:
                      error.code().name, error.details(), replica.address)
             self._attach(replica)
             try:
-                for msg in self._sent:
+                for i, msg in enumerate(self._sent):
+                    if self._head is not None and i >= self._head and not await self._admission():
+                        return  # refused again: the reader sees the new call's status
                     await self._call.write(msg)
-                if self._half_closed:
+                if self._half_closed and await self._admission():
                     await self._call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass            # the reader sees the new call's status

@@ -19,6 +19,29 @@ log = logging.getLogger(__name__)
 # failure of a stage it called (the thinker for its talker, the talker for its code2wav)
 STAGE_METADATA = "voxpipe-stage"
 STAGES = ("thinker", "talker", "code2wav")
+# response headers a stage sends the moment it admits a stream (its start read, validated and
+# queued): a stage calling the next one waits for them before writing past the start, so that
+# a refusal's status never races a write (grpc-Python then reports INTERNAL instead of it)
+ADMITTED_METADATA = "voxpipe-admitted"
+# request headers of such a client: it writes nothing past the start before the admission
+# headers, so a refusal of the start goes out at once (rpc_guard drains no writes first)
+AWAITS_ADMISSION_METADATA = "voxpipe-awaits-admission"
+
+
+def is_admitted(initial_metadata) -> bool:
+    return any(key == ADMITTED_METADATA for key, _ in initial_metadata or ())
+
+
+async def send_admitted(context: grpc.aio.ServicerContext) -> None:
+    """The stream is admitted: send the response headers that say so (ClientGone if the caller left)."""
+    if context.cancelled():
+        raise ClientGone()
+    try:
+        await context.send_initial_metadata(((ADMITTED_METADATA, "1"),))
+    except Exception:
+        if context.cancelled() or context.done():
+            raise ClientGone() from None
+        raise
 
 
 def failed_stage(error: grpc.aio.AioRpcError, callee: str) -> str:

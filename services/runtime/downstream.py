@@ -9,7 +9,9 @@ W3C `traceparent` metadata.
 Writes never raise. grpc-Python reports a status that races a client write as INTERNAL, and a
 write after the stream ended as InvalidStateError; a downstream that finished early (a talker
 at max_frames while text still comes) or failed drops later writes, and its real outcome comes
-out of `responses()`: the one place where every stage client meets those races.
+out of `responses()`: the one place where every stage client meets those races. Writes after
+the start (`write_start`) wait for the replica's admission headers, so a refusal (bad start,
+queue full, draining) never races one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from . import metrics, tracing
 from .balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer, parse_targets
-from .calls import failed_stage
+from .calls import AWAITS_ADMISSION_METADATA, failed_stage
 from .tensors import split_message
 from .tls import ClientTLS
 
@@ -93,7 +95,8 @@ class NextStage:
             f"{service}/{method}", kind=SpanKind.CLIENT,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
                         "voxpipe.request_id": request_id})
-        call_metadata = tuple(metadata) + tracing.inject_metadata(trace.set_span_in_context(span))
+        call_metadata = ((AWAITS_ADMISSION_METADATA, "1"), *metadata,
+                         *tracing.inject_metadata(trace.set_span_in_context(span)))
 
         def on_replica(replica: Replica) -> None:
             span.set_attribute("server.address", replica.address)
@@ -138,12 +141,18 @@ class Downstream:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             log.debug("%s: write dropped, the stream ended: %r", self.stage, e)
 
-    async def write_split(self, msg: Any, wrap: Callable[[Any], Any], chunk: Callable[[bytes], Any]) -> None:
-        """`wrap(msg)`, with its tensors' bytes beyond the message limit in `chunk(data)` continuations."""
-        head, chunks = split_message(msg, self.next.max_message_bytes - 1024)
-        await self.write(wrap(head))
-        for data in chunks:
-            await self.write(chunk(data))
+    async def write_start(self, msg: Any, wrap: Callable[[Any], Any],
+                          chunk: Callable[[bytes], Any] | None = None) -> None:
+        """The stream's start: `wrap(msg)`, with its tensors' bytes beyond the message limit in
+        `chunk(data)` continuations. Later writes wait until the replica admits the stream."""
+        if chunk is None:
+            await self.write(wrap(msg))
+        else:
+            head, chunks = split_message(msg, self.next.max_message_bytes - 1024)
+            await self.write(wrap(head))
+            for data in chunks:
+                await self.write(chunk(data))
+        self.stream.end_head()
 
     async def done_writing(self) -> None:
         if self.ended or self._closed:

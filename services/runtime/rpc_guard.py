@@ -7,7 +7,9 @@ Converse: every refusal reaches the client with its own status code.
   half-closes or `drain_s` passes: a status that arrives while a gRPC asyncio client is writing
   reaches that client as INTERNAL "Internal error from Core" instead of the real code
   (grpc/grpc#36066), so the status is sent once the client is done writing where that happens
-  within the bound.
+  within the bound. A stage calling the next one (request header calls.AWAITS_ADMISSION_METADATA)
+  writes nothing past its start until the server admits the stream (calls.send_admitted), so a
+  refusal before then goes out at once.
 
 `Abort` is the exception servicer code raises to refuse a call (turned into `context.abort` by
 the stage runtime and by this interceptor when it escapes a handler)."""
@@ -20,6 +22,8 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+
+from .calls import AWAITS_ADMISSION_METADATA, is_admitted
 
 DRAIN_S = 2.0        # how long a refusal waits for the client to half-close before it is sent anyway
 
@@ -95,13 +99,22 @@ class GuardedRequests:
 
 
 class GuardedContext:
-    """The servicer context with an `abort` that drains the request stream first."""
+    """The servicer context with an `abort` that drains the request stream first (unless the
+    client awaits admission and the stream was not admitted yet: it is not writing)."""
 
     def __init__(self, context: grpc.aio.ServicerContext, requests: GuardedRequests, drain_s: float) -> None:
         self._context, self._requests, self._drain_s = context, requests, drain_s
+        self._awaits_admission = any(key == AWAITS_ADMISSION_METADATA
+                                     for key, _ in context.invocation_metadata() or ())
+        self._admitted = False
+
+    async def send_initial_metadata(self, metadata) -> None:
+        self._admitted = self._admitted or is_admitted(metadata)
+        await self._context.send_initial_metadata(metadata)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        await self._requests.drain(self._drain_s)
+        if self._admitted or not self._awaits_admission:
+            await self._requests.drain(self._drain_s)
         await self._context.abort(code, details, trailing_metadata)
 
     def __getattr__(self, name: str) -> Any:

@@ -34,7 +34,7 @@ from .outputs import Finished, FinishReason, FramesOut, Routed, TalkerPromptOut
 from . import metrics
 from .logs import REQUEST_ID
 from .metrics import serve_metrics
-from .calls import ClientGone, abort, when_done
+from .calls import ClientGone, abort, send_admitted, when_done
 from .rpc_guard import Abort, RequestGuard
 from .tensors import Reassembler, TensorError
 from .tensors import to_proto as tensor_proto
@@ -133,19 +133,23 @@ class StageServicer:
     async def open_stream(self, it: AsyncIterator, context: grpc.aio.ServicerContext) -> EngineRequest | None:
         """The request of a stage stream: its start message read (before any refusal: a status sent
         while the client is still writing reaches gRPC Python clients as INTERNAL instead of the real
-        code), admitted and turned into a job by the subclass's `make_job`; None after aborting the
-        call with the refusal's status. A caller that cancels before the job exists ends the call
-        as a cancelled stream of this stage (counted, traced), like one that cancels later."""
+        code), admitted and turned into a job by the subclass's `make_job`, then the response headers
+        that say it was admitted sent (calls.ADMITTED_METADATA: a stage writes past the start only
+        after them); None after aborting the call with the refusal's status. A caller that cancels
+        before the job exists ends the call as a cancelled stream of this stage (counted, traced),
+        like one that cancels later."""
         try:
             try:
                 start = await self.read_head(it, "start", "chunk")
                 if start.request_id:
                     REQUEST_ID.set(start.request_id)      # this call's logs carry it
                 self.admit()
-                return self.make_job(start)
+                job = self.make_job(start)
             except Abort as e:
                 await abort(context, e.code, e.message)
                 return None
+            await send_admitted(context)
+            return job
         except (ClientGone, asyncio.CancelledError):
             metrics.STREAMS.labels(self.engine.name, "cancelled").inc()
             raise

@@ -77,7 +77,7 @@ class TalkerRelay:
         start = pb.TalkerStart(request_id=job.request_id, prompt=prompt, speaker=speech.speaker,
                                sampling=speech.sampling, max_frames=speech.max_frames, min_frames=speech.min_frames,
                                code2wav=speech.code2wav, text_cap=speech.text_cap if speech.HasField("text_cap") else None)
-        await self.down.write_split(start, lambda m: pb.TalkerRequest(start=m),
+        await self.down.write_start(start, lambda m: pb.TalkerRequest(start=m),
                                     lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)))
         self._reader = asyncio.ensure_future(self._read(self.down))
 
