@@ -368,7 +368,7 @@ def check_moe(device: str) -> list[dict]:
     from voxpipe.kernels import moe
     g = torch.Generator().manual_seed(6)
     out = []
-    for t, e, k in [(1, 128, 8), (64, 128, 6), (5, 60, 4), (3, 8, 8)]:
+    for t, e, k in [(1, 128, 8), (16, 128, 6), (5, 60, 4), (3, 8, 8)]:   # one interpreted program a token
         logits32 = (torch.randn(t, e, generator=g) * 2).to(device)
         for dt in (torch.float32, torch.bfloat16):
             logits = logits32.to(dt)
@@ -411,7 +411,7 @@ def check_moe(device: str) -> list[dict]:
             got, want = moe.run_align(top_idx, e), moe.reference_align(top_idx, e)
             for what, a, b in zip(("order", "src", "inv", "offs"), got, want):
                 out.append(_exact_record(f"moe align {what} {kind} {t}x{k} E={e}", a, b))
-    for t, k, h in [(1, 8, 2048), (64, 6, 1024), (5, 4, 96)]:
+    for t, k, h in [(1, 8, 2048), (16, 6, 1024), (5, 4, 96)]:
         y32 = torch.randn(t * k, h, generator=g).to(device)
         inv = moe.reference_align(torch.rand(t, 128, generator=g).topk(k).indices, 128)[2].to(device)
         w32 = torch.softmax(torch.randn(t, k, generator=g), -1).to(device)
@@ -540,7 +540,8 @@ def check_experts(device: str) -> list[dict]:
     from voxpipe.kernels import experts
     g = torch.Generator().manual_seed(10)
     out = []
-    for t, k, e, h, inter, with_shared in [(1, 8, 16, 256, 96, False), (3, 6, 12, 160, 48, True), (8, 8, 9, 64, 40, True)]:
+    # few program instances per case: Triton's CPU interpreter runs each one (the costs grow with pairs x rows)
+    for t, k, e, h, inter, with_shared in [(1, 8, 16, 128, 48, False), (3, 6, 12, 160, 48, True), (4, 4, 9, 64, 24, True)]:
         x32 = torch.randn(t, h, generator=g).to(device)
         idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
         w32 = torch.softmax(torch.randn(t, k, generator=g), -1).to(device)
@@ -560,7 +561,9 @@ def check_experts(device: str) -> list[dict]:
     # dot products longer than MAX_IN run in pieces (the real sizes never do)
     before, experts.MAX_IN = experts.MAX_IN, 16
     try:
-        a = tuple(None if v is None else (v if v.dtype == torch.int64 else v.to(torch.bfloat16)) for v in args32)
+        x2, idx2, w2, gu, dn, sh2, lg2 = args32                # the last case's first two tokens
+        a = (x2[:2], idx2[:2], w2[:2], gu, dn, sh2[:2], lg2[:2])
+        a = tuple(v if v.dtype == torch.int64 else v.to(torch.bfloat16) for v in a)
         a32 = tuple(None if v is None else (v if v.dtype == torch.int64 else v.float()) for v in a)
         out.append(_budget_record(f"experts bfloat16 {tag} in pieces of 16", experts.run(*a), experts.reference(*a),
                                   experts.reference(*a32)))
