@@ -167,7 +167,22 @@ def main() -> int:
     print(json.dumps({"check": "code predictor: kernels vs PyTorch ops, codes",
                       "codes_equal_fraction": rec["codes_equal_fraction"]}), flush=True)
     results.append(rec)
-    del te, talker
+    # VOXPIPE_NORM_LINEAR: norm + q/k/v projection and norm + gate/up + SwiGLU in one kernel each
+    # (kernels.normlinear), eager and in freshly captured graphs, vs the kernel path without it
+    layers.NORM_LINEAR = True
+    n_codes, n_sum, _ = te._predict_fn(3, 1, hid, c0)
+    n_step = te._step_fn(3, 128, x, start)[0]
+    tn = TalkerEngine(talker, cfg.talker, device=dev, max_active=8, max_len=1024, cuda_graphs=True).runner
+    ng_codes, ng_sum, _ = tn.predictor_graphs(3, 1, hid, c0)
+    layers.NORM_LINEAR = False
+    rec = compare("code predictor: normlinear vs the kernel path, next input", n_sum, e_sum)
+    rec["codes_equal_fraction"] = float((n_codes == e_codes).float().mean())
+    results.append(rec)
+    results.append(compare("code predictor: normlinear graph vs normlinear eager codes", ng_codes, n_codes, exact=True))
+    results.append(compare("code predictor: normlinear graph vs normlinear eager next input", ng_sum, n_sum,
+                           exact=True))
+    results.append(compare("talker step: normlinear (q/k/v) vs the kernel path, logits", n_step, eager[0]))
+    del tn, te, talker
     torch.cuda.empty_cache()
 
     # ---- thinker decode: graph vs eager; grouped MoE vs loop
@@ -196,6 +211,10 @@ def main() -> int:
     (plain,) = th._decode_fn(2, 128, ids, start)
     kernels.ENABLED = True
     results.append(compare("thinker decode: Triton kernels (norms, rope, routing, SwiGLU) vs PyTorch ops", e, plain))
+    layers.NORM_LINEAR = True
+    (nl,) = th._decode_fn(2, 128, ids, start)
+    layers.NORM_LINEAR = False
+    results.append(compare("thinker decode: normlinear (q/k/v) vs the kernel path, logits", nl, e))
     kernels.ENABLED = False
     layers.GROUPED_MM = False
     (lp,) = th._decode_fn(2, 128, ids, start)

@@ -8,6 +8,8 @@ with the same contract (see each module's docstring):
 - `rope`: per-head q/k RMSNorm + rotary embedding, fused and in place
 - `moe`: MoE routing (float32 softmax + top-k + renormalisation) in one launch
 - `glu`: SwiGLU (silu(gate) * up) on a fused gate/up projection output
+- `normlinear`: residual add + RMSNorm + the projection that reads it (+ SwiGLU) for a decode
+  step's few rows, in one launch (`VOXPIPE_NORM_LINEAR=1`: the layers use it; see runtime/layers.py)
 - `attention`: a few new tokens over a short cache (the code predictor), cache append fused in
 - `experts`: routed MoE experts for a few tokens (gate/up GEMV + SwiGLU, down GEMV + weighted sum +
   shared expert) in three launches straight from the router's top-k
@@ -34,7 +36,8 @@ def active(t) -> bool:
     (or on the CPU under Triton's interpreter, so the CPU tests can run the layers' kernel path)."""
     return ENABLED and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
-KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "attention", "experts")
+KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "normlinear", "attention",
+                  "experts")
 
 
 def __getattr__(name: str):

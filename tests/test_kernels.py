@@ -35,7 +35,8 @@ ATOL, RTOL = 1e-5, 1e-5
 BUDGET_16 = 1.25
 SAMPLE_MISMATCH = 0.02
 EPS = 1e-6
-KERNELS = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "attention", "experts", "layers")
+KERNELS = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "normlinear", "attention", "experts",
+           "layers")
 
 try:
     import triton  # noqa: F401  (imported only to know; no kernel runs in this process on the CPU)
@@ -449,6 +450,43 @@ def check_moe(device: str) -> list[dict]:
     return out
 
 
+def check_normlinear(device: str) -> list[dict]:
+    from voxpipe.kernels import normlinear
+    g = torch.Generator().manual_seed(11)
+    out = []
+    # (rows, K, N or I, glu, with x): one row; several; more than one block of rows and of columns
+    for m, k, n, glu, with_x in [(1, 64, 48, False, True), (3, 96, 32, True, True), (5, 64, 64, False, False),
+                                 (70, 32, 16, True, True)]:
+        res32, x32 = torch.randn(m, k, generator=g) * 2, torch.randn(m, k, generator=g)
+        nw32 = 1 + 0.2 * torch.randn(k, generator=g)
+        w32 = torch.randn(2 * n if glu else n, k, generator=g) * k ** -0.5
+        tag = f"{m}x{k} -> {n}{' glu' if glu else ''}{'' if with_x else ' (no add)'}"
+        for dt in (torch.float32, torch.bfloat16, torch.float16):
+            res, nw, w = (t.to(device).to(dt) for t in (res32, nw32, w32))
+            x = x32.to(device).to(dt) if with_x else None
+            assert normlinear.eligible(x, res, nw, w, glu), f"normlinear {tag} should launch the kernel on {device}"
+            (y, r), (ry, rr) = normlinear.run(x, res, nw, EPS, w, glu), normlinear.reference(x, res, nw, EPS, w, glu)
+            out.append(_exact_record(f"normlinear residual {str(dt)[6:]} {tag}", r, rr))
+            if dt == torch.float32:
+                out.append(_fp32_record(f"normlinear {tag}", y, ry))
+            else:
+                ref32 = normlinear.reference(None if x is None else x.float(), res.float(), nw.float(), EPS,
+                                             w.float(), glu)[0]
+                out.append(_budget_record(f"normlinear {str(dt)[6:]} {tag}", y, ry, ref32))
+    res, nw, w = torch.randn(4, 32, generator=g).to(device), torch.ones(32).to(device), torch.randn(16, 32).to(device)
+    cases = {f"more than MAX_M={normlinear.MAX_M} rows": (None, torch.randn(normlinear.MAX_M + 1, 32).to(device), nw, w),
+             "K not a multiple of 16": (None, res[:, :24].contiguous(), nw[:24], w[:, :24].contiguous()),
+             "mixed dtypes": (res.half(), res, nw, w),
+             "non-contiguous weight": (None, res, nw, w.t().contiguous().t()[:, :32])}
+    for name, (x, r, n_w, lw) in cases.items():
+        out.append(_fallback_record(f"normlinear fallback {name}", normlinear.eligible(x, r, n_w, lw),
+                                    normlinear.run(x, r, n_w, EPS, lw), normlinear.reference(x, r, n_w, EPS, lw)))
+    with _disabled():
+        out.append(_fallback_record("normlinear fallback ENABLED=False", normlinear.eligible(None, res, nw, w),
+                                    normlinear.run(None, res, nw, EPS, w), normlinear.reference(None, res, nw, EPS, w)))
+    return out
+
+
 def check_glu(device: str) -> list[dict]:
     from voxpipe.kernels import glu
     g = torch.Generator().manual_seed(7)
@@ -597,7 +635,7 @@ def check_layers(device: str) -> list[dict]:
     the layers use must have launched (a silent fallback would compare the reference with itself)."""
     import contextlib
 
-    from voxpipe.kernels import attention, experts, glu, moe, rmsnorm, rope
+    from voxpipe.kernels import attention, experts, glu, moe, normlinear, rmsnorm, rope
     from voxpipe.services.runtime.config import DecoderConfig, RopeConfig
     from voxpipe.services.runtime.kv_cache import ShortCache
     from voxpipe.services.runtime.layers import DecoderStack, Experts, fuse_projections
@@ -605,7 +643,7 @@ def check_layers(device: str) -> list[dict]:
 
     launched: dict[str, int] = {}
     watched = [(attention, "kernel"), (experts, "kernel"), (rope, "kernel"), (glu, "kernel"), (rmsnorm, "kernel_add"),
-               (moe, "kernel"), (moe, "kernel_align"), (moe, "kernel_combine")]
+               (moe, "kernel"), (moe, "kernel_align"), (moe, "kernel_combine"), (normlinear, "kernel")]
 
     def counting(module, name):
         fn = getattr(module, name)
@@ -653,7 +691,8 @@ def check_layers(device: str) -> list[dict]:
             outs.append(stack(x[:, :1] * 0.5, torch.full((2, 1), pos).to(device), cache, keep_hidden=2))
         return outs
 
-    for i, ((h_on, kept_on), (h_off, kept_off)) in enumerate(zip(*both(run_stack))):
+    stack_on, run_stack_off = both(run_stack)
+    for i, ((h_on, kept_on), (h_off, kept_off)) in enumerate(zip(stack_on, run_stack_off)):
         out.append(_fp32_record(f"layers MoE stack call {i} output", h_on, h_off))
         out.append(_fp32_record(f"layers MoE stack call {i} kept hidden", kept_on, kept_off))
     predictor = init(CodePredictor(dense_cfg, num_code_groups=5))
@@ -663,6 +702,27 @@ def check_layers(device: str) -> list[dict]:
         lambda: predictor.predict(hidden, code0, lambda logits, group: logits.argmax(-1)))
     out.append(_exact_record("layers code predictor codes", codes_on, codes_off))
     out.append(_fp32_record("layers code predictor embeddings", torch.stack(emb_on), torch.stack(emb_off)))
+    # VOXPIPE_NORM_LINEAR: the same layers with norm + projection (+ SwiGLU) in one kernel
+    from voxpipe.services.runtime import layers
+    patches.callback(setattr, layers, "NORM_LINEAR", layers.NORM_LINEAR)
+    layers.NORM_LINEAR = True
+    before = launched.get("normlinear.kernel", 0)
+    codes_nl, emb_nl = predictor.predict(hidden, code0, lambda logits, group: logits.argmax(-1))
+    out.append(_exact_record("layers code predictor codes, normlinear", codes_nl, codes_off))
+    out.append(_fp32_record("layers code predictor embeddings, normlinear", torch.stack(emb_nl), torch.stack(emb_off)))
+    # 4 passes (5 code groups) x 2 layers x (q/k/v, gate/up)
+    out.append({"check": "layers normlinear launched for every dense layer", "kind": "launch",
+                "launched": launched.get("normlinear.kernel", 0) - before,
+                "ok": launched.get("normlinear.kernel", 0) - before == 16})
+    before = launched.get("normlinear.kernel", 0)
+    for i, ((h_nl, kept_nl), (h_off, kept_off)) in enumerate(zip(run_stack(), run_stack_off)):
+        out.append(_fp32_record(f"layers MoE stack call {i} output, normlinear", h_nl, h_off))
+        out.append(_fp32_record(f"layers MoE stack call {i} kept hidden, normlinear", kept_nl, kept_off))
+    # the MoE layers' q/k/v projections only (their MLP is routed experts): 3 calls x 2 layers
+    out.append({"check": "layers normlinear launched for every MoE attention", "kind": "launch",
+                "launched": launched.get("normlinear.kernel", 0) - before,
+                "ok": launched.get("normlinear.kernel", 0) - before == 6})
+    layers.NORM_LINEAR = False
     # the grouped path (many pairs: prefills, large decode batches) needs bfloat16 for torch._grouped_mm
     ex = init(Experts(8, 64, 32)).bfloat16()
     xb, shared, logit = (torch.randn(*n).to(device).bfloat16() for n in ((40, 64), (40, 64), (40, 1)))
@@ -683,7 +743,7 @@ def check_layers(device: str) -> list[dict]:
 
 CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling, "sample": check_sample,
           "rope": check_rope,
-          "moe": check_moe, "glu": check_glu, "attention": check_attention,
+          "moe": check_moe, "glu": check_glu, "normlinear": check_normlinear, "attention": check_attention,
           "experts": check_experts, "layers": check_layers}
 
 

@@ -20,6 +20,10 @@ from .kv_cache import AttentionCache
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 # grouped-GEMM MoE on CUDA bf16 (VOXPIPE_GROUPED_MOE=0: the per-expert loop, for ablations)
 GROUPED_MM = hasattr(torch, "_grouped_mm") and os.environ.get("VOXPIPE_GROUPED_MOE", "1") != "0"
+# the kernel path's decode steps with kernels.normlinear: residual add + norm + q/k/v projection, and
+# residual add + norm + gate/up projection + SwiGLU, one launch each (VOXPIPE_NORM_LINEAR=1; off
+# until measured on the GPU)
+NORM_LINEAR = os.environ.get("VOXPIPE_NORM_LINEAR", "0") == "1"
 
 
 class RMSNorm(nn.Module):
@@ -106,14 +110,25 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split((hq * d, hkv * d, hkv * d), dim=-1)
-            q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
-        else:
-            q = self.q_proj(x).view(b, s, hq, d)
-            k = self.k_proj(x).view(b, s, hkv, d)
-            v = self.v_proj(x).view(b, s, hkv, d)
+            return self.from_qkv(self.qkv_proj(x), rope, cache)
+        q = self.q_proj(x).view(b, s, hq, d)
+        k = self.k_proj(x).view(b, s, hkv, d)
+        v = self.v_proj(x).view(b, s, hkv, d)
+        return self._attend(q, k, v, rope, cache)
+
+    def from_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache) -> torch.Tensor:
+        """`forward` from the fused projection's output qkv [B, S, (Hq + 2 Hkv) * D]."""
+        b, s, _ = qkv.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        return self._attend(q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d), rope, cache)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: AttentionCache) -> torch.Tensor:
+        """q [B, S, Hq, D], k / v [B, S, Hkv, D] (the projections) -> the output projection [B, S, H]."""
+        b, s = q.shape[:2]
         cos, sin = rope
-        if kernels.active(x):  # q/k norm and rotation fused, in place
+        if kernels.active(q):  # q/k norm and rotation fused, in place
             norm = self.q_norm is not None
             q, k = kernels.rope.run(q, k, cos, sin, self.q_norm.weight if norm else None,
                                     self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
@@ -307,13 +322,33 @@ class DecoderLayer(nn.Module):
         layer's output is `residual + delta` (returned unsummed); `delta` coming in is the previous
         layer's MLP output, added into `residual` by this layer's input norm."""
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        if delta is None:
-            normed = norm_in(residual)
+        attn, mlp = self.self_attn, self.mlp
+        shape = residual.shape
+        rows = residual.view(-1, shape[-1]) if residual.is_contiguous() else None
+        qkv_w = attn.qkv_proj.weight if attn.qkv_proj is not None and attn.qkv_proj.bias is None else None
+        if (NORM_LINEAR and rows is not None and qkv_w is not None
+                and kernels.normlinear.eligible(None if delta is None else delta.view(rows.shape), rows,
+                                                norm_in.weight, qkv_w)):
+            qkv, rows = kernels.normlinear.run(None if delta is None else delta.view(rows.shape), rows, norm_in.weight,
+                                               norm_in.eps, qkv_w)
+            residual = rows.view(shape)
+            a = attn.from_qkv(qkv.view(*shape[:-1], -1), rope, cache)
         else:
-            normed, residual = kernels.rmsnorm.run_add(delta, residual, norm_in.weight, norm_in.eps)
-        normed, residual = kernels.rmsnorm.run_add(self.self_attn(normed, rope, cache), residual,
-                                                   norm_post.weight, norm_post.eps)
-        return residual, self.mlp(normed)
+            if delta is None:
+                normed = norm_in(residual)
+            else:
+                normed, residual = kernels.rmsnorm.run_add(delta, residual, norm_in.weight, norm_in.eps)
+            a = attn(normed, rope, cache)
+        gate_up = mlp.gate_up_proj if isinstance(mlp, GatedMLP) and mlp.act is F.silu else None
+        if (NORM_LINEAR and gate_up is not None and gate_up.bias is None and residual.is_contiguous()
+                and a.is_contiguous()
+                and kernels.normlinear.eligible(a.view(-1, shape[-1]), residual.view(-1, shape[-1]),
+                                                norm_post.weight, gate_up.weight, glu=True)):
+            act, rows = kernels.normlinear.run(a.view(-1, shape[-1]), residual.view(-1, shape[-1]), norm_post.weight,
+                                               norm_post.eps, gate_up.weight, glu=True)
+            return rows.view(shape), mlp.down_proj(act.view(*shape[:-1], -1))
+        normed, residual = kernels.rmsnorm.run_add(a, residual, norm_post.weight, norm_post.eps)
+        return residual, mlp(normed)
 
 
 class DecoderStack(nn.Module):
