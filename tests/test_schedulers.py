@@ -240,15 +240,28 @@ def test_talker_early_prefill_takes_a_slot_before_any_row_and_frame_0_is_a_decod
     a, b, c = Speech("a"), Speech("b", rows=[0, 1]), Speech("c")
     stage.waiting += [a, b, c]
     assert stage.has_work()
-    assert stage.step() == (["a", "b"], [])          # arrival order; c waits for a slot
+    assert stage.step() == (["b", "a"], [])          # b can speak: it goes first; c waits for a slot
     assert a.early and not b.early and a.codes0 == [] and b.codes0 == [7]
     assert not stage.has_work()                      # a's row 0 is not usable, b's row 1 neither
     a.rows += [0, 1]
     b.rows.append(2)
-    assert stage.step() == ([], ["a", "b"])          # a's frame 0 and b's frame 1, one decode step
+    assert stage.step() == ([], ["b", "a"])          # a's frame 0 and b's frame 1, one decode step
     assert a.codes0 == [7] and b.codes0 == [7, 7]
     a.rows.append(2)
     assert stage.step() == ([], ["a"])
+
+
+def test_talker_slot_goes_to_a_request_that_can_speak_before_an_early_one():
+    """One free slot, an early request (no text yet) ahead of one whose first row is usable: the
+    slot goes to the one that can speak; the early one takes the next free slot."""
+    stage = TalkerStage(slots=1, early=True)
+    a, b = Speech("a"), Speech("b", rows=[0, 1])
+    stage.waiting += [a, b]
+    assert stage.step() == (["b"], [])
+    assert stage.waiting == [a] and not b.early
+    b.text_done = True
+    stage.running.remove(b)                          # b finished: its slot is free
+    assert stage.step() == (["a"], []) and a.early
 
 
 def test_talker_early_prefilled_request_whose_text_ends_unspoken_finishes():

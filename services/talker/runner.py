@@ -188,11 +188,10 @@ class TalkerRunner:
         for j, p in zip(jobs, prompts):
             j.prompt_len = p.shape[0] + (1 if j.early else 0)
             j.generator = j.params.generator(dev)
-        if any(j.early for j in jobs):
-            bos = self.model.model.codec_embedding(torch.tensor([self.cfg.codec.bos], device=dev))[0]
-            for j in jobs:
-                if j.early:
-                    j.pending = bos
+        bos = self.model.model.codec_embedding.weight[self.cfg.codec.bos]           # a view: no lookup
+        for j in jobs:
+            if j.early:
+                j.pending = bos
         lengths = [p.shape[0] for p in prompts]
         n, s = len(jobs), max(lengths)
         x = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)                   # [n, s, Hk]

@@ -62,7 +62,7 @@ class Speech(Protocol):
 @dataclass
 class TalkerSchedule:
     unspeakable: list[Speech] = field(default_factory=list)   # text ended before a usable row: finish now (STOP)
-    prefill: list[Speech] = field(default_factory=list)       # take a slot and prefill now, in arrival order
+    prefill: list[Speech] = field(default_factory=list)       # take a slot and prefill now (see schedule)
     early: list[Speech] = field(default_factory=list)         # those of `prefill` that prefill without row 0
     decode: list[Speech] = field(default_factory=list)        # running requests that make their next frame now
 
@@ -80,6 +80,9 @@ class TalkerScheduler:
         return free_slots > 0 and any(self.prefill_ready(s) for s in waiting)
 
     def schedule(self, waiting: Sequence[Speech], running: Sequence[Speech], free_slots: int) -> TalkerSchedule:
+        """Prefills go to the requests whose first row is usable first, then to early ones (still
+        waiting for their text), each in arrival order: a free slot never goes to a request that can
+        only wait in it while one that could speak now waits for a slot."""
         plan = TalkerSchedule(unspeakable=[s for s in running if self.unspeakable(s)])
         plan.decode = [s for s in running if self.decode_ready(s) and not self.unspeakable(s)]
         ready = []
@@ -89,6 +92,7 @@ class TalkerScheduler:
                 ready.append((s, state == TextRow.WAIT))
             elif state != TextRow.WAIT:
                 plan.unspeakable.append(s)
+        ready.sort(key=lambda r: r[1])            # stable: usable first row, then early
         longest = 0
         for s, early in ready[:min(self.prefill_batch, free_slots)]:
             if plan.prefill and max(longest, s.prompt_rows) * (len(plan.prefill) + 1) > self.prefill_tokens:
