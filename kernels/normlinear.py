@@ -89,6 +89,18 @@ def kernel(x: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Te
 
 
 if triton is not None:
+    @triton.jit
+    def _summed(x_ptr, res_ptr, rows, row_ok, start, k, HAS_X: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Columns start .. start + BLOCK_K of the rows' residual (+ x, rounded as torch's add)."""
+        kk = start + tl.arange(0, BLOCK_K)
+        offs = rows[:, None].to(tl.int64) * k + kk[None, :]
+        ok = row_ok[:, None] & (kk[None, :] < k)
+        h = tl.load(res_ptr + offs, mask=ok, other=0.0)
+        if HAS_X:
+            h = round_to(h.to(tl.float32) + tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32),
+                         res_ptr.dtype.element_ty)
+        return kk, h
+
     @triton.jit(do_not_specialize=["m"])
     def _norm_linear(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, out_ptr, m, n, k, eps, HAS_X: tl.constexpr,
                      GLU: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -101,14 +113,10 @@ if triton is not None:
         # pass 1: the rows' sum (stored once) and its mean square
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, k, BLOCK_K):
-            kk = start + tl.arange(0, BLOCK_K)
-            offs = rows[:, None].to(tl.int64) * k + kk[None, :]
-            ok = row_ok[:, None] & (kk[None, :] < k)
-            h = tl.load(res_ptr + offs, mask=ok, other=0.0)
-            if HAS_X:
-                h = round_to(h.to(tl.float32) + tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32), dtype)
-                if pid_n == 0:
-                    tl.store(res_out_ptr + offs, h, mask=ok)
+            kk, h = _summed(x_ptr, res_ptr, rows, row_ok, start, k, HAS_X, BLOCK_K)
+            if HAS_X and pid_n == 0:
+                tl.store(res_out_ptr + rows[:, None].to(tl.int64) * k + kk[None, :], h,
+                         mask=row_ok[:, None] & (kk[None, :] < k))
             h = h.to(tl.float32)
             sq += tl.sum(h * h, axis=1)
         rstd = tl.rsqrt(sq / k + eps)
@@ -117,12 +125,7 @@ if triton is not None:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         col_ok = cols < n
         for start in range(0, k, BLOCK_K):
-            kk = start + tl.arange(0, BLOCK_K)
-            offs = rows[:, None].to(tl.int64) * k + kk[None, :]
-            ok = row_ok[:, None] & (kk[None, :] < k)
-            h = tl.load(res_ptr + offs, mask=ok, other=0.0)
-            if HAS_X:
-                h = round_to(h.to(tl.float32) + tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32), dtype)
+            kk, h = _summed(x_ptr, res_ptr, rows, row_ok, start, k, HAS_X, BLOCK_K)
             h = round_to(h.to(tl.float32) * rstd[:, None], dtype).to(tl.float32)
             nw = tl.load(nw_ptr + kk, mask=kk < k, other=0.0).to(tl.float32)
             a = round_to(nw[None, :] * h, dtype)                                   # [BLOCK_M, BLOCK_K]
