@@ -145,6 +145,100 @@ def test_a_stage_admits_a_stream_with_headers_and_refuses_a_waiting_caller_at_on
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "encoding" in details, (code, details)
 
 
+def test_a_refusal_waits_for_a_writing_caller_unless_it_awaits_admission_after_its_whole_start():
+    """rpc_guard's drain, on a real grpc.aio server: a refusal waits for the caller to stop writing
+    (grpc-Python would report it as INTERNAL otherwise) -- also for a caller that awaits admission
+    while the server is still reading its start (it is still writing the start's chunks); only once
+    the whole start is read (`start_read`) does the refusal of such a caller go out at once."""
+    from voxpipe.services.runtime.rpc_guard import DRAIN_S, RequestGuard
+
+    async def handler(requests, context):
+        first = await requests.__anext__()
+        if first == b"whole start":
+            context.start_read()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused")
+        yield b""
+
+    async def go() -> dict:
+        server = grpc.aio.server(interceptors=[RequestGuard()])
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "t.T", {"S": grpc.stream_stream_rpc_method_handler(handler)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        outcome = {}
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                for first, awaits in ((b"whole start", True), (b"part of a start", True), (b"whole start", False)):
+                    call = ch.stream_stream("/t.T/S")(metadata=((AWAITS_ADMISSION_METADATA, "1"),) if awaits else ())
+                    await call.write(first)
+                    try:    # the status before the caller half-closes? (the drain would hold it DRAIN_S)
+                        code = await asyncio.wait_for(asyncio.shield(call.code()), DRAIN_S / 4)
+                        at_once = True
+                    except asyncio.TimeoutError:
+                        await call.done_writing()
+                        code, at_once = await call.code(), False
+                    outcome[(first, awaits)] = (code, at_once)
+        finally:
+            await server.stop(None)
+        return outcome
+
+    outcome = asyncio.run(go())
+    assert outcome == {(b"whole start", True): (grpc.StatusCode.INVALID_ARGUMENT, True),
+                       (b"part of a start", True): (grpc.StatusCode.INVALID_ARGUMENT, False),
+                       (b"whole start", False): (grpc.StatusCode.INVALID_ARGUMENT, False)}, outcome
+
+
+def test_a_stage_stream_writes_on_to_a_replica_without_admission_headers():
+    """A replica from before admission headers (its headers come with its first response, without
+    the key) still gets everything written after the start: the stream takes it for an older version
+    once no status follows the headers. One that refuses (headers and status together) gets nothing
+    more, and the reader sees its status."""
+    from voxpipe.services.runtime.balancer import BalancedStream, StageBalancer
+
+    async def old_server(requests, context):
+        seen = []
+        async for msg in requests:
+            seen.append(msg)
+            if len(seen) == 1:
+                yield b"accepted"
+        yield b"|".join(seen)
+
+    async def refusing(requests, context):
+        await requests.__anext__()
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+        yield b""
+
+    async def go() -> tuple:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
+            "Old": grpc.stream_stream_rpc_method_handler(old_server),
+            "Refusing": grpc.stream_stream_rpc_method_handler(refusing)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        balancer = StageBalancer("talker", f"127.0.0.1:{port}", channel_options=[])
+        try:
+            results = []
+            for method in ("Old", "Refusing"):
+                stream = await BalancedStream(balancer, lambda ch: ch.stream_stream(f"/t.T/{method}")()).open()
+                await stream.write(b"start")
+                stream.end_head()
+                await stream.write(b"row")
+                await stream.done_writing()
+                try:
+                    results.append([r async for r in stream])
+                except grpc.aio.AioRpcError as e:
+                    results.append(e.code())
+                stream.close()
+            return tuple(results)
+        finally:
+            await balancer.close()
+            await server.stop(None)
+
+    old, refused = asyncio.run(go())
+    assert old == [b"accepted", b"start|row"], old
+    assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+
+
 def test_a_talker_refusing_a_start_reaches_every_caller_with_its_code_while_text_streams(stack):
     """The thinker opens the talker stream at admission and writes text rows for as long as its
     reply runs; a talker that refuses the start (max_frames beyond its context) fails each request

@@ -383,6 +383,11 @@ class StageBalancer:
 LOST_STATUS = "Internal error from Core"
 
 
+# how long a stream whose replica's headers lack the admission key waits for a status (a refusal's
+# comes with them) before it takes the replica for an older version that admits without saying so
+UNMARKED_HEADERS_WAIT_S = 0.2
+
+
 def is_lost_status(code: grpc.StatusCode, details: str | None) -> bool:
     return code == grpc.StatusCode.INTERNAL and details == LOST_STATUS
 
@@ -456,10 +461,17 @@ class BalancedStream:
         call = self._call
         if self._head is None or call is self._admitted:
             return True
-        if is_admitted(await call.initial_metadata()):
-            self._admitted = call
-            return True
-        return False
+        if not is_admitted(await call.initial_metadata()):
+            # headers without the admission key: a refusal (trailers only, its status right behind them)
+            # or a replica from before admission headers, whose headers came with its first response
+            try:
+                await asyncio.wait_for(asyncio.shield(call.code()), UNMARKED_HEADERS_WAIT_S)
+                return False
+            except asyncio.TimeoutError:
+                log.debug("%s: %s sends no admission headers (an older version): writing on", self.balancer.stage,
+                          self.replica.address if self.replica else "?")
+        self._admitted = call
+        return True
 
     async def write(self, msg) -> None:
         async with self._lock:

@@ -86,16 +86,19 @@ class NextStage:
                                             self.tls)
         return self._balancer
 
-    async def open(self, method: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> "Downstream":
+    async def open(self, method: str, request_id: str, metadata: tuple[tuple[str, str], ...] = (),
+                   awaits_admission: bool = False) -> "Downstream":
         """A stream to one replica, as a CLIENT span child of the current context. Raises
-        DownstreamFailed (UNAVAILABLE) when the stage has no replica at all."""
+        DownstreamFailed (UNAVAILABLE) when the stage has no replica at all. `awaits_admission`: the
+        caller writes its start with `write_start` and nothing else before it (the server may then
+        refuse the start without waiting for writes; see calls.AWAITS_ADMISSION_METADATA)."""
         stub_cls = STUBS[self.stage]
         service = HEALTH_SERVICES[self.stage]
         span = tracing.tracer().start_span(
             f"{service}/{method}", kind=SpanKind.CLIENT,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
                         "voxpipe.request_id": request_id})
-        call_metadata = ((AWAITS_ADMISSION_METADATA, "1"), *metadata,
+        call_metadata = (*(((AWAITS_ADMISSION_METADATA, "1"),) if awaits_admission else ()), *metadata,
                          *tracing.inject_metadata(trace.set_span_in_context(span)))
 
         def on_replica(replica: Replica) -> None:

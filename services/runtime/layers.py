@@ -324,7 +324,8 @@ class DecoderLayer(nn.Module):
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
         shape = residual.shape
-        rows = residual.view(-1, shape[-1]) if residual.is_contiguous() else None
+        rows = (residual.view(-1, shape[-1]) if residual.is_contiguous() and (delta is None or delta.is_contiguous())
+                else None)
         qkv_w = attn.qkv_proj.weight if attn.qkv_proj is not None and attn.qkv_proj.bias is None else None
         if (NORM_LINEAR and rows is not None and qkv_w is not None
                 and kernels.normlinear.eligible(None if delta is None else delta.view(rows.shape), rows,

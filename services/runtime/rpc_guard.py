@@ -99,21 +99,26 @@ class GuardedRequests:
 
 
 class GuardedContext:
-    """The servicer context with an `abort` that drains the request stream first (unless the
-    client awaits admission and the stream was not admitted yet: it is not writing)."""
+    """The servicer context with an `abort` that drains the request stream first -- unless the
+    client awaits admission, the whole start was read (`start_read`) and the stream was not
+    admitted yet: that client is not writing then."""
 
     def __init__(self, context: grpc.aio.ServicerContext, requests: GuardedRequests, drain_s: float) -> None:
         self._context, self._requests, self._drain_s = context, requests, drain_s
         self._awaits_admission = any(key == AWAITS_ADMISSION_METADATA
                                      for key, _ in context.invocation_metadata() or ())
-        self._admitted = False
+        self._start_read = self._admitted = False
+
+    def start_read(self) -> None:
+        """The server has read the stream's whole start (its continuation chunks too)."""
+        self._start_read = True
 
     async def send_initial_metadata(self, metadata) -> None:
         self._admitted = self._admitted or is_admitted(metadata)
         await self._context.send_initial_metadata(metadata)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        if self._admitted or not self._awaits_admission:
+        if not (self._awaits_admission and self._start_read and not self._admitted):
             await self._requests.drain(self._drain_s)
         await self._context.abort(code, details, trailing_metadata)
 

@@ -141,6 +141,9 @@ class StageServicer:
         try:
             try:
                 start = await self.read_head(it, "start", "chunk")
+                start_read = getattr(context, "start_read", None)     # rpc_guard: a refusal from here on is
+                if start_read is not None:                            # not racing a caller awaiting admission
+                    start_read()
                 if start.request_id:
                     REQUEST_ID.set(start.request_id)      # this call's logs carry it
                 self.admit()

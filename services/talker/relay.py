@@ -67,12 +67,12 @@ class Code2WavRelay:
         outbox = job.outbox
         down = None
         try:
-            down = await self.code2wav.open("Decode", job.request_id)
-            self._down.set_result(down)
+            down = await self.code2wav.open("Decode", job.request_id, awaits_admission=True)
             await down.write_start(pb.Code2WavStart(
                 request_id=job.request_id, encoding=p.encoding, first_chunk_frames=p.first_chunk_frames,
                 chunk_frames=p.chunk_frames, to_listener=True, echo_frames=p.echo_frames),
                 lambda m: pb.Code2WavRequest(start=m))
+            self._down.set_result(down)         # frames are written after the start
             async for resp in down.responses():
                 kind = resp.WhichOneof("kind")
                 if kind == "accepted":

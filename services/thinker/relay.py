@@ -70,7 +70,7 @@ class TalkerRelay:
     async def _open(self, prompt: pb.TalkerPrompt) -> None:
         job, speech = self.job, self.speech
         try:
-            self.down = await self.talker.open("Generate", job.request_id)
+            self.down = await self.talker.open("Generate", job.request_id, awaits_admission=True)
         except DownstreamFailed as e:
             job.outbox.put(StageError(e.code or grpc.StatusCode.UNAVAILABLE, e.details, e.stage))
             return
