@@ -323,15 +323,9 @@ class DecoderLayer(nn.Module):
         layer's MLP output, added into `residual` by this layer's input norm."""
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
-        shape = residual.shape
-        rows = (residual.view(-1, shape[-1]) if residual.is_contiguous() and (delta is None or delta.is_contiguous())
-                else None)
-        qkv_w = attn.qkv_proj.weight if attn.qkv_proj is not None and attn.qkv_proj.bias is None else None
-        if (NORM_LINEAR and rows is not None and qkv_w is not None
-                and kernels.normlinear.eligible(None if delta is None else delta.view(rows.shape), rows,
-                                                norm_in.weight, qkv_w)):
-            qkv, rows = kernels.normlinear.run(None if delta is None else delta.view(rows.shape), rows, norm_in.weight,
-                                               norm_in.eps, qkv_w)
+        qkv = self._norm_linear(delta, residual, norm_in, attn.qkv_proj) if NORM_LINEAR else None
+        if qkv is not None:
+            (qkv, rows), shape = qkv, residual.shape
             residual = rows.view(shape)
             a = attn.from_qkv(qkv.view(*shape[:-1], -1), rope, cache)
         else:
@@ -340,16 +334,27 @@ class DecoderLayer(nn.Module):
             else:
                 normed, residual = kernels.rmsnorm.run_add(delta, residual, norm_in.weight, norm_in.eps)
             a = attn(normed, rope, cache)
-        gate_up = mlp.gate_up_proj if isinstance(mlp, GatedMLP) and mlp.act is F.silu else None
-        if (NORM_LINEAR and gate_up is not None and gate_up.bias is None and residual.is_contiguous()
-                and a.is_contiguous()
-                and kernels.normlinear.eligible(a.view(-1, shape[-1]), residual.view(-1, shape[-1]),
-                                                norm_post.weight, gate_up.weight, glu=True)):
-            act, rows = kernels.normlinear.run(a.view(-1, shape[-1]), residual.view(-1, shape[-1]), norm_post.weight,
-                                               norm_post.eps, gate_up.weight, glu=True)
-            return rows.view(shape), mlp.down_proj(act.view(*shape[:-1], -1))
+        if NORM_LINEAR and isinstance(mlp, GatedMLP) and mlp.act is F.silu:
+            fused = self._norm_linear(a, residual, norm_post, mlp.gate_up_proj, glu=True)
+            if fused is not None:
+                act, rows = fused
+                return rows.view(residual.shape), mlp.down_proj(act.view(*residual.shape[:-1], -1))
         normed, residual = kernels.rmsnorm.run_add(a, residual, norm_post.weight, norm_post.eps)
         return residual, mlp(normed)
+
+    @staticmethod
+    def _norm_linear(x: torch.Tensor | None, residual: torch.Tensor, norm: RMSNorm, proj: nn.Linear | None,
+                     glu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """kernels.normlinear on the rows of [B, S, H] tensors (output rows, new residual rows), or
+        None where it does not apply (no fused bias-free projection, a layout or size it refuses)."""
+        if proj is None or proj.bias is not None or not residual.is_contiguous() or (
+                x is not None and not x.is_contiguous()):
+            return None
+        h = residual.shape[-1]
+        rows, x_rows = residual.view(-1, h), None if x is None else x.view(-1, h)
+        if not kernels.normlinear.eligible(x_rows, rows, norm.weight, proj.weight, glu):
+            return None
+        return kernels.normlinear.kernel(x_rows, rows, norm.weight, norm.eps, proj.weight, glu)
 
 
 class DecoderStack(nn.Module):
