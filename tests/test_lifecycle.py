@@ -418,11 +418,10 @@ def test_an_aged_connection_keeps_its_active_stream(tiny_model_dir):
                 again = await good_request(address, "code2wav")
             # reflection off, asked on a new connection (the aged one may be going away: not what is checked)
             async with grpc.aio.insecure_channel(address) as fresh:
+                # nothing written: an unknown method's status can race a client write, and grpc-Python
+                # then reports INTERNAL instead of the server's UNIMPLEMENTED (grpc/grpc#36066)
                 reflection = reflection_pb2_grpc.ServerReflectionStub(fresh).ServerReflectionInfo()
-                with pytest.raises(grpc.aio.AioRpcError) as off:
-                    await reflection.write(reflection_pb2.ServerReflectionRequest(list_services=""))
-                    await reflection.read()
-                return got, elapsed, again, off.value.code()
+                return got, elapsed, again, await reflection.code()
 
         got, elapsed, again, reflection_code = run(go())
         assert elapsed > 1 + 0.5 + 2, elapsed                 # longer than the age plus its old grace
