@@ -25,6 +25,8 @@ each computes its rows' norm statistics itself (K is short) and program column 0
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -64,27 +66,35 @@ def run(x: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tenso
     return reference(x, residual, norm_weight, eps, weight, glu)
 
 
-def _blocks(m: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): tl.dot needs 16 at least; narrow column blocks keep enough
-    programs streaming the weight when M is small."""
-    block_m = max(16, min(64, triton.next_power_of_2(m)))
-    block_n = 32 if n >= 2048 else 16
-    return block_m, block_n, 128
+class Config(NamedTuple):
+    """Launch shape: output columns and K chunk per program, warps, software-pipeline stages."""
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def config_for(m: int, n: int, k: int, glu: bool) -> Config:
+    """The launch shape for [m, k] rows against n output columns (tl.dot needs 16 at least). Narrow
+    column blocks keep enough programs streaming the weight when M is small."""
+    return Config(32 if n >= 2048 else 16, 128)
 
 
 def kernel(x: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-           weight: torch.Tensor, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton; assumes `eligible(...)`."""
+           weight: torch.Tensor, glu: bool = False, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton; assumes `eligible(...)`. `config` overrides `config_for` (bench/normlinear_tune.py)."""
     m, k = residual.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     out = torch.empty(m, n, dtype=residual.dtype, device=residual.device)
     new_residual = residual if x is None else torch.empty_like(residual)
-    block_m, block_n, block_k = _blocks(m, n)
+    block_m = max(16, min(64, triton.next_power_of_2(m)))
+    cfg = config or config_for(m, n, k, glu)
     with device_of(residual):
-        _norm_linear[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        _norm_linear[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
             residual if x is None else x, residual, new_residual, norm_weight, weight, out, m, n, k, eps,
-            HAS_X=x is not None, GLU=glu, DOT_F32=residual.dtype == torch.float32 or INTERPRET, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=4)
+            HAS_X=x is not None, GLU=glu, DOT_F32=residual.dtype == torch.float32 or INTERPRET, BLOCK_M=block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=min(cfg.block_k, triton.next_power_of_2(k)), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     return out, new_residual
 
 
