@@ -239,6 +239,84 @@ def test_a_stage_stream_writes_on_to_a_replica_without_admission_headers():
     assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
 
 
+@pytest.mark.parametrize("reader", ["reading on", "stopped"])
+def test_a_stream_failing_after_admission_sends_ending_and_its_status_beats_the_writes(reader):
+    """A stage stream that fails after its admission while the caller writes without pause: the
+    server (through rpc_guard) sends an Ending response, the caller's BalancedStream half-closes
+    on it and drops later writes, and the status arrives with its own code every time, at once.
+    Without Ending, a server whose reader had stopped drained for 2 s and then sent its status
+    into the writes, which grpc-Python turned into INTERNAL "Internal error from Core". The Ending
+    is not passed on to the reader."""
+    from voxpipe.services.runtime.balancer import BalancedStream, StageBalancer
+    from voxpipe.services.runtime.calls import ADMITTED_METADATA
+    from voxpipe.services.runtime.rpc_guard import RequestGuard
+
+    async def failing(requests, context):
+        await requests.__anext__()
+        await context.send_initial_metadata(((ADMITTED_METADATA, "1"),))
+        rows = []
+
+        async def read():
+            async for msg in requests:
+                rows.append(msg)
+                if reader == "stopped" and len(rows) == 20:
+                    return
+        task = asyncio.ensure_future(read())        # as a stage's request reader
+        while len(rows) < 20:
+            await asyncio.sleep(0.001)
+        assert context.takes_ending
+        context.ending_sent()
+        yield pb.TalkerResponse(ending=pb.Ending())
+        try:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"failed after {len(rows)} rows")
+        finally:
+            task.cancel()
+
+    async def go() -> list:
+        server = grpc.aio.server(interceptors=[RequestGuard()])
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
+            "Failing": grpc.stream_stream_rpc_method_handler(
+                failing, request_deserializer=pb.TalkerRequest.FromString,
+                response_serializer=pb.TalkerResponse.SerializeToString)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        balancer = StageBalancer("talker", f"127.0.0.1:{port}", channel_options=[])
+        row = pb.TalkerRequest(rows=pb.TextRows(token_ids=[1], rows=to_proto(torch.zeros(1, 4096))))
+        outcomes = []
+        try:
+            for _ in range(8):
+                stream = await BalancedStream(balancer, lambda ch: ch.stream_stream(
+                    "/t.T/Failing", request_serializer=pb.TalkerRequest.SerializeToString,
+                    response_deserializer=pb.TalkerResponse.FromString)(
+                        metadata=((AWAITS_ADMISSION_METADATA, "1"),))).open()
+                await stream.write(pb.TalkerRequest(start=pb.TalkerStart(request_id="r")))
+                stream.end_head()
+                ended = asyncio.Event()
+
+                async def write_on():
+                    while not ended.is_set():
+                        await stream.write(row)
+                        await asyncio.sleep(0)      # a dropped write returns without yielding
+
+                writer = asyncio.ensure_future(write_on())
+                t0 = time.monotonic()
+                try:
+                    outcomes.append(("responses", [r async for r in stream], 0.0))
+                except grpc.aio.AioRpcError as e:
+                    outcomes.append((e.code(), e.details(), time.monotonic() - t0))
+                ended.set()
+                await asyncio.wait_for(writer, 30)
+                stream.close()
+            return outcomes
+        finally:
+            await balancer.close()
+            await server.stop(None)
+
+    for code, details, took in asyncio.run(go()):
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("failed after"), (code, details)
+        assert took < 1.5, f"the status waited {took:.1f} s: the caller did not half-close on the Ending"
+
+
 def test_a_talker_refusing_a_start_reaches_every_caller_with_its_code_while_text_streams(stack):
     """The thinker opens the talker stream at admission and writes text rows for as long as its
     reply runs; a talker that refuses the start (max_frames beyond its context) fails each request
@@ -260,6 +338,82 @@ def test_a_talker_refusing_a_start_reaches_every_caller_with_its_code_while_text
     for code, details, stage in results:
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceed the talker context" in details, (code, details)
         assert stage == "talker"
+
+
+def test_the_callers_text_does_not_wait_for_the_talkers_admission(tiny_model_dir):
+    """A real thinker process whose talker (a stand-in speaking the Talker protocol) admits the
+    stream only once the thinker's caller has text: the text comes before the admission headers
+    (the thinker's relay writes to the talker from a task of its own, so the first token never waits
+    for the talker to read a large start), and the talker still gets every row in order."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from conftest import StageProcesses
+    from voxpipe.services.runtime.calls import ADMITTED_METADATA
+
+    async def go(procs: StageProcesses) -> tuple[dict, list[str]]:
+        first_text, seen = asyncio.Event(), {}
+        server = grpc.aio.server()
+        talker_port = server.add_insecure_port("127.0.0.1:0")
+
+        async def generate(requests, context):
+            start = await requests.__anext__()
+            seen["start"] = start.WhichOneof("kind")
+            try:
+                await asyncio.wait_for(first_text.wait(), 30)
+                seen["text_before_admission"] = True
+            except asyncio.TimeoutError:
+                seen["text_before_admission"] = False
+            await context.send_initial_metadata(((ADMITTED_METADATA, "1"),))
+            seen["rows"] = []
+            async for msg in requests:
+                if msg.WhichOneof("kind") == "rows":
+                    seen["rows"] += list(msg.rows.token_ids)
+                elif msg.WhichOneof("kind") == "text_end":
+                    seen["text_end"] = True
+            yield pb.TalkerResponse(finished=pb.Finished(reason=pb.STOP, completion_tokens=0))
+
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("voxpipe.v1.Talker", {
+            "Generate": grpc.stream_stream_rpc_method_handler(
+                generate, request_deserializer=pb.TalkerRequest.FromString,
+                response_serializer=pb.TalkerResponse.SerializeToString)})])
+        checker = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+        await server.start()
+        await checker.set("voxpipe.v1.Talker", health_pb2.HealthCheckResponse.SERVING)
+        procs.start("thinker", "thinker", "--talker", f"127.0.0.1:{talker_port}")
+        await asyncio.get_running_loop().run_in_executor(None, procs.wait_ready)
+        kinds: list[str] = []
+        text_ids: list[int] = []
+        try:
+            await talk(procs, first_text, kinds, text_ids)
+        finally:
+            await server.stop(None)
+        seen["text_ids"] = text_ids
+        return seen, kinds
+
+    async def talk(procs, first_text, kinds, text_ids) -> None:
+        async with grpc.aio.insecure_channel(procs.address("thinker")) as ch:
+            call = pb_grpc.ThinkerStub(ch).Generate()
+            await call.write(pb.ThinkerRequest(start=pb.ThinkerStart(
+                request_id="admission-late", text="Say something.", max_tokens=6, min_tokens=6,
+                speech=pb.SpeechParams(max_frames=8))))
+            await call.done_writing()
+            async for resp in call:
+                kinds.append(resp.WhichOneof("kind"))
+                if kinds[-1] == "text":
+                    text_ids += list(resp.text.token_ids)
+                    first_text.set()
+            assert await call.code() == grpc.StatusCode.OK
+
+    procs = StageProcesses(tiny_model_dir)
+    try:
+        seen, kinds = asyncio.run(go(procs))
+    finally:
+        procs.stop()
+    assert seen["start"] == "start" and seen["text_before_admission"], seen
+    assert "text" in kinds and kinds[-1] == "talker_finished", kinds
+    assert seen.get("text_end") and len(seen["text_ids"]) == 6, seen
+    assert seen["rows"] == seen["text_ids"][:len(seen["rows"])] and seen["rows"], seen
 
 
 # ----------------------------------------------------------------------------- a replica dying mid-stream

@@ -49,6 +49,10 @@ CALL_END_GRACE_S = 0.5     # how long a request stream that ended early waits to
 
 
 class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
+    @staticmethod
+    def ending_message() -> pb.Code2WavResponse:
+        return pb.Code2WavResponse(ending=pb.Ending())
+
     def __init__(self, engine: Code2WavEngine, opts, cfg: OmniConfig, first_chunk_frames: int, chunk_frames: int,
                  listen_timeout_s: float = DEFAULT_LISTEN_TIMEOUT_S) -> None:
         super().__init__(engine, opts)
@@ -182,6 +186,8 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             yield pb.Code2WavResponse(accepted=pb.Accepted(listen_token=token))
             final = await asyncio.shield(job.ended)   # a cancelled handler must not cancel the future itself
             if isinstance(final, StageError):
+                if (ending := self.ending(context)) is not None:
+                    yield ending        # the talker stops writing frames, then gets the status
                 await abort(context, final.code, final.message)
             yield self.to_proto(job, final)
         finally:

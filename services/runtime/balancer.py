@@ -402,6 +402,14 @@ def is_connection_recycle(details: str | None) -> bool:
     return "max connection age" in (details or "").lower()
 
 
+def is_ending(resp) -> bool:
+    """A stage's Ending response (stages.proto): its status follows; stop writing and half-close."""
+    try:
+        return resp.WhichOneof("kind") == "ending"
+    except (AttributeError, ValueError):    # not a message with a `kind` oneof
+        return False
+
+
 def status_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
@@ -414,6 +422,9 @@ class BalancedStream:
     answering), the stream is reopened on another replica and the messages are replayed
     (`options.retries` times at most). After the first response a failure is final. Reading:
     `async for response in stream`; writing: `write`, `done_writing` (as grpc.aio calls).
+    An Ending response (the replica's error status follows) is not passed on and commits nothing:
+    the call is half-closed at once, later writes only kept for a replay, so that the status does
+    not race a write (grpc-Python would report it as LOST_STATUS).
     """
 
     def __init__(self, balancer: StageBalancer, open_call: Callable[[grpc.aio.Channel], Any],
@@ -426,6 +437,7 @@ class BalancedStream:
         self._head: int | None = None       # messages of the stream's start, once all written (end_head)
         self._admitted = None               # the call whose replica admitted the stream
         self._half_closed = False
+        self._ending = None                 # the call that sent an Ending response: nothing more is written to it
         self._lock = asyncio.Lock()
         self._closed = False
 
@@ -477,16 +489,29 @@ class BalancedStream:
         async with self._lock:
             if self._sent is not None:
                 self._sent.append(msg)
-            if not await self._admission():
-                return          # refused: the reader sees the status (and may replay this on another replica)
+            if self._call is self._ending or not await self._admission():
+                return          # ending or refused: the reader sees the status (and may replay this on another replica)
             await self._forward(self._call.write(msg))
 
     async def done_writing(self) -> None:
         async with self._lock:
             self._half_closed = True
-            if not await self._admission():
+            if self._call is self._ending or not await self._admission():
                 return
             await self._forward(self._call.done_writing())
+
+    async def _end_writing(self, call) -> None:
+        """`call` sent an Ending response: half-close it (once any write in flight is done)."""
+        async with self._lock:
+            if call is not self._call or call is self._ending:
+                return
+            self._ending = call
+            if self._half_closed:
+                return
+            try:
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass            # the call ended already: the reader sees its status
 
     async def _forward(self, op) -> None:
         call = self._call
@@ -506,6 +531,9 @@ class BalancedStream:
             call = self._call
             try:
                 async for resp in call:
+                    if is_ending(resp):
+                        await self._end_writing(call)
+                        continue
                     if self._sent is not None:
                         self._sent = None
                         self.balancer.report_success(self.replica)

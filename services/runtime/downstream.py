@@ -11,7 +11,9 @@ write after the stream ended as InvalidStateError; a downstream that finished ea
 at max_frames while text still comes) or failed drops later writes, and its real outcome comes
 out of `responses()`: the one place where every stage client meets those races. Writes after
 the start (`write_start`) wait for the replica's admission headers, so a refusal (bad start,
-queue full, draining) never races one.
+queue full, draining) never races one; a replica that fails the stream after admitting it sends
+an Ending response first, on which the stream half-closes and drops later writes
+(BalancedStream), so that status does not race one either.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ Converse: every refusal reaches the client with its own status code.
   (grpc/grpc#36066), so the status is sent once the client is done writing where that happens
   within the bound. A stage calling the next one (request header calls.AWAITS_ADMISSION_METADATA)
   writes nothing past its start until the server admits the stream (calls.send_admitted), so a
-  refusal before then goes out at once.
+  refusal before then goes out at once. Such a stream failing after its admission sends the
+  client an Ending response first (StageServicer.serve_request): the client half-closes, and the
+  status goes out once the stream's reader has seen that (`GuardedContext.ending_sent`).
 
 `Abort` is the exception servicer code raises to refuse a call (turned into `context.abort` by
 the stage runtime and by this interceptor when it escapes a handler)."""
@@ -64,6 +66,7 @@ class GuardedRequests:
         self._count = 0
         self.reading = False
         self.ended = False
+        self._end = asyncio.Event()     # set with `ended`, or when a read fails (the stream broke)
 
     def __aiter__(self) -> "GuardedRequests":
         return self
@@ -74,6 +77,10 @@ class GuardedRequests:
             msg = await self._it.__anext__()
         except StopAsyncIteration:
             self.ended = True
+            self._end.set()
+            raise
+        except Exception:
+            self._end.set()
             raise
         finally:
             self.reading = False
@@ -82,6 +89,17 @@ class GuardedRequests:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"request message {self._count} is not a valid {msg.type_name} ({msg.error})")
         return msg
+
+    async def wait_end(self, seconds: float) -> None:
+        """Until the client half-closed (or `seconds` passed): seen by the handler's own reader if
+        one is reading now, or read here and discarded (`drain`)."""
+        if self.reading:
+            try:
+                await asyncio.wait_for(self._end.wait(), seconds)
+            except asyncio.TimeoutError:
+                pass
+        else:
+            await self.drain(seconds)
 
     async def drain(self, seconds: float) -> None:
         if self.reading or self.ended:
@@ -96,18 +114,29 @@ class GuardedRequests:
         except Exception:   # whatever the stream does now, the refusal is sent next
             pass
         self.ended = True
+        self._end.set()
 
 
 class GuardedContext:
     """The servicer context with an `abort` that drains the request stream first -- unless the
     client awaits admission, the whole start was read (`start_read`) and the stream was not
-    admitted yet: that client is not writing then."""
+    admitted yet: that client is not writing then. After an Ending response (`ending_sent`),
+    `abort` waits for the client's half-close instead, even while the handler's reader reads."""
 
     def __init__(self, context: grpc.aio.ServicerContext, requests: GuardedRequests, drain_s: float) -> None:
         self._context, self._requests, self._drain_s = context, requests, drain_s
         self._awaits_admission = any(key == AWAITS_ADMISSION_METADATA
                                      for key, _ in context.invocation_metadata() or ())
-        self._start_read = self._admitted = False
+        self._start_read = self._admitted = self._ending = False
+
+    @property
+    def takes_ending(self) -> bool:
+        """The client stops writing and half-closes on an Ending response: it awaits admission
+        (a stage calling the next one) and the stream was admitted."""
+        return self._awaits_admission and self._admitted
+
+    def ending_sent(self) -> None:
+        self._ending = True
 
     def start_read(self) -> None:
         """The server has read the stream's whole start (its continuation chunks too)."""
@@ -118,7 +147,9 @@ class GuardedContext:
         await self._context.send_initial_metadata(metadata)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        if not (self._awaits_admission and self._start_read and not self._admitted):
+        if self._ending:
+            await self._requests.wait_end(self._drain_s)
+        elif not (self._awaits_admission and self._start_read and not self._admitted):
             await self._requests.drain(self._drain_s)
         await self._context.abort(code, details, trailing_metadata)
 

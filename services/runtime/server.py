@@ -204,6 +204,17 @@ class StageServicer:
         relay's report or the Finished). Each stage's servicer builds its own."""
         raise NotImplementedError
 
+    ending_message: Callable[[], Any] | None = None     # this stage's Ending response, if it has one
+
+    def ending(self, context: grpc.aio.ServicerContext | None) -> Any | None:
+        """The Ending response to send before a failure's status, where the caller takes one (a
+        stage that awaited admission, once admitted: it half-closes on it, so the status does not
+        race its writes); None otherwise."""
+        if self.ending_message is None or not getattr(context, "takes_ending", False):
+            return None
+        context.ending_sent()
+        return self.ending_message()
+
     async def serve_request(self, req: EngineRequest, context: grpc.aio.ServicerContext,
                             reader: Callable[[], Any] | None, relay: "Relay | None" = None) -> AsyncIterator[Any]:
         """Submit `req`, run `reader` (the rest of the request stream) beside it, and yield the
@@ -233,6 +244,8 @@ class StageServicer:
             async for item in self._outputs(req):
                 if isinstance(item, StageError):
                     final = final or item
+                    if (ending := self.ending(context)) is not None:
+                        yield ending
                     await abort(context, item.code, item.message, item.stage)
                 if isinstance(item, Finished):
                     final = item

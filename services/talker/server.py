@@ -43,6 +43,10 @@ def _rows(t: pb.Tensor, hidden: int, name: str, count: int | None = None) -> tor
 
 
 class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
+    @staticmethod
+    def ending_message() -> pb.TalkerResponse:
+        return pb.TalkerResponse(ending=pb.Ending())
+
     def __init__(self, engine: TalkerEngine, opts, cfg: OmniConfig, code2wav: NextStage | None = None) -> None:
         super().__init__(engine, opts)
         self.cfg = cfg

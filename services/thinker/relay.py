@@ -7,7 +7,10 @@ thinker picks; the caller gets the text, where the talker and code2wav run, and 
 
 It reads the request's outbox items as they are (TalkerPromptOut, TextOut, Finished, and the
 reports it put there itself) and returns typed outputs for the caller, which the servicer's
-`to_proto` turns into messages; the talker's messages are built here.
+`to_proto` turns into messages; the talker's messages are built here. They are written, in order,
+by a writer task of their own (`_write`): the caller's text never waits for the talker stream --
+its opening, its admission headers (a voice prompt's start, sent after the prefill, takes the
+talker ~20 ms to read at full size) or its flow control.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class TalkerRelay:
     def __init__(self, talker: NextStage, job: ThinkerJob, speech: pb.SpeechParams) -> None:
         self.talker, self.job, self.speech = talker, job, speech
         self.down: Downstream | None = None
+        self._sends: asyncio.Queue[pb.TalkerRequest | None] | None = None   # None: half-close
+        self._writer: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
         self.text_done = False
         self.talker_done = False
@@ -46,40 +51,52 @@ class TalkerRelay:
 
     async def forward(self, item: Output) -> list[Output]:
         if isinstance(item, TalkerPromptOut):
-            await self._open(talker_prompt_proto(item))
+            self._sends = asyncio.Queue()
+            self._writer = asyncio.ensure_future(self._write(talker_prompt_proto(item), self._sends))
             return []
         if isinstance(item, TextOut):
             if item.rows is None:
                 return [item]
-            if self.down is not None:
-                await self.down.write(pb.TalkerRequest(rows=pb.TextRows(token_ids=item.token_ids,
+            if self._sends is not None:
+                self._sends.put_nowait(pb.TalkerRequest(rows=pb.TextRows(token_ids=item.token_ids,
                                                                          rows=to_proto(item.rows), more=item.more)))
             return [dataclasses.replace(item, rows=None)]
         if isinstance(item, Finished):
             self.text_done = True
-            if self.down is None:           # ended before its prompt (cancelled): no talker to wait for
+            if self._sends is None:         # ended before its prompt (cancelled): no talker to wait for
                 self.talker_done = True
             else:
-                await self.down.write(pb.TalkerRequest(text_end=pb.TextEnd()))
-                await self.down.done_writing()
+                self._sends.put_nowait(pb.TalkerRequest(text_end=pb.TextEnd()))
+                self._sends.put_nowait(None)
             return [item]
         if isinstance(item, StageFinished):
             self.talker_done = True
         return [item]                       # Routed / FirstOutput / StageFinished, put by _read
 
-    async def _open(self, prompt: pb.TalkerPrompt) -> None:
+    async def _write(self, prompt: pb.TalkerPrompt, sends: asyncio.Queue) -> None:
+        """Open the talker stream, write its start, then the queued messages in order until the
+        half-close. A failure to open reaches the outbox as a StageError (the request fails); the
+        stream's own failures come out of `_read`, and `Downstream` drops writes after them."""
         job, speech = self.job, self.speech
         try:
-            self.down = await self.talker.open("Generate", job.request_id, awaits_admission=True)
+            down = await self.talker.open("Generate", job.request_id, awaits_admission=True)
         except DownstreamFailed as e:
             job.outbox.put(StageError(e.code or grpc.StatusCode.UNAVAILABLE, e.details, e.stage))
             return
+        except Exception as e:      # not a silent task: the request fails with the reason
+            log.exception("request %s: opening the talker stream failed", job.request_id)
+            job.outbox.put(StageError(grpc.StatusCode.INTERNAL, f"opening the talker stream failed: {e!r}", "talker"))
+            return
+        self.down = down
         start = pb.TalkerStart(request_id=job.request_id, prompt=prompt, speaker=speech.speaker,
                                sampling=speech.sampling, max_frames=speech.max_frames, min_frames=speech.min_frames,
                                code2wav=speech.code2wav, text_cap=speech.text_cap if speech.HasField("text_cap") else None)
-        await self.down.write_start(start, lambda m: pb.TalkerRequest(start=m),
-                                    lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)))
-        self._reader = asyncio.ensure_future(self._read(self.down))
+        await down.write_start(start, lambda m: pb.TalkerRequest(start=m),
+                               lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)))
+        self._reader = asyncio.ensure_future(self._read(down))
+        while (msg := await sends.get()) is not None:
+            await down.write(msg)
+        await down.done_writing()
 
     async def _read(self, down: Downstream) -> None:
         """The talker's responses, into the request's outbox (the handler forwards them)."""
@@ -108,7 +125,8 @@ class TalkerRelay:
             outbox.put(StageError(e.code or grpc.StatusCode.UNKNOWN, e.details, e.stage))
 
     def close(self) -> None:
-        if self._reader is not None and not self._reader.done():
-            self._reader.cancel()
+        for task in (self._writer, self._reader):
+            if task is not None and not task.done():
+                task.cancel()
         if self.down is not None:
             self.down.close()

@@ -318,17 +318,23 @@ class CodecFrames(_message.Message):
     codes: Tensor
     def __init__(self, index: _Optional[int] = ..., codes: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class Ending(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class TalkerResponse(_message.Message):
-    __slots__ = ("frames", "finished", "routed", "first_output")
+    __slots__ = ("frames", "finished", "routed", "first_output", "ending")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
     FIRST_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ENDING_FIELD_NUMBER: _ClassVar[int]
     frames: CodecFrames
     finished: Finished
     routed: Routed
     first_output: FirstOutput
-    def __init__(self, frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., routed: _Optional[_Union[Routed, _Mapping]] = ..., first_output: _Optional[_Union[FirstOutput, _Mapping]] = ...) -> None: ...
+    ending: Ending
+    def __init__(self, frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., routed: _Optional[_Union[Routed, _Mapping]] = ..., first_output: _Optional[_Union[FirstOutput, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ...) -> None: ...
 
 class ListenRequest(_message.Message):
     __slots__ = ("listen_token",)
@@ -389,13 +395,15 @@ class AudioChunk(_message.Message):
     def __init__(self, sample_offset: _Optional[int] = ..., sample_rate: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., data: _Optional[bytes] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class Code2WavResponse(_message.Message):
-    __slots__ = ("audio", "finished", "accepted", "frames")
+    __slots__ = ("audio", "finished", "accepted", "frames", "ending")
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ENDING_FIELD_NUMBER: _ClassVar[int]
     audio: AudioChunk
     finished: Finished
     accepted: Accepted
     frames: CodecFrames
-    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., frames: _Optional[_Union[CodecFrames, _Mapping]] = ...) -> None: ...
+    ending: Ending
+    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ...) -> None: ...
