@@ -246,14 +246,20 @@ def test_a_stream_failing_after_admission_sends_ending_and_its_status_beats_the_
     on it and drops later writes, and the status arrives with its own code every time, at once.
     Without Ending, a server whose reader had stopped drained for 2 s and then sent its status
     into the writes, which grpc-Python turned into INTERNAL "Internal error from Core". The Ending
-    is not passed on to the reader."""
+    is not passed on to the reader. A caller that does not say it takes Ending (a stage from
+    before it, which would fail on the unknown response) gets none."""
     from voxpipe.services.runtime.balancer import BalancedStream, StageBalancer
-    from voxpipe.services.runtime.calls import ADMITTED_METADATA
+    from voxpipe.services.runtime.calls import ADMITTED_METADATA, TAKES_ENDING_METADATA
     from voxpipe.services.runtime.rpc_guard import RequestGuard
+
+    takes = []
 
     async def failing(requests, context):
         await requests.__anext__()
         await context.send_initial_metadata(((ADMITTED_METADATA, "1"),))
+        takes.append(context.takes_ending)
+        if not context.takes_ending:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no ending for an older caller")
         rows = []
 
         async def read():
@@ -284,11 +290,11 @@ def test_a_stream_failing_after_admission_sends_ending_and_its_status_beats_the_
         row = pb.TalkerRequest(rows=pb.TextRows(token_ids=[1], rows=to_proto(torch.zeros(1, 4096))))
         outcomes = []
         try:
-            for _ in range(8):
+            for i in range(9):
+                metadata = ((AWAITS_ADMISSION_METADATA, "1"),) + (((TAKES_ENDING_METADATA, "1"),) if i < 8 else ())
                 stream = await BalancedStream(balancer, lambda ch: ch.stream_stream(
                     "/t.T/Failing", request_serializer=pb.TalkerRequest.SerializeToString,
-                    response_deserializer=pb.TalkerResponse.FromString)(
-                        metadata=((AWAITS_ADMISSION_METADATA, "1"),))).open()
+                    response_deserializer=pb.TalkerResponse.FromString)(metadata=metadata)).open()
                 await stream.write(pb.TalkerRequest(start=pb.TalkerStart(request_id="r")))
                 stream.end_head()
                 ended = asyncio.Event()
@@ -298,7 +304,8 @@ def test_a_stream_failing_after_admission_sends_ending_and_its_status_beats_the_
                         await stream.write(row)
                         await asyncio.sleep(0)      # a dropped write returns without yielding
 
-                writer = asyncio.ensure_future(write_on())
+                # the older caller writes nothing more: its status would race the writes (what Ending fixes)
+                writer = asyncio.ensure_future(write_on() if i < 8 else asyncio.sleep(0))
                 t0 = time.monotonic()
                 try:
                     outcomes.append(("responses", [r async for r in stream], 0.0))
@@ -312,9 +319,11 @@ def test_a_stream_failing_after_admission_sends_ending_and_its_status_beats_the_
             await balancer.close()
             await server.stop(None)
 
-    for code, details, took in asyncio.run(go()):
+    outcomes = asyncio.run(go())
+    for code, details, took in outcomes[:8]:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("failed after"), (code, details)
         assert took < 1.5, f"the status waited {took:.1f} s: the caller did not half-close on the Ending"
+    assert takes == [True] * 8 + [False], takes
 
 
 def test_a_talker_refusing_a_start_reaches_every_caller_with_its_code_while_text_streams(stack):

@@ -26,6 +26,9 @@ ADMITTED_METADATA = "voxpipe-admitted"
 # request headers of such a client: it writes nothing past the start before the admission
 # headers, so a refusal of the start goes out at once (rpc_guard drains no writes first)
 AWAITS_ADMISSION_METADATA = "voxpipe-awaits-admission"
+# request headers of a client that half-closes on an Ending response (stages.proto): a stream that
+# fails after its admission sends it one first, so that the status does not race the client's writes
+TAKES_ENDING_METADATA = "voxpipe-takes-ending"
 
 
 def is_admitted(initial_metadata) -> bool:

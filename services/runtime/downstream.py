@@ -31,7 +31,7 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from . import metrics, tracing
 from .balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer, parse_targets
-from .calls import AWAITS_ADMISSION_METADATA, failed_stage
+from .calls import AWAITS_ADMISSION_METADATA, TAKES_ENDING_METADATA, failed_stage
 from .tensors import split_message
 from .tls import ClientTLS
 
@@ -100,7 +100,9 @@ class NextStage:
             f"{service}/{method}", kind=SpanKind.CLIENT,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
                         "voxpipe.request_id": request_id})
-        call_metadata = (*(((AWAITS_ADMISSION_METADATA, "1"),) if awaits_admission else ()), *metadata,
+        # BalancedStream half-closes on an Ending response: every stream says so
+        call_metadata = ((TAKES_ENDING_METADATA, "1"),
+                         *(((AWAITS_ADMISSION_METADATA, "1"),) if awaits_admission else ()), *metadata,
                          *tracing.inject_metadata(trace.set_span_in_context(span)))
 
         def on_replica(replica: Replica) -> None:

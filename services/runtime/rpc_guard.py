@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from .calls import AWAITS_ADMISSION_METADATA, is_admitted
+from .calls import AWAITS_ADMISSION_METADATA, TAKES_ENDING_METADATA, is_admitted
 
 DRAIN_S = 2.0        # how long a refusal waits for the client to half-close before it is sent anyway
 
@@ -91,15 +91,19 @@ class GuardedRequests:
         return msg
 
     async def wait_end(self, seconds: float) -> None:
-        """Until the client half-closed (or `seconds` passed): seen by the handler's own reader if
-        one is reading now, or read here and discarded (`drain`)."""
-        if self.reading:
+        """Until the client half-closed (or `seconds` passed): seen by the handler's own reader
+        while one reads, or read here and discarded (`drain`) once none does (a reader may stop
+        before the end: a bad message, a cancel)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while not self._end.is_set() and (left := deadline - loop.time()) > 0:
+            if not self.reading:
+                await self.drain(left)
+                return
             try:
-                await asyncio.wait_for(self._end.wait(), seconds)
+                await asyncio.wait_for(self._end.wait(), min(left, 0.05))
             except asyncio.TimeoutError:
                 pass
-        else:
-            await self.drain(seconds)
 
     async def drain(self, seconds: float) -> None:
         if self.reading or self.ended:
@@ -125,15 +129,16 @@ class GuardedContext:
 
     def __init__(self, context: grpc.aio.ServicerContext, requests: GuardedRequests, drain_s: float) -> None:
         self._context, self._requests, self._drain_s = context, requests, drain_s
-        self._awaits_admission = any(key == AWAITS_ADMISSION_METADATA
-                                     for key, _ in context.invocation_metadata() or ())
+        keys = {key for key, _ in context.invocation_metadata() or ()}
+        self._awaits_admission = AWAITS_ADMISSION_METADATA in keys
+        self._takes_ending = TAKES_ENDING_METADATA in keys
         self._start_read = self._admitted = self._ending = False
 
     @property
     def takes_ending(self) -> bool:
-        """The client stops writing and half-closes on an Ending response: it awaits admission
-        (a stage calling the next one) and the stream was admitted."""
-        return self._awaits_admission and self._admitted
+        """The client half-closes on an Ending response (it says so: calls.TAKES_ENDING_METADATA;
+        a stage from before Ending would fail on one) and the stream was admitted."""
+        return self._takes_ending and self._admitted
 
     def ending_sent(self) -> None:
         self._ending = True

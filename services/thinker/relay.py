@@ -8,9 +8,9 @@ thinker picks; the caller gets the text, where the talker and code2wav run, and 
 It reads the request's outbox items as they are (TalkerPromptOut, TextOut, Finished, and the
 reports it put there itself) and returns typed outputs for the caller, which the servicer's
 `to_proto` turns into messages; the talker's messages are built here. They are written, in order,
-by a writer task of their own (`_write`): the caller's text never waits for the talker stream --
+by a writer task of their own (`_write`): the caller's text does not wait for the talker stream --
 its opening, its admission headers (a voice prompt's start, sent after the prefill, takes the
-talker ~20 ms to read at full size) or its flow control.
+talker ~20 ms to read at full size) -- unless SENDS_LIMIT messages wait for it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from .job import ThinkerJob
 
 Output = TalkerPromptOut | TextOut | Finished | Routed | FirstOutput | StageFinished
 
+SENDS_LIMIT = 64    # talker messages queued for the writer task (as many as a request's outbox holds)
+
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +41,9 @@ class TalkerRelay:
     def __init__(self, talker: NextStage, job: ThinkerJob, speech: pb.SpeechParams) -> None:
         self.talker, self.job, self.speech = talker, job, speech
         self.down: Downstream | None = None
-        self._sends: asyncio.Queue[pb.TalkerRequest | None] | None = None   # None: half-close
+        # to the writer task; None: half-close. Bounded: a talker that stops taking rows holds this
+        # handler, and the request's outbox then holds the engine, as when forward wrote itself
+        self._sends: asyncio.Queue[pb.TalkerRequest | None] | None = None
         self._writer: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
         self.text_done = False
@@ -51,52 +55,74 @@ class TalkerRelay:
 
     async def forward(self, item: Output) -> list[Output]:
         if isinstance(item, TalkerPromptOut):
-            self._sends = asyncio.Queue()
+            self._sends = asyncio.Queue(SENDS_LIMIT)
             self._writer = asyncio.ensure_future(self._write(talker_prompt_proto(item), self._sends))
             return []
         if isinstance(item, TextOut):
             if item.rows is None:
                 return [item]
             if self._sends is not None:
-                self._sends.put_nowait(pb.TalkerRequest(rows=pb.TextRows(token_ids=item.token_ids,
-                                                                         rows=to_proto(item.rows), more=item.more)))
+                await self._send(pb.TalkerRequest(rows=pb.TextRows(token_ids=item.token_ids,
+                                                                   rows=to_proto(item.rows), more=item.more)))
             return [dataclasses.replace(item, rows=None)]
         if isinstance(item, Finished):
             self.text_done = True
             if self._sends is None:         # ended before its prompt (cancelled): no talker to wait for
                 self.talker_done = True
             else:
-                self._sends.put_nowait(pb.TalkerRequest(text_end=pb.TextEnd()))
-                self._sends.put_nowait(None)
+                await self._send(pb.TalkerRequest(text_end=pb.TextEnd()))
+                await self._send(None)
             return [item]
         if isinstance(item, StageFinished):
             self.talker_done = True
         return [item]                       # Routed / FirstOutput / StageFinished, put by _read
 
+    async def _send(self, msg: pb.TalkerRequest | None) -> None:
+        """Queue `msg` for the writer task; waits only while the queue is full, and drops it once
+        the writer has stopped (its reason is in the outbox already)."""
+        sends, writer = self._sends, self._writer
+        if writer.done():
+            return
+        if not sends.full():
+            sends.put_nowait(msg)
+            return
+        put = asyncio.ensure_future(sends.put(msg))
+        try:
+            await asyncio.wait((put, writer), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            put.cancel()        # a no-op once it is done
+
     async def _write(self, prompt: pb.TalkerPrompt, sends: asyncio.Queue) -> None:
         """Open the talker stream, write its start, then the queued messages in order until the
-        half-close. A failure to open reaches the outbox as a StageError (the request fails); the
-        stream's own failures come out of `_read`, and `Downstream` drops writes after them."""
+        half-close. A failure to open reaches the outbox as a StageError (the request fails), and
+        so does anything else that stops this task (never a silent task: the handler would wait
+        for the talker forever); the stream's own failures come out of `_read`, and `Downstream`
+        drops writes after them."""
         job, speech = self.job, self.speech
         try:
             down = await self.talker.open("Generate", job.request_id, awaits_admission=True)
         except DownstreamFailed as e:
             job.outbox.put(StageError(e.code or grpc.StatusCode.UNAVAILABLE, e.details, e.stage))
             return
-        except Exception as e:      # not a silent task: the request fails with the reason
+        except Exception as e:
             log.exception("request %s: opening the talker stream failed", job.request_id)
             job.outbox.put(StageError(grpc.StatusCode.INTERNAL, f"opening the talker stream failed: {e!r}", "talker"))
             return
         self.down = down
-        start = pb.TalkerStart(request_id=job.request_id, prompt=prompt, speaker=speech.speaker,
-                               sampling=speech.sampling, max_frames=speech.max_frames, min_frames=speech.min_frames,
-                               code2wav=speech.code2wav, text_cap=speech.text_cap if speech.HasField("text_cap") else None)
-        await down.write_start(start, lambda m: pb.TalkerRequest(start=m),
-                               lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)))
         self._reader = asyncio.ensure_future(self._read(down))
-        while (msg := await sends.get()) is not None:
-            await down.write(msg)
-        await down.done_writing()
+        try:
+            start = pb.TalkerStart(request_id=job.request_id, prompt=prompt, speaker=speech.speaker,
+                                   sampling=speech.sampling, max_frames=speech.max_frames,
+                                   min_frames=speech.min_frames, code2wav=speech.code2wav,
+                                   text_cap=speech.text_cap if speech.HasField("text_cap") else None)
+            await down.write_start(start, lambda m: pb.TalkerRequest(start=m),
+                                   lambda d: pb.TalkerRequest(chunk=pb.PayloadChunk(data=d)))
+            while (msg := await sends.get()) is not None:
+                await down.write(msg)
+            await down.done_writing()
+        except Exception as e:
+            log.exception("request %s: writing to the talker failed", job.request_id)
+            job.outbox.put(StageError(grpc.StatusCode.INTERNAL, f"writing to the talker failed: {e!r}", "talker"))
 
     async def _read(self, down: Downstream) -> None:
         """The talker's responses, into the request's outbox (the handler forwards them)."""
