@@ -30,7 +30,8 @@ from opentelemetry.trace import SpanKind
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from . import metrics, tracing
-from .balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer, parse_targets
+from .balancer import (BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer, is_lost_status,
+                       parse_targets)
 from .calls import AWAITS_ADMISSION_METADATA, TAKES_ENDING_METADATA, failed_stage
 from .tensors import split_message
 from .tls import ClientTLS
@@ -176,9 +177,16 @@ class Downstream:
                 yield resp
         except grpc.aio.AioRpcError as e:
             self.ended = True
-            stage = failed_stage(e, self.stage)
-            tracing.grpc_error(self.span, e.code(), e.details() or "")
-            raise DownstreamFailed(stage, e.code(), e.details() or "", self.address) from None
+            stage, code, details = failed_stage(e, self.stage), e.code(), e.details() or ""
+            if is_lost_status(code, details):
+                # the call ended while a write was in flight, and grpc-Python lost its status: not a
+                # failure of ours to report, and not a status the stages send -- they end failing
+                # streams with Ending first -- so the replica went away (killed, its connection cut)
+                code = grpc.StatusCode.UNAVAILABLE
+                details = (f"the {stage} stream broke while this stage was writing to it (the {stage} went "
+                           f"away; grpc lost the status: {details})")
+            tracing.grpc_error(self.span, code, details)
+            raise DownstreamFailed(stage, code, details, self.address) from None
         self.ended = True
 
     def close(self) -> None:
