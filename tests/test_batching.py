@@ -26,7 +26,9 @@ PROMPTS = ["Hi.", "Tell me a long story about a lighthouse keeper.", "What is tw
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_model_dir):
-    pipe = InProcessPipeline.from_argv(["--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"])
+    # the prefix cache off: a repeated prompt would skip its prefill (tests/test_prefix_cache.py)
+    pipe = InProcessPipeline.from_argv(["--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"],
+                                       stage_argv={"thinker": ["--no-prefix-cache"]})
     yield pipe
     pipe.close()
 

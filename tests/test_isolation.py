@@ -191,7 +191,7 @@ def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
         await _assert_poisoned(penalty, "thinker")
         await _assert_poisoned(features, "thinker")
         assert [await _thinker_output(engine, j) for j in together] == solo
-        assert engine.runner.cache.used == 0
+        assert engine.runner.blocks.pool.used == 0
         # a long poisoned prompt alone in slot 0 (its KV rows NaN), then the innocents together: the
         # shortest in slot 0 attends under a False mask to positions the poisoned one wrote (0 * NaN
         # is NaN): the slot was scrubbed, no trace
@@ -239,7 +239,7 @@ def test_thinker_a_poisoned_long_prompt_fails_in_the_step_of_its_chunk(thinker_e
         after = innocent("after")
         _run(engine, [after])
         assert await _thinker_output(engine, after) == want
-        assert engine.runner.cache.used == 0
+        assert engine.runner.blocks.pool.used == 0
 
     try:
         asyncio.run(run())

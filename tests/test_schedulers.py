@@ -360,10 +360,12 @@ class Reply:
     prompt: list[int] = field(init=False)
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0
+    prefill_target: int = 0
     outbox: Reader = field(default_factory=Reader)
 
     def __post_init__(self) -> None:
         self.prompt = list(range(self.prompt_tokens))
+        self.prefill_target = self.prompt_tokens
 
 
 class ThinkerStage:

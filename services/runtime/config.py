@@ -37,6 +37,7 @@ class DecoderConfig:
     shared_expert_size: int = 0          # 0: no shared expert
     qk_norm: bool = True
     sliding_window: int | None = None
+    max_position_embeddings: int = 0     # the longest sequence the model takes (0: not given)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ def _decoder(d: dict, qk_norm: bool = True, sliding: bool = False) -> DecoderCon
         moe_intermediate_size=d.get("moe_intermediate_size", 0), norm_topk_prob=d.get("norm_topk_prob", True),
         shared_expert_size=d.get("shared_expert_intermediate_size", 0) or 0, qk_norm=qk_norm,
         sliding_window=d.get("sliding_window") if sliding else None,
+        max_position_embeddings=d.get("max_position_embeddings", 0) or 0,
     )
 
 

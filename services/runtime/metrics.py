@@ -16,6 +16,12 @@ voxpipe_next_stage_streams_total{stage}  streams this service opened to the next
 voxpipe_next_stage_replicas{stage,state}  the next stage's replicas as this service's balancer sees
                                     them (state: usable, unhealthy, draining); absent until the
                                     first stream to that stage
+voxpipe_kv_blocks{stage,state}     the stage's KV blocks: used (held by running sequences), free, cached
+                                    (published in the prefix cache, used or free)
+voxpipe_kv_capacity_tokens{stage}   positions the KV pool holds (blocks x block size)
+voxpipe_prefix_cache_tokens_total{stage,kind}  prompt tokens looked up in the prefix cache at
+                                    admission (queried) and found there (hit: their prefill skipped)
+voxpipe_preemptions_total{stage}    running sequences preempted for lack of KV blocks (recomputed later)
 voxpipe_pending_upload_bytes{stage}  bytes still expected by chunked start messages not yet complete
                                     (reserved when the head arrives; bounded by --max-pending-upload-mb)
 """
@@ -50,6 +56,12 @@ LOOP_LAG = Histogram("voxpipe_event_loop_lag_seconds", "Event loop lateness for 
                      buckets=LATENCY_BUCKETS, registry=REGISTRY)
 PENDING_UPLOAD = Gauge("voxpipe_pending_upload_bytes", "Bytes still expected by incomplete chunked start messages",
                        ["stage"], registry=REGISTRY)
+KV_BLOCKS = Gauge("voxpipe_kv_blocks", "KV blocks by state (used, free, cached)", ["stage", "state"], registry=REGISTRY)
+KV_CAPACITY = Gauge("voxpipe_kv_capacity_tokens", "Positions the KV pool holds", ["stage"], registry=REGISTRY)
+PREFIX_TOKENS = Counter("voxpipe_prefix_cache_tokens", "Prompt tokens looked up in the prefix cache (queried) and "
+                        "found (hit)", ["stage", "kind"], registry=REGISTRY)
+PREEMPTIONS = Counter("voxpipe_preemptions", "Sequences preempted for lack of KV blocks", ["stage"],
+                      registry=REGISTRY)
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)
 NEXT_STAGE_STREAMS = Counter("voxpipe_next_stage_streams_total", "Streams opened to the next stage", ["stage"],
                              registry=REGISTRY)

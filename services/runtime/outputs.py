@@ -33,6 +33,7 @@ class Finished:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     samples: int = 0                 # code2wav: audio samples sent
+    cached_tokens: int = 0           # thinker: prompt tokens whose prefill the prefix cache skipped
 
 
 @dataclass(frozen=True)

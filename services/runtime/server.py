@@ -305,7 +305,8 @@ class StageServicer:
 
 def finished_proto(finished: Finished) -> pb.Finished:
     return pb.Finished(reason=int(finished.reason), prompt_tokens=finished.prompt_tokens,
-                       completion_tokens=finished.completion_tokens, samples=finished.samples)
+                       completion_tokens=finished.completion_tokens, samples=finished.samples,
+                       cached_tokens=finished.cached_tokens)
 
 
 def routed_proto(routed: Routed) -> pb.Routed:
@@ -316,7 +317,7 @@ def finished_from_proto(msg: pb.Finished) -> Finished:
     """A next stage's Finished as a typed one (a reason this build does not know: UNSPECIFIED)."""
     known = msg.reason in FinishReason._value2member_map_
     return Finished(FinishReason(msg.reason) if known else FinishReason.UNSPECIFIED, prompt_tokens=msg.prompt_tokens,
-                    completion_tokens=msg.completion_tokens, samples=msg.samples)
+                    completion_tokens=msg.completion_tokens, samples=msg.samples, cached_tokens=msg.cached_tokens)
 
 
 def frames_proto(frames: FramesOut) -> pb.CodecFrames:
@@ -435,7 +436,10 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: full-size random weights built on the device from config.json")
     parser.add_argument("--max-batch", type=int, default=16, help="concurrent streams in the engine")
-    parser.add_argument("--max-len", type=int, default=default_max_len, help="KV cache length per stream")
+    parser.add_argument("--max-len", type=int, default=default_max_len,
+                        help="the context: positions a stream may reach, prompt and reply"
+                             + (f" (default {default_max_len})" if default_max_len else
+                                " (default: the model's max_position_embeddings, at most what the KV pool holds)"))
     parser.add_argument("--max-queue", type=int, default=256, help="waiting streams before RESOURCE_EXHAUSTED")
     parser.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")

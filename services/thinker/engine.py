@@ -25,7 +25,7 @@ from ..runtime.outputs import Finished, FinishReason, TextOut
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel
 from .output import IncrementalDetokenizer, ReplyText
-from .runner import Prefilled, ThinkerRunner, talker_prompt
+from .runner import KVPlan, Prefilled, ThinkerRunner, talker_prompt
 from .scheduler import ThinkerScheduler
 
 __all__ = ["ThinkerEngine", "ThinkerJob", "ForcedReply", "IncrementalDetokenizer", "talker_prompt",
@@ -52,7 +52,8 @@ class ThinkerEngine(StageEngine):
     name = "thinker"
 
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, tokenizer, *, device: torch.device,
-                 max_active: int, max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True,
+                 max_active: int, max_len: int, eos_ids: tuple[int, ...], kv: KVPlan | None = None,
+                 cuda_graphs: bool = True,
                  prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512,
                  prefill_chunk: int = PREFILL_CHUNK, eager_fallback: bool = False,
                  talker_prompt_ids: bool = True) -> None:
@@ -61,20 +62,28 @@ class ThinkerEngine(StageEngine):
         any longer than `prefill_chunk`) are prefilled in chunks packed into one row, at most
         `prefill_chunk` tokens per step (ThinkerScheduler). `talker_prompt_ids`: a text prompt's user
         turns go to a routed talker as token ids, which it looks up itself (TalkerPrompt.user_rows unset);
-        off: as rows (for talkers older than that)."""
+        off: as rows (for talkers older than that). `kv`: the KV pool (default: room for `max_active`
+        sequences of `max_len` positions)."""
         super().__init__(max_active)
+        if kv is None:
+            kv = KVPlan(blocks=-(-max_active * max_len // KVPlan.block_size))
         self.talker_prompt_ids = talker_prompt_ids
         self.cfg, self.tokenizer, self.device, self.max_len = cfg, tokenizer, device, max_len
         self.eos_ids = eos_ids
         self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk,
                                           long_prompt=min(prefill_chunk, prefill_graph_len))
         self.runner = ThinkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
-                                    eos_ids=eos_ids, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
+                                    eos_ids=eos_ids, kv=kv, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback)
 
     # ---- the loop's hooks
+    @property
+    def free_slots(self) -> int:
+        """Sequences the engine can still take (--max-batch); KV blocks are the other limit."""
+        return self.max_active - len(self.running)
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work(self.waiting, self.running, self.runner.free_slots)
+        return self.scheduler.has_work(self.waiting, self.running, self.free_slots, self.runner.fits)
 
     def release(self, req: ThinkerJob) -> None:
         self.runner.release(req)
@@ -82,15 +91,15 @@ class ThinkerEngine(StageEngine):
     @torch.inference_mode()
     def step(self) -> None:
         with self.lock:
-            plan = self.scheduler.schedule(self.waiting, self.running, self.runner.free_slots)
+            plan = self.scheduler.schedule(self.waiting, self.running, self.free_slots, self.runner.allocate)
             for job in plan.admitted:
-                self.runner.allocate(job)
-                job.mark_started()
+                if job.started is None:
+                    job.mark_started()
                 self.running.append(job)
                 self.waiting.remove(job)
         early = False
         for job in plan.admitted:     # a text prompt's talker prompt leaves before its prefill runs
-            if job.talker_rows:
+            if job.talker_rows and not job.prompt_sent and not job.generated:
                 # a routed talker looks the user rows up itself; a caller that asked for talker_rows gets them
                 prompt = self.runner.early_talker_prompt(job, ids_only=self.talker_prompt_ids and job.speech is not None)
                 if prompt is not None:
@@ -104,11 +113,11 @@ class ThinkerEngine(StageEngine):
                 c.request.prefilled = c.start + c.length
             for job in chunked.broken:
                 log.warning("request %s: non-finite values in its prompt's chunk (%d of %d tokens prefilled)",
-                            job.request_id, job.prefilled, len(job.prompt))
+                            job.request_id, job.prefilled, job.prefill_target)
                 self._fail_nonfinite(job, "prompt's hidden states")
             if chunked.done:
                 self._first_outputs(chunked.done, chunked.prefilled,
-                                    f"packed chunks of {len(plan.chunks)} long prompts")
+                                    f"packed chunks of {len(plan.chunks)} prompts")
         if plan.prefill:
             metrics.PREFILL_BATCH.labels(self.name).observe(len(plan.prefill))
             prefilled = self.runner.prefill(plan.prefill)
@@ -117,10 +126,37 @@ class ThinkerEngine(StageEngine):
             self._first_outputs(plan.prefill, prefilled, f"prefill of {len(plan.prefill)} prompts")
         if plan.chunks or plan.prefill:
             deliver_now()     # first tokens (and their talker rows) leave now, not after this step's decode forward
-        decode = [job for job in plan.decode if not job.done]   # a first token may have finished it
+        decode = self._with_blocks([job for job in plan.decode if not job.done])   # a first token may have finished it
         if decode:
             jobs, logits = self.runner.decode(decode)
-            self._output(jobs, logits, f"decode of {self.runner.cache.used} slots")
+            self._output(jobs, logits, f"decode of {len(decode)} rows")
+        for job in self.running:      # this step's outputs were finite: its full blocks can be found
+            self.runner.publish(job)
+        self.runner.observe_kv()
+
+    def _with_blocks(self, decode: list[ThinkerJob]) -> list[ThinkerJob]:
+        """The decoding jobs, each with a block for its next position. When the pool has none, the
+        newest running job is preempted (its blocks freed; it waits and recomputes its context later,
+        its output unchanged) until one is free, the job itself last."""
+        ready: list[ThinkerJob] = []
+        for job in decode:            # oldest first: the running list is in admission order
+            if job.table is None:     # preempted for an older one in this loop
+                continue
+            while not self.runner.grow(job):
+                with self.lock:
+                    victim = self.running[-1]
+                    self.running.remove(victim)
+                    self.waiting.insert(0, victim)
+                log.info("request %s preempted: no free KV block (%d generated)", victim.request_id,
+                         len(victim.generated))
+                self.runner.preempt(victim)
+                if victim in ready:
+                    ready.remove(victim)
+                if victim is job:
+                    break
+            else:
+                ready.append(job)
+        return ready
 
     # ---- the output step
     def _first_outputs(self, jobs: list[ThinkerJob], prefilled: Prefilled, step: str) -> None:
@@ -154,7 +190,8 @@ class ThinkerEngine(StageEngine):
                                    None if rows is None else rows[start:start + len(piece)],
                                    more=start + len(piece) < len(ids)))
         job.generated.extend(ids)
-        self.finish(job, Finished(FinishReason.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids)))
+        self.finish(job, Finished(FinishReason.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids),
+                                     cached_tokens=job.cached_tokens))
 
     def _output(self, jobs: list[ThinkerJob], logits: torch.Tensor, step: str) -> None:
         """Each job's next token from its logits row [n, V]: stop checks, its outputs, finishing.
@@ -162,8 +199,8 @@ class ThinkerEngine(StageEngine):
         sampled = self.runner.sample(jobs, logits)
         for job, tok in zip(jobs, sampled.tokens):
             if tok < 0:
-                log.warning("request %s: logits not finite in a %s (slot %s, prompt %d tokens, %d generated)",
-                            job.request_id, step, job.slot, len(job.prompt), len(job.generated))
+                log.warning("request %s: logits not finite in a %s (prompt %d tokens, %d generated)",
+                            job.request_id, step, len(job.prompt), len(job.generated))
                 self._fail_nonfinite(job, "logits")
         for i, (job, tok) in enumerate(zip(jobs, sampled.tokens)):
             if tok < 0:
@@ -183,7 +220,8 @@ class ThinkerEngine(StageEngine):
             if stopped:
                 reason = FinishReason.STOP
             if reason is not None:
-                self.finish(job, Finished(reason, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated)))
+                self.finish(job, Finished(reason, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
+                                          cached_tokens=job.cached_tokens))
 
     def _fail_nonfinite(self, job: ThinkerJob, what: str) -> None:
         """Finish `job` alone with a clear error; nothing it left on the device reaches a later

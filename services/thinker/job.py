@@ -10,6 +10,7 @@ import torch
 
 from voxpipe.v1 import stages_pb2 as pb
 
+from ..runtime.block_pool import BlockTable, ContentSpan
 from ..runtime.engine import EngineRequest
 from ..runtime.sampling import SamplingParams
 from .output import ReplyText, StreamText
@@ -34,12 +35,35 @@ class ThinkerJob(EngineRequest):
     stops: tuple[str, ...] = ()             # stop strings (see output.py)
     top_logprobs: int | None = None         # None: no log probabilities; else how many alternatives
     forced: ForcedReply | None = None       # the reply is given: emitted whole after the prefill
-    slot: int | None = None
+    table: BlockTable | None = None         # its KV blocks while admitted (runner.allocate)
+    spans: tuple[ContentSpan, ...] = ()     # its audio clips' placeholder positions and content digests
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     text: ReplyText | None = None           # its tokens on their way out (the engine's; made at the first token)
     stream_text: StreamText | None = None   # the text the engine left out (the servicer's, on the event loop)
-    prefilled: int = 0                          # prompt tokens in the KV cache (the scheduler reads it)
+    prefilled: int = 0                          # context tokens in the KV cache (the scheduler reads it)
+    prefill_target: int = 0                     # context tokens its prefill must reach before it decodes:
+                                                # the prompt; after a preemption the prompt and the reply
+                                                # but its last token (recomputed, not sampled again)
+    cached_tokens: int = 0                      # of the prompt, taken from the prefix cache at admission
+    kept_from: int = 0                          # the first position whose hidden layer `kept` holds
     prompt_sent: bool = False                   # its TalkerPromptOut went out at admission (a text prompt)
     embeds: torch.Tensor | None = None          # [P, H] while a chunked prefill runs
     kept: list[torch.Tensor] = field(default_factory=list)   # per chunk: the talker's hidden layer
+    kv_trusted: bool = True                     # False once its numbers went non-finite (its blocks unpublished)
+
+    def __post_init__(self) -> None:
+        if not self.prefill_target:
+            self.prefill_target = len(self.prompt)
+
+    def context(self) -> list[int]:
+        """The token ids its prefill covers: the prompt, and after a preemption the reply so far but
+        its last token."""
+        return self.prompt + self.generated[:self.prefill_target - len(self.prompt)]
+
+    @property
+    def kv_tokens(self) -> int:
+        """Positions whose keys are in its blocks: what its prefill wrote, then one per decode step."""
+        if self.prefilled < self.prefill_target:
+            return self.prefilled
+        return len(self.prompt) + max(len(self.generated) - 1, 0)

@@ -1,21 +1,32 @@
-"""Thinker model runner: the thinker on its device, its KV slots, CUDA graphs and sampling.
+"""Thinker model runner: the thinker on its device, its paged KV cache and prefix cache, CUDA graphs
+and sampling.
 
-A step's forwards: the next chunk of a long prompt (eager, attending to the prompt's cached part),
-one right-padded prefill of the short prompts admitted now (a CUDA graph per (batch, length)
-bucket; eager when the talker needs a hidden layer of an audio prompt, or past the graphs'
-lengths), and one decode forward over every slot 0..n-1 (dense, graph-friendly). `sample` picks
+KV memory is one pool of blocks shared by all sequences (runtime/block_pool.py for the blocks and
+the prefix hashes, runtime/paged_kv.py for the tensors): a request takes the blocks of its prompt at
+admission -- the published blocks of its longest cached prefix, new ones for the rest -- and one more
+block whenever its decode crosses a block boundary; its full computed blocks are published as it
+goes and stay findable after it ends.
+
+A step's forwards: the next chunks of long prompts and of prompts with a cached prefix (packed into
+one row, eager, each attending to its cached part), one right-padded prefill of the short prompts
+admitted now without a cached prefix (a CUDA graph per (batch, length) bucket; eager when the talker
+needs a hidden layer of an audio prompt, or past the graphs' lengths), and one decode forward over
+the requests that decode (block tables as graph inputs). `sample` picks
 every row's token at once (runtime/sampling.py: `sample_rows`, each sampled row's noise from its
 own generator) with one host read, and looks up the log probabilities and talker rows asked for."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
-from ..runtime.kv_cache import PackedStep, SlotKVCache
+from ..runtime import metrics
+from ..runtime.block_pool import ContentSpan, KVBlockManager
+from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerPromptOut, TokenLogprob
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
 from .job import ThinkerJob
@@ -70,12 +81,13 @@ class Prefilled:
 @dataclass
 class Chunked:
     """What a step of packed chunks made: the prompts that ended (their outputs as `prefill`'s), and
-    the prompts still in prefill whose chunk left non-finite values in their KV slot (their request
-    fails now, before any later chunk or a cancel could leave the values to the slot's next owner)."""
+    the prompts still in prefill (or resumed) whose chunk left non-finite values in their blocks (their
+    request fails now, before any later chunk or a cancel could publish the values)."""
 
     done: list[ThinkerJob]
     prefilled: Prefilled
     broken: list[ThinkerJob]
+    resumed: list[ThinkerJob]                   # preempted jobs whose prefill ended: they decode on
 
 
 @dataclass
@@ -87,83 +99,176 @@ class Sampled:
     rows: list[torch.Tensor | None]             # the token's talker row [H] on the host (talker_rows), else None
 
 
+def audio_spans(cfg: ThinkerConfig, prompt: list[int], audio: list[torch.Tensor]) -> tuple[ContentSpan, ...]:
+    """Each audio clip's placeholder run in the prompt with the digest of its features (dtype, shape
+    and bytes): the content behind those token ids, for the prefix hashes. Runs and clips pair up in
+    order (the server checked their counts)."""
+    if not audio:
+        return ()
+    tok = cfg.tokens.audio_token
+    spans, i, n = [], 0, len(prompt)
+    for feats in audio:
+        while i < n and prompt[i] != tok:
+            i += 1
+        j = i
+        while j < n and prompt[j] == tok:
+            j += 1
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{feats.dtype}{tuple(feats.shape)}".encode())
+        h.update(feats.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        spans.append(ContentSpan(i, j, h.digest()))
+        i = j
+    return tuple(spans)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The thinker's KV pool: `blocks` blocks of `block_size` positions; `prefix_cache`: publish
+    full blocks and find cached prefixes."""
+
+    blocks: int
+    block_size: int = 16
+    prefix_cache: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+
 class ThinkerRunner:
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, *, device: torch.device, max_active: int,
-                 max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True, prefill_batch: int = 8,
-                 prefill_graph_len: int = 512, eager_fallback: bool = False) -> None:
-        """Prompts up to `prefill_graph_len` tokens, `prefill_batch` at a time, replay CUDA graphs."""
+                 max_len: int, eos_ids: tuple[int, ...], kv: KVPlan, cuda_graphs: bool = True,
+                 prefill_batch: int = 8, prefill_graph_len: int = 512, decode_graph_len: int = 8192,
+                 eager_fallback: bool = False) -> None:
+        """Prompts up to `prefill_graph_len` tokens, `prefill_batch` at a time, replay CUDA graphs;
+        decode steps whose longest sequence is within `decode_graph_len` positions too."""
         self.model, self.cfg, self.device = model, cfg, device
-        self.prefill_batch = prefill_batch
+        self.prefill_batch, self.max_len = prefill_batch, max_len
         dtype = next(model.parameters()).dtype
         t = cfg.text
-        self.cache = SlotKVCache(t.num_layers, max_active, max_len, t.num_kv_heads, t.head_dim, dtype, device)
+        self.cache = PagedKVCache(t.num_layers, kv.blocks, kv.block_size, t.num_kv_heads, t.head_dim, dtype, device)
+        self.blocks = KVBlockManager(kv.blocks, kv.block_size, kv.prefix_cache)
         special = torch.tensor([cfg.tokens.tts_bos, cfg.tokens.tts_eos, cfg.tokens.tts_pad], device=device)
         self.eos = torch.tensor(eos_ids, device=device)
         with torch.inference_mode():
             self.tts_special = model.model.embed_tokens(special).cpu()
             self.graphs = self.prefill_graphs = None
             if cuda_graphs and graphs_available(device):
-                self._capture(max_active, max_len, min(prefill_graph_len, max_len), eager_fallback)
+                self._capture(max_active, min(decode_graph_len, max_len), min(prefill_graph_len, max_len),
+                              eager_fallback)
 
-    def _capture(self, max_active: int, max_len: int, prefill_len: int, eager_fallback: bool) -> None:
+    def _capture(self, max_active: int, decode_len: int, prefill_len: int, eager_fallback: bool) -> None:
         """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
         dev, h = self.device, self.cfg.text.hidden_size
         dtype = self.tts_special.dtype
+        null = self.cache.null
         self.graphs = captured("thinker decode", lambda: GraphedStep(
             self._decode_fn, (torch.zeros(max_active, 1, dtype=torch.long, device=dev),
-                              torch.zeros(max_active, dtype=torch.long, device=dev)),
-            buckets(max_active), buckets(max_len, min(256, max_len)), "thinker decode"), eager_fallback)
+                              torch.zeros(max_active, dtype=torch.long, device=dev),
+                              torch.full((max_active, self.blocks.blocks_for(decode_len)), null, dtype=torch.long,
+                                         device=dev)),
+            buckets(max_active), buckets(decode_len, min(256, decode_len)), "thinker decode",
+            pad=(None, 0, null)), eager_fallback)        # padding rows: the null table (writes go to scratch)
         n = min(self.prefill_batch, max_active)
+        self.prefill_width = self.blocks.blocks_for(prefill_len)
         # the graphs also return the hidden layer that audio prompts' talker rows take (one add more)
         self.prefill_graphs = captured("thinker prefill", lambda: GraphedStep(
             lambda *args: self._prefill_fn(*args, keep=self.cfg.accept_hidden_layer),
             (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
-             torch.arange(n, dtype=torch.long, device=dev)),
+             torch.full((n, self.prefill_width), null, dtype=torch.long, device=dev)),
             buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill",
-            pad=(None, 0, self.cache.scratch)), eager_fallback)   # padding rows write the scratch KV row
+            pad=(None, 0, null)), eager_fallback)
 
-    def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, slots: torch.Tensor,
+    def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
                     keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompts [n, >= s, H] (right-padded to s), from position 0, into KV slots [n];
-        logits [n, V] at each prompt's `last` position, and the `keep` hidden layer if asked."""
+        """Prompts [n, >= s, H] (right-padded to s), from position 0, into their blocks (tables [n, M],
+        padded with the null block); logits [n, V] at each prompt's `last` position, and the `keep`
+        hidden layer if asked."""
         positions = torch.arange(s, device=embeds.device)[None].expand(n, s)
-        return self.model(embeds[:, :s], positions, self.cache.prefill_view(slots, s), keep_hidden=keep, last=last)
+        return self.model(embeds[:, :s], positions, self.cache.prefill_view(tables, s), keep_hidden=keep, last=last)
 
-    def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor]:
-        """One token for each sequence in slots 0..n-1: ids [n, 1], start [n] (their positions)."""
-        view = self.cache.decode_view(n, kv_len, start)
+    def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor,
+                   tables: torch.Tensor) -> tuple[torch.Tensor]:
+        """One token for each of n sequences: ids [n, 1], start [n] (their positions), tables [n, M]."""
+        view = self.cache.decode_view(n, kv_len, tables, start)
         logits, _ = self.model(self.model.model.embed_tokens(ids), start[:, None], view)
         return (logits,)
 
-    # ---- slots (dense: the requests hold slots 0..used-1)
-    @property
-    def free_slots(self) -> int:
-        return self.cache.free_slots
+    # ---- KV blocks
+    def fits(self, job: ThinkerJob) -> bool:
+        """Whether the pool has the blocks for `job`'s whole context now, without a cached prefix."""
+        return self.blocks.blocks_for(job.prefill_target + 1) <= self.blocks.pool.free
 
-    def allocate(self, job: ThinkerJob) -> None:
-        job.slot = self.cache.allocate(job)
+    def allocate(self, job: ThinkerJob) -> bool:
+        """The job's blocks: its cached prefix (`prefilled` starts there) and new blocks for the rest of
+        its context and its first decode position. False (nothing taken) when the pool lacks them.
+        A prompt whose talker needs hidden states of its audio rows takes no cached prefix past its
+        first audio placeholder (a cached block keeps keys, not the hidden layer)."""
+        if not job.spans and job.audio:
+            job.spans = audio_spans(self.cfg, job.prompt, job.audio)
+        limit = None
+        if job.talker_rows and job.spans:
+            limit = job.spans[0].start
+        table = self.blocks.admit(job.context(), job.spans, reserve=1, max_cached=limit)
+        if table is None:
+            return False
+        job.table, job.prefilled, job.kv_trusted = table, table.cached_tokens, True
+        if not job.generated:
+            job.cached_tokens = table.cached_tokens
+            metrics.PREFIX_TOKENS.labels("thinker", "queried").inc(len(job.prompt))
+            metrics.PREFIX_TOKENS.labels("thinker", "hit").inc(table.cached_tokens)
+        return True
+
+    def grow(self, job: ThinkerJob) -> bool:
+        """Blocks for the job's next decode position; False (nothing taken) when none is free."""
+        return self.blocks.grow(job.table, job.kv_tokens + 1)
+
+    def publish(self, job: ThinkerJob) -> None:
+        """Publish the job's full blocks whose keys are computed (after a step whose outputs were finite)."""
+        if job.table is not None and job.kv_trusted:
+            self.blocks.publish(job.table, job.prompt + job.generated, job.kv_tokens, job.spans)
 
     def release(self, job: ThinkerJob) -> None:
-        """Free the job's slot (the request in the last slot moves into it) and its prefill state."""
+        """Give the job's blocks back (published ones stay findable) and drop its prefill state."""
         job.embeds, job.kept = None, []
-        if job.slot is not None:
-            moved = self.cache.release(job.slot)
-            if moved is not None:
-                moved.slot = job.slot
-            job.slot = None
+        if job.table is not None:
+            self.publish(job)
+            self.blocks.release(job.table, trusted=job.kv_trusted)
+            job.table = None
+
+    def preempt(self, job: ThinkerJob) -> None:
+        """Free a running job's blocks to make room: it waits again and prefills its context (the
+        prompt and its reply but the last token) before decoding on, its output unchanged."""
+        self.release(job)
+        job.prefilled = 0
+        job.prefill_target = len(job.prompt) + max(len(job.generated) - 1, 0)
+        self.blocks.stats.preempted += 1
+        metrics.PREEMPTIONS.labels("thinker").inc()
+
+    def observe_kv(self) -> None:
+        """The KV gauges (after a step)."""
+        pool = self.blocks.pool
+        metrics.KV_BLOCKS.labels("thinker", "used").set(pool.used)
+        metrics.KV_BLOCKS.labels("thinker", "free").set(pool.free)
+        metrics.KV_BLOCKS.labels("thinker", "cached").set(pool.cached)
 
     def scrub(self, job: ThinkerJob) -> None:
-        """Zero the job's KV slot and the graphs' float inputs, so that nothing its non-finite numbers
-        left on the device reaches a later request (SlotKVCache.scrub)."""
-        if job.slot is not None:
-            self.cache.scrub(job.slot)
+        """Zero the blocks the job wrote and the graphs' float inputs, so that nothing its non-finite
+        numbers left on the device reaches a later request; its blocks are never published."""
+        job.kv_trusted = False
+        if job.table is not None:
+            own = job.table.blocks[job.table.cached_tokens // self.blocks.block_size:]
+            self.cache.scrub(own)
         for graphs in (self.graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.scrub()
 
+    def _tables(self, jobs: list[ThinkerJob], width: int) -> torch.Tensor:
+        return self.cache.table_tensor([j.table.blocks for j in jobs], width, self.device)
+
     # ---- forwards
     def prefill(self, jobs: list[ThinkerJob]) -> Prefilled:
-        """One forward over the jobs' prompts (right-padded), from position 0, into their slots."""
+        """One forward over the jobs' prompts (right-padded), from position 0, into their blocks."""
         dev = self.device
         ids = [torch.tensor(j.prompt, device=dev) for j in jobs]
         embeds = [self.model.embed(i, [a.to(dev, torch.float32) for a in j.audio]) for i, j in zip(ids, jobs)]
@@ -172,12 +277,11 @@ class ThinkerRunner:
         n, s = len(jobs), max(len(j.prompt) for j in jobs)
         x = torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True)                   # [n, s, H]
         last = torch.tensor([len(j.prompt) - 1 for j in jobs]).to(dev, non_blocking=True)
-        slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
         g = self.prefill_graphs
-        if g is not None and g.fits(n, s):   # padding rows go to the scratch KV row
-            logits, hidden = g(n, s, x, last, slots)
+        if g is not None and g.fits(n, s):   # padding rows and positions write the scratch block
+            logits, hidden = g(n, s, x, last, self._tables(jobs, self.prefill_width))
         else:
-            logits, hidden = self._prefill_fn(n, s, x, last, slots, keep)
+            logits, hidden = self._prefill_fn(n, s, x, last, self._tables(jobs, self.blocks.blocks_for(s)), keep)
         prompts = []
         for b, j in enumerate(jobs):
             j.generator = j.params.generator(dev)
@@ -189,34 +293,56 @@ class ThinkerRunner:
             prompts.append(prompt)
         return Prefilled(logits, prompts)
 
-    def prefill_chunks(self, chunks: list[tuple[ThinkerJob, int, int]]) -> Chunked:
-        """Chunks (job, start, length) of long prompts packed into one row (eager, no padding), each
-        attending to its job's cached part. A chunk's last position attends to every position of its
-        prompt so far, so the logits there are finite exactly when nothing non-finite is in its slot."""
+    def _context_embeds(self, job: ThinkerJob) -> torch.Tensor:
+        """[prefill_target, H]: the prompt's embeddings (its audio encoded) and, resumed after a
+        preemption, its reply's tokens but the last."""
         dev = self.device
-        for job, _, _ in chunks:
-            if job.embeds is None:   # first chunk: the whole prompt's embeddings, kept until the last chunk
-                ids = torch.tensor(job.prompt, device=dev)
-                job.embeds = self.model.embed(ids, [a.to(dev, torch.float32) for a in job.audio])
-        kept_by = [bool(job.talker_rows and job.audio) for job, _, _ in chunks]
+        x = self.model.embed(torch.tensor(job.prompt, device=dev), [a.to(dev, torch.float32) for a in job.audio])
+        reply = job.generated[:job.prefill_target - len(job.prompt)]
+        if reply:
+            x = torch.cat((x, self.model.model.embed_tokens(torch.tensor(reply, device=dev)).to(x.dtype)))
+        return x
+
+    def prefill_chunks(self, chunks: list[tuple[ThinkerJob, int, int]]) -> Chunked:
+        """Chunks (job, start, length) of prefills packed into one row (eager, no padding), each
+        attending to its job's earlier positions (a cached prefix among them). A chunk's last position
+        attends to every position of its context so far, so the logits there are finite exactly when
+        nothing non-finite is in its blocks. A job resumed after a preemption ends its prefill without
+        outputs (its next token is already out): it is in `resumed`, not `done`."""
+        dev = self.device
+        for job, start, _ in chunks:
+            if job.embeds is None:   # first chunk: the whole context's embeddings, kept until the last chunk
+                job.embeds = self._context_embeds(job)
+                job.kept, job.kept_from = [], start
+        kept_by = [bool(job.talker_rows and job.audio and not job.generated) for job, _, _ in chunks]
         keep = self.cfg.accept_hidden_layer if any(kept_by) else None
-        step = PackedStep.pack([(job.slot, start, length) for job, start, length in chunks])
+        step = PagedPackedStep.pack([(job.table.blocks, start, length) for job, start, length in chunks])
         x = torch.cat([job.embeds[start:start + length] for job, start, length in chunks])[None]
         logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
                                     last=step.ends(dev))
-        going_on = [i for i, (job, start, length) in enumerate(chunks) if start + length < len(job.prompt)]
+        going_on = [i for i, (job, start, length) in enumerate(chunks)
+                    if start + length < job.prefill_target or job.generated]
         finite = torch.isfinite(logits[going_on]).all(dim=-1).tolist() if going_on else []
         broken = [chunks[i][0] for i, ok in zip(going_on, finite) if not ok]
-        done, rows, prompts = [], [], []
+        done, rows, prompts, resumed = [], [], [], []
         for i, ((job, start, length), seg) in enumerate(zip(chunks, step.segments)):
             if kept_by[i]:
                 job.kept.append(hidden[0, seg.offset:seg.offset + length])
-            if start + length < len(job.prompt):
+            if start + length < job.prefill_target:
+                continue
+            if job.generated:
+                job.embeds, job.kept = None, []
+                resumed.append(job)
                 continue
             job.generator = job.params.generator(dev)
             prompt = None
             if job.talker_rows and not job.prompt_sent:
-                kept = torch.cat(job.kept).cpu() if job.kept else None
+                kept = None
+                if job.kept:     # positions before kept_from hold no audio (allocate's limit)
+                    part = torch.cat(job.kept)
+                    kept = part.new_zeros(len(job.prompt), part.shape[1])
+                    kept[job.kept_from:] = part
+                    kept = kept.cpu()
                 prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
             job.embeds, job.kept = None, []
             done.append(job)
@@ -224,29 +350,22 @@ class ThinkerRunner:
             prompts.append(prompt)
         if len(rows) < len(chunks):
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        return Chunked(done, Prefilled(logits, prompts), broken)
+        return Chunked(done, Prefilled(logits, prompts), broken, resumed)
 
     def decode(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
-        """One decode forward over every slot 0..n-1; `jobs` (each with a token to feed) get logits.
-        Returns them in slot order and their logits [len(jobs), V]. The other slots' rows (a prompt
-        still in chunked prefill, a reader that is behind) are computed with the rest, writing a KV
-        entry that is rewritten before anything attends to it, and dropped."""
-        owners = self.cache.owners[:self.cache.used]
-        n = len(owners)
-        ids = torch.tensor([[j.generated[-1] if j.generated else 0] for j in owners]).to(self.device, non_blocking=True)
-        # a row still in chunked prefill writes where its next chunk starts (that chunk rewrites it)
-        start_list = [len(j.prompt) + len(j.generated) - 1 if j.generated else j.prefilled for j in owners]
+        """One decode forward over `jobs` (each with a token to feed and a block for its position):
+        the jobs and their logits [len(jobs), V]."""
+        n = len(jobs)
+        ids = torch.tensor([[j.generated[-1]] for j in jobs]).to(self.device, non_blocking=True)
+        start_list = [j.kv_tokens for j in jobs]
         start = torch.tensor(start_list).to(self.device, non_blocking=True)
         kv_len = max(start_list) + 1
-        if self.graphs is not None and self.graphs.fits(n, kv_len):
-            (logits,) = self.graphs(n, kv_len, ids, start)
+        g = self.graphs
+        if g is not None and g.fits(n, kv_len):   # the tables at the graphs' width: no stale columns
+            (logits,) = g(n, kv_len, ids, start, self._tables(jobs, g.static[2].shape[1]))
         else:
-            (logits,) = self._decode_fn(n, kv_len, ids, start)
-        wanted = {id(j) for j in jobs}
-        keep = [i for i, j in enumerate(owners) if id(j) in wanted]
-        if len(keep) < n:
-            logits = logits[torch.tensor(keep, device=logits.device)]
-        return [owners[i] for i in keep], logits
+            (logits,) = self._decode_fn(n, kv_len, ids, start, self._tables(jobs, self.blocks.blocks_for(kv_len)))
+        return jobs, logits
 
     def early_talker_prompt(self, job: ThinkerJob, ids_only: bool) -> TalkerPromptOut | None:
         """A text prompt's talker prompt before its prefill (lookups in the embedding table: no row of

@@ -12,11 +12,19 @@ waiting long prompts while tokens of the step are left (at most `prefill_batch` 
 prefill at once); long prompts that wait do not hold up the short ones behind them. Every running request
 with a token to feed decodes in every step -- those whose prefill ends in this step too, once the
 prefill made their first token -- except one whose reader is behind (its outbox saturated): it sits
-out, its state unchanged."""
+out, its state unchanged.
+
+KV memory: a request is admitted only once `reserve(request)` gave it the KV blocks its prompt
+needs (the engine's block manager; it may find a cached prefix, which sets `prefilled` and sends
+the rest of the prompt down the chunked path, whatever its length); the first waiting request that
+gets none stops admission for this step (arrival order). A request preempted for lack of blocks
+waits again with `prefill_target` covering its reply but the last token, and decodes once that much
+is prefilled again."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol, Sequence
 
 
@@ -29,7 +37,8 @@ class Request(Protocol):
 
     prompt: Sequence[int]
     generated: Sequence[int]     # tokens made so far: a request decodes once it has one
-    prefilled: int               # prompt tokens in the KV cache (a long prompt: chunk by chunk)
+    prefilled: int               # context tokens in the KV cache (a long prompt: chunk by chunk)
+    prefill_target: int          # context tokens to prefill before it decodes (len(prompt) unless preempted)
     outbox: Reader
 
 
@@ -43,8 +52,9 @@ class Chunk:
 
     @property
     def last(self) -> bool:
-        """The prompt's last chunk: the request makes its first token in this step."""
-        return self.start + self.length >= len(self.request.prompt)
+        """The prefill's last chunk: the request makes its first token (or, resumed after a
+        preemption, decodes again) in this step."""
+        return self.start + self.length >= self.request.prefill_target
 
 
 @dataclass
@@ -63,34 +73,52 @@ class ThinkerScheduler:
         self.prefill_batch, self.prefill_tokens, self.prefill_chunk = prefill_batch, prefill_tokens, prefill_chunk
         self.long_prompt = prefill_chunk if long_prompt is None else long_prompt
 
-    def has_work(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int) -> bool:
-        return any(not r.outbox.saturated for r in running) or (bool(waiting) and free_slots > 0)
+    def has_work(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int,
+                 fits: Callable[[Request], bool] = lambda r: True) -> bool:
+        """`fits(r)`: whether the KV blocks for waiting request r are free now (nothing taken)."""
+        return (any(not r.outbox.saturated for r in running)
+                or (bool(waiting) and free_slots > 0 and fits(waiting[0])))
 
-    def schedule(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int) -> ThinkerSchedule:
-        plan = ThinkerSchedule(decode=[r for r in running if r.generated and not r.outbox.saturated])
+    def schedule(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int,
+                 reserve: Callable[[Request], bool] = lambda r: True) -> ThinkerSchedule:
+        """`reserve(r)`: give waiting request r its KV blocks (True), or take nothing (False)."""
+        plan = ThinkerSchedule(decode=[r for r in running if r.generated and r.prefilled >= r.prefill_target
+                                       and not r.outbox.saturated])
         chunking = self.chunking(running)
         budget = self.prefill_chunk
         for r in chunking:
             if budget <= 0:
                 break
-            plan.chunks.append(Chunk(r, r.prefilled, min(budget, len(r.prompt) - r.prefilled)))
+            plan.chunks.append(Chunk(r, r.prefilled, min(budget, r.prefill_target - r.prefilled)))
             budget -= plan.chunks[-1].length
         in_prefill = len(chunking)
         free, longest = free_slots, 0
         for r in waiting:
             if len(plan.prefill) >= min(self.prefill_batch, free):
                 break
-            if len(r.prompt) > self.long_prompt:       # a long prompt: chunked, packed with the others
+            if r.prefill_target > self.long_prompt:    # a long prompt: chunked, packed with the others
                 if budget > 0 and in_prefill < self.prefill_batch and free > len(plan.prefill):
+                    if not reserve(r):
+                        break
                     plan.admitted.append(r)
-                    plan.chunks.append(Chunk(r, 0, min(budget, len(r.prompt))))
+                    plan.chunks.append(Chunk(r, r.prefilled, min(budget, r.prefill_target - r.prefilled)))
                     budget -= plan.chunks[-1].length
                     in_prefill += 1
                     free -= 1
                 continue
-            longest_next = max(longest, len(r.prompt))
+            longest_next = max(longest, r.prefill_target)
             if plan.prefill and longest_next * (len(plan.prefill) + 1) > self.prefill_tokens:
                 break
+            if not reserve(r):
+                break
+            if r.prefilled:     # a cached prefix: the rest is prefilled as a chunk over the cached part
+                plan.admitted.append(r)
+                free -= 1
+                in_prefill += 1
+                if budget > 0:
+                    plan.chunks.append(Chunk(r, r.prefilled, min(budget, r.prefill_target - r.prefilled)))
+                    budget -= plan.chunks[-1].length
+                continue
             plan.prefill.append(r)
             longest = longest_next
         plan.admitted += plan.prefill
@@ -101,4 +129,4 @@ class ThinkerScheduler:
     @staticmethod
     def chunking(running: Sequence[Request]) -> list[Request]:
         """The running requests whose prompts are still being prefilled (in chunks), in admission order."""
-        return [r for r in running if r.prefilled < len(r.prompt)]
+        return [r for r in running if r.prefilled < r.prefill_target]

@@ -15,6 +15,7 @@ import torch
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
+from ..runtime import metrics
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
@@ -24,12 +25,14 @@ from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finishe
                               routed_proto, serve_stage, stage_setup, talker_prompt_proto)
 from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
+from ..runtime.paged_kv import PagedKVCache
 from .engine import PREFILL_CHUNK, ThinkerEngine, assistant_head_index
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
 from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_problem
 from .prompt import encode_text, load_tokenizer, render, user_turn
 from .relay import TalkerRelay
+from .runner import KVPlan
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
@@ -172,7 +175,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         if start.min_tokens > max_tokens:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_tokens {start.min_tokens} > max_tokens {max_tokens}")
         if len(ids) + max_tokens > self.engine.max_len:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}")
         problem = stop_strings_problem(start.stop) or top_logprobs_problem(start.logprobs, start.top_logprobs)
         if problem is not None:
@@ -200,7 +203,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                         f"assistant_text has {len(text)} characters; the limit is {MAX_ASSISTANT_TEXT_CHARS}")
         ids = encode_text(self.tokenizer, text) + [self.cfg.thinker.tokens.im_end]
         if prompt_tokens + len(ids) > self.engine.max_len:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"prompt of {prompt_tokens} tokens + assistant_text of {len(ids)} tokens (<|im_end|> included) "
                         f"exceeds the context of {self.engine.max_len}")
         return ForcedReply(token_ids=ids, text=text)
@@ -226,23 +229,74 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         return sp
 
 
+# CUDA memory a thinker keeps beside its weights and KV pool: activations of a prefill chunk, the
+# decode graphs' gathered keys, the allocator's slack (bench/RESULTS.md: the pool sizing)
+ACTIVATION_RESERVE_BYTES = 6 << 30
+DEFAULT_GPU_MEMORY_FRACTION = 0.9     # alone on its GPU; `voxpipe up` and the manifests set shares
+
+
+def kv_plan(args, cfg: OmniConfig, device: torch.device, dtype: torch.dtype) -> tuple[KVPlan, int]:
+    """The KV pool (--kv-cache-tokens, else on CUDA what --gpu-memory-fraction of the GPU leaves beside
+    the weights loaded so far and ACTIVATION_RESERVE_BYTES, else on the CPU twice the model's context)
+    and the context (--max-len, default the model's max_position_embeddings, at most the pool).
+    SystemExit with the numbers when they do not fit."""
+    t = cfg.thinker.text
+    bs = args.kv_block_size
+    if bs < 1 or bs & (bs - 1):
+        raise SystemExit(f"error: --kv-block-size must be a power of two, got {bs}")
+    model_len = t.max_position_embeddings or 32768
+    per_block = PagedKVCache.bytes_per_block(t.num_layers, bs, t.num_kv_heads, t.head_dim, dtype)
+    if args.kv_cache_tokens:
+        blocks = -(-args.kv_cache_tokens // bs)
+        how = "--kv-cache-tokens"
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = args.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
+        left = fraction * total - torch.cuda.memory_reserved(device) - ACTIVATION_RESERVE_BYTES
+        blocks = max(int(left // per_block), 0)
+        how = (f"{fraction:.2f} of {total / 2**30:.1f} GiB, less {torch.cuda.memory_reserved(device) / 2**30:.1f} GiB "
+               f"in use and {ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB for activations")
+    else:
+        blocks = -(-2 * min(args.max_len or model_len, model_len) // bs)
+        how = "twice the context, on the CPU"
+    max_len = args.max_len or min(model_len, blocks * bs)
+    if max_len > model_len:
+        log.warning("--max-len %d is past the model's max_position_embeddings %d", max_len, model_len)
+    if blocks * bs < max_len:
+        raise SystemExit(f"error: the thinker's KV pool holds {blocks * bs} tokens ({how}), less than --max-len "
+                         f"{max_len}: raise --gpu-memory-fraction or --kv-cache-tokens, or lower --max-len")
+    plan = KVPlan(blocks=blocks, block_size=bs, prefix_cache=args.prefix_cache)
+    log.info("thinker KV pool: %d blocks of %d tokens = %d tokens, %.2f GiB (%s); context %d tokens; prefix cache %s",
+             blocks, bs, plan.tokens, blocks * per_block / 2**30, how, max_len, "on" if plan.prefix_cache else "off")
+    return plan, max_len
+
+
 def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     setup = stage_setup(args)      # bad flags fail before the weights load
     if args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     cfg = OmniConfig.load(args.model)
     model = load_stage_model(args, setup, lambda: ThinkerModel(cfg.thinker), "thinker.", ignore=("visual.",))
+    kv, max_len = kv_plan(args, cfg, setup.device, next(model.parameters()).dtype)
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=setup.device,
-                           max_active=args.max_batch, max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
+                           max_active=args.max_batch, max_len=max_len, eos_ids=(cfg.thinker.tokens.im_end,), kv=kv,
                            cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk, eager_fallback=args.eager_fallback,
                            talker_prompt_ids=not args.talker_prompt_rows)
+    metrics.KV_CAPACITY.labels("thinker").set(kv.tokens)
     talker = NextStage("talker", args.talker, max_message_bytes=setup.opts.max_message_bytes,
                        tls=setup.tls) if args.talker else None
     return ThinkerServicer(engine, setup.opts, engine.tokenizer, cfg, talker), cfg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_stage_arguments(parser, default_port=50051)
+    add_stage_arguments(parser, default_port=50051, default_max_len=0)
+    parser.add_argument("--kv-cache-tokens", type=int, default=0,
+                        help="positions the KV pool holds, shared by all sequences (0: sized from the GPU memory "
+                             "--gpu-memory-fraction leaves beside the weights; on the CPU twice the context)")
+    parser.add_argument("--kv-block-size", type=int, default=KVPlan.block_size,
+                        help="positions per KV block (a power of two; the prefix cache's unit)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep computed KV blocks by their prefix hash and skip the prefill of a cached prefix")
     parser.add_argument("--talker", default=os.environ.get("VOXPIPE_TALKER", ""),
                         help="the talker replicas spoken replies go to: host:port and/or dns:///name:port, "
                              "comma-separated (env VOXPIPE_TALKER); unset: text only")

@@ -77,16 +77,18 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "samples")
+    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "samples", "cached_tokens")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     samples: int
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., samples: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ()

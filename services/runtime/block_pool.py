@@ -1,0 +1,275 @@
+"""KV blocks shared by all sequences of a stage, and the prefix cache over them. Pure Python: no
+tensors (the tensors are `kv_cache.PagedKVCache`; a block id here is a block index there).
+
+A sequence's KV lives in fixed-size blocks listed by its `BlockTable` (position p is in block
+`table.blocks[p // block_size]` at offset `p % block_size`). Every block has a reference count; a
+block whose count falls to 0 is free. A *full* block whose keys were all computed can be
+*published* under its prefix hash: the hash of (the previous block's hash, the block's token ids,
+and for positions whose token stands for content -- an audio placeholder -- that content's digest
+and the offset into it). A new sequence whose prompt begins with published blocks takes them (its
+count on each goes up) and skips their prefill. Published blocks stay after their sequences end
+(count 0, still findable) until a new allocation needs the memory: free blocks that were never
+published go first, then published ones, least recently used first.
+
+Exactness rests on the hash: two prefixes with the same hash have the same token ids, the same
+content behind every placeholder and the same positions, so their keys and values are the same
+function of the same inputs (hash content, never names). A sequence only ever writes positions
+past its cached prefix: a prompt whose every block is cached still recomputes its last block, so
+that no shared block is written (`KVBlockManager.admit`)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ContentSpan:
+    """Prompt positions start .. end - 1 whose token ids are placeholders for content (one audio
+    clip's tokens): `digest` identifies the content (a hash of its bytes)."""
+
+    start: int
+    end: int
+    digest: bytes
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int, spans: Sequence[ContentSpan] = (),
+                  parent: bytes = b"") -> list[bytes]:
+    """The hash of each full block of `tokens` (a trailing partial block has none): block i's hash
+    covers blocks 0 .. i (it chains the previous one), its token ids, and for every content span
+    that overlaps it the span's digest and the offset of the block's first covered position into
+    the span."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    out, prev = [], parent
+    for b in range(len(tokens) // block_size):
+        lo, hi = b * block_size, (b + 1) * block_size
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(arr[lo:hi].tobytes())
+        for sp in spans:
+            if sp.start < hi and sp.end > lo:
+                first = max(sp.start, lo)
+                h.update(b"|%d:%d|" % (first - lo, first - sp.start))
+                h.update(sp.digest)
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+class BlockPool:
+    """`num_blocks` blocks with reference counts; free ones are kept in two orders: never-published
+    (taken first) and published (least recently freed first, so that the longest-lived prefixes
+    stay)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks, self.enable_caching = num_blocks, enable_caching
+        self.refs = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self._plain: list[int] = list(range(num_blocks - 1, -1, -1))   # free, unpublished (pop from the end)
+        self._cached: OrderedDict[int, None] = OrderedDict()           # free, published, LRU first
+
+    @property
+    def free(self) -> int:
+        """Blocks an allocation can take now (free ones, published or not)."""
+        return len(self._plain) + len(self._cached)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - self.free
+
+    @property
+    def cached(self) -> int:
+        """Published blocks (in use or free)."""
+        return len(self.by_hash)
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` free blocks, each with count 1; unpublished ones first, then the least recently used
+        published ones, which lose their hash. ValueError when fewer than `n` are free."""
+        if n > self.free:
+            raise ValueError(f"{n} KV blocks asked, {self.free} free")
+        out = []
+        for _ in range(n):
+            if self._plain:
+                b = self._plain.pop()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                del self.by_hash[self.hash_of[b]]
+                self.hash_of[b] = None
+            self.refs[b] = 1
+            out.append(b)
+        return out
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The published blocks of the longest run of `hashes` from the first on (not taken)."""
+        if not self.enable_caching:
+            return []
+        out = []
+        for h in hashes:
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def take(self, blocks: Sequence[int]) -> None:
+        """One more reference to each of `blocks` (published blocks found by `lookup`)."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                del self._cached[b]
+            self.refs[b] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """One reference less to each of `blocks`; a block at 0 is free (still findable if published).
+        Released in reverse so that a sequence's tail blocks are evicted before its head."""
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] < 0:
+                raise RuntimeError(f"KV block {b} released more often than taken")
+            if self.refs[b] == 0:
+                if self.hash_of[b] is not None:
+                    self._cached[b] = None
+                else:
+                    self._plain.append(b)
+
+    def publish(self, block: int, h: bytes) -> None:
+        """Make a full, computed block findable under its prefix hash (a block already published, or
+        a hash another block holds, is left as it is: the first copy stays the one found)."""
+        if not self.enable_caching or self.hash_of[block] is not None or h in self.by_hash:
+            return
+        self.hash_of[block] = h
+        self.by_hash[h] = block
+
+    def unpublish(self, blocks: Sequence[int]) -> None:
+        """Forget the hashes of `blocks` (their keys are not to be trusted: a request that failed
+        non-finite). A free one moves to the unpublished blocks."""
+        for b in blocks:
+            h = self.hash_of[b]
+            if h is None:
+                continue
+            del self.by_hash[h]
+            self.hash_of[b] = None
+            if self.refs[b] == 0:
+                del self._cached[b]
+                self._plain.append(b)
+
+    def reset_cache(self) -> int:
+        """Forget every published hash (blocks in use keep their keys); returns how many were dropped."""
+        dropped = [b for b, h in enumerate(self.hash_of) if h is not None]
+        self.unpublish(dropped)
+        return len(dropped)
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks, in position order, and how many of its first positions came from the
+    prefix cache (their blocks are shared: never written)."""
+
+    blocks: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    published: int = 0          # its first `published` blocks are findable by hash (theirs or another's)
+    hashes: list[bytes] = field(default_factory=list)   # the prompt's full blocks' hashes (admission)
+
+    def capacity(self, block_size: int) -> int:
+        return len(self.blocks) * block_size
+
+
+@dataclass
+class CacheStats:
+    """Counters of a stage's prefix cache (the metrics read them)."""
+
+    queried_tokens: int = 0     # prompt tokens looked up at admission
+    hit_tokens: int = 0         # of those, found cached (their prefill skipped)
+    preempted: int = 0          # sequences preempted for lack of blocks
+
+
+class KVBlockManager:
+    """A stage's blocks: admission (prefix lookup + the blocks a prompt needs), growth as a sequence
+    decodes, publication of computed full blocks, release. Blocks are reserved for the positions a
+    step writes before it runs."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.stats = CacheStats()
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def admit(self, tokens: Sequence[int], spans: Sequence[ContentSpan] = (), reserve: int = 0,
+              max_cached: int | None = None) -> BlockTable | None:
+        """A table for a prompt of `tokens` with room for `reserve` more positions, taking its cached
+        prefix; None when the pool cannot hold it now (nothing taken). The cached prefix ends before
+        the prompt's last token (its logits must be computed) and at most at `max_cached` tokens."""
+        bs = self.block_size
+        hashes = prefix_hashes(tokens, bs, spans) if self.enable_caching else []
+        usable = (len(tokens) - 1) // bs
+        if max_cached is not None:
+            usable = min(usable, max_cached // bs)
+        hit = self.pool.lookup(hashes[:usable])
+        need = self.blocks_for(len(tokens) + reserve) - len(hit)
+        # a hit block that is free counts against the free blocks too: taking it removes it from them
+        free_hits = sum(1 for b in hit if self.pool.refs[b] == 0)
+        if need > self.pool.free - free_hits:
+            return None
+        self.pool.take(hit)
+        table = BlockTable(hit + self.pool.allocate(need), len(hit) * bs, len(hit), hashes)
+        self.stats.queried_tokens += len(tokens)
+        self.stats.hit_tokens += table.cached_tokens
+        return table
+
+    def can_grow(self, table: BlockTable, tokens: int) -> bool:
+        return self.blocks_for(tokens) - len(table.blocks) <= self.pool.free
+
+    def grow(self, table: BlockTable, tokens: int) -> bool:
+        """Blocks for the table to hold `tokens` positions; False (nothing taken) if not enough are free."""
+        need = self.blocks_for(tokens) - len(table.blocks)
+        if need <= 0:
+            return True
+        if need > self.pool.free:
+            return False
+        table.blocks += self.pool.allocate(need)
+        return True
+
+    def publish(self, table: BlockTable, tokens: Sequence[int], computed: int,
+                spans: Sequence[ContentSpan] = ()) -> None:
+        """Publish the table's full blocks whose `computed` first positions hold their keys
+        (`tokens`: the sequence's ids so far, prompt then reply)."""
+        if not self.enable_caching:
+            return
+        full = min(computed, len(tokens)) // self.block_size
+        if full <= table.published:
+            return
+        hashes = table.hashes
+        if len(hashes) < full:
+            parent = hashes[-1] if hashes else b""
+            start = len(hashes) * self.block_size
+            shifted = [ContentSpan(s.start - start, s.end - start, s.digest) for s in spans if s.end > start]
+            hashes += prefix_hashes(tokens[start:full * self.block_size], self.block_size, shifted, parent)
+        for i in range(table.published, full):
+            self.pool.publish(table.blocks[i], hashes[i])
+        table.published = full
+
+    def release(self, table: BlockTable, trusted: bool = True) -> None:
+        """Give the table's blocks back; `trusted=False` (its numbers went non-finite): the blocks it
+        wrote are unpublished first, never found again."""
+        if not trusted:
+            own = table.blocks[table.cached_tokens // self.block_size:]
+            self.pool.unpublish(own)
+        self.pool.release(table.blocks)
+        table.blocks, table.published = [], 0

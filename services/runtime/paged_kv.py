@@ -1,0 +1,177 @@
+"""The paged KV cache: per layer, K and V as [num_blocks + 1, Hkv, block_size, D]; a sequence's
+positions live in the blocks its block table lists (`block_pool.BlockTable`; position p in
+table[p // block_size] at offset p % block_size). Block `scratch` (= num_blocks, one past the
+blocks the pool hands out) takes the writes of padding (a CUDA-graph batch's rows past the real
+ones, a right-padded prompt's positions past its blocks); nothing reads it.
+
+Views, each an `AttentionCache` for one forward (layers call `attend(layer, q, k, v, scale)` with
+q [B, Hq, S, D], k / v [B, Hkv, S, D], rotated):
+- `packed(step)`: several sequences' new tokens packed into one row [1, T], each segment written at
+  its own positions start .. start + length - 1 and attending to its earlier positions (a cached
+  prefix included) and causally to itself: chunked prefill, and any prompt whose prefix was cached.
+- `prefill_view(tables, s)`: whole prompts from position 0, right-padded to S: graph-friendly.
+- `decode_view(n, kv_len, tables, start)`: one new token per sequence: graph-friendly (the tables
+  [N, M] and positions [N] are tensors; shapes depend only on (n, kv_len)).
+Attention reads a sequence's blocks gathered into one dense [Hkv, L, D] run (the reference path;
+positions past a sequence's length are masked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import _causal_flash, _sdpa
+
+
+@dataclass(frozen=True)
+class PagedSegment:
+    """One sequence's part of a packed row: its `length` new tokens sit at `offset` .. offset +
+    length - 1 of the row and go to positions `start` .. start + length - 1 of its blocks."""
+
+    blocks: tuple[int, ...]
+    start: int
+    length: int
+    offset: int
+
+
+@dataclass
+class PagedPackedStep:
+    segments: list[PagedSegment]
+
+    @classmethod
+    def pack(cls, parts: list[tuple[list[int], int, int]]) -> "PagedPackedStep":
+        """`parts`: (block ids, start, length) per sequence, in row order."""
+        segments, offset = [], 0
+        for blocks, start, length in parts:
+            segments.append(PagedSegment(tuple(blocks), start, length, offset))
+            offset += length
+        return cls(segments)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[1, T]: each token's position in its own sequence."""
+        return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in self.segments])[None]
+
+    def ends(self, device: torch.device) -> torch.Tensor:
+        """[segments]: the row index of each segment's last token."""
+        return torch.tensor([s.offset + s.length - 1 for s in self.segments], device=device)
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch, self.null = num_blocks, num_blocks + 1
+        shape = (num_blocks + 2, num_kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def scrub(self, blocks: list[int]) -> None:
+        """Zero these blocks' keys and values (a sequence whose numbers went non-finite wrote them):
+        attention reads a block's unwritten positions under a False mask, and 0 * NaN is NaN."""
+        if not blocks:
+            return
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.k[0].device)
+        for kc, vc in zip(self.k, self.v):
+            kc.index_fill_(0, idx, 0)
+            vc.index_fill_(0, idx, 0)
+
+    def table_tensor(self, tables: list[list[int]], width: int, device: torch.device | None = None) -> torch.Tensor:
+        """[len(tables), width] int64: each table's blocks, padded with the null block."""
+        out = torch.full((len(tables), width), self.null, dtype=torch.long)
+        for i, t in enumerate(tables):
+            out[i, :len(t)] = torch.tensor(t[:width], dtype=torch.long)
+        return out if device is None else out.to(device, non_blocking=True)
+
+    def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, Hkv, length, D] of positions 0 .. length - 1 of each table row ([B, >= blocks])."""
+        nb = -(-length // self.block_size)
+        kc, vc = self.k[layer], self.v[layer]
+        b, (_, hkv, bs, d) = table.shape[0], kc.shape
+        idx = table[:, :nb]
+        keys = kc[idx].transpose(1, 2).reshape(b, hkv, nb * bs, d)[:, :, :length]
+        values = vc[idx].transpose(1, 2).reshape(b, hkv, nb * bs, d)[:, :, :length]
+        return keys, values
+
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k / v [..., Hkv, D] at (blocks, offsets) (same leading shape); writes aimed at the
+        null block (a table's padding) go to the scratch block."""
+        blocks = torch.where(blocks == self.null, self.scratch, blocks)
+        self.k[layer][blocks, :, offsets] = k
+        self.v[layer][blocks, :, offsets] = v
+
+    def packed(self, step: PagedPackedStep) -> "_PagedPacked":
+        return _PagedPacked(self, step)
+
+    def prefill_view(self, tables: torch.Tensor, new_tokens: int) -> "_PagedPrefill":
+        """Whole prompts from position 0: row b's S tokens go to positions 0 .. S-1 of table row b
+        ([B, M] int64, padded with the null block). Shapes depend only on (B, S)."""
+        return _PagedPrefill(self, tables, new_tokens)
+
+    def decode_view(self, n: int, kv_len: int, tables: torch.Tensor, start: torch.Tensor) -> "_PagedDecode":
+        """One new token for each of n sequences: tables [n, M] (each sequence's blocks), start [n]
+        its position; it attends to positions 0 .. start. Shapes depend only on (n, kv_len)."""
+        return _PagedDecode(self, n, kv_len, tables, start)
+
+
+class _PagedPacked:
+    def __init__(self, cache: PagedKVCache, step: PagedPackedStep) -> None:
+        self.cache, self.step = cache, step
+        dev, bs = cache.k[0].device, cache.block_size
+        self.where = []
+        self.tables = []
+        for sg in step.segments:
+            pos = torch.arange(sg.start, sg.start + sg.length)
+            table = torch.tensor(sg.blocks, dtype=torch.long)
+            self.where.append((table[pos // bs].to(dev), (pos % bs).to(dev)))
+            self.tables.append(table[None].to(dev))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [1, Hq, T, D], k / v [1, Hkv, T, D]: segment by segment, its keys into its blocks, then its
+        queries over its positions 0 .. start + length - 1."""
+        outs = []
+        for sg, (blocks, offsets), table in zip(self.step.segments, self.where, self.tables):
+            rows = slice(sg.offset, sg.offset + sg.length)
+            self.cache.write(layer, blocks, offsets, k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1))
+            keys, values = self.cache.gather(layer, table, sg.start + sg.length)
+            outs.append(_causal_flash(q[:, :, rows], keys, values, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+class _PagedPrefill:
+    def __init__(self, cache: PagedKVCache, tables: torch.Tensor, s: int) -> None:
+        self.cache = cache
+        pos = torch.arange(s, device=tables.device)
+        bs = cache.block_size
+        width = tables.shape[1]
+        col = (pos // bs).clamp_max(width - 1)
+        inside = (pos // bs) < width
+        blocks = tables[:, col]                                                           # [B, S]
+        self.blocks = torch.where(inside[None], blocks, torch.full_like(blocks, cache.null))
+        self.offsets = (pos % bs)[None].expand_as(self.blocks)
+        causal = pos[None, :] <= pos[:, None]                                             # [S, S]
+        self.mask = causal[None, None].expand(tables.shape[0], 1, s, s)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        self.cache.write(layer, self.blocks, self.offsets, k.transpose(1, 2), v.transpose(1, 2))
+        return _sdpa(q, k, v, self.mask, scale)
+
+
+class _PagedDecode:
+    def __init__(self, cache: PagedKVCache, n: int, kv_len: int, tables: torch.Tensor, start: torch.Tensor) -> None:
+        bs = cache.block_size
+        self.cache, self.kv_len, self.tables = cache, kv_len, tables[:n]
+        rows = torch.arange(n, device=start.device)
+        col = (start // bs).clamp_max(tables.shape[1] - 1)
+        self.blocks, self.offsets = self.tables[rows, col], start % bs
+        k_pos = torch.arange(kv_len, device=start.device)
+        self.mask = (k_pos[None, :] <= start[:, None])[:, None, None, :]               # [n, 1, 1, L]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        self.cache.write(layer, self.blocks, self.offsets, k[:, :, 0], v[:, :, 0])
+        keys, values = self.cache.gather(layer, self.tables, self.kv_len)
+        return _sdpa(q, keys, values, self.mask, scale)
