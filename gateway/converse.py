@@ -297,6 +297,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
                     text_finish, audio_finish = ev.text_finish or 0, ev.audio_finish or 0
                     usage.prompt_tokens, usage.completion_tokens = ev.prompt_tokens, ev.completion_tokens
                     usage.audio_frames, usage.audio_samples = ev.frames, ev.samples
+                    usage.cached_prompt_tokens = ev.cached_tokens
                 elif ev is _END:
                     break
                 elif ev is _CANCEL:

@@ -139,7 +139,8 @@ class Reply:
         completion = done.completion_tokens + audio_tokens
         return {"prompt_tokens": done.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": done.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": self.prompt_audio_tokens},
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens,
+                                          "audio_tokens": self.prompt_audio_tokens},
                 "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": audio_tokens,
                                               "text_tokens": done.completion_tokens,
                                               "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}}

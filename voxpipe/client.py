@@ -140,6 +140,7 @@ class DoneEvent:
     frames: int                    # codec frames the talker made (its own report)
     samples: int
     routes: dict[str, str] = field(default_factory=dict)   # stage -> the replica that served it
+    cached_tokens: int = 0         # of prompt_tokens, those the thinker's prefix cache held (prefill skipped)
 
 
 class PipelineError(RuntimeError):
@@ -236,7 +237,7 @@ class PipelineClient:
         calls: list = []        # what to cancel when the iteration ends
         tasks: list[asyncio.Task] = []
         done = {"text": None, "audio": None}
-        usage = {"prompt": 0, "completion": 0, "frames": 0, "samples": 0}
+        usage = {"prompt": 0, "completion": 0, "frames": 0, "samples": 0, "cached": 0}
         routes: dict[str, str] = {}
 
         def client_span(stage: str, method: str) -> tuple[trace.Span, tuple[tuple[str, str], ...]]:
@@ -307,6 +308,7 @@ class PipelineClient:
                     await events.put(StageEvent(resp.first_output.stage, "first_output"))
                 elif kind == "finished":
                     usage["prompt"], usage["completion"] = resp.finished.prompt_tokens, resp.finished.completion_tokens
+                    usage["cached"] = resp.finished.cached_tokens
                     done["text"] = resp.finished.reason
                 elif kind == "talker_finished":
                     done["audio"] = resp.talker_finished.reason
@@ -363,7 +365,7 @@ class PipelineClient:
                     continue
                 yield ev
             yield DoneEvent(done["text"], done["audio"], usage["prompt"], usage["completion"], usage["frames"],
-                            usage["samples"], dict(routes))
+                            usage["samples"], dict(routes), usage["cached"])
         finally:
             for call in calls:
                 if isinstance(call, BalancedStream):

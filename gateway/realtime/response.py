@@ -80,7 +80,7 @@ class ResponseRun:
         self.status, self.status_details = "in_progress", None
         self.usage: dict[str, int] | None = None
         self.prompt: RenderedPrompt | None = None
-        self.text_tokens = self.frames = 0
+        self.text_tokens = self.frames = self.cached_tokens = 0
         self.audio_finish: int | None = None    # the talker's finish reason (STOP: it ended the speech itself)
         self.produced_samples = self.sent_samples = 0
         self.cancel_reason: CancelReason | None = None
@@ -182,6 +182,7 @@ class ResponseRun:
                     elif isinstance(ev, DoneEvent):
                         finish = ev.text_finish
                         self.frames = ev.frames     # the talker's own count
+                        self.cached_tokens = ev.cached_tokens
                         self.audio_finish = ev.audio_finish
         except PipelineError as e:
             return self._failed(from_pipeline_error(e))
@@ -258,5 +259,5 @@ class ResponseRun:
         out = self.text_tokens + self.frames
         return {"total_tokens": len(ids) + out, "input_tokens": len(ids), "output_tokens": out,
                 "input_token_details": {"text_tokens": len(ids) - audio_in, "audio_tokens": audio_in,
-                                        "cached_tokens": 0},
+                                        "cached_tokens": self.cached_tokens},
                 "output_token_details": {"text_tokens": self.text_tokens, "audio_tokens": self.frames}}

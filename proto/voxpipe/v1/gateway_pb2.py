@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from voxpipe.v1 import stages_pb2 as voxpipe_dot_v1_dot_stages__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18voxpipe/v1/gateway.proto\x12\nvoxpipe.v1\x1a\x17voxpipe/v1/stages.proto\"/\n\nPcm16Audio\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\"N\n\nAudioInput\x12\'\n\x05pcm16\x18\x01 \x01(\x0b\x32\x16.voxpipe.v1.Pcm16AudioH\x00\x12\r\n\x03wav\x18\x02 \x01(\x0cH\x00\x42\x08\n\x06\x66ormat\"\xa3\x03\n\rConverseStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cinstructions\x18\x02 \x01(\t\x12%\n\x05\x61udio\x18\x03 \x03(\x0b\x32\x16.voxpipe.v1.AudioInput\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05voice\x18\x05 \x01(\t\x12/\n\x11output_modalities\x18\x06 \x03(\x0e\x32\x14.voxpipe.v1.Modality\x12&\n\x08sampling\x18\x07 \x01(\x0b\x32\x14.voxpipe.v1.Sampling\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x12\n\nmax_frames\x18\n \x01(\r\x12\x12\n\nmin_frames\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x31\n\x0e\x61udio_encoding\x18\r \x01(\x0e\x32\x19.voxpipe.v1.AudioEncoding\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\"k\n\x0f\x43onverseRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.voxpipe.v1.ConverseStartH\x00\x12$\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x12.voxpipe.v1.CancelH\x00\x42\x06\n\x04kind\"h\n\nTextOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.voxpipe.v1.TokenLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x61udio_frames\x18\x03 \x01(\r\x12\x15\n\raudio_samples\x18\x04 \x01(\x04\"\xa3\x01\n\x0c\x43onverseDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0btext_finish\x18\x02 \x01(\x0e\x32\x18.voxpipe.v1.FinishReason\x12.\n\x0c\x61udio_finish\x18\x03 \x01(\x0e\x32\x18.voxpipe.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.voxpipe.v1.Usage\"=\n\rConverseError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\"\xc1\x01\n\x10\x43onverseResponse\x12&\n\x04text\x18\x01 \x01(\x0b\x32\x16.voxpipe.v1.TextOutputH\x00\x12\'\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x16.voxpipe.v1.AudioChunkH\x00\x12(\n\x04\x64one\x18\x03 \x01(\x0b\x32\x18.voxpipe.v1.ConverseDoneH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.voxpipe.v1.ConverseErrorH\x00\x42\x06\n\x04kind*K\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_AUDIO\x10\x02\x32T\n\x07Gateway\x12I\n\x08\x43onverse\x12\x1b.voxpipe.v1.ConverseRequest\x1a\x1c.voxpipe.v1.ConverseResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18voxpipe/v1/gateway.proto\x12\nvoxpipe.v1\x1a\x17voxpipe/v1/stages.proto\"/\n\nPcm16Audio\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\"N\n\nAudioInput\x12\'\n\x05pcm16\x18\x01 \x01(\x0b\x32\x16.voxpipe.v1.Pcm16AudioH\x00\x12\r\n\x03wav\x18\x02 \x01(\x0cH\x00\x42\x08\n\x06\x66ormat\"\xa3\x03\n\rConverseStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cinstructions\x18\x02 \x01(\t\x12%\n\x05\x61udio\x18\x03 \x03(\x0b\x32\x16.voxpipe.v1.AudioInput\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05voice\x18\x05 \x01(\t\x12/\n\x11output_modalities\x18\x06 \x03(\x0e\x32\x14.voxpipe.v1.Modality\x12&\n\x08sampling\x18\x07 \x01(\x0b\x32\x14.voxpipe.v1.Sampling\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x12\n\nmax_frames\x18\n \x01(\r\x12\x12\n\nmin_frames\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x31\n\x0e\x61udio_encoding\x18\r \x01(\x0e\x32\x19.voxpipe.v1.AudioEncoding\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\"k\n\x0f\x43onverseRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.voxpipe.v1.ConverseStartH\x00\x12$\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x12.voxpipe.v1.CancelH\x00\x42\x06\n\x04kind\"h\n\nTextOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.voxpipe.v1.TokenLogprob\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x61udio_frames\x18\x03 \x01(\r\x12\x15\n\raudio_samples\x18\x04 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\"\xa3\x01\n\x0c\x43onverseDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0btext_finish\x18\x02 \x01(\x0e\x32\x18.voxpipe.v1.FinishReason\x12.\n\x0c\x61udio_finish\x18\x03 \x01(\x0e\x32\x18.voxpipe.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.voxpipe.v1.Usage\"=\n\rConverseError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\"\xc1\x01\n\x10\x43onverseResponse\x12&\n\x04text\x18\x01 \x01(\x0b\x32\x16.voxpipe.v1.TextOutputH\x00\x12\'\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x16.voxpipe.v1.AudioChunkH\x00\x12(\n\x04\x64one\x18\x03 \x01(\x0b\x32\x18.voxpipe.v1.ConverseDoneH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.voxpipe.v1.ConverseErrorH\x00\x42\x06\n\x04kind*K\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_AUDIO\x10\x02\x32T\n\x07Gateway\x12I\n\x08\x43onverse\x12\x1b.voxpipe.v1.ConverseRequest\x1a\x1c.voxpipe.v1.ConverseResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'voxpipe.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=1360
-  _globals['_MODALITY']._serialized_end=1435
+  _globals['_MODALITY']._serialized_start=1391
+  _globals['_MODALITY']._serialized_end=1466
   _globals['_PCM16AUDIO']._serialized_start=65
   _globals['_PCM16AUDIO']._serialized_end=112
   _globals['_AUDIOINPUT']._serialized_start=114
@@ -44,14 +44,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONVERSEREQUEST']._serialized_end=723
   _globals['_TEXTOUTPUT']._serialized_start=725
   _globals['_TEXTOUTPUT']._serialized_end=829
-  _globals['_USAGE']._serialized_start=831
-  _globals['_USAGE']._serialized_end=933
-  _globals['_CONVERSEDONE']._serialized_start=936
-  _globals['_CONVERSEDONE']._serialized_end=1099
-  _globals['_CONVERSEERROR']._serialized_start=1101
-  _globals['_CONVERSEERROR']._serialized_end=1162
-  _globals['_CONVERSERESPONSE']._serialized_start=1165
-  _globals['_CONVERSERESPONSE']._serialized_end=1358
-  _globals['_GATEWAY']._serialized_start=1437
-  _globals['_GATEWAY']._serialized_end=1521
+  _globals['_USAGE']._serialized_start=832
+  _globals['_USAGE']._serialized_end=964
+  _globals['_CONVERSEDONE']._serialized_start=967
+  _globals['_CONVERSEDONE']._serialized_end=1130
+  _globals['_CONVERSEERROR']._serialized_start=1132
+  _globals['_CONVERSEERROR']._serialized_end=1193
+  _globals['_CONVERSERESPONSE']._serialized_start=1196
+  _globals['_CONVERSERESPONSE']._serialized_end=1389
+  _globals['_GATEWAY']._serialized_start=1468
+  _globals['_GATEWAY']._serialized_end=1552
 # @@protoc_insertion_point(module_scope)

@@ -90,16 +90,18 @@ class TextOutput(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_stages_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "audio_frames", "audio_samples")
+    __slots__ = ("prompt_tokens", "completion_tokens", "audio_frames", "audio_samples", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FRAMES_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     audio_frames: int
     audio_samples: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., audio_frames: _Optional[int] = ..., audio_samples: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., audio_frames: _Optional[int] = ..., audio_samples: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ConverseDone(_message.Message):
     __slots__ = ("request_id", "text_finish", "audio_finish", "usage")
