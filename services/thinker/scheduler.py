@@ -111,7 +111,7 @@ class ThinkerScheduler:
                 break
             if not reserve(r):
                 break
-            if r.prefilled:     # a cached prefix: the rest is prefilled as a chunk over the cached part
+            if r.prefilled or r.generated:   # a cached prefix, or resumed after a preemption: chunked
                 plan.admitted.append(r)
                 free -= 1
                 in_prefill += 1

@@ -1,0 +1,331 @@
+"""Paged KV and the prefix cache: the block pool's bookkeeping, the paged attention views against
+dense attention, and the thinker engine (tiny checkpoint, float32, CPU) on conversations whose
+turns hit, partly hit and miss the cache, after eviction and under preemption: every output equals
+the same request with the prefix cache off and transformers' greedy generate."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from voxpipe.cli import build_parser
+from voxpipe.services.runtime import metrics
+from voxpipe.services.runtime.block_pool import BlockPool, ContentSpan, KVBlockManager, prefix_hashes
+from voxpipe.services.runtime.engine import Outbox
+from voxpipe.services.runtime.kv_cache import _causal_sdpa, _sdpa
+from voxpipe.services.runtime.outputs import Finished, TextOut
+from voxpipe.services.runtime.paged_kv import PagedKVCache, PagedPackedStep
+from voxpipe.services.runtime.tensors import to_proto
+from voxpipe.services.thinker.job import ThinkerJob
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
+from voxpipe.services.thinker.runner import audio_spans
+from oracle import num_audio_tokens, reference_generate
+
+BS = 16
+
+
+# ---------------------------------------------------------------------------------------------- block pool
+
+
+def test_prefix_hashes_chain_tokens_and_content():
+    a = prefix_hashes(list(range(40)), BS)
+    assert len(a) == 2                                          # the trailing 8 tokens make no full block
+    assert prefix_hashes(list(range(32)), BS) == a               # a block's hash covers only its prefix
+    b = prefix_hashes([99] + list(range(1, 40)), BS)
+    assert b[0] != a[0] and b[1] != a[1]                         # a change in block 0 changes every later hash
+    # placeholders: the same ids, other content -> other hashes from the block holding the content on
+    spans1, spans2 = [ContentSpan(20, 36, b"clip-one")], [ContentSpan(20, 36, b"clip-two")]
+    h1, h2 = prefix_hashes(list(range(40)), BS, spans1), prefix_hashes(list(range(40)), BS, spans2)
+    assert h1[0] == h2[0] == a[0] and h1[1] != h2[1] and h1[1] != a[1]
+    assert prefix_hashes(list(range(40)), BS, spans1) == h1      # content hashes are stable
+
+
+def test_block_pool_reuses_unpublished_blocks_first_and_evicts_the_least_recently_used():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2), pool.allocate(2)
+    assert pool.free == 0 and sorted(a + b) == [0, 1, 2, 3]
+    pool.publish(a[0], b"ha")
+    pool.publish(b[0], b"hb")
+    pool.release(a)          # a[0] published (findable), a[1] plain
+    pool.release(b)
+    assert pool.free == 4 and pool.lookup([b"ha"]) == [a[0]] and pool.lookup([b"hb"]) == [b[0]]
+    taken = pool.allocate(2)          # the two plain blocks first: both hashes survive
+    assert sorted(taken) == sorted([a[1], b[1]]) and pool.cached == 2
+    pool.take(pool.lookup([b"hb"]))   # hb used again: ha is now the least recently used
+    pool.release([b[0]])
+    assert pool.allocate(1) == [a[0]] and pool.lookup([b"ha"]) == [] and pool.lookup([b"hb"]) == [b[0]]
+    with pytest.raises(ValueError):
+        pool.allocate(2)
+
+
+def test_block_manager_hit_partial_hit_miss_and_the_last_block_rule():
+    m = KVBlockManager(num_blocks=32, block_size=BS)
+    prompt = list(range(50))                    # 3 full blocks + 2
+    t1 = m.admit(prompt, reserve=1)
+    assert t1.cached_tokens == 0 and len(t1.blocks) == 4
+    m.publish(t1, prompt, 50)
+    assert t1.published == 3
+    # the same prompt: its 3 full blocks are cached
+    t2 = m.admit(prompt, reserve=1)
+    assert t2.cached_tokens == 48 and t2.blocks[:3] == t1.blocks[:3] and t2.blocks[3] != t1.blocks[3]
+    # exactly 48 tokens: the last block is recomputed (its logits), never written shared
+    t3 = m.admit(prompt[:48], reserve=1)
+    assert t3.cached_tokens == 32
+    # a partial hit: the first 2 blocks shared, then it differs
+    other = prompt[:40] + [7] * 30
+    t4 = m.admit(other, reserve=1)
+    assert t4.cached_tokens == 32
+    assert m.admit([5] + prompt[1:], reserve=1).cached_tokens == 0           # a miss
+    assert m.stats.hit_tokens == 48 + 32 + 32
+    # max_cached caps the hit (a talker prompt's audio rows need their hidden layer)
+    assert m.admit(prompt, reserve=1, max_cached=20).cached_tokens == 16
+
+
+def test_block_manager_refuses_what_does_not_fit_and_untrusted_blocks_are_never_found():
+    m = KVBlockManager(num_blocks=4, block_size=BS)
+    t = m.admit(list(range(40)), reserve=1)            # 3 blocks
+    assert m.admit(list(range(100, 140)), reserve=1) is None and m.pool.free == 1   # nothing taken
+    assert m.grow(t, 48) and len(t.blocks) == 3 and m.grow(t, 49) and not m.grow(t, 80) and len(t.blocks) == 4
+    m.publish(t, list(range(48)), 48)
+    m.release(t, trusted=False)                         # its numbers went non-finite
+    assert m.pool.cached == 0 and m.pool.free == 4
+    assert m.admit(list(range(48)), reserve=1).cached_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------------- paged views
+
+
+def _filled_cache(lengths, hkv=2, d=8, blocks=32):
+    """A paged cache holding random keys / values for sequences of `lengths` (blocks handed out
+    shuffled), and the same as dense [Hkv, L, D] tensors."""
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(2, blocks, BS, hkv, d, torch.float32, "cpu")
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables, dense = [], []
+    for n in lengths:
+        nb = -(-n // BS)
+        table, order = order[:nb], order[nb:]
+        k, v = torch.randn(2, hkv, n, d, generator=g), torch.randn(2, hkv, n, d, generator=g)
+        pos = torch.arange(n)
+        for layer in range(2):
+            cache.write(layer, torch.tensor(table)[pos // BS], pos % BS, k[layer].transpose(0, 1), v[layer].transpose(0, 1))
+        tables.append(table)
+        dense.append((k, v))
+    return cache, tables, dense
+
+
+def test_paged_decode_and_packed_views_equal_dense_attention():
+    hq, hkv, d = 4, 2, 8
+    lengths = [5, 37, 16]
+    cache, tables, dense = _filled_cache(lengths, hkv, d)
+    g = torch.Generator().manual_seed(1)
+    # decode: one new token per sequence at position len
+    q, k, v = (torch.randn(3, h, 1, d, generator=g) for h in (hq, hkv, hkv))
+    start = torch.tensor(lengths)
+    unused = sorted(set(range(32)) - {b for t in tables for b in t})
+    for t, n in zip(tables, lengths):
+        while len(t) * BS < n + 1:
+            t.append(unused.pop())
+    kv_len = max(lengths) + 1
+    view = cache.decode_view(3, kv_len, cache.table_tensor(tables, 8), start)
+    out = view.attend(0, q, k, v, 0.5)
+    for b, n in enumerate(lengths):
+        keys = torch.cat((dense[b][0][0], k[b]), dim=1)[None]
+        values = torch.cat((dense[b][1][0], v[b]), dim=1)[None]
+        want = _sdpa(q[b:b + 1], keys, values, None, 0.5)
+        assert torch.allclose(out[b:b + 1], want, atol=1e-6)
+    # packed: 4 new tokens after sequence 1's 37 cached ones, then 3 from position 0 of a new sequence
+    cache2, tables2, dense2 = _filled_cache([37], hkv, d)
+    unused = sorted(set(range(32)) - set(tables2[0]))
+    tables2[0].append(unused.pop())
+    fresh = [unused.pop()]
+    step = PagedPackedStep.pack([(tables2[0], 37, 4), (fresh, 0, 3)])
+    q, k, v = (torch.randn(1, h, 7, d, generator=g) for h in (hq, hkv, hkv))
+    out = cache2.packed(step).attend(0, q, k, v, 0.5)
+    keys = torch.cat((dense2[0][0][0], k[0, :, :4]), dim=1)[None]
+    values = torch.cat((dense2[0][1][0], v[0, :, :4]), dim=1)[None]
+    assert torch.allclose(out[:, :, :4], _causal_sdpa(q[:, :, :4], keys, values, 0.5), atol=1e-6)
+    assert torch.allclose(out[:, :, 4:], _causal_sdpa(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], 0.5), atol=1e-6)
+    # the null block stays zero whatever a padding row writes, and scratch takes the writes
+    cache2.write(0, torch.tensor([cache2.null]), torch.tensor([0]), torch.ones(1, hkv, d), torch.ones(1, hkv, d))
+    assert not cache2.k[0][cache2.null].any() and cache2.k[0][cache2.scratch, :, 0].eq(1).all()
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+
+def _engine(model_dir, *flags: str):
+    from voxpipe.services.thinker import server as thinker_server
+
+    ns = build_parser().parse_args(["thinker", "--model", str(model_dir), "--device", "cpu", "--max-batch", "4", *flags])
+    return thinker_server.build(ns)[0].engine
+
+
+@pytest.fixture(scope="module")
+def cached(tiny_model_dir):
+    return _engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_model_dir):
+    return _engine(tiny_model_dir, "--no-prefix-cache")
+
+
+def _job(engine, rid: str, messages: list[ChatMessage], max_tokens: int = 6, talker_rows: bool = True):
+    rendered = render(engine.tokenizer, engine.cfg, messages)
+    return ThinkerJob(request_id=rid, outbox=Outbox(asyncio.get_event_loop(), limit=10_000), prompt=rendered.token_ids,
+                      audio=list(rendered.audio_features), max_tokens=max_tokens, min_tokens=max_tokens,
+                      talker_rows=talker_rows)
+
+
+def _run(engine, jobs) -> None:
+    for j in jobs:
+        engine.submit(j)
+    while engine.has_work():
+        engine.step()
+
+
+def _output(job) -> tuple[list[int], list[bytes], Finished]:
+    """The job's token ids, its talker rows (bytes) and its Finished."""
+    asyncio.get_event_loop().run_until_complete(asyncio.sleep(0))
+    items = []
+    while (got := job.outbox.poll_timed()) is not None:
+        items.append(got[0])
+    assert isinstance(items[-1], Finished), items[-1]
+    outs = [i for i in items if isinstance(i, TextOut)]
+    return [t for o in outs for t in o.token_ids], [to_proto(o.rows).data for o in outs if o.rows is not None], items[-1]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    loop.close()
+
+
+def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache_and_transformers(
+        cached, uncached, tiny_model_dir, loop):
+    system = ChatMessage.text("system", "You are a lighthouse keeper who answers in long careful sentences.")
+    turn1 = [system, ChatMessage.text("user", "Tell me about the sea at night, and the ships that pass.")]
+    hits = []
+
+    def both(rid, messages):
+        a, b = _job(cached, rid, messages), _job(uncached, rid, messages)
+        _run(cached, [a])
+        _run(uncached, [b])
+        got, want = _output(a), _output(b)
+        assert got[:2] == want[:2], rid
+        hits.append(got[2].cached_tokens)
+        return a.prompt, got[0]
+
+    prompt1, reply1 = both("turn1", turn1)
+    assert hits[-1] == 0                                          # a miss: nothing cached yet
+    text1 = cached.tokenizer.decode(reply1[:-1] if reply1[-1] == cached.eos_ids[0] else reply1)
+    turn2 = turn1 + [ChatMessage.text("assistant", text1), ChatMessage.text("user", "And in a storm?")]
+    prompt2, reply2 = both("turn2", turn2)
+    # a partial hit: turn 1's prompt blocks (its reply's blocks too where the tokens agree)
+    assert BS <= hits[-1] < len(prompt2) and hits[-1] % BS == 0 and hits[-1] >= (len(prompt1) // BS) * BS
+    both("turn2-again", turn2)
+    assert hits[-1] == ((len(prompt2) - 1) // BS) * BS              # a hit: all but the last block
+    both("other", [ChatMessage.text("system", "Another persona."), ChatMessage.text("user", "Hi!")])
+    assert hits[-1] == 0                                          # a miss
+    for prompt, reply in ((prompt1, reply1), (prompt2, reply2)):
+        ref = reference_generate(tiny_model_dir, prompt, max_tokens=6, min_tokens=6, max_frames=2, min_frames=2)
+        assert reply == ref.text_ids
+    get = metrics.REGISTRY.get_sample_value
+    assert get("voxpipe_prefix_cache_tokens_total", {"stage": "thinker", "kind": "hit"}) >= sum(hits)
+
+
+def test_eviction_under_a_small_pool_keeps_outputs(tiny_model_dir, uncached, loop):
+    engine = _engine(tiny_model_dir, "--kv-cache-tokens", "128", "--max-len", "96")   # 8 blocks
+    prompts = [[ChatMessage.text("user", f"Question number {i}: what is the colour of the sky at {i} o'clock?")]
+               for i in range(4)]
+    first = _job(engine, "first", prompts[0])
+    _run(engine, [first])
+    assert engine.runner.blocks.pool.cached > 0
+    for i, p in enumerate(prompts[1:]):       # each takes blocks the earlier ones published
+        _run(engine, [_job(engine, f"p{i}", p)])
+    again = _job(engine, "again", prompts[0])
+    _run(engine, [again])
+    ref = _job(uncached, "ref", prompts[0])
+    _run(uncached, [ref])
+    got, want = _output(again), _output(ref)
+    assert got[:2] == want[:2]
+    assert got[2].cached_tokens < ((len(again.prompt) - 1) // BS) * BS      # evicted, at least partly
+    assert engine.runner.blocks.pool.used == 0
+
+
+def test_preemption_under_a_pool_too_small_for_the_batch_keeps_outputs(tiny_model_dir, uncached, loop):
+    engine = _engine(tiny_model_dir, "--kv-cache-tokens", "96", "--max-len", "96")    # 6 blocks for 3 sequences
+    prompts = [[ChatMessage.text("user", t)] for t in ("Count to twenty.", "Name the planets.", "Sing a song.")]
+    before = metrics.REGISTRY.get_sample_value("voxpipe_preemptions_total", {"stage": "thinker"}) or 0
+    jobs = [_job(engine, f"j{i}", p, max_tokens=40, talker_rows=False) for i, p in enumerate(prompts)]
+    _run(engine, jobs)
+    after = metrics.REGISTRY.get_sample_value("voxpipe_preemptions_total", {"stage": "thinker"})
+    assert after > before, "the pool should have run out during decode"
+    for i, (job, p) in enumerate(zip(jobs, prompts)):
+        ref = _job(uncached, f"solo{i}", p, max_tokens=40, talker_rows=False)
+        _run(uncached, [ref])
+        assert _output(job)[0] == _output(ref)[0]
+    assert engine.runner.blocks.pool.used == 0
+
+
+def _clip(engine, seed: int, frames: int = 120) -> torch.Tensor:
+    return torch.randn(engine.cfg.audio.num_mel_bins, frames, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+def test_audio_turns_hit_by_content_and_a_talker_prompt_keeps_its_audio_rows(cached, uncached, tiny_model_dir, loop):
+    clip, other = _clip(cached, 1), _clip(cached, 2)
+    system = ChatMessage.text("system", "You listen to recordings and describe them in detail, one by one.")
+
+    def turn(c, rid, talker_rows):
+        msgs = [system, ChatMessage("user", [ChatPart(features=c), ChatPart(text="What is this sound?")])]
+        a, b = _job(cached, rid, msgs, talker_rows=talker_rows), _job(uncached, rid, msgs, talker_rows=talker_rows)
+        _run(cached, [a])
+        _run(uncached, [b])
+        got, want = _output(a), _output(b)
+        assert got[:2] == want[:2], rid
+        return a, got
+
+    job, _ = turn(clip, "clip", False)
+    first_audio = job.prompt.index(cached.cfg.tokens.audio_token)
+    again, got = turn(clip, "clip-again", False)
+    assert got[2].cached_tokens > first_audio + BS                 # the same clip: its blocks are found
+    _, got = turn(other, "other-clip", False)
+    assert got[2].cached_tokens <= first_audio                     # other content, same ids: a miss from there
+    # a talker prompt needs the audio rows' hidden layer: no cached prefix past the first placeholder
+    _, got = turn(clip, "clip-talker", True)
+    assert 0 < got[2].cached_tokens <= first_audio
+    ref = reference_generate(tiny_model_dir, again.prompt, input_features=clip, max_tokens=6, min_tokens=6,
+                             max_frames=2, min_frames=2)
+    assert _output_ids_of(cached, again.prompt, clip) == ref.text_ids
+    assert num_audio_tokens(clip.shape[1]) == again.prompt.count(cached.cfg.tokens.audio_token)
+
+
+def _output_ids_of(engine, prompt, clip) -> list[int]:
+    job = ThinkerJob(request_id="ids", outbox=Outbox(asyncio.get_event_loop(), limit=10_000), prompt=list(prompt),
+                     audio=[clip], max_tokens=6, min_tokens=6)
+    _run(engine, [job])
+    ids, _, done = _output(job)
+    assert done.cached_tokens > 0
+    return ids
+
+
+def test_a_poisoned_request_publishes_nothing(cached, loop):
+    huge = torch.full((cached.cfg.audio.num_mel_bins, 120), 3e38)
+    msgs = [ChatMessage.text("system", "A long system prompt that fills more than one block of tokens."),
+            ChatMessage("user", [ChatPart(features=huge), ChatPart(text="What is this?")])]
+    bad = _job(cached, "bad", msgs, talker_rows=False)
+    _run(cached, [bad])
+    asyncio.get_event_loop().run_until_complete(asyncio.sleep(0))
+    items = []
+    while (got := bad.outbox.poll_timed()) is not None:
+        items.append(got[0])
+    assert not isinstance(items[-1], Finished)
+    again = _job(cached, "bad-again", msgs, talker_rows=False)
+    table = cached.runner.blocks.admit(again.prompt, audio_spans(cached.cfg, again.prompt, again.audio), reserve=1)
+    assert table.cached_tokens == 0                 # the failed request's blocks were never published
+    cached.runner.blocks.release(table)
