@@ -31,7 +31,7 @@ IM_START, IM_END, USER, ASSISTANT = 388, 389, 268, 272
 AUDIO_PAD, IMAGE_PAD, VIDEO_PAD = 392, 393, 394
 NL = 198             # any ordinary token
 SERVER_MAX_MESSAGE = 64 * 1024 * 1024
-THINKER_CONTEXT, TALKER_CONTEXT = 4096, 8192
+THINKER_CONTEXT, TALKER_CONTEXT = 65536, 8192   # the thinker's: the tiny model's max_position_embeddings
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024),
                    ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -253,7 +253,8 @@ CASES = [
          r"min_tokens 5 > max_tokens 3"),
     Case("thinker", "prompt-too-long",
          lambda: [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 100)), max_tokens=200)],
-         rf"prompt of {THINKER_CONTEXT - 100} tokens \+ max_tokens 200 exceeds the context of {THINKER_CONTEXT}"),
+         rf"prompt of {THINKER_CONTEXT - 100} tokens \+ max_tokens 200 exceeds the context of {THINKER_CONTEXT}",
+         grpc.StatusCode.OUT_OF_RANGE),
     Case("thinker", "talker-rows-without-assistant-turn",
          lambda: [thinker_start(token_ids=pb.TokenIds(ids=[IM_START, USER, NL]), talker_rows=True, max_tokens=2)],
          r"talker_rows needs a prompt ending in an assistant turn"),
@@ -459,8 +460,10 @@ CASES += [
     Case("thinker", "assistant-text-empty", lambda: [thinker_start(assistant_text="")], r"assistant_text is empty"),
     Case("thinker", "assistant-text-too-long", lambda: [thinker_start(assistant_text="a" * 32769)],
          r"assistant_text has 32769 characters; the limit is 32768"),
-    Case("thinker", "assistant-text-over-the-context", lambda: [thinker_start(assistant_text="a" * 4089)],
-         r"prompt of 10 tokens \+ assistant_text of 4090 tokens \(<\|im_end\|> included\) exceeds the context of 4096"),
+    Case("thinker", "assistant-text-over-the-context",
+         lambda: [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 1)), assistant_text="Hi.")],
+         rf"prompt of {THINKER_CONTEXT - 1} tokens \+ assistant_text of \d+ tokens \(<\|im_end\|> included\) "
+         rf"exceeds the context of {THINKER_CONTEXT}", grpc.StatusCode.OUT_OF_RANGE),
     Case("thinker", "assistant-text-with-max-tokens", lambda: [thinker_start(assistant_text="Hi.", max_tokens=2)],
          r"assistant_text excludes max_tokens: the reply is given"),
     Case("thinker", "assistant-text-with-stop-and-logprobs",

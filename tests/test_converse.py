@@ -372,10 +372,10 @@ def test_converse_listens_on_the_host_only(converse_gateway):
 
 
 def test_a_stage_refusal_is_its_status_with_the_stage_named(channel):
-    # the thinker's context is 4096 tokens: a longer max_tokens is the thinker's INVALID_ARGUMENT
+    # the thinker's context is 65,536 tokens (the tiny model's): a longer max_tokens is its OUT_OF_RANGE
     with pytest.raises(grpc.RpcError) as err:
         converse(channel, start(text="hi", max_tokens=100000))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
     assert err.value.details().startswith("thinker: ") and "exceeds the context" in err.value.details()
 
 

@@ -76,34 +76,39 @@ def test_graphed_step_pads_and_buckets(n):
     assert torch.equal(out, x.sum(-1) + torch.arange(n))
 
 
-def test_padded_prefill_rows_write_only_the_scratch_slot(tiny_model_dir, monkeypatch):
-    """A graphed prefill of 3 prompts runs the 4-row bucket: the padding row writes the scratch KV row
-    and no sequence's slot, and the 3 prompts' logits and kept hidden layers (the talker's rows of
-    an audio prompt) equal one eager prefill each."""
+def test_padded_prefill_rows_write_only_the_scratch_block(tiny_model_dir, monkeypatch):
+    """A graphed prefill of 3 prompts runs the 4-row bucket: the padding row and the positions past
+    each prompt's blocks write the scratch block and no sequence's block (the null block stays zero),
+    and the 3 prompts' logits and kept hidden layers (the talker's rows of an audio prompt) equal one
+    eager prefill each."""
     pipe = _pipeline(tiny_model_dir, True, monkeypatch)
     try:
         eng = pipe.thinker.engine.runner     # its KV cache, graphs and step functions
-        class Owner:
-            slot = None
-        slots = [eng.cache.allocate(Owner()) for _ in range(3)]
-        before = eng.cache.k[0][3:eng.cache.scratch].clone()       # free slots 3.. must stay untouched
-        eng.cache.k[0][eng.cache.scratch].fill_(7.0)                # the padding row must overwrite this
-        gen = torch.Generator().manual_seed(0)
+        cache, bs = eng.cache, eng.blocks.block_size
         lens = (19, 7, 12)
+        tables = [eng.blocks.pool.allocate(-(-n // bs)) for n in lens]
+        used = {b for t in tables for b in t}
+        others = [b for b in range(cache.num_blocks) if b not in used]
+        before = cache.k[0][others].clone()                          # blocks nobody holds must stay untouched
+        cache.k[0][cache.scratch].fill_(7.0)                         # the padding must overwrite this
+        gen = torch.Generator().manual_seed(0)
         with torch.inference_mode():
             embeds = [eng.model.model.embed_tokens(torch.randint(0, eng.cfg.text.vocab_size, (n,), generator=gen))
                       for n in lens]
             x = torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True)
             last = torch.tensor([n - 1 for n in lens])
-            got, kept = eng.prefill_graphs(3, max(lens), x, last, torch.tensor(slots))
-            assert eng.prefill_graphs.static[2][3].item() == eng.cache.scratch
-            assert torch.equal(eng.cache.k[0][3:eng.cache.scratch], before)
-            assert not (eng.cache.k[0][eng.cache.scratch, :, :max(lens)] == 7.0).any()
+            got, kept = eng.prefill_graphs(3, max(lens), x, last, cache.table_tensor(tables, eng.prefill_width))
+            assert eng.prefill_graphs.static[2][3].eq(cache.null).all()
+            assert torch.equal(cache.k[0][others], before)
+            assert not cache.k[0][cache.null].any()
+            assert not (cache.k[0][cache.scratch, :, :max(lens) % bs] == 7.0).all()
             layer = eng.cfg.accept_hidden_layer
-            want = [eng._prefill_fn(1, n, e[None], torch.tensor([n - 1]), torch.tensor([s]), layer)
-                    for n, e, s in zip(lens, embeds, slots)]
+            want = [eng._prefill_fn(1, n, e[None], torch.tensor([n - 1]), cache.table_tensor([t], -(-n // bs)), layer)
+                    for n, e, t in zip(lens, embeds, tables)]
         assert torch.allclose(got, torch.cat([w[0] for w in want]), atol=1e-5, rtol=1e-5)
         for b, (n, w) in enumerate(zip(lens, want)):
             assert torch.allclose(kept[b, :n], w[1][0], atol=1e-5, rtol=1e-5)
+        for t in tables:
+            eng.blocks.pool.release(t)
     finally:
         pipe.close()

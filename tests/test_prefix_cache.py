@@ -329,3 +329,59 @@ def test_a_poisoned_request_publishes_nothing(cached, loop):
     table = cached.runner.blocks.admit(again.prompt, audio_spans(cached.cfg, again.prompt, again.audio), reserve=1)
     assert table.cached_tokens == 0                 # the failed request's blocks were never published
     cached.runner.blocks.release(table)
+
+
+# ---------------------------------------------------------------------------------------------- the clients
+
+
+LONG_SYSTEM = ("You are the keeper of a lighthouse on a rocky coast. You answer every question about the sea, "
+               "the weather and the ships with patience and in full sentences.")
+
+
+def test_cached_tokens_reach_the_openai_sdk_in_chat_and_realtime(client, model, gateway):
+    """The unmodified SDK: a repeated conversation's usage counts its cached prompt tokens (chat:
+    prompt_tokens_details.cached_tokens; realtime response.done: input_token_details.cached_tokens)."""
+    from openai import AsyncOpenAI
+
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "What is a lighthouse?"}]
+    first = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=3, temperature=0)
+    second = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=3, temperature=0)
+    prompt = second.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == ((prompt - 1) // BS) * BS > 0
+    assert first.usage.prompt_tokens_details.cached_tokens <= second.usage.prompt_tokens_details.cached_tokens
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+    async def turns() -> list:
+        sdk = AsyncOpenAI(api_key="unused", base_url=f"{gateway.base_url}/v1",
+                          websocket_base_url=f"ws://127.0.0.1:{gateway.port}/v1")
+        done = []
+        async with sdk.realtime.connect(model=model) as conn:
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                               "instructions": LONG_SYSTEM,
+                                               "audio": {"input": {"turn_detection": None}}})
+            for text in ("What is a lighthouse?", "And who keeps it?"):
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": text}]})
+                await conn.response.create(response={"max_output_tokens": 3})
+                async for ev in conn:
+                    assert ev.type != "error", ev
+                    if ev.type == "response.done":
+                        done.append(ev.response.usage)
+                        break
+        return done
+
+    usage = asyncio.run(turns())
+    # turn 2's prompt begins with turn 1's (instructions, first question, first answer)
+    assert usage[1].input_token_details.cached_tokens >= BS
+    assert usage[1].input_token_details.cached_tokens < usage[1].input_tokens
+
+
+def test_a_prompt_past_the_context_is_400_context_length_exceeded(client, model):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi."}],
+                                       max_completion_tokens=70_000)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert "max_tokens 70000 exceeds the context of 65536" in err["message"]
