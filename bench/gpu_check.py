@@ -15,7 +15,8 @@ import torch
 import voxpipe.kernels as kernels
 from voxpipe.services.runtime import layers
 from voxpipe.services.runtime.config import OmniConfig, released_config_path
-from voxpipe.services.runtime.kv_cache import PackedStep, SlotStep
+from voxpipe.services.runtime.kv_cache import SlotStep
+from voxpipe.services.runtime.paged_kv import PagedPackedStep
 from voxpipe.services.runtime.weights import load_module
 from voxpipe.services.talker.engine import TalkerEngine
 from voxpipe.services.talker.model import TalkerModel
@@ -192,52 +193,66 @@ def main() -> int:
     tok = ChatMLByteTokenizer(cfg.thinker, cfg.role_ids)
     th = ThinkerEngine(thinker, cfg.thinker, tok, device=dev, max_active=8, max_len=1024,
                        eos_ids=(cfg.thinker.tokens.im_end,), cuda_graphs=True).runner   # cache, graphs, step functions
-    for _ in range(4):
-        th.cache.allocate(Owner())
-    step_ids = torch.randint(1000, 100000, (4, 1), device=dev)
-    prefill_pair("thinker", th, thinker,
-                 [thinker.model.embed_tokens(torch.randint(1000, 100000, (n,), device=dev)) for n in (100, 33, 57)],
-                 lambda n, lens: th._decode_fn(n, 128, step_ids[:n], lens)[0])
-    lens = [100, 33]
-    for slot, n_len in enumerate(lens):
-        ids = torch.randint(1000, 100000, (1, n_len), device=dev)
-        step = SlotStep.build([slot], [0], n_len, dev)
-        thinker(thinker.model.embed_tokens(ids), torch.arange(n_len, device=dev)[None], th.cache.bind(step))
+    cache, blocks_for = th.cache, th.blocks.blocks_for
+
+    def tables(lens):
+        """Fresh blocks for sequences of `lens` positions and one more each (a decode step)."""
+        return [th.blocks.pool.allocate(blocks_for(n + 1)) for n in lens]
+
+    def paged_prefill(p: torch.Tensor, table: list[int]) -> torch.Tensor:
+        n = p.shape[0]
+        return th._prefill_fn(1, n, p[None], torch.tensor([n - 1], device=dev), cache.table_tensor([table], blocks_for(n),
+                                                                                                  dev))[0]
+
+    # batched prefill graph (3 prompts: a padding row on the scratch block) then an eager decode step,
+    # vs one eager prefill per prompt then the same decode step
+    plens = [100, 33, 57]
+    prompts = [thinker.model.embed_tokens(torch.randint(1000, 100000, (n,), device=dev)) for n in plens]
+    tabs = tables(plens)
+    lens_t = torch.tensor(plens, device=dev)
+    step_ids = torch.randint(1000, 100000, (3, 1), device=dev)
+    decode_tabs = cache.table_tensor(tabs, blocks_for(128), dev)
+    x = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
+    got = th.prefill_graphs(3, x.shape[1], x, lens_t - 1, cache.table_tensor(tabs, th.prefill_width, dev))[0]
+    got_dec = th._decode_fn(3, 128, step_ids, lens_t, decode_tabs)[0].clone()
+    want = torch.cat([paged_prefill(p, t) for p, t in zip(prompts, tabs)])
+    want_dec = th._decode_fn(3, 128, step_ids, lens_t, decode_tabs)[0]
+    results.append(compare("thinker: batched paged prefill graph vs one eager prefill each, logits", got, want))
+    results.append(compare("thinker: decode after the batched prefill vs after the eager ones", got_dec, want_dec))
+    # decode: graph (KV bucket 256, the graphs' table width) vs eager (128 positions), 2 sequences
     ids = torch.randint(1000, 100000, (2, 1), device=dev)
-    start = torch.tensor(lens, device=dev)
-    e = th._decode_fn(2, 128, ids, start)[0].clone()
-    (g,) = th.graphs(2, 101, ids, start)
-    results.append(compare("thinker decode: graph vs eager logits", g, e, exact=True))
+    start = lens_t[:2]
+    eager_tabs = cache.table_tensor(tabs[:2], blocks_for(128), dev)
+    e = th._decode_fn(2, 128, ids, start, eager_tabs)[0].clone()
+    (g,) = th.graphs(2, 101, ids, start, cache.table_tensor(tabs[:2], th.graphs.static[2].shape[1], dev))
+    results.append(compare("thinker decode: graph vs eager logits (paged)", g, e, exact=True))
     kernels.ENABLED = False
-    (plain,) = th._decode_fn(2, 128, ids, start)
+    (plain,) = th._decode_fn(2, 128, ids, start, eager_tabs)
     kernels.ENABLED = True
     results.append(compare("thinker decode: Triton kernels (norms, rope, routing, SwiGLU) vs PyTorch ops", e, plain))
     layers.NORM_LINEAR = True
-    nl = th._decode_fn(2, 128, ids, start)[0].clone()   # (a clone: outputs may share a buffer)
+    nl = th._decode_fn(2, 128, ids, start, eager_tabs)[0].clone()   # (a clone: outputs may share a buffer)
     layers.NORM_LINEAR = False
     results.append(compare("thinker decode: normlinear (q/k/v) vs the kernel path, logits", nl, e))
     kernels.ENABLED = False
     layers.GROUPED_MM = False
-    (lp,) = th._decode_fn(2, 128, ids, start)
+    (lp,) = th._decode_fn(2, 128, ids, start, eager_tabs)
     layers.GROUPED_MM = True
     kernels.ENABLED = True
     results.append(compare("thinker decode: grouped-GEMM MoE vs per-expert loop (kernels off)", plain, lp))
     moe_kernels_vs_torch("thinker", thinker.model.layers[0].mlp, thinker.cfg.text.hidden_size)
-    # long prompts: chunks packed into one row (flash attention over each slot's cached part) vs one
-    # eager prefill per prompt (masked SDPA); 700 + 300 tokens, then the 700-token prompt's last 200
-    for _ in range(2):
-        th.cache.allocate(Owner())
+    # long prompts: chunks packed into one row (flash attention over each one's gathered blocks) vs one
+    # eager prefill per prompt (masked SDPA); 700 + 300 tokens, then the 700-token prompt's last 200 --
+    # the second step is what a prompt with a cached prefix runs
     prompts = [thinker.model.embed_tokens(torch.randint(1000, 100000, (n,), device=dev)) for n in (700, 300)]
-    want = []
-    for slot, p in zip((4, 5), prompts):
-        step = SlotStep.build([slot], [0], p.shape[0], dev)
-        want.append(thinker(p[None], torch.arange(p.shape[0], device=dev)[None], th.cache.bind(step))[0])
-    first = PackedStep.pack([(4, 0, 500), (5, 0, 300)])
+    tabs = tables([700, 300])
+    want = [paged_prefill(p, t) for p, t in zip(prompts, tables([700, 300]))]
+    first = PagedPackedStep.pack([(tabs[0], 0, 500), (tabs[1], 0, 300)])
     x = torch.cat([prompts[0][:500], prompts[1]])[None]
-    got_short = thinker(x, first.positions(dev), th.cache.packed(first), last=first.ends(dev))[0][1:]
-    second = PackedStep.pack([(4, 500, 200)])
-    got_long = thinker(prompts[0][None, 500:], second.positions(dev), th.cache.packed(second), last=second.ends(dev))[0]
-    results.append(compare("thinker long prompts: packed chunks (flash) vs one eager prefill each, logits",
+    got_short = thinker(x, first.positions(dev), cache.packed(first), last=first.ends(dev))[0][1:]
+    second = PagedPackedStep.pack([(tabs[0], 500, 200)])
+    got_long = thinker(prompts[0][None, 500:], second.positions(dev), cache.packed(second), last=second.ends(dev))[0]
+    results.append(compare("thinker long prompts: packed chunks (flash, paged) vs one eager prefill each, logits",
                            torch.cat([got_long, got_short]), torch.cat(want)))
     del th, thinker
     torch.cuda.empty_cache()

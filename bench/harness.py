@@ -445,6 +445,22 @@ def _served_model(http_port: int) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
+def inprocess_memory_flags(layout, argv: list[str]) -> dict[str, list[str]]:
+    """The stages' memory flags in one process: the caching allocator's cap is per process (each stage
+    sets it as it is built, the thinker first: the talker and code2wav lift it to SHARED_GPU_MEMORY),
+    while the thinker sizes its KV pool from its own share of a GPU it shares with the others
+    (voxpipe.layout.memory_shares); none when a flag says otherwise."""
+    from voxpipe.layout import SHARED_GPU_MEMORY, memory_shares
+
+    if any(a.startswith(("--gpu-memory-fraction", "--kv-cache-tokens")) for a in argv):
+        return {}
+    shares = memory_shares(layout)
+    if "thinker" not in shares:
+        return {}
+    rest = [f"--gpu-memory-fraction={SHARED_GPU_MEMORY}"]
+    return {"thinker": [f"--gpu-memory-fraction={shares['thinker']}"], "talker": rest, "code2wav": rest}
+
+
 def run_inprocess(args, plan: Plan, makers: dict[str, RequestMaker], model: str) -> list[LevelResult]:
     from .inprocess import InProcessPipeline
 
@@ -453,7 +469,8 @@ def run_inprocess(args, plan: Plan, makers: dict[str, RequestMaker], model: str)
 
     async def go():
         print("inprocess: building the engines", flush=True)
-        pipe = InProcessPipeline.from_argv(argv, {s: ds[0] for s, ds in plan.layout.devices.items()})
+        devices = {s: ds[0] for s, ds in plan.layout.devices.items()}
+        pipe = InProcessPipeline.from_argv(argv, devices, stage_argv=inprocess_memory_flags(plan.layout, argv))
         out = []
         try:
             for wl in plan.workloads:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, parse_sm_shares, sm_share_env
+from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, memory_shares, parse_sm_shares, sm_share_env
 from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
 
 DEFAULT_HOME = Path(os.environ.get("VOXPIPE_HOME", Path.home() / ".cache" / "voxpipe"))
@@ -151,9 +151,13 @@ class LocalStack:
         return [f"--{nxt}={self.address(nxt)}"] if nxt else []
 
     def start(self, timeout: float = 300.0) -> None:
+        given = any(f.startswith("--gpu-memory-fraction") for f in self.extra)
+        shares = {} if given else memory_shares(self.layout)
         for name, stage, device in self.layout.processes():
             cmd = [sys.executable, "-m", "voxpipe.cli", *self.global_flags, stage, "--model", str(self.model),
                    "--host", self.host, "--port", str(self.ports[name]), "--device", device] + self.extra
+            if name in shares:      # a GPU shared with other stages: the thinker's KV pool is sized from it
+                cmd.append(f"--gpu-memory-fraction={shares[name]}")
             if self.metrics_ports.get(name):
                 cmd += ["--metrics-port", str(self.metrics_ports[name])]
             cmd += self.next_stage_flags(stage)

@@ -87,6 +87,35 @@ class Layout:
         return "; ".join(parts)
 
 
+# A GPU shared by several stage processes: each one's --gpu-memory-fraction is its stage's weight
+# over the weights of all processes on that GPU, times SHARED_GPU_MEMORY. One of each stage on an
+# H200 (140 GiB): thinker 0.66 = 92.7 GiB (57 GiB of weights, 6 GiB of activations, a KV pool of
+# ~29.7 GiB = 324k tokens), talker 0.16 = 22.5 GiB (5.6 GiB of weights, 0.6 GiB of the thinker's
+# embedding table, 10.7 GiB of KV for 64 streams of 8,192 positions, its graphs), code2wav 0.08.
+MEMORY_WEIGHTS = {"thinker": 0.66, "talker": 0.16, "code2wav": 0.08}
+SHARED_GPU_MEMORY = 0.9
+
+
+def memory_shares(layout: "Layout") -> dict[str, float]:
+    """By process name, the --gpu-memory-fraction of each process that shares a GPU with others
+    (`cuda`, `cuda:0` and `auto` count as one device; a CPU process has none)."""
+    def gpu(device: str) -> str | None:
+        if device == "cpu":
+            return None
+        return device if ":" in device else "cuda:0"
+
+    by_gpu: dict[str, list[tuple[str, str]]] = {}
+    for name, stage, device in layout.processes():
+        if gpu(device) is not None:
+            by_gpu.setdefault(gpu(device), []).append((name, stage))
+    shares = {}
+    for procs in by_gpu.values():
+        if len(procs) > 1:
+            total = sum(MEMORY_WEIGHTS[stage] for _, stage in procs)
+            shares.update({name: round(SHARED_GPU_MEMORY * MEMORY_WEIGHTS[stage] / total, 3) for name, stage in procs})
+    return shares
+
+
 MPS_SM_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 MPS_SM_HELP = ("experimental: under CUDA MPS, the share of the GPU's SMs each stage's processes may use, e.g. "
                "thinker=60, so that the thinker's large kernels leave SMs free for a talker step "
