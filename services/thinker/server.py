@@ -250,12 +250,14 @@ def kv_plan(args, cfg: OmniConfig, device: torch.device, dtype: torch.dtype) -> 
         blocks = -(-args.kv_cache_tokens // bs)
         how = "--kv-cache-tokens"
     elif device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
         fraction = args.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
-        left = fraction * total - torch.cuda.memory_reserved(device) - ACTIVATION_RESERVE_BYTES
+        in_use = torch.cuda.memory_reserved(index)
+        left = fraction * total - in_use - ACTIVATION_RESERVE_BYTES
         blocks = max(int(left // per_block), 0)
-        how = (f"{fraction:.2f} of {total / 2**30:.1f} GiB, less {torch.cuda.memory_reserved(device) / 2**30:.1f} GiB "
-               f"in use and {ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB for activations")
+        how = (f"{fraction:.2f} of {total / 2**30:.1f} GiB, less {in_use / 2**30:.1f} GiB in use and "
+               f"{ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB for activations")
     else:
         blocks = -(-2 * min(args.max_len or model_len, model_len) // bs)
         how = "twice the context, on the CPU"
