@@ -520,8 +520,9 @@ def stage_setup(args) -> StageSetup:
     opts, tls = server_options(args), client_tls(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if args.gpu_memory_fraction and device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction, device)
+    if args.gpu_memory_fraction and device.type == "cuda":   # a bare "cuda" is the current device
+        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction,
+                                                   device.index if device.index is not None else None)
     return StageSetup(opts=opts, tls=tls, device=device, dtype=dtype)
 
 
