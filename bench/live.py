@@ -115,7 +115,8 @@ class Settings:
         return self.reply_s + self.think_s
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """As JSON holds it (lists for the tuples)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def reply_sized(wl: Workload, cfg, seconds: float, frames: int = 0, text_tokens: int = 0) -> Workload:
