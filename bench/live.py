@@ -42,7 +42,7 @@ def _positive(kind):
         try:
             v = kind(spec)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {spec!r}") from None
+            raise argparse.ArgumentTypeError(f"not a {'whole ' if kind is int else ''}number: {spec!r}") from None
         if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
             raise argparse.ArgumentTypeError(f"must be positive, got {spec}")
         return v

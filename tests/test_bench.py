@@ -257,6 +257,17 @@ def test_bench_refuses_bad_workload_flags(tmp_path, capsys):
         (["--workload", "voice-in", "--modes", "split", "--audio", str(tmp_path / "missing.wav")],
          f"--audio: no such file: {tmp_path / 'missing.wav'}"),
     ]
+    cases += [   # the live workload's flags
+        (["--workload", "live", "--live-clients", "chat,grpc"], "--live-clients: expected a comma list of realtime, chat"),
+        (["--workload", "live", "--reply-seconds", "0"], "--reply-seconds: must be positive, got 0"),
+        (["--workload", "live", "--live-duration", "nan"], "--live-duration: must be positive, got nan"),
+        (["--workload", "live", "--think-seconds", "-1"], "--think-seconds: must be >= 0, got -1"),
+        (["--workload", "live", "--jitter-ms", "soon"], "--jitter-ms: not a number: 'soon'"),
+        (["--workload", "live", "--live-max", "1.5"], "--live-max: not a whole number: '1.5'"),
+        (["--workload", "live", "--live-resolution", "0"], "--live-resolution: must be positive, got 0"),
+        (["--workload", "live", "--modes", "split"], "--workload live runs only in gateway mode"),
+        (["--workload", "live", "--ablation"], "--ablation runs closed-loop split levels; the live workload runs"),
+    ]
     (tmp_path / "noise.wav").write_bytes(b"not a wav file at all")
     cases.append((["--workload", "voice-in", "--modes", "split", "--audio", str(tmp_path / "noise.wav")],
                   "is not a readable wav file"))
@@ -298,6 +309,10 @@ def test_bench_names_the_packages_a_gateway_workload_lacks(monkeypatch):
                         lambda name, *a: None if name.startswith("opentelemetry.exporter") else real(name, *a))
     with pytest.raises(SystemExit, match="needs the Python packages opentelemetry.exporter.otlp.proto.grpc"):
         harness.check_packages(harness.Plan.of(p.parse_args(["--trace", "--modes", "gateway"])))
+    monkeypatch.setattr(importlib.util, "find_spec",        # the live workload: both gateway clients
+                        lambda name, *a: None if name in ("openai", "websockets") else real(name, *a))
+    with pytest.raises(SystemExit, match="needs the Python packages openai, websockets: pip install"):
+        harness.check_packages(harness.Plan.of(p.parse_args(["--workload", "live", "--modes", "gateway"])))
     assert [w.levels for w in harness.workloads_from(p.parse_args(["--workload", "long-prompt,realtime"]))] == \
         [(1, 16), (1, 8)]
     wl = harness.workloads_from(p.parse_args(["--workload", "long-prompt", "--text-tokens", "48", "--frames", "125"]))[0]
