@@ -144,7 +144,7 @@ class LiveLevel:
     client: str
     sessions: int
     duration_s: float
-    wall_s: float                    # from the first session's start to the last turn's end
+    wall_s: float                    # from the level's start until its last turn ended (or was cut)
     requests: int                    # turns asked (refused and failed ones included)
     completed: int                   # turns with audio and no error
     refusals: int                    # turns the gateway refused (429 / session limit)
@@ -250,8 +250,7 @@ async def run_level(client: str, stream_fn, request_for, sessions: int, settings
     lag.cancel()
     for task in done:
         task.result()              # a bug in the driver surfaces here
-    ends = [t.played.end if t.played else t.record.last_audio or t.record.start for t in turns]
-    return LiveLevel.of(client, sessions, settings, turns, max(ends, default=t0) - t0, lags), t0
+    return LiveLevel.of(client, sessions, settings, turns, time.perf_counter() - t0, lags), t0
 
 
 @dataclass
