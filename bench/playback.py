@@ -10,7 +10,7 @@ of audio, in stream order):
 - an **underrun** is a packet that arrives after its play time: a[i] > e[i-1] (the buffer ran dry at
   e[i-1]). The player then plays silence until the packet arrives and resumes from there (no
   re-buffering); the **silence inserted** is a[i] - e[i-1]. A reply's underrun count is the number of
-  such packets, its underrun ms the sum of their silences. Packet 0 is never late (a[0] < P);
+  such packets, its underrun ms the sum of their silences. Packet 0 is never late (a[0] <= P);
 - playback ends at e[-1] (the last packet's end); the next turn is asked a think time after it;
 - **slack** at time t = audio delivered by t (the d[i] with a[i] <= t) minus audio played by t (each
   packet's part of [s[i], e[i]] before t): the jitter buffer's fill while waiting for P, never
