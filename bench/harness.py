@@ -17,10 +17,10 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import server_stats, trace_path
+from . import live, live_plot, server_stats, trace_path
 from .report import ReferenceRun, section
 from .requests import RequestMaker
 from .workload import WORKLOADS, LevelResult, Workload, run_level
@@ -108,7 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "services: seedtts-like (100-token prompt, 48 tokens, 125 frames), long-prompt (2,500-token "
                         "prompt, 900 tokens, proportional audio: 2,344 frames), voice-in (a 5.7 s speech clip + a "
                         "short text; 48 tokens, 125 frames), realtime (seedtts-like through the realtime WebSocket, "
-                        "gateway mode only; TTFP from response.create)")
+                        "gateway mode only; TTFP from response.create), live (sessions playing 10 s replies at 1x "
+                        "real time, a think time apart: the live-stream capacity, searched over the number of "
+                        "sessions; gateway mode only, through --live-clients; --concurrency: the levels tried first)")
     p.add_argument("--audio", help="the voice clip of voice-in (and --realtime-audio): a wav file "
                                    "(default: bench/data/voice-in.wav, 5.7 s of espeak-ng speech at 16 kHz)")
     p.add_argument("--realtime-audio", action="store_true",
@@ -125,6 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="thinker and talker sample at this temperature (in (0, 100]), each request seeded by its "
                         "index, as /v1/audio/speech and chat without temperature=0 do; default 0: greedy, as the "
                         "transformers reference")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
+                   help="one more flag for the gateway the bench starts, as written (repeatable; e.g. "
+                        "--gateway-arg=--max-sessions=512)")
+    live.add_arguments(p)
 
 
 def workloads_from(args) -> list[Workload]:
@@ -156,8 +162,8 @@ class Plan:
         for wl in wls:
             modes[wl.name] = wl.modes(args.modes)
             skipped = [m for m in args.modes if m not in modes[wl.name]]
-            notes[wl.name] = [f"not run in mode {', '.join(skipped)}: the realtime WebSocket is the gateway's"] \
-                if skipped else []
+            whose = "the live sessions' clients are" if wl.live else "the realtime WebSocket is"
+            notes[wl.name] = [f"not run in mode {', '.join(skipped)}: {whose} the gateway's"] if skipped else []
             if not modes[wl.name]:
                 raise SystemExit(f"--workload {wl.name} runs only in gateway mode; add gateway to --modes")
             if wl.temperature:
@@ -181,10 +187,10 @@ class Plan:
         return any(mode in m for m in self.modes.values())
 
     def needs_sdk(self) -> bool:
-        return any("gateway" in self.modes[w.name] and not w.realtime for w in self.workloads)
+        return any("gateway" in self.modes[w.name] and (not w.realtime or w.live) for w in self.workloads)
 
     def needs_websockets(self) -> bool:
-        return any("gateway" in self.modes[w.name] and w.realtime for w in self.workloads)
+        return any("gateway" in self.modes[w.name] and (w.realtime or w.live) for w in self.workloads)
 
 
 def check_packages(plan: Plan) -> None:
@@ -396,7 +402,8 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
         stage_env = {stage: {**stage_env.get(stage, {}), **spans.env(stage)} for stage in STAGES}
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
                        metrics_ports=metrics_ports, http_port=http_port, layout=plan.layout,
-                       stage_env=stage_env, gateway_env=spans.env("gateway") if spans is not None else None)
+                       stage_env=stage_env, gateway_env=spans.env("gateway") if spans is not None else None,
+                       gateway_extra=list(args.gateway_arg))
     pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
     scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
     t0 = time.perf_counter()
@@ -414,7 +421,9 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
             for wl in plan.workloads:
                 maker = makers[wl.name]
                 for mode in plan.modes[wl.name]:
-                    if mode == "gateway" and wl.realtime:
+                    if wl.live:
+                        info["live"] = await run_live(args, wl, maker, base_url, _served_model(http_port), plan)
+                    elif mode == "gateway" and wl.realtime:
                         client = RealtimeStream(base_url, _served_model(http_port))
                         out += await _levels(client, maker.realtime, args, wl, mode, scrape, spans)
                     elif mode == "gateway":
@@ -436,6 +445,31 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
         stack.stop()
         if spans is not None:
             spans.close()
+
+
+async def run_live(args, wl: Workload, maker: RequestMaker, base_url: str, model: str, plan: Plan) -> dict:
+    """The live workload's capacity search through each of --live-clients, one after the other."""
+    from .gateway_client import GatewayStream
+    from .realtime_client import RealtimeStream
+
+    settings = live.Settings.of(args, wl)
+    runs = []
+    for client in settings.clients:
+        if client == "realtime":
+            runs.append(await live.run_client(client, RealtimeStream(base_url, model), maker.realtime, settings))
+            continue
+        sse = GatewayStream(base_url + "/v1", model)
+        try:
+            runs.append(await live.run_client(client, sse, maker.chat, settings))
+        finally:
+            await sse.close()
+    return live.report(runs, settings, plan.layout.describe(), wl)
+
+
+def write_live(out: Path, report: dict) -> None:
+    """The live workload's JSON report and its plot under --out (live.json, live.png)."""
+    (out / "live.json").write_text(json.dumps(report, indent=1))
+    print(live_plot.draw_or_say([report], out / "live.png"), flush=True)
 
 
 def _served_model(http_port: int) -> str:
@@ -494,6 +528,9 @@ def run_references(args, plan: Plan, model: str) -> dict[str, ReferenceRun]:
     out: dict[str, ReferenceRun] = {}
     done: dict[tuple, str] = {}
     for wl in plan.workloads:
+        if wl.live:
+            out[wl.name] = ReferenceRun(None, "the live workload measures the served stack's capacity")
+            continue
         transport = "; no realtime transport in it" if wl.realtime else ""
         first = done.get(_reference_key(wl))
         if first is not None:
@@ -556,10 +593,14 @@ def prepare(args) -> tuple[Plan, "OmniConfig", str, dict[str, RequestMaker]]:
     from voxpipe.services.runtime.config import OmniConfig, released_config_path
 
     plan = Plan.of(args)
+    if args.ablation and any(w.live for w in plan.workloads):
+        raise SystemExit("--ablation runs closed-loop split levels; the live workload runs through the gateway")
     if not args.ablation:      # fail now, not after the reference and the service start-up
         check_packages(plan)
     model = args.model or str(released_config_path())
     cfg = OmniConfig.load(model)
+    plan = replace(plan, workloads=[live.reply_sized(w, cfg, args.reply_seconds, args.frames, args.text_tokens)
+                                    if w.live else w for w in plan.workloads])
     return plan, cfg, model, make_requests(args, cfg, plan, model)
 
 
@@ -608,8 +649,13 @@ def run(args) -> int:
               f"response.output_audio.delta; split = the gRPC pipeline client calling the three services; "
               f"inprocess = the driver calling the engines. Voice prompts: the driver computes the clip's features "
               f"once for split / inprocess; the gateway decodes the wav and computes them per request.\n")
-    sections = [section(wl, results, refs.get(wl.name) if args.reference else None, bw, nbytes, plan.notes[wl.name])
+    live_report = info.pop("live", None)
+    sections = [live.section(live_report) if wl.live else
+                section(wl, results, refs.get(wl.name) if args.reference else None, bw, nbytes, plan.notes[wl.name])
                 for wl in plan.workloads]
+    if live_report is not None:
+        live_report.update(commit=commit, device=device_name or args.device, command=cmd)
+        write_live(out, live_report)
     text = header + "\n" + "\n\n".join(sections) + "\n"
     print("\n" + text, flush=True)
     (out / "results.md").write_text(text)
@@ -620,5 +666,6 @@ def run(args) -> int:
         "sm_shares": plan.sm_shares, "reference": first.result if first else None,
         "references": {name: r.as_dict() for name, r in refs.items()},
         "workloads": {w.name: w.describe() for w in plan.workloads},
-        "notes": plan.notes, "split_info": info, "levels": [r.as_dict() for r in results]}, indent=1))
+        "notes": plan.notes, "split_info": info, "levels": [r.as_dict() for r in results], "live": live_report},
+        indent=1))
     return 0

@@ -20,7 +20,11 @@ APPEND_SECONDS = 1.0          # input audio sent in appends of this much audio
 
 
 class RealtimeError(RuntimeError):
-    """The server answered with an error event or a response that did not complete."""
+    """The server answered with an error event (`code`: its error.code) or a response that did not complete."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class RealtimeStream:
@@ -83,7 +87,7 @@ async def _receive(ws) -> dict[str, Any]:
     event = json.loads(await ws.recv())
     if event.get("type") == "error":
         err = event.get("error") or {}
-        raise RealtimeError(f"{err.get('code')}: {err.get('message')}")
+        raise RealtimeError(f"{err.get('code')}: {err.get('message')}", err.get("code"))
     return event
 
 

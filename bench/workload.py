@@ -31,6 +31,7 @@ class Workload:
     voice_text: str = ""
     realtime: bool = False            # driven through the gateway's realtime WebSocket (gateway mode only)
     temperature: float = 0.0          # > 0: thinker and talker sample (each request seeded by its index)
+    live: bool = False                # sessions paced at 1x playback, the capacity searched (bench/live.py)
 
     def prompt(self, cfg: OmniConfig, index: int) -> list[int]:
         """ChatML system + user turn; user tokens random ids from the normal text range; ends with the
@@ -46,8 +47,8 @@ class Workload:
         return head + body + tail
 
     def modes(self, asked: list[str]) -> list[str]:
-        """The asked client modes this workload runs in: a realtime workload only through the gateway."""
-        return [m for m in asked if m == "gateway"] if self.realtime else list(asked)
+        """The asked client modes this workload runs in: a realtime or live workload only through the gateway."""
+        return [m for m in asked if m == "gateway"] if self.realtime or self.live else list(asked)
 
     def with_overrides(self, prompt_tokens: int = 0, text_tokens: int = 0, frames: int = 0,
                        realtime_audio: bool = False, temperature: float = 0.0) -> "Workload":
@@ -66,6 +67,7 @@ class Workload:
         else:
             user = f"a {self.prompt_tokens}-token text prompt"
         via = " over the realtime WebSocket (TTFP from response.create)" if self.realtime else ""
+        via = " per turn of each live session (realtime WebSocket and chat SSE)" if self.live else via
         how = (f"sampled at temperature {self.temperature:g} (seed: the request's index)" if self.temperature
                else "greedy")
         return f"{self.name}: {user}{via}, {self.text_tokens} text tokens, {self.frames} frames forced, {how}"
@@ -81,6 +83,8 @@ WORKLOADS = {
                             levels=(1, 16)),
     "voice-in": Workload(name="voice-in", voice=True, voice_text=VOICE_TEXT, levels=(1, 16)),
     "realtime": Workload(name="realtime", realtime=True, levels=(1, 8)),
+    # levels: where the capacity search starts (then doubles, then bisects); 125 frames: 10 s replies
+    "live": Workload(name="live", live=True, levels=(16,)),
 }
 
 
@@ -102,6 +106,8 @@ class RequestRecord:
     frames: int = 0
     prompt_tokens: int = 0
     error: str | None = None
+    refused: bool = False                 # the error is the gateway's 429 / session limit (bench.workload.is_refusal)
+    packets: list = field(default_factory=list)   # (arrival perf_counter s, samples) per audio event, in order
 
     @property
     def ttfp(self) -> float:
@@ -133,13 +139,24 @@ async def run_one(stream_fn, req) -> RequestRecord:
                 rec.first_audio = rec.first_audio or now
                 rec.last_audio = now
                 rec.samples += len(ev.samples)
+                rec.packets.append((now, len(ev.samples)))
             elif isinstance(ev, DoneEvent):
                 rec.frames = ev.frames
                 rec.prompt_tokens = ev.prompt_tokens
                 rec.tokens = rec.tokens or ev.completion_tokens   # clients that see text, not token ids
     except Exception as e:  # noqa: BLE001 - recorded, counted as a failed request
         rec.error = repr(e)
+        rec.refused = is_refusal(e)
     return rec
+
+
+REFUSAL_CODES = ("rate_limit_exceeded", "session_limit_reached")   # the gateway's 429 (HTTP) / realtime error codes
+
+
+def is_refusal(e: BaseException) -> bool:
+    """The gateway turned the request away for want of a session slot (--max-sessions): HTTP 429 from
+    the openai SDK (APIStatusError.status_code), or the realtime error event's code."""
+    return getattr(e, "status_code", None) == 429 or getattr(e, "code", None) in REFUSAL_CODES
 
 
 async def run_level(stream_fn, make_request, concurrency: int, requests: int, warmup: int,

@@ -257,6 +257,17 @@ def test_bench_refuses_bad_workload_flags(tmp_path, capsys):
         (["--workload", "voice-in", "--modes", "split", "--audio", str(tmp_path / "missing.wav")],
          f"--audio: no such file: {tmp_path / 'missing.wav'}"),
     ]
+    cases += [   # the live workload's flags
+        (["--workload", "live", "--live-clients", "chat,grpc"], "--live-clients: expected a comma list of realtime, chat"),
+        (["--workload", "live", "--reply-seconds", "0"], "--reply-seconds: must be positive, got 0"),
+        (["--workload", "live", "--live-duration", "nan"], "--live-duration: must be positive, got nan"),
+        (["--workload", "live", "--think-seconds", "-1"], "--think-seconds: must be >= 0, got -1"),
+        (["--workload", "live", "--jitter-ms", "soon"], "--jitter-ms: not a number: 'soon'"),
+        (["--workload", "live", "--live-max", "1.5"], "--live-max: not a whole number: '1.5'"),
+        (["--workload", "live", "--live-resolution", "0"], "--live-resolution: must be positive, got 0"),
+        (["--workload", "live", "--modes", "split"], "--workload live runs only in gateway mode"),
+        (["--workload", "live", "--ablation"], "--ablation runs closed-loop split levels; the live workload runs"),
+    ]
     (tmp_path / "noise.wav").write_bytes(b"not a wav file at all")
     cases.append((["--workload", "voice-in", "--modes", "split", "--audio", str(tmp_path / "noise.wav")],
                   "is not a readable wav file"))
@@ -298,7 +309,115 @@ def test_bench_names_the_packages_a_gateway_workload_lacks(monkeypatch):
                         lambda name, *a: None if name.startswith("opentelemetry.exporter") else real(name, *a))
     with pytest.raises(SystemExit, match="needs the Python packages opentelemetry.exporter.otlp.proto.grpc"):
         harness.check_packages(harness.Plan.of(p.parse_args(["--trace", "--modes", "gateway"])))
+    monkeypatch.setattr(importlib.util, "find_spec",        # the live workload: both gateway clients
+                        lambda name, *a: None if name in ("openai", "websockets") else real(name, *a))
+    with pytest.raises(SystemExit, match="needs the Python packages openai, websockets: pip install"):
+        harness.check_packages(harness.Plan.of(p.parse_args(["--workload", "live", "--modes", "gateway"])))
     assert [w.levels for w in harness.workloads_from(p.parse_args(["--workload", "long-prompt,realtime"]))] == \
         [(1, 16), (1, 8)]
     wl = harness.workloads_from(p.parse_args(["--workload", "long-prompt", "--text-tokens", "48", "--frames", "125"]))[0]
     assert (wl.prompt_tokens, wl.text_tokens, wl.frames) == (2500, 48, 125)
+
+
+# ---------------------------------------------------------------- the live workload (bench/live.py)
+
+LIVE_FLAGS = ["--reply-seconds", "0.5", "--think-seconds", "0.2", "--live-duration", "1.5"]
+
+
+def _live_args(model, out, *flags: str):
+    from voxpipe.bench import harness
+    from voxpipe.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--workload", "live", "--quick", "--device", "cpu", "--model", str(model),
+                                      "--load-format", "auto", "--no-reference", "--out", str(out), *LIVE_FLAGS, *flags])
+    return args, *harness.prepare(args)
+
+
+def _served(base_url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+
+
+def test_bench_live_quick_searches_both_clients_and_writes_its_report(gateway, tiny_model_dir, tmp_path):
+    """`voxpipe bench --workload live --quick` as the bench runs it once its services are up (the CLI's
+    parser, `prepare`, `run_live`, `write_live`), against the session's stack and gateway: levels 1
+    and 2 through the realtime WebSocket and chat SSE, each level's arithmetic consistent, the JSON
+    report and the plot under --out."""
+    import asyncio
+
+    from voxpipe.bench import harness, live, playback
+
+    args, plan, cfg, _, makers = _live_args(tiny_model_dir, tmp_path)
+    wl = plan.workloads[0]
+    assert plan.modes == {"live": ["gateway"]} and plan.notes["live"] == \
+        ["not run in mode split, inprocess: the live sessions' clients are the gateway's"]
+    assert (wl.frames, wl.text_tokens) == (6, 2)          # 0.5 s at 12.5 frames a second; 48 / 125 of that
+    report = asyncio.run(harness.run_live(args, wl, makers["live"], gateway.base_url, _served(gateway.base_url), plan))
+    harness.write_live(tmp_path, report)
+    assert set(report["capacity"]) == {"realtime", "chat"}
+    assert report["settings"]["first"] == [1, 2] and report["settings"]["most"] == 2
+    for run in report["clients"]:
+        levels = run["levels"]
+        assert [lv["sessions"] for lv in levels] == [1, 2], run
+        assert run["capacity"] == playback.capacity([live.LiveLevel(**lv) for lv in levels])
+        for lv in levels:
+            assert lv["refusals"] == 0 and lv["failed"] == 0 and not lv["errors"], lv
+            assert lv["requests"] == lv["completed"] >= lv["sessions"]
+            assert abs(lv["audio_s"] - AUDIO_S) < 1e-9 and lv["packets"] >= 1
+            t = lv["ttfp_ms"]
+            assert 0 < t["p50"] <= t["p90"] <= t["p99"]
+            assert (lv["underruns"] == 0) == (lv["underrun_ms"] == 0) and lv["underrun_ms"] >= 0
+            assert lv["sessions_with_underruns"] <= min(lv["sessions"], lv["underruns"])
+            assert lv["holds"] == (lv["underruns"] == 0 and t["p90"] <= 300.0)
+            assert lv["client_lag_ms"]["max"] >= lv["client_lag_ms"]["mean"] >= 0
+    assert 1 <= len(report["slack"]) <= 2
+    for series in report["slack"]:
+        assert series["client"] == "realtime" and len(series["slack_s"]) == series["sessions"]
+        for values in series["slack_s"].values():
+            assert len(values) == len(series["t_s"]) and min(values) >= 0 and max(values) > 0
+    assert json.loads((tmp_path / "live.json").read_text()) == report
+    assert (tmp_path / "live.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = live.section(report)
+    assert "| realtime | 2 |" in md and "| chat | 1 |" in md and "Live-stream capacity: realtime: **" in md
+
+
+def test_bench_live_counts_refusals_apart(stack, tiny_model_dir, tmp_path):
+    """A gateway with --max-sessions=1 whose one slot a realtime session holds: every live turn is
+    refused (429 over HTTP, session_limit_reached over the WebSocket), counted as refusals, not as
+    failures, and the level does not hold; once the slot is free the next level is served."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    from conftest import GatewayProcess
+    from voxpipe.bench import live
+    from voxpipe.bench.gateway_client import GatewayStream
+    from voxpipe.bench.realtime_client import RealtimeStream
+
+    args, plan, _, _, makers = _live_args(tiny_model_dir, tmp_path, "--live-duration", "0.5")
+    settings = live.Settings.of(args, plan.workloads[0])
+    maker = makers["live"]
+    gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"), "--max-sessions=1")
+    try:
+        model = _served(gw.base_url)
+
+        async def go():
+            sse = GatewayStream(gw.base_url + "/v1", model)
+            try:
+                async with connect(gw.base_url.replace("http", "ws") + f"/v1/realtime?model={model}") as held:
+                    assert json.loads(await held.recv())["type"] == "session.created"
+                    refused = [(await live.run_level("chat", sse, maker.chat, 1, settings))[0],
+                               (await live.run_level("realtime", RealtimeStream(gw.base_url, model), maker.realtime,
+                                                     1, settings))[0]]
+                served = (await live.run_level("chat", sse, maker.chat, 1, settings))[0]
+                return refused, served
+            finally:
+                await sse.close()
+        refused, served = asyncio.run(go())
+    finally:
+        gw.stop()
+    for lv in refused:
+        assert lv.requests >= 1 and lv.refusals == lv.requests and lv.failed == 0 and lv.completed == 0, lv
+        assert not lv.holds and lv.errors == [] and lv.underruns == 0
+    assert served.refusals == 0 and served.failed == 0 and served.completed >= 1
