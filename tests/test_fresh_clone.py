@@ -84,7 +84,7 @@ def test_a_fresh_clone_follows_the_readme_to_a_wav(tmp_path):
     if torch_pin in steps:
         assert "Requirement already satisfied: torch" in proc.stdout, log
     installed = subprocess.run([str(bin_dir / "python"), "-c", "import voxpipe; print(voxpipe.__file__)"],
-                               env=env, capture_output=True, text=True, check=True).stdout.strip()
+                               cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(installed).is_relative_to(clone), f"voxpipe imports from {installed}, not the clone"
     words = shlex.split(steps[-1])
     out = words[words.index("-o") + 1]
