@@ -91,3 +91,13 @@ def test_a_fresh_clone_follows_the_readme_to_a_wav(tmp_path):
     samples, rate = read_wav((clone / out).read_bytes())
     assert rate == 24000 and samples.ndim == 1 and samples.size > 0, (rate, samples.shape)
     print(f"fresh clone to {out}: {time.monotonic() - started:.1f} s", file=sys.stderr)
+
+
+def test_the_files_the_readme_cites_exist():
+    """Every file path from the repository's root that the README names in backticks
+    (`bench/BENCHMARK.md`, `tests/test_tls.py`, ...; the layout table's names relative to their folder
+    are not checked)."""
+    readme = (REPO / "README.md").read_text()
+    cited = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:md|py|proto|json|sh))`", readme))
+    missing = sorted(c for c in cited if not (REPO / c).exists())
+    assert "bench/BENCHMARK.md" in cited and not missing, missing
