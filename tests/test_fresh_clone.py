@@ -53,7 +53,7 @@ def _free_base_port() -> int:
 
 def test_a_fresh_clone_follows_the_readme_to_a_wav(tmp_path):
     main = setup_commands((REPO / "README.md").read_text())[0]
-    clone, env_dir = tmp_path / "voxpipe", tmp_path / "venv"
+    clone, env_dir = tmp_path / "clone", tmp_path / "venv"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=60)
     # --system-site-packages: the venv sees this interpreter's torch (and the other dependencies
     # .ci/run installed), so `pip install torch==...` and the dependencies of `pip install -e .` are
@@ -83,7 +83,7 @@ def test_a_fresh_clone_follows_the_readme_to_a_wav(tmp_path):
     assert proc.returncode == 0, log
     if torch_pin in steps:
         assert "Requirement already satisfied: torch" in proc.stdout, log
-    installed = subprocess.run([str(bin_dir / "python"), "-c", "import voxpipe; print(voxpipe.__file__)"],
+    installed = subprocess.run([str(bin_dir / "python"), "-c", "import voxpipe.cli as m; print(m.__file__)"],
                                cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(installed).is_relative_to(clone), f"voxpipe imports from {installed}, not the clone"
     words = shlex.split(steps[-1])
