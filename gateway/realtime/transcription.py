@@ -3,7 +3,7 @@
 With `audio.input.transcription` (GA) / `input_audio_transcription` (beta) set, every committed
 user audio item (server VAD or input_audio_buffer.commit) is transcribed by a text-only request
 to the thinker: one user turn holding the item's audio (its stored features) and an instruction
-(TRANSCRIBE_INSTRUCTION, with the configured language and prompt), greedy, no talker. Its text
+(speech_to_text.TRANSCRIBE_INSTRUCTION, with the configured language and prompt), greedy, no talker. Its text
 comes back as `conversation.item.input_audio_transcription.delta` events and one `.completed`
 (with the request's token usage; `.failed` when it fails), and becomes the item's `transcript`.
 
