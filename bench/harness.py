@@ -1,4 +1,4 @@
-"""`voxpipe bench`: BENCHMARK.md's workloads against voxpipe end to end (the gateway's OpenAI chat API
+"""`voxpipe bench`: bench/BENCHMARK.md's workloads against voxpipe end to end (the gateway's OpenAI chat API
 streamed with the `openai` SDK, or its realtime WebSocket; services behind it over loopback gRPC),
 split (the same three services driven by the gRPC pipeline client) and in-process (the same engines
 in one process, no gRPC), with transformers' reference measured in the same run. Several workloads
@@ -31,7 +31,7 @@ MODES = ("gateway", "split", "inprocess")
 
 
 def workload_names(spec: str) -> list[str]:
-    """--workload: a comma list of BENCHMARK.md workloads."""
+    """--workload: a comma list of bench/BENCHMARK.md workloads."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
     if not names or unknown:
@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of gateway (OpenAI SDK or realtime WebSocket -> gateway -> services), split "
                         "(gRPC pipeline client -> services), inprocess (engines in one process)")
     p.add_argument("--concurrency", default="", type=concurrency_levels,
-                   help="comma list of levels for every workload (default: each workload's own, BENCHMARK.md: "
+                   help="comma list of levels for every workload (default: each workload's own, bench/BENCHMARK.md: "
                         + "; ".join(f"{n} {','.join(map(str, w.levels))}" for n, w in WORKLOADS.items()) + ")")
     p.add_argument("--requests", type=int, default=0, help="per level (default max(20, 5 x c); --quick: max(8, 2 x c))")
     p.add_argument("--warmup", type=int, default=5, help="untimed requests before each level (at most c of them; --quick: at most 2)")
@@ -104,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "row); DEV*N: N replicas sharing DEV; stages not named: one replica on --device. Replicas "
                         "run in modes split and gateway only")
     p.add_argument("--workload", default=["seedtts-like"], type=workload_names,
-                   help="comma list of BENCHMARK.md workloads, run one after the other against one start of the "
+                   help="comma list of bench/BENCHMARK.md workloads, run one after the other against one start of the "
                         "services: seedtts-like (100-token prompt, 48 tokens, 125 frames), long-prompt (2,500-token "
                         "prompt, 900 tokens, proportional audio: 2,344 frames), voice-in (a 5.7 s speech clip + a "
                         "short text; 48 tokens, 125 frames), realtime (seedtts-like through the realtime WebSocket, "

@@ -6,7 +6,7 @@ every request samples, seeded by its index), then a torch.profiler summary of on
 and the last batch size.
 
 Two more stages profile what a request's first token waits for in the thinker:
-- `long-prompt`: 2,500-token prompts (BENCHMARK.md's long-prompt workload), 1 and 4 at once, for
+- `long-prompt`: 2,500-token prompts (bench/BENCHMARK.md's long-prompt workload), 1 and 4 at once, for
   each `--prefill-chunks` step budget (the thinker's --prefill-chunk): the time to each first token,
   the steps taken, and a kernel table of one packed step; and the attention of one 512-token chunk
   over 2,500 cached positions, masked SDPA against the flash path the packed chunks take.

@@ -1,6 +1,6 @@
 """`voxpipe bench`'s report: per workload, one table of client-side metrics (p50 / p90 / p99 of every
 latency), the transformers reference beside it (or why there is none), the server-side means per
-stage, and the side-by-side ratios of BENCHMARK.md."""
+stage, and the side-by-side ratios of bench/BENCHMARK.md."""
 
 from __future__ import annotations
 

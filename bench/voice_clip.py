@@ -1,4 +1,4 @@
-"""The spoken user turn of the "voice-in" workload (BENCHMARK.md): a 5-6 s speech clip, 16 kHz
+"""The spoken user turn of the "voice-in" workload (bench/BENCHMARK.md): a 5-6 s speech clip, 16 kHz
 mono. The project ships one (bench/data/voice-in.wav, made by `main` below with espeak-ng) so that
 machines without espeak-ng (the GPU machine) run the same clip; `--audio FILE` picks another."""
 

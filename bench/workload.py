@@ -1,4 +1,4 @@
-"""BENCHMARK.md's workloads (seedtts-like, long-prompt, voice-in, realtime) and the client-side metrics
+"""bench/BENCHMARK.md's workloads (seedtts-like, long-prompt, voice-in, realtime) and the client-side metrics
 of one run."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ SAMPLE_RATE = 24000
 
 @dataclass(frozen=True)
 class Workload:
-    """One BENCHMARK.md workload: what each request asks for and the concurrency levels it is
+    """One bench/BENCHMARK.md workload: what each request asks for and the concurrency levels it is
     reported at (all lengths forced: ignore EOS, min = max)."""
 
     name: str = "seedtts-like"
@@ -76,7 +76,7 @@ class Workload:
 SYSTEM_TEXT = "You are a helpful assistant."
 VOICE_TEXT = "Please answer briefly."           # voice-in's short text after the clip
 
-# BENCHMARK.md's workloads; "long-prompt" keeps seedtts-like's audio per text token (125 / 48)
+# bench/BENCHMARK.md's workloads; "long-prompt" keeps seedtts-like's audio per text token (125 / 48)
 WORKLOADS = {
     "seedtts-like": Workload(),
     "long-prompt": Workload(name="long-prompt", prompt_tokens=2500, text_tokens=900, frames=round(900 * 125 / 48),

@@ -1,8 +1,8 @@
 """The gateway's FastAPI app: it wires the routes -- error handlers, health/readiness, models and
-metrics here; the OpenAI chat and speech routes from openai_chat.py and speech.py, the realtime
-WebSocket route from the realtime package when it exposes a `router`, the voice console at `/`
-from console.py -- and the middleware (middleware.py; cors.py checks browsers' Origin on every
-request).
+metrics here; the OpenAI chat, speech and transcription routes from openai_chat.py, speech.py and
+transcriptions.py, the realtime WebSocket route from the realtime package when it exposes a
+`router`, the voice console at `/` from console.py -- and the middleware (middleware.py; cors.py
+checks browsers' Origin on every request).
 
 `app.state.gateway` is the GatewayState (state.py) every API uses."""
 
@@ -23,7 +23,7 @@ from voxpipe.client import PipelineError
 from voxpipe.services.runtime.metrics import watch_loop_lag
 from voxpipe.services.runtime.tracing import TracingMiddleware, fastapi_tracing_off
 
-from . import console, openai_chat, speech
+from . import console, openai_chat, speech, transcriptions
 from .config import GatewayConfig
 from .cors import OriginCheck
 from .errors import APIError, from_pipeline_error
@@ -120,6 +120,7 @@ def create_app(config: GatewayConfig, state: GatewayState | None = None) -> Fast
     console.add_console(app)
     app.include_router(openai_chat.router, dependencies=[Depends(require_api_key)])
     app.include_router(speech.router, dependencies=[Depends(require_api_key)])
+    app.include_router(transcriptions.router, dependencies=[Depends(require_api_key)])
     realtime = _optional_router("realtime")
     if realtime is not None:
         app.include_router(realtime)

@@ -101,7 +101,7 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterat
 @dataclass(frozen=True)
 class Generation:
     """`render_prompt` and `run_pipeline` bound to one GatewayState: `render(messages)` (a refusal
-    is a 400 APIError naming `messages`), `run(req, arrived)`, and the prompt's audio placeholder
+    is a 400 APIError naming `messages`, or the `param` given to `of`), `run(req, arrived)`, and the prompt's audio placeholder
     id (`audio_token`: usage counts the prompt's audio tokens)."""
 
     render: Callable[[list[ChatMessage]], Awaitable[RenderedPrompt]]
@@ -109,6 +109,7 @@ class Generation:
     audio_token: int
 
     @classmethod
-    def of(cls, state) -> "Generation":
-        return cls(render=functools.partial(render_prompt, state), run=functools.partial(run_pipeline, state),
-                   audio_token=state.omni.thinker.tokens.audio_token)
+    def of(cls, state, param: str = "messages") -> "Generation":
+        """`param`: the request parameter a refusal to render names."""
+        return cls(render=functools.partial(render_prompt, state, param=param),
+                   run=functools.partial(run_pipeline, state), audio_token=state.omni.thinker.tokens.audio_token)

@@ -5,6 +5,7 @@ problem is a 400 that names the parameter."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,18 +115,24 @@ def check_model(body: dict, model_id: str) -> None:
                        code="model_not_found")
 
 
-async def read_json(request, max_bytes: int) -> dict:
-    """The request body as a JSON object: 413 over `max_bytes` (checked before and while reading),
-    400 when it is not JSON or not an object."""
+async def bounded_body(request, max_bytes: int) -> AsyncIterator[bytes]:
+    """The request body's chunks as they arrive: a 413 APIError once it exceeds `max_bytes`
+    (before reading when its Content-Length says so)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
-    chunks, size = [], 0
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
             raise _too_large(max_bytes)
-        chunks.append(chunk)
+        yield chunk
+
+
+async def read_json(request, max_bytes: int) -> dict:
+    """The request body as a JSON object: 413 over `max_bytes` (checked before and while reading),
+    400 when it is not JSON or not an object."""
+    chunks = [chunk async for chunk in bounded_body(request, max_bytes)]
     try:
         body = json.loads(b"".join(chunks))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -39,7 +39,7 @@ from .state import GatewayState, gateway_state
 from .errors import bad_request, from_pipeline_error
 from .generation import render_prompt, run_pipeline, speech_request
 from .params import GenerationParams, check_model, generation_params, optional, read_json, required, resolve_voice
-from .streaming import CancellableStream, sse, until_disconnect
+from .streaming import CancellableStream, prepend, sse, until_disconnect
 
 router = APIRouter()
 SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
@@ -129,19 +129,11 @@ async def create_speech(request: Request) -> Response:
         media_type = "text/event-stream" if opts.stream_format == "sse" else \
             audio_formats.content_type(opts.response_format)
         handed_over = True
-        return CancellableStream(_prepend(first, body_iter), on_close=session.release, media_type=media_type,
+        return CancellableStream(prepend(first, body_iter), on_close=session.release, media_type=media_type,
                                  headers=SSE_HEADERS if opts.stream_format == "sse" else None)
     finally:
         if not handed_over:
             session.release()
-
-
-async def _prepend(first: bytes | str | None, rest: AsyncIterator[bytes | str]) -> AsyncIterator[bytes | str]:
-    async with aclosing(rest):
-        if first is not None:
-            yield first
-        async for item in rest:
-            yield item
 
 
 class SpokenReply:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import TypeVar
 
 import anyio
@@ -18,6 +19,15 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+
+
+async def prepend(first: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`first` (when not None), then what `rest` yields; `rest` is closed at the end."""
+    async with aclosing(rest):
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
 
 
 def sse(payload: dict | str) -> str:

@@ -142,7 +142,7 @@ def test_bench_and_up_refuse_bad_layouts(tmp_path):
         assert "starting the stage services" not in proc.stdout and "all services up" not in proc.stdout, flags
 
 
-# ---------------------------------------------------------------- the other BENCHMARK.md workloads
+# ---------------------------------------------------------------- the other bench/BENCHMARK.md workloads
 
 def _bench(tmp_path, model, *flags: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict, str]:
     out = tmp_path / "bench"

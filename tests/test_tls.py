@@ -266,6 +266,30 @@ def test_converse_over_tls(tls_gateway, certs):
     assert health_check(tls_gateway.grpc, None) == "UNAVAILABLE"      # no plaintext on the Converse port
 
 
+def test_python_sdk_realtime_client_over_wss(tls_gateway, certs, tiny_model_dir):
+    """The Python SDK's realtime client over wss:// trusts the CA given to its socket
+    (`websocket_connection_options={"ssl": ctx}`, as the README says): the http_client's verify=
+    does not reach the WebSocket."""
+    ctx = trust(certs)
+    with httpx.Client(verify=ctx) as http:
+        client = openai.OpenAI(base_url=f"{tls_gateway.base_url}/v1", api_key="unused", max_retries=0,
+                               http_client=http)
+        with client.realtime.connect(model=tiny_model_dir.name, websocket_connection_options={"ssl": ctx}) as conn:
+            conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+            conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                "content": [{"type": "input_text", "text": "Hello"}]})
+            conn.response.create(response={"max_output_tokens": 2})
+            kinds = []
+            for event in conn:
+                kinds.append(event.type)
+                if event.type in ("response.done", "error"):
+                    break
+        assert kinds[0] == "session.created" and kinds[-1] == "response.done", kinds
+        with pytest.raises(ssl.SSLError):          # without it the socket does not trust the test CA
+            with client.realtime.connect(model=tiny_model_dir.name):
+                pass
+
+
 @pytest.fixture(scope="module")
 def node_realtime(tmp_path_factory) -> Path:
     return install_node_package(tmp_path_factory, "node_realtime", "realtime.mjs", "transcribe.mjs")

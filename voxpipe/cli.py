@@ -478,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_arguments(p, who="the thinker and code2wav")
     p.set_defaults(func=cmd_say)
 
-    p = sub.add_parser("bench", help="benchmark split / in-process voxpipe against transformers (BENCHMARK.md)")
+    p = sub.add_parser("bench", help="benchmark split / in-process voxpipe against transformers (bench/BENCHMARK.md)")
     from voxpipe.bench.harness import add_arguments as bench_args, run as bench_run
 
     bench_args(p)

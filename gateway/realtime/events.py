@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..limits import UINT32_MAX
+from ..speech_to_text import MAX_PROMPT_CHARS, valid_language
 from .vad import ServerVadParams
 
 INPUT_SAMPLE_RATE = 24000      # pcm16 mono, as OpenAI's realtime API
@@ -268,7 +269,6 @@ def _turn_detection(value: Any, param: str) -> ServerVadParams | None:
 
 
 TRANSCRIPTION_FIELDS = ("model", "language", "prompt")
-MAX_TRANSCRIPTION_PROMPT_CHARS = 4000
 
 
 def _transcription(value: Any, param: str) -> TranscriptionPatch | None:
@@ -283,13 +283,13 @@ def _transcription(value: Any, param: str) -> TranscriptionPatch | None:
             raise ProtocolError(f"'{param}.{key}' is not supported; set only {', '.join(TRANSCRIPTION_FIELDS)}",
                                 param=f"{param}.{key}")
     language = _get(value, "language", str, param)
-    if language is not None and not (0 < len(language) <= 16 and language.replace("-", "").isalpha()):
+    if language is not None and not valid_language(language):
         raise ProtocolError(f"'{param}.language' must be a language code such as \"en\", got {language!r}",
                             param=f"{param}.language")
     prompt = _get(value, "prompt", str, param)
-    if prompt is not None and len(prompt) > MAX_TRANSCRIPTION_PROMPT_CHARS:
+    if prompt is not None and len(prompt) > MAX_PROMPT_CHARS:
         raise ProtocolError(f"'{param}.prompt' has {len(prompt)} characters; the limit is "
-                            f"{MAX_TRANSCRIPTION_PROMPT_CHARS}", param=f"{param}.prompt")
+                            f"{MAX_PROMPT_CHARS}", param=f"{param}.prompt")
     return TranscriptionPatch(param=param, model=_get(value, "model", str, param), language=language,
                               prompt=prompt or None)
 

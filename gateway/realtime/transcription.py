@@ -3,7 +3,7 @@
 With `audio.input.transcription` (GA) / `input_audio_transcription` (beta) set, every committed
 user audio item (server VAD or input_audio_buffer.commit) is transcribed by a text-only request
 to the thinker: one user turn holding the item's audio (its stored features) and an instruction
-(TRANSCRIBE_INSTRUCTION, with the configured language and prompt), greedy, no talker. Its text
+(speech_to_text.TRANSCRIBE_INSTRUCTION, with the configured language and prompt), greedy, no talker. Its text
 comes back as `conversation.item.input_audio_transcription.delta` events and one `.completed`
 (with the request's token usage; `.failed` when it fails), and becomes the item's `transcript`.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from contextlib import aclosing
@@ -32,23 +31,19 @@ from dataclasses import dataclass
 
 import torch
 
-from voxpipe.client import DoneEvent, PipelineError, TextEvent
-from voxpipe.services.runtime.logs import REQUEST_ID
-from voxpipe.services.thinker.prompt import ChatMessage, user_turn
+from voxpipe.client import PipelineError
+from voxpipe.services.thinker.prompt import ChatMessage
 
+from .. import speech_to_text
 from ..errors import APIError, from_pipeline_error
-from ..generation import Generation, speech_request
-from ..params import GenerationParams
+from ..generation import Generation
+from ..speech_to_text import Transcript
 from .events import INPUT_SAMPLE_RATE
 from .server_events import (Emit, InputTranscriptionCompleted, InputTranscriptionDelta, InputTranscriptionFailed,
                             TranscriptionError, TranscriptionUsage)
 from .session import TranscriptionSettings
 
 log = logging.getLogger(__name__)
-
-TRANSCRIBE_INSTRUCTION = "Transcribe the audio into text. Reply with the transcript only."
-# a transcript's length bound: 16 tokens plus 8 a second of audio (ordinary speech is ~3 a second)
-MAX_TOKENS_BASE, MAX_TOKENS_PER_SECOND = 16, 8
 
 
 @dataclass(frozen=True)
@@ -60,22 +55,15 @@ class TranscriptionJob:
     settings: TranscriptionSettings
 
 
-def instruction(settings: TranscriptionSettings) -> str:
-    text = TRANSCRIBE_INSTRUCTION
-    if settings.language:
-        text += f" The speech is in the language with the ISO-639-1 code {settings.language!r}."
-    if settings.prompt:
-        text += f" Context for the transcript: {settings.prompt}"
-    return text
-
-
 def transcription_messages(job: TranscriptionJob) -> list[ChatMessage]:
     """The transcription request's conversation: one user turn, the audio then the instruction."""
-    return user_turn(instruction(job.settings), [job.features])
+    return speech_to_text.messages(job.features, speech_to_text.instruction(job.settings.language,
+                                                                            job.settings.prompt))
 
 
 def max_tokens(audio_samples: int) -> int:
-    return MAX_TOKENS_BASE + MAX_TOKENS_PER_SECOND * math.ceil(audio_samples / INPUT_SAMPLE_RATE)
+    """The transcript's token bound for `audio_samples` at the realtime input rate (24 kHz)."""
+    return speech_to_text.max_tokens(audio_samples, INPUT_SAMPLE_RATE)
 
 
 @dataclass(frozen=True)
@@ -117,25 +105,19 @@ class Transcriber:
                 raise
 
     async def _transcribe(self, job: TranscriptionJob) -> None:
-        gen, emit = self.ctx.generation, self.ctx.emit
+        emit = self.ctx.emit
         arrived = time.perf_counter()
-        text, prompt_ids, output_tokens = "", [], 0
+        done: Transcript | None = None
         try:
-            prompt = await gen.render(transcription_messages(job))
-            prompt_ids = prompt.token_ids
-            req = speech_request(prompt, GenerationParams(max_tokens=max_tokens(job.audio_samples), temperature=0.0),
-                                 voice="", audio=False)
-            req.request_id = f"{job.item_id}-transcription"
-            REQUEST_ID.set(req.request_id)
-            async with aclosing(gen.run(req, arrived)) as events:
-                async for ev in events:
-                    if isinstance(ev, TextEvent):
-                        output_tokens += len(ev.token_ids)
-                        if ev.text:
-                            text += ev.text
-                            await emit(InputTranscriptionDelta(job.item_id, job.content_index, ev.text))
-                    elif isinstance(ev, DoneEvent):
-                        output_tokens = ev.completion_tokens or output_tokens
+            pieces = speech_to_text.transcribe(self.ctx.generation, transcription_messages(job),
+                                               max_new_tokens=max_tokens(job.audio_samples),
+                                               request_id=f"{job.item_id}-transcription", arrived=arrived)
+            async with aclosing(pieces):
+                async for piece in pieces:
+                    if isinstance(piece, Transcript):
+                        done = piece
+                    else:
+                        await emit(InputTranscriptionDelta(job.item_id, job.content_index, piece))
         except PipelineError as e:
             await self._failed(job, from_pipeline_error(e))
             return
@@ -147,11 +129,11 @@ class Transcriber:
             await self._failed(job, APIError(500, "the server failed while transcribing this audio",
                                              type="server_error", code="server_error"))
             return
-        self.ctx.set_transcript(job.item_id, job.content_index, text)
-        audio_tokens = prompt_ids.count(gen.audio_token)
+        self.ctx.set_transcript(job.item_id, job.content_index, done.text)
         self.ctx.count("completed")
-        await emit(InputTranscriptionCompleted(job.item_id, job.content_index, text,
-                                               TranscriptionUsage(len(prompt_ids), output_tokens, audio_tokens)))
+        await emit(InputTranscriptionCompleted(job.item_id, job.content_index, done.text,
+                                               TranscriptionUsage(done.prompt_tokens, done.output_tokens,
+                                                                  done.audio_tokens)))
 
     async def _failed(self, job: TranscriptionJob, e: APIError) -> None:
         log.info("transcribing realtime item %s failed: %s", job.item_id, e.message)
