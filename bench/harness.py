@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import live, live_plot, server_stats, trace_path
+from . import conversation, live, live_plot, server_stats, trace_path
 from .report import ReferenceRun, section
 from .requests import RequestMaker
 from .workload import WORKLOADS, LevelResult, Workload, run_level
@@ -131,6 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one more flag for the gateway the bench starts, as written (repeatable; e.g. "
                         "--gateway-arg=--max-sessions=512)")
     live.add_arguments(p)
+    conversation.add_arguments(p)
 
 
 def workloads_from(args) -> list[Workload]:
@@ -163,9 +164,12 @@ class Plan:
             modes[wl.name] = wl.modes(args.modes)
             skipped = [m for m in args.modes if m not in modes[wl.name]]
             whose = "the live sessions' clients are" if wl.live else "the realtime WebSocket is"
-            notes[wl.name] = [f"not run in mode {', '.join(skipped)}: {whose} the gateway's"] if skipped else []
+            only = "split" if wl.conversation else "gateway"
+            why = ("its history travels as token ids through the pipeline client" if wl.conversation
+                   else f"{whose} the gateway's")
+            notes[wl.name] = [f"not run in mode {', '.join(skipped)}: {why}"] if skipped else []
             if not modes[wl.name]:
-                raise SystemExit(f"--workload {wl.name} runs only in gateway mode; add gateway to --modes")
+                raise SystemExit(f"--workload {wl.name} runs only in {only} mode; add {only} to --modes")
             if wl.temperature:
                 notes[wl.name].append("the transformers reference runs greedy (its cost per token and frame is "
                                       "that of sampling but for the draws)")
@@ -432,6 +436,11 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
                             out += await _levels(client, maker.chat, args, wl, mode, scrape, spans)
                         finally:
                             await client.close()
+                    elif mode == "split" and wl.conversation:
+                        async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
+                            info["conversation"] = await conversation.run(
+                                client.stream, cfg, conversation.Settings.of(args, wl.text_tokens, wl.frames),
+                                levels_of(args, wl))
                     elif mode == "split":
                         async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
                             out += await _levels(client.stream, maker.speech, args, wl, mode, scrape)
@@ -650,7 +659,10 @@ def run(args) -> int:
               f"inprocess = the driver calling the engines. Voice prompts: the driver computes the clip's features "
               f"once for split / inprocess; the gateway decodes the wav and computes them per request.\n")
     live_report = info.pop("live", None)
-    sections = [live.section(live_report) if wl.live else
+    conv_report = info.pop("conversation", None)
+    if conv_report is not None:
+        (out / "conversation.json").write_text(json.dumps(conv_report, indent=1))
+    sections = [live.section(live_report) if wl.live else conversation.section(conv_report) if wl.conversation else
                 section(wl, results, refs.get(wl.name) if args.reference else None, bw, nbytes, plan.notes[wl.name])
                 for wl in plan.workloads]
     if live_report is not None:
@@ -666,6 +678,7 @@ def run(args) -> int:
         "sm_shares": plan.sm_shares, "reference": first.result if first else None,
         "references": {name: r.as_dict() for name, r in refs.items()},
         "workloads": {w.name: w.describe() for w in plan.workloads},
-        "notes": plan.notes, "split_info": info, "levels": [r.as_dict() for r in results], "live": live_report},
+        "notes": plan.notes, "split_info": info, "levels": [r.as_dict() for r in results], "live": live_report,
+        "conversation": conv_report},
         indent=1))
     return 0

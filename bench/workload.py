@@ -32,6 +32,7 @@ class Workload:
     realtime: bool = False            # driven through the gateway's realtime WebSocket (gateway mode only)
     temperature: float = 0.0          # > 0: thinker and talker sample (each request seeded by its index)
     live: bool = False                # sessions paced at 1x playback, the capacity searched (bench/live.py)
+    conversation: bool = False        # sessions that re-send their history turn by turn (bench/conversation.py)
 
     def prompt(self, cfg: OmniConfig, index: int) -> list[int]:
         """ChatML system + user turn; user tokens random ids from the normal text range; ends with the
@@ -47,7 +48,10 @@ class Workload:
         return head + body + tail
 
     def modes(self, asked: list[str]) -> list[str]:
-        """The asked client modes this workload runs in: a realtime or live workload only through the gateway."""
+        """The asked client modes this workload runs in: a realtime or live workload only through the
+        gateway, a conversation only through the pipeline client (its history as token ids)."""
+        if self.conversation:
+            return [m for m in asked if m == "split"]
         return [m for m in asked if m == "gateway"] if self.realtime or self.live else list(asked)
 
     def with_overrides(self, prompt_tokens: int = 0, text_tokens: int = 0, frames: int = 0,
@@ -85,6 +89,9 @@ WORKLOADS = {
     "realtime": Workload(name="realtime", realtime=True, levels=(1, 8)),
     # levels: where the capacity search starts (then doubles, then bisects); 125 frames: 10 s replies
     "live": Workload(name="live", live=True, levels=(16,)),
+    # ~250 tokens a turn: a 200-token user turn and a 48-token reply; 25 frames (2 s) a reply; its
+    # transformers reference: one prompt the size of turn 15's (3,800 tokens), uncached
+    "conversation": Workload(name="conversation", conversation=True, prompt_tokens=3800, frames=25, levels=(1, 16)),
 }
 
 

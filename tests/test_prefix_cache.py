@@ -385,3 +385,25 @@ def test_a_prompt_past_the_context_is_400_context_length_exceeded(client, model)
     err = e.value.body
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
     assert "max_tokens 70000 exceeds the context of 65536" in err["message"]
+
+
+def test_the_conversation_workload_reports_each_turns_cached_fraction(stack, omni_config):
+    """bench/conversation.py through the real stage services: turn 2 re-sends turn 1 and its reply as
+    token ids, and the thinker's prefix cache holds them; the long-context probe's repeat is cached."""
+    from voxpipe.bench import conversation
+    from voxpipe.client import PipelineClient
+
+    settings = conversation.Settings(turns=2, turn_tokens=40, text_tokens=4, frames=3, context_tokens=120)
+
+    async def go():
+        async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
+            return await conversation.run(client.stream, omni_config, settings, [1])
+
+    report = asyncio.run(go())
+    turns = report["levels"][0]["turns"]
+    assert report["levels"][0]["failed"] == 0 and [t["turn"] for t in turns] == [1, 2]
+    assert turns[0]["cached_fraction"] < 0.5 < turns[1]["cached_fraction"] < 1
+    assert all(t["ttfp_p50_ms"] > 0 for t in turns)
+    lc = report["long_context"]
+    assert lc["cold"]["error"] is None and lc["repeated"]["cached_tokens"] >= lc["prompt_tokens"] - BS
+    assert "conversation: 40-token user turns" in conversation.section(report)
