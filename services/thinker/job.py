@@ -26,6 +26,7 @@ class ForcedReply:
 class ThinkerJob(EngineRequest):
     prompt: list[int] = field(default_factory=list)
     audio: list[torch.Tensor] = field(default_factory=list)   # [mel, frames] each
+    audio_digests: list[bytes | None] | None = None   # each clip's audio_cache.clip_key (the runner's, at its embedding)
     params: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 0
     min_tokens: int = 0

@@ -18,6 +18,7 @@ from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_availab
 from ..runtime.kv_cache import PackedStep, SlotKVCache
 from ..runtime.outputs import TalkerPromptOut, TokenLogprob
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
+from .audio_cache import AudioEncoderCache
 from .job import ThinkerJob
 from .model import ThinkerModel
 
@@ -90,11 +91,14 @@ class Sampled:
 class ThinkerRunner:
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, eos_ids: tuple[int, ...], cuda_graphs: bool = True, prefill_batch: int = 8,
-                 prefill_graph_len: int = 512, eager_fallback: bool = False) -> None:
-        """Prompts up to `prefill_graph_len` tokens, `prefill_batch` at a time, replay CUDA graphs."""
+                 prefill_graph_len: int = 512, eager_fallback: bool = False, audio_cache_bytes: int = 0) -> None:
+        """Prompts up to `prefill_graph_len` tokens, `prefill_batch` at a time, replay CUDA graphs;
+        up to `audio_cache_bytes` of audio encoder outputs are kept by clip content (0: none)."""
         self.model, self.cfg, self.device = model, cfg, device
         self.prefill_batch = prefill_batch
         dtype = next(model.parameters()).dtype
+        self.audio = AudioEncoderCache(model.audio_tower, audio_cache_bytes, model.model.embed_tokens.weight.dtype,
+                                       device)
         t = cfg.text
         self.cache = SlotKVCache(t.num_layers, max_active, max_len, t.num_kv_heads, t.head_dim, dtype, device)
         special = torch.tensor([cfg.tokens.tts_bos, cfg.tokens.tts_eos, cfg.tokens.tts_pad], device=device)
@@ -157,16 +161,25 @@ class ThinkerRunner:
         left on the device reaches a later request (SlotKVCache.scrub)."""
         if job.slot is not None:
             self.cache.scrub(job.slot)
+        self.audio.forget(job.audio_digests or [])
         for graphs in (self.graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.scrub()
 
     # ---- forwards
+    def embed(self, job: ThinkerJob) -> torch.Tensor:
+        """The job's prompt embeddings [P, H] on the device; its clips through the audio encoder cache."""
+        ids = torch.tensor(job.prompt, device=self.device)
+        if not job.audio:
+            return self.model.embed(ids)
+        if job.audio_digests is None:
+            job.audio_digests = self.audio.keys(job.audio)
+        return self.model.embed(ids, encoded=self.audio.encode(job.audio, job.audio_digests))
+
     def prefill(self, jobs: list[ThinkerJob]) -> Prefilled:
         """One forward over the jobs' prompts (right-padded), from position 0, into their slots."""
         dev = self.device
-        ids = [torch.tensor(j.prompt, device=dev) for j in jobs]
-        embeds = [self.model.embed(i, [a.to(dev, torch.float32) for a in j.audio]) for i, j in zip(ids, jobs)]
+        embeds = [self.embed(j) for j in jobs]
         audio = [bool(j.audio) for j in jobs]   # the server checked: features <=> audio placeholders
         keep = self.cfg.accept_hidden_layer if any(j.talker_rows and a for j, a in zip(jobs, audio)) else None
         n, s = len(jobs), max(len(j.prompt) for j in jobs)
@@ -196,8 +209,7 @@ class ThinkerRunner:
         dev = self.device
         for job, _, _ in chunks:
             if job.embeds is None:   # first chunk: the whole prompt's embeddings, kept until the last chunk
-                ids = torch.tensor(job.prompt, device=dev)
-                job.embeds = self.model.embed(ids, [a.to(dev, torch.float32) for a in job.audio])
+                job.embeds = self.embed(job)
         kept_by = [bool(job.talker_rows and job.audio) for job, _, _ in chunks]
         keep = self.cfg.accept_hidden_layer if any(kept_by) else None
         step = PackedStep.pack([(job.slot, start, length) for job, start, length in chunks])

@@ -24,6 +24,7 @@ from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finishe
                               routed_proto, serve_stage, stage_setup, talker_prompt_proto)
 from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
+from .audio_cache import DEFAULT_AUDIO_CACHE_MB
 from .engine import PREFILL_CHUNK, ThinkerEngine, assistant_head_index
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
@@ -230,12 +231,15 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     setup = stage_setup(args)      # bad flags fail before the weights load
     if args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    if args.audio_cache_mb < 0:
+        raise SystemExit(f"--audio-cache-mb must be at least 0, got {args.audio_cache_mb:g}")
     cfg = OmniConfig.load(args.model)
     model = load_stage_model(args, setup, lambda: ThinkerModel(cfg.thinker), "thinker.", ignore=("visual.",))
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=setup.device,
                            max_active=args.max_batch, max_len=args.max_len, eos_ids=(cfg.thinker.tokens.im_end,),
                            cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk, eager_fallback=args.eager_fallback,
-                           talker_prompt_ids=not args.talker_prompt_rows)
+                           talker_prompt_ids=not args.talker_prompt_rows,
+                           audio_cache_bytes=int(args.audio_cache_mb * 1024 * 1024))
     talker = NextStage("talker", args.talker, max_message_bytes=setup.opts.max_message_bytes,
                        tls=setup.tls) if args.talker else None
     return ThinkerServicer(engine, setup.opts, engine.tokenizer, cfg, talker), cfg
@@ -254,6 +258,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send a text prompt's user turns to the talker as embedding rows (a 2,500-token "
                              "conversation: 10 MB), as before talkers looked them up from their token ids; for "
                              "talkers of an older voxpipe during a rolling upgrade")
+    parser.add_argument("--audio-cache-mb", type=float, default=DEFAULT_AUDIO_CACHE_MB,
+                        help="audio encoder outputs kept on the device by clip content (the features' SHA-256), "
+                             "least recently used dropped first: a clip a conversation sends again is not encoded "
+                             f"again (default {DEFAULT_AUDIO_CACHE_MB:g}; 0: off)")
 
 
 def run(args) -> None:
