@@ -11,11 +11,11 @@ hands out copies), bounded by bytes, least recently used evicted first."""
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 
 import torch
 
 from ..runtime import metrics
+from ..runtime.lru import BytesLRU
 from .model import AudioEncoder, chunk_pad
 
 DEFAULT_AUDIO_CACHE_MB = 256.0   # --audio-cache-mb: ~850 clips of 5.7 s at full size (74 rows x 2048 x bf16)
@@ -31,45 +31,19 @@ def clip_key(features: torch.Tensor, pad_to: int) -> bytes:
 
 
 class AudioEncoderCache:
-    """`encode(clips)`: each clip's encoder output, concatenated [N, H] in `dtype` on `device`
-    (a new tensor), looked up by content first; at most `max_bytes` of outputs held (0: off, every
-    clip is encoded)."""
+    """`encode(clips, keys)`: a prompt's clips' encoder outputs, concatenated [N, H] in `dtype` on
+    `device` (a new tensor), looked up by content first; at most `max_bytes` of outputs held (0:
+    off, every clip is encoded). Used by the engine thread alone."""
 
     def __init__(self, tower: AudioEncoder, max_bytes: int, dtype: torch.dtype, device: torch.device,
                  stage: str = "thinker") -> None:
-        self.tower, self.max_bytes, self.dtype, self.device = tower, max_bytes, dtype, device
+        self.tower, self.dtype, self.device = tower, dtype, device
         self.n_window = tower.cfg.n_window
-        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # oldest use first
-        self.bytes = 0
+        self.lru = BytesLRU(max_bytes)
         self.hits = metrics.AUDIO_CACHE_HITS.labels(stage)
         self.misses = metrics.AUDIO_CACHE_MISSES.labels(stage)
         self.evictions = metrics.AUDIO_CACHE_EVICTIONS.labels(stage)
         self.held = metrics.AUDIO_CACHE_BYTES.labels(stage)
-
-    def _run(self, features: torch.Tensor, pad_to: int) -> torch.Tensor:
-        return self.tower(features.to(self.device, torch.float32), pad_to).to(self.dtype)
-
-    def one(self, features: torch.Tensor, pad_to: int, digest: bytes | None) -> torch.Tensor:
-        """One clip's encoder output [n, H] (`digest`: its clip_key; None: not cached). The cached
-        tensor itself: callers copy it (`encode`)."""
-        if digest is None:
-            return self._run(features, pad_to)
-        out = self.entries.get(digest)
-        if out is not None:
-            self.entries.move_to_end(digest)
-            self.hits.inc()
-            return out
-        self.misses.inc()
-        out = self._run(features, pad_to)
-        size = out.numel() * out.element_size()
-        if size <= self.max_bytes:
-            while self.bytes + size > self.max_bytes:
-                self._drop(next(iter(self.entries)))
-                self.evictions.inc()
-            self.entries[digest] = out
-            self.bytes += size
-            self.held.inc(size)
-        return out
 
     def pad(self, clips: list[torch.Tensor]) -> int:
         return chunk_pad([f.shape[1] for f in clips], self.n_window)
@@ -77,23 +51,34 @@ class AudioEncoderCache:
     def keys(self, clips: list[torch.Tensor]) -> list[bytes | None]:
         """A prompt's clips' keys, in order (None each when the cache is off)."""
         pad = self.pad(clips)
-        return [clip_key(f, pad) if self.max_bytes else None for f in clips]
+        return [clip_key(f, pad) if self.lru.max_bytes else None for f in clips]
 
     def encode(self, clips: list[torch.Tensor], keys: list[bytes | None]) -> torch.Tensor:
         """A prompt's clips' encoder outputs in order, concatenated: a new tensor [sum n, H]
         (torch.cat copies), so no caller writes into a cached entry."""
         pad = self.pad(clips)
-        return torch.cat([self.one(f, pad, k) for f, k in zip(clips, keys)])
+        return torch.cat([self._one(f, pad, k) for f, k in zip(clips, keys)])
 
-    def forget(self, digests: list[bytes | None]) -> None:
+    def forget(self, keys: list[bytes | None]) -> None:
         """Drop these clips' entries (a request that failed on non-finite values: nothing it
         made stays on the device for the next request)."""
-        for d in digests:
-            if d in self.entries:
-                self._drop(d)
+        held = self.lru.bytes
+        for k in keys:
+            if k is not None:
+                self.lru.pop(k)
+        self.held.dec(held - self.lru.bytes)
 
-    def _drop(self, digest: bytes) -> None:
-        out = self.entries.pop(digest)
-        size = out.numel() * out.element_size()
-        self.bytes -= size
-        self.held.dec(size)
+    def _one(self, features: torch.Tensor, pad_to: int, key: bytes | None) -> torch.Tensor:
+        """One clip's encoder output [n, H]: the cached tensor itself (`encode` copies it)."""
+        if key is not None:
+            got = self.lru.get(key)
+            if got is not None:
+                self.hits.inc()
+                return got
+            self.misses.inc()
+        out = self.tower(features.to(self.device, torch.float32), pad_to).to(self.dtype)
+        if key is not None:
+            held = self.lru.bytes
+            self.evictions.inc(self.lru.put(key, out))
+            self.held.inc(self.lru.bytes - held)
+        return out

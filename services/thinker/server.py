@@ -231,8 +231,8 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     setup = stage_setup(args)      # bad flags fail before the weights load
     if args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
-    if args.audio_cache_mb < 0:
-        raise SystemExit(f"--audio-cache-mb must be at least 0, got {args.audio_cache_mb:g}")
+    if not 0 <= args.audio_cache_mb < float("inf"):
+        raise SystemExit(f"--audio-cache-mb must be a number of MB, at least 0, got {args.audio_cache_mb:g}")
     cfg = OmniConfig.load(args.model)
     model = load_stage_model(args, setup, lambda: ThinkerModel(cfg.thinker), "thinker.", ignore=("visual.",))
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=setup.device,
