@@ -11,6 +11,7 @@ hands out copies), bounded by bytes, least recently used evicted first."""
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -19,6 +20,9 @@ from ..runtime.lru import BytesLRU
 from .model import AudioEncoder, chunk_pad
 
 DEFAULT_AUDIO_CACHE_MB = 256.0   # --audio-cache-mb: ~850 clips of 5.7 s at full size (74 rows x 2048 x bf16)
+# hashlib releases the GIL over large buffers: a 40-turn conversation's clips (~12 MB of features)
+# are hashed here, beside the event loop and the engine thread, between its start and its prefill
+_HASHING = ThreadPoolExecutor(max_workers=4, thread_name_prefix="clip-keys")
 
 
 def clip_key(features: torch.Tensor, pad_to: int) -> bytes:
@@ -52,6 +56,14 @@ class AudioEncoderCache:
         """A prompt's clips' keys, in order (None each when the cache is off)."""
         pad = self.pad(clips)
         return [clip_key(f, pad) if self.lru.max_bytes else None for f in clips]
+
+    def keys_soon(self, clips: list[torch.Tensor]) -> list[Future] | None:
+        """`keys`, each hashed in a worker thread from now on (None when the cache is off or there
+        are no clips); the runner waits for them when it embeds the prompt. Thread-safe."""
+        if not clips or not self.lru.max_bytes:
+            return None
+        pad = self.pad(clips)
+        return [_HASHING.submit(clip_key, f, pad) for f in clips]
 
     def encode(self, clips: list[torch.Tensor], keys: list[bytes | None]) -> torch.Tensor:
         """A prompt's clips' encoder outputs in order, concatenated: a new tensor [sum n, H]

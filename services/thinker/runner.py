@@ -173,7 +173,8 @@ class ThinkerRunner:
         if not job.audio:
             return self.model.embed(ids)
         if job.audio_digests is None:
-            job.audio_digests = self.audio.keys(job.audio)
+            soon = job.audio_keys
+            job.audio_digests = [k.result() for k in soon] if soon is not None else self.audio.keys(job.audio)
         return self.model.embed(ids, encoded=self.audio.encode(job.audio, job.audio_digests))
 
     def prefill(self, jobs: list[ThinkerJob]) -> Prefilled:

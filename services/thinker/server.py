@@ -181,7 +181,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                           prompt=ids, audio=audio, params=params, max_tokens=max_tokens, min_tokens=start.min_tokens,
                           talker_rows=rows, speech=speech, stops=tuple(start.stop),
-                          top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced)
+                          top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced,
+                          audio_keys=self.engine.runner.audio.keys_soon(audio))
 
     def _forced(self, start: pb.ThinkerStart, prompt_tokens: int) -> ForcedReply | None:
         """The checked reply of a start message with assistant_text (None: the thinker generates)."""
