@@ -86,8 +86,9 @@ class AudioEncoder(nn.Module):
     def forward(self, features: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
         """features: [num_mel_bins, frames] (one audio) -> [audio_output_length(frames), output_dim].
         Each chunk is zero-padded to `pad_to` frames (default: the clip's longest chunk) before the
-        convolutions; the padding reaches a short chunk's last outputs (a stride-2 window that
-        starts on its last frame), so it is part of the input (`chunk_pad`)."""
+        convolutions. The padding is part of the input (`chunk_pad`): past a short chunk's end the
+        first convolution's outputs read its last frames (not zero), and the next convolution
+        carries them into the chunk's last outputs."""
         cfg = self.cfg
         chunks = features.split(2 * cfg.n_window, dim=1)
         lengths = [ch.shape[1] for ch in chunks]
