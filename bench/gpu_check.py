@@ -1,7 +1,7 @@
 """GPU correctness of the optimized paths at full size (dummy weights): CUDA-graph replays vs the
 same step run eagerly, batched right-padded prefill (graphed) vs one eager prefill per prompt, long
 prompts' packed chunks vs one eager prefill per prompt, and the grouped-GEMM MoE vs the per-expert
-loop, on identical inputs.
+loop, and the audio encoder cache's hits vs encoding again, on identical inputs.
 `python -m voxpipe.bench.gpu_check` (device tool); prints one line per comparison and exits 1 if a
 graph replay differs from its eager step."""
 
@@ -20,6 +20,7 @@ from voxpipe.services.runtime.paged_kv import PagedPackedStep
 from voxpipe.services.runtime.weights import load_module
 from voxpipe.services.talker.engine import TalkerEngine
 from voxpipe.services.talker.model import TalkerModel
+from voxpipe.services.thinker.audio_cache import AudioEncoderCache
 from voxpipe.services.thinker.engine import ThinkerEngine
 from voxpipe.services.thinker.model import ThinkerModel
 from voxpipe.services.thinker.tokenizer import ChatMLByteTokenizer
@@ -254,6 +255,16 @@ def main() -> int:
     got_long = thinker(prompts[0][None, 500:], second.positions(dev), cache.packed(second), last=second.ends(dev))[0]
     results.append(compare("thinker long prompts: packed chunks (flash, paged) vs one eager prefill each, logits",
                            torch.cat([got_long, got_short]), torch.cat(want)))
+    # the audio encoder cache: a 5.7 s clip, then it with a 0.9 s one (a partial hit), then both
+    # again (hits): each equals encoding without the cache, bit for bit
+    clips = [torch.randn(cfg.thinker.audio.num_mel_bins, n) for n in (570, 90)]   # host features, as received
+    uncached = AudioEncoderCache(thinker.audio_tower, 0, th.audio.dtype, dev)
+    cached = AudioEncoderCache(thinker.audio_tower, 1 << 30, th.audio.dtype, dev)
+    want = uncached.encode(clips, uncached.keys(clips))
+    cached.encode(clips[:1], cached.keys(clips[:1]))
+    for what in ("a partial hit", "a hit"):
+        results.append(compare(f"audio encoder cache: {what} vs no cache", cached.encode(clips, cached.keys(clips)),
+                               want, exact=True))
     del th, thinker
     torch.cuda.empty_cache()
 

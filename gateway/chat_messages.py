@@ -1,4 +1,5 @@
-"""OpenAI chat `messages` -> our ChatMessage list (audio parts decoded to 16 kHz mono).
+"""OpenAI chat `messages` -> our ChatMessage list (audio parts as their log-mel features, decoded
+and featurized once per distinct clip: clip_cache.py).
 
 Roles: system (and developer, its newer name), user, assistant. Content: a string or parts of
 type `text` and `input_audio` ({data: base64, format}). An assistant turn may carry
@@ -10,7 +11,8 @@ from typing import Any
 
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
 
-from .audio_formats import decode_base64, decode_clip
+from .audio_formats import decode_base64
+from .clip_cache import ClipCache
 from .errors import bad_request
 from .transcripts import TranscriptStore
 
@@ -18,20 +20,20 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus")
 
 
-def parse_messages(raw: Any, transcripts: TranscriptStore) -> list[ChatMessage]:
+def parse_messages(raw: Any, transcripts: TranscriptStore, clips: ClipCache) -> list[ChatMessage]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty array", param="messages", code="invalid_value")
-    return [_message(m, f"messages[{i}]", transcripts) for i, m in enumerate(raw)]
+    return [_message(m, f"messages[{i}]", transcripts, clips) for i, m in enumerate(raw)]
 
 
-def _message(m: Any, param: str, transcripts: TranscriptStore) -> ChatMessage:
+def _message(m: Any, param: str, transcripts: TranscriptStore, clips: ClipCache) -> ChatMessage:
     if not isinstance(m, dict):
         raise bad_request(f"'{param}' must be an object", param=param, code="invalid_type")
     role = ROLES.get(m.get("role"))
     if role is None:
         raise bad_request(f"'{param}.role' {m.get('role')!r} is not supported; use one of: system, developer, user, "
                           "assistant", param=f"{param}.role", code="invalid_value")
-    parts = _content(m.get("content"), role, f"{param}.content")
+    parts = _content(m.get("content"), role, f"{param}.content", clips)
     if role == "assistant" and m.get("audio") is not None:
         transcript = _referenced_transcript(m["audio"], f"{param}.audio", transcripts)
         if not any(p.text for p in parts):
@@ -39,7 +41,7 @@ def _message(m: Any, param: str, transcripts: TranscriptStore) -> ChatMessage:
     return ChatMessage(role, parts or [ChatPart(text="")])
 
 
-def _content(content: Any, role: str, param: str) -> list[ChatPart]:
+def _content(content: Any, role: str, param: str, clips: ClipCache) -> list[ChatPart]:
     if content is None:
         return []
     if isinstance(content, str):
@@ -56,7 +58,7 @@ def _content(content: Any, role: str, param: str) -> list[ChatPart]:
         elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
             parts.append(ChatPart(text=part["refusal"]))
         elif kind == "input_audio" and role == "user":
-            parts.append(ChatPart(audio=_input_audio(part.get("input_audio"), f"{p}.input_audio")))
+            parts.append(ChatPart(features=_input_audio(part.get("input_audio"), f"{p}.input_audio", clips)))
         elif kind in ("text", "refusal"):
             raise bad_request(f"'{p}' needs a string '{kind}'", param=p, code="invalid_value")
         elif kind == "input_audio":
@@ -68,7 +70,7 @@ def _content(content: Any, role: str, param: str) -> list[ChatPart]:
     return parts
 
 
-def _input_audio(spec: Any, param: str):
+def _input_audio(spec: Any, param: str, clips: ClipCache):
     if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
         raise bad_request(f"'{param}' must be an object with base64 'data' and a 'format'", param=param,
                           code="invalid_value")
@@ -77,7 +79,7 @@ def _input_audio(spec: Any, param: str):
         raise bad_request(f"'{param}.format' must be one of {', '.join(INPUT_AUDIO_FORMATS)}, got {fmt!r}",
                           param=f"{param}.format", code="invalid_value")
     try:
-        return decode_clip(decode_base64(spec["data"]))
+        return clips.features(decode_base64(spec["data"]), fmt)
     except ValueError as e:
         raise bad_request(f"'{param}.data': {e}", param=f"{param}.data", code="invalid_value") from None
 

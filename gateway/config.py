@@ -9,7 +9,7 @@ from pathlib import Path
 from voxpipe.services.runtime.tls import ClientTLS, ServerTLS, client_tls_from_args
 
 from .cors import AllowedOrigins, origins_from_env
-from .limits import MAX_PROMPT_CHARS
+from .limits import DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class GatewayConfig:
     reflection: bool = True            # gRPC server reflection on the Converse port
     audio_expiry_s: int = 3600         # how long an assistant audio id stays usable in later turns
     max_stored_audio: int = 10000      # transcripts kept for multi-turn audio references
+    audio_cache_bytes: int = int(DEFAULT_AUDIO_CACHE_MB * 2**20)   # chat clips' features kept by content (0: off)
     ssl_certfile: str | None = None    # serve HTTPS / WSS and TLS on Converse with this PEM chain ...
     ssl_keyfile: str | None = None     # ... and key (both or neither)
     tls: ServerTLS | None = None       # the same pair, read (for the Converse gRPC port)
@@ -53,6 +54,7 @@ class GatewayConfig:
                    max_sessions=args.max_sessions, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                    body_timeout_s=args.body_timeout, max_prompt_chars=args.max_prompt_chars,
                    reflection=args.reflection, audio_expiry_s=args.audio_expiry,
+                   audio_cache_bytes=int(args.audio_cache_mb * 2**20),
                    ssl_certfile=certfile if tls else None, ssl_keyfile=keyfile if tls else None, tls=tls,
                    stage_tls=client_tls_from_args(args),
                    cors_allow_origins=getattr(args, "cors_allow_origins", None) or origins_from_env())

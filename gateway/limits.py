@@ -14,6 +14,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1    # OpenAI's int64 seeds and our uint6
 MAX_AUDIO_SECONDS = 600.0        # one audio input (HTTP input_audio part, Converse audio part)
 AUDIO_RATES = (1000, 384000)     # accepted input sample rates in Hz, inclusive
 MAX_PROMPT_CHARS = 200_000       # text characters of one rendered conversation (default of --max-prompt-chars)
+DEFAULT_AUDIO_CACHE_MB = 256.0   # chat clips' features kept by content (--audio-cache-mb): ~900 clips of 5.7 s
 
 
 def out_of_range(value: int, low: int, high: int) -> bool:

@@ -10,6 +10,11 @@ voxpipe_gateway_audio_ttfp_seconds                request arrival -> first audio
 voxpipe_gateway_audio_rtf                         generation wall time / seconds of audio produced
 voxpipe_gateway_stage_first_output_seconds{stage} request arrival -> thinker first token,
                                                   talker first frame, code2wav first audio
+voxpipe_gateway_audio_cache_hits_total, _misses_total, _evictions_total
+                                                  chat `input_audio` clips whose features came from the
+                                                  clip cache / were decoded and featurized / were dropped
+                                                  for room (--audio-cache-mb)
+voxpipe_gateway_audio_cache_bytes                 bytes of features that cache holds
 voxpipe_event_loop_lag_seconds{stage="gateway"}   how late the gateway's event loop (the relay of every
                                                   stage message) wakes for a 20 ms timer
 """
@@ -45,6 +50,15 @@ class GatewayMetrics:
         self.stage_first_output = Histogram("voxpipe_gateway_stage_first_output_seconds",
                                             "Request arrival to a stage's first output", ["stage"],
                                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.audio_cache_hits = Counter("voxpipe_gateway_audio_cache_hits", "Chat audio clips found in the clip cache",
+                                        registry=self.registry)
+        self.audio_cache_misses = Counter("voxpipe_gateway_audio_cache_misses",
+                                          "Chat audio clips decoded and featurized", registry=self.registry)
+        self.audio_cache_evictions = Counter("voxpipe_gateway_audio_cache_evictions",
+                                             "Clip features dropped for room (LRU)", registry=self.registry)
+        self.audio_cache_bytes = Gauge("voxpipe_gateway_audio_cache_bytes", "Bytes of clip features cached",
+                                       registry=self.registry)
 
         # the stage services' metric name, so one scrape reads both (voxpipe bench's server table)
         self.loop_lag = Histogram("voxpipe_event_loop_lag_seconds", "Event loop lateness for a 20 ms timer", ["stage"],

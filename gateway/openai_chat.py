@@ -85,7 +85,7 @@ async def chat_completions(request: Request) -> Response:
     opts = chat_options(body, st)
     session, handed_over = st.sessions.acquire("http"), False
     try:
-        messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts)
+        messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts, st.clips)
         prompt = await render_prompt(st, messages)
         req = speech_request(prompt, opts.params, opts.voice, opts.audio_out)
         reply = Reply(st, opts, req, arrived, count_audio_tokens(st, prompt.token_ids))

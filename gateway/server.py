@@ -13,9 +13,16 @@ import os
 from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
 
 from .cors import ENV as CORS_ENV, OriginsError, origins_flag
-from .limits import MAX_PROMPT_CHARS
+from .limits import DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
 
 log = logging.getLogger(__name__)
+
+
+def megabytes(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of MB, at least 0, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve gRPC server reflection on the Converse port")
     parser.add_argument("--audio-expiry", type=int, default=3600,
                         help="seconds an assistant audio id stays usable in later turns")
+    parser.add_argument("--audio-cache-mb", type=megabytes, default=DEFAULT_AUDIO_CACHE_MB,
+                        help="log-mel features of chat input_audio clips kept by the clip's content (SHA-256 of "
+                             "its bytes), least recently used dropped first: a conversation re-sending a clip is "
+                             f"not decoded again (default {DEFAULT_AUDIO_CACHE_MB:g}; 0: off)")
     add_cors_argument(parser)
     g = parser.add_argument_group("TLS (serving)")
     g.add_argument("--ssl-certfile", default=os.environ.get("VOXPIPE_SSL_CERTFILE") or None,

@@ -1,6 +1,6 @@
 """The gateway's shared state, what every API (openai_chat.py, speech.py, realtime/, converse.py)
 uses of it: GatewayState (the pipeline client, the tokenizer and feature extractor for rendering
-prompts, the metrics, the store of assistant audio transcripts), the SessionLimiter that
+prompts, the chat clips' features cache, the metrics, the store of assistant audio transcripts), the SessionLimiter that
 `--max-sessions` sets, shared by HTTP, realtime and Converse, and the API-key check.
 
 The FastAPI app (app.py) keeps one GatewayState in `app.state.gateway`; the routes read it with
@@ -21,6 +21,7 @@ from voxpipe.client import PipelineClient
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.thinker.prompt import FeatureExtractor, load_tokenizer
 
+from .clip_cache import ClipCache
 from .config import GatewayConfig
 from .errors import APIError, too_many_sessions
 from .metrics import GatewayMetrics
@@ -77,6 +78,7 @@ class GatewayState:
     features: FeatureExtractor
     metrics: GatewayMetrics
     sessions: SessionLimiter
+    clips: ClipCache
     transcripts: TranscriptStore | None = None
     pipeline: PipelineClient | None = None          # opened on startup, on the serving event loop
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -86,9 +88,10 @@ class GatewayState:
     def load(cls, config: GatewayConfig) -> "GatewayState":
         metrics = GatewayMetrics()
         omni = OmniConfig.load(config.model_dir)
-        return cls(config=config, omni=omni, tokenizer=load_tokenizer(config.model_dir),
-                   features=FeatureExtractor.for_model(config.model_dir, omni.thinker), metrics=metrics,
-                   sessions=SessionLimiter(config.max_sessions, metrics.sessions),
+        features = FeatureExtractor.for_model(config.model_dir, omni.thinker)
+        return cls(config=config, omni=omni, tokenizer=load_tokenizer(config.model_dir), features=features,
+                   metrics=metrics, sessions=SessionLimiter(config.max_sessions, metrics.sessions),
+                   clips=ClipCache(config.audio_cache_bytes, features, metrics),
                    transcripts=TranscriptStore(config.audio_expiry_s, config.max_stored_audio))
 
     @property

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Reference", "reference_generate", "load_reference_model", "audio_features", "num_audio_tokens"]
+__all__ = ["Reference", "reference_generate", "load_reference_model", "audio_features", "num_audio_tokens",
+           "ThinkerReference", "reference_thinker"]
 
 _MODELS: dict[str, object] = {}
 
@@ -155,6 +156,39 @@ def reference_generate(
         codes=codes[0].transpose(0, 1).contiguous().to(torch.int64),
         wav=wav.reshape(-1).to(torch.float32),
     )
+
+
+@dataclass
+class ThinkerReference:
+    text_ids: list[int]  # generated thinker ids only (prompt excluded)
+    embeds: torch.Tensor  # [P, H] the prompt's input embeddings (audio placeholders hold the encoder's outputs)
+    hidden: torch.Tensor  # [P, H] the prompt's hidden states at talker_config.accept_hidden_layer
+
+
+def reference_thinker(model_dir, input_ids: list[int], clips: list[torch.Tensor], *, max_tokens: int) -> ThinkerReference:
+    """Greedy ``thinker.generate`` of transformers' reference on a prompt with any number of audio
+    clips (``clips``: [128, T_i] features each, in prompt order; batched right-padded with a feature
+    attention mask, as the processor does), with the prompt's hidden states that ``generate``
+    (return_audio) hands the talker: ``hidden_states[0][0]`` (embeddings) and
+    ``[accept_hidden_layer]``."""
+    model = load_reference_model(model_dir)
+    ids = torch.tensor([list(input_ids)], dtype=torch.long)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                  eos_token_id=model.config.im_end_token_id, output_hidden_states=True, return_dict_in_generate=True)
+    if clips:
+        longest = max(c.shape[1] for c in clips)
+        feats = torch.zeros(len(clips), clips[0].shape[0], longest)
+        mask = torch.zeros(len(clips), longest, dtype=torch.long)
+        for i, c in enumerate(clips):
+            feats[i, :, : c.shape[1]] = c
+            mask[i, : c.shape[1]] = 1
+        kwargs.update(input_features=feats, feature_attention_mask=mask)
+    with torch.no_grad():
+        out = model.thinker.generate(**kwargs)
+    prompt = out.hidden_states[0]
+    return ThinkerReference(text_ids=[int(t) for t in out.sequences[0, ids.shape[1] :].tolist()],
+                            embeds=prompt[0][0].float(),
+                            hidden=prompt[model.config.talker_config.accept_hidden_layer][0].float())
 
 
 class _ForceTokens:

@@ -168,7 +168,8 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=7)
 def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
     """Beside three innocent requests (two greedy, one sampled): one whose repetition penalty of
     1e-40 overflows its sampling scores, one whose 3e38 audio features make its prefill logits NaN.
-    Both fail with their own error in the shared steps; the innocents equal their solo runs."""
+    Both fail with their own error in the shared steps (the latter's clip is not kept in the audio
+    encoder cache); the innocents equal their solo runs."""
     engine = thinker_engine
     wave = torch.zeros(engine.cfg.audio.num_mel_bins, 100)
 
@@ -190,6 +191,8 @@ def test_thinker_poisoned_rows_fail_alone(thinker_engine, tiny_model_dir):
         _run(engine, [together[0], penalty, together[1], features, together[2]])
         await _assert_poisoned(penalty, "thinker")
         await _assert_poisoned(features, "thinker")
+        # its clip's encoder output left the audio encoder cache with it
+        assert features.audio_digests[0] is not None and features.audio_digests[0] not in engine.runner.audio.lru.entries
         assert [await _thinker_output(engine, j) for j in together] == solo
         assert engine.runner.blocks.pool.used == 0
         # a long poisoned prompt alone in slot 0 (its KV rows NaN), then the innocents together: the

@@ -315,11 +315,12 @@ def test_audio_encoder(ref, thinker, cfg, frames):
     close(got, want)
 
 
-def test_audio_embeddings_of_two_clips_in_one_prompt(ref, thinker, cfg):
+@pytest.mark.parametrize("lens", [(230, 61), (130, 90)])
+def test_audio_embeddings_of_two_clips_in_one_prompt(ref, thinker, cfg, lens):
     """ThinkerModel.embed places each clip's tokens on its placeholders, as transformers does for a batch
-    of clips given with a feature attention mask."""
+    of clips given with a feature attention mask: a clip shorter than a chunk is padded to the longest
+    chunk of the prompt (90 frames: its last convolution windows read that padding)."""
     a = cfg.thinker.audio
-    lens = (230, 61)
     feats = [torch.randn(a.num_mel_bins, n, generator=gen(20 + n)) for n in lens]
     counts = [audio_output_length(n, a.n_window) for n in lens]
     tok = cfg.thinker.tokens

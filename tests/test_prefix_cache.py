@@ -326,7 +326,8 @@ def test_a_poisoned_request_publishes_nothing(cached, loop):
         items.append(got[0])
     assert not isinstance(items[-1], Finished)
     again = _job(cached, "bad-again", msgs, talker_rows=False)
-    table = cached.runner.blocks.admit(again.prompt, audio_spans(cached.cfg, again.prompt, again.audio), reserve=1)
+    table = cached.runner.blocks.admit(again.prompt, audio_spans(cached.cfg, again.prompt,
+                                                                 cached.runner.audio.keys(again.audio)), reserve=1)
     assert table.cached_tokens == 0                 # the failed request's blocks were never published
     cached.runner.blocks.release(table)
 

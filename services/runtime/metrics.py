@@ -24,6 +24,10 @@ voxpipe_prefix_cache_tokens_total{stage,kind}  prompt tokens looked up in the pr
 voxpipe_preemptions_total{stage}    running sequences preempted for lack of KV blocks (recomputed later)
 voxpipe_pending_upload_bytes{stage}  bytes still expected by chunked start messages not yet complete
                                     (reserved when the head arrives; bounded by --max-pending-upload-mb)
+voxpipe_audio_cache_hits_total{stage}, _misses_total{stage}, _evictions_total{stage}
+                                    audio clips whose encoder output was found in / added to / dropped
+                                    from the thinker's audio encoder cache (--audio-cache-mb)
+voxpipe_audio_cache_bytes{stage}    bytes of encoder outputs that cache holds on the device
 """
 
 from __future__ import annotations
@@ -63,6 +67,14 @@ PREFIX_TOKENS = Counter("voxpipe_prefix_cache_tokens", "Prompt tokens looked up 
 PREEMPTIONS = Counter("voxpipe_preemptions", "Sequences preempted for lack of KV blocks", ["stage"],
                       registry=REGISTRY)
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)
+AUDIO_CACHE_HITS = Counter("voxpipe_audio_cache_hits", "Audio clips whose encoder output was cached", ["stage"],
+                           registry=REGISTRY)
+AUDIO_CACHE_MISSES = Counter("voxpipe_audio_cache_misses", "Audio clips encoded (not in the cache)", ["stage"],
+                             registry=REGISTRY)
+AUDIO_CACHE_EVICTIONS = Counter("voxpipe_audio_cache_evictions", "Encoder outputs dropped for room (LRU)", ["stage"],
+                                registry=REGISTRY)
+AUDIO_CACHE_BYTES = Gauge("voxpipe_audio_cache_bytes", "Bytes of audio encoder outputs cached on the device", ["stage"],
+                          registry=REGISTRY)
 NEXT_STAGE_STREAMS = Counter("voxpipe_next_stage_streams_total", "Streams opened to the next stage", ["stage"],
                              registry=REGISTRY)
 

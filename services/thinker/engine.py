@@ -56,14 +56,15 @@ class ThinkerEngine(StageEngine):
                  cuda_graphs: bool = True,
                  prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512,
                  prefill_chunk: int = PREFILL_CHUNK, eager_fallback: bool = False,
-                 talker_prompt_ids: bool = True) -> None:
+                 talker_prompt_ids: bool = True, audio_cache_bytes: int = 0) -> None:
         """A step prefills up to `prefill_batch` prompts with at most `prefill_tokens` padded tokens
         together; prompts up to `prefill_graph_len` tokens replay CUDA graphs. Longer prompts (and
         any longer than `prefill_chunk`) are prefilled in chunks packed into one row, at most
         `prefill_chunk` tokens per step (ThinkerScheduler). `talker_prompt_ids`: a text prompt's user
         turns go to a routed talker as token ids, which it looks up itself (TalkerPrompt.user_rows unset);
         off: as rows (for talkers older than that). `kv`: the KV pool (default: room for `max_active`
-        sequences of `max_len` positions)."""
+        sequences of `max_len` positions). `audio_cache_bytes`: audio encoder outputs kept by clip
+        content (audio_cache.py; 0: none)."""
         super().__init__(max_active)
         if kv is None:
             kv = KVPlan(blocks=-(-max_active * max_len // KVPlan.block_size))
@@ -74,7 +75,8 @@ class ThinkerEngine(StageEngine):
                                           long_prompt=min(prefill_chunk, prefill_graph_len))
         self.runner = ThinkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
                                     eos_ids=eos_ids, kv=kv, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
-                                    prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback)
+                                    prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
+                                    audio_cache_bytes=audio_cache_bytes)
 
     # ---- the loop's hooks
     @property

@@ -4,6 +4,7 @@ imports the other."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,8 @@ class ForcedReply:
 class ThinkerJob(EngineRequest):
     prompt: list[int] = field(default_factory=list)
     audio: list[torch.Tensor] = field(default_factory=list)   # [mel, frames] each
+    audio_digests: list[bytes | None] | None = None   # each clip's audio_cache.clip_key (the runner's, at its embedding)
+    audio_keys: list[Future] | None = None   # the same keys being hashed since the start arrived (the servicer's)
     params: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 0
     min_tokens: int = 0

@@ -83,12 +83,16 @@ class AudioEncoder(nn.Module):
         self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
         self._positions = sinusoids(cfg.max_source_positions, cfg.d_model)
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """features: [num_mel_bins, frames] (one audio) -> [audio_output_length(frames), output_dim]."""
+    def forward(self, features: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
+        """features: [num_mel_bins, frames] (one audio) -> [audio_output_length(frames), output_dim].
+        Each chunk is zero-padded to `pad_to` frames (default: the clip's longest chunk) before the
+        convolutions. The padding is part of the input (`chunk_pad`): past a short chunk's end the
+        first convolution's outputs read its last frames (not zero), and the next convolution
+        carries them into the chunk's last outputs."""
         cfg = self.cfg
         chunks = features.split(2 * cfg.n_window, dim=1)
         lengths = [ch.shape[1] for ch in chunks]
-        longest = max(lengths)
+        longest = max(lengths) if pad_to is None else pad_to
         padded = features.new_zeros(len(chunks), 1, features.shape[0], longest)
         for i, ch in enumerate(chunks):
             padded[i, 0, :, : ch.shape[1]] = ch
@@ -113,6 +117,13 @@ class AudioEncoder(nn.Module):
         return self.proj2(F.gelu(x))
 
 
+def chunk_pad(frames: list[int], n_window: int) -> int:
+    """The frames every chunk of a prompt's clips is padded to: the longest chunk among them, as
+    transformers pads all of a prompt's clips together (a clip under 2 * n_window frames in a prompt
+    with a longer one is padded to the longer one's chunk)."""
+    return max(min(n, 2 * n_window) for n in frames)
+
+
 class ThinkerTextModel(DecoderStack):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -127,12 +138,17 @@ class ThinkerModel(nn.Module):
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
         self.audio_tower = AudioEncoder(cfg.audio)
 
-    def embed(self, token_ids: torch.Tensor, audio_features: list[torch.Tensor] = ()) -> torch.Tensor:
+    def embed(self, token_ids: torch.Tensor, audio_features: list[torch.Tensor] = (),
+              encoded: torch.Tensor | None = None) -> torch.Tensor:
         """Input embeddings [S, H]; audio placeholder positions take the audio encoder's outputs
-        in order (the caller checked the counts)."""
+        in order: of `audio_features` ([mel, frames] each), or `encoded` [placeholders, H], the
+        clips' outputs already made (audio_cache.py). The caller checked the counts."""
         x = self.model.embed_tokens(token_ids)
-        if audio_features:
-            audio = torch.cat([self.audio_tower(f) for f in audio_features], dim=0).to(x.dtype)
+        if audio_features or encoded is not None:
+            if encoded is None:
+                pad = chunk_pad([f.shape[1] for f in audio_features], self.cfg.audio.n_window)
+                encoded = torch.cat([self.audio_tower(f, pad) for f in audio_features], dim=0)
+            audio = encoded.to(x.dtype)
             mask = token_ids == self.cfg.tokens.audio_token
             x = x.clone()
             x[mask] = audio

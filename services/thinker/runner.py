@@ -17,7 +17,6 @@ own generator) with one host read, and looks up the log probabilities and talker
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ from ..runtime.block_pool import ContentSpan, KVBlockManager
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerPromptOut, TokenLogprob
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
+from .audio_cache import AudioEncoderCache
 from .job import ThinkerJob
 from .model import ThinkerModel
 
@@ -99,24 +99,19 @@ class Sampled:
     rows: list[torch.Tensor | None]             # the token's talker row [H] on the host (talker_rows), else None
 
 
-def audio_spans(cfg: ThinkerConfig, prompt: list[int], audio: list[torch.Tensor]) -> tuple[ContentSpan, ...]:
-    """Each audio clip's placeholder run in the prompt with the digest of its features (dtype, shape
-    and bytes): the content behind those token ids, for the prefix hashes. Runs and clips pair up in
-    order (the server checked their counts)."""
-    if not audio:
-        return ()
+def audio_spans(cfg: ThinkerConfig, prompt: list[int], digests: list[bytes]) -> tuple[ContentSpan, ...]:
+    """Each audio clip's placeholder run in the prompt with its clip's digest (audio_cache.clip_key:
+    the encoder's whole input, features and chunk padding): the content behind those token ids, for
+    the prefix hashes. Runs and clips pair up in order (the server checked their counts)."""
     tok = cfg.tokens.audio_token
     spans, i, n = [], 0, len(prompt)
-    for feats in audio:
+    for digest in digests:
         while i < n and prompt[i] != tok:
             i += 1
         j = i
         while j < n and prompt[j] == tok:
             j += 1
-        h = hashlib.blake2b(digest_size=16)
-        h.update(f"{feats.dtype}{tuple(feats.shape)}".encode())
-        h.update(feats.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        spans.append(ContentSpan(i, j, h.digest()))
+        spans.append(ContentSpan(i, j, digest))
         i = j
     return tuple(spans)
 
@@ -139,12 +134,15 @@ class ThinkerRunner:
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, eos_ids: tuple[int, ...], kv: KVPlan, cuda_graphs: bool = True,
                  prefill_batch: int = 8, prefill_graph_len: int = 512, decode_graph_len: int = 8192,
-                 eager_fallback: bool = False) -> None:
+                 eager_fallback: bool = False, audio_cache_bytes: int = 0) -> None:
         """Prompts up to `prefill_graph_len` tokens, `prefill_batch` at a time, replay CUDA graphs;
-        decode steps whose longest sequence is within `decode_graph_len` positions too."""
+        decode steps whose longest sequence is within `decode_graph_len` positions too; up to
+        `audio_cache_bytes` of audio encoder outputs are kept by clip content (0: none)."""
         self.model, self.cfg, self.device = model, cfg, device
         self.prefill_batch, self.max_len = prefill_batch, max_len
         dtype = next(model.parameters()).dtype
+        self.audio = AudioEncoderCache(model.audio_tower, audio_cache_bytes, model.model.embed_tokens.weight.dtype,
+                                       device, keyed=kv.prefix_cache)
         t = cfg.text
         self.cache = PagedKVCache(t.num_layers, kv.blocks, kv.block_size, t.num_kv_heads, t.head_dim, dtype, device)
         self.blocks = KVBlockManager(kv.blocks, kv.block_size, kv.prefix_cache)
@@ -204,8 +202,8 @@ class ThinkerRunner:
         its context and its first decode position. False (nothing taken) when the pool lacks them.
         A prompt whose talker needs hidden states of its audio rows takes no cached prefix past its
         first audio placeholder (a cached block keeps keys, not the hidden layer)."""
-        if not job.spans and job.audio:
-            job.spans = audio_spans(self.cfg, job.prompt, job.audio)
+        if not job.spans and job.audio and self.blocks.enable_caching:
+            job.spans = audio_spans(self.cfg, job.prompt, self._digests(job))
         limit = None
         if job.talker_rows and job.spans:
             limit = job.spans[0].start
@@ -259,6 +257,7 @@ class ThinkerRunner:
         if job.table is not None:
             own = job.table.blocks[job.table.cached_tokens // self.blocks.block_size:]
             self.cache.scrub(own)
+        self.audio.forget(job.audio_digests or [])
         for graphs in (self.graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.scrub()
@@ -267,11 +266,24 @@ class ThinkerRunner:
         return self.cache.table_tensor([j.table.blocks for j in jobs], width, self.device)
 
     # ---- forwards
+    def embed(self, job: ThinkerJob) -> torch.Tensor:
+        """The job's prompt embeddings [P, H] on the device; its clips through the audio encoder cache."""
+        ids = torch.tensor(job.prompt, device=self.device)
+        if not job.audio:
+            return self.model.embed(ids)
+        return self.model.embed(ids, encoded=self.audio.encode(job.audio, self._digests(job)))
+
+    def _digests(self, job: ThinkerJob) -> list[bytes | None]:
+        """Its clips' keys (hashed since its start arrived, or now)."""
+        if job.audio_digests is None:
+            soon = job.audio_keys
+            job.audio_digests = [k.result() for k in soon] if soon is not None else self.audio.keys(job.audio)
+        return job.audio_digests
+
     def prefill(self, jobs: list[ThinkerJob]) -> Prefilled:
         """One forward over the jobs' prompts (right-padded), from position 0, into their blocks."""
         dev = self.device
-        ids = [torch.tensor(j.prompt, device=dev) for j in jobs]
-        embeds = [self.model.embed(i, [a.to(dev, torch.float32) for a in j.audio]) for i, j in zip(ids, jobs)]
+        embeds = [self.embed(j) for j in jobs]
         audio = [bool(j.audio) for j in jobs]   # the server checked: features <=> audio placeholders
         keep = self.cfg.accept_hidden_layer if any(j.talker_rows and a for j, a in zip(jobs, audio)) else None
         n, s = len(jobs), max(len(j.prompt) for j in jobs)
@@ -297,7 +309,7 @@ class ThinkerRunner:
         """[prefill_target, H]: the prompt's embeddings (its audio encoded) and, resumed after a
         preemption, its reply's tokens but the last."""
         dev = self.device
-        x = self.model.embed(torch.tensor(job.prompt, device=dev), [a.to(dev, torch.float32) for a in job.audio])
+        x = self.embed(job)
         reply = job.generated[:job.prefill_target - len(job.prompt)]
         if reply:
             x = torch.cat((x, self.model.model.embed_tokens(torch.tensor(reply, device=dev)).to(x.dtype)))

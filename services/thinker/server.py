@@ -26,6 +26,7 @@ from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finishe
 from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
 from ..runtime.paged_kv import PagedKVCache
+from .audio_cache import DEFAULT_AUDIO_CACHE_MB
 from .engine import PREFILL_CHUNK, ThinkerEngine, assistant_head_index
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
@@ -183,7 +184,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                           prompt=ids, audio=audio, params=params, max_tokens=max_tokens, min_tokens=start.min_tokens,
                           talker_rows=rows, speech=speech, stops=tuple(start.stop),
-                          top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced)
+                          top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced,
+                          audio_keys=self.engine.runner.audio.keys_soon(audio))
 
     def _forced(self, start: pb.ThinkerStart, prompt_tokens: int) -> ForcedReply | None:
         """The checked reply of a start message with assistant_text (None: the thinker generates)."""
@@ -277,13 +279,16 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     setup = stage_setup(args)      # bad flags fail before the weights load
     if args.prefill_chunk < 1:
         raise SystemExit(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    if not 0 <= args.audio_cache_mb < float("inf"):
+        raise SystemExit(f"--audio-cache-mb must be a number of MB, at least 0, got {args.audio_cache_mb:g}")
     cfg = OmniConfig.load(args.model)
     model = load_stage_model(args, setup, lambda: ThinkerModel(cfg.thinker), "thinker.", ignore=("visual.",))
     kv, max_len = kv_plan(args, cfg, setup.device, next(model.parameters()).dtype)
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=setup.device,
                            max_active=args.max_batch, max_len=max_len, eos_ids=(cfg.thinker.tokens.im_end,), kv=kv,
                            cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk, eager_fallback=args.eager_fallback,
-                           talker_prompt_ids=not args.talker_prompt_rows)
+                           talker_prompt_ids=not args.talker_prompt_rows,
+                           audio_cache_bytes=int(args.audio_cache_mb * 1024 * 1024))
     metrics.KV_CAPACITY.labels("thinker").set(kv.tokens)
     talker = NextStage("talker", args.talker, max_message_bytes=setup.opts.max_message_bytes,
                        tls=setup.tls) if args.talker else None
@@ -310,6 +315,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send a text prompt's user turns to the talker as embedding rows (a 2,500-token "
                              "conversation: 10 MB), as before talkers looked them up from their token ids; for "
                              "talkers of an older voxpipe during a rolling upgrade")
+    parser.add_argument("--audio-cache-mb", type=float, default=DEFAULT_AUDIO_CACHE_MB,
+                        help="audio encoder outputs kept on the device by clip content (the features' SHA-256), "
+                             "least recently used dropped first: a clip a conversation sends again is not encoded "
+                             f"again (default {DEFAULT_AUDIO_CACHE_MB:g}; 0: off)")
 
 
 def run(args) -> None:
