@@ -32,6 +32,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest
+from voxpipe.services.runtime.echo import clipped, quoted
 from voxpipe.services.thinker.prompt import speech_turn
 
 from . import audio_formats
@@ -39,7 +40,7 @@ from .state import GatewayState, gateway_state
 from .errors import bad_request, from_pipeline_error
 from .generation import render_prompt, run_pipeline, speech_request
 from .params import GenerationParams, check_model, generation_params, optional, read_json, required, resolve_voice
-from .streaming import CancellableStream, sse, until_disconnect
+from .streaming import CancellableStream, prepended, sse, until_disconnect
 
 router = APIRouter()
 SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
@@ -78,11 +79,11 @@ def speech_options(body: dict, st: GatewayState) -> SpeechOptions:
     voice = resolve_voice(body.get("voice"), st.speakers, "voice")
     fmt = optional(body, "response_format", str, "mp3")
     if fmt not in SPEECH_FORMATS:
-        raise bad_request(f"'response_format' must be one of {', '.join(SPEECH_FORMATS)}, got {fmt!r}",
+        raise bad_request(f"'response_format' must be one of {', '.join(SPEECH_FORMATS)}, got {quoted(fmt)}",
                           param="response_format", code="invalid_value")
     stream_format = optional(body, "stream_format", str, "audio")
     if stream_format not in STREAM_FORMATS:
-        raise bad_request(f"'stream_format' must be 'audio' or 'sse', got {stream_format!r}", param="stream_format",
+        raise bad_request(f"'stream_format' must be 'audio' or 'sse', got {quoted(stream_format)}", param="stream_format",
                           code="invalid_value")
     speed = optional(body, "speed", (int, float), 1.0)
     if speed != 1.0:
@@ -101,7 +102,8 @@ def speech_params(body: dict) -> GenerationParams:
                                   "(use 'max_audio_frames' to bound the audio)", param=key,
                                   code="unsupported_parameter")
         elif key not in OPENAI_PARAMS and key not in EXTENSIONS:
-            raise bad_request(f"unrecognized request argument supplied: '{key}'", param=key, code="unknown_parameter")
+            raise bad_request(f"unrecognized request argument supplied: '{clipped(key)}'", param=key,
+                              code="unknown_parameter")
     return generation_params(body)
 
 
@@ -129,19 +131,11 @@ async def create_speech(request: Request) -> Response:
         media_type = "text/event-stream" if opts.stream_format == "sse" else \
             audio_formats.content_type(opts.response_format)
         handed_over = True
-        return CancellableStream(_prepend(first, body_iter), on_close=session.release, media_type=media_type,
-                                 headers=SSE_HEADERS if opts.stream_format == "sse" else None)
+        return CancellableStream(prepended([] if first is None else [first], body_iter), on_close=session.release,
+                                 media_type=media_type, headers=SSE_HEADERS if opts.stream_format == "sse" else None)
     finally:
         if not handed_over:
             session.release()
-
-
-async def _prepend(first: bytes | str | None, rest: AsyncIterator[bytes | str]) -> AsyncIterator[bytes | str]:
-    async with aclosing(rest):
-        if first is not None:
-            yield first
-        async for item in rest:
-            yield item
 
 
 class SpokenReply:

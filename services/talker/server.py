@@ -16,6 +16,7 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
+from ..runtime.echo import quoted
 from ..runtime.engine import Outbox
 from ..runtime.sampling import MAX_ROW_VALUE, SamplingParams, check_features
 from ..runtime.outputs import Finished, FirstOutput, FramesOut, Routed
@@ -113,7 +114,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         speaker = start.speaker.lower() or "ethan"
         if speaker not in cfg.speakers:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"unknown speaker {start.speaker!r}; valid: {', '.join(sorted(cfg.speakers))}")
+                        f"unknown speaker {quoted(start.speaker)}; valid: {', '.join(sorted(cfg.speakers))}")
         annotate(voice=speaker, request_id=start.request_id)
         if not start.HasField("prompt"):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt is required")

@@ -17,6 +17,7 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
+from ..runtime.echo import quoted
 from ..runtime.engine import Outbox
 from ..runtime.sampling import SamplingParams, check_audio_features
 from ..runtime.outputs import Finished, FirstOutput, Routed, StageFinished, TalkerPromptOut, TextOut
@@ -218,7 +219,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         speakers = self.cfg.talker.speakers
         if (sp.speaker.lower() or "ethan") not in speakers:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"unknown speaker {sp.speaker!r}; valid: {', '.join(sorted(speakers))}")
+                        f"unknown speaker {quoted(sp.speaker)}; valid: {', '.join(sorted(speakers))}")
         if sp.max_frames and sp.min_frames > sp.max_frames:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"speech.min_frames {sp.min_frames} > max_frames {sp.max_frames}")
         if sp.code2wav.encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
