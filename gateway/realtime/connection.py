@@ -19,8 +19,9 @@ from starlette.websockets import WebSocketDisconnect
 
 from voxpipe.audio import resample
 from voxpipe.services.runtime.echo import quoted
-from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE
+from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, with_instructions
 
+from ..errors import APIError
 from ..generation import Generation
 from ..state import GatewayState, authorized
 from .events import (INPUT_SAMPLE_RATE, ClientEvent, Dialect, InputAudioAppend, InputAudioClear, InputAudioCommit,
@@ -217,8 +218,15 @@ class RealtimeConnection:
             self.vad = self._new_vad()
 
     async def update_session(self, event: SessionUpdate) -> None:
+        """All or nothing: a field that is refused leaves the session as it was."""
         old = self.session.turn_detection
-        self.session = self.session.updated(event.patch, self.state.speakers)
+        session = self.session.updated(event.patch, self.state.speakers)
+        if event.patch.instructions:    # render them now: every later response would fail otherwise
+            try:
+                await self.response_context.generation.render(with_instructions(event.patch.instructions, []))
+            except APIError as e:
+                raise ProtocolError(f"'session.instructions': {e.message}", param="session.instructions") from None
+        self.session = session
         if self.session.turn_detection != old:
             self.speech_item_id = None
             self.vad = await asyncio.to_thread(self._new_vad)

@@ -194,6 +194,10 @@ def _get(obj: dict, key: str, kinds: type | tuple[type, ...], path: str, require
     return value
 
 
+MAX_OUTPUT_TOKENS = 4096          # OpenAI's range for max_output_tokens: 1 to 4096, or "inf"
+MAX_INSTRUCTIONS_CHARS = 16_384   # a session's (or response's) instructions: a system turn of about 4k tokens
+
+
 def _positive_int(obj: dict, key: str, path: str) -> int | None:
     value = _get(obj, key, int, path)
     if value is not None and not 1 <= value <= UINT32_MAX:
@@ -203,14 +207,30 @@ def _positive_int(obj: dict, key: str, path: str) -> int | None:
 
 
 def _max_tokens(obj: dict, key: str, path: str) -> int | None:
-    """An integer in [1, UINT32_MAX] or "inf" (-> 0: no limit)."""
+    """An integer in [1, MAX_OUTPUT_TOKENS] or "inf" (-> 0: no limit)."""
     value = obj.get(key)
     if value == "inf":
         return 0
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= UINT32_MAX):
-        raise ProtocolError(f"'{path}.{key}' must be an integer from 1 to {UINT32_MAX} or \"inf\", got {quoted(value)}",
-                            param=f"{path}.{key}")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not 1 <= value <= MAX_OUTPUT_TOKENS):
+        raise ProtocolError(f"'{path}.{key}' must be an integer from 1 to {MAX_OUTPUT_TOKENS} or \"inf\", "
+                            f"got {quoted(value)}", param=f"{path}.{key}")
     return value
+
+
+def _instructions(obj: dict, path: str) -> str | None:
+    value = _get(obj, "instructions", str, path)
+    if value is not None and len(value) > MAX_INSTRUCTIONS_CHARS:
+        raise ProtocolError(f"'{path}.instructions' has {len(value)} characters; the limit is {MAX_INSTRUCTIONS_CHARS}",
+                            param=f"{path}.instructions")
+    return value
+
+
+def _served_only(obj: dict, key: str, path: str, served: tuple, why: str) -> None:
+    """A field this server does not serve: absent or null, or one of the `served` values."""
+    value = obj.get(key)
+    if value is not None and not any(value == v and type(value) is type(v) for v in served):
+        raise ProtocolError(f"'{path}.{key}' {quoted(value)} is not supported: {why}", param=f"{path}.{key}")
 
 
 def _temperature(obj: dict, path: str) -> float | None:
@@ -338,6 +358,10 @@ def _session_patch(s: Any) -> SessionPatch:
     _audio_format(audio_out.get("format"), "session.audio.output.format")
     _audio_format(s.get("input_audio_format"), "session.input_audio_format")
     _audio_format(s.get("output_audio_format"), "session.output_audio_format")
+    _served_only(audio_out, "speed", "session.audio.output", (1, 1.0), "replies are spoken at speed 1.0")
+    _served_only(s, "speed", "session", (1, 1.0), "replies are spoken at speed 1.0")
+    _served_only(audio_in, "noise_reduction", "session.audio.input", (), "input audio is not noise-reduced (null)")
+    _served_only(s, "input_audio_noise_reduction", "session", (), "input audio is not noise-reduced (null)")
     if "turn_detection" in audio_in:
         turn: ServerVadParams | None | Unset = _turn_detection(audio_in["turn_detection"],
                                                                 "session.audio.input.turn_detection")
@@ -358,7 +382,7 @@ def _session_patch(s: Any) -> SessionPatch:
         max_tokens = _max_tokens(s, "max_response_output_tokens", "session")
     ignore_eos = _get(s, "ignore_eos", bool, "session")
     return SessionPatch(voice=voice, audio_out=_modalities(s, "session"),
-                        instructions=_get(s, "instructions", str, "session"), turn_detection=turn,
+                        instructions=_instructions(s, "session"), turn_detection=turn,
                         transcription=transcription, max_output_tokens=max_tokens,
                         temperature=_temperature(s, "session"), ignore_eos=ignore_eos,
                         max_audio_frames=_positive_int(s, "max_audio_frames", "session"))
@@ -391,7 +415,7 @@ def _response_overrides(r: Any) -> ResponseOverrides:
         raise ProtocolError("'response.metadata' must map strings to strings", code="invalid_type",
                             param="response.metadata")
     return ResponseOverrides(voice=voice, audio_out=_modalities(r, "response"),
-                             instructions=_get(r, "instructions", str, "response"), max_output_tokens=max_tokens,
+                             instructions=_instructions(r, "response"), max_output_tokens=max_tokens,
                              temperature=_temperature(r, "response"),
                              ignore_eos=_get(r, "ignore_eos", bool, "response"),
                              max_audio_frames=_positive_int(r, "max_audio_frames", "response"),
