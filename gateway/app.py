@@ -64,7 +64,7 @@ def _add_basic_routes(app: FastAPI) -> None:
         ok, stages = await readiness(gateway_state(request).config)
         return JSONResponse({"ready": ok, "stages": stages}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(require_api_key)])     # with --api-key, scrapers send it too
     async def metrics(request: Request) -> Response:
         return Response(gateway_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
 

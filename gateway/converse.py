@@ -4,7 +4,7 @@ One call is one conversation turn: ConverseStart (text and/or audio in, voice, o
 sampling, lengths) -> text deltas and 24 kHz audio chunks as the pipeline makes them -> Done.
 A Cancel message, or the client cancelling the call, stops the turn and frees it in every stage.
 With --api-key, a call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise).
-Served with grpc.health.v1 and (unless --no-reflection) server reflection on the gateway's
+Served with grpc.health.v1 and (with --reflection) server reflection on the gateway's
 --grpc-port, on --host; request messages that do not parse are INVALID_ARGUMENT (rpc_guard). The
 health status follows /ready: SERVING while every thinker and code2wav replica is, NOT_SERVING
 otherwise (re-checked every READY_POLL_S). A turn cancelled by the client still ends with a Done
@@ -385,7 +385,7 @@ class ConverseServer:
 
 
 async def serve_converse(app_state: Any, port: int, host: str = "[::]") -> ConverseServer:
-    """Start Converse (+ health, reflection unless the config turns it off) on host:port (0: any
+    """Start Converse (+ health, and reflection when the config turns it on) on host:port (0: any
     free port) on the running event loop (the one serving the HTTP app: they share the pipeline
     client) and return at once; `await server.stop(grace)` on shutdown. `app_state`: the
     gateway's GatewayState."""

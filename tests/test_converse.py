@@ -36,7 +36,8 @@ TEXT = "Hello there, how are you?"
 def converse_gateway(stack, tiny_model_dir):
     """`voxpipe gateway --grpc-port M` as a process in front of `stack`; yields the Converse address."""
     grpc_port = free_port()
-    process = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"), "--grpc-port", str(grpc_port))
+    process = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"), "--grpc-port", str(grpc_port),
+                             "--reflection")
     yield f"127.0.0.1:{grpc_port}"
     process.stop()
 

@@ -413,6 +413,21 @@ def test_text_over_the_limit_is_400_before_tokenizing(gateway, model):
     assert err["param"] == "messages"
 
 
+def test_metrics_need_the_api_key_when_one_is_set(strict_gateway, gateway):
+    """/metrics is on the API port: with --api-key it needs the key (401 otherwise, as OpenAI-shaped
+    as the API's); the probes (/health, /ready) need none. Without a key it is open."""
+    url = strict_gateway.base_url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+        resp = httpx.get(f"{url}/metrics", headers=headers, timeout=5)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", resp.text
+        assert "voxpipe_gateway" not in resp.text
+    resp = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sesame"}, timeout=5)
+    assert resp.status_code == 200 and "voxpipe_gateway_sessions" in resp.text
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{url}/ready", timeout=5).status_code in (200, 503)
+    assert httpx.get(f"{gateway.base_url}/metrics", timeout=5).status_code == 200
+
+
 def test_a_body_that_stops_arriving_is_408(strict_gateway):
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer sesame\r\n"
             b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
