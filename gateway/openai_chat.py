@@ -34,7 +34,7 @@ from .chat_parameters import check_parameters, stop_strings, stream_options, top
 from .errors import bad_request, from_pipeline_error
 from .generation import PipelineEvent, read_until_admitted, render_prompt, run_pipeline, speech_request
 from .params import GenerationParams, check_model, generation_params, optional, read_json, resolve_voice
-from .streaming import CancellableStream, prepended, sse, until_disconnect
+from .streaming import CancellableStream, prepended, read_ahead, sse, until_disconnect
 
 router = APIRouter()
 CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm16")
@@ -95,13 +95,9 @@ async def chat_completions(request: Request) -> Response:
         if opts.stream:  # the response releases the session when it closes
             events = run_pipeline(st, req, arrived)
             try:  # every stage's checks first: a refusal is still an HTTP error status, as without stream
-                head = await until_disconnect(request.receive, read_until_admitted(events, opts.audio_out))
+                head = await read_ahead(request.receive, events, read_until_admitted(events, opts.audio_out))
             except ClientDisconnect:
-                await events.aclose()
                 return Response(status_code=499)
-            except BaseException:
-                await events.aclose()
-                raise
             handed_over = True
             return CancellableStream(reply.sse(prepended(head, events)), on_close=session.release,
                                      media_type="text/event-stream", headers=SSE_HEADERS)

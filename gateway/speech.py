@@ -40,7 +40,7 @@ from .state import GatewayState, gateway_state
 from .errors import bad_request, from_pipeline_error
 from .generation import render_prompt, run_pipeline, speech_request
 from .params import GenerationParams, check_model, generation_params, optional, read_json, required, resolve_voice
-from .streaming import CancellableStream, prepended, sse, until_disconnect
+from .streaming import CancellableStream, prepended, read_ahead, sse
 
 router = APIRouter()
 SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
@@ -121,13 +121,9 @@ async def create_speech(request: Request) -> Response:
         spoken = SpokenReply(st, req, arrived, opts.response_format)
         body_iter = spoken.sse_events() if opts.stream_format == "sse" else spoken.pieces()
         try:  # wait for the first piece, so that an early failure is still an HTTP error status
-            first = await until_disconnect(request.receive, anext(body_iter, None))
+            first = await read_ahead(request.receive, body_iter, anext(body_iter, None))
         except ClientDisconnect:
-            await body_iter.aclose()
             return Response(status_code=499)
-        except BaseException:
-            await body_iter.aclose()
-            raise
         media_type = "text/event-stream" if opts.stream_format == "sse" else \
             audio_formats.content_type(opts.response_format)
         handed_over = True

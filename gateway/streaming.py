@@ -86,3 +86,13 @@ async def prepended(head: Sequence[T], rest: AsyncIterator[T]) -> AsyncIterator[
             yield item
         async for item in rest:
             yield item
+
+
+async def read_ahead(receive: Receive, stream: AsyncIterator, read: Awaitable[T]) -> T:
+    """`await read` -- what reads `stream` ahead of the response -- cancelled when the client
+    disconnects first (ClientDisconnect); `stream` is closed when it fails either way."""
+    try:
+        return await until_disconnect(receive, read)
+    except BaseException:
+        await stream.aclose()
+        raise
