@@ -545,13 +545,17 @@ REFUSED_UPDATES = [
 def test_a_refused_session_update_changes_nothing(gateway):
     """Every session field is checked at session.update: a refused one gets an `error` naming it
     (`param`, the value quoted cut short), nothing of that update applies, and the next response
-    runs with the session as it was."""
+    runs with the session as it was. response.create's instructions and max_output_tokens have the
+    same bounds."""
     async def go():
         async with realtime(gateway) as rt:
             before = await rt.update(**MANUAL, instructions="Be brief.", max_output_tokens=3)
             errors = []
             for session, _ in REFUSED_UPDATES:
                 await rt.send("session.update", session={"type": "realtime", **session})
+                errors.append((await rt.until("error"))[-1]["error"])
+            for response in ({"instructions": "x" * 20_000}, {"max_output_tokens": 4097}):
+                await rt.send("response.create", response=response)
                 errors.append((await rt.until("error"))[-1]["error"])
             after = await rt.update()
             widest = await rt.update(max_output_tokens=4096)
@@ -560,7 +564,8 @@ def test_a_refused_session_update_changes_nothing(gateway):
             return before, errors, after, widest, turn
 
     before, errors, after, widest, turn = run(go())
-    assert [e["param"] for e in errors] == [param for _, param in REFUSED_UPDATES]
+    assert [e["param"] for e in errors] == [param for _, param in REFUSED_UPDATES] + \
+        ["response.instructions", "response.max_output_tokens"]
     assert all(e["type"] == "invalid_request_error" and len(e["message"]) < 300 for e in errors), errors
     assert "1000000 characters; the limit is 16384" in errors[0]["message"]
     assert "from 1 to 4096 or \"inf\"" in errors[1]["message"]
