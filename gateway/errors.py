@@ -45,9 +45,12 @@ _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 
 def from_pipeline_error(e: PipelineError) -> APIError:
-    """A stage's refusal of the request is the client's fault (400); a stage that is down or
+    """A stage's refusal of the request is the client's fault (400; `context_length_exceeded` for
+    a request past a stage's context, OUT_OF_RANGE); a stage that is down or
     overloaded is 503; anything else the stage did wrong is 502."""
-    if e.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+    if e.code == grpc.StatusCode.OUT_OF_RANGE:          # the stages' refusal of a request past their context
+        return APIError(400, f"the {e.stage} rejected the request: {e.details}", code="context_length_exceeded")
+    if e.code == grpc.StatusCode.INVALID_ARGUMENT:
         return APIError(400, f"the {e.stage} rejected the request: {e.details}", code="invalid_value")
     if e.code in _UNAVAILABLE:
         return APIError(503, f"the {e.stage} stage is unavailable: {e.details}", type="server_error",

@@ -35,6 +35,7 @@ THINKER_CONTEXT, TALKER_CONTEXT = 4096, 8192
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024),
                    ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+PAST_CONTEXT = grpc.StatusCode.OUT_OF_RANGE        # a request longer than the stage's context
 
 STUBS = {"thinker": (pb_grpc.ThinkerStub, "Generate"), "talker": (pb_grpc.TalkerStub, "Generate"),
          "code2wav": (pb_grpc.Code2WavStub, "Decode")}
@@ -253,7 +254,7 @@ CASES = [
          r"min_tokens 5 > max_tokens 3"),
     Case("thinker", "prompt-too-long",
          lambda: [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 100)), max_tokens=200)],
-         rf"prompt of {THINKER_CONTEXT - 100} tokens \+ max_tokens 200 exceeds the context of {THINKER_CONTEXT}"),
+         rf"prompt of {THINKER_CONTEXT - 100} tokens \+ max_tokens 200 exceeds the context of {THINKER_CONTEXT}", PAST_CONTEXT),
     Case("thinker", "talker-rows-without-assistant-turn",
          lambda: [thinker_start(token_ids=pb.TokenIds(ids=[IM_START, USER, NL]), talker_rows=True, max_tokens=2)],
          r"talker_rows needs a prompt ending in an assistant turn"),
@@ -383,7 +384,7 @@ CASES = [
     Case("talker", "min-over-max", lambda: [talker_start(max_frames=4, min_frames=9)],
          r"min_frames 9 > max_frames 4"),
     Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=500, min_frames=0)],
-         rf"8000 user rows \+ 9 prompt rows \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}"),
+         rf"8000 user rows \+ 9 prompt rows \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}", PAST_CONTEXT),
     Case("talker", "bad-repetition-penalty",
          lambda: [talker_start(sampling=pb.Sampling(repetition_penalty=0.0))],
          r"repetition_penalty must be in \[0\.01, 100\], got 0\.0"),
@@ -465,7 +466,7 @@ CASES += [
     Case("thinker", "assistant-text-too-long", lambda: [thinker_start(assistant_text="a" * 32769)],
          r"assistant_text has 32769 characters; the limit is 32768"),
     Case("thinker", "assistant-text-over-the-context", lambda: [thinker_start(assistant_text="a" * 4089)],
-         r"prompt of 10 tokens \+ assistant_text of 4090 tokens \(<\|im_end\|> included\) exceeds the context of 4096"),
+         r"prompt of 10 tokens \+ assistant_text of 4090 tokens \(<\|im_end\|> included\) exceeds the context of 4096", PAST_CONTEXT),
     Case("thinker", "assistant-text-with-max-tokens", lambda: [thinker_start(assistant_text="Hi.", max_tokens=2)],
          r"assistant_text excludes max_tokens: the reply is given"),
     Case("thinker", "assistant-text-with-stop-and-logprobs",

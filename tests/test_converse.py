@@ -340,7 +340,6 @@ BAD = [
     ([start(audio=[gw.AudioInput(pcm16=gw.Pcm16Audio(data=bytes(2 * 1000 * 601), sample_rate=1000))])],
      "audio[0].pcm16: the audio is 601 s long; the limit is 600 s"),
     ([start(text="x" * 200_001, output_modalities=[gw.MODALITY_TEXT])], "the limit is 200000"),
-    ([start(text="hi", max_frames=2**32 - 1)], "talker: "),        # in range: the talker's own refusal
     ([start(text="hi", stop=["a", "b", "c", "d", "e"])], "stop: at most 4 stop strings, got 5"),
     ([start(text="hi", stop=["a", ""])], "stop: stop string 1 is empty"),
     ([start(text="hi", stop=["y" * 257])], "stop: stop string 0 has 257 characters; the limit is 256"),
@@ -382,11 +381,15 @@ def test_converse_listens_on_the_host_only(converse_gateway):
 
 
 def test_a_stage_refusal_is_its_status_with_the_stage_named(channel):
-    # the thinker's context is 4096 tokens: a longer max_tokens is the thinker's INVALID_ARGUMENT
+    # the thinker's context is 4096 tokens, the talker's 8192: longer lengths are their OUT_OF_RANGE
     with pytest.raises(grpc.RpcError) as err:
         converse(channel, start(text="hi", max_tokens=100000))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
     assert err.value.details().startswith("thinker: ") and "exceeds the context" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        converse(channel, start(text="hi", max_frames=2**32 - 1))      # in range: the talker's own refusal
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert err.value.details().startswith("talker: ") and "exceed the talker context" in err.value.details()
 
 
 def test_health_and_reflection(channel):

@@ -303,14 +303,16 @@ def test_every_limit_is_checked_before_a_stream_opens(gateway, model, extra, pat
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}
     err = assert_openai_error(post(gateway, "/v1/chat/completions", json.dumps(body)), 400, pattern)
     assert err["type"] == "invalid_request_error"
+    assert (err["code"] == "context_length_exceeded") == ("context" in pattern), err
 
 
 @pytest.mark.parametrize("stream_format", ["audio", "sse"])
 def test_speech_limits_are_checked_before_the_audio_starts(gateway, model, stream_format):
     body = {"model": model, "input": "hi", "voice": "ethan", "response_format": "pcm", "max_audio_frames": 9000,
             "stream_format": stream_format}
-    assert_openai_error(post(gateway, "/v1/audio/speech", json.dumps(body)), 400,
-                        r"the talker rejected the request: .*max_frames 9000 exceed the talker context of 8192")
+    err = assert_openai_error(post(gateway, "/v1/audio/speech", json.dumps(body)), 400,
+                              r"the talker rejected the request: .*max_frames 9000 exceed the talker context of 8192")
+    assert err["code"] == "context_length_exceeded"
 
 
 def test_a_stream_that_passes_every_check_starts_with_the_role_and_ends_done(gateway, model):

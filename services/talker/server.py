@@ -152,8 +152,8 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         if start.min_frames > max_frames:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_frames {start.min_frames} > max_frames {max_frames}")
         length = users + PROMPT_TAIL + max_frames
-        if length > self.engine.max_len:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+        if length > self.engine.max_len:     # OUT_OF_RANGE: the request is past the context
+            raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"{users} user rows + {PROMPT_TAIL} prompt rows + max_frames {max_frames} exceed the talker context of {self.engine.max_len}")
         job = TalkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                         user_rows=user, user_mm_mask=mm, user_ids=ids, head=head, special=special, speaker_id=cfg.speakers[speaker],

@@ -172,8 +172,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         max_tokens = len(forced.token_ids) if forced is not None else start.max_tokens or DEFAULT_MAX_TOKENS
         if start.min_tokens > max_tokens:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_tokens {start.min_tokens} > max_tokens {max_tokens}")
-        if len(ids) + max_tokens > self.engine.max_len:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+        if len(ids) + max_tokens > self.engine.max_len:     # OUT_OF_RANGE: the request is past the context
+            raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}")
         problem = stop_strings_problem(start.stop) or top_logprobs_problem(start.logprobs, start.top_logprobs)
         if problem is not None:
@@ -201,7 +201,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                         f"assistant_text has {len(text)} characters; the limit is {MAX_ASSISTANT_TEXT_CHARS}")
         ids = encode_text(self.tokenizer, text) + [self.cfg.thinker.tokens.im_end]
         if prompt_tokens + len(ids) > self.engine.max_len:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"prompt of {prompt_tokens} tokens + assistant_text of {len(ids)} tokens (<|im_end|> included) "
                         f"exceeds the context of {self.engine.max_len}")
         return ForcedReply(token_ids=ids, text=text)
