@@ -3,8 +3,9 @@ client disconnects, a short soak, a talker SIGKILL and SIGTERM drain, and the se
 
     python -m voxpipe.bench.reliability [--full] [--out reliability.json] [--md tables.md] [--seed 0]
 
-What it starts (all on 127.0.0.1, the tiny checkpoint, CPU): one thinker, two talkers (A, B), one
-code2wav (--no-reflection), and a gateway with --api-key, --grpc-port (Converse) and --no-reflection.
+What it starts (all on 127.0.0.1, the tiny checkpoint, CPU): one thinker (--reflection), two talkers (A, B;
+reflection off by default), one code2wav (--no-reflection), and a gateway with --api-key, --grpc-port
+(Converse) and --no-reflection.
 Every loop is bounded in count and time; traffic goes to loopback only.
 
 Inputs are generated with hypothesis (a fixed seed per API: the same command tries the same cases)
@@ -171,7 +172,7 @@ class Deployment:
     def start(self, timeout: float = 300) -> None:
         common = ["--model", str(self.model_dir), "--host", HOST, "--device", "cpu"]
         talkers = f"{self.address('talker_a')},{self.address('talker_b')}"
-        extra = {"thinker": ["thinker", f"--talker={talkers}"],
+        extra = {"thinker": ["thinker", f"--talker={talkers}", "--reflection"],
                  "talker_a": ["talker", f"--code2wav={self.address('code2wav')}"],
                  "talker_b": ["talker", f"--code2wav={self.address('code2wav')}", "--grace", "120"],
                  "code2wav": ["code2wav", "--no-reflection"] + (
@@ -232,7 +233,7 @@ def gauges(dep: Deployment, skip: tuple[str, ...] = ()) -> dict[str, float]:
         text = _scrape(f"http://{HOST}:{dep.metrics_ports[s]}/metrics")
         for g in STAGE_GAUGES:
             out.update({f"{s}:{k}": v for k, v in _samples(text, g).items()})
-    text = _scrape(f"{dep.base_url}/metrics")
+    text = _scrape(f"{dep.base_url}/metrics", {"Authorization": f"Bearer {API_KEY}"})
     for g in GATEWAY_GAUGES:
         out.update({f"gateway:{k}": v for k, v in _samples(text, g).items()})
     return out
@@ -1233,7 +1234,11 @@ def security(dep: Deployment) -> list[dict]:
     got = reflection(dep.address("code2wav"))
     check("code2wav --no-reflection: reflection UNIMPLEMENTED", got == "UNIMPLEMENTED", got)
     got = reflection(dep.address("thinker"))
-    check("thinker (default): reflection on", got.startswith("on:"), got)
+    check("thinker --reflection: reflection on", got.startswith("on:"), got)
+    got = reflection(dep.address("talker_a"))
+    check("talker_a (default): reflection UNIMPLEMENTED", got == "UNIMPLEMENTED", got)
+    r = httpx.get(f"{dep.base_url}/metrics", timeout=10)
+    check("gateway /metrics without the key: 401", r.status_code == 401, r.status_code)
     return checks
 
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from voxpipe.client import PipelineError
+from voxpipe.services.runtime.echo import quoted
 from voxpipe.services.runtime.metrics import watch_loop_lag
 from voxpipe.services.runtime.tracing import TracingMiddleware, fastapi_tracing_off
 
@@ -63,7 +64,7 @@ def _add_basic_routes(app: FastAPI) -> None:
         ok, stages = await readiness(gateway_state(request).config)
         return JSONResponse({"ready": ok, "stages": stages}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(require_api_key)])     # with --api-key, scrapers send it too
     async def metrics(request: Request) -> Response:
         return Response(gateway_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -76,7 +77,7 @@ def _add_basic_routes(app: FastAPI) -> None:
     async def get_model(model_id: str, request: Request) -> dict:
         st = gateway_state(request)
         if model_id != st.config.model_id:
-            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+            raise APIError(404, f"the model {quoted(model_id)} does not exist", param="model", code="model_not_found")
         return _model(st)
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
 
+from voxpipe.services.runtime.echo import quoted
+
 from .audio_formats import decode_base64
 from .clip_cache import ClipCache
 from .errors import bad_request
@@ -31,7 +33,7 @@ def _message(m: Any, param: str, transcripts: TranscriptStore, clips: ClipCache)
         raise bad_request(f"'{param}' must be an object", param=param, code="invalid_type")
     role = ROLES.get(m.get("role"))
     if role is None:
-        raise bad_request(f"'{param}.role' {m.get('role')!r} is not supported; use one of: system, developer, user, "
+        raise bad_request(f"'{param}.role' {quoted(m.get('role'))} is not supported; use one of: system, developer, user, "
                           "assistant", param=f"{param}.role", code="invalid_value")
     parts = _content(m.get("content"), role, f"{param}.content", clips)
     if role == "assistant" and m.get("audio") is not None:
@@ -65,7 +67,7 @@ def _content(content: Any, role: str, param: str, clips: ClipCache) -> list[Chat
             raise bad_request(f"'{p}': input_audio parts are only allowed in user messages", param=p,
                               code="invalid_value")
         else:
-            raise bad_request(f"'{p}': content part type {kind!r} is not supported (use text or input_audio)",
+            raise bad_request(f"'{p}': content part type {quoted(kind)} is not supported (use text or input_audio)",
                               param=p, code="invalid_value")
     return parts
 
@@ -76,7 +78,7 @@ def _input_audio(spec: Any, param: str, clips: ClipCache):
                           code="invalid_value")
     fmt = spec.get("format")
     if fmt not in INPUT_AUDIO_FORMATS:
-        raise bad_request(f"'{param}.format' must be one of {', '.join(INPUT_AUDIO_FORMATS)}, got {fmt!r}",
+        raise bad_request(f"'{param}.format' must be one of {', '.join(INPUT_AUDIO_FORMATS)}, got {quoted(fmt)}",
                           param=f"{param}.format", code="invalid_value")
     try:
         return clips.features(decode_base64(spec["data"]), fmt)
@@ -91,6 +93,6 @@ def _referenced_transcript(audio: Any, param: str, transcripts: TranscriptStore)
                           code="invalid_value")
     transcript = transcripts.get(audio_id)
     if transcript is None:
-        raise bad_request(f"audio {audio_id!r} is unknown or has expired", param=f"{param}.id",
+        raise bad_request(f"audio {quoted(audio_id)} is unknown or has expired", param=f"{param}.id",
                           code="invalid_value")
     return transcript

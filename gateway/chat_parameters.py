@@ -11,6 +11,8 @@ from typing import Any
 
 from voxpipe.services.thinker.output import MAX_TOP_LOGPROBS, stop_strings_problem
 
+from voxpipe.services.runtime.echo import clipped
+
 from .errors import bad_request
 from .params import integer, optional
 
@@ -119,7 +121,7 @@ def check_parameters(body: dict) -> None:
     """A 400 naming the first parameter that is unknown, refused, or accepted with a bad value."""
     for key, value in body.items():
         if key not in KNOWN:
-            raise bad_request(f"unrecognized request argument supplied: '{key}'", param=key,
+            raise bad_request(f"unrecognized request argument supplied: '{clipped(key)}'", param=key,
                               code="unknown_parameter")
         if value is None:
             continue
@@ -166,7 +168,7 @@ def stream_options(body: dict, stream: bool) -> bool:
                           code="invalid_value")
     for key in opts:
         if key not in ("include_usage", "include_obfuscation"):
-            raise bad_request(f"unrecognized stream option: '{key}'", param=f"stream_options.{key}",
+            raise bad_request(f"unrecognized stream option: '{clipped(key)}'", param=f"stream_options.{key}",
                               code="unknown_parameter")
         if opts[key] is not None and not isinstance(opts[key], bool):
             raise bad_request(f"'stream_options.{key}' must be a boolean", param=f"stream_options.{key}",

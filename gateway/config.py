@@ -27,7 +27,7 @@ class GatewayConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout_s: float = 60.0       # a request body must arrive completely within this time (408)
     max_prompt_chars: int = MAX_PROMPT_CHARS   # text of one conversation, checked before tokenizing
-    reflection: bool = True            # gRPC server reflection on the Converse port
+    reflection: bool = False           # gRPC server reflection on the Converse port
     audio_expiry_s: int = 3600         # how long an assistant audio id stays usable in later turns
     max_stored_audio: int = 10000      # transcripts kept for multi-turn audio references
     audio_cache_bytes: int = int(DEFAULT_AUDIO_CACHE_MB * 2**20)   # chat clips' features kept by content (0: off)

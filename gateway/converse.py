@@ -4,7 +4,7 @@ One call is one conversation turn: ConverseStart (text and/or audio in, voice, o
 sampling, lengths) -> text deltas and 24 kHz audio chunks as the pipeline makes them -> Done.
 A Cancel message, or the client cancelling the call, stops the turn and frees it in every stage.
 With --api-key, a call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise).
-Served with grpc.health.v1 and (unless --no-reflection) server reflection on the gateway's
+Served with grpc.health.v1 and (with --reflection) server reflection on the gateway's
 --grpc-port, on --host; request messages that do not parse are INVALID_ARGUMENT (rpc_guard). The
 health status follows /ready: SERVING while every thinker and code2wav replica is, NOT_SERVING
 otherwise (re-checked every READY_POLL_S). A turn cancelled by the client still ends with a Done
@@ -32,6 +32,7 @@ from voxpipe.audio import resample
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, TextEvent
 from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.calls import ClientGone, abort
+from voxpipe.services.runtime.echo import quoted
 from voxpipe.services.runtime.logs import REQUEST_ID, AccessRecord, log_access
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.rpc_guard import Abort, RequestGuard
@@ -110,7 +111,7 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
     voice = (start.voice or DEFAULT_VOICE).lower()
     speakers = {s.lower() for s in cfg.talker.speakers}
     if want_audio and voice not in speakers:
-        raise InvalidInput(f"unknown voice {start.voice!r}; valid voices: {', '.join(sorted(speakers))}")
+        raise InvalidInput(f"unknown voice {quoted(start.voice)}; valid voices: {', '.join(sorted(speakers))}")
     if not start.text and not start.audio:
         raise InvalidInput("the turn is empty: give text and/or audio")
     if start.ignore_eos and not start.max_tokens:
@@ -275,6 +276,16 @@ class ConverseServicer(gw_grpc.GatewayServicer):
 
         pump_task = asyncio.ensure_future(pump())
         read_task = asyncio.ensure_future(read_rest())
+
+        def call_ended(_context) -> None:
+            # grpc-Python cancels a handler suspended at a `yield` (its write) without closing this
+            # generator, whose `finally` then waits for the garbage collector: the slot and the
+            # pipeline are freed here, when the call ends, whatever state the handler is in
+            for task in (pump_task, read_task):
+                task.cancel()
+            session.release()
+
+        context.add_done_callback(call_ended)
         usage = gw.Usage()
         text_finish = audio_finish = pb.FINISH_REASON_UNSPECIFIED
         sent_output = False
@@ -319,10 +330,12 @@ class ConverseServicer(gw_grpc.GatewayServicer):
             yield gw.ConverseResponse(done=gw.ConverseDone(request_id=speech.request_id, text_finish=text_finish,
                                                            audio_finish=audio_finish, usage=usage))
         finally:
-            for task in (pump_task, read_task):
-                task.cancel()
-            await asyncio.gather(pump_task, read_task, return_exceptions=True)
-            session.release()
+            try:
+                for task in (pump_task, read_task):
+                    task.cancel()
+                await asyncio.gather(pump_task, read_task, return_exceptions=True)
+            finally:        # also when the call is cancelled while the tasks wind down
+                session.release()
 
 
 # ----------------------------------------------------------------------------- serving
@@ -373,7 +386,7 @@ class ConverseServer:
 
 
 async def serve_converse(app_state: Any, port: int, host: str = "[::]") -> ConverseServer:
-    """Start Converse (+ health, reflection unless the config turns it off) on host:port (0: any
+    """Start Converse (+ health, and reflection when the config turns it on) on host:port (0: any
     free port) on the running event loop (the one serving the HTTP app: they share the pipeline
     client) and return at once; `await server.stop(grace)` on shutdown. `app_state`: the
     gateway's GatewayState."""

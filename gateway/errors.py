@@ -6,6 +6,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from voxpipe.client import PipelineError
+from voxpipe.services.runtime.echo import PARAM_CHARS, bounded_message, clipped
 
 
 RETRY_AFTER_S = 1
@@ -14,8 +15,10 @@ RETRY_AFTER_S = 1
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
+        message = bounded_message(message)      # the backstop: never unbounded client input
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.code = status, message, type, code
+        self.param = None if param is None else clipped(param, PARAM_CHARS)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -42,7 +45,8 @@ _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 
 def from_pipeline_error(e: PipelineError) -> APIError:
-    """A stage's refusal of the request is the client's fault (400); a stage that is down or
+    """A stage's refusal of the request is the client's fault (400; `context_length_exceeded` for
+    a request past a stage's context, OUT_OF_RANGE); a stage that is down or
     overloaded is 503; anything else the stage did wrong is 502."""
     if e.code == grpc.StatusCode.OUT_OF_RANGE:     # the prompt and its reply do not fit the stage's context
         return APIError(400, f"the {e.stage} rejected the request: {e.details}", param="messages",

@@ -69,6 +69,29 @@ def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str,
                          encoding=pb.AUDIO_PCM16, assistant_text=assistant_text)
 
 
+def admitted(ev: PipelineEvent, audio: bool) -> bool:
+    """Whether every stage has taken the request once `ev` has come: each refuses before it does
+    anything else, and the thinker's first output (text, or the end) follows its checks, the
+    code2wav's route follows the talker's and the code2wav's (the talker opens the code2wav
+    stream after its own checks and reports the route once the code2wav has accepted)."""
+    if isinstance(ev, DoneEvent):
+        return True
+    if audio:
+        return isinstance(ev, StageEvent) and ev.kind == "routed" and ev.stage == "code2wav"
+    return isinstance(ev, (TextEvent, AudioEvent))
+
+
+async def read_until_admitted(events: AsyncIterator[PipelineEvent], audio: bool) -> list[PipelineEvent]:
+    """The events of a run up to the one that shows every stage has taken it (`admitted`); a
+    refusal before raises (PipelineError), so that a stream can still answer with an error status."""
+    head: list[PipelineEvent] = []
+    async for ev in events:
+        head.append(ev)
+        if admitted(ev, audio):
+            break
+    return head
+
+
 async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterator[PipelineEvent]:
     """`state.pipeline.stream(req)` with the active-streams gauge, each stage's first-output
     latency, time to first audio and the real-time factor recorded (`arrived`: perf_counter at

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -24,14 +25,16 @@ from starlette.requests import ClientDisconnect
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest, TextEvent, TokenLogprob
 from voxpipe.v1 import stages_pb2 as pb
 
+from voxpipe.services.runtime.echo import quoted
+
 from . import audio_formats
 from .state import GatewayState, gateway_state
 from .chat_messages import parse_messages
 from .chat_parameters import check_parameters, stop_strings, stream_options, top_logprobs
 from .errors import bad_request, from_pipeline_error
-from .generation import render_prompt, run_pipeline, speech_request
+from .generation import PipelineEvent, read_until_admitted, render_prompt, run_pipeline, speech_request
 from .params import GenerationParams, check_model, generation_params, optional, read_json, resolve_voice
-from .streaming import CancellableStream, sse, until_disconnect
+from .streaming import CancellableStream, prepended, read_ahead, sse, until_disconnect
 
 router = APIRouter()
 CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm16")
@@ -53,7 +56,7 @@ def chat_options(body: dict, st: GatewayState) -> ChatOptions:
     check_parameters(body)
     modalities = optional(body, "modalities", list, ["text"])
     if not modalities or any(m not in ("text", "audio") for m in modalities):
-        raise bad_request(f"'modalities' must be ['text'] or ['text', 'audio'], got {modalities}", param="modalities",
+        raise bad_request(f"'modalities' must be ['text'] or ['text', 'audio'], got {quoted(modalities)}", param="modalities",
                           code="invalid_value")
     audio_out = "audio" in modalities
     stream = optional(body, "stream", bool, False)
@@ -66,10 +69,10 @@ def chat_options(body: dict, st: GatewayState) -> ChatOptions:
         voice = resolve_voice(audio.get("voice"), st.speakers, "audio.voice")
         fmt = audio.get("format")
         if fmt not in CHAT_AUDIO_FORMATS:
-            raise bad_request(f"'audio.format' must be one of {', '.join(CHAT_AUDIO_FORMATS)}, got {fmt!r}",
+            raise bad_request(f"'audio.format' must be one of {', '.join(CHAT_AUDIO_FORMATS)}, got {quoted(fmt)}",
                               param="audio.format", code="invalid_value")
         if stream and fmt != "pcm16":
-            raise bad_request(f"streaming audio supports only the 'pcm16' format, got {fmt!r}",
+            raise bad_request(f"streaming audio supports only the 'pcm16' format, got {quoted(fmt)}",
                               param="audio.format", code="unsupported_value")
     include_usage = stream_options(body, stream)
     params = replace(generation_params(body), stop=stop_strings(body), top_logprobs=top_logprobs(body))
@@ -90,9 +93,14 @@ async def chat_completions(request: Request) -> Response:
         req = speech_request(prompt, opts.params, opts.voice, opts.audio_out)
         reply = Reply(st, opts, req, arrived, count_audio_tokens(st, prompt.token_ids))
         if opts.stream:  # the response releases the session when it closes
+            events = run_pipeline(st, req, arrived)
+            try:  # every stage's checks first: a refusal is still an HTTP error status, as without stream
+                head = await read_ahead(request.receive, events, read_until_admitted(events, opts.audio_out))
+            except ClientDisconnect:
+                return Response(status_code=499)
             handed_over = True
-            return CancellableStream(reply.sse(), on_close=session.release, media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return CancellableStream(reply.sse(prepended(head, events)), on_close=session.release,
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             return JSONResponse(await until_disconnect(request.receive, reply.completion()))
         except ClientDisconnect:
@@ -181,13 +189,14 @@ class Reply:
                     "choices": [{"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs) if logprobs else None,
                                  "finish_reason": finish_reason}]})
 
-    async def sse(self):
+    async def sse(self, run: AsyncIterator[PipelineEvent]):
+        """The chunks of `run`, the pipeline run of this reply."""
         yield self.chunk({"role": "assistant", "content": None if self.opts.audio_out else "", "refusal": None})
         first_audio = {"id": self.audio_id, "expires_at": self.expires_at}
         transcript, done = [], None
         logprobs: list[TokenLogprob] = []     # of tokens not sent yet (those without text wait for text)
         try:
-            async with aclosing(run_pipeline(self.st, self.req, self.arrived)) as events:
+            async with aclosing(run) as events:
                 async for ev in events:
                     if isinstance(ev, DoneEvent):
                         done = ev

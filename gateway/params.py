@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from voxpipe.services.runtime.echo import quoted
+
 from .errors import APIError, bad_request
 from .limits import INT32_MAX, SEED_MAX, SEED_MIN, UINT32_MAX, out_of_range
 
@@ -60,7 +62,7 @@ def integer(body: dict, key: str, low: int, high: int, default: int | None = Non
     if value is None:
         return default
     if out_of_range(value, low, high):
-        raise bad_request(f"'{key}' must be an integer from {low} to {high}, got {value}", param=key,
+        raise bad_request(f"'{key}' must be an integer from {low} to {high}, got {quoted(value)}", param=key,
                           code="invalid_value")
     return value
 
@@ -103,7 +105,7 @@ def resolve_voice(voice: Any, speakers: dict[str, int], param: str) -> str:
                           param=param, code="invalid_value")
     name = voice.lower()
     if name not in {s.lower() for s in speakers}:
-        raise bad_request(f"unknown voice {voice!r}; valid voices: {', '.join(sorted(speakers))}", param=param,
+        raise bad_request(f"unknown voice {quoted(voice)}; valid voices: {', '.join(sorted(speakers))}", param=param,
                           code="invalid_value")
     return name
 
@@ -111,7 +113,7 @@ def resolve_voice(voice: Any, speakers: dict[str, int], param: str) -> str:
 def check_model(body: dict, model_id: str) -> None:
     model = required(body, "model", str)
     if model != model_id:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {model_id!r}", param="model",
+        raise APIError(404, f"the model {quoted(model)} does not exist; this server serves {model_id!r}", param="model",
                        code="model_not_found")
 
 

@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request body may take to arrive completely (408 after)")
     parser.add_argument("--max-prompt-chars", type=int, default=MAX_PROMPT_CHARS,
                         help="characters of text in one conversation, checked before tokenizing (400 above)")
-    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
-                        help="serve gRPC server reflection on the Converse port")
+    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=False,
+                        help="serve gRPC server reflection on the Converse port (off unless asked for; "
+                             "`voxpipe up` turns it on)")
     parser.add_argument("--audio-expiry", type=int, default=3600,
                         help="seconds an assistant audio id stays usable in later turns")
     parser.add_argument("--audio-cache-mb", type=megabytes, default=DEFAULT_AUDIO_CACHE_MB,

@@ -32,6 +32,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, SpeechRequest
+from voxpipe.services.runtime.echo import clipped, quoted
 from voxpipe.services.thinker.prompt import speech_turn
 
 from . import audio_formats
@@ -39,7 +40,7 @@ from .state import GatewayState, gateway_state
 from .errors import bad_request, from_pipeline_error
 from .generation import render_prompt, run_pipeline, speech_request
 from .params import GenerationParams, check_model, generation_params, optional, read_json, required, resolve_voice
-from .streaming import CancellableStream, prepend, sse, until_disconnect
+from .streaming import CancellableStream, prepended, read_ahead, sse
 
 router = APIRouter()
 SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
@@ -78,11 +79,11 @@ def speech_options(body: dict, st: GatewayState) -> SpeechOptions:
     voice = resolve_voice(body.get("voice"), st.speakers, "voice")
     fmt = optional(body, "response_format", str, "mp3")
     if fmt not in SPEECH_FORMATS:
-        raise bad_request(f"'response_format' must be one of {', '.join(SPEECH_FORMATS)}, got {fmt!r}",
+        raise bad_request(f"'response_format' must be one of {', '.join(SPEECH_FORMATS)}, got {quoted(fmt)}",
                           param="response_format", code="invalid_value")
     stream_format = optional(body, "stream_format", str, "audio")
     if stream_format not in STREAM_FORMATS:
-        raise bad_request(f"'stream_format' must be 'audio' or 'sse', got {stream_format!r}", param="stream_format",
+        raise bad_request(f"'stream_format' must be 'audio' or 'sse', got {quoted(stream_format)}", param="stream_format",
                           code="invalid_value")
     speed = optional(body, "speed", (int, float), 1.0)
     if speed != 1.0:
@@ -101,7 +102,8 @@ def speech_params(body: dict) -> GenerationParams:
                                   "(use 'max_audio_frames' to bound the audio)", param=key,
                                   code="unsupported_parameter")
         elif key not in OPENAI_PARAMS and key not in EXTENSIONS:
-            raise bad_request(f"unrecognized request argument supplied: '{key}'", param=key, code="unknown_parameter")
+            raise bad_request(f"unrecognized request argument supplied: '{clipped(key)}'", param=key,
+                              code="unknown_parameter")
     return generation_params(body)
 
 
@@ -119,18 +121,14 @@ async def create_speech(request: Request) -> Response:
         spoken = SpokenReply(st, req, arrived, opts.response_format)
         body_iter = spoken.sse_events() if opts.stream_format == "sse" else spoken.pieces()
         try:  # wait for the first piece, so that an early failure is still an HTTP error status
-            first = await until_disconnect(request.receive, anext(body_iter, None))
+            first = await read_ahead(request.receive, body_iter, anext(body_iter, None))
         except ClientDisconnect:
-            await body_iter.aclose()
             return Response(status_code=499)
-        except BaseException:
-            await body_iter.aclose()
-            raise
         media_type = "text/event-stream" if opts.stream_format == "sse" else \
             audio_formats.content_type(opts.response_format)
         handed_over = True
-        return CancellableStream(prepend(first, body_iter), on_close=session.release, media_type=media_type,
-                                 headers=SSE_HEADERS if opts.stream_format == "sse" else None)
+        return CancellableStream(prepended([] if first is None else [first], body_iter), on_close=session.release,
+                                 media_type=media_type, headers=SSE_HEADERS if opts.stream_format == "sse" else None)
     finally:
         if not handed_over:
             session.release()

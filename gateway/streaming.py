@@ -3,13 +3,14 @@
 A client that disconnects mid-stream must free the request in every stage at once, not when the
 next chunk fails to send: `CancellableStream` watches for the disconnect while it streams and
 cancels the body iterator (whose `finally` cancels the gRPC calls). `until_disconnect` does the
-same for a non-streaming request."""
+same for a non-streaming request. `prepended` puts back what was read ahead of a stream (to
+check it before the response starts) in front of the rest."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -19,15 +20,6 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
-
-
-async def prepend(first: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    """`first` (when not None), then what `rest` yields; `rest` is closed at the end."""
-    async with aclosing(rest):
-        if first is not None:
-            yield first
-        async for item in rest:
-            yield item
 
 
 def sse(payload: dict | str) -> str:
@@ -85,3 +77,22 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
             pass
         raise ClientDisconnect()
     return task.result()
+
+
+async def prepended(head: Sequence[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`head`'s items, then `rest`'s (closed when this iterator is)."""
+    async with aclosing(rest):
+        for item in head:
+            yield item
+        async for item in rest:
+            yield item
+
+
+async def read_ahead(receive: Receive, stream: AsyncIterator, read: Awaitable[T]) -> T:
+    """`await read` -- what reads `stream` ahead of the response -- cancelled when the client
+    disconnects first (ClientDisconnect); `stream` is closed when it fails either way."""
+    try:
+        return await until_disconnect(receive, read)
+    except BaseException:
+        await stream.aclose()
+        raise

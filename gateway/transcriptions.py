@@ -40,7 +40,7 @@ from .generation import Generation
 from .params import bounded_body, check_model
 from .speech_to_text import Transcript
 from .state import GatewayState, gateway_state
-from .streaming import CancellableStream, prepend, sse, until_disconnect
+from .streaming import CancellableStream, prepended, sse, until_disconnect
 
 router = APIRouter()
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
@@ -248,7 +248,7 @@ async def _serve(request: Request, translate: bool) -> Response:
         except ClientDisconnect:
             return Response(status_code=499)
         handed_over = True
-        return CancellableStream(prepend(first, events), on_close=session.release, media_type="text/event-stream",
+        return CancellableStream(prepended([] if first is None else [first], events), on_close=session.release, media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     finally:
         if not handed_over:

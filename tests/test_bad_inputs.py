@@ -35,6 +35,7 @@ THINKER_CONTEXT, TALKER_CONTEXT = 65536, 8192   # the thinker's: the tiny model'
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024),
                    ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+PAST_CONTEXT = grpc.StatusCode.OUT_OF_RANGE        # a request longer than the stage's context
 
 STUBS = {"thinker": (pb_grpc.ThinkerStub, "Generate"), "talker": (pb_grpc.TalkerStub, "Generate"),
          "code2wav": (pb_grpc.Code2WavStub, "Decode")}
@@ -254,7 +255,7 @@ CASES = [
     Case("thinker", "prompt-too-long",
          lambda: [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 100)), max_tokens=200)],
          rf"prompt of {THINKER_CONTEXT - 100} tokens \+ max_tokens 200 exceeds the context of {THINKER_CONTEXT}",
-         grpc.StatusCode.OUT_OF_RANGE),
+         PAST_CONTEXT),
     Case("thinker", "talker-rows-without-assistant-turn",
          lambda: [thinker_start(token_ids=pb.TokenIds(ids=[IM_START, USER, NL]), talker_rows=True, max_tokens=2)],
          r"talker_rows needs a prompt ending in an assistant turn"),
@@ -301,6 +302,8 @@ CASES = [
     Case("talker", "first-not-start", lambda: [text_rows(2), TEXT_END], r"first message must be start, got rows"),
     Case("talker", "unknown-speaker", lambda: [talker_start(speaker="Bob"), text_rows(2), TEXT_END],
          r"unknown speaker 'Bob'; valid: aiden, chelsie, ethan"),
+    Case("talker", "unknown-speaker-10000-characters", lambda: [talker_start(speaker="b" * 10_000), text_rows(2), TEXT_END],
+         r"^unknown speaker 'b{63}\.\.\. \(10002 characters\); valid: aiden, chelsie, ethan$"),
     Case("talker", "no-prompt", lambda: [pb.TalkerRequest(start=pb.TalkerStart(speaker="ethan"))],
          r"start\.prompt is required"),
     Case("talker", "user-rows-wrong-width", lambda: [talker_start(talker_prompt(user_rows=rows(5, width=32)))],
@@ -382,7 +385,7 @@ CASES = [
     Case("talker", "min-over-max", lambda: [talker_start(max_frames=4, min_frames=9)],
          r"min_frames 9 > max_frames 4"),
     Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=500, min_frames=0)],
-         rf"8000 user rows \+ 9 prompt rows \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}"),
+         rf"8000 user rows \+ 9 prompt rows \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}", PAST_CONTEXT),
     Case("talker", "bad-repetition-penalty",
          lambda: [talker_start(sampling=pb.Sampling(repetition_penalty=0.0))],
          r"repetition_penalty must be in \[0\.01, 100\], got 0\.0"),
@@ -438,6 +441,9 @@ CASES += [
          r"speech and talker_rows exclude each other"),
     Case("thinker", "speech-unknown-speaker", lambda: [thinker_start(speech=pb.SpeechParams(speaker="Bob"), **SPEECH)],
          r"unknown speaker 'Bob'; valid: aiden, chelsie, ethan"),
+    Case("thinker", "speech-unknown-speaker-10000-characters",
+         lambda: [thinker_start(speech=pb.SpeechParams(speaker="b" * 10_000), **SPEECH)],
+         r"^unknown speaker 'b{63}\.\.\. \(10002 characters\); valid: aiden, chelsie, ethan$"),
     Case("thinker", "speech-min-over-max-frames",
          lambda: [thinker_start(speech=pb.SpeechParams(max_frames=3, min_frames=5), **SPEECH)],
          r"speech\.min_frames 5 > max_frames 3"),
@@ -463,7 +469,7 @@ CASES += [
     Case("thinker", "assistant-text-over-the-context",
          lambda: [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 1)), assistant_text="Hi.")],
          rf"prompt of {THINKER_CONTEXT - 1} tokens \+ assistant_text of \d+ tokens \(<\|im_end\|> included\) "
-         rf"exceeds the context of {THINKER_CONTEXT}", grpc.StatusCode.OUT_OF_RANGE),
+         rf"exceeds the context of {THINKER_CONTEXT}", PAST_CONTEXT),
     Case("thinker", "assistant-text-with-max-tokens", lambda: [thinker_start(assistant_text="Hi.", max_tokens=2)],
          r"assistant_text excludes max_tokens: the reply is given"),
     Case("thinker", "assistant-text-with-stop-and-logprobs",

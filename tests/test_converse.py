@@ -36,7 +36,8 @@ TEXT = "Hello there, how are you?"
 def converse_gateway(stack, tiny_model_dir):
     """`voxpipe gateway --grpc-port M` as a process in front of `stack`; yields the Converse address."""
     grpc_port = free_port()
-    process = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"), "--grpc-port", str(grpc_port))
+    process = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"), "--grpc-port", str(grpc_port),
+                             "--reflection")
     yield f"127.0.0.1:{grpc_port}"
     process.stop()
 
@@ -339,7 +340,6 @@ BAD = [
     ([start(audio=[gw.AudioInput(pcm16=gw.Pcm16Audio(data=bytes(2 * 1000 * 601), sample_rate=1000))])],
      "audio[0].pcm16: the audio is 601 s long; the limit is 600 s"),
     ([start(text="x" * 200_001, output_modalities=[gw.MODALITY_TEXT])], "the limit is 200000"),
-    ([start(text="hi", max_frames=2**32 - 1)], "talker: "),        # in range: the talker's own refusal
     ([start(text="hi", stop=["a", "b", "c", "d", "e"])], "stop: at most 4 stop strings, got 5"),
     ([start(text="hi", stop=["a", ""])], "stop: stop string 1 is empty"),
     ([start(text="hi", stop=["y" * 257])], "stop: stop string 0 has 257 characters; the limit is 256"),
@@ -354,6 +354,15 @@ def test_bad_input_is_invalid_argument(channel, requests, message):
         converse(channel, *requests)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert message in err.value.details()
+
+
+def test_a_long_value_is_quoted_cut_short(channel):
+    """A 10,000-character voice is INVALID_ARGUMENT quoting its start (whole, it would pass gRPC's
+    metadata limit: the client would get RESOURCE_EXHAUSTED)."""
+    with pytest.raises(grpc.RpcError) as err:
+        converse(channel, start(text="hi", voice="v" * 10_000))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details() == f"unknown voice '{'v' * 63}... (10002 characters); valid voices: aiden, chelsie, ethan"
 
 
 def test_garbage_request_bytes_are_invalid_argument(channel):
@@ -377,6 +386,10 @@ def test_a_stage_refusal_is_its_status_with_the_stage_named(channel):
         converse(channel, start(text="hi", max_tokens=100000))
     assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
     assert err.value.details().startswith("thinker: ") and "exceeds the context" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        converse(channel, start(text="hi", max_frames=2**32 - 1))      # in range: the talker's own refusal
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert err.value.details().startswith("talker: ") and "exceed the talker context" in err.value.details()
 
 
 def test_health_and_reflection(channel):
@@ -427,7 +440,7 @@ def test_converse_needs_the_api_key(keyed_gateway):
 
 
 def gateway_sessions(process) -> dict[str, float]:
-    text = httpx.get(f"{process.base_url}/metrics", timeout=5).text
+    text = httpx.get(f"{process.base_url}/metrics", headers={"Authorization": "Bearer sesame"}, timeout=5).text
     return {api: float(v) for api, v in re.findall(r'^voxpipe_gateway_sessions\{api="(\w+)"\} (\S+)$', text, re.M)}
 
 
@@ -459,6 +472,44 @@ def test_cancel_and_channel_drop_free_the_session_slots(keyed_gateway, stack):
     statuses = [httpx.post(f"{process.base_url}/v1/chat/completions", json=body, headers=key,
                            timeout=60).status_code for _ in range(5)]
     assert statuses == [200] * 5
+    assert wait_all_free(stack) == {s: 0 for s in STAGES}
+
+
+def test_cancel_after_done_then_cancelling_the_call_keeps_no_slot(keyed_gateway, stack):
+    """The worst timing for the slot: Cancel, read on until Done, then cancel the call while the
+    gateway winds the turn down; 20 such calls, 2 at a time, with --max-sessions 4. Every slot
+    comes back, and 4 calls at once are admitted after."""
+    process, address = keyed_gateway
+
+    async def one(stub) -> None:
+        call = stub.Converse(metadata=KEY, timeout=60)
+        await call.write(start(text="a story", max_tokens=60, max_frames=200))
+        for _ in range(3):
+            assert (await call.read()).WhichOneof("kind") in ("text", "audio")
+        await call.write(gw.ConverseRequest(cancel=pb.Cancel()))
+        while (msg := await call.read()) is not grpc.aio.EOF and msg.WhichOneof("kind") != "done":
+            pass
+        assert msg is not grpc.aio.EOF
+        call.cancel()
+
+    async def go() -> list:
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = gw_grpc.GatewayStub(ch)
+            for round_ in range(10):
+                await asyncio.gather(one(stub), one(stub))
+                deadline = time.monotonic() + 10        # the turns wind down in every stage first
+                while any(gateway_sessions(process).values()) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert gateway_sessions(process) == {"http": 0, "realtime": 0, "converse": 0}, round_
+            turn = start(text=TEXT, max_tokens=2, output_modalities=[gw.MODALITY_TEXT])
+            return await asyncio.gather(*[whole(stub.Converse(iter([turn]), metadata=KEY, timeout=60))
+                                          for _ in range(4)])
+
+    async def whole(call) -> list[gw.ConverseResponse]:
+        return [msg async for msg in call]
+
+    for responses in asyncio.run(go()):
+        assert split(responses)[2].usage.completion_tokens == 2
     assert wait_all_free(stack) == {s: 0 for s in STAGES}
 
 

@@ -451,6 +451,29 @@ def _assert_policies_allow(docs, policies: list[dict[str, Any]], src: str, dst: 
     pytest.fail(f"NetworkPolicies {[p['metadata']['name'] for p in selecting]} block {src} -> {dst}:{port}")
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_reflection_is_off_in_every_manifest(overlay):
+    """No voxpipe process of a deployment serves gRPC reflection: the CLI parses each container's
+    args (what the pod runs) to reflection off, and they say so (--no-reflection, never --reflection)."""
+    from voxpipe.cli import build_parser
+
+    docs = render_overlay(overlay)
+    for name in (*STAGES, "gateway"):
+        args = main_container(one(docs, "Deployment", name))["args"]
+        assert "--no-reflection" in args and "--reflection" not in args, (name, args)
+        assert build_parser().parse_args(args).reflection is False, name
+
+
+def test_reflection_defaults_off_in_the_commands_and_on_in_up():
+    from voxpipe.cli import build_parser
+
+    parse = build_parser().parse_args
+    for command in (["thinker"], ["talker"], ["code2wav"], ["gateway"]):
+        assert parse(command).reflection is False, command
+        assert parse([*command, "--reflection"]).reflection is True, command
+    assert parse(["up"]).reflection is True and parse(["up", "--no-reflection"]).reflection is False
+
+
 def test_next_stage_env_reaches_the_cli(monkeypatch):
     """VOXPIPE_TALKER / VOXPIPE_CODE2WAV (what the manifests set) are the --talker / --code2wav defaults."""
     from voxpipe.cli import build_parser

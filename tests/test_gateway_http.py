@@ -254,6 +254,78 @@ def test_unknown_voice_names_the_valid_ones(gateway, model):
     assert_openai_error(post(gateway, "/v1/audio/speech", speech), 400, "chelsie")
 
 
+LONG = "x" * 10_000
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"modalities": ["text", "audio"], "audio": {"voice": LONG, "format": "wav"}},
+     "audio.voice"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": LONG}},
+     "audio.format"),
+    ("/v1/chat/completions", {"model": LONG}, "model"),
+    ("/v1/chat/completions", {LONG: 1}, LONG[:256] + "... (10000 characters)"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {LONG: True}},
+     f"stream_options.{LONG}"[:256] + "... (10015 characters)"),
+    ("/v1/audio/speech", {"input": "hi", "voice": LONG}, "voice"),
+    ("/v1/audio/speech", {"input": "hi", "voice": "ethan", "response_format": LONG}, "response_format"),
+    ("/v1/audio/speech", {"input": "hi", "voice": "ethan", LONG: 1}, LONG[:256] + "... (10000 characters)"),
+], ids=["chat-voice", "chat-format", "model", "chat-key", "stream-option", "speech-voice", "speech-format",
+        "speech-key"])
+def test_errors_quote_long_values_cut_short(gateway, model, path, body, param):
+    """A 10,000-character value or key: the 400 (404 for the model) names it, quoting a bounded start."""
+    base = {"model": model, "messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"model": model}
+    resp = post(gateway, path, json.dumps({**base, **body}))
+    assert resp.status_code == (404 if param == "model" else 400), resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param
+    assert len(err["message"]) < 400 and re.search(r"x{63,64}\.\.\. \(1000[02] characters\)", err["message"]), \
+        err["message"]
+
+
+AUDIO_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}}
+
+
+@pytest.mark.parametrize("extra,pattern", [
+    ({"max_completion_tokens": 2**31}, r"the thinker rejected the request: prompt of \d+ tokens \+ max_tokens "
+                                       r"2147483648 exceeds the context of 65536"),
+    ({"max_tokens": 2**32}, r"'max_tokens' must be an integer from 1 to 4294967295"),
+    ({**AUDIO_OUT, "max_tokens": 2, "max_audio_frames": 9000},
+     r"the talker rejected the request: \d+ user rows \+ \d+ prompt rows \+ max_frames 9000 exceed the talker "
+     r"context of 8192"),
+    ({"messages": [{"role": "user", "content": "x" * 200_001}]}, r"the limit is 200000"),
+    ({"stop": ["a"] * 5}, r"at most 4 stop strings"),
+    ({"logprobs": True, "top_logprobs": 21}, r"'top_logprobs' must be an integer from 0 to 20"),
+], ids=["thinker-context", "uint32", "talker-context", "prompt-chars", "stop", "top-logprobs"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_every_limit_is_checked_before_a_stream_opens(gateway, model, extra, pattern, stream):
+    """What the stages refuse as well as what the gateway does: the same 400, streamed or not (no
+    200 whose stream then carries the error)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}
+    err = assert_openai_error(post(gateway, "/v1/chat/completions", json.dumps(body)), 400, pattern)
+    assert err["type"] == "invalid_request_error"
+    assert (err["code"] == "context_length_exceeded") == ("context" in pattern), err
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+def test_speech_limits_are_checked_before_the_audio_starts(gateway, model, stream_format):
+    body = {"model": model, "input": "hi", "voice": "ethan", "response_format": "pcm", "max_audio_frames": 9000,
+            "stream_format": stream_format}
+    err = assert_openai_error(post(gateway, "/v1/audio/speech", json.dumps(body)), 400,
+                              r"the talker rejected the request: .*max_frames 9000 exceed the talker context of 8192")
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_a_stream_that_passes_every_check_starts_with_the_role_and_ends_done(gateway, model):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3,
+            "temperature": 0, **AUDIO_OUT, "max_audio_frames": 4}
+    resp = post(gateway, "/v1/chat/completions", json.dumps(body))
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant" and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    assert any("data" in (json.loads(e)["choices"][0]["delta"].get("audio") or {}) for e in events[1:-1])
+
+
 def test_unknown_model(client):
     with pytest.raises(openai.NotFoundError) as e:     # as OpenAI: 404 model_not_found
         client.chat.completions.create(model="gpt-4o-audio-preview", messages=[{"role": "user", "content": "hi"}])
@@ -341,6 +413,21 @@ def test_text_over_the_limit_is_400_before_tokenizing(gateway, model):
     err = assert_openai_error(post(gateway, "/v1/chat/completions", body), 400,
                               "250004 characters of text; the limit is 200000")
     assert err["param"] == "messages"
+
+
+def test_metrics_need_the_api_key_when_one_is_set(strict_gateway, gateway):
+    """/metrics is on the API port: with --api-key it needs the key (401 otherwise, as OpenAI-shaped
+    as the API's); the probes (/health, /ready) need none. Without a key it is open."""
+    url = strict_gateway.base_url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+        resp = httpx.get(f"{url}/metrics", headers=headers, timeout=5)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", resp.text
+        assert "voxpipe_gateway" not in resp.text
+    resp = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sesame"}, timeout=5)
+    assert resp.status_code == 200 and "voxpipe_gateway_sessions" in resp.text
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{url}/ready", timeout=5).status_code in (200, 503)
+    assert httpx.get(f"{gateway.base_url}/metrics", timeout=5).status_code == 200
 
 
 def test_a_body_that_stops_arriving_is_408(strict_gateway):

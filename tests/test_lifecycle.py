@@ -134,6 +134,7 @@ async def good_request(address: str, stage: str) -> list:
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_health_and_reflection(stack, stage):
+    """The session's stack is started as `voxpipe up` starts it (LocalStack): reflection on."""
     with grpc.insecure_channel(stack.address(stage)) as ch:
         health = health_pb2_grpc.HealthStub(ch)
         for name in ("", SERVICE[stage]):
@@ -389,11 +390,11 @@ def test_an_aged_connection_keeps_its_active_stream(tiny_model_dir):
     """--max-connection-age 1 with a 0.5 s drain grace: a code2wav stream fed and read slowly for
     ~4 s on one connection gets all its audio (the aged connection is told to go away but not
     closed under the stream), and a new call after it is served. The same process has reflection
-    off and its --metrics-port on --host only."""
+    off (the default: no flag) and its --metrics-port on --host only."""
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "voxpipe.cli", "code2wav", "--model", str(tiny_model_dir),
                              "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-                             "--max-connection-age", "1", "--grace", "0.5", "--no-reflection",
+                             "--max-connection-age", "1", "--grace", "0.5",
                              "--metrics-port", str(metrics_port)], stdout=subprocess.PIPE, text=True)
     while "ready on port" not in (line := proc.stdout.readline()):
         assert line or proc.poll() is None, "code2wav did not start"

@@ -513,11 +513,66 @@ def test_bad_events_get_errors_and_the_session_goes_on(gateway):
                                            "invalid_value"]
     assert "nested too deeply" in errors[6]["message"]
     assert [e["param"] for e in errors[7:]] == ["session.max_audio_frames", "response.max_output_tokens"]
-    assert all("4294967295" in e["message"] for e in errors[7:])
+    assert "4294967295" in errors[7]["message"] and "from 1 to 4096" in errors[8]["message"]
     assert errors[1]["event_id"] == "evt_1" and errors[2]["event_id"] == "evt_2"
     assert all(e["type"] == "invalid_request_error" and e["message"] for e in errors)
     assert turn[-1]["response"]["status"] in ("completed", "incomplete")
     assert of(turn, "response.output_audio.delta")
+
+
+REFUSED_UPDATES = [
+    ({"instructions": "x" * 1_000_000}, "session.instructions"),
+    ({"instructions": "Changed.", "max_output_tokens": 4097}, "session.max_output_tokens"),
+    ({"max_response_output_tokens": 0}, "session.max_response_output_tokens"),
+    ({"max_output_tokens": "infinite"}, "session.max_output_tokens"),
+    ({"instructions": "Changed.", "audio": {"output": {"voice": "nobody"}}}, "session.audio.output.voice"),
+    ({"audio": {"output": {"format": {"type": "audio/pcmu"}}}}, "session.audio.output.format"),
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "session.audio.input.format"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection.type"),
+    ({"audio": {"input": {"turn_detection": {"threshold": 2}}}}, "session.audio.input.turn_detection.threshold"),
+    ({"audio": {"input": {"transcription": {"language": "x" * 10_000}}}},
+     "session.audio.input.transcription.language"),
+    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
+    ({"audio": {"output": {"speed": 1.5}}}, "session.audio.output.speed"),
+    ({"temperature": 2.5, "instructions": "Changed."}, "session.temperature"),
+    ({"output_modalities": ["video"]}, "session.output_modalities"),
+    ({"instructions": 5}, "session.instructions"),
+    ({"max_audio_frames": 0}, "session.max_audio_frames"),
+    ({"ignore_eos": "yes"}, "session.ignore_eos"),
+]
+
+
+def test_a_refused_session_update_changes_nothing(gateway):
+    """Every session field is checked at session.update: a refused one gets an `error` naming it
+    (`param`, the value quoted cut short), nothing of that update applies, and the next response
+    runs with the session as it was. response.create's instructions and max_output_tokens have the
+    same bounds."""
+    async def go():
+        async with realtime(gateway) as rt:
+            before = await rt.update(**MANUAL, instructions="Be brief.", max_output_tokens=3)
+            errors = []
+            for session, _ in REFUSED_UPDATES:
+                await rt.send("session.update", session={"type": "realtime", **session})
+                errors.append((await rt.until("error"))[-1]["error"])
+            for response in ({"instructions": "x" * 20_000}, {"max_output_tokens": 4097}):
+                await rt.send("response.create", response=response)
+                errors.append((await rt.until("error"))[-1]["error"])
+            after = await rt.update()
+            widest = await rt.update(max_output_tokens=4096)
+            await rt.update(max_output_tokens=3)
+            turn = await text_turn(rt, "Still there?")
+            return before, errors, after, widest, turn
+
+    before, errors, after, widest, turn = run(go())
+    assert [e["param"] for e in errors] == [param for _, param in REFUSED_UPDATES] + \
+        ["response.instructions", "response.max_output_tokens"]
+    assert all(e["type"] == "invalid_request_error" and len(e["message"]) < 300 for e in errors), errors
+    assert "1000000 characters; the limit is 16384" in errors[0]["message"]
+    assert "from 1 to 4096 or \"inf\"" in errors[1]["message"]
+    assert after == before and after["instructions"] == "Be brief." and after["max_output_tokens"] == 3
+    assert widest["max_output_tokens"] == 4096
+    done = turn[-1]["response"]
+    assert done["status"] in ("completed", "incomplete") and done["usage"]["output_token_details"]["text_tokens"] <= 3
 
 
 def test_unknown_model_is_refused(gateway):

@@ -115,14 +115,15 @@ class LocalStack:
                  metrics_ports: dict[str, int] | None = None, http_port: int = 0,
                  layout: Layout | None = None, gateway_extra: list[str] | None = None,
                  global_flags: list[str] | None = None, gateway_env: dict[str, str] | None = None,
-                 stage_env: dict[str, dict[str, str]] | None = None) -> None:
+                 stage_env: dict[str, dict[str, str]] | None = None, reflection: bool = True) -> None:
         """`layout`: replicas and devices per stage (default: one replica of each on `device`);
         ports are given out from `base_port` in process order. `metrics_ports`: by process name
         (a stage's name when it has one replica, see Layout.names). `extra`: flags of every stage
         (TLS ones, say); `gateway_extra`: flags of the gateway; `global_flags`: `voxpipe` flags
         before the command (--log-level, --log-format) of every process; `gateway_env`: more
         environment for the gateway (VOXPIPE_API_KEY: a key stays off the command line); `stage_env`:
-        more environment per stage, for each of its processes (voxpipe.layout.sm_share_env)."""
+        more environment per stage, for each of its processes (voxpipe.layout.sm_share_env);
+        `reflection`: gRPC server reflection on every stage and the Converse port (on: local development)."""
         self.model, self.host, self.device = model, host, device
         self.layout = layout or Layout.parse("", device)
         self.stage_of = {name: stage for name, stage, _ in self.layout.processes()}
@@ -136,6 +137,7 @@ class LocalStack:
         self.gateway_env = gateway_env or {}
         self.stage_env = stage_env or {}
         self.http_port = http_port          # > 0: also run the gateway (OpenAI HTTP API) on this port
+        self.reflection = ["--reflection" if reflection else "--no-reflection"]
         self.procs: dict[str, subprocess.Popen] = {}
 
     def addresses(self, stage: str) -> list[str]:
@@ -155,7 +157,7 @@ class LocalStack:
         shares = {} if given else memory_shares(self.layout)
         for name, stage, device in self.layout.processes():
             cmd = [sys.executable, "-m", "voxpipe.cli", *self.global_flags, stage, "--model", str(self.model),
-                   "--host", self.host, "--port", str(self.ports[name]), "--device", device] + self.extra
+                   "--host", self.host, "--port", str(self.ports[name]), "--device", device] + self.reflection + self.extra
             if name in shares:      # a GPU shared with other stages: the thinker's KV pool is sized from it
                 cmd.append(f"--gpu-memory-fraction={shares[name]}")
             if self.metrics_ports.get(name):
@@ -168,7 +170,7 @@ class LocalStack:
             self._wait_ready(name, proc, deadline, timeout)
         if self.http_port:
             cmd = [sys.executable, "-m", "voxpipe.cli", *self.global_flags, "gateway", "--model", str(self.model),
-                   "--host", self.host, "--http-port", str(self.http_port)]
+                   "--host", self.host, "--http-port", str(self.http_port)] + self.reflection
             cmd += [f"--{s}={self.address(s)}" for s in ("thinker", "code2wav")] + self.gateway_extra
             env = {**os.environ, **self.gateway_env} if self.gateway_env else None
             self.procs["gateway"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
@@ -229,7 +231,7 @@ def cmd_up(args) -> int:
                        gateway_extra=gateway_flags, layout=layout, metrics_ports=metrics_ports,
                        global_flags=[f"--log-level={args.log_level}", f"--log-format={args.log_format}"],
                        gateway_env={"VOXPIPE_API_KEY": api_key} if api_key else None,
-                       stage_env=sm_share_env(shares))
+                       stage_env=sm_share_env(shares), reflection=args.reflection)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -454,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the stages' weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--stage-arg", action="append", metavar="FLAG",
                    help="one more flag of every stage, as written (repeatable; e.g. --stage-arg=--max-len=8192)")
+    p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
+                   help="gRPC server reflection on every stage and the Converse port (the commands' own default is off)")
     p.add_argument("--say", metavar="TEXT", help="speak TEXT through the stack, write -o, then stop everything")
     _add_say_options(p)
     add_server_tls_arguments(p)

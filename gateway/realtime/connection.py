@@ -18,8 +18,10 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
 from voxpipe.audio import resample
-from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE
+from voxpipe.services.runtime.echo import quoted
+from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, with_instructions
 
+from ..errors import APIError
 from ..generation import Generation
 from ..state import GatewayState, authorized
 from .events import (INPUT_SAMPLE_RATE, ClientEvent, Dialect, InputAudioAppend, InputAudioClear, InputAudioCommit,
@@ -76,7 +78,7 @@ async def realtime(ws: WebSocket, model: str | None = None) -> None:
     offered = ws.scope.get("subprotocols", [])
     await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
     if model is not None and model != state.config.model_id:
-        await _refuse(ws, dialect, ProtocolError(f"the model {model!r} does not exist; this server serves "
+        await _refuse(ws, dialect, ProtocolError(f"the model {quoted(model)} does not exist; this server serves "
                                                  f"{state.config.model_id!r}", code="model_not_found", param="model"),
                       1008)
         return
@@ -216,8 +218,15 @@ class RealtimeConnection:
             self.vad = self._new_vad()
 
     async def update_session(self, event: SessionUpdate) -> None:
+        """All or nothing: a field that is refused leaves the session as it was."""
         old = self.session.turn_detection
-        self.session = self.session.updated(event.patch, self.state.speakers)
+        session = self.session.updated(event.patch, self.state.speakers)
+        if event.patch.instructions:    # render them now: every later response would fail otherwise
+            try:
+                await self.response_context.generation.render(with_instructions(event.patch.instructions, []))
+            except APIError as e:
+                raise ProtocolError(f"'session.instructions': {e.message}", param="session.instructions") from None
+        self.session = session
         if self.session.turn_detection != old:
             self.speech_item_id = None
             self.vad = await asyncio.to_thread(self._new_vad)
@@ -309,7 +318,7 @@ class RealtimeConnection:
 
     def _check_not_generating(self, item_id: str) -> None:
         if self.response is not None and self.response.active and self.response.item.id == item_id:
-            raise ProtocolError(f"item {item_id!r} is being generated; cancel the response first",
+            raise ProtocolError(f"item {quoted(item_id)} is being generated; cancel the response first",
                                 code="item_in_progress", param="item_id")
 
     async def truncate_item(self, event: ItemTruncate) -> None:
@@ -318,7 +327,7 @@ class RealtimeConnection:
         if item.role != "assistant":
             raise ProtocolError("only assistant messages can be truncated", param="item_id")
         if not 0 <= event.content_index < len(item.content) or item.content[event.content_index].kind != "output_audio":
-            raise ProtocolError(f"content_index {event.content_index} is not an audio part of item {item.id!r}",
+            raise ProtocolError(f"content_index {event.content_index} is not an audio part of item {quoted(item.id)}",
                                 param="content_index")
         content = item.content[event.content_index]
         have_ms = samples_to_ms(content.audio_samples)
@@ -343,6 +352,6 @@ class RealtimeConnection:
         if run is None or not run.active:
             raise ProtocolError("there is no response in progress to cancel", code="response_cancel_not_active")
         if event.response_id is not None and event.response_id != run.id:
-            raise ProtocolError(f"response {event.response_id!r} is not in progress (the active one is {run.id})",
+            raise ProtocolError(f"response {quoted(event.response_id)} is not in progress (the active one is {run.id})",
                                 code="response_cancel_not_active", param="response_id")
         await run.cancel("client_cancelled")

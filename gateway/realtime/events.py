@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from voxpipe.services.runtime.echo import PARAM_CHARS, bounded_message, clipped, quoted
+
 from ..limits import UINT32_MAX
 from ..speech_to_text import MAX_PROMPT_CHARS, valid_language
 from .vad import ServerVadParams
@@ -31,8 +33,10 @@ class ProtocolError(Exception):
 
     def __init__(self, message: str, *, code: str = "invalid_value", param: str | None = None,
                  type: str = "invalid_request_error", event_id: str | None = None) -> None:
+        message = bounded_message(message)      # the backstop: never unbounded client input
         super().__init__(message)
-        self.message, self.code, self.param, self.type, self.event_id = message, code, param, type, event_id
+        self.message, self.code, self.type, self.event_id = message, code, type, event_id
+        self.param = None if param is None else clipped(param, PARAM_CHARS)
 
 
 class Unset(enum.Enum):
@@ -191,6 +195,10 @@ def _get(obj: dict, key: str, kinds: type | tuple[type, ...], path: str, require
     return value
 
 
+MAX_OUTPUT_TOKENS = 4096          # OpenAI's range for max_output_tokens: 1 to 4096, or "inf"
+MAX_INSTRUCTIONS_CHARS = 16_384   # a session's (or response's) instructions: a system turn of about 4k tokens
+
+
 def _positive_int(obj: dict, key: str, path: str) -> int | None:
     value = _get(obj, key, int, path)
     if value is not None and not 1 <= value <= UINT32_MAX:
@@ -200,14 +208,30 @@ def _positive_int(obj: dict, key: str, path: str) -> int | None:
 
 
 def _max_tokens(obj: dict, key: str, path: str) -> int | None:
-    """An integer in [1, UINT32_MAX] or "inf" (-> 0: no limit)."""
+    """An integer in [1, MAX_OUTPUT_TOKENS] or "inf" (-> 0: no limit)."""
     value = obj.get(key)
     if value == "inf":
         return 0
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= UINT32_MAX):
-        raise ProtocolError(f"'{path}.{key}' must be an integer from 1 to {UINT32_MAX} or \"inf\", got {value!r}",
-                            param=f"{path}.{key}")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not 1 <= value <= MAX_OUTPUT_TOKENS):
+        raise ProtocolError(f"'{path}.{key}' must be an integer from 1 to {MAX_OUTPUT_TOKENS} or \"inf\", "
+                            f"got {quoted(value)}", param=f"{path}.{key}")
     return value
+
+
+def _instructions(obj: dict, path: str) -> str | None:
+    value = _get(obj, "instructions", str, path)
+    if value is not None and len(value) > MAX_INSTRUCTIONS_CHARS:
+        raise ProtocolError(f"'{path}.instructions' has {len(value)} characters; the limit is {MAX_INSTRUCTIONS_CHARS}",
+                            param=f"{path}.instructions")
+    return value
+
+
+def _served_only(obj: dict, key: str, path: str, served: tuple, why: str) -> None:
+    """A field this server does not serve: absent or null, or one of the `served` values."""
+    value = obj.get(key)
+    if value is not None and not any(value == v and type(value) is type(v) for v in served):
+        raise ProtocolError(f"'{path}.{key}' {quoted(value)} is not supported: {why}", param=f"{path}.{key}")
 
 
 def _temperature(obj: dict, path: str) -> float | None:
@@ -224,7 +248,7 @@ def _modalities(obj: dict, path: str) -> bool | None:
         if value is None:
             continue
         if not value or any(m not in ("text", "audio") for m in value):
-            raise ProtocolError(f"'{path}.{key}' must be [\"audio\"] or [\"text\"], got {value!r}",
+            raise ProtocolError(f"'{path}.{key}' must be [\"audio\"] or [\"text\"], got {quoted(value)}",
                                 param=f"{path}.{key}")
         return "audio" in value
     return None
@@ -237,7 +261,7 @@ def _audio_format(value: Any, param: str) -> None:
     if isinstance(value, dict) and value.get("type", "audio/pcm") == "audio/pcm" \
             and value.get("rate", INPUT_SAMPLE_RATE) == INPUT_SAMPLE_RATE:
         return
-    raise ProtocolError(f"'{param}' {value!r} is not supported; use {{\"type\": \"audio/pcm\", \"rate\": 24000}} "
+    raise ProtocolError(f"'{param}' {quoted(value)} is not supported; use {{\"type\": \"audio/pcm\", \"rate\": 24000}} "
                         "(beta: \"pcm16\")", param=param)
 
 
@@ -248,7 +272,7 @@ def _turn_detection(value: Any, param: str) -> ServerVadParams | None:
         raise ProtocolError(f"'{param}' must be an object or null", code="invalid_type", param=param)
     kind = value.get("type", "server_vad")
     if kind != "server_vad":
-        raise ProtocolError(f"'{param}.type' {kind!r} is not supported; use \"server_vad\" or null",
+        raise ProtocolError(f"'{param}.type' {quoted(kind)} is not supported; use \"server_vad\" or null",
                             param=f"{param}.type")
     d = ServerVadParams()
     threshold = _get(value, "threshold", (int, float), param)
@@ -280,11 +304,11 @@ def _transcription(value: Any, param: str) -> TranscriptionPatch | None:
         raise ProtocolError(f"'{param}' must be an object or null", code="invalid_type", param=param)
     for key, v in value.items():
         if key not in TRANSCRIPTION_FIELDS and v is not None:
-            raise ProtocolError(f"'{param}.{key}' is not supported; set only {', '.join(TRANSCRIPTION_FIELDS)}",
+            raise ProtocolError(f"'{param}.{clipped(key)}' is not supported; set only {', '.join(TRANSCRIPTION_FIELDS)}",
                                 param=f"{param}.{key}")
     language = _get(value, "language", str, param)
     if language is not None and not valid_language(language):
-        raise ProtocolError(f"'{param}.language' must be a language code such as \"en\", got {language!r}",
+        raise ProtocolError(f"'{param}.language' must be a language code such as \"en\", got {quoted(language)}",
                             param=f"{param}.language")
     prompt = _get(value, "prompt", str, param)
     if prompt is not None and len(prompt) > MAX_PROMPT_CHARS:
@@ -323,7 +347,7 @@ def _session_patch(s: Any) -> SessionPatch:
     if not isinstance(s, dict):
         raise ProtocolError("'session' must be an object", code="invalid_type", param="session")
     if s.get("type", "realtime") != "realtime":
-        raise ProtocolError(f"'session.type' {s.get('type')!r} is not supported; use \"realtime\"",
+        raise ProtocolError(f"'session.type' {quoted(s.get('type'))} is not supported; use \"realtime\"",
                             param="session.type")
     if s.get("tools"):
         raise ProtocolError("tools (function calling) are not supported", param="session.tools")
@@ -334,6 +358,10 @@ def _session_patch(s: Any) -> SessionPatch:
     _audio_format(audio_out.get("format"), "session.audio.output.format")
     _audio_format(s.get("input_audio_format"), "session.input_audio_format")
     _audio_format(s.get("output_audio_format"), "session.output_audio_format")
+    _served_only(audio_out, "speed", "session.audio.output", (1, 1.0), "replies are spoken at speed 1.0")
+    _served_only(s, "speed", "session", (1, 1.0), "replies are spoken at speed 1.0")
+    _served_only(audio_in, "noise_reduction", "session.audio.input", (), "input audio is not noise-reduced (null)")
+    _served_only(s, "input_audio_noise_reduction", "session", (), "input audio is not noise-reduced (null)")
     if "turn_detection" in audio_in:
         turn: ServerVadParams | None | Unset = _turn_detection(audio_in["turn_detection"],
                                                                 "session.audio.input.turn_detection")
@@ -354,7 +382,7 @@ def _session_patch(s: Any) -> SessionPatch:
         max_tokens = _max_tokens(s, "max_response_output_tokens", "session")
     ignore_eos = _get(s, "ignore_eos", bool, "session")
     return SessionPatch(voice=voice, audio_out=_modalities(s, "session"),
-                        instructions=_get(s, "instructions", str, "session"), turn_detection=turn,
+                        instructions=_instructions(s, "session"), turn_detection=turn,
                         transcription=transcription, max_output_tokens=max_tokens,
                         temperature=_temperature(s, "session"), ignore_eos=ignore_eos,
                         max_audio_frames=_positive_int(s, "max_audio_frames", "session"))
@@ -372,7 +400,7 @@ def _response_overrides(r: Any) -> ResponseOverrides:
                             param="response.input")
     conversation = r.get("conversation", "auto")
     if conversation not in ("auto", "none", None):
-        raise ProtocolError(f"'response.conversation' must be \"auto\" or \"none\", got {conversation!r}",
+        raise ProtocolError(f"'response.conversation' must be \"auto\" or \"none\", got {quoted(conversation)}",
                             param="response.conversation")
     audio = _get(r, "audio", dict, "response") or {}
     audio_out = _get(audio, "output", dict, "response.audio") or {}
@@ -387,7 +415,7 @@ def _response_overrides(r: Any) -> ResponseOverrides:
         raise ProtocolError("'response.metadata' must map strings to strings", code="invalid_type",
                             param="response.metadata")
     return ResponseOverrides(voice=voice, audio_out=_modalities(r, "response"),
-                             instructions=_get(r, "instructions", str, "response"), max_output_tokens=max_tokens,
+                             instructions=_instructions(r, "response"), max_output_tokens=max_tokens,
                              temperature=_temperature(r, "response"),
                              ignore_eos=_get(r, "ignore_eos", bool, "response"),
                              max_audio_frames=_positive_int(r, "max_audio_frames", "response"),
@@ -406,7 +434,7 @@ def _part(p: Any, role: str, path: str) -> NewPart:
     kind = p.get("type")
     allowed = {"user": _USER_KINDS, "assistant": _ASSISTANT_KINDS}.get(role, _SYSTEM_KINDS)
     if kind not in allowed:
-        raise ProtocolError(f"'{path}.type' {kind!r} is not supported for a {role} message; use one of: "
+        raise ProtocolError(f"'{path}.type' {quoted(kind)} is not supported for a {role} message; use one of: "
                             f"{', '.join(allowed)}", param=f"{path}.type")
     norm = allowed[kind]
     if norm == "input_audio":
@@ -426,10 +454,10 @@ def _new_item(item: Any) -> NewItem:
     if not isinstance(item, dict):
         raise ProtocolError("'item' must be an object", code="invalid_type", param="item")
     if item.get("type", "message") != "message":
-        raise ProtocolError(f"'item.type' {item.get('type')!r} is not supported; use \"message\"", param="item.type")
+        raise ProtocolError(f"'item.type' {quoted(item.get('type'))} is not supported; use \"message\"", param="item.type")
     role = item.get("role")
     if role not in ("user", "assistant", "system"):
-        raise ProtocolError(f"'item.role' must be user, assistant or system, got {role!r}", param="item.role")
+        raise ProtocolError(f"'item.role' must be user, assistant or system, got {quoted(role)}", param="item.role")
     content = _get(item, "content", list, "item", required=True)
     if not content:
         raise ProtocolError("'item.content' must not be empty", param="item.content")
@@ -467,7 +495,7 @@ def _parse(e: dict, kind: str, event_id: str | None) -> ClientEvent:
         return ResponseCreate(event_id, _response_overrides(e.get("response")))
     if kind == "response.cancel":
         return ResponseCancel(event_id, _get(e, "response_id", str, ""))
-    raise ProtocolError(f"unknown event type {kind!r}", code="invalid_value", param="type")
+    raise ProtocolError(f"unknown event type {quoted(kind)}", code="invalid_value", param="type")
 
 
 CLIENT_EVENT_TYPES = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
@@ -490,7 +518,7 @@ def parse_client_event(text: str) -> ClientEvent:
         raise ProtocolError("missing required parameter: 'type'", code="missing_required_parameter", param="type",
                             event_id=event_id)
     if kind not in CLIENT_EVENT_TYPES:
-        raise ProtocolError(f"unknown event type {kind!r}; supported: {', '.join(CLIENT_EVENT_TYPES)}",
+        raise ProtocolError(f"unknown event type {quoted(kind)}; supported: {', '.join(CLIENT_EVENT_TYPES)}",
                             code="unknown_event_type", param="type", event_id=event_id)
     try:
         return _parse(e, kind, event_id)

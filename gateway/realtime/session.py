@@ -9,6 +9,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from voxpipe.services.runtime.echo import quoted
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, with_instructions
 
 from ..params import DEFAULT_TEMPERATURE
@@ -39,7 +40,7 @@ def default_voice(speakers: dict[str, int]) -> str:
 def check_voice(voice: str, speakers: dict[str, int], param: str) -> str:
     name = voice.lower()
     if speakers and name not in speakers:
-        raise ProtocolError(f"unknown voice {voice!r}; valid voices: {', '.join(sorted(speakers))}", param=param)
+        raise ProtocolError(f"unknown voice {quoted(voice)}; valid voices: {', '.join(sorted(speakers))}", param=param)
     return name
 
 
@@ -56,7 +57,7 @@ class TranscriptionSettings:
     @classmethod
     def of(cls, patch: TranscriptionPatch, served_model: str) -> "TranscriptionSettings":
         if patch.model is not None and patch.model != served_model:
-            raise ProtocolError(f"the transcription model {patch.model!r} is not served here: the served model "
+            raise ProtocolError(f"the transcription model {quoted(patch.model)} is not served here: the served model "
                                 f"{served_model!r} transcribes (give its id or leave the model unset)",
                                 param=f"{patch.param}.model")
         return cls(language=patch.language, prompt=patch.prompt)
@@ -246,7 +247,7 @@ class Conversation:
         for item in self.items:
             if item.id == item_id:
                 return item
-        raise ProtocolError(f"no item with id {item_id!r} in the conversation", code="item_not_found", param=param)
+        raise ProtocolError(f"no item with id {quoted(item_id)} in the conversation", code="item_not_found", param=param)
 
     def has(self, item_id: str) -> bool:
         return any(item.id == item_id for item in self.items)
@@ -254,7 +255,7 @@ class Conversation:
     def insert(self, item: ConversationItem, previous_item_id: str | None = None) -> str | None:
         """Append, or place after `previous_item_id` ("root": first). Returns the id before it."""
         if self.has(item.id):
-            raise ProtocolError(f"an item with id {item.id!r} already exists", code="duplicate_item_id",
+            raise ProtocolError(f"an item with id {quoted(item.id)} already exists", code="duplicate_item_id",
                                 param="item.id")
         if previous_item_id is None:
             at = len(self.items)

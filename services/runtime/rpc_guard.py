@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from .calls import AWAITS_ADMISSION_METADATA, TAKES_ENDING_METADATA, is_admitted
+from .echo import bounded_message
 
 DRAIN_S = 2.0        # how long a refusal waits for the client to half-close before it is sent anyway
 
@@ -152,6 +153,7 @@ class GuardedContext:
         await self._context.send_initial_metadata(metadata)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        details = bounded_message(details)      # the backstop: a status never carries unbounded client input
         if self._ending:
             await self._requests.wait_end(self._drain_s)
         elif not (self._awaits_admission and self._start_read and not self._admitted):

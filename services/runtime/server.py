@@ -1,4 +1,4 @@
-"""What the three stage servers share: the aio server with health, reflection (can be turned off)
+"""What the three stage servers share: the aio server with health, reflection (with --reflection)
 and graceful SIGTERM; the per-stream pattern (first message = Start, optional payload chunks,
 engine outputs streamed back, cancellation and disconnects freeing the request); the common flags
 (`add_stage_arguments`); and a stage's build and run: `stage_setup` (options, TLS, device and dtype
@@ -58,7 +58,7 @@ class ServerOptions:
     max_connection_age_s: float | None = 300.0   # clients reconnect (and rebalance) this often (0/None: never)
     max_pending_upload_bytes: int = 1024 * 1024 * 1024  # all incomplete start payloads together
     metrics_port: int = 0                        # Prometheus /metrics (0: off), on `host` too
-    reflection: bool = True                      # grpc.reflection.v1alpha on the service port
+    reflection: bool = False                     # grpc.reflection.v1alpha on the service port
     tls: ServerTLS | None = None                 # serve TLS (mTLS when it has a client CA); None: plaintext
     health_port: int = 0                         # a plaintext grpc.health.v1-only port on `host` (0: off), for
                                                  # probes that cannot speak (m)TLS (Kubernetes' grpc probes)
@@ -451,8 +451,8 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
     parser.add_argument("--max-pending-upload-mb", type=float, default=1024.0,
                         help="bytes of incomplete chunked start messages held at once, over all streams "
                              "(RESOURCE_EXHAUSTED above)")
-    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
-                        help="serve gRPC server reflection")
+    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=False,
+                        help="serve gRPC server reflection (off unless asked for; `voxpipe up` turns it on)")
     parser.add_argument("--health-port", type=int, default=0,
                         help="also serve grpc.health.v1 alone, plaintext, on this port (for probes that cannot "
                              "speak TLS, like Kubernetes' grpc probes; 0: off)")

@@ -16,6 +16,7 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
+from ..runtime.echo import quoted
 from ..runtime.engine import Outbox
 from ..runtime.sampling import MAX_ROW_VALUE, SamplingParams, check_features
 from ..runtime.outputs import Finished, FirstOutput, FramesOut, Routed
@@ -113,7 +114,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         speaker = start.speaker.lower() or "ethan"
         if speaker not in cfg.speakers:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"unknown speaker {start.speaker!r}; valid: {', '.join(sorted(cfg.speakers))}")
+                        f"unknown speaker {quoted(start.speaker)}; valid: {', '.join(sorted(cfg.speakers))}")
         annotate(voice=speaker, request_id=start.request_id)
         if not start.HasField("prompt"):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt is required")
@@ -151,8 +152,8 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         if start.min_frames > max_frames:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_frames {start.min_frames} > max_frames {max_frames}")
         length = users + PROMPT_TAIL + max_frames
-        if length > self.engine.max_len:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+        if length > self.engine.max_len:     # OUT_OF_RANGE: the request is past the context
+            raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"{users} user rows + {PROMPT_TAIL} prompt rows + max_frames {max_frames} exceed the talker context of {self.engine.max_len}")
         job = TalkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                         user_rows=user, user_mm_mask=mm, user_ids=ids, head=head, special=special, speaker_id=cfg.speakers[speaker],

@@ -18,6 +18,7 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 from ..runtime import metrics
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
+from ..runtime.echo import quoted
 from ..runtime.engine import Outbox
 from ..runtime.sampling import SamplingParams, check_audio_features
 from ..runtime.outputs import Finished, FirstOutput, Routed, StageFinished, TalkerPromptOut, TextOut
@@ -175,7 +176,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         max_tokens = len(forced.token_ids) if forced is not None else start.max_tokens or DEFAULT_MAX_TOKENS
         if start.min_tokens > max_tokens:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_tokens {start.min_tokens} > max_tokens {max_tokens}")
-        if len(ids) + max_tokens > self.engine.max_len:
+        if len(ids) + max_tokens > self.engine.max_len:     # OUT_OF_RANGE: the request is past the context
             raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}")
         problem = stop_strings_problem(start.stop) or top_logprobs_problem(start.logprobs, start.top_logprobs)
@@ -223,7 +224,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         speakers = self.cfg.talker.speakers
         if (sp.speaker.lower() or "ethan") not in speakers:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"unknown speaker {sp.speaker!r}; valid: {', '.join(sorted(speakers))}")
+                        f"unknown speaker {quoted(sp.speaker)}; valid: {', '.join(sorted(speakers))}")
         if sp.max_frames and sp.min_frames > sp.max_frames:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"speech.min_frames {sp.min_frames} > max_frames {sp.max_frames}")
         if sp.code2wav.encoding not in (pb.AUDIO_ENCODING_UNSPECIFIED, pb.AUDIO_PCM16, pb.AUDIO_FLOAT32):
