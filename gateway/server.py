@@ -10,6 +10,8 @@ import importlib.util
 import logging
 import os
 
+from voxpipe.errors import ConfigError
+from voxpipe.services.runtime.listen import bind_http, check_free
 from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
 
 from .cors import ENV as CORS_ENV, OriginsError, origins_flag
@@ -74,17 +76,19 @@ async def serve(args) -> None:
     try:
         config = GatewayConfig.from_args(args)
     except (TLSConfigError, OriginsError) as e:
-        raise SystemExit(f"gateway: error: {e}") from None
+        raise ConfigError(str(e)) from None
+    check_free("gateway Converse gRPC", config.host, config.grpc_port, "--grpc-port")   # before the model loads
+    sock = bind_http("gateway HTTP", config.host, config.http_port, "--http-port")
     try:
         app = create_app(config)
     except FeatureConfigError as e:      # the model folder's audio front end disagrees with its config
-        raise SystemExit(f"gateway: {e}") from None
+        raise ConfigError(str(e)) from None
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, loop="none",
                                            http="auto", ws="auto", log_level=args.log_level.lower(),
                                            # logs in voxpipe's format (logs.py), the access lines its own
                                            log_config=None, access_log=False, timeout_graceful_shutdown=10,
                                            ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
-    serving = asyncio.ensure_future(server.serve())
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)
     if serving.done():  # failed to start (port taken ...): surface the error

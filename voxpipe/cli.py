@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from voxpipe.errors import ConfigError
 from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, parse_sm_shares, sm_share_env
 from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
 
@@ -150,6 +152,19 @@ class LocalStack:
         nxt = {"thinker": "talker", "talker": "code2wav"}.get(stage)
         return [f"--{nxt}={self.address(nxt)}"] if nxt else []
 
+    def check_ports(self, grpc_port: int = 0) -> None:
+        """PortInUse for the first of the stack's ports something already listens on (`grpc_port`:
+        the gateway's Converse port, 0: none), before any process starts."""
+        from voxpipe.services.runtime.listen import check_free
+
+        for name, port in self.ports.items():
+            check_free(name, self.host, port, "--base-port")
+        for name, port in self.metrics_ports.items():
+            check_free(f"{name} metrics", self.host, port, "--metrics-base-port")
+        if self.http_port:
+            check_free("gateway HTTP", self.host, self.http_port, "--http-port")
+            check_free("gateway Converse gRPC", self.host, grpc_port, "--grpc-port")
+
     def start(self, timeout: float = 300.0) -> None:
         for name, stage, device in self.layout.processes():
             cmd = [sys.executable, "-m", "voxpipe.cli", *self.global_flags, stage, "--model", str(self.model),
@@ -231,9 +246,14 @@ def cmd_up(args) -> int:
     def on_signal(signum, frame):
         stop["now"] = True
 
+    stack.check_ports(args.grpc_port)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    stack.start()
+    try:
+        stack.start()
+    except RuntimeError as e:       # a process that stopped says why on stderr
+        print(f"voxpipe up: {e}; every service stopped", file=sys.stderr, flush=True)
+        return 1
     for name, stage, device in stack.layout.processes():
         metrics = f", metrics http://{host}:{stack.metrics_ports[name]}/metrics" if stack.metrics_ports else ""
         print(f"{name:9s} {host}:{stack.ports[name]}  {device}  (pid {stack.procs[name].pid}{metrics})", flush=True)
@@ -507,7 +527,12 @@ def _log_level(value: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    rc = args.func(args)
+    try:
+        rc = args.func(args)
+    except ConfigError as e:      # one line, in the log format; the traceback only at --log-level debug
+        logging.getLogger("voxpipe").error("voxpipe %s: error: %s", args.command, e,
+                                           exc_info=e if args.log_level == "DEBUG" else None)
+        return e.exit_code
     return int(rc or 0)
 
 

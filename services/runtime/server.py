@@ -29,6 +29,8 @@ from torch import nn
 
 from voxpipe.v1 import stages_pb2 as pb
 
+from voxpipe.errors import ConfigError
+
 from .engine import EngineRequest, StageEngine, StageError
 from .outputs import Finished, FinishReason, FramesOut, Routed, TalkerPromptOut
 from . import metrics
@@ -42,6 +44,7 @@ from . import tracing
 from .tls import (ClientTLS, ServerTLS, TLSConfigError, add_client_tls_arguments, add_port, add_server_tls_arguments,
                   client_tls_from_args, server_tls_from_args)
 from .layers import serving_layout
+from .listen import GRPC_SERVER_OPTIONS, check_free, socket_host
 from .weights import load_module, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -344,9 +347,18 @@ def add_health_and_reflection(server: grpc.aio.Server, service_name: str,
     return health_servicer
 
 
-def listen_host(host: str) -> str:
-    """A gRPC bind host ("[::]", "0.0.0.0", "127.0.0.1") as a plain socket address ("::" ...)."""
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+def bind_grpc(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None, what: str, flag: str) -> int:
+    """Bind host:port on `server` (a server made with GRPC_SERVER_OPTIONS: never shared) and return
+    the port; PortInUse naming `flag` when it is taken, ConfigError when it cannot be bound at all."""
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = add_port(server, address, tls)
+    except RuntimeError:         # grpc >= 1.5x raises where older versions returned 0
+        bound = 0
+    if bound == 0:
+        check_free(what, host, port, flag)
+        raise ConfigError(f"could not listen on {address} ({what}); check --host and {flag}")
+    return bound
 
 
 async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc.aio.Server], None],
@@ -358,6 +370,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
         ("grpc.max_receive_message_length", opts.max_message_bytes),
         # clients (voxpipe.services.runtime.balancer) ping every 20 s during streams to notice a vanished host: allow it
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        *GRPC_SERVER_OPTIONS,
     ]
     if opts.max_connection_age_s:
         options += [("grpc.max_connection_age_ms", int(opts.max_connection_age_s * 1000)),
@@ -365,9 +378,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     server = grpc.aio.server(options=options, interceptors=[RequestGuard()])
     add_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, service_name, opts.reflection)
-    port = add_port(server, f"{opts.host}:{opts.port}", opts.tls)
-    if port == 0:
-        raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
+    port = bind_grpc(server, opts.host, opts.port, opts.tls, f"{service_name} gRPC", "--port")
     loop = asyncio.get_running_loop()
     stop, fatal = asyncio.Event(), asyncio.Event()
     # a device error poisons the CUDA context: NOT_SERVING, then exit non-zero so Kubernetes restarts us
@@ -375,13 +386,12 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     health_server = None
     if opts.health_port:
         # health only, plaintext: the service itself is reachable on `port` alone
-        health_server = grpc.aio.server()
+        health_server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        if health_server.add_insecure_port(f"{opts.host}:{opts.health_port}") == 0:
-            raise RuntimeError(f"could not bind the health port {opts.host}:{opts.health_port}")
+        bind_grpc(health_server, opts.host, opts.health_port, None, f"{service_name} health", "--health-port")
     servicer.engine.start()
     metrics.CAPACITY.labels(servicer.engine.name).set(servicer.engine.max_active)
-    serve_metrics(opts.metrics_port, listen_host(opts.host))
+    serve_metrics(opts.metrics_port, socket_host(opts.host))
     await server.start()
     if health_server is not None:
         await health_server.start()
@@ -514,6 +524,9 @@ def stage_setup(args) -> StageSetup:
     one that dials no stage), its device (--device) and dtype (--dtype), with --gpu-memory-fraction
     applied on CUDA."""
     opts, tls = server_options(args), client_tls(args)
+    for what, port, flag in (("gRPC", opts.port, "--port"), ("health", opts.health_port, "--health-port"),
+                             ("metrics", opts.metrics_port, "--metrics-port")):
+        check_free(f"{getattr(args, 'command', None) or 'stage'} {what}", opts.host, port, flag)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.gpu_memory_fraction and device.type == "cuda":
