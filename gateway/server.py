@@ -11,7 +11,7 @@ import logging
 import os
 
 from voxpipe.errors import ConfigError
-from voxpipe.services.runtime.listen import bind_http, check_free
+from voxpipe.services.runtime.listen import HOST_HELP, bind_http, check_free, default_host
 from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
 
 from .cors import ENV as CORS_ENV, OriginsError, origins_flag
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder for the tokenizer, config and feature extractor "
                                         "(default: the tiny checkpoint)")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the checkpoint folder name)")
-    parser.add_argument("--host", default="0.0.0.0", help="the address of every listener (HTTP and Converse)")
+    parser.add_argument("--host", default=default_host(), help=HOST_HELP + " -- HTTP and Converse")
     parser.add_argument("--http-port", type=int, default=8000,
                         help="the OpenAI HTTP API, realtime WebSocket and /metrics port (0: any free port)")
     parser.add_argument("--grpc-port", type=int, default=0, help="serve the Converse gRPC API here (0: off)")

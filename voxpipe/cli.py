@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from voxpipe.errors import ConfigError
+from voxpipe.services.runtime.listen import HOST_HELP, default_host
 from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, parse_sm_shares, sm_share_env
 from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
 
@@ -436,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start the three services and the gateway locally (tiny checkpoint by default)")
     p.add_argument("--model", help="checkpoint folder (default: the tiny checkpoint, made on first use)")
-    p.add_argument("--host", default="127.0.0.1", help="the address every service listens on")
+    p.add_argument("--host", default=default_host(), help=HOST_HELP + " -- every service of the stack")
     p.add_argument("--base-port", type=int, default=50051,
                    help="thinker port; the next processes (talker, code2wav, or their replicas) count up from it")
     p.add_argument("--device", default="auto", help="the device of stages --devices does not name (auto: cuda if present)")

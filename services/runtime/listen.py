@@ -7,11 +7,21 @@ the flag that moves it."""
 from __future__ import annotations
 
 import errno
+import os
 import socket
 
 from voxpipe.errors import ConfigError, PortInUse
 
 GRPC_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+HOST_HELP = ("the address every listener of this process binds (env VOXPIPE_HOST; default 127.0.0.1: this "
+             "machine only; 0.0.0.0 or [::]: every interface, as in containers)")
+
+
+def default_host() -> str:
+    """Every command's --host default: this machine only, unless VOXPIPE_HOST says otherwise (the
+    container images set 0.0.0.0)."""
+    return os.environ.get("VOXPIPE_HOST") or "127.0.0.1"
 
 
 def socket_host(host: str) -> str:

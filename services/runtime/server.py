@@ -44,7 +44,7 @@ from . import tracing
 from .tls import (ClientTLS, ServerTLS, TLSConfigError, add_client_tls_arguments, add_port, add_server_tls_arguments,
                   client_tls_from_args, server_tls_from_args)
 from .layers import serving_layout
-from .listen import GRPC_SERVER_OPTIONS, check_free, socket_host
+from .listen import GRPC_SERVER_OPTIONS, HOST_HELP, check_free, default_host, socket_host
 from .weights import load_module, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServerOptions:
-    host: str = "[::]"
+    host: str = "127.0.0.1"
     port: int = 0
     max_message_bytes: int = 64 * 1024 * 1024   # one gRPC message, either direction
     max_payload_bytes: int = 512 * 1024 * 1024  # one request's tensors, reassembled
@@ -436,8 +436,8 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
 
 def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) -> None:
     parser.add_argument("--model", help="checkpoint folder (config.json + safetensors); default: the tiny checkpoint")
-    parser.add_argument("--host", default="[::]", help="the address every listener binds (gRPC, --health-port, "
-                                                         "--metrics-port; default: all)")
+    parser.add_argument("--host", default=default_host(), help=HOST_HELP + " -- the gRPC, --health-port and "
+                                                                    "--metrics-port listeners")
     parser.add_argument("--port", type=int, default=default_port, help=f"the gRPC port (default {default_port})")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
