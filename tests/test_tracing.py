@@ -603,8 +603,9 @@ def test_a_traced_streaming_turn_and_a_cancelled_one_log_no_error_anywhere(trace
     marks = {name: len(lines) for name, lines in traced_gateway.logs.items()}
     streamed, cancelled = "5a1e3f0c9b8d7a6f5e4d3c2b1a0f9e8d", "6b2f4a1d0c9e8b7a6f5e4d3c2b1a0f9e"
     client = openai.OpenAI(base_url=f"{traced_gateway.http}/v1", api_key="unused", max_retries=0)
+    model = httpx.get(f"{traced_gateway.http}/v1/models").json()["data"][0]["id"]
     chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hello, stream me."}], stream=True, max_tokens=6,
+        model=model, messages=[{"role": "user", "content": "Hello, stream me."}], stream=True, max_tokens=6,
         modalities=["text", "audio"], audio={"voice": "chelsie", "format": "pcm16"}, temperature=0,
         extra_headers={"traceparent": f"00-{streamed}-{CLIENT_PARENT_SPAN}-01"}))
     assert any(c.choices and c.choices[0].finish_reason in ("stop", "length") for c in chunks)

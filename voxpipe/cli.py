@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -63,13 +64,9 @@ def _stage_main(stage: str):
 
 
 def _stage_arguments(stage: str, parser: argparse.ArgumentParser) -> None:
-    if stage == "thinker":
-        from voxpipe.services.thinker.server import add_arguments
-    elif stage == "talker":
-        from voxpipe.services.talker.server import add_arguments
-    else:
-        from voxpipe.services.code2wav.server import add_arguments
-    add_arguments(parser)
+    from voxpipe.services.runtime.flags import STAGE_ARGUMENTS     # light: no torch, no grpc
+
+    STAGE_ARGUMENTS[stage](parser)
 
 
 # ----------------------------------------------------------------------------- health
@@ -80,7 +77,7 @@ def _client_tls(args):
     try:
         return client_tls_from_args(args)
     except TLSConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise ConfigError(str(e)) from None
 
 
 def cmd_health(args) -> int:
@@ -91,7 +88,7 @@ def cmd_health(args) -> int:
 
     tls = _client_tls(args)
     if args.addr and args.address and args.addr != args.address:
-        raise SystemExit(f"error: two addresses given ({args.address} and --addr {args.addr}); give one")
+        raise ConfigError(f"two addresses given ({args.address} and --addr {args.addr}); give one")
     addr = args.address or args.addr
     addrs = [addr] if addr else [f"localhost:{p}" for p in (50051, 50052, 50053)]
     for addr in addrs:
@@ -224,8 +221,8 @@ def cmd_up(args) -> int:
     http_port = 0 if args.say is not None else args.http_port     # --say is one request: no gateway
     _client_tls(args)
     if args.tls_cert and not args.tls_ca:
-        raise SystemExit("error: --tls-cert needs --tls-ca here: the stages call each other (and the gateway "
-                         "calls them), so they need the CA to check the certificates")
+        raise ConfigError("--tls-cert needs --tls-ca here: the stages call each other (and the gateway "
+                          "calls them), so they need the CA to check the certificates")
     stage_flags, gateway_flags = _up_tls_flags(args)
     stage_flags += _up_stage_flags(args)
     gateway_flags += _up_gateway_flags(args)
@@ -233,7 +230,7 @@ def cmd_up(args) -> int:
         layout = Layout.parse(args.devices, args.device)
         shares = parse_sm_shares(args.mps_sm_percent)
     except LayoutError as e:
-        raise SystemExit(f"error: {e}")
+        raise ConfigError(str(e)) from None
     metrics_ports = ({name: args.metrics_base_port + i for i, (name, _, _) in enumerate(layout.processes())}
                      if args.metrics_base_port else None)
     api_key = args.api_key or os.environ.get("VOXPIPE_API_KEY")
@@ -414,16 +411,56 @@ def cmd_say(args) -> int:
 
 # ----------------------------------------------------------------------------- main
 
-def build_parser() -> argparse.ArgumentParser:
+class HelpFormatter(argparse.HelpFormatter):
+    """`--help` shows each flag's default, unless its help already says it (or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default in (None, False, "", [])
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("voxpipe")
+    except PackageNotFoundError:      # run from a source tree that was never installed
+        return "unknown"
+
+
+GLOBAL_VALUE_FLAGS = ("--log-level", "--log-format")
+
+
+def command_of(argv: list[str]) -> str:
+    """The command `argv` names ("" when none): the first word that is neither a global flag nor
+    a global flag's value."""
+    words = iter(argv)
+    for word in words:
+        if word in GLOBAL_VALUE_FLAGS:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return ""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `voxpipe` parser; `only`: build the flags of that command alone (`main`: the command
+    given, so `--help` imports nothing heavy), None: of every command."""
     from voxpipe.services.runtime.tls import add_client_tls_arguments, add_server_tls_arguments
 
-    parser = argparse.ArgumentParser(prog="voxpipe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="voxpipe", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"voxpipe {version()}",
+                        help="print the version and exit")
     parser.add_argument("--log-level", type=_log_level, default=os.environ.get("VOXPIPE_LOG_LEVEL", "INFO"),
                         help="DEBUG, INFO, WARNING, ERROR or CRITICAL (env VOXPIPE_LOG_LEVEL; default INFO)")
     parser.add_argument("--log-format", choices=FORMATS, default=os.environ.get("VOXPIPE_LOG_FORMAT", "plain"),
                         help="plain: one text line per record; json: one JSON object per line; both carry the "
                              "request and trace ids where known (env VOXPIPE_LOG_FORMAT; default plain)")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"run the {stage} gRPC service")
         _stage_arguments(stage, p)
@@ -496,10 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_say)
 
     p = sub.add_parser("bench", help="benchmark split / in-process voxpipe against transformers (BENCHMARK.md)")
-    from voxpipe.bench.harness import add_arguments as bench_args, run as bench_run
+    if only in (None, "bench"):       # the harness imports the client and the prompt renderer
+        from voxpipe.bench.harness import add_arguments as bench_args, run as bench_run
 
-    bench_args(p)
-    p.set_defaults(func=bench_run)
+        bench_args(p)
+        p.set_defaults(func=bench_run)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway in front of the three services")
     from voxpipe.gateway.server import add_arguments as gateway_args, run as gateway_run
@@ -526,7 +564,8 @@ def _log_level(value: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(command_of(argv)).parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
         rc = args.func(args)

@@ -13,7 +13,6 @@ start messages not yet complete (unadmitted uploads) share one byte budget acros
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -41,10 +40,10 @@ from .rpc_guard import Abort, RequestGuard
 from .tensors import Reassembler, TensorError
 from .tensors import to_proto as tensor_proto
 from . import tracing
-from .tls import (ClientTLS, ServerTLS, TLSConfigError, add_client_tls_arguments, add_port, add_server_tls_arguments,
-                  client_tls_from_args, server_tls_from_args)
+from .tls import ClientTLS, ServerTLS, TLSConfigError, add_port, client_tls_from_args, server_tls_from_args
 from .layers import serving_layout
-from .listen import GRPC_SERVER_OPTIONS, HOST_HELP, check_free, default_host, socket_host
+from .flags import add_stage_arguments  # noqa: F401  (the stages' common flags, re-exported)
+from .listen import GRPC_SERVER_OPTIONS, check_free, socket_host
 from .weights import load_module, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -434,50 +433,12 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     log.info("%s stopped", service_name)
 
 
-def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) -> None:
-    parser.add_argument("--model", help="checkpoint folder (config.json + safetensors); default: the tiny checkpoint")
-    parser.add_argument("--host", default=default_host(), help=HOST_HELP + " -- the gRPC, --health-port and "
-                                                                    "--metrics-port listeners")
-    parser.add_argument("--port", type=int, default=default_port, help=f"the gRPC port (default {default_port})")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                        help="dummy: full-size random weights built on the device from config.json")
-    parser.add_argument("--max-batch", type=int, default=16, help="concurrent streams in the engine")
-    parser.add_argument("--max-len", type=int, default=default_max_len, help="KV cache length per stream")
-    parser.add_argument("--max-queue", type=int, default=256, help="waiting streams before RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message")
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
-    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here, on --host "
-                                                                      "(0: off)")
-    parser.add_argument("--max-connection-age", type=float, default=300.0,
-                        help="seconds after which a client connection is asked to reconnect (rebalancing); a "
-                             "connection carrying a stream is never closed for its age (0: no limit)")
-    parser.add_argument("--max-pending-upload-mb", type=float, default=1024.0,
-                        help="bytes of incomplete chunked start messages held at once, over all streams "
-                             "(RESOURCE_EXHAUSTED above)")
-    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
-                        help="serve gRPC server reflection")
-    parser.add_argument("--health-port", type=int, default=0,
-                        help="also serve grpc.health.v1 alone, plaintext, on this port (for probes that cannot "
-                             "speak TLS, like Kubernetes' grpc probes; 0: off)")
-    add_server_tls_arguments(parser)
-    add_client_tls_arguments(parser)
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="capture decode steps as CUDA graphs (CUDA devices only)")
-    parser.add_argument("--eager-fallback", action="store_true",
-                        help="run a step eagerly when its CUDA graphs cannot be captured (default: refuse to start)")
-    parser.add_argument("--gpu-memory-fraction", type=float, default=None,
-                        help="cap this process's share of the GPU memory (CUDA caching allocator)")
-
-
 def server_options(args) -> ServerOptions:
-    """The options of the stage's flags; SystemExit naming the flags when the TLS ones are half given."""
+    """The options of the stage's flags; ConfigError naming the flags when the TLS ones are half given."""
     try:
         tls = server_tls_from_args(args)
     except TLSConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise ConfigError(str(e)) from None
     return ServerOptions(host=args.host, port=args.port, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
                          max_queue=args.max_queue, grace_seconds=args.grace, metrics_port=args.metrics_port,
                          max_connection_age_s=args.max_connection_age or None,
@@ -486,11 +447,11 @@ def server_options(args) -> ServerOptions:
 
 
 def client_tls(args) -> ClientTLS | None:
-    """How the stage dials its next stage (--tls-ca ...); SystemExit naming the flags when half given."""
+    """How the stage dials its next stage (--tls-ca ...); ConfigError naming the flags when half given."""
     try:
         return client_tls_from_args(args)
     except TLSConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise ConfigError(str(e)) from None
 
 
 def run_async(coro) -> None:
@@ -519,7 +480,7 @@ class StageSetup:
 
 
 def stage_setup(args) -> StageSetup:
-    """The server options and client TLS of the stage's flags (SystemExit naming the flags when they
+    """The server options and client TLS of the stage's flags (ConfigError naming the flags when they
     are bad: before any weights load; every stage checks the client flags, a shared environment, even
     one that dials no stage), its device (--device) and dtype (--dtype), with --gpu-memory-fraction
     applied on CUDA."""

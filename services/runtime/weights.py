@@ -20,6 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from voxpipe.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -165,9 +167,27 @@ def parameter_bytes(module: nn.Module) -> int:
 
 
 def resolve_device(name: str | None) -> torch.device:
+    """--device as a torch device (auto: cuda if available); ConfigError for one this torch or this
+    machine does not have."""
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name}: not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise ConfigError(f"--device {name}: this torch ({torch.__version__}) is a CPU-only build; install a "
+                              "CUDA build of torch, or use --device cpu")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ConfigError(f"--device {name}: no CUDA device is visible (check the driver and "
+                              "CUDA_VISIBLE_DEVICES), or use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"--device {name}: this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+    elif device.type not in ("cpu", "mps", "xpu"):
+        raise ConfigError(f"--device {name}: not supported (cpu, cuda or cuda:N)")
+    return device
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from contextlib import aclosing
 import logging
-import os
 import uuid
 
 import grpc
@@ -20,11 +18,14 @@ from ..runtime.downstream import NextStage
 from ..runtime.engine import Outbox
 from ..runtime.sampling import SamplingParams, check_audio_features
 from ..runtime.outputs import Finished, FirstOutput, Routed, StageFinished, TalkerPromptOut, TextOut
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, load_stage_model,
+from ..runtime.flags import add_thinker_arguments as add_arguments  # noqa: F401  (its flags)
+from voxpipe.errors import ConfigError
+
+from ..runtime.server import (Abort, StageServicer, finished_proto, load_stage_model,
                               routed_proto, serve_stage, stage_setup, talker_prompt_proto)
 from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
-from .engine import PREFILL_CHUNK, ThinkerEngine, assistant_head_index
+from .engine import ThinkerEngine, assistant_head_index
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
 from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_problem
@@ -229,7 +230,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
 def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     setup = stage_setup(args)      # bad flags fail before the weights load
     if args.prefill_chunk < 1:
-        raise SystemExit(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+        raise ConfigError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     cfg = OmniConfig.load(args.model)
     model = load_stage_model(args, setup, lambda: ThinkerModel(cfg.thinker), "thinker.", ignore=("visual.",))
     engine = ThinkerEngine(model, cfg.thinker, load_tokenizer(args.model, cfg), device=setup.device,
@@ -239,21 +240,6 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     talker = NextStage("talker", args.talker, max_message_bytes=setup.opts.max_message_bytes,
                        tls=setup.tls) if args.talker else None
     return ThinkerServicer(engine, setup.opts, engine.tokenizer, cfg, talker), cfg
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_stage_arguments(parser, default_port=50051)
-    parser.add_argument("--talker", default=os.environ.get("VOXPIPE_TALKER", ""),
-                        help="the talker replicas spoken replies go to: host:port and/or dns:///name:port, "
-                             "comma-separated (env VOXPIPE_TALKER); unset: text only")
-    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
-                        help="long prompts (over 512 tokens, or over this) are prefilled in chunks: an engine step "
-                             "packs at most this many of their tokens into one forward, so running requests keep "
-                             "decoding between steps")
-    parser.add_argument("--talker-prompt-rows", action="store_true",
-                        help="send a text prompt's user turns to the talker as embedding rows (a 2,500-token "
-                             "conversation: 10 MB), as before talkers looked them up from their token ids; for "
-                             "talkers of an older voxpipe during a rolling upgrade")
 
 
 def run(args) -> None:

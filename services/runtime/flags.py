@@ -1,0 +1,85 @@
+"""The flags every stage service takes (`add_stage_arguments`) and each stage's own: light on
+purpose (no torch, no grpc), so that `voxpipe STAGE --help` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .listen import HOST_HELP, default_host
+from .tls import add_client_tls_arguments, add_server_tls_arguments
+
+PREFILL_CHUNK = 4096   # long prompts' tokens a thinker step prefills, packed (--prefill-chunk; bench/RESULTS.md)
+DEFAULT_LISTEN_TIMEOUT_S = 30.0   # a code2wav request routed to it waits this long for its Listen stream
+
+
+def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) -> None:
+    parser.add_argument("--model", help="checkpoint folder (config.json + safetensors); default: the tiny checkpoint")
+    parser.add_argument("--host", default=default_host(), help=HOST_HELP + " -- the gRPC, --health-port and "
+                                                                    "--metrics-port listeners")
+    parser.add_argument("--port", type=int, default=default_port, help=f"the gRPC port (default {default_port})")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: full-size random weights built on the device from config.json")
+    parser.add_argument("--max-batch", type=int, default=16, help="concurrent streams in the engine")
+    parser.add_argument("--max-len", type=int, default=default_max_len, help="KV cache length per stream")
+    parser.add_argument("--max-queue", type=int, default=256, help="waiting streams before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message")
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here, on --host "
+                                                                      "(0: off)")
+    parser.add_argument("--max-connection-age", type=float, default=300.0,
+                        help="seconds after which a client connection is asked to reconnect (rebalancing); a "
+                             "connection carrying a stream is never closed for its age (0: no limit)")
+    parser.add_argument("--max-pending-upload-mb", type=float, default=1024.0,
+                        help="bytes of incomplete chunked start messages held at once, over all streams "
+                             "(RESOURCE_EXHAUSTED above)")
+    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve gRPC server reflection")
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="also serve grpc.health.v1 alone, plaintext, on this port (for probes that cannot "
+                             "speak TLS, like Kubernetes' grpc probes; 0: off)")
+    add_server_tls_arguments(parser)
+    add_client_tls_arguments(parser)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="capture decode steps as CUDA graphs (CUDA devices only)")
+    parser.add_argument("--eager-fallback", action="store_true",
+                        help="run a step eagerly when its CUDA graphs cannot be captured (default: refuse to start)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=None,
+                        help="cap this process's share of the GPU memory (CUDA caching allocator)")
+
+
+def add_thinker_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stage_arguments(parser, default_port=50051)
+    parser.add_argument("--talker", default=os.environ.get("VOXPIPE_TALKER", ""),
+                        help="the talker replicas spoken replies go to: host:port and/or dns:///name:port, "
+                             "comma-separated (env VOXPIPE_TALKER); unset: text only")
+    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                        help="long prompts (over 512 tokens, or over this) are prefilled in chunks: an engine step "
+                             "packs at most this many of their tokens into one forward, so running requests keep "
+                             "decoding between steps")
+    parser.add_argument("--talker-prompt-rows", action="store_true",
+                        help="send a text prompt's user turns to the talker as embedding rows (a 2,500-token "
+                             "conversation: 10 MB), as before talkers looked them up from their token ids; for "
+                             "talkers of an older voxpipe during a rolling upgrade")
+
+
+def add_talker_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stage_arguments(parser, default_port=50052, default_max_len=8192)
+    parser.add_argument("--code2wav", default=os.environ.get("VOXPIPE_CODE2WAV", ""),
+                        help="the code2wav replicas routed frames go to: host:port and/or dns:///name:port, "
+                             "comma-separated (env VOXPIPE_CODE2WAV); unset: frames only back to the caller")
+
+
+def add_code2wav_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stage_arguments(parser, default_port=50053)
+    parser.add_argument("--first-chunk-frames", type=int, default=1, help="frames gathered before the first audio")
+    parser.add_argument("--chunk-frames", type=int, default=1, help="frames gathered before each later chunk")
+    parser.add_argument("--listen-timeout", type=float, default=DEFAULT_LISTEN_TIMEOUT_S,
+                        help="seconds a routed request waits for its Listen stream before it fails")
+
+
+STAGE_ARGUMENTS = {"thinker": add_thinker_arguments, "talker": add_talker_arguments,
+                   "code2wav": add_code2wav_arguments}
