@@ -96,6 +96,7 @@ async def serve(args) -> None:
         raise SystemExit(1)
     converse = await _start_converse(app.state.gateway, config)
     port = server.servers[0].sockets[0].getsockname()[1]
+    log.info("gateway serving model %r (%s)", config.model_id, config.model_dir)
     print(f"gateway ready on port {port}" + (" (https)" if config.tls else ""), flush=True)
     try:
         await serving
@@ -127,6 +128,10 @@ def run(args) -> None:
         from voxpipe.cli import default_model_dir
 
         args.model = str(default_model_dir())
+    from voxpipe.services.runtime.checkpoint import hub_name, resolve_model
+
+    args.served_model_name = args.served_model_name or hub_name(args.model)    # a repo id, not the cache folder
+    args.model = str(resolve_model(args.model, weights=False))     # config, tokenizer, feature extractor
     if not getattr(args, "api_key", None):
         args.api_key = os.environ.get("VOXPIPE_API_KEY") or None
     try:

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from voxpipe import version
 from voxpipe.errors import ConfigError
 from voxpipe.services.runtime.listen import HOST_HELP, default_host
 from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, parse_sm_shares, sm_share_env
@@ -47,6 +48,9 @@ def _stage_main(stage: str):
                 args.model = str(released_config_path())
             else:
                 args.model = str(default_model_dir())
+        from voxpipe.services.runtime.checkpoint import resolve_model
+
+        args.model = str(resolve_model(args.model, weights=args.load_format != "dummy"))
         if stage == "thinker":
             from voxpipe.services.thinker import server
         elif stage == "talker":
@@ -216,7 +220,11 @@ class LocalStack:
 
 
 def cmd_up(args) -> int:
-    model = Path(args.model) if args.model else default_model_dir()
+    from voxpipe.services.runtime.checkpoint import hub_name, resolve_model
+
+    if args.model and not args.served_model_name:
+        args.served_model_name = hub_name(args.model)       # a repo id: clients see it, not the cache folder
+    model = resolve_model(args.model, weights=args.load_format != "dummy") if args.model else default_model_dir()
     host = "127.0.0.1" if args.host in ("localhost", "127.0.0.1") else args.host
     http_port = 0 if args.say is not None else args.http_port     # --say is one request: no gateway
     _client_tls(args)
@@ -359,7 +367,9 @@ def cmd_say(args) -> int:
         from voxpipe.services.runtime.config import OmniConfig
         from voxpipe.services.thinker.prompt import FeatureExtractor, load_tokenizer, render, user_turn
 
-        model = Path(args.model) if args.model else default_model_dir()
+        from voxpipe.services.runtime.checkpoint import resolve_model
+
+        model = resolve_model(args.model, weights=False) if args.model else default_model_dir()
         cfg = OmniConfig.load(model)
         features = FeatureExtractor.for_model(model, cfg.thinker)
         audio_features = []
@@ -420,15 +430,6 @@ class HelpFormatter(argparse.HelpFormatter):
                 or action.default is argparse.SUPPRESS):
             return text
         return f"{text} (default: %(default)s)"
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError, version as installed
-
-    try:
-        return installed("voxpipe")
-    except PackageNotFoundError:      # run from a source tree that was never installed
-        return "unknown"
 
 
 GLOBAL_VALUE_FLAGS = ("--log-level", "--log-format")

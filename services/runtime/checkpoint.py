@@ -28,6 +28,11 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.match(name)) and not name.startswith((".", "/", "~"))
 
 
+def hub_name(name: str) -> str | None:
+    """The repo id `name` is resolved from (the served model name clients see), None for a folder."""
+    return name.partition("@")[0] if not Path(name).expanduser().exists() and is_repo_id(name) else None
+
+
 def resolve_model(name: str, *, weights: bool = True) -> Path:
     """The local checkpoint folder `name` stands for, checked (`weights`: its safetensors too). A
     config .json file (--load-format dummy) is returned as it is."""
