@@ -82,8 +82,8 @@ def _from_hub(name: str, weights: bool) -> Path:
 
 
 def check_checkpoint(folder: Path, *, weights: bool = True, name: str | None = None) -> Path:
-    """`folder` if it holds a Qwen3-Omni checkpoint (config.json of model_type qwen3_omni_moe, a
-    tokenizer, and with `weights` every safetensors shard its index lists, or at least one
+    """`folder` if it holds a Qwen3-Omni checkpoint (config.json of model_type qwen3_omni_moe; with
+    `weights` also a tokenizer and every safetensors shard its index lists, or at least one
     safetensors file); ConfigError listing what is missing otherwise."""
     where = f"--model {name} ({folder})" if name else f"--model {folder}"
     config = folder / "config.json"
@@ -97,9 +97,9 @@ def check_checkpoint(folder: Path, *, weights: bool = True, name: str | None = N
         raise ConfigError(f"{where} is not a Qwen3-Omni checkpoint: config.json's model_type is {model_type!r}, "
                           f"not {MODEL_TYPE!r}")
     missing = []
-    if not any(all((folder / f).is_file() for f in files) for files in TOKENIZER_FILES):
-        missing.append("the tokenizer (tokenizer.json, or vocab.json and merges.txt)")
-    if weights:
+    if weights:       # without (dummy weights, the gateway) a folder may hold only config.json: the byte tokenizer
+        if not any(all((folder / f).is_file() for f in files) for files in TOKENIZER_FILES):
+            missing.append("the tokenizer (tokenizer.json, or vocab.json and merges.txt)")
         missing += _missing_weights(folder)
     if missing:
         raise ConfigError(f"{where} is not a complete Qwen3-Omni checkpoint: missing {'; '.join(missing)}")
