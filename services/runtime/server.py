@@ -1,10 +1,10 @@
 """What the three stage servers share: the aio server with health, reflection (can be turned off)
 and graceful SIGTERM; the per-stream pattern (first message = Start, optional payload chunks,
-engine outputs streamed back, cancellation and disconnects freeing the request); the common flags
-(`add_stage_arguments`); and a stage's build and run: `stage_setup` (options, TLS, device and dtype
-from the flags), `load_stage_model` (the stage's weights, laid out for serving) and `serve_stage`
-(tracing, build, serve until SIGTERM). Each stage's server.py has only its servicer, its build of
-engine and model, and its own flags.
+engine outputs streamed back, cancellation and disconnects freeing the request); ports never
+shared (`bind_grpc`, listen.py); and a stage's build and run: `stage_setup` (options, TLS, device
+and dtype from the flags, ports checked free), `load_stage_model` (the stage's weights, laid out
+for serving) and `serve_stage` (tracing, build, serve until SIGTERM). The flags are in flags.py;
+each stage's server.py has only its servicer and its build of engine and model.
 
 Limits: a connection older than `max_connection_age_s` is told to go away (GOAWAY: new streams go
 to a new connection) but is never closed while a stream on it is active; the payload chunks of
@@ -42,7 +42,6 @@ from .tensors import to_proto as tensor_proto
 from . import tracing
 from .tls import ClientTLS, ServerTLS, TLSConfigError, add_port, client_tls_from_args, server_tls_from_args
 from .layers import serving_layout
-from .flags import add_stage_arguments  # noqa: F401  (the stages' common flags, re-exported)
 from .listen import GRPC_SERVER_OPTIONS, check_free, socket_host
 from .weights import load_module, resolve_device, resolve_dtype
 
