@@ -27,9 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--code2wav", default="127.0.0.1:50053",
                         help=f"code2wav, where spoken replies are read from: {replicas}; the talkers' --code2wav "
                              "must name the same replicas (the talkers pick one, the gateway attaches to it)")
-    parser.add_argument("--model", help="checkpoint folder for the tokenizer, config and feature extractor "
-                                        "(default: the tiny checkpoint)")
-    parser.add_argument("--served-model-name", help="the model id clients use (default: the checkpoint folder name)")
+    parser.add_argument("--model", help="checkpoint folder or Hugging Face repo id (Org/Name[@REV]) for the "
+                                        "tokenizer, config and feature extractor (default: the tiny checkpoint)")
+    parser.add_argument("--served-model-name", help="the model id clients use (default: --model's repo id, or "
+                                                    "the checkpoint folder name)")
     parser.add_argument("--host", default=default_host(), help=HOST_HELP + " -- HTTP and Converse")
     parser.add_argument("--http-port", type=int, default=8000,
                         help="the OpenAI HTTP API, realtime WebSocket and /metrics port (0: any free port)")

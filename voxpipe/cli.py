@@ -15,8 +15,8 @@ from pathlib import Path
 
 from voxpipe import version
 from voxpipe.errors import ConfigError
-from voxpipe.services.runtime.listen import HOST_HELP, default_host
 from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, parse_sm_shares, sm_share_env
+from voxpipe.services.runtime.listen import HOST_HELP, default_host
 from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
 
 DEFAULT_HOME = Path(os.environ.get("VOXPIPE_HOME", Path.home() / ".cache" / "voxpipe"))
@@ -474,7 +474,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=tiny_run)
 
     p = sub.add_parser("up", help="start the three services and the gateway locally (tiny checkpoint by default)")
-    p.add_argument("--model", help="checkpoint folder (default: the tiny checkpoint, made on first use)")
+    p.add_argument("--model", help="checkpoint folder or Hugging Face repo id (Org/Name[@REV]: fetched once, "
+                                   "HF_HUB_OFFLINE=1: from the cache only; default: the tiny checkpoint, made on "
+                                   "first use)")
     p.add_argument("--host", default=default_host(), help=HOST_HELP + " -- every service of the stack")
     p.add_argument("--base-port", type=int, default=50051,
                    help="thinker port; the next processes (talker, code2wav, or their replicas) count up from it")
@@ -491,7 +493,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "in its environment, not on its command line (default: $VOXPIPE_API_KEY; unset: no auth)")
     g.add_argument("--grpc-port", type=int, default=0, help="the gateway serves the Converse gRPC API here (0: off)")
     g.add_argument("--served-model-name", default=None,
-                   help="the model id clients use (default: the checkpoint folder name)")
+                   help="the model id clients use (default: --model's repo id, or the checkpoint folder name)")
     g.add_argument("--max-sessions", type=int, default=None,
                    help="concurrent generations, realtime and Converse sessions before 429 (default: the gateway's)")
     g.add_argument("--gateway-arg", action="append", metavar="FLAG",

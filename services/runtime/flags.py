@@ -14,7 +14,9 @@ DEFAULT_LISTEN_TIMEOUT_S = 30.0   # a code2wav request routed to it waits this l
 
 
 def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) -> None:
-    parser.add_argument("--model", help="checkpoint folder (config.json + safetensors); default: the tiny checkpoint")
+    parser.add_argument("--model", help="checkpoint folder (config.json + safetensors) or Hugging Face repo id "
+                                        "(Org/Name[@REV], from the hub cache; HF_HUB_OFFLINE=1: the cache only); "
+                                        "default: the tiny checkpoint")
     parser.add_argument("--host", default=default_host(), help=HOST_HELP + " -- the gRPC, --health-port and "
                                                                     "--metrics-port listeners")
     parser.add_argument("--port", type=int, default=default_port, help=f"the gRPC port (default {default_port})")
