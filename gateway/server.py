@@ -11,7 +11,7 @@ import logging
 import os
 
 from voxpipe.errors import ConfigError
-from voxpipe.services.runtime.listen import HOST_HELP, bind_http, check_free, default_host
+from voxpipe.services.runtime.listen import HOST_HELP, bind_http, check_free, default_host, port_number
 from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
 
 from .cors import ENV as CORS_ENV, OriginsError, origins_flag
@@ -32,9 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="the model id clients use (default: --model's repo id, or "
                                                     "the checkpoint folder name)")
     parser.add_argument("--host", default=default_host(), help=HOST_HELP + " -- HTTP and Converse")
-    parser.add_argument("--http-port", type=int, default=8000,
+    parser.add_argument("--http-port", type=port_number, default=8000,
                         help="the OpenAI HTTP API, realtime WebSocket and /metrics port (0: any free port)")
-    parser.add_argument("--grpc-port", type=int, default=0, help="serve the Converse gRPC API here (0: off)")
+    parser.add_argument("--grpc-port", type=port_number, default=0, help="serve the Converse gRPC API here (0: off)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on HTTP, WebSocket "
                                                         "and Converse (default: $VOXPIPE_API_KEY; unset: no auth)")
     parser.add_argument("--max-sessions", type=int, default=64,

@@ -115,3 +115,31 @@ def test_voxpipe_grpc_servers_never_share_a_port():
             await holder.stop(None)
 
     asyncio.run(hold_then_bind())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["thinker", "--port", "70000"], "argument --port: 70000 is not a port number (0 to 65535)"),
+    (["talker", "--metrics-port", "http"], "argument --metrics-port: 'http' is not a port number"),
+    (["gateway", "--http-port", "-1"], "argument --http-port: -1 is not a port number (0 to 65535)"),
+    (["up", "--base-port", "65536"], "argument --base-port: 65536 is not a port number (0 to 65535)"),
+    (["code2wav", "--max-batch", "0"], "argument --max-batch: 0 is below 1"),
+    (["thinker", "--max-len", "many"], "argument --max-len: 'many' is not an integer"),
+    (["talker", "--grace", "-1"], "argument --grace: -1 is below 0.0"),
+    (["thinker", "--max-message-mb", "0"], "argument --max-message-mb: 0 must be above 0.0"),
+    (["code2wav", "--gpu-memory-fraction", "1.5"], "argument --gpu-memory-fraction: 1.5 is above 1"),
+])
+def test_bad_flag_values_are_one_argparse_line(argv, message, capsys):
+    from voxpipe.cli import build_parser
+
+    with pytest.raises(SystemExit) as stopped:
+        build_parser(argv[0]).parse_args(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_port_range_past_65535_is_refused_before_anything_starts(tiny_model_dir):
+    """voxpipe up counts its ports up from --base-port: the last one must exist too."""
+    proc = subprocess.run([sys.executable, "-m", "voxpipe.cli", "up", "--model", str(tiny_model_dir), "--device", "cpu",
+                           "--base-port", "65534", "--http-port", "0"], capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].endswith("--base-port 65536: not a port number (0 to 65535)"), lines

@@ -16,7 +16,7 @@ from pathlib import Path
 from voxpipe import version
 from voxpipe.errors import ConfigError
 from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, parse_sm_shares, sm_share_env
-from voxpipe.services.runtime.listen import HOST_HELP, default_host
+from voxpipe.services.runtime.listen import HOST_HELP, default_host, port_number
 from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
 
 DEFAULT_HOME = Path(os.environ.get("VOXPIPE_HOME", Path.home() / ".cache" / "voxpipe"))
@@ -478,20 +478,20 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                    "HF_HUB_OFFLINE=1: from the cache only; default: the tiny checkpoint, made on "
                                    "first use)")
     p.add_argument("--host", default=default_host(), help=HOST_HELP + " -- every service of the stack")
-    p.add_argument("--base-port", type=int, default=50051,
+    p.add_argument("--base-port", type=port_number, default=50051,
                    help="thinker port; the next processes (talker, code2wav, or their replicas) count up from it")
     p.add_argument("--device", default="auto", help="the device of stages --devices does not name (auto: cuda if present)")
     p.add_argument("--devices", default="", metavar="LAYOUT",
                    help="replicas and devices per stage, e.g. thinker=cuda:0,talker=cuda:1+cuda:2,code2wav=cuda:1*2 "
                         "(DEV*N: N replicas sharing DEV; +: one device per replica)")
     p.add_argument("--mps-sm-percent", default="", metavar="SHARES", help=MPS_SM_HELP)
-    p.add_argument("--http-port", type=int, default=8000,
+    p.add_argument("--http-port", type=port_number, default=8000,
                    help="the gateway's OpenAI HTTP API port (0: no gateway; none with --say)")
     g = p.add_argument_group("passed on to the gateway")
     g.add_argument("--api-key", default=None,
                    help="the gateway requires 'Authorization: Bearer KEY' (HTTP, WebSocket, Converse); handed over "
                         "in its environment, not on its command line (default: $VOXPIPE_API_KEY; unset: no auth)")
-    g.add_argument("--grpc-port", type=int, default=0, help="the gateway serves the Converse gRPC API here (0: off)")
+    g.add_argument("--grpc-port", type=port_number, default=0, help="the gateway serves the Converse gRPC API here (0: off)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id clients use (default: --model's repo id, or the checkpoint folder name)")
     g.add_argument("--max-sessions", type=int, default=None,
@@ -499,7 +499,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--gateway-arg", action="append", metavar="FLAG",
                    help="one more gateway flag, as written (repeatable; e.g. --gateway-arg=--max-body-mb=64)")
     g = p.add_argument_group("passed on to every stage")
-    g.add_argument("--metrics-base-port", type=int, default=0,
+    g.add_argument("--metrics-base-port", type=port_number, default=0,
                    help="the stages serve Prometheus /metrics: the thinker on this port, the next processes "
                         "(talker, code2wav, or their replicas) counting up from it (0: off; the gateway's is its "
                         "HTTP port's /metrics)")

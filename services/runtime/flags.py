@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .listen import HOST_HELP, default_host
+from .listen import HOST_HELP, default_host, port_number
 from .tls import add_client_tls_arguments, add_server_tls_arguments
 
 PREFILL_CHUNK = 4096   # long prompts' tokens a thinker step prefills, packed (--prefill-chunk; bench/RESULTS.md)
@@ -19,28 +19,28 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
                                         "default: the tiny checkpoint")
     parser.add_argument("--host", default=default_host(), help=HOST_HELP + " -- the gRPC, --health-port and "
                                                                     "--metrics-port listeners")
-    parser.add_argument("--port", type=int, default=default_port, help=f"the gRPC port (default {default_port})")
+    parser.add_argument("--port", type=port_number, default=default_port, help=f"the gRPC port (default {default_port})")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: full-size random weights built on the device from config.json")
-    parser.add_argument("--max-batch", type=int, default=16, help="concurrent streams in the engine")
-    parser.add_argument("--max-len", type=int, default=default_max_len, help="KV cache length per stream")
-    parser.add_argument("--max-queue", type=int, default=256, help="waiting streams before RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message")
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
-    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here, on --host "
+    parser.add_argument("--max-batch", type=at_least(1), default=16, help="concurrent streams in the engine")
+    parser.add_argument("--max-len", type=at_least(1), default=default_max_len, help="KV cache length per stream")
+    parser.add_argument("--max-queue", type=at_least(0), default=256, help="waiting streams before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-message-mb", type=above(0.0), default=64.0, help="largest gRPC message")
+    parser.add_argument("--grace", type=at_least(0.0), default=30.0, help="seconds to drain streams on SIGTERM")
+    parser.add_argument("--metrics-port", type=port_number, default=0, help="serve Prometheus /metrics here, on --host "
                                                                       "(0: off)")
     parser.add_argument("--max-connection-age", type=float, default=300.0,
                         help="seconds after which a client connection is asked to reconnect (rebalancing); a "
                              "connection carrying a stream is never closed for its age (0: no limit)")
-    parser.add_argument("--max-pending-upload-mb", type=float, default=1024.0,
+    parser.add_argument("--max-pending-upload-mb", type=above(0.0), default=1024.0,
                         help="bytes of incomplete chunked start messages held at once, over all streams "
                              "(RESOURCE_EXHAUSTED above)")
     parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                         help="serve gRPC server reflection")
-    parser.add_argument("--health-port", type=int, default=0,
+    parser.add_argument("--health-port", type=port_number, default=0,
                         help="also serve grpc.health.v1 alone, plaintext, on this port (for probes that cannot "
                              "speak TLS, like Kubernetes' grpc probes; 0: off)")
     add_server_tls_arguments(parser)
@@ -49,8 +49,41 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
                         help="capture decode steps as CUDA graphs (CUDA devices only)")
     parser.add_argument("--eager-fallback", action="store_true",
                         help="run a step eagerly when its CUDA graphs cannot be captured (default: refuse to start)")
-    parser.add_argument("--gpu-memory-fraction", type=float, default=None,
+    parser.add_argument("--gpu-memory-fraction", type=fraction, default=None,
                         help="cap this process's share of the GPU memory (CUDA caching allocator)")
+
+
+def at_least(low: int | float):
+    """argparse type: a number (int if `low` is one) no smaller than `low`."""
+    kind = type(low)
+
+    def parse(value: str):
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return number
+    return parse
+
+
+def above(low: float):
+    """argparse type: a number greater than `low`."""
+    def parse(value: str) -> float:
+        number = at_least(low)(value)
+        if number == low:
+            raise argparse.ArgumentTypeError(f"{value} must be above {low}")
+        return number
+    return parse
+
+
+def fraction(value: str) -> float:
+    """argparse type: a share in (0, 1]."""
+    number = above(0.0)(value)
+    if number > 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is above 1 (a share of the GPU's memory)")
+    return number
 
 
 def add_thinker_arguments(parser: argparse.ArgumentParser) -> None:

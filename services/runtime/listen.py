@@ -6,6 +6,7 @@ the flag that moves it."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import socket
@@ -16,6 +17,17 @@ GRPC_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 HOST_HELP = ("the address every listener of this process binds (env VOXPIPE_HOST; default 127.0.0.1: this "
              "machine only; 0.0.0.0 or [::]: every interface, as in containers)")
+
+
+def port_number(value: str) -> int:
+    """argparse type of a port flag: 0 (any free port, or off, as the flag says) to 65535."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0 to 65535)")
+    return port
 
 
 def default_host() -> str:
@@ -56,6 +68,8 @@ def check_free(what: str, host: str, port: int, flag: str) -> None:
     Other bind failures (an address this machine does not have) are left to the server's own bind."""
     if not port:
         return
+    if not 0 < port <= 65535:
+        raise ConfigError(f"{flag} {port}: not a port number (0 to 65535)")
     for family, _, _, _, address in _addresses(host, port):
         try:
             _bound(family, address).close()
