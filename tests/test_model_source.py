@@ -18,7 +18,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import GatewayProcess, StageProcesses, free_port
+from conftest import GatewayProcess, StageProcesses
 from voxpipe import version
 from voxpipe.errors import ConfigError
 from voxpipe.services.runtime.checkpoint import resolve_model

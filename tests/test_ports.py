@@ -14,7 +14,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from conftest import free_port
+from conftest import free_ports
 from voxpipe.errors import PortInUse
 from voxpipe.services.runtime.listen import GRPC_SERVER_OPTIONS
 from voxpipe.services.runtime.server import bind_grpc
@@ -57,7 +57,7 @@ def test_a_taken_port_stops_the_command_with_one_line(case, tiny_model_dir):
     make_occupant, command, flag, what = CASES[case]
     occupant, port = make_occupant()
     try:
-        args = [str(port) if a == "PORT" else str(free_port()) if a == "FREE" else a for a in command]
+        args = [str(port) if a == "PORT" else str(free_ports(3)) if a == "FREE" else a for a in command]
         args += ["--model", str(tiny_model_dir), "--host", "127.0.0.1"]
         if command[0] != "gateway":
             args += ["--device", "cpu"]
