@@ -90,12 +90,13 @@ RUN apt-get update \
 COPY --from=stage-builder /opt/venv /opt/venv
 
 # HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE: weights and tokenizer come from the mounted model directory,
-# never from a hub. NVIDIA_*: what the container toolkit exposes (base images set these already).
+# never from a hub. VOXPIPE_HOST: every listener on all interfaces (voxpipe's default is 127.0.0.1). NVIDIA_*: what the container toolkit exposes (base images set these already).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
+    VOXPIPE_HOST=0.0.0.0 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
@@ -160,7 +161,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1
+    TRANSFORMERS_OFFLINE=1 \
+    VOXPIPE_HOST=0.0.0.0
 
 USER 10001:10001
 WORKDIR /home/voxpipe

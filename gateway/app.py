@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from voxpipe import version
 from voxpipe.client import PipelineError
 from voxpipe.services.runtime.echo import quoted
 from voxpipe.services.runtime.metrics import watch_loop_lag
@@ -67,6 +68,10 @@ def _add_basic_routes(app: FastAPI) -> None:
     @app.get("/metrics", dependencies=[Depends(require_api_key)])     # with --api-key, scrapers send it too
     async def metrics(request: Request) -> Response:
         return Response(gateway_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/version", dependencies=[Depends(require_api_key)])      # the model id is behind the key
+    async def version_info(request: Request) -> dict:
+        return {"version": version(), "model": gateway_state(request).config.model_id}
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models(request: Request) -> dict:

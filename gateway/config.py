@@ -18,7 +18,7 @@ class GatewayConfig:
     code2wav: str                      # the replicas audio may come from (the talkers' --code2wav set)
     model_dir: str                     # tokenizer, config.json, feature extractor (for rendering prompts)
     model_id: str = ""                 # the id clients send as `model` (default: the checkpoint folder name)
-    host: str = "0.0.0.0"              # every listener: HTTP / WebSocket and Converse
+    host: str = "127.0.0.1"            # every listener: HTTP / WebSocket and Converse
     http_port: int = 8000
     grpc_port: int = 0                 # the Converse gRPC API (0: off)
     api_key: str | None = None         # when set, every /v1 request and every Converse call needs

@@ -36,8 +36,8 @@ from voxpipe.services.runtime.echo import quoted
 from voxpipe.services.runtime.logs import REQUEST_ID, AccessRecord, log_access
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.rpc_guard import Abort, RequestGuard
-from voxpipe.services.runtime.server import add_health_and_reflection
-from voxpipe.services.runtime.tls import add_port
+from voxpipe.services.runtime.listen import GRPC_SERVER_OPTIONS
+from voxpipe.services.runtime.server import add_health_and_reflection, bind_grpc
 from voxpipe.services.thinker.output import stop_strings_problem, top_logprobs_problem
 from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, user_turn
 from voxpipe.v1 import gateway_pb2 as gw
@@ -391,14 +391,12 @@ async def serve_converse(app_state: Any, port: int, host: str = "[::]") -> Conve
     client) and return at once; `await server.stop(grace)` on shutdown. `app_state`: the
     gateway's GatewayState."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *GRPC_SERVER_OPTIONS],
                              interceptors=[RequestGuard()])
     gw_grpc.add_GatewayServicer_to_server(ConverseServicer(app_state), server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME, app_state.config.reflection)
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    bound = add_port(server, address, app_state.config.tls)     # TLS with the gateway's --ssl-certfile/--ssl-keyfile
-    if bound == 0:
-        raise RuntimeError(f"could not bind the Converse gRPC port {host}:{port}")
+    # TLS with the gateway's --ssl-certfile/--ssl-keyfile; PortInUse (--grpc-port) when taken
+    bound = bind_grpc(server, host, port, app_state.config.tls, "gateway Converse gRPC", "--grpc-port")
     for name in ("", SERVICE_NAME):        # until the first check says otherwise
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()

@@ -10,6 +10,8 @@ import importlib.util
 import logging
 import os
 
+from voxpipe.errors import ConfigError
+from voxpipe.services.runtime.listen import HOST_HELP, bind_http, check_free, default_host, port_number
 from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
 
 from .cors import ENV as CORS_ENV, OriginsError, origins_flag
@@ -32,13 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--code2wav", default="127.0.0.1:50053",
                         help=f"code2wav, where spoken replies are read from: {replicas}; the talkers' --code2wav "
                              "must name the same replicas (the talkers pick one, the gateway attaches to it)")
-    parser.add_argument("--model", help="checkpoint folder for the tokenizer, config and feature extractor "
-                                        "(default: the tiny checkpoint)")
-    parser.add_argument("--served-model-name", help="the model id clients use (default: the checkpoint folder name)")
-    parser.add_argument("--host", default="0.0.0.0", help="the address of every listener (HTTP and Converse)")
-    parser.add_argument("--http-port", type=int, default=8000,
+    parser.add_argument("--model", help="checkpoint folder or Hugging Face repo id (Org/Name[@REV]) for the "
+                                        "tokenizer, config and feature extractor (default: the tiny checkpoint)")
+    parser.add_argument("--served-model-name", help="the model id clients use (default: --model's repo id, or "
+                                                    "the checkpoint folder name)")
+    parser.add_argument("--host", default=default_host(), help=HOST_HELP + " -- HTTP and Converse")
+    parser.add_argument("--http-port", type=port_number, default=8000,
                         help="the OpenAI HTTP API, realtime WebSocket and /metrics port (0: any free port)")
-    parser.add_argument("--grpc-port", type=int, default=0, help="serve the Converse gRPC API here (0: off)")
+    parser.add_argument("--grpc-port", type=port_number, default=0, help="serve the Converse gRPC API here (0: off)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on HTTP, WebSocket "
                                                         "and Converse (default: $VOXPIPE_API_KEY; unset: no auth)")
     parser.add_argument("--max-sessions", type=int, default=64,
@@ -86,17 +89,19 @@ async def serve(args) -> None:
     try:
         config = GatewayConfig.from_args(args)
     except (TLSConfigError, OriginsError) as e:
-        raise SystemExit(f"gateway: error: {e}") from None
+        raise ConfigError(str(e)) from None
+    check_free("gateway Converse gRPC", config.host, config.grpc_port, "--grpc-port")   # before the model loads
+    sock = bind_http("gateway HTTP", config.host, config.http_port, "--http-port")
     try:
         app = create_app(config)
     except FeatureConfigError as e:      # the model folder's audio front end disagrees with its config
-        raise SystemExit(f"gateway: {e}") from None
+        raise ConfigError(str(e)) from None
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, loop="none",
                                            http="auto", ws="auto", log_level=args.log_level.lower(),
                                            # logs in voxpipe's format (logs.py), the access lines its own
                                            log_config=None, access_log=False, timeout_graceful_shutdown=10,
                                            ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
-    serving = asyncio.ensure_future(server.serve())
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)
     if serving.done():  # failed to start (port taken ...): surface the error
@@ -104,6 +109,7 @@ async def serve(args) -> None:
         raise SystemExit(1)
     converse = await _start_converse(app.state.gateway, config)
     port = server.servers[0].sockets[0].getsockname()[1]
+    log.info("gateway serving model %r (%s)", config.model_id, config.model_dir)
     print(f"gateway ready on port {port}" + (" (https)" if config.tls else ""), flush=True)
     try:
         await serving
@@ -135,6 +141,10 @@ def run(args) -> None:
         from voxpipe.cli import default_model_dir
 
         args.model = str(default_model_dir())
+    from voxpipe.services.runtime.checkpoint import hub_name, resolve_model
+
+    args.served_model_name = args.served_model_name or hub_name(args.model)    # a repo id, not the cache folder
+    args.model = str(resolve_model(args.model, weights=False))     # config, tokenizer, feature extractor
     if not getattr(args, "api_key", None):
         args.api_key = os.environ.get("VOXPIPE_API_KEY") or None
     try:

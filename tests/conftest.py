@@ -11,6 +11,7 @@ def tiny_model_dir(tmp_path_factory):
 
 # ---------------------------------------------------------------- the three services as processes
 
+import random  # noqa: E402
 import socket  # noqa: E402
 
 STAGES = ("thinker", "talker", "code2wav")
@@ -20,6 +21,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int, tries: int = 200) -> int:
+    """The first of `count` consecutive free localhost ports."""
+    for _ in range(tries):
+        first = random.randint(20000, 60000 - count)
+        socks = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
 
 
 @pytest.fixture(scope="session")

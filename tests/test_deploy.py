@@ -210,6 +210,7 @@ def test_stage_deployment(overlay, stage):
     args = c["args"]
     assert args[0] == stage, args
     assert int(arg_value(args, "--port")) == port_of(c, "grpc") == port
+    assert arg_value(args, "--host") == "0.0.0.0", "voxpipe binds 127.0.0.1 unless told: a pod is reached from outside"
     assert int(arg_value(args, "--metrics-port")) == port_of(c, "metrics")
     fraction = arg_value(args, "--gpu-memory-fraction")
     assert fraction is not None and 0 < float(fraction) <= 0.95, f"{stage}: --gpu-memory-fraction {fraction}"
@@ -361,6 +362,7 @@ def test_gateway(overlay):
     http, grpc = port_of(c, "http"), port_of(c, "grpc")
     assert int(arg_value(args, "--http-port")) == http == 8000
     assert int(arg_value(args, "--grpc-port")) == grpc == 50050
+    assert arg_value(args, "--host") == "0.0.0.0", "voxpipe binds 127.0.0.1 unless told: a pod is reached from outside"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     spec = pod_spec(deploy)
@@ -713,6 +715,8 @@ def test_dockerfile_target_runs_voxpipe_as_non_root(target):
     exposed = " ".join(rest for s in stage_chain(target) for i, rest in s["instrs"] if i == "EXPOSE")
     wanted = [str(p) for p, _ in STAGES.values()] if target == "stage" else ["8000", "50050"]
     assert all(p in exposed.split() for p in wanted), f"{target}: EXPOSE {exposed}"
+    env = " ".join(rest for s in stage_chain(target) for i, rest in s["instrs"] if i == "ENV")
+    assert "VOXPIPE_HOST=0.0.0.0" in env.split(), f"{target}: the exposed ports must be reachable ({env})"
 
 
 def test_dockerfile_installs_the_whole_package_and_cpu_torch_for_the_gateway():

@@ -64,8 +64,10 @@ class StageProcess:
         return address is not None and int(address.rsplit(":", 1)[1]) == self.port
 
     def launch(self) -> None:
-        cmd = [sys.executable, "-m", "voxpipe.cli", self.stage, "--model", self.model_dir, "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port), "--device", "cpu", "--grace", "60", *self.args]
+        # every interface, IPv4 and IPv6: a replica is each address localhost resolves to
+        cmd = [sys.executable, "-m", "voxpipe.cli", self.stage, "--model", self.model_dir, "--host", "[::]",
+               "--port", str(self.port), "--metrics-port", str(self.metrics_port), "--device", "cpu", "--grace", "60",
+               *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
 
     def wait_ready(self, deadline: float) -> None:

@@ -10,6 +10,8 @@ refusals are ERROR spans and cancelled turns end every hop's span as cancelled."
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -23,8 +25,10 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
+from opentelemetry.trace import StatusCode
 
 from conftest import STAGES, free_port
+from voxpipe.services.runtime import tracing
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_PARENT_SPAN = "00f067aa0ba902b7"
@@ -102,10 +106,19 @@ def otel_env(service_name: str, receiver_port: int) -> dict[str, str]:
 class Processes:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.logs: dict[str, list[str]] = {}     # command -> its stderr lines so far (also echoed)
 
     def start(self, cmd: list[str], env: dict[str, str], ready: str, timeout: float = 240.0) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=None, text=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs.append(proc)
+        lines = self.logs.setdefault(cmd[3], [])
+
+        def keep_stderr() -> None:
+            for line in proc.stderr:
+                lines.append(line)
+                sys.stderr.write(line)
+
+        threading.Thread(target=keep_stderr, daemon=True).start()
         deadline = time.monotonic() + timeout
         while True:
             line = proc.stdout.readline()
@@ -137,6 +150,7 @@ class TracedGateway:
     grpc: str          # host:port of the Converse API
     stages: dict[str, str]          # stage -> host:port of its gRPC service
     metrics_ports: dict[str, int]   # stage -> its Prometheus port
+    logs: dict[str, list[str]]      # process (thinker, talker, code2wav, gateway) -> its log lines so far
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +173,7 @@ def traced_gateway(tiny_model_dir, otlp_receiver):
                      "--thinker", f"127.0.0.1:{ports['thinker']}", "--code2wav", f"127.0.0.1:{ports['code2wav']}"],
                     otel_env(SERVICE_NAMES["gateway"], otlp_receiver.port), "ready on port")
         yield TracedGateway(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
-                            {s: f"127.0.0.1:{p}" for s, p in ports.items()}, metrics_ports)
+                            {s: f"127.0.0.1:{p}" for s, p in ports.items()}, metrics_ports, procs.logs)
     finally:
         procs.stop()
 
@@ -502,3 +516,121 @@ def test_a_stage_stream_cancelled_at_any_moment_ends_as_one_clean_cancellation(t
         # a stream cancelled before it reached the stage leaves nothing; one whose outputs flowed must be there
         assert {t for t, m in moments.items() if m >= 2} <= {s.trace_id for s in spans}, stage
         assert _outcomes(traced_gateway, stage)["error"] == before[stage]["error"], stage
+
+
+# ----------------------------------------------------------------------------- clean logs
+
+class _Producer:
+    """A stream-stream method that yields as fast as it can: a call that goes away finds it at a
+    `yield`, where gRPC abandons the generator and the event loop's finalizer closes it later, in a
+    task of its own."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    @tracing.traced_rpc("test.Producer", "Produce")
+    async def produce(self, request_iterator, context):
+        for _ in range(self.count):
+            yield b"x"
+            await asyncio.sleep(0)
+
+
+def test_traced_calls_that_succeed_or_are_cancelled_log_no_error(monkeypatch, caplog):
+    """The tracing decorator on a real gRPC server (with the stages' RequestGuard), tracing on: a
+    call read to its end, and calls cancelled while the handler sits at a `yield`, leave no ERROR
+    record (no "Failed to detach context"); each call's span ends, the cancelled ones marked so."""
+    import gc
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from voxpipe.services.runtime.rpc_guard import RequestGuard
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_enabled", True)
+    monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer(tracing.TRACER_NAME))
+    caplog.set_level(logging.INFO)
+
+    async def run() -> None:
+        handlers = {"Produce": grpc.stream_stream_rpc_method_handler(_Producer(20_000).produce),
+                    "Short": grpc.stream_stream_rpc_method_handler(_Producer(5).produce)}
+        server = grpc.aio.server(interceptors=[RequestGuard()])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Producer", handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for _ in range(3):
+                    call = channel.stream_stream("/test.Producer/Produce")(iter([b""]))
+                    got = 0
+                    async for _msg in call:
+                        got += 1
+                        if got == 3:
+                            call.cancel()
+                            break
+                whole = [m async for m in channel.stream_stream("/test.Producer/Short")(iter([b""]))]
+                assert len(whole) == 5
+            for _ in range(50):            # the abandoned generators are closed, their spans ended
+                gc.collect()
+                await asyncio.sleep(0.02)
+                if len(exporter.get_finished_spans()) == 4:
+                    break
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [(r.name, r.getMessage()) for r in errors]
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 4 and all(s.name == "test.Producer/Produce" for s in spans), spans
+    assert sum(bool(s.attributes.get("voxpipe.cancelled")) for s in spans) == 3     # the one read to its end is not
+    assert all(s.status.status_code != StatusCode.ERROR for s in spans)
+
+
+def test_a_traced_streaming_turn_and_a_cancelled_one_log_no_error_anywhere(traced_gateway, otlp_receiver):
+    """With tracing on, a streamed chat completion with audio (the real openai SDK) and a Converse
+    turn cancelled mid-audio: no process (three stages, gateway) logs an ERROR or "Failed to
+    detach context", and both turns are traced."""
+    import openai
+
+    from voxpipe.v1 import gateway_pb2 as gw
+    from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
+    from voxpipe.v1 import stages_pb2 as pb
+
+    marks = {name: len(lines) for name, lines in traced_gateway.logs.items()}
+    streamed, cancelled = "5a1e3f0c9b8d7a6f5e4d3c2b1a0f9e8d", "6b2f4a1d0c9e8b7a6f5e4d3c2b1a0f9e"
+    client = openai.OpenAI(base_url=f"{traced_gateway.http}/v1", api_key="unused", max_retries=0)
+    model = httpx.get(f"{traced_gateway.http}/v1/models").json()["data"][0]["id"]
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello, stream me."}], stream=True, max_tokens=6,
+        modalities=["text", "audio"], audio={"voice": "chelsie", "format": "pcm16"}, temperature=0,
+        extra_headers={"traceparent": f"00-{streamed}-{CLIENT_PARENT_SPAN}-01"}))
+    assert any(c.choices and c.choices[0].finish_reason in ("stop", "length") for c in chunks)
+
+    def turn():
+        yield gw.ConverseRequest(start=gw.ConverseStart(text="Hello there, how are you?", max_tokens=8,
+                                                        max_frames=40, ignore_eos=True))
+        while not first_audio.is_set():
+            first_audio.wait(0.05)
+        yield gw.ConverseRequest(cancel=pb.Cancel())
+
+    first_audio = threading.Event()
+    with grpc.insecure_channel(traced_gateway.grpc) as ch:
+        kinds = []
+        for resp in gw_grpc.GatewayStub(ch).Converse(turn(), timeout=60,
+                                                     metadata=(("traceparent", f"00-{cancelled}-{CLIENT_PARENT_SPAN}-01"),)):
+            kinds.append(resp.WhichOneof("kind"))
+            if kinds[-1] == "audio":
+                first_audio.set()
+    assert "audio" in kinds and kinds[-1] == "done"
+    for trace_id in (streamed, cancelled):
+        spans = wait_for_spans(otlp_receiver, trace_id, set(SERVICE_NAMES.values()))
+        assert {s.service for s in spans} == set(SERVICE_NAMES.values()), trace_id
+    time.sleep(1.0)      # what the processes log as the calls wind down
+    for name, lines in traced_gateway.logs.items():
+        new = lines[marks[name]:]
+        bad = [line for line in new if " ERROR " in line or "Failed to detach" in line or "Traceback" in line]
+        assert not bad, (name, bad[:5])

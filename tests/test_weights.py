@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 import shutil
 from importlib import resources
@@ -301,6 +302,22 @@ def test_loads_three_shards_with_an_index(tmp_path, tiny_cfg, tiny_tensors, sing
     folder = write_checkpoint(tmp_path / "sharded", shards)
     for stage in STAGES:
         assert_same_state(load(stage, tiny_cfg, folder).state_dict(), single_file_load[stage])
+
+
+def test_loading_logs_each_shard_then_the_time_and_memory(tmp_path, tiny_cfg, tiny_tensors, caplog):
+    names = sorted(n for n in tiny_tensors if n.startswith("code2wav."))
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": {n: tiny_tensors[n] for n in names[i::2]} for i in range(2)}
+    folder = write_checkpoint(tmp_path / "sharded", shards)
+    caplog.set_level(logging.INFO, logger="voxpipe.services.runtime.weights")
+    module = load("code2wav", tiny_cfg, folder)
+    lines = [r.getMessage() for r in caplog.records if r.name == "voxpipe.services.runtime.weights"]
+    assert len(lines) == 3, lines
+    for i, (line, shard) in enumerate(zip(lines, shards), 1):
+        gb = sum(tiny_tensors[n].numel() * 4 for n in shards[shard]) / 1e9      # float32 here
+        assert re.fullmatch(rf"code2wav weights: shard {i}/2 {shard}, {gb:.2f} GB in \d+\.\d s", line), line
+    total = sum(p.numel() * 4 for p in module.parameters()) / 1e9
+    assert re.fullmatch(rf"code2wav weights \(auto\): {total:.2f} GB in \d+\.\d s; process peak RSS \d+\.\d\d GB",
+                        lines[-1]), lines[-1]
 
 
 def test_each_stage_reads_only_its_own_shards(tmp_path, tiny_cfg, tiny_tensors, single_file_load):

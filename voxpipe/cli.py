@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import logging
 import os
 import signal
 import subprocess
@@ -11,7 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+from voxpipe import version
+from voxpipe.errors import ConfigError
 from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, memory_shares, parse_sm_shares, sm_share_env
+from voxpipe.services.runtime.listen import HOST_HELP, default_host, port_number
 from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
 
 DEFAULT_HOME = Path(os.environ.get("VOXPIPE_HOME", Path.home() / ".cache" / "voxpipe"))
@@ -43,6 +48,9 @@ def _stage_main(stage: str):
                 args.model = str(released_config_path())
             else:
                 args.model = str(default_model_dir())
+        from voxpipe.services.runtime.checkpoint import resolve_model
+
+        args.model = str(resolve_model(args.model, weights=args.load_format != "dummy"))
         if stage == "thinker":
             from voxpipe.services.thinker import server
         elif stage == "talker":
@@ -60,13 +68,9 @@ def _stage_main(stage: str):
 
 
 def _stage_arguments(stage: str, parser: argparse.ArgumentParser) -> None:
-    if stage == "thinker":
-        from voxpipe.services.thinker.server import add_arguments
-    elif stage == "talker":
-        from voxpipe.services.talker.server import add_arguments
-    else:
-        from voxpipe.services.code2wav.server import add_arguments
-    add_arguments(parser)
+    from voxpipe.services.runtime.flags import STAGE_ARGUMENTS     # light: no torch, no grpc
+
+    STAGE_ARGUMENTS[stage](parser)
 
 
 # ----------------------------------------------------------------------------- health
@@ -77,7 +81,7 @@ def _client_tls(args):
     try:
         return client_tls_from_args(args)
     except TLSConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise ConfigError(str(e)) from None
 
 
 def cmd_health(args) -> int:
@@ -88,7 +92,7 @@ def cmd_health(args) -> int:
 
     tls = _client_tls(args)
     if args.addr and args.address and args.addr != args.address:
-        raise SystemExit(f"error: two addresses given ({args.address} and --addr {args.addr}); give one")
+        raise ConfigError(f"two addresses given ({args.address} and --addr {args.addr}); give one")
     addr = args.address or args.addr
     addrs = [addr] if addr else [f"localhost:{p}" for p in (50051, 50052, 50053)]
     for addr in addrs:
@@ -152,6 +156,19 @@ class LocalStack:
         nxt = {"thinker": "talker", "talker": "code2wav"}.get(stage)
         return [f"--{nxt}={self.address(nxt)}"] if nxt else []
 
+    def check_ports(self, grpc_port: int = 0) -> None:
+        """PortInUse for the first of the stack's ports something already listens on (`grpc_port`:
+        the gateway's Converse port, 0: none), before any process starts."""
+        from voxpipe.services.runtime.listen import check_free
+
+        for name, port in self.ports.items():
+            check_free(name, self.host, port, "--base-port")
+        for name, port in self.metrics_ports.items():
+            check_free(f"{name} metrics", self.host, port, "--metrics-base-port")
+        if self.http_port:
+            check_free("gateway HTTP", self.host, self.http_port, "--http-port")
+            check_free("gateway Converse gRPC", self.host, grpc_port, "--grpc-port")
+
     def start(self, timeout: float = 300.0) -> None:
         given = any(f.startswith("--gpu-memory-fraction") for f in self.extra)
         shares = {} if given else memory_shares(self.layout)
@@ -209,13 +226,17 @@ class LocalStack:
 
 
 def cmd_up(args) -> int:
-    model = Path(args.model) if args.model else default_model_dir()
+    from voxpipe.services.runtime.checkpoint import hub_name, resolve_model
+
+    if args.model and not args.served_model_name:
+        args.served_model_name = hub_name(args.model)       # a repo id: clients see it, not the cache folder
+    model = resolve_model(args.model, weights=args.load_format != "dummy") if args.model else default_model_dir()
     host = "127.0.0.1" if args.host in ("localhost", "127.0.0.1") else args.host
     http_port = 0 if args.say is not None else args.http_port     # --say is one request: no gateway
     _client_tls(args)
     if args.tls_cert and not args.tls_ca:
-        raise SystemExit("error: --tls-cert needs --tls-ca here: the stages call each other (and the gateway "
-                         "calls them), so they need the CA to check the certificates")
+        raise ConfigError("--tls-cert needs --tls-ca here: the stages call each other (and the gateway "
+                          "calls them), so they need the CA to check the certificates")
     stage_flags, gateway_flags = _up_tls_flags(args)
     stage_flags += _up_stage_flags(args)
     gateway_flags += _up_gateway_flags(args)
@@ -223,7 +244,7 @@ def cmd_up(args) -> int:
         layout = Layout.parse(args.devices, args.device)
         shares = parse_sm_shares(args.mps_sm_percent)
     except LayoutError as e:
-        raise SystemExit(f"error: {e}")
+        raise ConfigError(str(e)) from None
     metrics_ports = ({name: args.metrics_base_port + i for i, (name, _, _) in enumerate(layout.processes())}
                      if args.metrics_base_port else None)
     api_key = args.api_key or os.environ.get("VOXPIPE_API_KEY")
@@ -237,9 +258,14 @@ def cmd_up(args) -> int:
     def on_signal(signum, frame):
         stop["now"] = True
 
+    stack.check_ports(args.grpc_port)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    stack.start()
+    try:
+        stack.start()
+    except RuntimeError as e:       # a process that stopped says why on stderr
+        print(f"voxpipe up: {e}; every service stopped", file=sys.stderr, flush=True)
+        return 1
     for name, stage, device in stack.layout.processes():
         metrics = f", metrics http://{host}:{stack.metrics_ports[name]}/metrics" if stack.metrics_ports else ""
         print(f"{name:9s} {host}:{stack.ports[name]}  {device}  (pid {stack.procs[name].pid}{metrics})", flush=True)
@@ -347,7 +373,9 @@ def cmd_say(args) -> int:
         from voxpipe.services.runtime.config import OmniConfig
         from voxpipe.services.thinker.prompt import FeatureExtractor, load_tokenizer, render, user_turn
 
-        model = Path(args.model) if args.model else default_model_dir()
+        from voxpipe.services.runtime.checkpoint import resolve_model
+
+        model = resolve_model(args.model, weights=False) if args.model else default_model_dir()
         cfg = OmniConfig.load(model)
         features = FeatureExtractor.for_model(model, cfg.thinker)
         audio_features = []
@@ -399,16 +427,47 @@ def cmd_say(args) -> int:
 
 # ----------------------------------------------------------------------------- main
 
-def build_parser() -> argparse.ArgumentParser:
+class HelpFormatter(argparse.HelpFormatter):
+    """`--help` shows each flag's default, unless its help already says it (or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default in (None, False, "", [])
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+GLOBAL_VALUE_FLAGS = ("--log-level", "--log-format")
+
+
+def command_of(argv: list[str]) -> str:
+    """The command `argv` names ("" when none): the first word that is neither a global flag nor
+    a global flag's value."""
+    words = iter(argv)
+    for word in words:
+        if word in GLOBAL_VALUE_FLAGS:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return ""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `voxpipe` parser; `only`: build the flags of that command alone (`main`: the command
+    given, so `--help` imports nothing heavy), None: of every command."""
     from voxpipe.services.runtime.tls import add_client_tls_arguments, add_server_tls_arguments
 
-    parser = argparse.ArgumentParser(prog="voxpipe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="voxpipe", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"voxpipe {version()}",
+                        help="print the version and exit")
     parser.add_argument("--log-level", type=_log_level, default=os.environ.get("VOXPIPE_LOG_LEVEL", "INFO"),
                         help="DEBUG, INFO, WARNING, ERROR or CRITICAL (env VOXPIPE_LOG_LEVEL; default INFO)")
     parser.add_argument("--log-format", choices=FORMATS, default=os.environ.get("VOXPIPE_LOG_FORMAT", "plain"),
                         help="plain: one text line per record; json: one JSON object per line; both carry the "
                              "request and trace ids where known (env VOXPIPE_LOG_FORMAT; default plain)")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
     for stage in STAGES:
         p = sub.add_parser(stage, help=f"run the {stage} gRPC service")
         _stage_arguments(stage, p)
@@ -421,30 +480,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=tiny_run)
 
     p = sub.add_parser("up", help="start the three services and the gateway locally (tiny checkpoint by default)")
-    p.add_argument("--model", help="checkpoint folder (default: the tiny checkpoint, made on first use)")
-    p.add_argument("--host", default="127.0.0.1", help="the address every service listens on")
-    p.add_argument("--base-port", type=int, default=50051,
+    p.add_argument("--model", help="checkpoint folder or Hugging Face repo id (Org/Name[@REV]: fetched once, "
+                                   "HF_HUB_OFFLINE=1: from the cache only; default: the tiny checkpoint, made on "
+                                   "first use)")
+    p.add_argument("--host", default=default_host(), help=HOST_HELP + " -- every service of the stack")
+    p.add_argument("--base-port", type=port_number, default=50051,
                    help="thinker port; the next processes (talker, code2wav, or their replicas) count up from it")
     p.add_argument("--device", default="auto", help="the device of stages --devices does not name (auto: cuda if present)")
     p.add_argument("--devices", default="", metavar="LAYOUT",
                    help="replicas and devices per stage, e.g. thinker=cuda:0,talker=cuda:1+cuda:2,code2wav=cuda:1*2 "
                         "(DEV*N: N replicas sharing DEV; +: one device per replica)")
     p.add_argument("--mps-sm-percent", default="", metavar="SHARES", help=MPS_SM_HELP)
-    p.add_argument("--http-port", type=int, default=8000,
+    p.add_argument("--http-port", type=port_number, default=8000,
                    help="the gateway's OpenAI HTTP API port (0: no gateway; none with --say)")
     g = p.add_argument_group("passed on to the gateway")
     g.add_argument("--api-key", default=None,
                    help="the gateway requires 'Authorization: Bearer KEY' (HTTP, WebSocket, Converse); handed over "
                         "in its environment, not on its command line (default: $VOXPIPE_API_KEY; unset: no auth)")
-    g.add_argument("--grpc-port", type=int, default=0, help="the gateway serves the Converse gRPC API here (0: off)")
+    g.add_argument("--grpc-port", type=port_number, default=0, help="the gateway serves the Converse gRPC API here (0: off)")
     g.add_argument("--served-model-name", default=None,
-                   help="the model id clients use (default: the checkpoint folder name)")
+                   help="the model id clients use (default: --model's repo id, or the checkpoint folder name)")
     g.add_argument("--max-sessions", type=int, default=None,
                    help="concurrent generations, realtime and Converse sessions before 429 (default: the gateway's)")
     g.add_argument("--gateway-arg", action="append", metavar="FLAG",
                    help="one more gateway flag, as written (repeatable; e.g. --gateway-arg=--max-body-mb=64)")
     g = p.add_argument_group("passed on to every stage")
-    g.add_argument("--metrics-base-port", type=int, default=0,
+    g.add_argument("--metrics-base-port", type=port_number, default=0,
                    help="the stages serve Prometheus /metrics: the thinker on this port, the next processes "
                         "(talker, code2wav, or their replicas) counting up from it (0: off; the gateway's is its "
                         "HTTP port's /metrics)")
@@ -483,10 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_say)
 
     p = sub.add_parser("bench", help="benchmark split / in-process voxpipe against transformers (bench/BENCHMARK.md)")
-    from voxpipe.bench.harness import add_arguments as bench_args, run as bench_run
+    if only in (None, "bench"):       # the harness imports the client and the prompt renderer
+        from voxpipe.bench.harness import add_arguments as bench_args, run as bench_run
 
-    bench_args(p)
-    p.set_defaults(func=bench_run)
+        bench_args(p)
+        p.set_defaults(func=bench_run)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway in front of the three services")
     from voxpipe.gateway.server import add_arguments as gateway_args, run as gateway_run
@@ -513,9 +575,15 @@ def _log_level(value: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(command_of(argv)).parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    rc = args.func(args)
+    try:
+        rc = args.func(args)
+    except ConfigError as e:      # one line, in the log format; the traceback only at --log-level debug
+        logging.getLogger("voxpipe").error("voxpipe %s: error: %s", args.command, e,
+                                           exc_info=e if args.log_level == "DEBUG" else None)
+        return e.exit_code
     return int(rc or 0)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import secrets
 import uuid
@@ -22,7 +21,11 @@ from ..runtime import tracing
 from ..runtime.calls import abort, when_done
 from ..runtime.engine import Outbox, StageError
 from ..runtime.outputs import AudioOut, Finished, FramesOut
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, frames_proto, load_stage_model,
+from ..runtime.flags import add_code2wav_arguments as add_arguments  # noqa: F401  (its flags)
+from voxpipe.errors import ConfigError
+
+from ..runtime.flags import DEFAULT_LISTEN_TIMEOUT_S
+from ..runtime.server import (Abort, StageServicer, finished_proto, frames_proto, load_stage_model,
                               serve_stage, stage_setup)
 from ..runtime.tensors import TensorError, from_proto
 from ..runtime.tracing import traced_rpc
@@ -44,7 +47,6 @@ class FramesEndedEarly(Abort):
 
     def __init__(self) -> None:
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before frames_end")
-DEFAULT_LISTEN_TIMEOUT_S = 30.0
 CALL_END_GRACE_S = 0.5     # how long a request stream that ended early waits to see whether its call was cancelled
 
 
@@ -241,17 +243,9 @@ def build(args) -> Code2WavServicer:
     engine = Code2WavEngine(model, cfg.code2wav, device=setup.device, max_active=args.max_batch,
                             cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback)
     if args.listen_timeout <= 0:
-        raise SystemExit(f"--listen-timeout must be positive, got {args.listen_timeout}")
+        raise ConfigError(f"--listen-timeout must be positive, got {args.listen_timeout}")
     return Code2WavServicer(engine, setup.opts, cfg, args.first_chunk_frames, args.chunk_frames,
                             args.listen_timeout)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_stage_arguments(parser, default_port=50053)
-    parser.add_argument("--first-chunk-frames", type=int, default=1, help="frames gathered before the first audio")
-    parser.add_argument("--chunk-frames", type=int, default=1, help="frames gathered before each later chunk")
-    parser.add_argument("--listen-timeout", type=float, default=DEFAULT_LISTEN_TIMEOUT_S,
-                        help="seconds a routed request waits for its Listen stream before it fails")
 
 
 def run(args) -> None:

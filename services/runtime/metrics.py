@@ -33,11 +33,14 @@ voxpipe_audio_cache_bytes{stage}    bytes of encoder outputs that cache holds on
 from __future__ import annotations
 
 import asyncio
+import errno
 import weakref
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+
+from voxpipe.errors import PortInUse
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -117,10 +120,15 @@ NEXT_STAGE_REPLICAS = NextStageReplicas()
 REGISTRY.register(NEXT_STAGE_REPLICAS)
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
-    """Expose /metrics on its own HTTP port (0 disables)."""
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Expose /metrics on its own HTTP port (0 disables); PortInUse (--metrics-port) when it is taken."""
     if port:
-        start_http_server(port, addr=host, registry=REGISTRY)
+        try:
+            start_http_server(port, addr=host, registry=REGISTRY)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse("metrics", host, port, "--metrics-port") from None
+            raise
 
 
 async def watch_loop_lag(observe: Callable[[float], None], interval: float = 0.02) -> None:

@@ -1,10 +1,10 @@
 """What the three stage servers share: the aio server with health, reflection (with --reflection)
 and graceful SIGTERM; the per-stream pattern (first message = Start, optional payload chunks,
-engine outputs streamed back, cancellation and disconnects freeing the request); the common flags
-(`add_stage_arguments`); and a stage's build and run: `stage_setup` (options, TLS, device and dtype
-from the flags), `load_stage_model` (the stage's weights, laid out for serving) and `serve_stage`
-(tracing, build, serve until SIGTERM). Each stage's server.py has only its servicer, its build of
-engine and model, and its own flags.
+engine outputs streamed back, cancellation and disconnects freeing the request); ports never
+shared (`bind_grpc`, listen.py); and a stage's build and run: `stage_setup` (options, TLS, device
+and dtype from the flags, ports checked free), `load_stage_model` (the stage's weights, laid out
+for serving) and `serve_stage` (tracing, build, serve until SIGTERM). The flags are in flags.py;
+each stage's server.py has only its servicer and its build of engine and model.
 
 Limits: a connection older than `max_connection_age_s` is told to go away (GOAWAY: new streams go
 to a new connection) but is never closed while a stream on it is active; the payload chunks of
@@ -13,7 +13,6 @@ start messages not yet complete (unadmitted uploads) share one byte budget acros
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -29,6 +28,8 @@ from torch import nn
 
 from voxpipe.v1 import stages_pb2 as pb
 
+from voxpipe.errors import ConfigError
+
 from .engine import EngineRequest, StageEngine, StageError
 from .outputs import Finished, FinishReason, FramesOut, Routed, TalkerPromptOut
 from . import metrics
@@ -39,9 +40,9 @@ from .rpc_guard import Abort, RequestGuard
 from .tensors import Reassembler, TensorError
 from .tensors import to_proto as tensor_proto
 from . import tracing
-from .tls import (ClientTLS, ServerTLS, TLSConfigError, add_client_tls_arguments, add_port, add_server_tls_arguments,
-                  client_tls_from_args, server_tls_from_args)
+from .tls import ClientTLS, ServerTLS, TLSConfigError, add_port, client_tls_from_args, server_tls_from_args
 from .layers import serving_layout
+from .listen import GRPC_SERVER_OPTIONS, check_free, socket_host
 from .weights import load_module, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServerOptions:
-    host: str = "[::]"
+    host: str = "127.0.0.1"
     port: int = 0
     max_message_bytes: int = 64 * 1024 * 1024   # one gRPC message, either direction
     max_payload_bytes: int = 512 * 1024 * 1024  # one request's tensors, reassembled
@@ -345,9 +346,18 @@ def add_health_and_reflection(server: grpc.aio.Server, service_name: str,
     return health_servicer
 
 
-def listen_host(host: str) -> str:
-    """A gRPC bind host ("[::]", "0.0.0.0", "127.0.0.1") as a plain socket address ("::" ...)."""
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+def bind_grpc(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None, what: str, flag: str) -> int:
+    """Bind host:port on `server` (a server made with GRPC_SERVER_OPTIONS: never shared) and return
+    the port; PortInUse naming `flag` when it is taken, ConfigError when it cannot be bound at all."""
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = add_port(server, address, tls)
+    except RuntimeError:         # grpc >= 1.5x raises where older versions returned 0
+        bound = 0
+    if bound == 0:
+        check_free(what, host, port, flag)
+        raise ConfigError(f"could not listen on {address} ({what}); check --host and {flag}")
+    return bound
 
 
 async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc.aio.Server], None],
@@ -359,6 +369,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
         ("grpc.max_receive_message_length", opts.max_message_bytes),
         # clients (voxpipe.services.runtime.balancer) ping every 20 s during streams to notice a vanished host: allow it
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        *GRPC_SERVER_OPTIONS,
     ]
     if opts.max_connection_age_s:
         options += [("grpc.max_connection_age_ms", int(opts.max_connection_age_s * 1000)),
@@ -366,9 +377,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     server = grpc.aio.server(options=options, interceptors=[RequestGuard()])
     add_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, service_name, opts.reflection)
-    port = add_port(server, f"{opts.host}:{opts.port}", opts.tls)
-    if port == 0:
-        raise RuntimeError(f"could not bind {opts.host}:{opts.port}")
+    port = bind_grpc(server, opts.host, opts.port, opts.tls, f"{service_name} gRPC", "--port")
     loop = asyncio.get_running_loop()
     stop, fatal = asyncio.Event(), asyncio.Event()
     # a device error poisons the CUDA context: NOT_SERVING, then exit non-zero so Kubernetes restarts us
@@ -376,13 +385,12 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     health_server = None
     if opts.health_port:
         # health only, plaintext: the service itself is reachable on `port` alone
-        health_server = grpc.aio.server()
+        health_server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        if health_server.add_insecure_port(f"{opts.host}:{opts.health_port}") == 0:
-            raise RuntimeError(f"could not bind the health port {opts.host}:{opts.health_port}")
+        bind_grpc(health_server, opts.host, opts.health_port, None, f"{service_name} health", "--health-port")
     servicer.engine.start()
     metrics.CAPACITY.labels(servicer.engine.name).set(servicer.engine.max_active)
-    serve_metrics(opts.metrics_port, listen_host(opts.host))
+    serve_metrics(opts.metrics_port, socket_host(opts.host))
     await server.start()
     if health_server is not None:
         await health_server.start()
@@ -425,53 +433,12 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     log.info("%s stopped", service_name)
 
 
-def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) -> None:
-    parser.add_argument("--model", help="checkpoint folder (config.json + safetensors); default: the tiny checkpoint")
-    parser.add_argument("--host", default="[::]", help="the address every listener binds (gRPC, --health-port, "
-                                                         "--metrics-port; default: all)")
-    parser.add_argument("--port", type=int, default=default_port, help=f"the gRPC port (default {default_port})")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                        help="dummy: full-size random weights built on the device from config.json")
-    parser.add_argument("--max-batch", type=int, default=16, help="concurrent streams in the engine")
-    parser.add_argument("--max-len", type=int, default=default_max_len,
-                        help="the context: positions a stream may reach, prompt and reply"
-                             + (f" (default {default_max_len})" if default_max_len else
-                                " (default: the model's max_position_embeddings, at most what the KV pool holds)"))
-    parser.add_argument("--max-queue", type=int, default=256, help="waiting streams before RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message")
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds to drain streams on SIGTERM")
-    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics here, on --host "
-                                                                      "(0: off)")
-    parser.add_argument("--max-connection-age", type=float, default=300.0,
-                        help="seconds after which a client connection is asked to reconnect (rebalancing); a "
-                             "connection carrying a stream is never closed for its age (0: no limit)")
-    parser.add_argument("--max-pending-upload-mb", type=float, default=1024.0,
-                        help="bytes of incomplete chunked start messages held at once, over all streams "
-                             "(RESOURCE_EXHAUSTED above)")
-    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=False,
-                        help="serve gRPC server reflection (off unless asked for; `voxpipe up` turns it on)")
-    parser.add_argument("--health-port", type=int, default=0,
-                        help="also serve grpc.health.v1 alone, plaintext, on this port (for probes that cannot "
-                             "speak TLS, like Kubernetes' grpc probes; 0: off)")
-    add_server_tls_arguments(parser)
-    add_client_tls_arguments(parser)
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="capture decode steps as CUDA graphs (CUDA devices only)")
-    parser.add_argument("--eager-fallback", action="store_true",
-                        help="run a step eagerly when its CUDA graphs cannot be captured (default: refuse to start)")
-    parser.add_argument("--gpu-memory-fraction", type=float, default=None,
-                        help="cap this process's share of the GPU memory (CUDA caching allocator)")
-
-
 def server_options(args) -> ServerOptions:
-    """The options of the stage's flags; SystemExit naming the flags when the TLS ones are half given."""
+    """The options of the stage's flags; ConfigError naming the flags when the TLS ones are half given."""
     try:
         tls = server_tls_from_args(args)
     except TLSConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise ConfigError(str(e)) from None
     return ServerOptions(host=args.host, port=args.port, max_message_bytes=int(args.max_message_mb * 1024 * 1024),
                          max_queue=args.max_queue, grace_seconds=args.grace, metrics_port=args.metrics_port,
                          max_connection_age_s=args.max_connection_age or None,
@@ -480,11 +447,11 @@ def server_options(args) -> ServerOptions:
 
 
 def client_tls(args) -> ClientTLS | None:
-    """How the stage dials its next stage (--tls-ca ...); SystemExit naming the flags when half given."""
+    """How the stage dials its next stage (--tls-ca ...); ConfigError naming the flags when half given."""
     try:
         return client_tls_from_args(args)
     except TLSConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise ConfigError(str(e)) from None
 
 
 def run_async(coro) -> None:
@@ -513,11 +480,14 @@ class StageSetup:
 
 
 def stage_setup(args) -> StageSetup:
-    """The server options and client TLS of the stage's flags (SystemExit naming the flags when they
+    """The server options and client TLS of the stage's flags (ConfigError naming the flags when they
     are bad: before any weights load; every stage checks the client flags, a shared environment, even
     one that dials no stage), its device (--device) and dtype (--dtype), with --gpu-memory-fraction
     applied on CUDA."""
     opts, tls = server_options(args), client_tls(args)
+    for what, port, flag in (("gRPC", opts.port, "--port"), ("health", opts.health_port, "--health-port"),
+                             ("metrics", opts.metrics_port, "--metrics-port")):
+        check_free(f"{getattr(args, 'command', None) or 'stage'} {what}", opts.host, port, flag)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.gpu_memory_fraction and device.type == "cuda":   # a bare "cuda" is the current device

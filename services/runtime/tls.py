@@ -23,9 +23,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
+if TYPE_CHECKING:       # grpc is imported where it is used: the flag functions here stay light (`--help`)
+    import grpc
 
 
 class TLSConfigError(ValueError):
@@ -73,6 +74,8 @@ class ServerTLS:
         return self.client_ca is not None
 
     def credentials(self) -> grpc.ServerCredentials:
+        import grpc
+
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.client_ca,
                                            require_client_auth=self.client_ca is not None)
 
@@ -107,6 +110,8 @@ class ClientTLS:
                    _read_pem(key, "--tls-client-key") if key else None, server_name or None)
 
     def credentials(self) -> grpc.ChannelCredentials:
+        import grpc
+
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
 
@@ -120,6 +125,8 @@ class ClientTLS:
 def aio_channel(address: str, tls: ClientTLS | None, options: list[tuple[str, Any]] | None = None,
                 server_name: str | None = None) -> grpc.aio.Channel:
     """A grpc.aio channel to `address`: plaintext without `tls`, else TLS (see ClientTLS)."""
+    import grpc
+
     options = list(options or [])
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
@@ -128,6 +135,8 @@ def aio_channel(address: str, tls: ClientTLS | None, options: list[tuple[str, An
 
 def channel(address: str, tls: ClientTLS | None, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
     """The blocking twin of `aio_channel` (for `voxpipe health`)."""
+    import grpc
+
     options = list(options or [])
     if tls is None:
         return grpc.insecure_channel(address, options=options)

@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -147,7 +147,8 @@ def grpc_error(span: trace.Span, code: grpc.StatusCode | None, details: str) -> 
 
 def traced_rpc(service: str, method: str) -> Callable:
     """Decorate a stream-stream servicer method (an async generator): one SERVER span per call,
-    parented on the caller's context from the metadata and current while the handler runs.
+    parented on the caller's context from the metadata and current while the handler runs (each
+    of its steps, `_within`).
     Failures (context.abort, exceptions) set status ERROR. A call the caller cancelled (the
     handler cancelled, or ClientGone from services.runtime.calls.abort) ends quietly and its span
     is marked cancelled with finish_reason "cancelled", whenever the cancel came; so does a call
@@ -169,9 +170,13 @@ def traced_rpc(service: str, method: str) -> Callable:
             parent = extract_metadata(context.invocation_metadata())
             span = tracer().start_span(f"{service}/{method}", context=parent, kind=SpanKind.SERVER,
                                        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method})
-            token = otel_context.attach(trace.set_span_in_context(span, parent))
+            current = trace.set_span_in_context(span, parent)
             try:
-                async for item in inner:
+                while True:
+                    try:
+                        item = await _within(current, inner.__anext__())
+                    except StopAsyncIteration:
+                        break
                     yield item
             except ClientGone:
                 _mark_cancelled(span)
@@ -193,13 +198,24 @@ def traced_rpc(service: str, method: str) -> Callable:
                 grpc_error(span, grpc.StatusCode.UNKNOWN, repr(e))
                 raise
             finally:
-                await inner.aclose()
+                await _within(current, inner.aclose())
                 span.end()
-                otel_context.detach(token)
 
         return traced
 
     return wrap
+
+
+async def _within(ctx: otel_context.Context, step: Awaitable[Any]) -> Any:
+    """Await `step` (one step of a handler's generator) with `ctx` current. The context is attached
+    and detached within this one await, in the same task: a generator's steps, and its `finally`,
+    may run in different tasks (one abandoned at a `yield`, its call gone, is closed by the event
+    loop's finalizer in a task of its own), so an attachment must never span a `yield`."""
+    token = otel_context.attach(ctx)
+    try:
+        return await step
+    finally:
+        otel_context.detach(token)
 
 
 def _mark_cancelled(span: trace.Span) -> None:

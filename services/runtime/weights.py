@@ -20,6 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from voxpipe.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -71,9 +73,11 @@ def load_stage(module: nn.Module, model_dir: str | Path, prefix: str, *, ignore:
     loaded: set[str] = set()
     slices: dict[str, set[tuple[int, str]]] = {}   # fused expert parameter -> (expert, proj) slices copied
     unexpected: list[str] = []
-    for path in checkpoint_files(model_dir, prefix):
+    files = checkpoint_files(model_dir, prefix)
+    for number, path in enumerate(files, 1):
         if not path.is_file():
             raise WeightError(f"{path.name} (listed in the shard index) is missing from {model_dir}")
+        t_shard, nbytes = time.perf_counter(), 0
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if not key.startswith(prefix):
@@ -86,6 +90,9 @@ def load_stage(module: nn.Module, model_dir: str | Path, prefix: str, *, ignore:
                     unexpected.append(key)
                 else:
                     loaded.add(target)
+                    nbytes += params[target.partition("#")[0]].element_size() * _numel(f, key)
+        log.info("%s weights: shard %d/%d %s, %.2f GB in %.1f s", prefix.rstrip("."), number, len(files), path.name,
+                 nbytes / 1e9, time.perf_counter() - t_shard)
     if unexpected:
         raise WeightError(f"{len(unexpected)} unexpected tensors under {prefix!r}, e.g. {unexpected[:3]}")
     missing: list[str] = []
@@ -138,6 +145,13 @@ def _copy_tensor(params: dict[str, nn.Parameter], name: str, key: str, f,
     return pname
 
 
+def _numel(f, key: str) -> int:
+    n = 1
+    for d in f.get_slice(key).get_shape():
+        n *= d
+    return n
+
+
 def _check_shape(key: str, checkpoint: tuple[int, ...], model: tuple[int, ...]) -> None:
     if checkpoint != model:
         raise WeightError(f"{key}: checkpoint shape {list(checkpoint)} != model shape {list(model)}")
@@ -165,9 +179,27 @@ def parameter_bytes(module: nn.Module) -> int:
 
 
 def resolve_device(name: str | None) -> torch.device:
+    """--device as a torch device (auto: cuda if available); ConfigError for one this torch or this
+    machine does not have."""
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name}: not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise ConfigError(f"--device {name}: this torch ({torch.__version__}) is a CPU-only build; install a "
+                              "CUDA build of torch, or use --device cpu")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ConfigError(f"--device {name}: no CUDA device is visible (check the driver and "
+                              "CUDA_VISIBLE_DEVICES), or use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"--device {name}: this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+    elif device.type not in ("cpu", "mps", "xpu"):
+        raise ConfigError(f"--device {name}: not supported (cpu, cuda or cuda:N)")
+    return device
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -190,6 +222,17 @@ def load_module(factory: Callable[[], nn.Module], model_dir: str | Path, prefix:
         raise ValueError(f"unknown load format {load_format!r} (auto or dummy)")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    log.info("%s weights (%s): %.2f GB in %.1f s", prefix.rstrip("."), load_format,
-             parameter_bytes(module) / 1e9, time.perf_counter() - t0)
+    log.info("%s weights (%s): %.2f GB in %.1f s; %s", prefix.rstrip("."), load_format,
+             parameter_bytes(module) / 1e9, time.perf_counter() - t0, memory_in_use(device))
     return module
+
+
+def memory_in_use(device: torch.device) -> str:
+    """What the process holds now: the CUDA caching allocator's memory on a GPU, the peak resident
+    set on the CPU."""
+    if device.type == "cuda":
+        return (f"{device}: {torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated, "
+                f"{torch.cuda.memory_reserved(device) / 1e9:.2f} GB reserved")
+    import resource
+
+    return f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB"   # KiB on Linux

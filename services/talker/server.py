@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from contextlib import aclosing
-import os
 import uuid
 
 import grpc
@@ -20,7 +18,8 @@ from ..runtime.echo import quoted
 from ..runtime.engine import Outbox
 from ..runtime.sampling import MAX_ROW_VALUE, SamplingParams, check_features
 from ..runtime.outputs import Finished, FirstOutput, FramesOut, Routed
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, frames_proto, load_stage_model,
+from ..runtime.flags import add_talker_arguments as add_arguments  # noqa: F401  (its flags)
+from ..runtime.server import (Abort, StageServicer, finished_proto, frames_proto, load_stage_model,
                               routed_proto, serve_stage, stage_setup)
 from ..runtime.tensors import TensorError, from_proto
 from ..runtime.tracing import annotate, traced_rpc
@@ -179,13 +178,6 @@ def build(args) -> TalkerServicer:
     code2wav = NextStage("code2wav", args.code2wav, max_message_bytes=setup.opts.max_message_bytes,
                          tls=setup.tls) if args.code2wav else None
     return TalkerServicer(engine, setup.opts, cfg, code2wav)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_stage_arguments(parser, default_port=50052, default_max_len=8192)
-    parser.add_argument("--code2wav", default=os.environ.get("VOXPIPE_CODE2WAV", ""),
-                        help="the code2wav replicas routed frames go to: host:port and/or dns:///name:port, "
-                             "comma-separated (env VOXPIPE_CODE2WAV); unset: frames only back to the caller")
 
 
 def run(args) -> None:

@@ -19,7 +19,7 @@ from ..runtime import metrics
 from ..runtime.lru import BytesLRU
 from .model import AudioEncoder, chunk_pad
 
-DEFAULT_AUDIO_CACHE_MB = 256.0   # --audio-cache-mb: ~850 clips of 5.7 s at full size (74 rows x 2048 x bf16)
+from ..runtime.flags import DEFAULT_AUDIO_CACHE_MB  # noqa: F401  (--audio-cache-mb)
 # hashlib releases the GIL over large buffers: a 40-turn conversation's clips (~12 MB of features)
 # are hashed here, beside the event loop and the engine thread, between its start and its prefill
 _HASHING = ThreadPoolExecutor(max_workers=4, thread_name_prefix="clip-keys")

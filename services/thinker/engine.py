@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from ..runtime.flags import PREFILL_CHUNK
 from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
 from ..runtime.engine import StageEngine, deliver_now
@@ -45,7 +46,6 @@ def assistant_head_index(cfg: ThinkerConfig, ids: list[int]) -> int | None:
     return None
 
 
-PREFILL_CHUNK = 4096   # long prompts' tokens a step prefills, packed (--prefill-chunk; bench/RESULTS.md)
 
 
 class ThinkerEngine(StageEngine):

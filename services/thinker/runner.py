@@ -24,6 +24,7 @@ import torch
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime import metrics
+from ..runtime.flags import KV_BLOCK_SIZE
 from ..runtime.block_pool import ContentSpan, KVBlockManager
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerPromptOut, TokenLogprob
@@ -122,7 +123,7 @@ class KVPlan:
     full blocks and find cached prefixes."""
 
     blocks: int
-    block_size: int = 16
+    block_size: int = KV_BLOCK_SIZE
     prefix_cache: bool = True
 
     @property

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from contextlib import aclosing
 import logging
-import os
 import uuid
 
 import grpc
@@ -22,13 +20,15 @@ from ..runtime.echo import quoted
 from ..runtime.engine import Outbox
 from ..runtime.sampling import SamplingParams, check_audio_features
 from ..runtime.outputs import Finished, FirstOutput, Routed, StageFinished, TalkerPromptOut, TextOut
-from ..runtime.server import (Abort, StageServicer, add_stage_arguments, finished_proto, load_stage_model,
+from ..runtime.flags import add_thinker_arguments as add_arguments  # noqa: F401  (its flags)
+from voxpipe.errors import ConfigError
+
+from ..runtime.server import (Abort, StageServicer, finished_proto, load_stage_model,
                               routed_proto, serve_stage, stage_setup, talker_prompt_proto)
 from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
 from ..runtime.paged_kv import PagedKVCache
-from .audio_cache import DEFAULT_AUDIO_CACHE_MB
-from .engine import PREFILL_CHUNK, ThinkerEngine, assistant_head_index
+from .engine import ThinkerEngine, assistant_head_index
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
 from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_problem
@@ -242,11 +242,11 @@ def kv_plan(args, cfg: OmniConfig, device: torch.device, dtype: torch.dtype) -> 
     """The KV pool (--kv-cache-tokens, else on CUDA what --gpu-memory-fraction of the GPU leaves beside
     the weights loaded so far and ACTIVATION_RESERVE_BYTES, else on the CPU twice the model's context)
     and the context (--max-len, default the model's max_position_embeddings, at most the pool).
-    SystemExit with the numbers when they do not fit."""
+    ConfigError with the numbers when they do not fit."""
     t = cfg.thinker.text
     bs = args.kv_block_size
     if bs < 1 or bs & (bs - 1):
-        raise SystemExit(f"error: --kv-block-size must be a power of two, got {bs}")
+        raise ConfigError(f"--kv-block-size must be a power of two, got {bs}")
     model_len = t.max_position_embeddings or 32768
     per_block = PagedKVCache.bytes_per_block(t.num_layers, bs, t.num_kv_heads, t.head_dim, dtype)
     if args.kv_cache_tokens:
@@ -268,7 +268,7 @@ def kv_plan(args, cfg: OmniConfig, device: torch.device, dtype: torch.dtype) -> 
     if max_len > model_len:
         log.warning("--max-len %d is past the model's max_position_embeddings %d", max_len, model_len)
     if blocks * bs < max_len:
-        raise SystemExit(f"error: the thinker's KV pool holds {blocks * bs} tokens ({how}), less than --max-len "
+        raise ConfigError(f"the thinker's KV pool holds {blocks * bs} tokens ({how}), less than --max-len "
                          f"{max_len}: raise --gpu-memory-fraction or --kv-cache-tokens, or lower --max-len")
     plan = KVPlan(blocks=blocks, block_size=bs, prefix_cache=args.prefix_cache)
     log.info("thinker KV pool: %d blocks of %d tokens = %d tokens, %.2f GiB (%s); context %d tokens; prefix cache %s",
@@ -279,9 +279,9 @@ def kv_plan(args, cfg: OmniConfig, device: torch.device, dtype: torch.dtype) -> 
 def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     setup = stage_setup(args)      # bad flags fail before the weights load
     if args.prefill_chunk < 1:
-        raise SystemExit(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+        raise ConfigError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     if not 0 <= args.audio_cache_mb < float("inf"):
-        raise SystemExit(f"--audio-cache-mb must be a number of MB, at least 0, got {args.audio_cache_mb:g}")
+        raise ConfigError(f"--audio-cache-mb must be a number of MB, at least 0, got {args.audio_cache_mb:g}")
     cfg = OmniConfig.load(args.model)
     model = load_stage_model(args, setup, lambda: ThinkerModel(cfg.thinker), "thinker.", ignore=("visual.",))
     kv, max_len = kv_plan(args, cfg, setup.device, next(model.parameters()).dtype)
@@ -294,32 +294,6 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
     talker = NextStage("talker", args.talker, max_message_bytes=setup.opts.max_message_bytes,
                        tls=setup.tls) if args.talker else None
     return ThinkerServicer(engine, setup.opts, engine.tokenizer, cfg, talker), cfg
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_stage_arguments(parser, default_port=50051, default_max_len=0)
-    parser.add_argument("--kv-cache-tokens", type=int, default=0,
-                        help="positions the KV pool holds, shared by all sequences (0: sized from the GPU memory "
-                             "--gpu-memory-fraction leaves beside the weights; on the CPU twice the context)")
-    parser.add_argument("--kv-block-size", type=int, default=KVPlan.block_size,
-                        help="positions per KV block (a power of two; the prefix cache's unit)")
-    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="keep computed KV blocks by their prefix hash and skip the prefill of a cached prefix")
-    parser.add_argument("--talker", default=os.environ.get("VOXPIPE_TALKER", ""),
-                        help="the talker replicas spoken replies go to: host:port and/or dns:///name:port, "
-                             "comma-separated (env VOXPIPE_TALKER); unset: text only")
-    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
-                        help="long prompts (over 512 tokens, or over this) are prefilled in chunks: an engine step "
-                             "packs at most this many of their tokens into one forward, so running requests keep "
-                             "decoding between steps")
-    parser.add_argument("--talker-prompt-rows", action="store_true",
-                        help="send a text prompt's user turns to the talker as embedding rows (a 2,500-token "
-                             "conversation: 10 MB), as before talkers looked them up from their token ids; for "
-                             "talkers of an older voxpipe during a rolling upgrade")
-    parser.add_argument("--audio-cache-mb", type=float, default=DEFAULT_AUDIO_CACHE_MB,
-                        help="audio encoder outputs kept on the device by clip content (the features' SHA-256), "
-                             "least recently used dropped first: a clip a conversation sends again is not encoded "
-                             f"again (default {DEFAULT_AUDIO_CACHE_MB:g}; 0: off)")
 
 
 def run(args) -> None:
