@@ -5,6 +5,7 @@ imports the other."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,7 +13,11 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.engine import EngineRequest
 from ..runtime.sampling import SamplingParams
+from .constraint import Constraint
 from .output import ReplyText, StreamText
+
+if TYPE_CHECKING:
+    from .grammar import Matcher
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,8 @@ class ThinkerJob(EngineRequest):
     stops: tuple[str, ...] = ()             # stop strings (see output.py)
     top_logprobs: int | None = None         # None: no log probabilities; else how many alternatives
     forced: ForcedReply | None = None       # the reply is given: emitted whole after the prefill
+    constraint: Constraint | None = None    # constrained decoding (ThinkerStart.constraint)
+    matcher: Matcher | None = None          # its grammar state: set at admission (compiled off the engine thread)
     slot: int | None = None
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
