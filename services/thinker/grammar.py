@@ -120,11 +120,11 @@ def check(c: Constraint) -> xgr.Grammar:
     name = f"constraint.{c.kind.value}"
     try:
         if c.kind is ConstraintKind.JSON_OBJECT:
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            return xgr.Grammar.from_ebnf(json_ebnf('{"type": "object"}'))
         if c.kind is ConstraintKind.JSON_SCHEMA:
-            return xgr.Grammar.from_json_schema(c.canonical(), any_whitespace=False, strict_mode=True)
+            return xgr.Grammar.from_ebnf(json_ebnf(c.canonical()))
         if c.kind is ConstraintKind.REGEX:
-            return xgr.Grammar.from_regex(c.text)
+            return xgr.Grammar.from_ebnf(_narrowed(str(xgr.Grammar.from_regex(c.text)), SURROGATES))
         tag = json.loads(c.text)
         if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
             raise GrammarError(f'{name} must be an object {{"type": "structural_tag", "format": ...}}')
@@ -143,6 +143,45 @@ def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
 
 
+def json_ebnf(schema: str) -> str:
+    """The EBNF of compact JSON valid for `schema`, its strings valid JSON and UTF-8: the library's
+    own grammar (any_whitespace=False, strict_mode) lets a string hold raw control characters where
+    it bounds the length, and the 3-byte forms of UTF-16 surrogates everywhere (not UTF-8: a
+    decoder makes U+FFFD of each byte); its negated character classes here exclude both."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+    return _narrowed(str(grammar), CONTROL + SURROGATES)
+
+
+CONTROL, SURROGATES = r"\0-\x1f", r"\uD800-\uDFFF"
+
+
+def _narrowed(ebnf: str, ranges: str) -> str:
+    """`ebnf` with `ranges` added to every negated character class ("[^...]" outside string
+    literals, which may hold "[^" themselves)."""
+    out, i, n = [], 0, len(ebnf)
+    quoted = in_class = False
+    while i < n:
+        ch = ebnf[i]
+        out.append(ch)
+        if ch == "\\" and (quoted or in_class) and i + 1 < n:
+            out.append(ebnf[i + 1])
+            i += 2
+            continue
+        if quoted:
+            quoted = ch != '"'
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == '"':
+            quoted = True
+        elif ch == "[":
+            in_class = True
+            if ebnf.startswith("^", i + 1):
+                out.append("^" + ranges)
+                i += 1
+        i += 1
+    return "".join(out)
+
+
 def _compact(tag: dict) -> dict:
     """A structural tag whose JSON parts have a json_schema reply's whitespace: each plain
     json_schema part (JSON style, declared order) becomes the grammar that json_schema compiles to;
@@ -156,9 +195,7 @@ def _compact(tag: dict) -> dict:
         out = {k: walk(v) for k, v in node.items()}
         if out.get("type") == "json_schema" and "json_schema" in out:
             if set(out) <= {"type", "json_schema", "style"} and out.get("style", "json") == "json":
-                schema = json.dumps(out["json_schema"], ensure_ascii=False)
-                return {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(
-                    schema, any_whitespace=False, strict_mode=True))}
+                return {"type": "grammar", "grammar": json_ebnf(json.dumps(out["json_schema"], ensure_ascii=False))}
             if out.get("max_whitespace_cnt") is None:
                 out["max_whitespace_cnt"] = MAX_TAG_WHITESPACE
         return out
