@@ -96,21 +96,13 @@ def bench_xgrammar(vocab: list[bytes], eos: int, schemas: dict[str, str], batch:
         compiler.compile_json_schema(schema, any_whitespace=False)
         out[f"{name}_cached_ms"] = ms(t0)
     matchers = [xgr.GrammarMatcher(grammars["tools"]) for _ in range(batch)]
-    mask = xgr.allocate_token_bitmask(batch, len(vocab))
-    rng = random.Random(0)
-    fills = []
-    for _ in range(steps):
-        for m in matchers:
-            if m.is_terminated():
-                m.reset()
-        t0 = time.perf_counter()
+
+    def fill(mask: torch.Tensor) -> None:
         for i, m in enumerate(matchers):
             m.fill_next_token_bitmask(mask, i)
-        fills.append(ms(t0))
-        for i, m in enumerate(matchers):
-            m.accept_token(pick(mask[i], len(vocab), rng, eos))
-    out["fill_batch_ms_median"] = statistics.median(fills)
-    out["fill_batch_ms_p90"] = sorted(fills)[int(0.9 * len(fills))]
+
+    out.update(fill_times(matchers, fill, lambda m: m.is_terminated(), lambda m, t: m.accept_token(t),
+                          xgr.allocate_token_bitmask(batch, len(vocab)), len(vocab), eos, steps))
     return out
 
 
@@ -137,21 +129,30 @@ def bench_llguidance(vocab: list[bytes], eos: int, schemas: dict[str, str], batc
         out[f"{name}_cached_ms"] = out[f"{name}_compile_ms"]   # no compiled form to cache: a matcher parses anew
     executor = llg.LLExecutor()
     matchers = [llg.LLMatcher(tok, grammars["tools"]) for _ in range(batch)]
-    mask = llt.allocate_token_bitmask(batch, len(vocab))
+
+    def fill(mask: torch.Tensor) -> None:
+        llt.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
+
+    out.update(fill_times(matchers, fill, lambda m: m.is_stopped(), lambda m, t: m.consume_token(t),
+                          llt.allocate_token_bitmask(batch, len(vocab)), len(vocab), eos, steps))
+    return out
+
+
+def fill_times(matchers: list, fill, finished, accept, mask: torch.Tensor, vocab: int, eos: int, steps: int) -> dict:
+    """Per step: restart finished matchers, time `fill(mask)` (the whole batch), then each row takes
+    a random allowed token. The median and p90 fill times."""
     rng = random.Random(0)
     fills = []
     for _ in range(steps):
         for m in matchers:
-            if m.is_stopped():
+            if finished(m):
                 m.reset()
         t0 = time.perf_counter()
-        llt.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
+        fill(mask)
         fills.append(ms(t0))
         for i, m in enumerate(matchers):
-            m.consume_token(pick(mask[i], len(vocab), rng, eos))
-    out["fill_batch_ms_median"] = statistics.median(fills)
-    out["fill_batch_ms_p90"] = sorted(fills)[int(0.9 * len(fills))]
-    return out
+            accept(m, pick(mask[i], vocab, rng, eos))
+    return {"fill_batch_ms_median": statistics.median(fills), "fill_batch_ms_p90": sorted(fills)[int(0.9 * len(fills))]}
 
 
 def pick(row: torch.Tensor, vocab: int, rng: random.Random, eos: int) -> int:

@@ -137,10 +137,17 @@ def check(c: Constraint) -> xgr.Grammar:
         raise GrammarError(f"{name} does not compile: {_first_line(e)}") from None
 
 
+_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()    # [256, 8]: a byte's bits, lowest first
+_BITS_ON: dict[torch.device, torch.Tensor] = {}
+
+
 def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bitmask [n, words] int32 -> [n, vocab] bool, on the bitmask's device (no host sync)."""
-    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    return ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
+    """bitmask [n, words] int32 -> [n, vocab] bool, on the bitmask's device (no host sync): each
+    little-endian byte of the words looks its 8 bits up (token t is bit t % 8 of byte t // 8)."""
+    bits = _BITS_ON.get(bitmask.device)
+    if bits is None:
+        bits = _BITS_ON[bitmask.device] = _BITS.to(bitmask.device)
+    return bits[bitmask.view(torch.uint8).long()].flatten(1)[:, :vocab]
 
 
 def json_ebnf(schema: str) -> str:

@@ -301,8 +301,12 @@ class ThinkerRunner:
             logits[rows[:, None], self.eos[None, :]] = float("-inf")
         if grammar is not None:
             rows, mask = grammar
-            rows, mask = rows.to(logits.device, non_blocking=True), mask.to(logits.device, non_blocking=True)
-            logits[rows] = logits[rows].masked_fill(~allowed(mask, logits.shape[1]), float("-inf"))
+            banned = ~allowed(mask.to(logits.device, non_blocking=True), logits.shape[1])   # [k, V]
+            if len(rows) == len(jobs):      # every row constrained: in place, no gather / scatter
+                logits.masked_fill_(banned, float("-inf"))
+            else:
+                rows = rows.to(logits.device, non_blocking=True)
+                logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
         if all(j.params.greedy and j.params.repetition_penalty == 1.0 for j in jobs):
             return torch.where(finite, logits.argmax(-1), -1).tolist()
         # every row at once (`sample_rows`); a sampled row draws its noise from its own generator

@@ -54,6 +54,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         self.talker = talker      # the talker replicas spoken replies go to (--talker); None: text only
         # constraints compile here (grammar.py), off the engine thread and the event loop
         self.compile_pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="thinker-grammar")
+        self.compile_pool.submit(lambda: engine.grammars)     # the vocabulary's bytes, ready before a first constraint
 
     def merge(self, first: object, then: object) -> TextOut | None:
         """Consecutive text outputs of one request travel as one (token ids, text, the talker's rows
@@ -207,13 +208,13 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         naming it."""
         if job.constraint is None:
             return
-        grammars = self.engine.grammars
+        def compile_now():
+            grammars = self.engine.grammars
+            return grammars.matcher(grammars.compile(job.constraint))
         try:
-            compiled = await asyncio.get_running_loop().run_in_executor(self.compile_pool, grammars.compile,
-                                                                        job.constraint)
+            job.matcher = await asyncio.get_running_loop().run_in_executor(self.compile_pool, compile_now)
         except ValueError as e:       # GrammarError, or JSON text that is not JSON
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        job.matcher = grammars.matcher(compiled)
 
     def _forced(self, start: pb.ThinkerStart, prompt_tokens: int) -> ForcedReply | None:
         """The checked reply of a start message with assistant_text (None: the thinker generates)."""
