@@ -18,6 +18,7 @@ matcher per constrained row.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -29,7 +30,7 @@ from .constraint import Constraint, ConstraintKind
 from .output import TokenBytes
 
 CACHE_SIZE = 256           # compiled grammars kept (LRU)
-COMPILE_THREADS = 2        # the library's own threads per compile
+COMPILE_THREADS = min(8, os.cpu_count() or 1)    # the library's own threads per compile
 MAX_TAG_WHITESPACE = 1     # consecutive whitespace characters in a structural tag's JSON
 
 
