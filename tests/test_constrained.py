@@ -286,6 +286,21 @@ def test_the_grammar_cache_gives_the_uncached_grammar_on_hit_and_after_eviction(
     assert Constraint.json_schema({**PROFILE, "properties": reordered}).key() != a.key()
 
 
+def test_concurrent_compiles_of_one_constraint_compile_once(tokenizer, omni_config):
+    from concurrent.futures import ThreadPoolExecutor
+
+    th = omni_config.thinker
+    grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,))
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(grammars.compile, [tool_calls(FUNCTIONS)] * 8))
+        assert all(g is got[0] for g in got) and (grammars.misses, grammars.hits) == (1, 7)
+        bad = [pool.submit(grammars.compile, Constraint.json_schema({"type": "nope"})) for _ in range(4)]
+    for f in bad:
+        with pytest.raises(ValueError, match="constraint.json_schema does not compile"):
+            f.result()
+    assert not grammars.running and len(grammars.cache) == 1
+
+
 def test_the_vocabulary_as_the_library_sees_it(tokenizer, omni_config):
     """Byte-level BPE pieces as bytes (xgrammar's own reading of the HF tokenizer agrees), special
     tokens and padding ids empty; the ChatML byte tokenizer: byte ids as themselves."""

@@ -22,6 +22,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 
 import torch
 import xgrammar as xgr
@@ -60,6 +61,7 @@ class Grammars:
         self.cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self.cache_size = cache_size
         self.lock = threading.Lock()
+        self.running: dict[str, Future] = {}     # compiles under way, by key
         self.hits = self.misses = 0
 
     @property
@@ -68,6 +70,8 @@ class Grammars:
         return (self.vocab_size + 31) // 32
 
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        """The compiled grammar: from the cache, from a compile of the same constraint already
+        running in another thread (it is waited for, not repeated), or compiled now."""
         key = constraint.key()      # ValueError for a JSON text that is not JSON
         with self.lock:
             got = self.cache.get(key)
@@ -75,13 +79,27 @@ class Grammars:
                 self.cache.move_to_end(key)
                 self.hits += 1
                 return got
-        compiled = self._compile(constraint)
-        with self.lock:
-            self.misses += 1
-            self.cache[key] = compiled
-            self.cache.move_to_end(key)
-            while len(self.cache) > self.cache_size:
-                self.cache.popitem(last=False)
+            running = self.running.get(key)
+            if running is None:
+                self.running[key] = mine = Future()
+                self.misses += 1
+            else:
+                self.hits += 1
+        if running is not None:
+            return running.result()     # its GrammarError too
+        try:
+            compiled = self._compile(constraint)
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        finally:
+            with self.lock:
+                del self.running[key]
+                if not mine.done():
+                    self.cache[key] = compiled
+                    while len(self.cache) > self.cache_size:
+                        self.cache.popitem(last=False)
+        mine.set_result(compiled)
         return compiled
 
     def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
