@@ -1,12 +1,12 @@
 """xgrammar against llguidance on this machine's CPU: compile time of a tool schema (5 functions,
-nested objects) and of a json_schema response format, cold and from cache, and the per-step cost
-of filling a batch's token bitmasks while the rows walk a valid reply (each row takes a random
-token its mask allows, the same token stream for both libraries' matchers is not required).
+nested objects) and of a json_schema response format, cold and again, and the per-step cost of
+filling a batch's token bitmasks while each row walks the tool grammar with random allowed tokens.
 
     python -m voxpipe.bench.grammar_libs [--tokenizer DIR] [--vocab 151643] [--batch 8] [--steps 200]
 
-Without --tokenizer the vocabulary is a byte-level BPE of --vocab tokens trained here on the
-installed Python sources (cached under /tmp): a real checkpoint's vocabulary has the same shape."""
+Without --tokenizer the vocabulary is a byte-level BPE of up to --vocab tokens trained here on the
+installed Python sources (cached under /tmp; the merges it finds decide its final size). Results:
+bench/RESULTS.md ("constrained decoding")."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Literal
 
 import grpc
 import jsonschema
@@ -17,7 +18,6 @@ import pytest
 import torch
 import xgrammar as xgr
 from pydantic import BaseModel, Field
-from typing import Literal
 
 from voxpipe.client import DoneEvent, PipelineClient, PipelineError, SpeechRequest, TextEvent
 from voxpipe.services.thinker.constraint import Constraint, ConstraintKind, tool_call_schema, tool_calls
