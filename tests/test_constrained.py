@@ -20,7 +20,8 @@ import xgrammar as xgr
 from pydantic import BaseModel, Field
 
 from voxpipe.client import DoneEvent, PipelineClient, PipelineError, SpeechRequest, TextEvent
-from voxpipe.services.thinker.constraint import Constraint, ConstraintKind, tool_call_schema, tool_calls
+from voxpipe.services.thinker.constraint import (Constraint, ConstraintKind, tool_call_schema, tool_calls,
+                                                 tool_calls_in_text)
 from voxpipe.services.thinker.grammar import Grammars, allowed, check, vocabulary_bytes
 from voxpipe.services.thinker.prompt import render, user_turn
 from voxpipe.services.thinker.tokenizer import ChatMLByteTokenizer
@@ -85,12 +86,14 @@ async def generate(address: str, text: str, constraint: Constraint | None, tempe
 
 
 def reference_constrained(model_dir, tokenizer, cfg, text: str, constraint: Constraint, max_tokens: int) -> list[int]:
-    """transformers' greedy thinker generate with the constraint's mask as a logits processor; the
-    library's vocabulary built by xgrammar itself from the HF tokenizer (not by grammar.py)."""
+    """transformers' greedy thinker generate with the constraint's mask as a logits processor: the
+    library's own matcher over our vocabulary (test_the_vocabulary_as_the_library_sees_it checks it
+    against xgrammar's reading of the HF tokenizer; special tokens are never text here)."""
     from transformers import LogitsProcessorList
 
     th = cfg.thinker
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=th.text.vocab_size, stop_token_ids=[th.tokens.im_end])
+    info = xgr.TokenizerInfo(vocabulary_bytes(tokenizer, th.text.vocab_size), xgr.VocabType.RAW,
+                             vocab_size=th.text.vocab_size, stop_token_ids=[th.tokens.im_end])
     compiled = xgr.GrammarCompiler(info).compile_grammar(check(constraint))
     ids = render(tokenizer, th, user_turn(text)).token_ids
 
@@ -120,6 +123,7 @@ CONSTRAINTS = {
     "json_object": Constraint(ConstraintKind.JSON_OBJECT),
     "regex": Constraint(ConstraintKind.REGEX, r"(yes|no), because [a-z ]{1,20}\."),
     "tool_calls": tool_calls(FUNCTIONS),
+    "tool_calls_in_text": tool_calls_in_text(FUNCTIONS),
 }
 
 
@@ -127,7 +131,7 @@ CONSTRAINTS = {
 def test_constrained_greedy_equals_transformers_with_the_same_mask(thinker, tiny_model_dir, tokenizer, omni_config,
                                                                    kind):
     text, c = "Answer in the form asked.", CONSTRAINTS[kind]
-    max_tokens = 48 if kind == "json_object" else MAX_TOKENS    # any object: a random model may go on
+    max_tokens = 48 if kind in ("json_object", "tool_calls_in_text") else MAX_TOKENS   # free forms: a random model goes on
     ids, _, _ = asyncio.run(generate(thinker, text, c, max_tokens=max_tokens))
     assert ids == reference_constrained(tiny_model_dir, tokenizer, omni_config, text, c, max_tokens)
 
@@ -210,6 +214,21 @@ def test_the_tool_call_schema_is_a_oneof_over_the_functions():
             jsonschema.validate(bad, schema)
     with pytest.raises(ValueError):
         tool_calls([])
+
+
+def test_tool_calls_in_text_constrain_only_the_blocks_the_model_opens(tokenizer, omni_config):
+    th = omni_config.thinker
+    grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,))
+    compiled = grammars.compile(tool_calls_in_text(FUNCTIONS))
+    call = '<tool_call>\n{"name": "set_light", "arguments": {"room": "hall", "on": true}}\n</tool_call>'
+    for text, ok, complete in (("Just text.", True, True), (f"On it. {call} Done.", True, True),
+                               ('x <tool_call>\n{"name": "nope", "arguments": {}}', False, None),
+                               ('x <tool_call>\n{"name": "set_light", "arguments": {"room": "hall", "on": 1}}', False, None),
+                               (f"x {call[:-3]}", True, False)):
+        m = xgr.GrammarMatcher(compiled)
+        assert m.accept_string(text) == ok, text
+        if ok:
+            assert m.is_completed() == complete, text
 
 
 BAD_CONSTRAINTS = [   # (constraint message, extra start fields, what the status names)

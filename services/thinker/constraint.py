@@ -5,7 +5,9 @@ library: the gateway and the client import it too.
 `tool_calls` builds the constraint of OpenAI's `tool_choice: "required"` / a named function: the
 reply is one or more Hermes-style blocks (Qwen's chat template)
 `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`, ARGS valid for that function's
-`parameters` schema, as a structural tag whose `arguments` are a oneOf over the functions."""
+`parameters` schema, as a structural tag whose `arguments` are a oneOf over the functions.
+`tool_calls_in_text` is the opt-in form for `tool_choice: "auto"`: free text, and each block the
+model opens constrained the same way."""
 
 from __future__ import annotations
 
@@ -92,14 +94,27 @@ def tool_call_schema(functions: list[dict]) -> dict:
     return options[0] if len(options) == 1 else {"oneOf": options}
 
 
+def _call_tag(functions: list[dict]) -> dict:
+    if not functions:
+        raise ValueError("tool calls need at least one function")
+    return {"type": "tag", "begin": TOOL_CALL_BEGIN,
+            "content": {"type": "json_schema", "json_schema": tool_call_schema(functions)}, "end": TOOL_CALL_END}
+
+
+def _tag(fmt: dict) -> Constraint:
+    return Constraint(ConstraintKind.STRUCTURAL_TAG, json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+def tool_calls_in_text(functions: list[dict]) -> Constraint:
+    """Free text in which every `<tool_call>` the model opens must hold a call valid for
+    `tool_call_schema(functions)` and be closed (`tool_choice: "auto"`, opted in)."""
+    return _tag({"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN.rstrip("\n")], "tags": [_call_tag(functions)],
+                 "at_least_one": False, "stop_after_first": False})
+
+
 def tool_calls(functions: list[dict], parallel: bool = True) -> Constraint:
     """The reply is only tool calls (`tool_choice: "required"`, or a named function: pass that one
     function): one `<tool_call>` block, or with `parallel` one or more separated by a newline,
     each call valid for `tool_call_schema(functions)`; then the end of the turn."""
-    if not functions:
-        raise ValueError("tool calls need at least one function")
-    tag = {"type": "tag", "begin": TOOL_CALL_BEGIN,
-           "content": {"type": "json_schema", "json_schema": tool_call_schema(functions)}, "end": TOOL_CALL_END}
-    fmt = {"type": "tags_with_separator", "tags": [tag], "separator": "\n", "at_least_one": True,
-           "stop_after_first": not parallel}
-    return Constraint(ConstraintKind.STRUCTURAL_TAG, json.dumps({"type": "structural_tag", "format": fmt}))
+    return _tag({"type": "tags_with_separator", "tags": [_call_tag(functions)], "separator": "\n",
+                 "at_least_one": True, "stop_after_first": not parallel})
