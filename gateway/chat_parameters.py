@@ -20,6 +20,7 @@ from .params import integer, optional
 SERVED = frozenset({
     "messages", "model", "modalities", "audio", "stream", "stream_options", "n", "max_tokens",
     "max_completion_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs",
+    "response_format",      # response_format.py
 })
 EXTENSIONS = frozenset({"ignore_eos", "max_audio_frames", "top_k", "min_tokens"})   # vLLM-style
 
@@ -89,18 +90,12 @@ def _empty(value: Any) -> bool:
     return value in ([], {})
 
 
-def _text_format(value: Any) -> bool:
-    return value == {"type": "text"}
-
-
 REFUSED: dict[str, Refused] = {
     "tools": Refused("tool calling is not supported", _empty),
     "tool_choice": Refused("tool calling is not supported; only 'none' is accepted", lambda v: v == "none"),
     "parallel_tool_calls": Refused("tool calling is not supported"),
     "functions": Refused("function calling is not supported", _empty),
     "function_call": Refused("function calling is not supported; only 'none' is accepted", lambda v: v == "none"),
-    "response_format": Refused("only {'type': 'text'} is supported (no JSON mode or structured outputs)",
-                               _text_format),
     "logit_bias": Refused("logit_bias is not supported", _empty),
     "frequency_penalty": Refused("only 0 is supported",
                                  lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0),

@@ -66,7 +66,7 @@ def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str,
                          max_tokens=params.max_tokens, min_tokens=params.min_tokens, max_frames=params.max_frames,
                          min_frames=params.min_frames, temperature=params.temperature, top_k=params.top_k,
                          top_p=params.top_p, seed=params.seed, stop=params.stop, top_logprobs=params.top_logprobs,
-                         encoding=pb.AUDIO_PCM16, assistant_text=assistant_text)
+                         constraint=params.constraint, encoding=pb.AUDIO_PCM16, assistant_text=assistant_text)
 
 
 def admitted(ev: PipelineEvent, audio: bool) -> bool:

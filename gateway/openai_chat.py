@@ -33,6 +33,7 @@ from .chat_messages import parse_messages
 from .chat_parameters import check_parameters, stop_strings, stream_options, top_logprobs
 from .errors import bad_request, from_pipeline_error
 from .generation import PipelineEvent, read_until_admitted, render_prompt, run_pipeline, speech_request
+from .response_format import check_response_format, response_format
 from .params import GenerationParams, check_model, generation_params, optional, read_json, resolve_voice
 from .streaming import CancellableStream, prepended, read_ahead, sse, until_disconnect
 
@@ -75,7 +76,11 @@ def chat_options(body: dict, st: GatewayState) -> ChatOptions:
             raise bad_request(f"streaming audio supports only the 'pcm16' format, got {quoted(fmt)}",
                               param="audio.format", code="unsupported_value")
     include_usage = stream_options(body, stream)
-    params = replace(generation_params(body), stop=stop_strings(body), top_logprobs=top_logprobs(body))
+    params = replace(generation_params(body), stop=stop_strings(body), top_logprobs=top_logprobs(body),
+                     constraint=response_format(body))
+    if params.constraint is not None and params.min_tokens:
+        raise bad_request("'response_format' excludes 'min_tokens' / 'ignore_eos': a structured reply ends when "
+                          "it is complete", param="response_format", code="invalid_value")
     return ChatOptions(audio_out=audio_out, voice=voice, audio_format=fmt, stream=stream,
                        include_usage=include_usage, params=params)
 
@@ -86,6 +91,7 @@ async def chat_completions(request: Request) -> Response:
     st = gateway_state(request)
     body = await read_json(request, st.config.max_body_bytes)
     opts = chat_options(body, st)
+    await check_response_format(opts.params.constraint)
     session, handed_over = st.sessions.acquire("http"), False
     try:
         messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts, st.clips)

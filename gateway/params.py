@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from voxpipe.services.runtime.echo import quoted
+from voxpipe.services.thinker.constraint import Constraint
 
 from .errors import APIError, bad_request
 from .limits import INT32_MAX, SEED_MAX, SEED_MIN, UINT32_MAX, out_of_range
@@ -29,6 +30,7 @@ class GenerationParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()          # chat: stop strings (the thinker ends the text before them)
     top_logprobs: int | None = None     # chat: None, or log probabilities with this many alternatives
+    constraint: Constraint | None = None   # chat: response_format json_schema / json_object (None: free text)
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "an array",

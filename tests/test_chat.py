@@ -338,8 +338,23 @@ BAD = [   # (extra body, param, message pattern)
     ({"parallel_tool_calls": False}, "parallel_tool_calls", "tool calling"),
     ({"functions": [{"name": "f"}]}, "functions", "function calling"),
     ({"function_call": "auto"}, "function_call", "function calling"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "only {'type': 'text'}"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "structured"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "must be 'text', 'json_object' or 'json_schema'"),
+    ({"response_format": "json"}, "response_format", "must be an object"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "with 'name' and 'schema'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name",
+     "1 to 64 letters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+     "response_format.json_schema.name", "1 to 64 letters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema", "must be a JSON Schema object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", 'Unsupported type "nope"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+     "response_format.json_schema.strict", "must be a boolean"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "bogus": 1}}},
+     "response_format.json_schema.bogus", "unrecognized key"),
+    ({"response_format": {"type": "json_object", "bogus": 1}}, "response_format.bogus", "unrecognized key"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format", "excludes 'min_tokens'"),
     ({"logit_bias": {"50": 10}}, "logit_bias", "not supported"),
     ({"frequency_penalty": 0.5}, "frequency_penalty", "only 0"),
     ({"presence_penalty": -1}, "presence_penalty", "only 0"),
@@ -373,7 +388,8 @@ def test_unserved_and_bad_parameters_are_400_naming_them(gateway, model, extra, 
 
 def test_the_sdk_raises_bad_request_naming_the_parameter(client, model):
     for kw, param in ((dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-                      (dict(response_format={"type": "json_object"}), "response_format"),
+                      (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}}),
+                       "response_format.json_schema.schema"),
                       (dict(stop=["a"] * 5), "stop"), (dict(logprobs=True, top_logprobs=30), "top_logprobs")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, **kw)
@@ -423,5 +439,5 @@ def test_node_sdk_stop_logprobs_and_refusals(gateway, model, node_chat, referenc
     assert out["stream_text"] == full[:at] and out["stream_finish"] == "stop"
     assert out["logprobs"] == out["text_tokens"] >= 1 and out["top"] == [2] * out["logprobs"]
     assert out["stream_logprobs"] == out["logprobs"] and out["sorted"]
-    assert out["refused"] == [{"status": 400, "param": "tools"}, {"status": 400, "param": "response_format"},
+    assert out["refused"] == [{"status": 400, "param": "tools"}, {"status": 400, "param": "response_format.json_schema.schema"},
                               {"status": 400, "param": "stop"}]

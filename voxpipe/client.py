@@ -34,6 +34,7 @@ from voxpipe.services.runtime.calls import failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
 from voxpipe.services.runtime.tls import ClientTLS
+from voxpipe.services.thinker.constraint import Constraint
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
@@ -60,6 +61,7 @@ class SpeechRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()                # stop strings (ThinkerStart.stop)
     top_logprobs: int | None = None           # None: no log probabilities; else ThinkerStart.top_logprobs
+    constraint: Constraint | None = None      # constrained decoding (ThinkerStart.constraint); None: free text
     text_cap: tuple[int, int] | None = None   # (frames per text token, base frames); None: the talker's default
     encoding: int = pb.AUDIO_PCM16
     echo_frames: bool = False                 # debug: also the codec frames code2wav received (FramesEvent)
@@ -217,6 +219,8 @@ class PipelineClient:
         start = pb.ThinkerStart(request_id=req.request_id, max_tokens=req.max_tokens, min_tokens=req.min_tokens,
                                 stop=req.stop, logprobs=req.top_logprobs is not None, top_logprobs=req.top_logprobs or 0,
                                 audio_features=[to_proto(f.float()) for f in req.audio_features])
+        if req.constraint is not None:
+            start.constraint.CopyFrom(req.constraint.to_proto())
         if req.assistant_text is None:
             start.sampling.CopyFrom(req.sampling())
         else:       # the thinker samples nothing: the sampling values are the talker's (speech.sampling)

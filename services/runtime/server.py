@@ -131,6 +131,10 @@ class StageServicer:
         """The engine request for a validated start message (raises Abort on bad input)."""
         raise NotImplementedError
 
+    async def prepare(self, job: EngineRequest) -> None:
+        """Work a job needs before it enters the engine, off the engine thread (raises Abort on bad
+        input); e.g. the thinker compiles a constraint's grammar in its pool. Default: none."""
+
     async def open_stream(self, it: AsyncIterator, context: grpc.aio.ServicerContext) -> EngineRequest | None:
         """The request of a stage stream: its start message read (before any refusal: a status sent
         while the client is still writing reaches gRPC Python clients as INTERNAL instead of the real
@@ -149,6 +153,7 @@ class StageServicer:
                     REQUEST_ID.set(start.request_id)      # this call's logs carry it
                 self.admit()
                 job = self.make_job(start)
+                await self.prepare(job)
             except Abort as e:
                 await abort(context, e.code, e.message)
                 return None

@@ -15,14 +15,17 @@ reply goes out whole, as if generated, right after its prefill.
 from __future__ import annotations
 
 import logging
+import threading
 
+import grpc
 import torch
 
 from ..runtime.flags import PREFILL_CHUNK
 from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
-from ..runtime.engine import StageEngine, deliver_now
+from ..runtime.engine import StageEngine, StageError, deliver_now
 from ..runtime.outputs import Finished, FinishReason, TextOut
+from .grammar import Grammars
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel
 from .output import IncrementalDetokenizer, ReplyText
@@ -73,10 +76,21 @@ class ThinkerEngine(StageEngine):
         self.eos_ids = eos_ids
         self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk,
                                           long_prompt=min(prefill_chunk, prefill_graph_len))
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self.runner = ThinkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
                                     eos_ids=eos_ids, kv=kv, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
                                     audio_cache_bytes=audio_cache_bytes)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler over this thinker's vocabulary (built on first use: the vocabulary's
+        bytes take a moment at full size; thread-safe, for the server's compile pool)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.cfg.text.vocab_size, self.eos_ids)
+            return self._grammars
 
     # ---- the loop's hooks
     @property
@@ -89,6 +103,7 @@ class ThinkerEngine(StageEngine):
 
     def release(self, req: ThinkerJob) -> None:
         self.runner.release(req)
+        req.matcher = None      # its grammar state goes with the request (finished, failed or cancelled)
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -208,7 +223,13 @@ class ThinkerEngine(StageEngine):
             if tok < 0:
                 continue
             job.generated.append(tok)
-            if tok in self.eos_ids and len(job.generated) >= job.min_tokens:
+            if job.matcher is not None and not job.matcher.accept(tok):
+                log.warning("request %s: its grammar refused the sampled token %d", job.request_id, tok)
+                self.finish(job, StageError(grpc.StatusCode.INTERNAL, f"thinker: request {job.request_id}: "
+                                                                      f"the constraint refused token {tok}"))
+                continue
+            if (tok in self.eos_ids and len(job.generated) >= job.min_tokens
+                    or job.matcher is not None and job.matcher.done):    # the constrained reply is complete
                 reason = FinishReason.STOP
             elif len(job.generated) >= job.max_tokens:
                 reason = FinishReason.LENGTH

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,7 +15,11 @@ from voxpipe.v1 import stages_pb2 as pb
 from ..runtime.block_pool import BlockTable, ContentSpan
 from ..runtime.engine import EngineRequest
 from ..runtime.sampling import SamplingParams
+from .constraint import Constraint
 from .output import ReplyText, StreamText
+
+if TYPE_CHECKING:
+    from .grammar import Matcher
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ class ThinkerJob(EngineRequest):
     forced: ForcedReply | None = None       # the reply is given: emitted whole after the prefill
     table: BlockTable | None = None         # its KV blocks while admitted (runner.allocate)
     spans: tuple[ContentSpan, ...] = ()     # its audio clips' placeholder positions and content digests
+    constraint: Constraint | None = None    # constrained decoding (ThinkerStart.constraint)
+    matcher: Matcher | None = None          # its grammar state: set at admission (compiled off the engine thread)
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     text: ReplyText | None = None           # its tokens on their way out (the engine's; made at the first token)

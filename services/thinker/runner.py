@@ -30,6 +30,7 @@ from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerPromptOut, TokenLogprob
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
 from .audio_cache import AudioEncoderCache
+from .grammar import allowed
 from .job import ThinkerJob
 from .model import ThinkerModel
 
@@ -149,6 +150,7 @@ class ThinkerRunner:
         self.blocks = KVBlockManager(kv.blocks, kv.block_size, kv.prefix_cache)
         special = torch.tensor([cfg.tokens.tts_bos, cfg.tokens.tts_eos, cfg.tokens.tts_pad], device=device)
         self.eos = torch.tensor(eos_ids, device=device)
+        self._mask_host = self._rows_host = None    # constrained rows' bitmasks (_grammar_masks)
         with torch.inference_mode():
             self.tts_special = model.model.embed_tokens(special).cpu()
             self.graphs = self.prefill_graphs = None
@@ -426,12 +428,23 @@ class ThinkerRunner:
 
     def _choose(self, jobs: list[ThinkerJob], logits: torch.Tensor) -> list[int]:
         """Each row's token from logits [n, V] float32, or -1 for a row whose logits are not finite
-        (or overflow once penalised / scaled): the flags ride in the one host read of the ids."""
+        (or overflow once penalised / scaled): the flags ride in the one host read of the ids.
+        Constrained rows (a matcher) choose among the tokens their grammar allows; the others
+        in the same batch are untouched."""
+        grammar = self._grammar_masks(jobs)   # filled on the host while the device still runs the forward
         finite = finite_rows(logits)       # [n] bool, before the EOS ban writes -inf
         ban = [i for i, j in enumerate(jobs) if len(j.generated) < j.min_tokens]
         if ban:
             rows = torch.tensor(ban, device=logits.device)
             logits[rows[:, None], self.eos[None, :]] = float("-inf")
+        if grammar is not None:
+            rows, mask = grammar
+            banned = ~allowed(mask.to(logits.device, non_blocking=True), logits.shape[1])   # [k, V]
+            if len(rows) == len(jobs):      # every row constrained: in place, no gather / scatter
+                logits.masked_fill_(banned, float("-inf"))
+            else:
+                rows = rows.to(logits.device, non_blocking=True)
+                logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
         if all(j.params.greedy and j.params.repetition_penalty == 1.0 for j in jobs):
             return torch.where(finite, logits.argmax(-1), -1).tolist()
         # every row at once (`sample_rows`); a sampled row draws its noise from its own generator
@@ -443,6 +456,25 @@ class ThinkerRunner:
         tokens, ok = sample_rows(logits, RowSampling.of([j.params for j in jobs], v, logits.device),
                                  exponential_noise([j.generator for j in jobs], v, logits.device))
         return torch.where(finite & ok, tokens, -1).tolist()
+
+    def _grammar_masks(self, jobs: list[ThinkerJob]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The constrained rows' indices [k] and their token bitmasks [k, words] int32 on the host
+        (pinned on CUDA, so the copies do not wait), each row filled by its request's matcher;
+        None when no row is constrained."""
+        rows = [i for i, j in enumerate(jobs) if j.matcher is not None]
+        if not rows:
+            return None
+        words = (self.cfg.text.vocab_size + 31) // 32
+        if self._mask_host is None or self._mask_host.shape[0] < len(rows):
+            # reused: the step's host read of the ids comes after the copy, so a later fill never races it
+            pin = self.device.type == "cuda"
+            self._mask_host = torch.empty(len(jobs), words, dtype=torch.int32, pin_memory=pin)
+            self._rows_host = torch.empty(len(jobs), dtype=torch.long, pin_memory=pin)
+        mask, index = self._mask_host[:len(rows)], self._rows_host[:len(rows)]
+        for r, i in enumerate(rows):
+            jobs[i].matcher.fill(mask, r)
+            index[r] = i
+        return index, mask
 
     def _logprobs(self, jobs: list[ThinkerJob], tokens: list[int], asked: list[int],
                   logprobs: torch.Tensor) -> dict[int, TokenLogprob]:

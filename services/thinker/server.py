@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 import logging
 import uuid
@@ -29,6 +30,7 @@ from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
 from ..runtime.paged_kv import PagedKVCache
 from .engine import ThinkerEngine, assistant_head_index
+from .constraint import Constraint
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel, audio_output_length
 from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_problem
@@ -39,6 +41,7 @@ from .runner import KVPlan
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
 MAX_ASSISTANT_TEXT_CHARS = 32768    # ThinkerStart.assistant_text, checked before it is tokenized
+COMPILE_WORKERS = 2                 # threads compiling constraints' grammars (each uses grammar.COMPILE_THREADS)
 MERGED_ROWS_MAX_BYTES = 4 << 20     # text deltas merge into one message up to this many bytes of talker rows
 
 
@@ -54,6 +57,9 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         self.tokenizer, self.cfg = tokenizer, cfg
         self.token_bytes = TokenBytes(tokenizer)
         self.talker = talker      # the talker replicas spoken replies go to (--talker); None: text only
+        # constraints compile here (grammar.py), off the engine thread and the event loop
+        self.compile_pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="thinker-grammar")
+        self.compile_pool.submit(lambda: engine.grammars)     # the vocabulary's bytes, ready before a first constraint
 
     def merge(self, first: object, then: object) -> TextOut | None:
         """Consecutive text outputs of one request travel as one (token ids, text, the talker's rows
@@ -182,11 +188,39 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         problem = stop_strings_problem(start.stop) or top_logprobs_problem(start.logprobs, start.top_logprobs)
         if problem is not None:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        constraint = self._constraint(start)
         return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                           prompt=ids, audio=audio, params=params, max_tokens=max_tokens, min_tokens=start.min_tokens,
                           talker_rows=rows, speech=speech, stops=tuple(start.stop),
                           top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced,
-                          audio_keys=self.engine.runner.audio.keys_soon(audio))
+                          audio_keys=self.engine.runner.audio.keys_soon(audio),
+                          constraint=constraint)
+
+    def _constraint(self, start: pb.ThinkerStart) -> Constraint | None:
+        """The checked constraint of a start message (None: free text); compiled in `prepare`."""
+        if not start.HasField("constraint"):
+            return None
+        if start.min_tokens:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        "constraint excludes min_tokens: a constrained reply ends when its grammar is complete")
+        try:
+            return Constraint.from_proto(start.constraint)
+        except ValueError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def prepare(self, job: ThinkerJob) -> None:
+        """A constrained job's grammar, compiled (or found in the cache) in the compile pool, never on
+        the engine thread nor the event loop; a constraint that does not compile is INVALID_ARGUMENT
+        naming it."""
+        if job.constraint is None:
+            return
+        def compile_now():
+            grammars = self.engine.grammars
+            return grammars.matcher(grammars.compile(job.constraint))
+        try:
+            job.matcher = await asyncio.get_running_loop().run_in_executor(self.compile_pool, compile_now)
+        except ValueError as e:       # GrammarError, or JSON text that is not JSON
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _forced(self, start: pb.ThinkerStart, prompt_tokens: int) -> ForcedReply | None:
         """The checked reply of a start message with assistant_text (None: the thinker generates)."""
@@ -195,7 +229,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         text = start.assistant_text
         given = [name for name, present in (("sampling", start.HasField("sampling")), ("max_tokens", start.max_tokens),
                                             ("min_tokens", start.min_tokens), ("stop", start.stop),
-                                            ("logprobs", start.logprobs or start.top_logprobs)) if present]
+                                            ("logprobs", start.logprobs or start.top_logprobs),
+                                            ("constraint", start.HasField("constraint"))) if present]
         if given:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"assistant_text excludes {', '.join(given)}: the reply is given, nothing is sampled")

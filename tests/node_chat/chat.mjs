@@ -36,7 +36,7 @@ for await (const chunk of stream) {
 
 out.refused = [];
 for (const extra of [{ tools: [{ type: 'function', function: { name: 'f', parameters: {} } }] },
-                     { response_format: { type: 'json_object' } },
+                     { response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'nope' } } } },
                      { stop: ['a', 'b', 'c', 'd', 'e'] }]) {
   try {
     await client.chat.completions.create({ ...base, ...extra });

@@ -1,0 +1,400 @@
+"""Grammar-constrained decoding (services/thinker/grammar.py) through a real thinker process and the
+real gateway: constrained greedy replies equal transformers' greedy with the same grammar's mask as
+a logits processor, free rows beside constrained ones equal their solo runs, sampled replies always
+validate against their schemas, tool-call constraints, bad constraints refused naming them, the
+grammar cache, and the unmodified OpenAI SDK's `chat.completions.parse`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Literal
+
+import grpc
+import jsonschema
+import openai
+import pytest
+import torch
+import xgrammar as xgr
+from pydantic import BaseModel, Field
+
+from voxpipe.client import DoneEvent, PipelineClient, PipelineError, SpeechRequest, TextEvent
+from voxpipe.services.thinker.constraint import (Constraint, ConstraintKind, tool_call_schema, tool_calls,
+                                                 tool_calls_in_text)
+from voxpipe.services.thinker.grammar import Grammars, allowed, check, vocabulary_bytes
+from voxpipe.services.thinker.prompt import render, user_turn
+from voxpipe.services.thinker.tokenizer import ChatMLByteTokenizer
+from voxpipe.v1 import stages_pb2 as pb
+from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+from conftest import StageProcesses
+from oracle import load_reference_model
+
+MAX_TOKENS = 160
+
+PROFILE = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+    "name": {"type": "string", "maxLength": 8}},
+    "required": ["color", "ok", "name"], "additionalProperties": False}
+ORDER = {"type": "object", "properties": {
+    "item": {"type": "string", "enum": ["tea", "coffee"]}, "count": {"type": "integer", "minimum": 1, "maximum": 9},
+    "notes": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+    "ship": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "express": {"type": "boolean"}},
+             "required": ["city", "express"], "additionalProperties": False}},
+    "required": ["item", "count", "notes", "ship"], "additionalProperties": False}
+FUNCTIONS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}},
+    {"name": "set_light", "parameters": {"type": "object", "properties": {
+        "room": {"type": "string", "maxLength": 8}, "on": {"type": "boolean"}},
+        "required": ["room", "on"], "additionalProperties": False}},
+]
+TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
+
+
+@pytest.fixture(scope="module")
+def thinker(tiny_model_dir):
+    """A text-only thinker process of its own (no talker)."""
+    procs = StageProcesses(tiny_model_dir)
+    procs.start("thinker", "thinker")
+    procs.wait_ready()
+    yield procs.address("thinker")
+    procs.stop()
+
+
+async def generate(address: str, text: str, constraint: Constraint | None, temperature: float = 0.0,
+                   seed: int | None = None, max_tokens: int = MAX_TOKENS, pc: PipelineClient | None = None
+                   ) -> tuple[list[int], str, int]:
+    """(token ids, text, finish reason) of one text-only reply."""
+    async def run(client: PipelineClient):
+        req = SpeechRequest(text=text, audio=False, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                            constraint=constraint)
+        ids, out, done = [], [], None
+        async for ev in client.stream(req):
+            if isinstance(ev, TextEvent):
+                ids += ev.token_ids
+                out.append(ev.text)
+            elif isinstance(ev, DoneEvent):
+                done = ev
+        return ids, "".join(out), done.text_finish
+    if pc is not None:
+        return await run(pc)
+    async with PipelineClient(address) as client:
+        return await run(client)
+
+
+def reference_constrained(model_dir, tokenizer, cfg, text: str, constraint: Constraint, max_tokens: int) -> list[int]:
+    """transformers' greedy thinker generate with the constraint's mask as a logits processor: the
+    library's own matcher over our vocabulary (test_the_vocabulary_as_the_library_sees_it checks it
+    against xgrammar's reading of the HF tokenizer; special tokens are never text here)."""
+    from transformers import LogitsProcessorList
+
+    th = cfg.thinker
+    info = xgr.TokenizerInfo(vocabulary_bytes(tokenizer, th.text.vocab_size), xgr.VocabType.RAW,
+                             vocab_size=th.text.vocab_size, stop_token_ids=[th.tokens.im_end])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(check(constraint))
+    ids = render(tokenizer, th, user_turn(text)).token_ids
+
+    class Mask:
+        def __init__(self) -> None:
+            self.matcher = xgr.GrammarMatcher(compiled)
+            self.bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if input_ids.shape[1] > len(ids):
+                assert self.matcher.accept_token(int(input_ids[0, -1]))
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            xgr.apply_token_bitmask_inplace(scores, self.bitmask)
+            return scores
+
+    model = load_reference_model(model_dir)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.thinker.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                     do_sample=False, eos_token_id=th.tokens.im_end,
+                                     logits_processor=LogitsProcessorList([Mask()]))
+    return out[0, len(ids):].tolist()
+
+
+CONSTRAINTS = {
+    "json_schema": Constraint.json_schema(ORDER),
+    "json_object": Constraint(ConstraintKind.JSON_OBJECT),
+    "regex": Constraint(ConstraintKind.REGEX, r"(yes|no), because [a-z ]{1,20}\."),
+    "tool_calls": tool_calls(FUNCTIONS),
+    "tool_calls_in_text": tool_calls_in_text(FUNCTIONS),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_constrained_greedy_equals_transformers_with_the_same_mask(thinker, tiny_model_dir, tokenizer, omni_config,
+                                                                   kind):
+    text, c = "Answer in the form asked.", CONSTRAINTS[kind]
+    max_tokens = 48 if kind in ("json_object", "tool_calls_in_text") else MAX_TOKENS   # free forms: a random model goes on
+    ids, _, _ = asyncio.run(generate(thinker, text, c, max_tokens=max_tokens))
+    assert ids == reference_constrained(tiny_model_dir, tokenizer, omni_config, text, c, max_tokens)
+
+
+def test_free_rows_in_a_mixed_batch_equal_their_solo_runs(thinker):
+    jobs = [("Tell me a story.", None, 0.0, None), ("What is the weather?", None, 1.0, 7),
+            ("Give me an order.", Constraint.json_schema(ORDER), 0.0, None),
+            ("Who are you?", Constraint.json_schema(PROFILE), 1.0, 11), ("Call a tool.", tool_calls(FUNCTIONS), 0.0, None)]
+
+    async def main():
+        async with PipelineClient(thinker) as pc:
+            solo = [await generate(thinker, t, c, temp, seed, max_tokens=64, pc=pc) for t, c, temp, seed in jobs]
+            together = await asyncio.gather(*[generate(thinker, t, c, temp, seed, max_tokens=64, pc=pc)
+                                              for t, c, temp, seed in jobs])
+        return solo, together
+
+    solo, together = asyncio.run(main())
+    assert together == solo
+    assert solo[0][1] != solo[2][1]
+
+
+def _validate(text: str, schema: dict) -> None:
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_sampled_replies_always_validate_against_their_schema(thinker):
+    """100 replies at temperature 1 (schemas of enums, bounded strings and arrays, integer ranges,
+    nested objects): every one complete (STOP) and valid."""
+    schemas = [PROFILE, ORDER]
+
+    async def main():
+        async with PipelineClient(thinker) as pc:
+            out = []
+            for base in range(0, 100, 20):
+                out += await asyncio.gather(*[
+                    generate(thinker, f"Reply {i}.", Constraint.json_schema(schemas[i % 2]), 1.0, seed=i, pc=pc)
+                    for i in range(base, base + 20)])
+            return out
+
+    for i, (_, text, finish) in enumerate(asyncio.run(main())):
+        assert finish == pb.STOP, (i, text)
+        _validate(text, [PROFILE, ORDER][i % 2])
+
+
+def _calls(text: str) -> list[dict]:
+    """The reply is nothing but tool-call blocks, separated by newlines; their JSON objects."""
+    blocks = TOOL_CALL.findall(text)
+    assert "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in blocks) == text, text
+    return [json.loads(b) for b in blocks]
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_tool_call_constraint_replies_are_calls_valid_for_their_function(thinker, named):
+    functions = FUNCTIONS[1:] if named else FUNCTIONS      # a named function: the one function
+    by_name = {f["name"]: f["parameters"] for f in functions}
+    c = tool_calls(functions, parallel=not named)
+
+    async def main():
+        async with PipelineClient(thinker) as pc:
+            return await asyncio.gather(*[generate(thinker, "Turn on the light.", c, 1.0 if i else 0.0, seed=i, pc=pc)
+                                          for i in range(12)])
+
+    for _, text, finish in asyncio.run(main()):
+        if finish != pb.STOP:     # parallel calls: a random model may go on calling until max_tokens
+            assert not named and finish == pb.LENGTH and text.count("<tool_call>") > 1, text
+            text = text[:text.rindex("\n<tool_call>")]     # the complete calls before the cut one
+        calls = _calls(text)
+        assert calls and (len(calls) == 1 or not named)
+        for call in calls:
+            assert set(call) == {"name", "arguments"} and call["name"] in by_name
+            jsonschema.validate(call["arguments"], by_name[call["name"]])
+
+
+def test_the_tool_call_schema_is_a_oneof_over_the_functions():
+    schema = tool_call_schema(FUNCTIONS)
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}, schema)
+    for bad in ({"name": "get_weather", "arguments": {"room": "x", "on": True}}, {"name": "nope", "arguments": {}},
+                {"name": "set_light"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    with pytest.raises(ValueError):
+        tool_calls([])
+
+
+def test_tool_calls_in_text_constrain_only_the_blocks_the_model_opens(tokenizer, omni_config):
+    th = omni_config.thinker
+    grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,))
+    compiled = grammars.compile(tool_calls_in_text(FUNCTIONS))
+    call = '<tool_call>\n{"name": "set_light", "arguments": {"room": "hall", "on": true}}\n</tool_call>'
+    for text, ok, complete in (("Just text.", True, True), (f"On it. {call} Done.", True, True),
+                               ('x <tool_call>\n{"name": "nope", "arguments": {}}', False, None),
+                               ('x <tool_call>\n{"name": "set_light", "arguments": {"room": "hall", "on": 1}}', False, None),
+                               (f"x {call[:-3]}", True, False)):
+        m = xgr.GrammarMatcher(compiled)
+        assert m.accept_string(text) == ok, text
+        if ok:
+            assert m.is_completed() == complete, text
+
+
+BAD_CONSTRAINTS = [   # (constraint message, extra start fields, what the status names)
+    (pb.Constraint(json_schema='{"type": "nope"}'), {}, 'constraint.json_schema does not compile: Unsupported type "nope"'),
+    (pb.Constraint(json_schema="{not json"), {}, "constraint.json_schema is not valid JSON"),
+    (pb.Constraint(json_schema='{"properties": {"a": {"$ref": "#/missing"}}}'), {}, "constraint.json_schema does not compile"),
+    (pb.Constraint(regex="a(b"), {}, "constraint.regex does not compile"),
+    (pb.Constraint(structural_tag='{"type": "structural_tag", "format": {"type": "nope"}}'), {},
+     "constraint.structural_tag does not compile"),
+    (pb.Constraint(structural_tag='{"format": {}}'), {}, "constraint.structural_tag must be an object"),
+    (pb.Constraint(), {}, "constraint: set one of"),
+    (pb.Constraint(json_object=False), {}, "constraint.json_object must be true"),
+    (pb.Constraint(json_schema=""), {}, "constraint.json_schema is empty"),
+    (pb.Constraint(regex="a" * (256 * 1024 + 1)), {}, "constraint.regex has 262145 bytes; the limit is 262144"),
+    (pb.Constraint(json_object=True), {"min_tokens": 2}, "constraint excludes min_tokens"),
+    (pb.Constraint(json_object=True), {"assistant_text": "hi"}, "assistant_text excludes constraint"),
+]
+
+
+@pytest.mark.parametrize("constraint,extra,names", BAD_CONSTRAINTS, ids=[b[2][:40] for b in BAD_CONSTRAINTS])
+def test_bad_constraints_are_invalid_argument_naming_them(thinker, constraint, extra, names):
+    async def main():
+        async with grpc.aio.insecure_channel(thinker, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+            start = pb.ThinkerStart(text="hi", **({} if "assistant_text" in extra else {"max_tokens": 4}), **extra)
+            start.constraint.SetInParent()
+            start.constraint.CopyFrom(constraint)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in pb_grpc.ThinkerStub(ch).Generate(iter([pb.ThinkerRequest(start=start)])):
+                    pass
+            return e.value
+    err = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and names in err.details(), err.details()
+    assert len(err.details()) < 1000
+    # the thinker serves the next request as before
+    assert asyncio.run(generate(thinker, "hi", Constraint.json_schema(PROFILE)))[2] == pb.STOP
+
+
+def test_pipeline_client_reports_an_invalid_schema(thinker):
+    with pytest.raises(PipelineError) as e:
+        asyncio.run(generate(thinker, "hi", Constraint.json_schema({"type": "object", "required": "x"})))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "constraint.json_schema" in e.value.details
+
+
+def _walk(grammars: Grammars, compiled, steps: int = 30) -> list[list[int]]:
+    """The allowed token sets along a walk that always takes the smallest allowed token."""
+    m = grammars.matcher(compiled)
+    mask = torch.empty(1, grammars.words, dtype=torch.int32)
+    seen = []
+    for _ in range(steps):
+        if m.done:
+            break
+        m.fill(mask, 0)
+        ok = allowed(mask, grammars.vocab_size)[0].nonzero().flatten().tolist()
+        seen.append(ok)
+        assert m.accept(ok[0])
+    return seen
+
+
+def test_the_grammar_cache_gives_the_uncached_grammar_on_hit_and_after_eviction(tokenizer, omni_config):
+    th = omni_config.thinker
+    a, b, c = (Constraint.json_schema(PROFILE), Constraint.json_schema(ORDER), tool_calls(FUNCTIONS))
+    fresh = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=0)
+    grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=2)
+    want = {k: _walk(fresh, fresh.compile(x)) for k, x in (("a", a), ("b", b), ("c", c))}
+    first = grammars.compile(a)                                               # miss
+    assert grammars.compile(Constraint(a.kind, json.dumps(PROFILE, indent=2))) is first   # same content: hit
+    assert _walk(grammars, first) == want["a"]
+    grammars.compile(b), grammars.compile(c)                                  # a evicted (LRU of 2)
+    assert (grammars.hits, grammars.misses) == (1, 3) and len(grammars.cache) == 2
+    again = grammars.compile(a)                                               # miss after eviction
+    assert again is not first and grammars.misses == 4
+    assert _walk(grammars, again) == want["a"] and _walk(grammars, grammars.compile(c)) == want["c"]
+    reordered = dict(reversed(list(PROFILE["properties"].items())))           # property order is content
+    assert Constraint.json_schema({**PROFILE, "properties": reordered}).key() != a.key()
+
+
+def test_concurrent_compiles_of_one_constraint_compile_once(tokenizer, omni_config):
+    from concurrent.futures import ThreadPoolExecutor
+
+    th = omni_config.thinker
+    grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,))
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(grammars.compile, [tool_calls(FUNCTIONS)] * 8))
+        assert all(g is got[0] for g in got) and (grammars.misses, grammars.hits) == (1, 7)
+        bad = [pool.submit(grammars.compile, Constraint.json_schema({"type": "nope"})) for _ in range(4)]
+    for f in bad:
+        with pytest.raises(ValueError, match="constraint.json_schema does not compile"):
+            f.result()
+    assert not grammars.running and len(grammars.cache) == 1
+
+
+def test_the_vocabulary_as_the_library_sees_it(tokenizer, omni_config):
+    """Byte-level BPE pieces as bytes (xgrammar's own reading of the HF tokenizer agrees), special
+    tokens and padding ids empty; the ChatML byte tokenizer: byte ids as themselves."""
+    th = omni_config.thinker
+    vocab = vocabulary_bytes(tokenizer, th.text.vocab_size)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=th.text.vocab_size)
+    for i, piece in enumerate(vocab):
+        if piece:
+            assert piece == info.decoded_vocab[i], i
+    assert vocab[th.tokens.im_end] == vocab[th.tokens.im_start] == b"" and vocab[-1] == b""
+    assert b"".join(vocab[t] for t in tokenizer.encode('{"a": 1}')) == b'{"a": 1}'
+    vocab = vocabulary_bytes(ChatMLByteTokenizer(th, {}), th.text.vocab_size)
+    assert vocab[:256] == [bytes([b]) for b in range(256)] and not any(vocab[256:])
+
+
+def test_a_constraint_over_the_chatml_byte_tokenizer_generates_valid_json():
+    """Bare configs (full-size dummy weights: the released config) use the ChatML byte tokenizer:
+    the walk that takes the largest allowed byte each step ends in a reply valid for the schema."""
+    from importlib.resources import files
+
+    from voxpipe.services.runtime.config import OmniConfig
+
+    cfg = OmniConfig.load(files("voxpipe.configs") / "qwen3-omni-30b-a3b-instruct.json")
+    th = cfg.thinker
+    grammars = Grammars(ChatMLByteTokenizer(th, {}), th.text.vocab_size, (th.tokens.im_end,))
+    m = grammars.matcher(grammars.compile(Constraint.json_schema(PROFILE)))
+    mask = torch.empty(1, grammars.words, dtype=torch.int32)
+    out = bytearray()
+    while not m.done:
+        m.fill(mask, 0)
+        tok = allowed(mask, grammars.vocab_size)[0].nonzero().flatten().tolist()[-1]
+        assert m.accept(tok)
+        if tok != th.tokens.im_end:
+            out.append(tok)
+        assert len(out) < 400
+    _validate(out.decode(), PROFILE)
+
+
+# ---------------------------------------------------------------- the gateway, the unmodified OpenAI SDK
+
+class Light(BaseModel):
+    room: str = Field(max_length=8)
+    on: bool
+    level: Literal["low", "mid", "high"]
+
+
+def test_sdk_parse_with_a_pydantic_model(client, model):
+    for temperature, seed in ((0, None), (1, 3), (1, 4)):
+        done = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "Light?"}],
+                                             response_format=Light, max_tokens=MAX_TOKENS, temperature=temperature,
+                                             seed=seed)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Light)
+        jsonschema.validate(json.loads(choice.message.content), Light.model_json_schema())
+
+
+def test_json_object_and_streamed_json_schema(client, model):
+    done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON please"}],
+                                          response_format={"type": "json_object"}, max_tokens=48, temperature=0)
+    text = done.choices[0].message.content
+    assert text.startswith("{")
+    if done.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER, "strict": True}}
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Order"}], stream=True,
+                                            response_format=fmt, max_tokens=MAX_TOKENS, temperature=1, seed=5)
+    chunks = list(stream)
+    _validate("".join(c.choices[0].delta.content or "" for c in chunks if c.choices), ORDER)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_sdk_gets_a_400_naming_an_invalid_schema(client, model):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/no"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], response_format=fmt,
+                                       max_tokens=4)
+    assert e.value.param == "response_format.json_schema.schema" and "#/no" in e.value.message
