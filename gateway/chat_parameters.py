@@ -18,6 +18,7 @@ from .params import integer, optional
 SERVED = frozenset({
     "messages", "model", "modalities", "audio", "stream", "stream_options", "n", "max_tokens",
     "max_completion_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs",
+    "tools", "tool_choice", "parallel_tool_calls",     # tool_params.py
 })
 EXTENSIONS = frozenset({"ignore_eos", "max_audio_frames", "top_k", "min_tokens"})   # vLLM-style
 
@@ -92,11 +93,9 @@ def _text_format(value: Any) -> bool:
 
 
 REFUSED: dict[str, Refused] = {
-    "tools": Refused("tool calling is not supported", _empty),
-    "tool_choice": Refused("tool calling is not supported; only 'none' is accepted", lambda v: v == "none"),
-    "parallel_tool_calls": Refused("tool calling is not supported"),
-    "functions": Refused("function calling is not supported", _empty),
-    "function_call": Refused("function calling is not supported; only 'none' is accepted", lambda v: v == "none"),
+    "functions": Refused("the deprecated function calling is not served; use 'tools'", _empty),
+    "function_call": Refused("the deprecated function calling is not served; use 'tool_choice'",
+                             lambda v: v == "none"),
     "response_format": Refused("only {'type': 'text'} is supported (no JSON mode or structured outputs)",
                                _text_format),
     "logit_bias": Refused("logit_bias is not supported", _empty),

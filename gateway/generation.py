@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from voxpipe.client import AudioEvent, DoneEvent, SpeechRequest, StageEvent, TextEvent
 from voxpipe.services.runtime import tracing
-from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt, render, with_features
+from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt, Tool, render, with_features
+from voxpipe.services.thinker.tool_template import TemplateToolError
 from voxpipe.v1 import stages_pb2 as pb
 
 from .errors import bad_request
@@ -38,7 +39,7 @@ def prompt_chars(messages: list[ChatMessage]) -> int:
     return sum(len(m.role) + sum(len(p.text or "") for p in m.parts) for m in messages)
 
 
-def render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
+def render_now(state, messages: list[ChatMessage], tools: tuple[Tool, ...] = ()) -> RenderedPrompt:
     """Run in a worker thread. Raises ValueError for a conversation over the text limit before
     any work: the tokenizer, shared under the state's lock, is held for a bounded time."""
     chars, limit = prompt_chars(messages), state.config.max_prompt_chars
@@ -48,13 +49,17 @@ def render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
     # (a part that already carries features, e.g. a realtime user turn, is kept as it is)
     messages = with_features(messages, state.features)
     with state.tokenizer_lock:
-        return render(state.tokenizer, state.omni.thinker, messages)
+        return render(state.tokenizer, state.omni.thinker, messages, tools=tools)
 
 
-async def render_prompt(state, messages: list[ChatMessage], param: str = "messages") -> RenderedPrompt:
-    """`param`: the request parameter a refusal names."""
+async def render_prompt(state, messages: list[ChatMessage], param: str = "messages",
+                        tools: tuple[Tool, ...] = (), tools_param: str = "tools") -> RenderedPrompt:
+    """`param`: the request parameter a refusal names (`tools_param` for one about the tools)."""
     try:
-        return await asyncio.to_thread(render_now, state, messages)
+        return await asyncio.to_thread(render_now, state, messages, tools)
+    except TemplateToolError as e:
+        raise bad_request(f"could not render the conversation: {e}", param=tools_param if e.param == "tools" else param,
+                          code="invalid_value") from None
     except ValueError as e:
         raise bad_request(f"could not render the conversation: {e}", param=param) from None
 
