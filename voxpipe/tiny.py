@@ -79,7 +79,7 @@ CHAT_TEMPLATE = (
     "{%- macro content_text(content) -%}"
     "{%- if content is string -%}"
     "{{- content -}}"
-    "{%- else -%}"
+    "{%- elif content -%}"
     "{%- for part in content -%}"
     "{%- if part['type'] == 'text' -%}"
     "{{- part['text'] -}}"

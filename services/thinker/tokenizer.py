@@ -105,8 +105,8 @@ class ChatMLByteTokenizer:
 
 
 def _content(content) -> str:
-    if isinstance(content, str):
-        return content
+    if isinstance(content, str) or not content:
+        return content or ""
     return "".join(p["text"] if p.get("type") == "text" else
                    "<|audio_start|><|audio_pad|><|audio_end|>" if p.get("type") in ("audio", "input_audio")
                    else "" for p in content)
