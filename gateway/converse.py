@@ -218,6 +218,7 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
         seed=s.seed if s.HasField("seed") else None, encoding=start.audio_encoding or pb.AUDIO_PCM16,
         stop=tuple(dict.fromkeys(start.stop)), top_logprobs=start.top_logprobs if start.logprobs else None,
         request_id=start.request_id or uuid.uuid4().hex)
+    speech.unspoken_tool_calls = tools.parses_calls and want_audio
     return ConverseTurn(messages, speech, tools)
 
 

@@ -65,13 +65,15 @@ async def render_prompt(state, messages: list[ChatMessage], param: str = "messag
 
 
 def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str, audio: bool,
-                   assistant_text: str | None = None) -> SpeechRequest:
-    """`assistant_text`: the reply, given (text to speech; the sampling values are then the talker's)."""
+                   assistant_text: str | None = None, tool_calls: bool = False) -> SpeechRequest:
+    """`assistant_text`: the reply, given (text to speech; the sampling values are then the talker's).
+    `tool_calls`: the reply is read for function calls, which the talker must not speak."""
     return SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=voice, audio=audio,
                          max_tokens=params.max_tokens, min_tokens=params.min_tokens, max_frames=params.max_frames,
                          min_frames=params.min_frames, temperature=params.temperature, top_k=params.top_k,
                          top_p=params.top_p, seed=params.seed, stop=params.stop, top_logprobs=params.top_logprobs,
-                         encoding=pb.AUDIO_PCM16, assistant_text=assistant_text)
+                         encoding=pb.AUDIO_PCM16, assistant_text=assistant_text,
+                         unspoken_tool_calls=tool_calls and audio)
 
 
 async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterator[PipelineEvent]:

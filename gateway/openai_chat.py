@@ -95,7 +95,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts)
         prompt = await render_prompt(st, messages, tools=opts.tools.prompt_tools)
-        req = speech_request(prompt, opts.params, opts.voice, opts.audio_out)
+        req = speech_request(prompt, opts.params, opts.voice, opts.audio_out, tool_calls=opts.tools.parses_calls)
         reply = Reply(st, opts, req, arrived, count_audio_tokens(st, prompt.token_ids))
         if opts.stream:  # the response releases the session when it closes
             handed_over = True

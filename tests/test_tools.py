@@ -17,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -287,3 +288,76 @@ def test_the_sdk_raises_bad_request_for_an_unknown_tool_choice(client, model):
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.param == "tool_choice"
+
+
+# ---------------------------------------------------------------- the talker never speaks a call
+
+def test_reply_text_ends_the_talkers_rows_where_a_call_begins(tokenizer):
+    """ReplyText with the unspoken marker: rows for the tokens before "<tool_call>" and for the
+    first reaching into it (the talker's last, unspoken row, marked talker_end); none after; the
+    caller's text is all of it, in order."""
+    from voxpipe.services.thinker.output import ReplyText
+    from voxpipe.services.thinker.prompt import encode_text
+
+    text = f"Sure.\n{CALL}"
+    ids = encode_text(tokenizer, text)
+    reply = ReplyText(tokenizer, (), 0, ("<tool_call>",))
+    outs = [o for i, t in enumerate(ids) for o in reply.push(t, torch.full((4,), float(i)), None,
+                                                                  last=i == len(ids) - 1)[0]]
+    assert "".join(o.text for o in outs) == text and [t for o in outs for t in o.token_ids] == ids
+    ends = [i for i, o in enumerate(outs) if o.talker_end]
+    assert len(ends) == 1 and all(o.rows is None for o in outs[ends[0] + 1:])
+    with_rows = [t for o in outs if o.rows is not None for t in o.token_ids]
+    spoken = "".join(o.text for o in outs[:ends[0]])
+    assert spoken + outs[ends[0]].text == "Sure.\n" and "<" not in spoken
+    before = len(encode_text(tokenizer, "Sure.\n"))
+    assert before <= len(with_rows) <= before + 1 < len(ids)
+
+
+def test_the_thinker_sends_no_rows_for_a_call(stack, tokenizer, omni_config):
+    """Raw gRPC with talker_rows and unspoken_tool_calls, a given reply with a call: the rows stop
+    at the call's first token; every token and all the text still come back."""
+    import grpc
+
+    from voxpipe.services.thinker.prompt import encode_text
+    from voxpipe.v1 import stages_pb2 as pb
+    from voxpipe.v1 import stages_pb2_grpc as pb_grpc
+
+    text = f"Sure.\n{CALL}"
+    runs = {}
+    for unspoken in (False, True):
+        start = pb.ThinkerStart(text="Weather?", assistant_text=text, talker_rows=True, unspoken_tool_calls=unspoken)
+        with grpc.insecure_channel(stack.address("thinker")) as ch:
+            responses = list(pb_grpc.ThinkerStub(ch).Generate(iter([pb.ThinkerRequest(start=start)]), timeout=60))
+        deltas = [r.text for r in responses if r.WhichOneof("kind") == "text"]
+        runs[unspoken] = deltas
+    ids = encode_text(tokenizer, text) + [omni_config.thinker.tokens.im_end]
+    for deltas in runs.values():
+        assert [t for d in deltas for t in d.token_ids] == ids and "".join(d.text for d in deltas) == text
+    rows = lambda deltas: sum(len(d.token_ids) for d in deltas if d.HasField("embeddings"))   # noqa: E731
+    assert rows(runs[False]) == len(ids)
+    before = len(encode_text(tokenizer, "Sure.\n"))
+    assert before <= rows(runs[True]) <= before + 1 < len(ids)
+
+
+def test_a_spoken_reply_with_a_call_ends_its_speech_at_the_call(stack, tokenizer, omni_config):
+    """Through the three stages: the talker's text ends before the call (TextEnd there), so its
+    speech is capped by the text before the call (10 frames a text row + 25, the talker's
+    default cap counting the rows it received), not by the markup; the caller's text is whole."""
+    from voxpipe.client import SpeechRequest
+    from voxpipe.services.thinker.prompt import encode_text
+    from voxpipe.v1 import stages_pb2 as pb
+
+    prompt = render(tokenizer, omni_config.thinker, [ChatMessage.text("user", "Weather?")]).token_ids
+
+    def speak(text, unspoken):
+        async def go():
+            async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as pc:
+                return await pc.collect(SpeechRequest(token_ids=prompt, assistant_text=text, audio=True,
+                                                      max_frames=400, unspoken_tool_calls=unspoken))
+        return asyncio.run(go())
+
+    with_call = speak(f"Sure.\n{CALL}", True)
+    assert with_call.text == f"Sure.\n{CALL}" and with_call.done.text_finish == pb.STOP
+    rows = len(encode_text(tokenizer, "Sure.\n")) + 1
+    assert with_call.done.frames <= 10 * rows + 25 < 10 * len(encode_text(tokenizer, CALL))

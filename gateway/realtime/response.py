@@ -179,7 +179,7 @@ class ResponseRun:
             params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if forced else 0,
                                       max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if forced else 0,
                                       temperature=s.temperature)
-            req = speech_request(self.prompt, params, s.voice, s.audio_out)
+            req = speech_request(self.prompt, params, s.voice, s.audio_out, tool_calls=s.tools.parses_calls)
             req.request_id = self.id
             finish = None
             async with aclosing(gen.run(req, self.arrived)) as events:

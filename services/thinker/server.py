@@ -33,6 +33,7 @@ from .relay import TalkerRelay
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
+UNSPOKEN_TOOL_CALL = ("<tool_call>",)   # ThinkerStart.unspoken_tool_calls: the markup a call begins with
 MAX_ASSISTANT_TEXT_CHARS = 32768    # ThinkerStart.assistant_text, checked before it is tokenized
 MERGED_ROWS_MAX_BYTES = 4 << 20     # text deltas merge into one message up to this many bytes of talker rows
 
@@ -180,6 +181,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                           prompt=ids, audio=audio, params=params, max_tokens=max_tokens, min_tokens=start.min_tokens,
                           talker_rows=rows, speech=speech, stops=tuple(start.stop),
+                          unspoken=UNSPOKEN_TOOL_CALL if rows and start.unspoken_tool_calls else (),
                           top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced)
 
     def _forced(self, start: pb.ThinkerStart, prompt_tokens: int) -> ForcedReply | None:
