@@ -221,15 +221,10 @@ class ReplyText:
         with their rows, the first reaching into it with its row as the talker's last and its text
         before `at`; the later tokens and the text from `at` stay held, without rows (stop strings
         are still matched on them)."""
-        n = 0
-        while self.held[n].end is not None and self.held[n].end <= at:
-            n += 1
-        before = self.held[n - 1].end if n else 0
-        spoken, rest = self.held[:n], self.held[n:]
-        deltas = [self._delta(spoken, self.held_text[:before])] if spoken else []
-        deltas.append(dataclasses.replace(self._delta(rest[:1], self.held_text[before:at]), talker_end=True))
+        deltas, rest = self._cut(at)
+        deltas[-1] = dataclasses.replace(deltas[-1], talker_end=True)
         self.muted = True
-        self.held, self.held_text = rest[1:], self.held_text[at:]
+        self.held, self.held_text = rest, self.held_text[at:]
         for p in self.held:
             p.row = None
             if p.end is not None:
@@ -255,18 +250,24 @@ class ReplyText:
                 p.end -= chars
         return [self._delta(pieces, text)] if pieces or text else []
 
-    def _stop(self, at: int) -> list[TextOut]:
+    def _cut(self, at: int) -> tuple[list[TextOut], list[Piece]]:
+        """The held tokens wholly before `at` as one delta (with their rows), then the first token
+        reaching into `at`: its text's part before it, and its row as the talker's last (unspoken)
+        row. Returns those deltas and the held pieces after that token."""
         n = 0
         while self.held[n].end is not None and self.held[n].end <= at:
             n += 1
         before = self.held[n - 1].end if n else 0
         spoken, rest = self.held[:n], self.held[n:]
         deltas = [self._delta(spoken, self.held_text[:before])] if spoken else []
-        # the first token reaching into the stop string: its text's part before it, and its row as the
-        # talker's last (unspoken) row; the later ones: ids and log probabilities only
         deltas.append(self._delta(rest[:1], self.held_text[before:at]))
-        if len(rest) > 1:
-            deltas.append(self._delta(rest[1:], "", rows=False))
+        return deltas, rest[1:]
+
+    def _stop(self, at: int) -> list[TextOut]:
+        # the tokens after the first one reaching into the stop string: ids and log probabilities only
+        deltas, rest = self._cut(at)
+        if rest:
+            deltas.append(self._delta(rest, "", rows=False))
         self.held, self.held_text = [], ""
         return deltas
 
