@@ -361,3 +361,20 @@ def test_a_spoken_reply_with_a_call_ends_its_speech_at_the_call(stack, tokenizer
     assert with_call.text == f"Sure.\n{CALL}" and with_call.done.text_finish == pb.STOP
     rows = len(encode_text(tokenizer, "Sure.\n")) + 1
     assert with_call.done.frames <= 10 * rows + 25 < 10 * len(encode_text(tokenizer, CALL))
+
+
+def test_a_tool_round_trip_extends_the_previous_prompt(tokenizer, omni_config):
+    """The prompt after a call and its result begins with the prompt that made the call, then the
+    call as the model wrote it (the canonical JSON the reply parser returns): a prefix cache keeps
+    all of it and prefills only the result and the new turn."""
+    from voxpipe.services.thinker.prompt import encode_text
+
+    tools = tools_of(TOOLS)
+    first = render(tokenizer, omni_config.thinker, parse_messages(MESSAGES, None), tools=tools).token_ids
+    call = parse_reply(CALL, {"get_weather"}).calls[0]
+    turn = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    second = render(tokenizer, omni_config.thinker, parse_messages(turn, None), tools=tools).token_ids
+    reply = encode_text(tokenizer, CALL) + [omni_config.thinker.tokens.im_end]
+    assert second[:len(first) + len(reply)] == first + reply
