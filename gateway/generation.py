@@ -107,11 +107,12 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterat
 
 @dataclass(frozen=True)
 class Generation:
-    """`render_prompt` and `run_pipeline` bound to one GatewayState: `render(messages)` (a refusal
-    is a 400 APIError naming `messages`), `run(req, arrived)`, and the prompt's audio placeholder
-    id (`audio_token`: usage counts the prompt's audio tokens)."""
+    """`render_prompt` and `run_pipeline` bound to one GatewayState: `render(messages, tools=...,
+    tools_param=...)` (a refusal is a 400 APIError naming `messages`, or `tools_param` for the
+    tools), `run(req, arrived)`, and the prompt's audio placeholder id (`audio_token`: usage counts
+    the prompt's audio tokens)."""
 
-    render: Callable[[list[ChatMessage]], Awaitable[RenderedPrompt]]
+    render: Callable[..., Awaitable[RenderedPrompt]]
     run: Callable[[SpeechRequest, float], AsyncIterator[PipelineEvent]]
     audio_token: int
 
