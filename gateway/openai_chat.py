@@ -222,20 +222,21 @@ class Reply:
         try:
             async with aclosing(run_pipeline(self.st, self.req, self.arrived)) as events:
                 async for ev in events:
-                    if isinstance(ev, DoneEvent):
-                        done = ev
-                        continue
+                    pieces: list[ReplyPiece] = []
                     deltas: list[dict] = []
-                    if isinstance(ev, TextEvent):
+                    if isinstance(ev, DoneEvent):       # the last event: what the parser held back
+                        done, pieces = ev, self.pieces("", last=True)
+                    elif isinstance(ev, TextEvent):
                         logprobs += ev.logprobs
-                        for piece in self.pieces(ev.text):
-                            deltas += self.piece_deltas(piece, first_audio)
-                            if isinstance(piece, ContentPiece):
-                                transcript.append(piece.text)
-                            else:
-                                called = True
+                        pieces = self.pieces(ev.text)
                     elif isinstance(ev, AudioEvent) and ev.data:
                         deltas.append({"audio": {**first_audio, "data": base64.b64encode(ev.data).decode()}})
+                    for piece in pieces:
+                        deltas += self.piece_deltas(piece, first_audio)
+                        if isinstance(piece, ContentPiece):
+                            transcript.append(piece.text)
+                        else:
+                            called = True
                     for delta in deltas:
                         sent, logprobs = logprobs, []
                         yield self.chunk(delta, logprobs=sent)
@@ -244,15 +245,6 @@ class Reply:
         except PipelineError as e:
             yield sse(from_pipeline_error(e).body())
             return
-        for piece in self.pieces("", last=True):     # what the parser held back
-            for delta in self.piece_deltas(piece, first_audio):
-                sent, logprobs = logprobs, []
-                yield self.chunk(delta, logprobs=sent)
-                first_audio = {} if "audio" in delta else first_audio
-            if isinstance(piece, ContentPiece):
-                transcript.append(piece.text)
-            else:
-                called = True
         if self.opts.audio_out:
             self.st.transcripts.put(self.audio_id, "".join(transcript), self.expires_at)
         yield self.chunk({}, self.finish_reason(done, called), logprobs=logprobs)
