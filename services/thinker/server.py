@@ -164,6 +164,9 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                         f"{len(audio)} audio feature tensors make {want}")
         speech = self._speech(start)
         rows = start.talker_rows or speech is not None
+        if start.unspoken_tool_calls and not rows:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        "unspoken_tool_calls needs talker rows (speech or talker_rows): it ends the talker's text")
         if rows and assistant_head_index(th, ids) is None:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{'talker_rows' if start.talker_rows else 'speech'} needs a prompt ending in an assistant "
