@@ -232,6 +232,11 @@ def test_the_sdk_sends_tools_and_a_tool_round_trip(client, model):
     for c in chunks:
         for ch in c.choices:
             assert "<tool_call>" not in (ch.delta.content or "")
+    # a spoken reply with tools (the thinker is told not to speak calls)
+    spoken = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, temperature=0, tools=TOOLS,
+                                            modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
+                                            extra_body={"max_audio_frames": 8})
+    assert spoken.choices[0].message.audio.data and "<tool_call>" not in spoken.choices[0].message.audio.transcript
 
 
 def post(gateway, body: dict) -> httpx.Response:
