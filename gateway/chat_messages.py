@@ -1,15 +1,17 @@
 """OpenAI chat `messages` -> our ChatMessage list (audio parts as their log-mel features, decoded
 and featurized once per distinct clip: clip_cache.py).
 
-Roles: system (and developer, its newer name), user, assistant. Content: a string or parts of
-type `text` and `input_audio` ({data: base64, format}). An assistant turn may carry
-`audio: {id}` naming an earlier spoken reply; its stored transcript is that turn's text."""
+Roles: system (and developer, its newer name), user, assistant, tool. Content: a string or parts
+of type `text` and `input_audio` ({data: base64, format}). An assistant turn may carry
+`audio: {id}` naming an earlier spoken reply (its stored transcript is that turn's text) and
+`tool_calls` (function calls: id, type, function.name, function.arguments as JSON text); a tool
+turn is a function's result (text) and names, in `tool_call_id`, a call of an earlier turn."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from voxpipe.services.thinker.prompt import ChatMessage, ChatPart
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, ToolCall
 
 from voxpipe.services.runtime.echo import quoted
 
@@ -18,14 +20,22 @@ from .clip_cache import ClipCache
 from .errors import bad_request
 from .transcripts import TranscriptStore
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_ID_CHARS = 256
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus")
 
 
 def parse_messages(raw: Any, transcripts: TranscriptStore, clips: ClipCache) -> list[ChatMessage]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty array", param="messages", code="invalid_value")
-    return [_message(m, f"messages[{i}]", transcripts, clips) for i, m in enumerate(raw)]
+    messages = [_message(m, f"messages[{i}]", transcripts, clips) for i, m in enumerate(raw)]
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "tool" and m.tool_call_id not in calls:
+            raise bad_request(f"'messages[{i}].tool_call_id' {quoted(m.tool_call_id)} answers no tool call of an earlier "
+                              "assistant message", param=f"messages[{i}].tool_call_id", code="invalid_value")
+        calls.update(c.id for c in m.tool_calls)
+    return messages
 
 
 def _message(m: Any, param: str, transcripts: TranscriptStore, clips: ClipCache) -> ChatMessage:
@@ -34,13 +44,49 @@ def _message(m: Any, param: str, transcripts: TranscriptStore, clips: ClipCache)
     role = ROLES.get(m.get("role"))
     if role is None:
         raise bad_request(f"'{param}.role' {quoted(m.get('role'))} is not supported; use one of: system, developer, user, "
-                          "assistant", param=f"{param}.role", code="invalid_value")
+                          "assistant, tool", param=f"{param}.role", code="invalid_value")
     parts = _content(m.get("content"), role, f"{param}.content", clips)
     if role == "assistant" and m.get("audio") is not None:
         transcript = _referenced_transcript(m["audio"], f"{param}.audio", transcripts)
         if not any(p.text for p in parts):
             parts = [ChatPart(text=transcript)]
-    return ChatMessage(role, parts or [ChatPart(text="")])
+    calls = _tool_calls(m.get("tool_calls"), f"{param}.tool_calls") if role == "assistant" else []
+    if role != "assistant" and m.get("tool_calls") is not None:
+        raise bad_request(f"'{param}.tool_calls' is only allowed in assistant messages", param=f"{param}.tool_calls",
+                          code="invalid_value")
+    call_id = None
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id or len(call_id) > MAX_ID_CHARS:
+            raise bad_request(f"'{param}.tool_call_id' must be the id of the call this message answers (a string "
+                              f"of 1 to {MAX_ID_CHARS} characters)", param=f"{param}.tool_call_id", code="invalid_value")
+    return ChatMessage(role, parts or [ChatPart(text="")], tool_calls=calls, tool_call_id=call_id)
+
+
+def _tool_calls(raw: Any, param: str) -> list[ToolCall]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise bad_request(f"'{param}' must be an array", param=param, code="invalid_type")
+    calls = []
+    for j, c in enumerate(raw):
+        p = f"{param}[{j}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(c, dict) or c.get("type") != "function" or not isinstance(f, dict):
+            raise bad_request(f"'{p}' must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                              param=p, code="invalid_value")
+        call_id, name, arguments = c.get("id"), f.get("name"), f.get("arguments")
+        if not isinstance(call_id, str) or not call_id or len(call_id) > MAX_ID_CHARS:
+            raise bad_request(f"'{p}.id' must be a string of 1 to {MAX_ID_CHARS} characters", param=f"{p}.id",
+                              code="invalid_value")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise bad_request(f"'{p}.function.name' must be a string of 1 to 64 characters", param=f"{p}.function.name",
+                              code="invalid_value")
+        if not isinstance(arguments, str):
+            raise bad_request(f"'{p}.function.arguments' must be a string (the arguments as JSON)",
+                              param=f"{p}.function.arguments", code="invalid_type")
+        calls.append(ToolCall(id=call_id, name=name, arguments=arguments))
+    return calls
 
 
 def _content(content: Any, role: str, param: str, clips: ClipCache) -> list[ChatPart]:

@@ -21,6 +21,7 @@ SERVED = frozenset({
     "messages", "model", "modalities", "audio", "stream", "stream_options", "n", "max_tokens",
     "max_completion_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs",
     "response_format",      # response_format.py
+    "tools", "tool_choice", "parallel_tool_calls",     # tool_params.py
 })
 EXTENSIONS = frozenset({"ignore_eos", "max_audio_frames", "top_k", "min_tokens"})   # vLLM-style
 
@@ -91,11 +92,9 @@ def _empty(value: Any) -> bool:
 
 
 REFUSED: dict[str, Refused] = {
-    "tools": Refused("tool calling is not supported", _empty),
-    "tool_choice": Refused("tool calling is not supported; only 'none' is accepted", lambda v: v == "none"),
-    "parallel_tool_calls": Refused("tool calling is not supported"),
-    "functions": Refused("function calling is not supported", _empty),
-    "function_call": Refused("function calling is not supported; only 'none' is accepted", lambda v: v == "none"),
+    "functions": Refused("the deprecated function calling is not served; use 'tools'", _empty),
+    "function_call": Refused("the deprecated function calling is not served; use 'tool_choice'",
+                             lambda v: v == "none"),
     "logit_bias": Refused("logit_bias is not supported", _empty),
     "frequency_penalty": Refused("only 0 is supported",
                                  lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 import uuid
@@ -39,16 +40,20 @@ from voxpipe.services.runtime.rpc_guard import Abort, RequestGuard
 from voxpipe.services.runtime.listen import GRPC_SERVER_OPTIONS
 from voxpipe.services.runtime.server import add_health_and_reflection, bind_grpc
 from voxpipe.services.thinker.output import stop_strings_problem, top_logprobs_problem
-from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, ChatMessage, user_turn
+from voxpipe.services.thinker.prompt import (FEATURE_SAMPLE_RATE, ChatMessage, ChatPart, ToolCall, user_turn,
+                                             with_instructions)
 from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
 
 from .audio_formats import decode_clip
+from .errors import APIError
 from .generation import render_now, run_pipeline
 from .health import readiness
 from .limits import AUDIO_RATES, audio_problem
 from .state import authorized
+from .tool_params import ToolOptions, check_schema, function_tool, required_call_constraint
+from .tools import CallPiece, ContentPiece, ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,70 @@ class InvalidInput(ValueError):
 class ConverseTurn:
     messages: list[ChatMessage]
     speech: SpeechRequest                         # token_ids filled in by render()
+    tools: ToolOptions = ToolOptions()
+
+
+def _tool_options(start: gw.ConverseStart) -> ToolOptions:
+    """ConverseStart.tools / tool_choice / single_tool_call, checked as chat completions' tools."""
+    tools = []
+    try:
+        for i, t in enumerate(start.tools):
+            spec: dict[str, Any] = {"name": t.name}
+            if t.description:
+                spec["description"] = t.description
+            if t.parameters_json:
+                try:
+                    spec["parameters"] = json.loads(t.parameters_json)
+                except ValueError:
+                    raise InvalidInput(f"tools[{i}].parameters_json is not valid JSON") from None
+                check_schema(spec["parameters"], f"tools[{i}].parameters_json")
+            tool = function_tool(spec, f"tools[{i}]")
+            if any(x.name == tool.name for x in tools):
+                raise InvalidInput(f"tools[{i}]: the function name {tool.name!r} is used twice")
+            tools.append(tool)
+        if start.tool_choice not in (gw.TOOL_CHOICE_AUTO, gw.TOOL_CHOICE_NONE, gw.TOOL_CHOICE_REQUIRED):
+            raise InvalidInput(f"tool_choice {start.tool_choice} is not TOOL_CHOICE_AUTO, _NONE or _REQUIRED")
+        if start.tool_choice == gw.TOOL_CHOICE_REQUIRED and not tools:
+            raise InvalidInput("tool_choice TOOL_CHOICE_REQUIRED needs tools")
+        choice = {gw.TOOL_CHOICE_AUTO: "auto", gw.TOOL_CHOICE_NONE: "none"}.get(start.tool_choice, "required")
+        opts = ToolOptions(tools=tuple(tools), choice=choice, parallel=not start.single_tool_call)
+        required_call_constraint(opts, "tool_choice")
+    except APIError as e:
+        raise InvalidInput(e.message) from None
+    return opts
+
+
+def _history(items) -> list[ChatMessage]:
+    """ConverseStart.history as chat turns: a function call joins the assistant turn before it; a
+    function output must answer a call earlier in the history."""
+    out: list[ChatMessage] = []
+    calls: set[str] = set()
+    for i, h in enumerate(items):
+        kind = h.WhichOneof("kind")
+        if kind == "user_text":
+            out.append(ChatMessage.text("user", h.user_text))
+        elif kind == "assistant_text":
+            out.append(ChatMessage.text("assistant", h.assistant_text))
+        elif kind == "function_call":
+            c = h.function_call
+            if not c.call_id or not c.name or len(c.call_id) > 256 or len(c.name) > 64:
+                raise InvalidInput(f"history[{i}].function_call needs a call_id (up to 256 characters) and a name "
+                                   "(up to 64)")
+            call = ToolCall(c.call_id, c.name, c.arguments_json or "{}")
+            calls.add(c.call_id)
+            if out and out[-1].role == "assistant":
+                out[-1].tool_calls.append(call)
+            else:
+                out.append(ChatMessage("assistant", [ChatPart(text="")], tool_calls=[call]))
+        elif kind == "function_output":
+            if h.function_output.call_id not in calls:
+                raise InvalidInput(f"history[{i}].function_output.call_id {h.function_output.call_id[:64]!r} answers "
+                                   "no function_call earlier in the history")
+            out.append(ChatMessage("tool", [ChatPart(text=h.function_output.output)],
+                                   tool_call_id=h.function_output.call_id))
+        else:
+            raise InvalidInput(f"history[{i}] is empty")
+    return out
 
 
 # ----------------------------------------------------------------------------- input checking
@@ -112,8 +181,9 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
     speakers = {s.lower() for s in cfg.talker.speakers}
     if want_audio and voice not in speakers:
         raise InvalidInput(f"unknown voice {quoted(start.voice)}; valid voices: {', '.join(sorted(speakers))}")
-    if not start.text and not start.audio:
-        raise InvalidInput("the turn is empty: give text and/or audio")
+    history = _history(start.history)
+    if not start.text and not start.audio and not (history and history[-1].role == "tool"):
+        raise InvalidInput("the turn is empty: give text and/or audio (or a history ending in a function output)")
     if start.ignore_eos and not start.max_tokens:
         raise InvalidInput("ignore_eos needs max_tokens")
     if start.ignore_eos and want_audio and not start.max_frames:
@@ -136,8 +206,10 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
     if problem is not None:
         raise InvalidInput(problem)
 
-    messages = user_turn(start.text or None, [_audio_part(a, f"audio[{i}]") for i, a in enumerate(start.audio)],
-                         instructions=start.instructions)
+    tools = _tool_options(start)
+    turn = user_turn(start.text or None, [_audio_part(a, f"audio[{i}]") for i, a in enumerate(start.audio)]) \
+        if start.text or start.audio else []
+    messages = with_instructions(start.instructions, history + turn)
     speech = SpeechRequest(
         speaker=voice, audio=want_audio, max_tokens=start.max_tokens,
         min_tokens=start.max_tokens if start.ignore_eos else start.min_tokens,
@@ -147,7 +219,8 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
         seed=s.seed if s.HasField("seed") else None, encoding=start.audio_encoding or pb.AUDIO_PCM16,
         stop=tuple(dict.fromkeys(start.stop)), top_logprobs=start.top_logprobs if start.logprobs else None,
         request_id=start.request_id or uuid.uuid4().hex)
-    return ConverseTurn(messages, speech)
+    speech.unspoken_tool_calls = tools.parses_calls and want_audio
+    return ConverseTurn(messages, speech, tools)
 
 
 def cancelled_usage(usage: gw.Usage, prompt_tokens: int, samples_per_frame: int) -> None:
@@ -156,6 +229,11 @@ def cancelled_usage(usage: gw.Usage, prompt_tokens: int, samples_per_frame: int)
     `samples_per_frame` samples, the first a little less: ceil)."""
     usage.prompt_tokens = usage.prompt_tokens or prompt_tokens
     usage.audio_frames = usage.audio_frames or -(-usage.audio_samples // samples_per_frame)
+
+
+def tool_call_messages(pieces) -> list[gw.ConverseResponse]:
+    return [gw.ConverseResponse(tool_call=gw.ToolCallOutput(index=p.index, call=gw.FunctionCall(
+        call_id=p.call.id, name=p.call.name, arguments_json=p.call.arguments))) for p in pieces if isinstance(p, CallPiece)]
 
 
 # ----------------------------------------------------------------------------- the servicer
@@ -201,7 +279,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
 
     def _render(self, turn: ConverseTurn) -> None:
         try:
-            prompt = render_now(self.state, turn.messages)
+            prompt = render_now(self.state, turn.messages, turn.tools.prompt_tools)
         except ValueError as e:
             raise InvalidInput(f"could not render the turn: {e}") from None
         turn.speech.token_ids = prompt.token_ids
@@ -289,14 +367,20 @@ class ConverseServicer(gw_grpc.GatewayServicer):
         usage = gw.Usage()
         text_finish = audio_finish = pb.FINISH_REASON_UNSPECIFIED
         sent_output = False
+        # with tools, the text is read for calls: content stays `text`, each call is a `tool_call`
+        parser = ToolCallParser(turn.tools.names, turn.tools.parallel) if turn.tools.parses_calls else None
         try:
             while True:
                 ev = await events.get()
                 if isinstance(ev, TextEvent):
                     sent_output = True
                     usage.completion_tokens += len(ev.token_ids)
-                    yield gw.ConverseResponse(text=gw.TextOutput(index=ev.index, token_ids=ev.token_ids, text=ev.text,
+                    pieces = [ContentPiece(ev.text)] if parser is None else parser.push(ev.text)
+                    text = "".join(p.text for p in pieces if isinstance(p, ContentPiece))
+                    yield gw.ConverseResponse(text=gw.TextOutput(index=ev.index, token_ids=ev.token_ids, text=text,
                                                                  logprobs=[e.to_proto() for e in ev.logprobs]))
+                    for out in tool_call_messages(pieces):
+                        yield out
                 elif isinstance(ev, AudioEvent):
                     sent_output = True
                     n = int(ev.samples.shape[0])
@@ -310,6 +394,12 @@ class ConverseServicer(gw_grpc.GatewayServicer):
                     usage.audio_frames, usage.audio_samples = ev.frames, ev.samples
                     usage.cached_prompt_tokens = ev.cached_tokens
                 elif ev is _END:
+                    rest = parser.finish() if parser is not None else []
+                    text = "".join(p.text for p in rest if isinstance(p, ContentPiece))
+                    if text:
+                        yield gw.ConverseResponse(text=gw.TextOutput(index=usage.completion_tokens, text=text))
+                    for out in tool_call_messages(rest):
+                        yield out
                     break
                 elif ev is _CANCEL:
                     pump_task.cancel()          # closes the pipeline stream: every stage frees the request

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from voxpipe.client import AudioEvent, DoneEvent, SpeechRequest, StageEvent, TextEvent
 from voxpipe.services.runtime import tracing
-from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt, render, with_features
+from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt, Tool, render, with_features
+from voxpipe.services.thinker.tool_template import TemplateToolError
 from voxpipe.v1 import stages_pb2 as pb
 
 from .errors import bad_request
@@ -38,7 +39,7 @@ def prompt_chars(messages: list[ChatMessage]) -> int:
     return sum(len(m.role) + sum(len(p.text or "") for p in m.parts) for m in messages)
 
 
-def render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
+def render_now(state, messages: list[ChatMessage], tools: tuple[Tool, ...] = ()) -> RenderedPrompt:
     """Run in a worker thread. Raises ValueError for a conversation over the text limit before
     any work: the tokenizer, shared under the state's lock, is held for a bounded time."""
     chars, limit = prompt_chars(messages), state.config.max_prompt_chars
@@ -48,25 +49,31 @@ def render_now(state, messages: list[ChatMessage]) -> RenderedPrompt:
     # (a part that already carries features, e.g. a realtime user turn, is kept as it is)
     messages = with_features(messages, state.features)
     with state.tokenizer_lock:
-        return render(state.tokenizer, state.omni.thinker, messages)
+        return render(state.tokenizer, state.omni.thinker, messages, tools=tools)
 
 
-async def render_prompt(state, messages: list[ChatMessage], param: str = "messages") -> RenderedPrompt:
-    """`param`: the request parameter a refusal names."""
+async def render_prompt(state, messages: list[ChatMessage], param: str = "messages",
+                        tools: tuple[Tool, ...] = (), tools_param: str = "tools") -> RenderedPrompt:
+    """`param`: the request parameter a refusal names (`tools_param` for one about the tools)."""
     try:
-        return await asyncio.to_thread(render_now, state, messages)
+        return await asyncio.to_thread(render_now, state, messages, tools)
+    except TemplateToolError as e:
+        raise bad_request(f"could not render the conversation: {e}", param=tools_param if e.param == "tools" else param,
+                          code="invalid_value") from None
     except ValueError as e:
         raise bad_request(f"could not render the conversation: {e}", param=param) from None
 
 
 def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str, audio: bool,
-                   assistant_text: str | None = None) -> SpeechRequest:
-    """`assistant_text`: the reply, given (text to speech; the sampling values are then the talker's)."""
+                   assistant_text: str | None = None, tool_calls: bool = False) -> SpeechRequest:
+    """`assistant_text`: the reply, given (text to speech; the sampling values are then the talker's).
+    `tool_calls`: the reply is read for function calls, which the talker must not speak."""
     return SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=voice, audio=audio,
                          max_tokens=params.max_tokens, min_tokens=params.min_tokens, max_frames=params.max_frames,
                          min_frames=params.min_frames, temperature=params.temperature, top_k=params.top_k,
                          top_p=params.top_p, seed=params.seed, stop=params.stop, top_logprobs=params.top_logprobs,
-                         constraint=params.constraint, encoding=pb.AUDIO_PCM16, assistant_text=assistant_text)
+                         constraint=params.constraint, encoding=pb.AUDIO_PCM16, assistant_text=assistant_text,
+                         unspoken_tool_calls=tool_calls and audio)
 
 
 def admitted(ev: PipelineEvent, audio: bool) -> bool:
@@ -123,11 +130,12 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterat
 
 @dataclass(frozen=True)
 class Generation:
-    """`render_prompt` and `run_pipeline` bound to one GatewayState: `render(messages)` (a refusal
-    is a 400 APIError naming `messages`, or the `param` given to `of`), `run(req, arrived)`, and the prompt's audio placeholder
-    id (`audio_token`: usage counts the prompt's audio tokens)."""
+    """`render_prompt` and `run_pipeline` bound to one GatewayState: `render(messages, tools=...,
+    tools_param=...)` (a refusal is a 400 APIError naming `messages`, or `tools_param` for the
+    tools), `run(req, arrived)`, and the prompt's audio placeholder id (`audio_token`: usage counts
+    the prompt's audio tokens)."""
 
-    render: Callable[[list[ChatMessage]], Awaitable[RenderedPrompt]]
+    render: Callable[..., Awaitable[RenderedPrompt]]
     run: Callable[[SpeechRequest, float], AsyncIterator[PipelineEvent]]
     audio_token: int
 

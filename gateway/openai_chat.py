@@ -4,6 +4,11 @@ Audio replies: `message.audio = {id, data, expires_at, transcript}` with `conten
 stream, `delta.audio` pieces carry the transcript and pcm16 24 kHz data as soon as each exists
 (id and expires_at in the first). The id names the reply's transcript in later turns.
 
+With `tools` (tool_params.py), the prompt lists them and the reply's calls (tools.py) come as
+`message.tool_calls` / `delta.tool_calls` (each call whole once its markup closes: index, id, type
+and name with empty arguments, then the arguments) with `finish_reason: "tool_calls"`; only the
+text outside the calls is `content` (and the transcript of an audio reply).
+
 `stop` ends the text and the speech (matched in the thinker, services/thinker/output.py);
 `logprobs` / `top_logprobs` fill `choices[].logprobs.content` in the completion and in each
 chunk (a token without text of its own rides with the next text); every other parameter is
@@ -36,6 +41,8 @@ from .generation import PipelineEvent, read_until_admitted, render_prompt, run_p
 from .response_format import check_response_format, response_format
 from .params import GenerationParams, check_model, generation_params, optional, read_json, resolve_voice
 from .streaming import CancellableStream, prepended, read_ahead, sse, until_disconnect
+from .tool_params import ToolOptions, required_call_constraint, tool_options
+from .tools import CallPiece, ContentPiece, ReplyPiece, ToolCallParser
 
 router = APIRouter()
 CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm16")
@@ -50,6 +57,7 @@ class ChatOptions:
     stream: bool
     include_usage: bool
     params: GenerationParams
+    tools: ToolOptions = ToolOptions()
 
 
 def chat_options(body: dict, st: GatewayState) -> ChatOptions:
@@ -76,13 +84,19 @@ def chat_options(body: dict, st: GatewayState) -> ChatOptions:
             raise bad_request(f"streaming audio supports only the 'pcm16' format, got {quoted(fmt)}",
                               param="audio.format", code="unsupported_value")
     include_usage = stream_options(body, stream)
+    tools = tool_options(body)
+    structured, required = response_format(body), required_call_constraint(tools, "tool_choice", served=True)
+    if structured is not None and required is not None:
+        raise bad_request("'response_format' excludes a 'tool_choice' that requires a call: the reply is one or the "
+                          "other", param="response_format", code="invalid_value")
     params = replace(generation_params(body), stop=stop_strings(body), top_logprobs=top_logprobs(body),
-                     constraint=response_format(body))
+                     constraint=structured or required)
     if params.constraint is not None and params.min_tokens:
-        raise bad_request("'response_format' excludes 'min_tokens' / 'ignore_eos': a structured reply ends when "
-                          "it is complete", param="response_format", code="invalid_value")
+        what = "response_format" if structured is not None else "tool_choice"
+        raise bad_request(f"'{what}' excludes 'min_tokens' / 'ignore_eos': a constrained reply ends when "
+                          "it is complete", param=what, code="invalid_value")
     return ChatOptions(audio_out=audio_out, voice=voice, audio_format=fmt, stream=stream,
-                       include_usage=include_usage, params=params)
+                       include_usage=include_usage, params=params, tools=tools)
 
 
 @router.post("/v1/chat/completions")
@@ -95,8 +109,8 @@ async def chat_completions(request: Request) -> Response:
     session, handed_over = st.sessions.acquire("http"), False
     try:
         messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts, st.clips)
-        prompt = await render_prompt(st, messages)
-        req = speech_request(prompt, opts.params, opts.voice, opts.audio_out)
+        prompt = await render_prompt(st, messages, tools=opts.tools.prompt_tools)
+        req = speech_request(prompt, opts.params, opts.voice, opts.audio_out, tool_calls=opts.tools.parses_calls)
         reply = Reply(st, opts, req, arrived, count_audio_tokens(st, prompt.token_ids))
         if opts.stream:  # the response releases the session when it closes
             events = run_pipeline(st, req, arrived)
@@ -139,12 +153,16 @@ class Reply:
         self.id = f"chatcmpl-{req.request_id}"
         self.created = int(time.time())
         self.audio_id, self.expires_at = st.transcripts.new_id()
+        # a reply read for calls goes through the parser; otherwise all of it is content
+        self.parser = ToolCallParser(opts.tools.names, opts.tools.parallel) if opts.tools.parses_calls else None
 
     def envelope(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.st.config.model_id,
                 "system_fingerprint": None}
 
-    def finish_reason(self, done: DoneEvent) -> str:
+    def finish_reason(self, done: DoneEvent, called: bool = False) -> str:
+        if called:
+            return "tool_calls"
         length = done.text_finish == pb.LENGTH or (self.opts.audio_out and done.audio_finish == pb.LENGTH)
         return "length" if length else "stop"
 
@@ -176,8 +194,13 @@ class Reply:
                     pcm += ev.data
                 elif isinstance(ev, DoneEvent):
                     done = ev
-        transcript = "".join(text)
-        message = {"role": "assistant", "content": transcript, "refusal": None, "annotations": []}
+        pieces = self.pieces("".join(text), last=True)
+        transcript = "".join(p.text for p in pieces if isinstance(p, ContentPiece))
+        calls = [{k: v for k, v in openai_call(p).items() if k != "index"} for p in pieces if isinstance(p, CallPiece)]
+        message = {"role": "assistant", "content": transcript if transcript or not calls else None, "refusal": None,
+                   "annotations": []}
+        if calls:
+            message["tool_calls"] = calls
         if self.opts.audio_out:
             rate = self.st.omni.code2wav.sample_rate
             data = await asyncio.to_thread(audio_formats.encode, bytes(pcm), rate, self.opts.audio_format)
@@ -187,7 +210,7 @@ class Reply:
                                 "expires_at": self.expires_at, "transcript": transcript}
         return {**self.envelope("chat.completion"),
                 "choices": [{"index": 0, "message": message, "logprobs": self.logprobs(logprobs),
-                             "finish_reason": self.finish_reason(done)}],
+                             "finish_reason": self.finish_reason(done, bool(calls))}],
                 "usage": self.usage(done)}
 
     def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None) -> str:
@@ -195,41 +218,64 @@ class Reply:
                     "choices": [{"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs) if logprobs else None,
                                  "finish_reason": finish_reason}]})
 
+    def pieces(self, text: str, last: bool = False) -> list[ReplyPiece]:
+        if self.parser is None:
+            return [ContentPiece(text)] if text else []
+        return self.parser.push(text) + (self.parser.finish() if last else [])
+
+    def piece_deltas(self, piece: ReplyPiece, first_audio: dict) -> list[dict]:
+        """The deltas of one piece: content (or an audio transcript), or a call in two (its index,
+        id, type and name with empty arguments; then the arguments)."""
+        if isinstance(piece, CallPiece):
+            call = openai_call(piece)
+            head = {**call, "function": {"name": call["function"]["name"], "arguments": ""}}
+            return [{"tool_calls": [head]},
+                    {"tool_calls": [{"index": piece.index, "function": {"arguments": call["function"]["arguments"]}}]}]
+        if not self.opts.audio_out:
+            return [{"content": piece.text}]
+        return [{"audio": {**first_audio, "transcript": piece.text}}]
+
     async def sse(self, run: AsyncIterator[PipelineEvent]):
         """The chunks of `run`, the pipeline run of this reply."""
         yield self.chunk({"role": "assistant", "content": None if self.opts.audio_out else "", "refusal": None})
         first_audio = {"id": self.audio_id, "expires_at": self.expires_at}
-        transcript, done = [], None
+        transcript, done, called = [], None, False
         logprobs: list[TokenLogprob] = []     # of tokens not sent yet (those without text wait for text)
         try:
             async with aclosing(run) as events:
                 async for ev in events:
-                    if isinstance(ev, DoneEvent):
-                        done = ev
-                        continue
-                    sent: list[TokenLogprob] = []
-                    if isinstance(ev, TextEvent):
+                    pieces: list[ReplyPiece] = []
+                    deltas: list[dict] = []
+                    if isinstance(ev, DoneEvent):       # the last event: what the parser held back
+                        done, pieces = ev, self.pieces("", last=True)
+                    elif isinstance(ev, TextEvent):
                         logprobs += ev.logprobs
-                        if not ev.text:
-                            continue
-                        transcript.append(ev.text)
-                        sent, logprobs = logprobs, []
-                        if not self.opts.audio_out:
-                            yield self.chunk({"content": ev.text}, logprobs=sent)
-                            continue
-                        audio = {"transcript": ev.text}
+                        pieces = self.pieces(ev.text)
                     elif isinstance(ev, AudioEvent) and ev.data:
-                        audio = {"data": base64.b64encode(ev.data).decode()}
-                    else:
-                        continue
-                    yield self.chunk({"audio": {**first_audio, **audio}}, logprobs=sent)
-                    first_audio = {}
+                        deltas.append({"audio": {**first_audio, "data": base64.b64encode(ev.data).decode()}})
+                    for piece in pieces:
+                        deltas += self.piece_deltas(piece, first_audio)
+                        if isinstance(piece, ContentPiece):
+                            transcript.append(piece.text)
+                        else:
+                            called = True
+                    for delta in deltas:
+                        sent, logprobs = logprobs, []
+                        yield self.chunk(delta, logprobs=sent)
+                        if "audio" in delta:
+                            first_audio = {}
         except PipelineError as e:
             yield sse(from_pipeline_error(e).body())
             return
         if self.opts.audio_out:
             self.st.transcripts.put(self.audio_id, "".join(transcript), self.expires_at)
-        yield self.chunk({}, self.finish_reason(done), logprobs=logprobs)
+        yield self.chunk({}, self.finish_reason(done, called), logprobs=logprobs)
         if self.opts.include_usage:
             yield sse({**self.envelope("chat.completion.chunk"), "choices": [], "usage": self.usage(done)})
         yield sse("[DONE]")
+
+
+def openai_call(piece: CallPiece) -> dict:
+    """A call as OpenAI's `tool_calls[]` entry (with its index, as in a stream's delta)."""
+    c = piece.call
+    return {"index": piece.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

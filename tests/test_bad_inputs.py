@@ -464,6 +464,8 @@ CASES += [
 # a reply given verbatim (text to speech: ThinkerStart.assistant_text)
 CASES += [
     Case("thinker", "assistant-text-empty", lambda: [thinker_start(assistant_text="")], r"assistant_text is empty"),
+    Case("thinker", "unspoken-tool-calls-without-rows", lambda: [thinker_start(unspoken_tool_calls=True)],
+         r"unspoken_tool_calls needs talker rows"),
     Case("thinker", "assistant-text-too-long", lambda: [thinker_start(assistant_text="a" * 32769)],
          r"assistant_text has 32769 characters; the limit is 32768"),
     Case("thinker", "assistant-text-over-the-context",

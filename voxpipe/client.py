@@ -60,6 +60,7 @@ class SpeechRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()                # stop strings (ThinkerStart.stop)
+    unspoken_tool_calls: bool = False         # the talker's text ends where a tool call begins (ThinkerStart)
     top_logprobs: int | None = None           # None: no log probabilities; else ThinkerStart.top_logprobs
     constraint: Constraint | None = None      # constrained decoding (ThinkerStart.constraint); None: free text
     text_cap: tuple[int, int] | None = None   # (frames per text token, base frames); None: the talker's default
@@ -218,7 +219,8 @@ class PipelineClient:
             raise ValueError("audio output needs code2wav addresses")
         start = pb.ThinkerStart(request_id=req.request_id, max_tokens=req.max_tokens, min_tokens=req.min_tokens,
                                 stop=req.stop, logprobs=req.top_logprobs is not None, top_logprobs=req.top_logprobs or 0,
-                                audio_features=[to_proto(f.float()) for f in req.audio_features])
+                                audio_features=[to_proto(f.float()) for f in req.audio_features],
+                                unspoken_tool_calls=req.unspoken_tool_calls)
         if req.constraint is not None:
             start.constraint.CopyFrom(req.constraint.to_proto())
         if req.assistant_text is None:

@@ -33,7 +33,7 @@ from .server_events import (Error, InputAudioCleared, InputAudioCommitted, ItemA
                             ItemRetrieved, ItemTruncated, ServerEvent, SessionCreated, SessionUpdated,
                             SpeechStartedEvent, SpeechStoppedEvent, new_id)
 from .session import (MIN_COMMIT_MS, Conversation, ConversationItem, InputAudioBuffer, ItemContent, ResponseSettings,
-                      SessionConfig, default_voice, ms_to_samples, new_item_content, samples_to_ms)
+                      FunctionCall, SessionConfig, default_voice, ms_to_samples, new_item_content, samples_to_ms)
 from .transcription import Transcriber, TranscriptionContext, TranscriptionJob
 from .vad import FRAME_MS, ServerVad, SpeechStarted, SpeechStopped
 
@@ -310,8 +310,15 @@ class RealtimeConnection:
     async def create_item(self, event: ItemCreate) -> None:
         if event.previous_item_id not in (None, "root"):
             self.conversation.find(event.previous_item_id, "previous_item_id")
-        content = await asyncio.to_thread(new_item_content, event.item, self._features)
-        item = ConversationItem(event.item.id or new_id("item"), event.item.role, content)
+        new = event.item
+        if new.type == "function_call_output" and not self.conversation.has_call(new.call_id):
+            raise ProtocolError(f"'item.call_id' {new.call_id!r} answers no function_call item of the conversation",
+                                param="item.call_id")
+        content = await asyncio.to_thread(new_item_content, new, self._features)
+        item = ConversationItem(new.id or new_id("item"), new.role, content,
+                                call=FunctionCall(new.call_id, new.name, new.arguments) if new.type == "function_call"
+                                else None,
+                                call_id=new.call_id if new.type == "function_call_output" else None, output=new.output)
         previous = self.conversation.insert(item, event.previous_item_id)
         await self.emit(ItemAdded(previous, item))
         await self.emit(ItemDone(previous, item))

@@ -15,8 +15,12 @@ import numpy as np
 
 from voxpipe.services.runtime.echo import PARAM_CHARS, bounded_message, clipped, quoted
 
+from voxpipe.services.thinker.prompt import Tool
+
+from ..errors import APIError
 from ..limits import UINT32_MAX
 from ..speech_to_text import MAX_PROMPT_CHARS, valid_language
+from ..tool_params import tool_list
 from .vad import ServerVadParams
 
 INPUT_SAMPLE_RATE = 24000      # pcm16 mono, as OpenAI's realtime API
@@ -73,6 +77,8 @@ class SessionPatch:
     temperature: float | None = None           # vendor fields (beta has temperature too)
     ignore_eos: bool | None = None
     max_audio_frames: int | None = None
+    tools: tuple[Tool, ...] | None = None      # session.tools (flat function definitions)
+    tool_choice: Any = None                    # session.tool_choice as sent (checked against the tools in effect)
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,8 @@ class ResponseOverrides:
     max_audio_frames: int | None = None
     out_of_band: bool = False                  # conversation: "none" - the reply is not added to the conversation
     metadata: dict[str, str] | None = None
+    tools: tuple[Tool, ...] | None = None      # response.tools
+    tool_choice: Any = None                    # response.tool_choice as sent
 
 
 PartKind = Literal["input_text", "input_audio", "output_text", "output_audio"]
@@ -100,11 +108,22 @@ class NewPart:
     audio: np.ndarray | None = None            # input_audio: float32 mono at INPUT_SAMPLE_RATE
 
 
+ItemType = Literal["message", "function_call", "function_call_output"]
+
+
 @dataclass(frozen=True)
 class NewItem:
+    """A client's item: a message (role, parts), a function call the model made (call_id, name,
+    arguments: JSON text) or a function's result (call_id, output)."""
+
     id: str | None
     role: Literal["user", "assistant", "system"]
     parts: tuple[NewPart, ...]
+    type: ItemType = "message"
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
 
 
 @dataclass(frozen=True)
@@ -349,8 +368,6 @@ def _session_patch(s: Any) -> SessionPatch:
     if s.get("type", "realtime") != "realtime":
         raise ProtocolError(f"'session.type' {quoted(s.get('type'))} is not supported; use \"realtime\"",
                             param="session.type")
-    if s.get("tools"):
-        raise ProtocolError("tools (function calling) are not supported", param="session.tools")
     audio = _get(s, "audio", dict, "session") or {}
     audio_in = _get(audio, "input", dict, "session.audio") or {}
     audio_out = _get(audio, "output", dict, "session.audio") or {}
@@ -385,7 +402,8 @@ def _session_patch(s: Any) -> SessionPatch:
                         instructions=_instructions(s, "session"), turn_detection=turn,
                         transcription=transcription, max_output_tokens=max_tokens,
                         temperature=_temperature(s, "session"), ignore_eos=ignore_eos,
-                        max_audio_frames=_positive_int(s, "max_audio_frames", "session"))
+                        max_audio_frames=_positive_int(s, "max_audio_frames", "session"),
+                        tools=_tools(s, "session"), tool_choice=s.get("tool_choice"))
 
 
 def _response_overrides(r: Any) -> ResponseOverrides:
@@ -393,8 +411,6 @@ def _response_overrides(r: Any) -> ResponseOverrides:
         return ResponseOverrides()
     if not isinstance(r, dict):
         raise ProtocolError("'response' must be an object", code="invalid_type", param="response")
-    if r.get("tools"):
-        raise ProtocolError("tools (function calling) are not supported", param="response.tools")
     if r.get("input") is not None:
         raise ProtocolError("'response.input' is not supported; the reply always reads the conversation",
                             param="response.input")
@@ -419,7 +435,18 @@ def _response_overrides(r: Any) -> ResponseOverrides:
                              temperature=_temperature(r, "response"),
                              ignore_eos=_get(r, "ignore_eos", bool, "response"),
                              max_audio_frames=_positive_int(r, "max_audio_frames", "response"),
-                             out_of_band=conversation == "none", metadata=metadata)
+                             out_of_band=conversation == "none", metadata=metadata,
+                             tools=_tools(r, "response"), tool_choice=r.get("tool_choice"))
+
+
+def _tools(obj: dict, path: str) -> tuple[Tool, ...] | None:
+    """`tools`: flat function definitions ({"type": "function", "name", "description", "parameters"})."""
+    if obj.get("tools") is None:
+        return None
+    try:
+        return tool_list(obj["tools"], f"{path}.tools", nested=False)
+    except APIError as e:
+        raise ProtocolError(e.message, code=e.code or "invalid_value", param=e.param) from None
 
 
 _USER_KINDS = {"input_text": "input_text", "input_audio": "input_audio"}
@@ -453,8 +480,15 @@ def _part(p: Any, role: str, path: str) -> NewPart:
 def _new_item(item: Any) -> NewItem:
     if not isinstance(item, dict):
         raise ProtocolError("'item' must be an object", code="invalid_type", param="item")
-    if item.get("type", "message") != "message":
-        raise ProtocolError(f"'item.type' {quoted(item.get('type'))} is not supported; use \"message\"", param="item.type")
+    kind = item.get("type", "message")
+    item_id = _get(item, "id", str, "item")
+    if item_id is not None and not 0 < len(item_id) <= 64:
+        raise ProtocolError("'item.id' must be 1 to 64 characters", param="item.id")
+    if kind in ("function_call", "function_call_output"):
+        return _function_item(item, kind, item_id)
+    if kind != "message":
+        raise ProtocolError(f"'item.type' {quoted(kind)} is not supported; use \"message\", \"function_call\" or "
+                            "\"function_call_output\"", param="item.type")
     role = item.get("role")
     if role not in ("user", "assistant", "system"):
         raise ProtocolError(f"'item.role' must be user, assistant or system, got {quoted(role)}", param="item.role")
@@ -462,10 +496,24 @@ def _new_item(item: Any) -> NewItem:
     if not content:
         raise ProtocolError("'item.content' must not be empty", param="item.content")
     parts = tuple(_part(p, role, f"item.content[{i}]") for i, p in enumerate(content))
-    item_id = _get(item, "id", str, "item")
-    if item_id is not None and not 0 < len(item_id) <= 64:
-        raise ProtocolError("'item.id' must be 1 to 64 characters", param="item.id")
     return NewItem(item_id, role, parts)
+
+
+MAX_CALL_ID_CHARS = 64
+
+
+def _function_item(item: dict, kind: str, item_id: str | None) -> NewItem:
+    call_id = _get(item, "call_id", str, "item", required=True)
+    if not 0 < len(call_id) <= MAX_CALL_ID_CHARS:
+        raise ProtocolError(f"'item.call_id' must be 1 to {MAX_CALL_ID_CHARS} characters", param="item.call_id")
+    if kind == "function_call_output":
+        return NewItem(item_id, "user", (), type="function_call_output", call_id=call_id,
+                       output=_get(item, "output", str, "item", required=True))
+    name = _get(item, "name", str, "item", required=True)
+    if not 0 < len(name) <= 64:
+        raise ProtocolError("'item.name' must be 1 to 64 characters", param="item.name")
+    return NewItem(item_id, "assistant", (), type="function_call", call_id=call_id, name=name,
+                   arguments=_get(item, "arguments", str, "item") or "{}")
 
 
 def _parse(e: dict, kind: str, event_id: str | None) -> ClientEvent:

@@ -48,10 +48,13 @@ from ..errors import APIError, from_pipeline_error
 from ..generation import Generation, speech_request
 from ..params import GenerationParams
 from .events import INPUT_SAMPLE_RATE, Dialect
-from .server_events import (AudioDelta, AudioDone, ContentPart, ContentPartAdded, ContentPartDone, Emit, ItemAdded,
-                            ItemDone, ItemTruncated, OutputItemAdded, OutputItemDone, ResponseCreated, ResponseDone,
-                            TextDelta, TextDone, TranscriptDelta, TranscriptDone, new_id)
-from .session import ConversationItem, ItemContent, ResponseSettings, samples_to_ms
+from .session import tools_wire
+from ..tools import CallPiece, ContentPiece, ReplyPiece, ToolCallParser
+from .server_events import (AudioDelta, AudioDone, ContentPart, ContentPartAdded, ContentPartDone, Emit,
+                            FunctionCallArgumentsDelta, FunctionCallArgumentsDone, ItemAdded, ItemDone, ItemTruncated,
+                            OutputItemAdded, OutputItemDone, ResponseCreated, ResponseDone, TextDelta, TextDone,
+                            TranscriptDelta, TranscriptDone, new_id)
+from .session import ConversationItem, FunctionCall, ItemContent, ResponseSettings, samples_to_ms
 
 log = logging.getLogger(__name__)
 OUTPUT_SAMPLE_RATE = INPUT_SAMPLE_RATE        # OpenAI's realtime audio: pcm16 24 kHz both ways
@@ -88,6 +91,11 @@ class ResponseRun:
         self.in_conversation = False
         self.started = self.finishing = False
         self.task: asyncio.Task | None = None
+        # with tools offered, the reply's text is read for calls: each becomes a function_call item
+        # after the message item (output_index 1, 2, ...), its text never reaches the message
+        tools = settings.tools
+        self.parser = ToolCallParser(tools.names, tools.parallel) if tools.parses_calls else None
+        self.calls: list[ConversationItem] = []
 
     @property
     def content(self) -> ItemContent:
@@ -121,9 +129,10 @@ class ResponseRun:
         s = self.settings
         body: dict[str, Any] = {
             "object": "realtime.response", "id": self.id, "status": self.status, "status_details": self.status_details,
-            "output": [self.item.wire(dialect)] if self.status != "in_progress" else [],
+            "output": [i.wire(dialect) for i in (self.item, *self.calls)] if self.status != "in_progress" else [],
             "conversation_id": None if s.out_of_band else self.ctx.conversation_id,
             "max_output_tokens": s.max_output_tokens or "inf", "metadata": s.metadata, "usage": self.usage}
+        body.update(tools_wire(s.tools))
         if dialect is Dialect.BETA:
             body.update(modalities=["audio", "text"] if s.audio_out else ["text"], voice=s.voice,
                         output_audio_format="pcm16", temperature=s.temperature)
@@ -165,12 +174,12 @@ class ResponseRun:
         gen = self.ctx.generation
         s = self.settings
         try:
-            self.prompt = await gen.render(self.messages)
+            self.prompt = await gen.render(self.messages, tools=s.tools.prompt_tools, tools_param="session.tools")
             forced = s.ignore_eos
             params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if forced else 0,
                                       max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if forced else 0,
                                       temperature=s.temperature)
-            req = speech_request(self.prompt, params, s.voice, s.audio_out)
+            req = speech_request(self.prompt, params, s.voice, s.audio_out, tool_calls=s.tools.parses_calls)
             req.request_id = self.id
             finish = None
             async with aclosing(gen.run(req, self.arrived)) as events:
@@ -180,6 +189,7 @@ class ResponseRun:
                     elif isinstance(ev, AudioEvent):
                         await self._on_audio(ev)
                     elif isinstance(ev, DoneEvent):
+                        await self._on_pieces(0, self.parser.finish() if self.parser is not None else [])
                         finish = ev.text_finish
                         self.frames = ev.frames     # the talker's own count
                         self.cached_tokens = ev.cached_tokens
@@ -202,11 +212,41 @@ class ResponseRun:
 
     async def _on_text(self, ev: TextEvent) -> None:
         self.text_tokens += len(ev.token_ids)
-        self.content.add_text(len(ev.token_ids), ev.text)
-        if not ev.text:
-            return
-        delta = TranscriptDelta if self.settings.audio_out else TextDelta
-        await self.ctx.emit(delta(**self._part_ids(), delta=ev.text))
+        if self.parser is None:
+            await self._on_pieces(len(ev.token_ids), [ContentPiece(ev.text)] if ev.text else [])
+        else:
+            await self._on_pieces(len(ev.token_ids), self.parser.push(ev.text))
+
+    async def _on_pieces(self, tokens: int, pieces: list[ReplyPiece]) -> None:
+        """The message's text (its `tokens` counted with it), then each call as its own item."""
+        text = "".join(p.text for p in pieces if isinstance(p, ContentPiece))
+        if tokens or text:
+            self.content.add_text(tokens, text)
+        if text:
+            delta = TranscriptDelta if self.settings.audio_out else TextDelta
+            await self.ctx.emit(delta(**self._part_ids(), delta=text))
+        for p in pieces:
+            if isinstance(p, CallPiece):
+                await self._on_call(p)
+
+    async def _on_call(self, piece: CallPiece) -> None:
+        c = piece.call
+        item = ConversationItem(new_id("item"), "assistant", [], status="in_progress",
+                                call=FunctionCall(c.id, c.name, ""))
+        index = 1 + len(self.calls)
+        self.calls.append(item)
+        emit = self.ctx.emit
+        await emit(OutputItemAdded(self.id, index, item))
+        previous = None
+        if not self.settings.out_of_band:
+            previous = self.ctx.insert_item(item)
+            await emit(ItemAdded(previous, item))
+        await emit(FunctionCallArgumentsDelta(self.id, item.id, index, c.id, c.arguments))
+        item.call, item.status = FunctionCall(c.id, c.name, c.arguments), "completed"
+        await emit(FunctionCallArgumentsDone(self.id, item.id, index, c.id, c.name, c.arguments))
+        await emit(OutputItemDone(self.id, index, item))
+        if not self.settings.out_of_band:
+            await emit(ItemDone(previous, item))
 
     async def _on_audio(self, ev: AudioEvent) -> None:
         pcm = ev.data

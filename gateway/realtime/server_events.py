@@ -303,3 +303,26 @@ class InputTranscriptionFailed(ServerEvent):
     item_id: str
     content_index: int
     error: TranscriptionError
+
+
+@_same
+@dataclass
+class FunctionCallArgumentsDelta(ServerEvent):
+    GA = "response.function_call_arguments.delta"
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    delta: str
+
+
+@_same
+@dataclass
+class FunctionCallArgumentsDone(ServerEvent):
+    GA = "response.function_call_arguments.done"
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    arguments: str

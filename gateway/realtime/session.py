@@ -10,9 +10,11 @@ import numpy as np
 import torch
 
 from voxpipe.services.runtime.echo import quoted
-from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, with_instructions
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, Tool, ToolCall, with_instructions
 
+from ..errors import APIError
 from ..params import DEFAULT_TEMPERATURE
+from ..tool_params import ToolOptions, required_call_constraint, tool_choice
 from .events import (INPUT_SAMPLE_RATE, MAX_INPUT_SECONDS, UNSET, Dialect, NewItem, PartKind, ProtocolError,
                      ResponseOverrides, SessionPatch, TranscriptionPatch)
 from .vad import ServerVadParams
@@ -79,9 +81,12 @@ class SessionConfig:
     temperature: float = DEFAULT_TEMPERATURE
     ignore_eos: bool = False
     max_audio_frames: int = 0                  # 0: the talker's default
+    tools: ToolOptions = ToolOptions()
 
     def updated(self, patch: SessionPatch, speakers: dict[str, int]) -> "SessionConfig":
         changes: dict[str, Any] = {}
+        if patch.tools is not None or patch.tool_choice is not None:
+            changes["tools"] = realtime_tools(self.tools, patch.tools, patch.tool_choice, "session")
         if patch.voice is not None:
             changes["voice"] = check_voice(patch.voice, speakers, "session.audio.output.voice")
         if patch.turn_detection is not UNSET:
@@ -105,14 +110,39 @@ class SessionConfig:
             return {"id": self.id, "object": "realtime.session", "model": self.model,
                     "modalities": ["audio", "text"] if self.audio_out else ["text"], "instructions": self.instructions,
                     "voice": self.voice, "input_audio_format": "pcm16", "output_audio_format": "pcm16",
-                    "input_audio_transcription": transcription, "turn_detection": turn, "tools": [], "tool_choice": "auto",
-                    "max_response_output_tokens": limit, **vendor}
+                    "input_audio_transcription": transcription, "turn_detection": turn,
+                    **tools_wire(self.tools), "max_response_output_tokens": limit, **vendor}
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
                 "output_modalities": ["audio"] if self.audio_out else ["text"], "instructions": self.instructions,
                 "audio": {"input": {"format": PCM_FORMAT, "transcription": transcription, "noise_reduction": None,
                                     "turn_detection": turn},
                           "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0}},
-                "tools": [], "tool_choice": "auto", "max_output_tokens": limit, **vendor}
+                **tools_wire(self.tools), "max_output_tokens": limit, **vendor}
+
+
+def realtime_tools(current: ToolOptions, tools: tuple[Tool, ...] | None, choice: Any, path: str) -> ToolOptions:
+    """`current` with a session.update's / response.create's tools and tool_choice on top (a
+    tool_choice naming a function is checked against the tools in effect)."""
+    new_tools = current.tools if tools is None else tools
+    try:
+        if choice is None:      # kept, unless it names a function no longer offered
+            mode, function = current.choice, current.function
+            if mode == "function" and function not in {t.name for t in new_tools}:
+                mode, function = "auto", None
+        else:
+            mode, function = tool_choice(choice, new_tools, f"{path}.tool_choice", nested=False)
+        opts = ToolOptions(tools=new_tools, choice=mode, function=function)
+        required_call_constraint(opts, f"{path}.tool_choice")
+    except APIError as e:
+        raise ProtocolError(e.message, code=e.code or "invalid_value", param=e.param) from None
+    return opts
+
+
+def tools_wire(opts: ToolOptions) -> dict[str, Any]:
+    tools = [{"type": "function", **{k: v for k, v in t.template_entry()["function"].items() if k != "strict"}}
+             for t in opts.tools]
+    choice: Any = {"type": "function", "name": opts.function} if opts.choice == "function" else opts.choice
+    return {"tools": tools, "tool_choice": choice}
 
 
 @dataclass(frozen=True)
@@ -128,6 +158,7 @@ class ResponseSettings:
     max_audio_frames: int
     out_of_band: bool = False
     metadata: dict[str, str] | None = None
+    tools: ToolOptions = ToolOptions()
 
     @classmethod
     def resolve(cls, session: SessionConfig, o: ResponseOverrides, speakers: dict[str, int]) -> "ResponseSettings":
@@ -139,7 +170,9 @@ class ResponseSettings:
         s = cls(voice=voice, audio_out=pick("audio_out"), instructions=pick("instructions"),
                 max_output_tokens=pick("max_output_tokens"), temperature=pick("temperature"),
                 ignore_eos=pick("ignore_eos"), max_audio_frames=pick("max_audio_frames"),
-                out_of_band=o.out_of_band, metadata=o.metadata)
+                out_of_band=o.out_of_band, metadata=o.metadata,
+                tools=session.tools if o.tools is None and o.tool_choice is None
+                else realtime_tools(session.tools, o.tools, o.tool_choice, "response"))
         if s.ignore_eos and not s.max_output_tokens:
             raise ProtocolError("ignore_eos needs a finite max_output_tokens", param="response.max_output_tokens")
         if s.ignore_eos and s.audio_out and not s.max_audio_frames:
@@ -217,20 +250,46 @@ class ItemContent:
         self.audio_samples = samples
 
 
+@dataclass(frozen=True)
+class FunctionCall:
+    """A function_call item's call (the model's, or one the client created)."""
+
+    call_id: str
+    name: str
+    arguments: str          # JSON text
+
+
 @dataclass
 class ConversationItem:
+    """A message (role, content), a function call (`call`, role assistant) or a function's result
+    (`output` answering `call_id`, role user: it renders as a tool turn)."""
+
     id: str
     role: Literal["user", "assistant", "system"]
     content: list[ItemContent]
     status: ItemStatus = "completed"
+    call: FunctionCall | None = None
+    call_id: str | None = None              # function_call_output: the call it answers
+    output: str | None = None
 
     def wire(self, dialect: Dialect) -> dict[str, Any]:
-        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role, "status": self.status,
-                "content": [c.wire(dialect) for c in self.content]}
+        base = {"id": self.id, "object": "realtime.item", "status": self.status}
+        if self.call is not None:
+            return {**base, "type": "function_call", "call_id": self.call.call_id, "name": self.call.name,
+                    "arguments": self.call.arguments}
+        if self.output is not None:
+            return {**base, "type": "function_call_output", "call_id": self.call_id, "output": self.output}
+        return {**base, "type": "message", "role": self.role, "content": [c.wire(dialect) for c in self.content]}
 
     def chat_message(self) -> ChatMessage | None:
         """This item as a prompt turn: user audio as its stored features; an assistant turn as
-        its (possibly truncated) text; None when nothing of it is left."""
+        its (possibly truncated) text; a call as an assistant turn with that call; a result as a
+        tool turn; None when nothing of it is left."""
+        if self.call is not None:
+            c = self.call
+            return ChatMessage("assistant", [ChatPart(text="")], tool_calls=[ToolCall(c.call_id, c.name, c.arguments)])
+        if self.output is not None:
+            return ChatMessage("tool", [ChatPart(text=self.output)], tool_call_id=self.call_id)
         if self.role == "user":
             parts = [ChatPart(features=c.features) if c.kind == "input_audio" else ChatPart(text=c.text)
                      for c in self.content]
@@ -277,7 +336,21 @@ class Conversation:
         self.items.remove(self.find(item_id))
 
     def messages(self, instructions: str) -> list[ChatMessage]:
-        return with_instructions(instructions, [m for m in (item.chat_message() for item in self.items) if m is not None])
+        """The prompt's turns: a call right after an assistant turn (its text, or other calls of the
+        same reply) joins that turn, as the model wrote them."""
+        out: list[ChatMessage] = []
+        for item in self.items:
+            m = item.chat_message()
+            if m is None:
+                continue
+            if m.tool_calls and out and out[-1].role == "assistant":
+                out[-1] = replace(out[-1], tool_calls=[*out[-1].tool_calls, *m.tool_calls])
+                continue
+            out.append(m)
+        return with_instructions(instructions, out)
+
+    def has_call(self, call_id: str) -> bool:
+        return any(item.call is not None and item.call.call_id == call_id for item in self.items)
 
 
 def new_item_content(item: NewItem, features_of) -> list[ItemContent]:

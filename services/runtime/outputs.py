@@ -59,6 +59,9 @@ class TextOut:
     logprobs: tuple[TokenLogprob, ...] = ()   # one per token, when asked
     more: bool = False   # the reply surely goes on after these tokens (TextRows.more: their last row is spoken)
     last: bool = False   # the reply ends with these tokens: text held back (a split character) goes out now
+    # the talker's text ends with these tokens (a tool call begins: ThinkerStart.unspoken_tool_calls):
+    # their last row is the talker's last (unspoken) row; later outputs carry no rows
+    talker_end: bool = False
 
     @property
     def count(self) -> int:

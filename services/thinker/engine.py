@@ -180,7 +180,7 @@ class ThinkerEngine(StageEngine):
         """Prefilled jobs' first outputs: the talker prompt, then a given reply whole (its request
         ends here) or the first sampled token from the prefill's logits."""
         for job, prompt in zip(jobs, prefilled.prompts):
-            job.text = ReplyText(self.tokenizer, job.stops, job.min_tokens)
+            job.text = ReplyText(self.tokenizer, job.stops, job.min_tokens, job.unspoken)
             if prompt is not None:
                 job.outbox.put(prompt)
         sampled = [i for i, j in enumerate(jobs) if j.forced is None]
@@ -201,6 +201,9 @@ class ThinkerEngine(StageEngine):
         ids = job.forced.token_ids
         rows = self.runner.forced_rows(ids) if job.talker_rows else None
         job.mark_output()
+        if job.unspoken and rows is not None and any(m in job.forced.text for m in job.unspoken):
+            self._emit_forced_unspoken(job, rows)
+            return
         for start in range(0, len(ids), FORCED_DELTA_TOKENS):
             piece = ids[start:start + FORCED_DELTA_TOKENS]
             job.outbox.put(TextOut(start, tuple(piece), job.forced.text if start == 0 else "",
@@ -209,6 +212,17 @@ class ThinkerEngine(StageEngine):
         job.generated.extend(ids)
         self.finish(job, Finished(FinishReason.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids),
                                      cached_tokens=job.cached_tokens))
+
+    def _emit_forced_unspoken(self, job: ThinkerJob, rows: torch.Tensor) -> None:
+        """A given reply with tool-call markup: its tokens through the reply's text as if sampled
+        one by one, so that the talker's rows end where the markup begins (output.py)."""
+        ids = job.forced.token_ids
+        for i, tok in enumerate(ids):
+            deltas, _ = job.text.push(tok, rows[i], None, last=i == len(ids) - 1)
+            for delta in deltas:
+                job.outbox.put(delta)
+        job.generated.extend(ids)
+        self.finish(job, Finished(FinishReason.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids)))
 
     def _output(self, jobs: list[ThinkerJob], logits: torch.Tensor, step: str) -> None:
         """Each job's next token from its logits row [n, V]: stop checks, its outputs, finishing.

@@ -41,6 +41,7 @@ class ThinkerJob(EngineRequest):
     talker_rows: bool = False
     speech: pb.SpeechParams | None = None   # a spoken reply continues in a talker (see relay.py)
     stops: tuple[str, ...] = ()             # stop strings (see output.py)
+    unspoken: tuple[str, ...] = ()          # where the talker's text ends (tool-call markup; output.py)
     top_logprobs: int | None = None         # None: no log probabilities; else how many alternatives
     forced: ForcedReply | None = None       # the reply is given: emitted whole after the prefill
     table: BlockTable | None = None         # its KV blocks while admitted (runner.allocate)

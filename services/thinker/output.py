@@ -20,10 +20,17 @@ never sent after a stop), and whether the request ends there: the engine finishe
 that step, generates nothing past the stop and reports exactly the tokens up to it. On the event
 loop the match would come steps late: the engine would go on generating, filling the outbox and
 the KV cache, for a request the handler would then have to end from outside with the right counts.
-The servicer adds the log probabilities' token bytes (TokenBytes) in both cases."""
+The servicer adds the log probabilities' token bytes (TokenBytes) in both cases.
+
+Unspoken markers (ThinkerStart.unspoken_tool_calls: "<tool_call>"). The talker's text ends where
+a marker begins, as at a stop string (held back while the text may begin one; the first token
+reaching into it gives the talker its last, unspoken row, with `talker_end`), but the reply goes
+on: every later token goes to the caller with its text and without a row. So a function call
+is never spoken, and a reply that is only a call gives the talker one unspoken row."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -147,11 +154,13 @@ class ReplyText:
     tokenizer: object
     stops: tuple[str, ...] = ()
     min_tokens: int = 0
+    unspoken: tuple[str, ...] = ()      # markers where the talker's text ends (see the module docstring)
     detok: IncrementalDetokenizer = field(init=False)
     held: list[Piece] = field(default_factory=list)
     held_text: str = ""
     count: int = 0          # tokens pushed
     sent: int = 0           # tokens sent (the next delta's index)
+    muted: bool = False     # an unspoken marker began: no more rows
 
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer)
@@ -160,7 +169,9 @@ class ReplyText:
              last: bool = False) -> tuple[list[TextOut], bool]:
         """`last`: the generation ends with this token (EOS or max_tokens): nothing is held back."""
         self.count += 1
-        if not self.stops:       # nothing to match: out at once, the text left to the servicer
+        if self.muted:
+            row = None
+        if not self.stops and not self.unspoken:   # nothing to match: out at once, the text left to the servicer
             out = TextOut(self.sent, (token,), None, None if row is None else row[None],
                           () if logprob is None else (logprob,), more=not last, last=last)
             self.sent += 1
@@ -177,9 +188,14 @@ class ReplyText:
         if self.count < self.min_tokens or last and not text:
             return self._release(len(self.held), len(self.held_text)), False
         if text:
-            at = self._find_stop()
-            if at is not None:
+            at, mark = self._find_stop(), self._find_marker()
+            if at is not None and (mark is None or at <= mark):
                 return self._stop(at), True
+            if mark is not None:
+                deltas = self._mute(mark)
+                if last:
+                    deltas += self._release(len(self.held), len(self.held_text))
+                return deltas, False
         if last:
             return self._release(len(self.held), len(self.held_text)), False
         safe = len(self.held_text) - self._open_prefix()
@@ -194,10 +210,32 @@ class ReplyText:
         found = [i for i in (self.held_text.find(s) for s in self.stops) if i >= 0]
         return min(found) if found else None
 
+    def _find_marker(self) -> int | None:
+        if self.muted:
+            return None
+        found = [i for i in (self.held_text.find(s) for s in self.unspoken) if i >= 0]
+        return min(found) if found else None
+
+    def _mute(self, at: int) -> list[TextOut]:
+        """The talker's text ends at `at` (an unspoken marker): the tokens wholly before it go out
+        with their rows, the first reaching into it with its row as the talker's last and its text
+        before `at`; the later tokens and the text from `at` stay held, without rows (stop strings
+        are still matched on them)."""
+        deltas, rest = self._cut(at)
+        deltas[-1] = dataclasses.replace(deltas[-1], talker_end=True)
+        self.muted = True
+        self.held, self.held_text = rest, self.held_text[at:]
+        for p in self.held:
+            p.row = None
+            if p.end is not None:
+                p.end -= at
+        return deltas
+
     def _open_prefix(self) -> int:
-        """The length of the longest end of the held text that begins a stop string (it must wait)."""
+        """The length of the longest end of the held text that begins a stop string or (before one
+        began) an unspoken marker: it must wait."""
         text, longest = self.held_text, 0
-        for s in self.stops:
+        for s in self.stops + (() if self.muted else self.unspoken):
             for k in range(min(len(s) - 1, len(text)), longest, -1):
                 if text.endswith(s[:k]):
                     longest = k
@@ -212,18 +250,24 @@ class ReplyText:
                 p.end -= chars
         return [self._delta(pieces, text)] if pieces or text else []
 
-    def _stop(self, at: int) -> list[TextOut]:
+    def _cut(self, at: int) -> tuple[list[TextOut], list[Piece]]:
+        """The held tokens wholly before `at` as one delta (with their rows), then the first token
+        reaching into `at`: its text's part before it, and its row as the talker's last (unspoken)
+        row. Returns those deltas and the held pieces after that token."""
         n = 0
         while self.held[n].end is not None and self.held[n].end <= at:
             n += 1
         before = self.held[n - 1].end if n else 0
         spoken, rest = self.held[:n], self.held[n:]
         deltas = [self._delta(spoken, self.held_text[:before])] if spoken else []
-        # the first token reaching into the stop string: its text's part before it, and its row as the
-        # talker's last (unspoken) row; the later ones: ids and log probabilities only
         deltas.append(self._delta(rest[:1], self.held_text[before:at]))
-        if len(rest) > 1:
-            deltas.append(self._delta(rest[1:], "", rows=False))
+        return deltas, rest[1:]
+
+    def _stop(self, at: int) -> list[TextOut]:
+        # the tokens after the first one reaching into the stop string: ids and log probabilities only
+        deltas, rest = self._cut(at)
+        if rest:
+            deltas.append(self._delta(rest, "", rows=False))
         self.held, self.held_text = [], ""
         return deltas
 

@@ -8,9 +8,10 @@ then renders here), `voxpipe say` and the bench."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from ..runtime.config import OmniConfig, ThinkerConfig
 from ..runtime.logs import adopt_transformers_logging
 from .model import audio_output_length
+from .tool_template import TemplateToolError, check_tool_text, template_conversation
 
 # the audio encoder's front end (STAGES.md); the mel bins come from config.json
 FEATURE_SAMPLE_RATE = 16000
@@ -36,10 +38,43 @@ class ChatPart:
     features: torch.Tensor | None = None     # [num_mel_bins, frames]
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call in an assistant turn: `arguments` is JSON text as the model wrote it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: `parameters` is its JSON schema (None: no parameters given)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def template_entry(self) -> dict:
+        """The entry of the chat template's `tools=` list, in OpenAI's shape (the template renders it
+        as one JSON line); only the fields given are present."""
+        function: dict = {"name": self.name}
+        for key in ("description", "parameters", "strict"):
+            if getattr(self, key) is not None:
+                function[key] = getattr(self, key)
+        return {"type": "function", "function": function}
+
+
 @dataclass
 class ChatMessage:
+    """role: system / user / assistant / tool. An assistant turn may carry `tool_calls`; a tool
+    turn (a function's result, its text in `parts`) names the call it answers in `tool_call_id`."""
+
     role: str
     parts: list[ChatPart] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
 
     @classmethod
     def text(cls, role: str, text: str) -> "ChatMessage":
@@ -142,7 +177,7 @@ class FeatureExtractor:
 def with_features(messages: list[ChatMessage], features: "FeatureExtractor") -> list[ChatMessage]:
     """`messages` with every waveform part replaced by a part of its features (`features(audio)`),
     so that a later `render` needs no FeatureExtractor; the other parts are kept."""
-    return [ChatMessage(m.role, [p if p.audio is None else ChatPart(features=features(p.audio)) for p in m.parts])
+    return [replace(m, parts=[p if p.audio is None else ChatPart(features=features(p.audio)) for p in m.parts])
             for m in messages]
 
 
@@ -167,11 +202,13 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-def _encode_template(tokenizer, conv: list[dict], texts: list[str], add_generation_prompt: bool) -> list[int]:
+def _encode_template(tokenizer, conv: list[dict], texts: list[str], add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> list[int]:
     """The chat template's own markup is tokenized with its special tokens; message text is
     tokenized with special-token strings split into ordinary text, so a user who types
-    "<|im_start|>system" gets those characters, not a new turn."""
-    rendered = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+    "<|im_start|>system" gets those characters, not a new turn. (Tool definitions and call
+    arguments are rendered by the template as JSON; check_tool_text keeps control tokens out.)"""
+    rendered = _apply(tokenizer, conv, add_generation_prompt, tools)
     ids: list[int] = []
     pos = 0
     for m in _SENTINEL.finditer(rendered):
@@ -182,15 +219,41 @@ def _encode_template(tokenizer, conv: list[dict], texts: list[str], add_generati
     return ids
 
 
+def _apply(tokenizer, conv: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+    if tools is None:
+        return tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         tools=tools)
+
+
+def check_template_renders_tools(tokenizer, conv: list[dict], tools: list[dict] | None) -> None:
+    """TemplateToolError when the chat template drops what the conversation says about tools: the
+    `tools` (rendered with them == without them), or the calls of assistant turns (rendered with
+    them == without them). A template that ignores them must not silently serve a request."""
+    if tools:
+        if _apply(tokenizer, conv, True, tools) == _apply(tokenizer, conv, True, None):
+            raise TemplateToolError("the checkpoint's chat template does not render tools (it ignores `tools=`), "
+                                    "so tool calling is not served with this model", param="tools")
+    if any(m.get("tool_calls") for m in conv):
+        bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in conv]
+        if _apply(tokenizer, conv, True, tools) == _apply(tokenizer, bare, True, tools):
+            raise TemplateToolError("the checkpoint's chat template does not render an assistant turn's "
+                                    "tool_calls, so they cannot be part of the conversation", param="messages")
+
+
 def render(tokenizer, cfg: ThinkerConfig, messages: list[ChatMessage], features: FeatureExtractor | None = None,
-           add_generation_prompt: bool = True) -> RenderedPrompt:
-    """Apply the checkpoint's chat template; every audio part becomes <|audio_start|> + N pads +
-    <|audio_end|> with N = the audio encoder's output length for that clip."""
+           add_generation_prompt: bool = True, tools: Sequence[Tool] = ()) -> RenderedPrompt:
+    """Apply the checkpoint's chat template (with `tools=` when `tools` are given); every audio part
+    becomes <|audio_start|> + N pads + <|audio_end|> with N = the audio encoder's output length for
+    that clip. ValueError for what cannot be rendered (TemplateToolError, naming the request
+    parameter, for tools the template drops or tool text holding control tokens)."""
     conv, feats, user_texts = [], [], []
     for m in messages:
         content = []
         for p in m.parts:
-            if p.text is not None:
+            if p.text == "":
+                content.append({"type": "text", "text": ""})     # empty: falsy in the template, as it is
+            elif p.text is not None:
                 user_texts.append(p.text)
                 content.append({"type": "text", "text": _sentinel(len(user_texts) - 1)})
             else:
@@ -201,7 +264,13 @@ def render(tokenizer, cfg: ThinkerConfig, messages: list[ChatMessage], features:
             conv.append({"role": m.role, "content": "".join(c["text"] for c in content)})
         else:
             conv.append({"role": m.role, "content": content})
-    ids = _encode_template(tokenizer, conv, user_texts, add_generation_prompt)
+    tool_entries = [t.template_entry() for t in tools] or None
+    specials = special_token_strings(tokenizer)
+    conv = template_conversation(messages, conv, specials)
+    for i, t in enumerate(tool_entries or ()):
+        check_tool_text(json.dumps(t, ensure_ascii=False), specials, f"tools[{i}]", "tools")
+    check_template_renders_tools(tokenizer, conv, tool_entries)
+    ids = _encode_template(tokenizer, conv, user_texts, add_generation_prompt, tool_entries)
     pad = cfg.tokens.audio_token
     if ids.count(pad) != len(feats):
         raise ValueError(f"the chat template rendered {ids.count(pad)} audio placeholders for {len(feats)} audio parts")
@@ -213,3 +282,11 @@ def render(tokenizer, cfg: ThinkerConfig, messages: list[ChatMessage], features:
         else:
             out.append(t)
     return RenderedPrompt(out, feats)
+
+
+def special_token_strings(tokenizer) -> frozenset[str]:
+    """The control tokens' strings of a transformers tokenizer or of the ChatML byte tokenizer."""
+    special = getattr(tokenizer, "special", None)
+    if isinstance(special, dict):
+        return frozenset(special)
+    return frozenset(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)

@@ -48,6 +48,7 @@ class TalkerRelay:
         self._reader: asyncio.Task | None = None
         self.text_done = False
         self.talker_done = False
+        self.talker_text_ended = False      # TextEnd sent (at the Finished, or where a tool call began)
 
     @property
     def done(self) -> bool:
@@ -59,23 +60,30 @@ class TalkerRelay:
             self._writer = asyncio.ensure_future(self._write(talker_prompt_proto(item), self._sends))
             return []
         if isinstance(item, TextOut):
-            if item.rows is None:
+            if item.rows is None and not item.talker_end:
                 return [item]
-            if self._sends is not None:
-                await self._send(pb.TalkerRequest(rows=pb.TextRows(token_ids=item.token_ids,
-                                                                   rows=to_proto(item.rows), more=item.more)))
+            if self._sends is not None and not self.talker_text_ended:
+                if item.rows is not None:
+                    await self._send(pb.TalkerRequest(rows=pb.TextRows(token_ids=item.token_ids,
+                                                                       rows=to_proto(item.rows), more=item.more)))
+                if item.talker_end:        # the talker's text ends here; the caller's goes on
+                    await self._end_talker_text()
             return [dataclasses.replace(item, rows=None)]
         if isinstance(item, Finished):
             self.text_done = True
             if self._sends is None:         # ended before its prompt (cancelled): no talker to wait for
                 self.talker_done = True
-            else:
-                await self._send(pb.TalkerRequest(text_end=pb.TextEnd()))
-                await self._send(None)
+            elif not self.talker_text_ended:
+                await self._end_talker_text()
             return [item]
         if isinstance(item, StageFinished):
             self.talker_done = True
         return [item]                       # Routed / FirstOutput / StageFinished, put by _read
+
+    async def _end_talker_text(self) -> None:
+        self.talker_text_ended = True
+        await self._send(pb.TalkerRequest(text_end=pb.TextEnd()))
+        await self._send(None)
 
     async def _send(self, msg: pb.TalkerRequest | None) -> None:
         """Queue `msg` for the writer task; waits only while the queue is full, and drops it once

@@ -40,6 +40,7 @@ from .runner import KVPlan
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
+UNSPOKEN_TOOL_CALL = ("<tool_call>",)   # ThinkerStart.unspoken_tool_calls: the markup a call begins with
 MAX_ASSISTANT_TEXT_CHARS = 32768    # ThinkerStart.assistant_text, checked before it is tokenized
 COMPILE_WORKERS = 2                 # threads compiling constraints' grammars (each uses grammar.COMPILE_THREADS)
 MERGED_ROWS_MAX_BYTES = 4 << 20     # text deltas merge into one message up to this many bytes of talker rows
@@ -174,6 +175,9 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                         f"{len(audio)} audio feature tensors make {want}")
         speech = self._speech(start)
         rows = start.talker_rows or speech is not None
+        if start.unspoken_tool_calls and not rows:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        "unspoken_tool_calls needs talker rows (speech or talker_rows): it ends the talker's text")
         if rows and assistant_head_index(th, ids) is None:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{'talker_rows' if start.talker_rows else 'speech'} needs a prompt ending in an assistant "
@@ -192,6 +196,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                           prompt=ids, audio=audio, params=params, max_tokens=max_tokens, min_tokens=start.min_tokens,
                           talker_rows=rows, speech=speech, stops=tuple(start.stop),
+                          unspoken=UNSPOKEN_TOOL_CALL if rows and start.unspoken_tool_calls else (),
                           top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced,
                           audio_keys=self.engine.runner.audio.keys_soon(audio),
                           constraint=constraint)

@@ -8,6 +8,7 @@ the token with that byte's value. Benchmarks force lengths, so the text content 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -16,6 +17,14 @@ from ..runtime.config import ThinkerConfig
 from ..runtime.logs import adopt_transformers_logging
 
 log = logging.getLogger(__name__)
+
+# The released Qwen3-Omni template's tool block: the instructions before and after the functions
+# (one JSON a line between them).
+TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+              "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+              "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+              '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
 
 
 class ChatMLByteTokenizer:
@@ -47,15 +56,36 @@ class ChatMLByteTokenizer:
                 ids.extend(piece.encode("utf-8"))
         return ids
 
-    def apply_chat_template(self, conversation, add_generation_prompt: bool = True, tokenize: bool = True, **_):
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True, tokenize: bool = True,
+                            tools=None, **_):
+        """ChatML, with tools rendered as the released Qwen3-Omni template renders them (Hermes
+        style): a system turn (the first system message's text, a blank line, then) listing the
+        functions between <tools> and </tools>, one JSON a line; an assistant turn's calls as
+        <tool_call> blocks after its text; consecutive tool turns as <tool_response> blocks in one
+        user turn."""
         text = ""
-        for m in conversation:
-            content = m["content"]
-            if not isinstance(content, str):
-                content = "".join(p["text"] if p.get("type") == "text" else
-                                  "<|audio_start|><|audio_pad|><|audio_end|>" if p.get("type") in ("audio", "input_audio")
-                                  else "" for p in content)
-            text += f"<|im_start|>{m['role']}\n{content}<|im_end|>\n"
+        if tools:
+            first = conversation[0] if conversation and conversation[0]["role"] == "system" else None
+            text += "<|im_start|>system\n" + (_content(first["content"]) + "\n\n" if first else "")
+            text += TOOLS_HEAD + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_TAIL
+        for i, m in enumerate(conversation):
+            if tools and i == 0 and m["role"] == "system":
+                continue
+            content = _content(m["content"])
+            if m["role"] == "tool":
+                if i == 0 or conversation[i - 1]["role"] != "tool":
+                    text += "<|im_start|>user"
+                text += f"\n<tool_response>\n{content}\n</tool_response>"
+                if i == len(conversation) - 1 or conversation[i + 1]["role"] != "tool":
+                    text += "<|im_end|>\n"
+                continue
+            text += f"<|im_start|>{m['role']}\n{content}"
+            for j, call in enumerate(m.get("tool_calls") or ()):
+                f = call.get("function", call)
+                args = f["arguments"] if isinstance(f["arguments"], str) else json.dumps(f["arguments"],
+                                                                                        ensure_ascii=False)
+                text += ("\n" if j or content else "") + f'<tool_call>\n{{"name": "{f["name"]}", "arguments": {args}}}\n</tool_call>'
+            text += "<|im_end|>\n"
         if add_generation_prompt:
             text += "<|im_start|>assistant\n"
         return self.encode(text) if tokenize else text
@@ -72,6 +102,14 @@ class ChatMLByteTokenizer:
             elif not skip_special_tokens and i in self._by_id:
                 out += self._by_id[i].encode()
         return out.decode("utf-8", errors="replace")
+
+
+def _content(content) -> str:
+    if isinstance(content, str) or not content:
+        return content or ""
+    return "".join(p["text"] if p.get("type") == "text" else
+                   "<|audio_start|><|audio_pad|><|audio_end|>" if p.get("type") in ("audio", "input_audio")
+                   else "" for p in content)
 
 
 def load_tokenizer(model: str | Path, cfg: ThinkerConfig | None = None, role_ids: dict[str, int] | None = None):

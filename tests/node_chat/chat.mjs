@@ -35,7 +35,16 @@ for await (const chunk of stream) {
 }
 
 out.refused = [];
-for (const extra of [{ tools: [{ type: 'function', function: { name: 'f', parameters: {} } }] },
+const tools = [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: {} } } }];
+const toolStream = await client.chat.completions.create({ ...base, tools, stream: true });
+out.tools_stream_finish = null;
+for await (const chunk of toolStream) {
+  for (const c of chunk.choices) {
+    if ((c.delta.content || '').includes('<tool_call>')) throw new Error('tool-call markup in delta.content');
+    if (c.finish_reason) out.tools_stream_finish = c.finish_reason;
+  }
+}
+for (const extra of [{ tools, tool_choice: { type: 'function', function: { name: 'g' } } },
                      { response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'nope' } } } },
                      { stop: ['a', 'b', 'c', 'd', 'e'] }]) {
   try {

@@ -13,9 +13,18 @@ class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODALITY_UNSPECIFIED: _ClassVar[Modality]
     MODALITY_TEXT: _ClassVar[Modality]
     MODALITY_AUDIO: _ClassVar[Modality]
+
+class ToolChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_AUTO: _ClassVar[ToolChoice]
+    TOOL_CHOICE_NONE: _ClassVar[ToolChoice]
+    TOOL_CHOICE_REQUIRED: _ClassVar[ToolChoice]
 MODALITY_UNSPECIFIED: Modality
 MODALITY_TEXT: Modality
 MODALITY_AUDIO: Modality
+TOOL_CHOICE_AUTO: ToolChoice
+TOOL_CHOICE_NONE: ToolChoice
+TOOL_CHOICE_REQUIRED: ToolChoice
 
 class Pcm16Audio(_message.Message):
     __slots__ = ("data", "sample_rate")
@@ -34,7 +43,7 @@ class AudioInput(_message.Message):
     def __init__(self, pcm16: _Optional[_Union[Pcm16Audio, _Mapping]] = ..., wav: _Optional[bytes] = ...) -> None: ...
 
 class ConverseStart(_message.Message):
-    __slots__ = ("request_id", "instructions", "audio", "text", "voice", "output_modalities", "sampling", "max_tokens", "min_tokens", "max_frames", "min_frames", "ignore_eos", "audio_encoding", "stop", "logprobs", "top_logprobs")
+    __slots__ = ("request_id", "instructions", "audio", "text", "voice", "output_modalities", "sampling", "max_tokens", "min_tokens", "max_frames", "min_frames", "ignore_eos", "audio_encoding", "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "single_tool_call", "history")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +60,10 @@ class ConverseStart(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instructions: str
     audio: _containers.RepeatedCompositeFieldContainer[AudioInput]
@@ -67,7 +80,59 @@ class ConverseStart(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., instructions: _Optional[str] = ..., audio: _Optional[_Iterable[_Union[AudioInput, _Mapping]]] = ..., text: _Optional[str] = ..., voice: _Optional[str] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_stages_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., audio_encoding: _Optional[_Union[_stages_pb2.AudioEncoding, str]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[FunctionTool]
+    tool_choice: ToolChoice
+    single_tool_call: bool
+    history: _containers.RepeatedCompositeFieldContainer[HistoryItem]
+    def __init__(self, request_id: _Optional[str] = ..., instructions: _Optional[str] = ..., audio: _Optional[_Iterable[_Union[AudioInput, _Mapping]]] = ..., text: _Optional[str] = ..., voice: _Optional[str] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_stages_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., audio_encoding: _Optional[_Union[_stages_pb2.AudioEncoding, str]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., single_tool_call: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[HistoryItem, _Mapping]]] = ...) -> None: ...
+
+class FunctionTool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
+class FunctionCall(_message.Message):
+    __slots__ = ("call_id", "name", "arguments_json")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    name: str
+    arguments_json: str
+    def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
+
+class HistoryItem(_message.Message):
+    __slots__ = ("user_text", "assistant_text", "function_call", "function_output")
+    USER_TEXT_FIELD_NUMBER: _ClassVar[int]
+    ASSISTANT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_CALL_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    user_text: str
+    assistant_text: str
+    function_call: FunctionCall
+    function_output: FunctionOutput
+    def __init__(self, user_text: _Optional[str] = ..., assistant_text: _Optional[str] = ..., function_call: _Optional[_Union[FunctionCall, _Mapping]] = ..., function_output: _Optional[_Union[FunctionOutput, _Mapping]] = ...) -> None: ...
+
+class FunctionOutput(_message.Message):
+    __slots__ = ("call_id", "output")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    output: str
+    def __init__(self, call_id: _Optional[str] = ..., output: _Optional[str] = ...) -> None: ...
+
+class ToolCallOutput(_message.Message):
+    __slots__ = ("index", "call")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    call: FunctionCall
+    def __init__(self, index: _Optional[int] = ..., call: _Optional[_Union[FunctionCall, _Mapping]] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
     __slots__ = ("start", "cancel")
@@ -126,13 +191,15 @@ class ConverseError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...
 
 class ConverseResponse(_message.Message):
-    __slots__ = ("text", "audio", "done", "error")
+    __slots__ = ("text", "audio", "done", "error", "tool_call")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     text: TextOutput
     audio: _stages_pb2.AudioChunk
     done: ConverseDone
     error: ConverseError
-    def __init__(self, text: _Optional[_Union[TextOutput, _Mapping]] = ..., audio: _Optional[_Union[_stages_pb2.AudioChunk, _Mapping]] = ..., done: _Optional[_Union[ConverseDone, _Mapping]] = ..., error: _Optional[_Union[ConverseError, _Mapping]] = ...) -> None: ...
+    tool_call: ToolCallOutput
+    def __init__(self, text: _Optional[_Union[TextOutput, _Mapping]] = ..., audio: _Optional[_Union[_stages_pb2.AudioChunk, _Mapping]] = ..., done: _Optional[_Union[ConverseDone, _Mapping]] = ..., error: _Optional[_Union[ConverseError, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallOutput, _Mapping]] = ...) -> None: ...

@@ -101,7 +101,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ThinkerStart(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech", "stop", "logprobs", "top_logprobs", "assistant_text", "constraint")
+    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech", "stop", "logprobs", "top_logprobs", "assistant_text", "constraint", "unspoken_tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class ThinkerStart(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_TEXT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    UNSPOKEN_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: TokenIds
     text: str
@@ -130,7 +131,8 @@ class ThinkerStart(_message.Message):
     top_logprobs: int
     assistant_text: str
     constraint: Constraint
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ..., speech: _Optional[_Union[SpeechParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., assistant_text: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+    unspoken_tool_calls: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ..., speech: _Optional[_Union[SpeechParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., assistant_text: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., unspoken_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "structural_tag")

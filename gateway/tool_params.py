@@ -1,0 +1,181 @@
+"""Checked reading of the tool parameters of a request: the function definitions (chat's nested
+`{"type": "function", "function": {...}}` and realtime's flat `{"type": "function", "name": ...}`),
+`tool_choice` and `parallel_tool_calls`. Every problem is a 400 naming the parameter; an error
+never echoes more than a bounded piece of the input.
+
+`tool_choice`: "none" (the tools are left out of the prompt and the reply is plain text), "auto"
+(the default with tools: the model may call), "required" or a named function (a call must come:
+that needs the thinker's grammar constraint, attached in `required_call_constraint`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+from voxpipe.services.runtime.echo import quoted
+from voxpipe.services.thinker.constraint import Constraint, tool_calls
+from voxpipe.services.thinker.prompt import Tool
+
+from .errors import bad_request
+
+MAX_TOOLS = 128
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+MAX_DESCRIPTION_CHARS = 8192
+CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class ToolOptions:
+    tools: tuple[Tool, ...] = ()
+    choice: str = "auto"            # none / auto / required / function
+    function: str | None = None     # choice "function": the function that must be called
+    parallel: bool = True           # more than one call in a reply
+
+    @property
+    def parses_calls(self) -> bool:
+        """Whether the reply is read for calls (tools offered and not tool_choice 'none')."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def prompt_tools(self) -> tuple[Tool, ...]:
+        return self.tools if self.choice != "none" else ()
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.tools)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_schema(schema: Any, param: str) -> dict:
+    """A JSON schema (an object valid against its draft's meta-schema; the latest draft without `$schema`)."""
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{param}' must be a JSON schema object", param=param, code="invalid_type")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise bad_request(f"'{param}' is not a valid JSON schema{f' at {where!r}' if where else ''}: "
+                          f"{e.message[:200]}", param=param, code="invalid_value") from None
+    return schema
+
+
+def function_tool(spec: Any, param: str) -> Tool:
+    """One function definition: name, optional description, parameters (a JSON schema), strict."""
+    if not isinstance(spec, dict):
+        raise bad_request(f"'{param}' must be an object", param=param, code="invalid_type")
+    unknown = sorted(set(spec) - {"name", "description", "parameters", "strict"})
+    if unknown:
+        raise bad_request(f"'{param}': unknown field {_short(unknown[0])}", param=f"{param}.{unknown[0]}"[:200],
+                          code="unknown_parameter")
+    name = spec.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise bad_request(f"'{param}.name' must be 1 to 64 letters, digits, '_' or '-', got {_short(name)}",
+                          param=f"{param}.name", code="invalid_value")
+    description = spec.get("description")
+    if description is not None and (not isinstance(description, str) or len(description) > MAX_DESCRIPTION_CHARS):
+        raise bad_request(f"'{param}.description' must be a string of at most {MAX_DESCRIPTION_CHARS} characters",
+                          param=f"{param}.description", code="invalid_value")
+    parameters = spec.get("parameters")
+    if parameters is not None:
+        parameters = check_schema(parameters, f"{param}.parameters")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"'{param}.strict' must be a boolean", param=f"{param}.strict", code="invalid_type")
+    return Tool(name=name, description=description, parameters=parameters, strict=strict)
+
+
+def tool_list(raw: Any, param: str, nested: bool) -> tuple[Tool, ...]:
+    """`tools`: chat's `{"type": "function", "function": {...}}` entries (`nested`) or realtime's
+    flat `{"type": "function", "name": ...}` ones; names unique."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise bad_request(f"'{param}' must be an array", param=param, code="invalid_type")
+    if len(raw) > MAX_TOOLS:
+        raise bad_request(f"'{param}' has {len(raw)} tools; the limit is {MAX_TOOLS}", param=param,
+                          code="invalid_value")
+    tools: list[Tool] = []
+    for i, entry in enumerate(raw):
+        p = f"{param}[{i}]"
+        if not isinstance(entry, dict):
+            raise bad_request(f"'{p}' must be an object", param=p, code="invalid_type")
+        if entry.get("type") != "function":
+            raise bad_request(f"'{p}.type' must be 'function' (only function tools are served), got "
+                              f"{_short(entry.get('type'))}", param=f"{p}.type", code="invalid_value")
+        if nested:
+            unknown = sorted(set(entry) - {"type", "function"})
+            if unknown:
+                raise bad_request(f"'{p}': unknown field {_short(unknown[0])}", param=p, code="unknown_parameter")
+            if "function" not in entry:
+                raise bad_request(f"'{p}.function' is required", param=f"{p}.function",
+                                  code="missing_required_parameter")
+            tool = function_tool(entry["function"], f"{p}.function")
+        else:
+            tool = function_tool({k: v for k, v in entry.items() if k != "type"}, p)
+        if any(t.name == tool.name for t in tools):
+            raise bad_request(f"'{p}': the function name {tool.name!r} is used twice", param=p, code="invalid_value")
+        tools.append(tool)
+    return tuple(tools)
+
+
+def tool_choice(raw: Any, tools: tuple[Tool, ...], param: str, nested: bool) -> tuple[str, str | None]:
+    """(choice, function name): 'none' / 'auto' / 'required', or a named function (chat's
+    `{"type": "function", "function": {"name": ...}}`, realtime's `{"type": "function", "name": ...}`)."""
+    if raw is None:
+        return "auto", None
+    if isinstance(raw, str):
+        if raw not in CHOICES:
+            raise bad_request(f"'{param}' must be one of 'none', 'auto', 'required' or a named function, got "
+                              f"{_short(raw)}", param=param, code="invalid_value")
+        if raw != "none" and not tools:
+            raise bad_request(f"'{param}' {raw!r} needs 'tools'", param=param, code="invalid_value")
+        return raw, None
+    if not isinstance(raw, dict) or raw.get("type") != "function":
+        raise bad_request(f"'{param}' must be a string or {{'type': 'function', ...}} naming a function", param=param,
+                          code="invalid_value")
+    named = raw.get("function") if nested else raw
+    name = named.get("name") if isinstance(named, dict) else None
+    if not isinstance(name, str):
+        raise bad_request(f"'{param}' must name the function to call", param=param, code="invalid_value")
+    if name not in {t.name for t in tools}:
+        raise bad_request(f"'{param}' names the function {_short(name)}, which is not in 'tools'", param=param,
+                          code="invalid_value")
+    return "function", name
+
+
+def tool_options(body: dict) -> ToolOptions:
+    """Chat completions' `tools`, `tool_choice`, `parallel_tool_calls`."""
+    tools = tool_list(body.get("tools"), "tools", nested=True)
+    choice, function = tool_choice(body.get("tool_choice"), tools, "tool_choice", nested=True)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise bad_request("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls",
+                              code="invalid_type")
+        if not tools:
+            raise bad_request("'parallel_tool_calls' is only allowed with 'tools'", param="parallel_tool_calls",
+                              code="invalid_value")
+    return ToolOptions(tools=tools, choice=choice, function=function, parallel=parallel is not False)
+
+
+def required_call_constraint(opts: ToolOptions, param: str, served: bool = False) -> Constraint | None:
+    """The thinker's grammar constraint for a call that must come (`tool_choice` 'required' or a
+    named function): `<tool_call>` blocks of one of `opts.tools` (or of the named function alone), one
+    or, with parallel calls, more (services/thinker/constraint.tool_calls); None for 'auto' / 'none'.
+    `served`: the caller carries the constraint to the thinker (chat completions); elsewhere such a
+    choice is refused, since free sampling cannot promise a call."""
+    if opts.choice not in ("required", "function"):
+        return None
+    if not served:
+        what = "'required'" if opts.choice == "required" else f"the named function {quoted(opts.function)}"
+        raise bad_request(f"'{param}' {what} is not served here yet (chat completions serve it); use 'auto'",
+                          param=param, code="unsupported_value")
+    tools = [t for t in opts.tools if opts.choice == "required" or t.name == opts.function]
+    return tool_calls([{"name": t.name, "parameters": t.parameters} for t in tools], parallel=opts.parallel)

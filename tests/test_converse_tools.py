@@ -1,0 +1,70 @@
+"""Converse with function calling: tools and a history with a call and its output rendered into
+the prompt exactly as the chat template renders them (the gateway process against the real
+stack), and bad tool input as INVALID_ARGUMENT. The reading of a reply's calls is the parser
+chat and realtime share (tests/test_tools.py); here each call is a `tool_call` message."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from test_converse import channel, converse, converse_gateway, split, start  # noqa: F401 (fixtures)
+from voxpipe.gateway.converse import tool_call_messages
+from voxpipe.gateway.tools import ToolCallParser
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, Tool, ToolCall, render
+from voxpipe.v1 import gateway_pb2 as gw
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = gw.FunctionTool(name="get_weather", description="The weather in a city.", parameters_json=json.dumps(SCHEMA))
+HISTORY = [gw.HistoryItem(user_text="Weather in Oslo?"),
+           gw.HistoryItem(function_call=gw.FunctionCall(call_id="c1", name="get_weather",
+                                                        arguments_json='{"city": "Oslo"}')),
+           gw.HistoryItem(function_output=gw.FunctionOutput(call_id="c1", output="snow"))]
+
+
+def test_tools_and_history_are_the_prompt(channel, tokenizer, omni_config):
+    _, _, done = split(converse(channel, start(tools=[WEATHER], history=HISTORY, max_tokens=2,
+                                               output_modalities=[gw.MODALITY_TEXT], instructions="Be brief.")))
+    messages = [ChatMessage.text("system", "Be brief."), ChatMessage.text("user", "Weather in Oslo?"),
+                ChatMessage("assistant", [ChatPart(text="")], tool_calls=[ToolCall("c1", "get_weather", '{"city": "Oslo"}')]),
+                ChatMessage("tool", [ChatPart(text="snow")], tool_call_id="c1")]
+    want = render(tokenizer, omni_config.thinker, messages,
+                  tools=[Tool("get_weather", "The weather in a city.", SCHEMA)]).token_ids
+    assert done.usage.prompt_tokens == len(want)
+    _, _, plain = split(converse(channel, start(tools=[WEATHER], tool_choice=gw.TOOL_CHOICE_NONE, text="Hi",
+                                                max_tokens=1, output_modalities=[gw.MODALITY_TEXT])))
+    assert plain.usage.prompt_tokens == len(render(tokenizer, omni_config.thinker,
+                                                   [ChatMessage.text("user", "Hi")]).token_ids)
+
+
+def test_a_call_is_a_tool_call_message():
+    p = ToolCallParser({"get_weather"})
+    pieces = p.push('Ok.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>') + p.finish()
+    [msg] = tool_call_messages(pieces)
+    assert msg.tool_call.index == 0 and msg.tool_call.call.name == "get_weather"
+    assert msg.tool_call.call.call_id.startswith("call_")
+    assert json.loads(msg.tool_call.call.arguments_json) == {"city": "Oslo"}
+
+
+BAD = [
+    (dict(text="hi", tools=[gw.FunctionTool(name="bad name")]), "tools[0].name"),
+    (dict(text="hi", tools=[gw.FunctionTool(name="f", parameters_json="{")]), "not valid JSON"),
+    (dict(text="hi", tools=[gw.FunctionTool(name="f", parameters_json='{"type": 3}')]), "not a valid JSON schema"),
+    (dict(text="hi", tools=[WEATHER, WEATHER]), "used twice"),
+    (dict(text="hi", tools=[WEATHER], tool_choice=gw.TOOL_CHOICE_REQUIRED), "grammar-constrained"),
+    (dict(text="hi", tool_choice=gw.TOOL_CHOICE_REQUIRED), "needs tools"),
+    (dict(history=[gw.HistoryItem(function_output=gw.FunctionOutput(call_id="zz", output="x"))]),
+     "answers no function_call"),
+    (dict(history=[gw.HistoryItem(user_text="hi")]), "the turn is empty"),
+    (dict(text="hi", history=[gw.HistoryItem()]), "history[0] is empty"),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD, ids=[m for _, m in BAD])
+def test_bad_tool_input_is_invalid_argument(channel, fields, message):
+    with pytest.raises(grpc.RpcError) as err:
+        converse(channel, start(**fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert message in err.value.details() and len(err.value.details()) < 400

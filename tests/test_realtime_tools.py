@@ -1,0 +1,144 @@
+"""Realtime function calling (GA events, beta names where they differ): session.tools and
+tool_choice, function_call / function_call_output items rendered into the next prompt, a reply's
+calls as function_call output items with their argument events, and bad input as `error` events.
+Every event is checked against the `openai` SDK's types (test_realtime.check_event).
+
+The random tiny model rarely writes a call by itself: the reply with a call is given to the
+thinker (ThinkerStart.assistant_text) and runs through the real stack and a real ResponseRun."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+from test_realtime import MANUAL, check_event, of, realtime, run, user_text
+from voxpipe.gateway.config import GatewayConfig
+from voxpipe.gateway.generation import Generation, run_pipeline
+from voxpipe.gateway.realtime.events import Dialect, ResponseOverrides
+from voxpipe.gateway.realtime.response import ResponseContext, ResponseRun
+from voxpipe.gateway.realtime.session import Conversation, ResponseSettings, SessionConfig
+from voxpipe.gateway.state import GatewayState
+from voxpipe.gateway.tool_params import ToolOptions, tool_list
+from voxpipe.client import PipelineClient
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, ToolCall, render
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CALL_TEXT = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def test_tools_and_a_function_round_trip_build_the_prompt(gateway, tokenizer, omni_config):
+    async def go():
+        async with realtime(gateway) as rt:
+            s = await rt.update(**MANUAL, output_modalities=["text"], tools=[WEATHER], tool_choice="auto")
+            await rt.send("conversation.item.create", item=user_text("Weather in Oslo?"))
+            await rt.until("conversation.item.done")
+            await rt.send("conversation.item.create", item={"type": "function_call", "call_id": "call_1",
+                                                            "name": "get_weather", "arguments": '{"city": "Oslo"}'})
+            added = (await rt.until("conversation.item.done"))[-1]["item"]
+            await rt.send("conversation.item.create", item={"type": "function_call_output", "call_id": "call_1",
+                                                            "output": "snow, -3 C"})
+            await rt.until("conversation.item.done")
+            await rt.send("response.create", response={"max_output_tokens": 2})
+            return s, added, (await rt.until("response.done"))[-1]
+
+    session, added, done = run(go())
+    assert session["tools"] == [WEATHER] and session["tool_choice"] == "auto"
+    assert added["type"] == "function_call" and added["call_id"] == "call_1"
+    messages = [ChatMessage.text("user", "Weather in Oslo?"),
+                ChatMessage("assistant", [ChatPart(text="")], tool_calls=[ToolCall("call_1", "get_weather",
+                                                                                   '{"city": "Oslo"}')]),
+                ChatMessage("tool", [ChatPart(text="snow, -3 C")], tool_call_id="call_1")]
+    tools = tool_list([WEATHER], "tools", nested=False)
+    want = render(tokenizer, omni_config.thinker, messages, tools=tools).token_ids
+    assert done["response"]["usage"]["input_tokens"] == len(want)
+    assert done["response"]["status"] in ("completed", "incomplete")
+
+
+def test_bad_tool_events_get_errors_and_the_session_goes_on(gateway):
+    async def go():
+        async with realtime(gateway) as rt:
+            errors = []
+            for event in (
+                    {"type": "session.update", "session": {"type": "realtime", "tools": [WEATHER],
+                                                           "tool_choice": {"type": "function", "name": "nope"}}},
+                    {"type": "session.update", "session": {"type": "realtime", "tools": [
+                        {**WEATHER, "parameters": {"type": 5}}]}},
+                    {"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "mcp"}]}},
+                    {"type": "session.update", "session": {"type": "realtime", "tools": [WEATHER],
+                                                           "tool_choice": "required"}},
+                    {"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "call_x",
+                                                                  "output": "?"}},
+                    {"type": "conversation.item.create", "item": {"type": "function_call", "call_id": "c"}},
+                    {"type": "response.create", "response": {"tool_choice": "auto"}}):
+                await rt.send(**event)
+                errors.append((await rt.until("error"))[-1]["error"])
+            turn = await rt.update(**MANUAL, tools=[WEATHER])
+            return errors, turn
+
+    errors, session = run(go())
+    assert [e["param"] for e in errors] == ["session.tool_choice", "session.tools[0].parameters", "session.tools[0].type",
+                                            "session.tool_choice", "item.call_id", "item.name", "response.tool_choice"]
+    assert "not in 'tools'" in errors[0]["message"] and "answers no function_call" in errors[4]["message"]
+    assert "grammar-constrained" in errors[3]["message"] and "needs 'tools'" in errors[6]["message"]
+    assert all(e["type"] == "invalid_request_error" and len(e["message"]) < 400 for e in errors)
+    assert session["tools"] == [WEATHER]
+
+
+def given_run(stack, tiny_model_dir, text: str, beta: bool = False):
+    """A ResponseRun whose reply is given to the thinker, on the real stack; its events (checked
+    against the SDK's types) and the conversation after it."""
+    state = GatewayState.load(GatewayConfig(thinker=stack.address("thinker"), code2wav=stack.address("code2wav"),
+                                            model_dir=str(tiny_model_dir)))
+    dialect = Dialect.BETA if beta else Dialect.GA
+    conversation, events = Conversation(), []
+
+    async def emit(event, **_):
+        body = event.wire(dialect)
+        if body is not None:
+            check_event(body, beta)
+            events.append(body)
+
+    async def withdraw(_):
+        return 0
+
+    async def go():
+        async with PipelineClient(state.config.thinker, state.config.code2wav) as state.pipeline:
+            gen = Generation.of(state)
+            given = Generation(render=gen.render, audio_token=gen.audio_token,
+                               run=lambda req, arrived: run_pipeline(state, dataclasses.replace(req, assistant_text=text),
+                                                                     arrived))
+            ctx = ResponseContext(generation=given, conversation_id="conv_1", emit=emit,
+                                  insert_item=lambda item: conversation.insert(item), has_item=conversation.has,
+                                  withdraw_audio=withdraw)
+            session = SessionConfig(id="sess_1", model="m", voice="", audio_out=False,
+                                    tools=ToolOptions(tools=tool_list([WEATHER], "tools", nested=False)))
+            settings = ResponseSettings.resolve(session, ResponseOverrides(), {})
+            r = ResponseRun(ctx, settings, [ChatMessage.text("user", "Weather in Oslo?")])
+            r.start()
+            await r.task
+    asyncio.run(go())
+    return events, conversation
+
+
+def test_a_reply_with_a_call_gives_a_function_call_item(stack, tiny_model_dir):
+    events, conversation = given_run(stack, tiny_model_dir, CALL_TEXT)
+    assert "".join(e["delta"] for e in of(events, "response.output_text.delta")) == "Checking."
+    added = [e for e in of(events, "response.output_item.added") if e["item"]["type"] == "function_call"]
+    assert len(added) == 1 and added[0]["output_index"] == 1 and added[0]["item"]["name"] == "get_weather"
+    call_id = added[0]["item"]["call_id"]
+    args = of(events, "response.function_call_arguments.delta")
+    done = of(events, "response.function_call_arguments.done")[0]
+    assert json.loads("".join(a["delta"] for a in args)) == {"city": "Oslo"} and done["call_id"] == call_id
+    assert done["name"] == "get_weather" and json.loads(done["arguments"]) == {"city": "Oslo"}
+    out = events[-1]["response"]["output"]
+    assert [o["type"] for o in out] == ["message", "function_call"] and out[1]["status"] == "completed"
+    assert out[0]["content"][0]["text"] == "Checking."
+    # the next prompt has the call in the assistant turn
+    msgs = conversation.messages("")
+    assert msgs[-1].role == "assistant" and msgs[-1].tool_calls[0].id == call_id
+    assert [p.text for p in msgs[-1].parts] == ["Checking."]
+    # beta: the same events under their beta names
+    beta_events, _ = given_run(stack, tiny_model_dir, CALL_TEXT, beta=True)
+    assert of(beta_events, "response.function_call_arguments.done") and of(beta_events, "conversation.item.created")
