@@ -2,10 +2,9 @@
 `cache.attend(layer, q, k, v, scale)` with q: [B, Hq, S, D] and k, v: [B, Hkv, S, D] (already
 rotated) and get [B, Hq, S, D] back.
 
-- `SlotKVCache`: one preallocated slot per running sequence (thinker, talker). A step is
-  described by a `SlotStep` (which slots, where each sequence's new tokens start), a `PackedStep`
-  (chunks of several prompts packed into one row, no padding: long prompts' chunked prefill), or by
-  the graph-friendly views `prefill_view` (whole prompts from position 0) and `decode_view`.
+- `SlotKVCache`: one preallocated slot per running sequence (the talker; the thinker's KV is paged:
+  paged_kv.py). A step is described by a `SlotStep` (which slots, where each sequence's new tokens
+  start), or by the graph-friendly views `prefill_view` (whole prompts from position 0) and `decode_view`.
 - `GrowingCache`: a throwaway cache for short self-contained sequences (tests).
 - `ShortCache`: preallocated keys for short self-contained sequences that advance together (the code
   predictor's 16-position frame); also offers the token-major `attend_tokens` (fused kernel).
@@ -94,42 +93,6 @@ class SlotStep:
         return cls(torch.tensor(slots, dtype=torch.long, device=device), st, new_tokens, kv_len, mask)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """One sequence's part of a packed row: its `length` new tokens sit at `offset` .. offset +
-    length - 1 of the row and go to positions `start` .. start + length - 1 of cache slot `slot`."""
-
-    slot: int
-    start: int
-    length: int
-    offset: int
-
-
-@dataclass
-class PackedStep:
-    """Several sequences' new tokens packed into one row [1, T] (no padding): each segment writes
-    its keys into its own slot and attends causally to its slot's earlier positions and to itself."""
-
-    segments: list[Segment]
-
-    @classmethod
-    def pack(cls, parts: list[tuple[int, int, int]]) -> "PackedStep":
-        """`parts`: (slot, start, length) per sequence, in row order."""
-        segments, offset = [], 0
-        for slot, start, length in parts:
-            segments.append(Segment(slot, start, length, offset))
-            offset += length
-        return cls(segments)
-
-    def positions(self, device: torch.device) -> torch.Tensor:
-        """[1, T]: each token's position in its own sequence."""
-        return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in self.segments])[None]
-
-    def ends(self, device: torch.device) -> torch.Tensor:
-        """[segments]: the row index of each segment's last token."""
-        return torch.tensor([s.offset + s.length - 1 for s in self.segments], device=device)
-
-
 class SlotKVCache:
     """Per-layer K/V tensors [slots, Hkv, max_len, D]; `bind(step)` returns the view layers use.
     Row `scratch` (= num_slots, one past the slots sequences get) takes the writes of a CUDA-graph
@@ -195,9 +158,6 @@ class SlotKVCache:
     def bind(self, step: SlotStep) -> "_BoundSlotCache":
         return _BoundSlotCache(self, step)
 
-    def packed(self, step: PackedStep) -> "_PackedSlotCache":
-        return _PackedSlotCache(self, step)
-
 
 class _BoundSlotCache:
     def __init__(self, cache: SlotKVCache, step: SlotStep) -> None:
@@ -219,26 +179,6 @@ class _BoundSlotCache:
         else:
             keys, values = kc[st.slots, :, :st.kv_len], vc[st.slots, :, :st.kv_len]
         return _sdpa(q, keys, values, st.mask, scale)
-
-
-class _PackedSlotCache:
-    def __init__(self, cache: SlotKVCache, step: PackedStep) -> None:
-        self.cache, self.step = cache, step
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [1, Hq, T, D], k / v [1, Hkv, T, D]: segment by segment, its keys into its slot, then its
-        queries over its slot's positions 0 .. start + length - 1."""
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        segments = self.step.segments
-        outs = []
-        for sg in segments:
-            rows = slice(sg.offset, sg.offset + sg.length)
-            end = sg.start + sg.length
-            kc[sg.slot, :, sg.start:end] = k[0, :, rows]
-            vc[sg.slot, :, sg.start:end] = v[0, :, rows]
-            outs.append(_causal_flash(q[:, :, rows], kc[sg.slot:sg.slot + 1, :, :end], vc[sg.slot:sg.slot + 1, :, :end],
-                                     scale))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class _DensePrefill:
