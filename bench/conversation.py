@@ -22,7 +22,10 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from voxpipe.client import AudioEvent, DoneEvent, SpeechRequest, TextEvent
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from voxpipe.client import SpeechRequest
 
 
 def add_arguments(p) -> None:
@@ -92,12 +95,16 @@ class Conversation:
 
 
 def _request(prompt: list[int], settings: Settings, rid: str) -> SpeechRequest:
+    from voxpipe.client import SpeechRequest
+
     return SpeechRequest(token_ids=prompt, max_tokens=settings.text_tokens, min_tokens=settings.text_tokens,
                          max_frames=settings.frames, min_frames=settings.frames, request_id=rid)
 
 
 async def _one(stream_fn, req: SpeechRequest, rec: TurnRecord) -> list[int]:
     """Run one turn; its reply's token ids."""
+    from voxpipe.client import AudioEvent, DoneEvent, TextEvent
+
     start = time.perf_counter()
     ids: list[int] = []
     try:

@@ -9,8 +9,10 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from voxpipe.client import AudioEvent, DoneEvent, TextEvent
-from voxpipe.services.runtime.config import OmniConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from voxpipe.services.runtime.config import OmniConfig
 
 SAMPLE_RATE = 24000
 
@@ -132,6 +134,8 @@ class RequestRecord:
 async def run_one(stream_fn, req) -> RequestRecord:
     """One request through `stream_fn` (the pipeline client, the in-process engines, the gateway's
     SSE or realtime client), timed from here or from the client's RequestSent."""
+    from voxpipe.client import AudioEvent, DoneEvent, TextEvent
+
     rec = RequestRecord(start=time.perf_counter())
     try:
         async for ev in stream_fn(req):

@@ -188,7 +188,7 @@ HEAVY = ("torch", "grpc", "transformers", "fastapi", "numpy")
 
 
 @pytest.mark.parametrize("command", ["", "thinker", "talker", "code2wav", "gateway", "up", "say", "health",
-                                     "make-tiny"])
+                                     "make-tiny", "bench"])
 def test_help_imports_nothing_heavy_and_shows_defaults(command):
     code = ("import sys\nfrom voxpipe.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n")

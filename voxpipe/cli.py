@@ -453,6 +453,12 @@ def command_of(argv: list[str]) -> str:
     return ""
 
 
+def _bench_run(args) -> int:
+    from voxpipe.bench.harness import run
+
+    return run(args)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The `voxpipe` parser; `only`: build the flags of that command alone (`main`: the command
     given, so `--help` imports nothing heavy), None: of every command."""
@@ -544,11 +550,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_say)
 
     p = sub.add_parser("bench", help="benchmark split / in-process voxpipe against transformers (bench/BENCHMARK.md)")
-    if only in (None, "bench"):       # the harness imports the client and the prompt renderer
-        from voxpipe.bench.harness import add_arguments as bench_args, run as bench_run
+    if only in (None, "bench"):       # the flags alone: the harness (client, torch) loads when the bench runs
+        from voxpipe.bench.flags import add_arguments as bench_args
 
         bench_args(p)
-        p.set_defaults(func=bench_run)
+        p.set_defaults(func=_bench_run)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway in front of the three services")
     from voxpipe.gateway.server import add_arguments as gateway_args, run as gateway_run
