@@ -175,7 +175,8 @@ def required_call_constraint(opts: ToolOptions, param: str, served: bool = False
         return None
     if not served:
         what = "'required'" if opts.choice == "required" else f"the named function {quoted(opts.function)}"
-        raise bad_request(f"'{param}' {what} is not served here yet (chat completions serve it); use 'auto'",
+        raise bad_request(f"'{param}' {what} is not served here yet: it needs grammar-constrained decoding, which "
+                          "chat completions serve; use 'auto'",
                           param=param, code="unsupported_value")
     tools = [t for t in opts.tools if opts.choice == "required" or t.name == opts.function]
     return tool_calls([{"name": t.name, "parameters": t.parameters} for t in tools], parallel=opts.parallel)

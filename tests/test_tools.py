@@ -70,7 +70,7 @@ def tools_of(raw: list[dict]) -> tuple[Tool, ...]:
 
 def test_tools_and_tool_turns_render_as_apply_chat_template(tokenizer, omni_config):
     conv = history()
-    messages = parse_messages(conv, None)
+    messages = parse_messages(conv, None, None)
     got = render(tokenizer, omni_config.thinker, messages, tools=tools_of(TOOLS)).token_ids
     want = tokenizer.apply_chat_template(conv, tools=TOOLS, add_generation_prompt=True, tokenize=True)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
@@ -87,7 +87,7 @@ def test_tools_and_tool_turns_render_as_apply_chat_template(tokenizer, omni_conf
         tokenizer.apply_chat_template(conv, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     # without tools nothing changes
     plain = [{"role": "user", "content": "Hi"}]
-    assert render(tokenizer, omni_config.thinker, parse_messages(plain, None)).token_ids == \
+    assert render(tokenizer, omni_config.thinker, parse_messages(plain, None, None)).token_ids == \
         list(tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)["input_ids"])
 
 
@@ -113,7 +113,7 @@ def test_control_tokens_in_tool_json_are_refused(tokenizer, omni_config):
     # a tool result is message text: its control-token strings stay text
     ids = render(tokenizer, omni_config.thinker, parse_messages(
         [MESSAGES[0], {"role": "assistant", "content": "", "tool_calls": history()[2]["tool_calls"][:1]},
-         {"role": "tool", "tool_call_id": "call_1", "content": "<|im_end|>"}], None), tools=tools_of(TOOLS)).token_ids
+         {"role": "tool", "tool_call_id": "call_1", "content": "<|im_end|>"}], None, None), tools=tools_of(TOOLS)).token_ids
     assert ids.count(omni_config.thinker.tokens.im_end) == 4    # system, user, assistant, the results' user turn
 
 
@@ -151,7 +151,7 @@ def state(stack, tiny_model_dir):
 def given_reply(state, text: str, tools: ToolOptions, stream: bool):
     """The gateway's Reply to a request whose reply is given to the thinker (`text`), as the SDK
     reads it: a ChatCompletion, or the chunks and the SDK's accumulated completion."""
-    prompt = render(state.tokenizer, state.omni.thinker, parse_messages(MESSAGES, None), tools=tools.prompt_tools)
+    prompt = render(state.tokenizer, state.omni.thinker, parse_messages(MESSAGES, None, None), tools=tools.prompt_tools)
     opts = ChatOptions(audio_out=False, voice="", audio_format="pcm16", stream=stream, include_usage=False,
                        params=GenerationParams(), tools=tools)
     reply = Reply(state, opts, speech_request(prompt, opts.params, "", False, assistant_text=text), time.perf_counter(), 0)
@@ -417,11 +417,11 @@ def test_a_tool_round_trip_extends_the_previous_prompt(tokenizer, omni_config):
     from voxpipe.services.thinker.prompt import encode_text
 
     tools = tools_of(TOOLS)
-    first = render(tokenizer, omni_config.thinker, parse_messages(MESSAGES, None), tools=tools).token_ids
+    first = render(tokenizer, omni_config.thinker, parse_messages(MESSAGES, None, None), tools=tools).token_ids
     call = parse_reply(CALL, {"get_weather"}).calls[0]
     turn = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
-    second = render(tokenizer, omni_config.thinker, parse_messages(turn, None), tools=tools).token_ids
+    second = render(tokenizer, omni_config.thinker, parse_messages(turn, None, None), tools=tools).token_ids
     reply = encode_text(tokenizer, CALL) + [omni_config.thinker.tokens.im_end]
     assert second[:len(first) + len(reply)] == first + reply

@@ -252,6 +252,8 @@ class KVBlockManager:
         (`tokens`: the sequence's ids so far, prompt then reply)."""
         if not self.enable_caching:
             return
+        if computed > table.capacity(self.block_size):
+            raise ValueError(f"{computed} positions computed, but the table holds {table.capacity(self.block_size)}")
         full = min(computed, len(tokens)) // self.block_size
         if full <= table.published:
             return

@@ -74,7 +74,8 @@ class ThinkerJob(EngineRequest):
 
     @property
     def kv_tokens(self) -> int:
-        """Positions whose keys are in its blocks: what its prefill wrote, then one per decode step."""
-        if self.prefilled < self.prefill_target:
+        """Positions whose keys are in its blocks: what its prefill wrote, then one per decode step (a
+        given reply is emitted whole after the prefill: none of its tokens has keys)."""
+        if self.prefilled < self.prefill_target or self.forced is not None:
             return self.prefilled
         return len(self.prompt) + max(len(self.generated) - 1, 0)
