@@ -24,7 +24,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from voxpipe.client import PipelineClient
 from voxpipe.gateway.chat_messages import parse_messages
 from voxpipe.gateway.config import GatewayConfig
-from voxpipe.gateway.generation import speech_request
+from voxpipe.gateway.generation import run_pipeline, speech_request
 from voxpipe.gateway.openai_chat import ChatOptions, Reply
 from voxpipe.gateway.params import GenerationParams
 from voxpipe.gateway.state import GatewayState
@@ -164,7 +164,7 @@ def given_reply(state, text: str, tools: ToolOptions, stream: bool):
         if not stream:
             return ChatCompletion.model_validate(await reply.completion())
         chunks = []
-        async for line in reply.sse():
+        async for line in reply.sse(run_pipeline(state, reply.req, reply.arrived)):
             data = line.removeprefix("data: ").strip()
             if data != "[DONE]":
                 chunks.append(ChatCompletionChunk.model_validate(json.loads(data)))
