@@ -110,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="thinker and talker sample at this temperature (in (0, 100]), each request seeded by its "
                         "index, as /v1/audio/speech and chat without temperature=0 do; default 0: greedy, as the "
                         "transformers reference")
+    p.add_argument("--thinker-arg", action="append", default=[], metavar="FLAG",
+                   help="one more flag for the thinker alone, as written (repeatable; e.g. --thinker-arg=--no-prefix-cache, "
+                        "--thinker-arg=--audio-cache-mb=0); --extra goes to every stage")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
                    help="one more flag for the gateway the bench starts, as written (repeatable; e.g. "
                         "--gateway-arg=--max-sessions=512)")

@@ -303,7 +303,7 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
                        metrics_ports=metrics_ports, http_port=http_port, layout=plan.layout,
                        stage_env=stage_env, gateway_env=spans.env("gateway") if spans is not None else None,
-                       gateway_extra=list(args.gateway_arg))
+                       gateway_extra=list(args.gateway_arg), stage_extra={"thinker": list(args.thinker_arg)})
     pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
     scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
     t0 = time.perf_counter()
@@ -409,7 +409,9 @@ def run_inprocess(args, plan: Plan, makers: dict[str, RequestMaker], model: str)
     async def go():
         print("inprocess: building the engines", flush=True)
         devices = {s: ds[0] for s, ds in plan.layout.devices.items()}
-        pipe = InProcessPipeline.from_argv(argv, devices, stage_argv=inprocess_memory_flags(plan.layout, argv))
+        stage_argv = inprocess_memory_flags(plan.layout, argv)
+        stage_argv["thinker"] = stage_argv.get("thinker", []) + list(args.thinker_arg)
+        pipe = InProcessPipeline.from_argv(argv, devices, stage_argv=stage_argv)
         out = []
         try:
             for wl in plan.workloads:

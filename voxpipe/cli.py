@@ -119,7 +119,8 @@ class LocalStack:
                  metrics_ports: dict[str, int] | None = None, http_port: int = 0,
                  layout: Layout | None = None, gateway_extra: list[str] | None = None,
                  global_flags: list[str] | None = None, gateway_env: dict[str, str] | None = None,
-                 stage_env: dict[str, dict[str, str]] | None = None, reflection: bool = True) -> None:
+                 stage_env: dict[str, dict[str, str]] | None = None, reflection: bool = True,
+                 stage_extra: dict[str, list[str]] | None = None) -> None:
         """`layout`: replicas and devices per stage (default: one replica of each on `device`);
         ports are given out from `base_port` in process order. `metrics_ports`: by process name
         (a stage's name when it has one replica, see Layout.names). `extra`: flags of every stage
@@ -127,7 +128,8 @@ class LocalStack:
         before the command (--log-level, --log-format) of every process; `gateway_env`: more
         environment for the gateway (VOXPIPE_API_KEY: a key stays off the command line); `stage_env`:
         more environment per stage, for each of its processes (voxpipe.layout.sm_share_env);
-        `reflection`: gRPC server reflection on every stage and the Converse port (on: local development)."""
+        `reflection`: gRPC server reflection on every stage and the Converse port (on: local development);
+        `stage_extra`: more flags per stage, after `extra`, for each of its processes."""
         self.model, self.host, self.device = model, host, device
         self.layout = layout or Layout.parse("", device)
         self.stage_of = {name: stage for name, stage, _ in self.layout.processes()}
@@ -136,6 +138,7 @@ class LocalStack:
         self.ports = {name: base_port + i for i, name in enumerate(names)}
         self.metrics_ports = metrics_ports or {}
         self.extra = extra or []
+        self.stage_extra = stage_extra or {}
         self.gateway_extra = gateway_extra or []
         self.global_flags = global_flags or []
         self.gateway_env = gateway_env or {}
@@ -177,6 +180,7 @@ class LocalStack:
                    "--host", self.host, "--port", str(self.ports[name]), "--device", device] + self.reflection + self.extra
             if name in shares:      # a GPU shared with other stages: the thinker's KV pool is sized from it
                 cmd.append(f"--gpu-memory-fraction={shares[name]}")
+            cmd += self.stage_extra.get(stage, [])
             if self.metrics_ports.get(name):
                 cmd += ["--metrics-port", str(self.metrics_ports[name])]
             cmd += self.next_stage_flags(stage)
