@@ -232,7 +232,9 @@ class ThinkerRunner:
 
     def publish(self, job: ThinkerJob) -> None:
         """Publish the job's full blocks whose keys are computed (after a step whose outputs were finite)."""
-        if job.table is not None and job.kv_trusted:
+        if job.table is None or not job.kv_trusted:
+            return
+        if job.kv_tokens // self.blocks.block_size > job.table.published:   # a block filled since the last call
             self.blocks.publish(job.table, job.prompt + job.generated, job.kv_tokens, job.spans)
 
     def release(self, job: ThinkerJob) -> None:
