@@ -50,6 +50,10 @@ def add_stage_arguments(parser, default_port: int, default_max_len: int = 4096) 
                              "speak TLS, like Kubernetes' grpc probes; 0: off)")
     add_server_tls_arguments(parser)
     add_client_tls_arguments(parser)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="batch-invariant mode: a request's output bits do not depend on the other requests in "
+                             "its batch (their number, lengths, order) -- fixed-shape matmuls, attention and MoE sums "
+                             "in a fixed order; costs some speed (bench/determinism_check.py)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="capture decode steps as CUDA graphs (CUDA devices only)")
     parser.add_argument("--eager-fallback", action="store_true",

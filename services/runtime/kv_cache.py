@@ -22,6 +22,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from voxpipe import kernels
 
+from . import determinism
+
 
 class AttentionCache(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
@@ -30,7 +32,9 @@ class AttentionCache(Protocol):
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Grouped-query attention without materialising repeated K/V: the `rep` query heads sharing a
     KV head attend as `rep * S` queries of that head. q [B, Hq, S, D], k/v [B, Hkv, L, D],
-    mask [B, 1, S, L] bool or None."""
+    mask [B, 1, S, L] bool or None. Inside `determinism.scope()`: `determinism.attention`."""
+    if determinism.in_scope():
+        return determinism.attention(q, k, v, mask, scale)
     b, hq, s, d = q.shape
     hkv = k.shape[1]
     if hq == hkv:
@@ -62,7 +66,7 @@ def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     `_causal_sdpa` itself. On the H200 a 512-token chunk over 2,500 positions takes 0.14 ms a layer
     this way and 0.12 ms masked (bench/RESULTS.md): the choice is for the mask's memory, not speed."""
     s, total = q.shape[2], k.shape[2]
-    if s == 1 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+    if s == 1 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or determinism.in_scope():
         return _causal_sdpa(q, k, v, scale)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:

@@ -14,6 +14,7 @@ from torch import nn
 
 from voxpipe import kernels
 
+from . import determinism
 from .config import DecoderConfig, RopeConfig
 from .kv_cache import AttentionCache
 
@@ -105,6 +106,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj: nn.Linear | None = None     # set by fuse_projections()
+        self.invariant = False                      # batch-invariant attention (determinism.apply)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache) -> torch.Tensor:
         b, s, _ = x.shape
@@ -133,7 +135,7 @@ class Attention(nn.Module):
             q, k = kernels.rope.run(q, k, cos, sin, self.q_norm.weight if norm else None,
                                     self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
             attend_tokens = getattr(cache, "attend_tokens", None)
-            if attend_tokens is not None:   # token-major in and out: cache append + attention in one kernel
+            if attend_tokens is not None and not self.invariant:   # token-major: cache append + attention, one kernel
                 return self.o_proj(attend_tokens(self.layer_idx, q, k, v, self.scale))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, S, D]
         else:
@@ -141,7 +143,11 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = cache.attend(self.layer_idx, q, k, v, self.scale)              # [B, Hq, S, D]
+        if self.invariant:
+            with determinism.scope():       # the cache's attention: determinism.attention
+                out = cache.attend(self.layer_idx, q, k, v, self.scale)
+        else:
+            out = cache.attend(self.layer_idx, q, k, v, self.scale)          # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -203,11 +209,15 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self._bounds: dict[torch.device, torch.Tensor] = {}   # 0 .. E-1 per device (grouped path)
+        self.invariant = False                                # determinism.experts (determinism.apply)
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, shared: torch.Tensor | None = None,
                 shared_logit: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H]; top_idx, top_w: [T, K]. Sum over each token's experts of w * expert(x), plus
         sigmoid(shared_logit) * shared when a shared expert's output [T, H] and gate logit [T, 1] are given."""
+        if self.invariant:
+            out = determinism.experts(self, x, top_idx, top_w)
+            return out if shared is None else out + determinism.sigmoid(shared_logit) * shared
         if x.is_cuda and x.dtype == torch.bfloat16 and GROUPED_MM:
             if kernels.active(x):
                 return self.grouped_fused(x, top_idx, top_w, shared, shared_logit)
@@ -296,7 +306,7 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared, logit = self.shared_expert(flat), self.shared_expert_gate(flat)
         ex = self.experts
-        if kernels.active(flat) and kernels.experts.eligible(flat, top_idx, top_w, ex.gate_up, ex.down, shared, logit):
+        if kernels.active(flat) and not ex.invariant and kernels.experts.eligible(flat, top_idx, top_w, ex.gate_up, ex.down, shared, logit):
             # a few tokens: per-pair GEMVs, then weighted sum + shared add: three launches
             return kernels.experts.kernel(flat, top_idx, top_w, ex.gate_up, ex.down, shared, logit).view(shape)
         return ex(flat, top_idx, top_w, shared, logit).view(shape)
@@ -347,7 +357,8 @@ class DecoderLayer(nn.Module):
                      glu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """kernels.normlinear on the rows of [B, S, H] tensors (output rows, new residual rows), or
         None where it does not apply (no fused bias-free projection, a layout or size it refuses)."""
-        if proj is None or proj.bias is not None or not residual.is_contiguous() or (
+        if proj is None or isinstance(proj, determinism.InvariantLinear) or proj.bias is not None or (
+                not residual.is_contiguous()) or (
                 x is not None and not x.is_contiguous()):
             return None
         h = residual.shape[-1]

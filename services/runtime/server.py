@@ -41,6 +41,7 @@ from .tensors import Reassembler, TensorError
 from .tensors import to_proto as tensor_proto
 from . import tracing
 from .tls import ClientTLS, ServerTLS, TLSConfigError, add_port, client_tls_from_args, server_tls_from_args
+from . import determinism
 from .layers import serving_layout
 from .listen import GRPC_SERVER_OPTIONS, check_free, socket_host
 from .weights import load_module, resolve_device, resolve_dtype
@@ -505,10 +506,13 @@ def load_stage_model(args, setup: StageSetup, factory: Callable[[], nn.Module], 
                      dtype: torch.dtype | None = None, ignore: tuple[str, ...] = ()) -> nn.Module:
     """The stage's module built by `factory` on the setup's device, in `dtype` (default: the setup's),
     its `prefix` tensors read from --model (--load-format; `ignore`: prefixes of the stage's tensors
-    it does not use), laid out for serving (fused projections on CUDA)."""
+    it does not use), laid out for serving (fused projections on CUDA), in batch-invariant mode with
+    --deterministic (determinism.apply)."""
     model = load_module(factory, args.model, prefix, device=setup.device, dtype=setup.dtype if dtype is None else dtype,
                         load_format=args.load_format, ignore=ignore)
     serving_layout(model, setup.device)
+    if args.deterministic:
+        determinism.apply(model)
     return model
 
 
