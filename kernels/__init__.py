@@ -13,6 +13,8 @@ with the same contract (see each module's docstring):
 - `attention`: a few new tokens over a short cache (the code predictor), cache append fused in
 - `experts`: routed MoE experts for a few tokens (gate/up GEMV + SwiGLU, down GEMV + weighted sum +
   shared expert) in three launches straight from the router's top-k
+- `invariant`: batch-invariant matmul, routed experts and masked attention (fixed tiles, fixed
+  reduction order) for `--deterministic` (services/runtime/determinism.py)
 
 Every module has `reference(...)`, `kernel(...)` (Triton) and `run(...)` which launches the kernel
 for eligible inputs and falls back to `reference` otherwise. Importing this package does not import
@@ -37,7 +39,7 @@ def active(t) -> bool:
     return ENABLED and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "normlinear", "attention",
-                  "experts")
+                  "experts", "invariant")
 
 
 def __getattr__(name: str):

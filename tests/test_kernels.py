@@ -11,6 +11,8 @@ Error budgets (the same on CPU and CUDA):
 - bfloat16 / float16 (and RMSNorm on 16-bit x with a float32 weight, which rounds the normalised row
   to 16 bits): against a float32 reference computed on the same (already rounded) inputs, the kernel's
   max and mean absolute errors are each at most BUDGET_16 x the 16-bit reference's own (+ 1e-6).
+- invariant attention in 16 bits rounds the softmax weights to 16 bits before the weighted sum (as
+  flash attention does), so its budget against the 16-bit SDPA reference is BUDGET_16_P x.
 - exact: the fused add's new residual equals the reference's sum bit for bit; argmax indices are equal.
 - sample: ok flags, greedy rows and rows without top-p equal the reference exactly; rows with top-p
   sum and sort in another order (see kernels/sample.py), so at most SAMPLE_MISMATCH of them may
@@ -33,10 +35,11 @@ import torch
 
 ATOL, RTOL = 1e-5, 1e-5
 BUDGET_16 = 1.25
+BUDGET_16_P = 2.0
 SAMPLE_MISMATCH = 0.02
 EPS = 1e-6
 KERNELS = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "normlinear", "attention", "experts",
-           "layers")
+           "invariant", "layers")
 
 try:
     import triton  # noqa: F401  (imported only to know; no kernel runs in this process on the CPU)
@@ -55,14 +58,15 @@ def _fp32_record(name: str, got: torch.Tensor, want: torch.Tensor) -> dict:
     return {"check": name, "kind": "fp32", "max_abs_err": float(err.max()), "ok": ok}
 
 
-def _budget_record(name: str, got: torch.Tensor, ref16: torch.Tensor, ref32: torch.Tensor) -> dict:
+def _budget_record(name: str, got: torch.Tensor, ref16: torch.Tensor, ref32: torch.Tensor,
+                   budget: float = BUDGET_16) -> dict:
     err_k = (got.double() - ref32.double()).abs()
     err_r = (ref16.double() - ref32.double()).abs()
     rec = {"check": name, "kind": "budget16", "kernel_max": float(err_k.max()), "ref16_max": float(err_r.max()),
            "kernel_mean": float(err_k.mean()), "ref16_mean": float(err_r.mean())}
     rec["ok"] = (got.dtype == ref16.dtype and got.shape == ref16.shape
-                 and rec["kernel_max"] <= BUDGET_16 * rec["ref16_max"] + 1e-6
-                 and rec["kernel_mean"] <= BUDGET_16 * rec["ref16_mean"] + 1e-6)
+                 and rec["kernel_max"] <= budget * rec["ref16_max"] + 1e-6
+                 and rec["kernel_mean"] <= budget * rec["ref16_mean"] + 1e-6)
     return rec
 
 
@@ -741,10 +745,91 @@ def check_layers(device: str) -> list[dict]:
     return out
 
 
+def check_invariant(device: str) -> list[dict]:
+    """kernels.invariant against its references, and its contract: a row's bits are the same
+    whatever else shares the launch (row count, position, other tokens' experts, padded keys)."""
+    from voxpipe.kernels import invariant
+    g = torch.Generator().manual_seed(0)
+    out = []
+    x32, w32, b32 = (torch.randn(*n, generator=g).to(device) for n in ((70, 96), (80, 96), (80,)))
+    for dt in (torch.float32, torch.bfloat16):
+        x, w, b = x32.to(dt), w32.to(dt), b32.to(dt)
+        name = str(dt)[6:]
+        assert invariant.eligible(x, w, b), f"invariant matmul should launch on {device}"
+        got = invariant.run(x, w, b)
+        if dt == torch.float32:
+            out.append(_fp32_record(f"invariant matmul {name}", got, invariant.reference(x, w, b)))
+        else:
+            out.append(_budget_record(f"invariant matmul {name}", got, invariant.reference(x, w, b),
+                                      invariant.reference(x.float(), w.float(), b.float())))
+        alone = torch.cat([invariant.run(x[i:i + 1], w, b) for i in (0, 33, 69)])
+        out.append(_exact_record(f"invariant matmul {name}: rows alone = rows among 70", alone, got[[0, 33, 69]]))
+        perm = torch.randperm(70, generator=g).to(device)
+        out.append(_exact_record(f"invariant matmul {name}: rows moved", invariant.run(x[perm], w, None),
+                                 invariant.run(x, w, None)[perm]))
+    e, h, inter, k = 8, 64, 32, 2
+    gate_up32 = (torch.randn(e, 2 * inter, h, generator=g) / 8).to(device)
+    down32 = (torch.randn(e, h, inter, generator=g) / 6).to(device)
+    xs32 = torch.randn(40, h, generator=g).to(device)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(40)]).to(device)
+    for dt in (torch.float32, torch.bfloat16):
+        xs, gu, dn = xs32.to(dt), gate_up32.to(dt), down32.to(dt)
+        name = str(dt)[6:]
+        assert invariant.moe_eligible(xs, idx, gu, dn)
+        got = invariant.run_moe(xs, idx, gu, dn)
+        if dt == torch.float32:
+            out.append(_fp32_record(f"invariant moe {name}", got, invariant.reference_moe(xs, idx, gu, dn)))
+        else:
+            out.append(_budget_record(f"invariant moe {name}", got, invariant.reference_moe(xs, idx, gu, dn),
+                                      invariant.reference_moe(xs.float(), idx, gu.float(), dn.float())))
+        one = invariant.run_moe(xs[:1], idx[:1], gu, dn)
+        out.append(_exact_record(f"invariant moe {name}: a token alone = among 40", one, got[:k]))
+        flipped = invariant.run_moe(xs.flip(0), idx.flip(0), gu, dn)
+        out.append(_exact_record(f"invariant moe {name}: tokens reordered", flipped[-k:], got[:k]))
+    q32 = torch.randn(2, 4, 5, 32, generator=g).to(device)
+    kv32 = [torch.randn(2, 2, 40, 32, generator=g).to(device) for _ in range(2)]
+    lengths = torch.tensor([[23], [40]]).to(device)
+    mask = (torch.arange(40).to(device)[None, None, :] < lengths[:, :, None] - torch.arange(5).to(device)[None, :, None].flip(1))
+    mask = mask[:, None]                                                        # [2, 1, 5, 40]
+    for dt in (torch.float32, torch.bfloat16):
+        q, kk, vv = q32.to(dt), kv32[0].to(dt), kv32[1].to(dt)
+        name = str(dt)[6:]
+        assert invariant.attention_eligible(q, kk, vv, mask)
+        got = invariant.run_attention(q, kk, vv, mask, 0.2)
+        if dt == torch.float32:
+            out.append(_fp32_record(f"invariant attention {name}",
+                                    got, invariant.reference_attention(q, kk, vv, mask, 0.2)))
+        else:
+            out.append(_budget_record(f"invariant attention {name}", got,
+                                      invariant.reference_attention(q, kk, vv, mask, 0.2),
+                                      invariant.reference_attention(q.float(), kk.float(), vv.float(), mask, 0.2),
+                                      BUDGET_16_P))
+        # sequence 0 alone, its keys cut to its 23 positions, its first 3 queries only
+        alone = invariant.run_attention(q[:1, :, :3], kk[:1, :, :23], vv[:1, :, :23], mask[:1, :, :3, :23], 0.2)
+        out.append(_exact_record(f"invariant attention {name}: alone, unpadded = in the batch", alone, got[:1, :, :3]))
+        # padded to 100 keys (non-finite-free garbage past the mask) and 9 queries
+        pad_k = torch.cat((kk, torch.randn(2, 2, 60, 32, generator=g).to(device, dt)), dim=2)
+        pad_v = torch.cat((vv, torch.randn(2, 2, 60, 32, generator=g).to(device, dt)), dim=2)
+        pad_q = torch.cat((q, torch.randn(2, 4, 4, 32, generator=g).to(device, dt)), dim=2)
+        pad_mask = torch.nn.functional.pad(mask, (0, 60, 0, 4), value=False)
+        padded = invariant.run_attention(pad_q, pad_k, pad_v, pad_mask, 0.2)
+        out.append(_exact_record(f"invariant attention {name}: padded keys and queries", padded[:, :, :5], got))
+    cases = {"float64": (x32.double(), w32.double()), "weight not contiguous": (x32, w32.t().contiguous().t())}
+    for name, (xi, wi) in cases.items():
+        out.append(_fallback_record(f"invariant matmul fallback {name}", invariant.eligible(xi, wi),
+                                    invariant.run(xi, wi), invariant.reference(xi, wi)))
+    with _disabled():
+        out.append(_fallback_record("invariant attention fallback ENABLED=False",
+                                    invariant.attention_eligible(q32, kv32[0], kv32[1], mask),
+                                    invariant.run_attention(q32, kv32[0], kv32[1], mask, 0.2),
+                                    invariant.reference_attention(q32, kv32[0], kv32[1], mask, 0.2)))
+    return out
+
+
 CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling, "sample": check_sample,
           "rope": check_rope,
           "moe": check_moe, "glu": check_glu, "normlinear": check_normlinear, "attention": check_attention,
-          "experts": check_experts, "layers": check_layers}
+          "experts": check_experts, "invariant": check_invariant, "layers": check_layers}
 
 
 def assert_records(records: list[dict]) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from voxpipe import kernels
 
+from ..runtime import determinism
 from ..runtime.config import Code2WavConfig, DecoderConfig
 from ..runtime.kv_cache import AttentionCache, SlidingWindowCache
 from ..runtime.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
@@ -232,6 +233,7 @@ class Code2WavModel(nn.Module):
             [CausalConv(h, cfg.decoder_dim, 7)]
             + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)]
             + [SnakeBeta(dims[-1]), CausalConv(dims[-1], 1, 7)])
+        self.invariant = False      # batch-invariant mode (determinism.apply): the code embeddings summed in order
 
     def decode(self, codes: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, store: StreamStore,
                first: bool) -> torch.Tensor:
@@ -246,7 +248,8 @@ class Code2WavModel(nn.Module):
         Shapes depend only on (B, T, first): the call can be captured in a CUDA graph."""
         b, q, t = codes.shape
         offsets = torch.arange(q, device=codes.device)[None, :, None] * self.cfg.codebook_size
-        x = self.code_embedding(codes + offsets).mean(1)                               # [B, T, H]
+        embeds = self.code_embedding(codes + offsets)                                  # [B, Q, T, H]
+        x = determinism.ordered_sum(embeds, 1) / q if self.invariant else embeds.mean(1)  # [B, T, H]
         positions = start[:, None] + torch.arange(t, device=codes.device)
         bound = store.window.bind(slots, start, t)
         x = self.pre_transformer(x, positions, bound).permute(0, 2, 1)                 # [B, H, T]

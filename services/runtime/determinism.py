@@ -151,7 +151,7 @@ def experts(module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor)
     one fixed-tile grouped GEMM per projection (kernels.invariant.grouped); elsewhere each expert's
     rows through `linear`; the k weighted outputs summed in the token's own expert order."""
     t, k = top_idx.shape
-    if kernels.active(x) and kernels.invariant.eligible(x, module.gate_up[0]):
+    if kernels.active(x) and kernels.invariant.moe_eligible(x, top_idx, module.gate_up, module.down):
         y = kernels.invariant.moe(x, top_idx, module.gate_up, module.down)           # [T * K, H] pair order
     else:
         y = x.new_empty(t * k, x.shape[1])
@@ -165,28 +165,45 @@ def experts(module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor)
                 gate, up = linear(x[pairs // k], module.gate_up[expert]).chunk(2, dim=-1)
                 y[pairs] = linear(silu(gate) * up, module.down[expert])
                 start += n
-    pairs = y.view(t, k, -1) * top_w[..., None].to(y.dtype)
-    out = pairs[:, 0]
-    for j in range(1, k):               # a fixed order of the k terms (top-k rank), per token
-        out = out + pairs[:, j]
-    return out
+    return ordered_sum(y.view(t, k, -1) * top_w[..., None].to(y.dtype), 1)    # top-k rank order
 
 
 _CLASSES = {nn.Linear: InvariantLinear, nn.Conv1d: InvariantConv1d, nn.ConvTranspose1d: InvariantConvTranspose1d}
 
 
 def apply(model: nn.Module) -> nn.Module:
-    """Put `model` (loaded, laid out for serving) in batch-invariant mode, in place; returns it."""
-    from .layers import Attention, Experts, GatedMLP, SparseMoE
-
+    """Put `model` (loaded, laid out for serving) in batch-invariant mode, in place; returns it.
+    Modules with an `invariant` attribute (attention, experts, the models' fixed-order sums) get
+    True. On CUDA the mode needs the Triton kernels (ValueError when VOXPIPE_KERNELS=0 or Triton is
+    missing): torch's own CUDA ops choose their algorithms by shape."""
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    if on_cuda and not (kernels.ENABLED and _triton_available()):
+        raise ValueError("--deterministic on CUDA needs the Triton kernels (Triton installed, VOXPIPE_KERNELS not 0)")
+    if on_cuda:
+        torch.backends.cudnn.deterministic = True       # one convolution algorithm per shape, no atomics
+        torch.backends.cudnn.benchmark = False
     for m in model.modules():
         swap = _CLASSES.get(type(m))
         if swap is not None:
             m.__class__ = swap
-        if isinstance(m, (Attention, Experts, SparseMoE)):
+        if hasattr(m, "invariant"):
             m.invariant = True
         if getattr(m, "act", None) is F.silu:       # GatedMLP, the talker's ResizeMLP
             m.act = silu
-        if isinstance(m, GatedMLP) and m.act is silu:
-            m.invariant = True
     return model
+
+
+def _triton_available() -> bool:
+    from voxpipe.kernels import common
+
+    return common.triton is not None
+
+
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x.sum(dim) as x[0] + x[1] + ... along `dim`, left to right: the same order for any batch
+    (a CUDA reduction's tree depends on the tensor's shape)."""
+    parts = x.unbind(dim)
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
+    return out

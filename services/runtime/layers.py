@@ -135,7 +135,8 @@ class Attention(nn.Module):
             q, k = kernels.rope.run(q, k, cos, sin, self.q_norm.weight if norm else None,
                                     self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
             attend_tokens = getattr(cache, "attend_tokens", None)
-            if attend_tokens is not None and not self.invariant:   # token-major: cache append + attention, one kernel
+            if attend_tokens is not None:   # token-major in and out: cache append + attention in one kernel
+                # (one program per sequence and KV head, all at one length: batch-invariant as it is)
                 return self.o_proj(attend_tokens(self.layer_idx, q, k, v, self.scale))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, S, D]
         else:

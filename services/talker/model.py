@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..runtime import determinism
 from ..runtime.config import DecoderConfig, TalkerConfig
 from ..runtime.kv_cache import AttentionCache, ShortCache
 from ..runtime.layers import ACTIVATIONS, DecoderStack
@@ -102,6 +103,7 @@ class TalkerModel(nn.Module):
         self.text_projection = ResizeMLP(cfg.thinker_hidden_size, t.intermediate_size, t.hidden_size, cfg.resize_act)
         self.hidden_projection = ResizeMLP(cfg.thinker_hidden_size, t.intermediate_size, t.hidden_size, cfg.resize_act)
         self.code_predictor = CodePredictor(cfg.code_predictor, cfg.num_code_groups)
+        self.invariant = False      # batch-invariant mode (determinism.apply): the frame's embeddings summed in order
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
                 last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,4 +117,5 @@ class TalkerModel(nn.Module):
         """The next step's input [B, H]: the sum of all codebook embeddings of the frame just made,
         plus that step's text row (already projected)."""
         parts = [self.model.codec_embedding(code0)] + residual_embeds
-        return torch.stack(parts, dim=1).sum(1) + text_row
+        stacked = torch.stack(parts, dim=1)
+        return (determinism.ordered_sum(stacked, 1) if self.invariant else stacked.sum(1)) + text_row

@@ -1,0 +1,316 @@
+"""Batch-invariant kernels for `--deterministic` (services/runtime/determinism.py): each output row's
+bits depend only on that row's inputs, never on how many rows share the launch, where the row sits,
+or (attention) how far the batch's key length was padded. Every launch shape is a constant: fixed
+tiles, one program per output tile, the reduction dimension walked in one fixed order, no split-K,
+no autotuning. (cuBLAS / SDPA choose their algorithm, split-K and tiles by shape.)
+
+Matmul, `reference` / `matmul`:
+    x: [M, K]; weight: [N, K]; bias: [N] or None; one float dtype
+    returns F.linear(x, weight, bias) [M, N] in x.dtype (float32 accumulation, rounded once; the bias
+    added in float32 before that rounding)
+
+Routed experts, `reference_moe` / `moe`:
+    x: [T, H]; top_idx: [T, K] int64; gate_up: [E, 2I, H] (gate rows first); down: [E, H, I]
+    per pair p = t * K + k, e = top_idx[t, k]: g, u = gate_up[e] @ x[t] (each rounded);
+    a = silu(g) (rounded) * u (rounded); y[p] = down[e] @ a (rounded)
+    returns y [T * K, H] in pair order (the caller weights and sums each token's K rows)
+The pairs are sorted by expert (stable) and cut into tiles of BLOCK_M rows of one expert; a tile's
+rows go through tl.dot against that expert's weights in the fixed tile shape, so a pair's bits do
+not depend on how many other pairs chose its expert. The tile table is built on the device with
+static shapes (no host sync): safe inside CUDA graphs.
+
+Attention, `reference_attention` / `attention`:
+    q: [B, Hq, S, D]; k, v: [B, Hkv, L, D] (Hq a multiple of Hkv); mask: [B, 1, S, L] bool or None
+    softmax(q k^T * scale, masked) v per query row, float32 inside, [B, Hq, S, D] in q.dtype;
+    a row with no key attended gets zeros
+One program per (sequence, query head, BLOCK_Q queries); keys in blocks of BLOCK_KV from position
+0, an online softmax in that order. A key block past a row's mask adds exact zeros (scale 1, sum +0),
+so the batch's padded L and S change nothing. (Decode attention over the paged cache is the paged
+kernel's: there the split size must be a fixed number of positions for the same property.)
+
+Under Triton's CPU interpreter 16-bit tl.dot is wrong, so operands go to it as float32 there (on the
+GPU 16-bit operands' products are exact in the float32 accumulator either way).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import FLOAT_DTYPES, INTERPRET, device_of, launchable, round_to, tl, triton
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64      # matmul / MoE tiles: constants, whatever M is
+NUM_WARPS, NUM_STAGES = 4, 3
+BLOCK_Q, BLOCK_KV = 16, 32                  # attention: queries per program, keys per block
+MAX_D = 256
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    tensors = (x, weight) + (() if bias is None else (bias,))
+    return (x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1] and x.shape[0] > 0
+            and (bias is None or bias.shape == (weight.shape[0],))
+            and x.dtype in FLOAT_DTYPES and all(t.dtype == x.dtype for t in tensors)
+            and x.stride(1) == 1 and weight.is_contiguous() and launchable(*tensors))
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton; assumes `eligible(...)`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    with device_of(x):
+        _matmul[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+            x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), HAS_BIAS=bias is not None,
+            DOT_F32=x.dtype == torch.float32 or INTERPRET, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return matmul(x, weight, bias) if eligible(x, weight, bias) else reference(x, weight, bias)
+
+
+# ---------------------------------------------------------------------------------------- experts
+
+def reference_moe(x: torch.Tensor, top_idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    k = top_idx.shape[1]
+    flat = top_idx.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)                                               # [T*K, H]
+    gate, up = torch.einsum("ph,pnh->pn", xs, gate_up[flat]).chunk(2, dim=-1)
+    return torch.einsum("pi,phi->ph", F.silu(gate) * up, down[flat])
+
+
+def moe_eligible(x: torch.Tensor, top_idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    if x.ndim != 2 or top_idx.ndim != 2 or gate_up.ndim != 3 or down.ndim != 3:
+        return False
+    e, two_i, h = gate_up.shape
+    return (x.shape[0] > 0 and x.shape[1] == h and top_idx.shape[0] == x.shape[0] and two_i % 2 == 0
+            and down.shape == (e, h, two_i // 2) and top_idx.dtype == torch.int64
+            and x.dtype in FLOAT_DTYPES and gate_up.dtype == x.dtype and down.dtype == x.dtype
+            and x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()
+            and launchable(x, top_idx, gate_up, down))
+
+
+def tiles(top_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """The pairs sorted by expert and the tile table, static shapes only: (order [P]: the pair of each
+    sorted row, tile_expert / tile_start / tile_end [P // BLOCK_M + E]: a tile's expert and sorted rows;
+    tiles past the real ones have start == end)."""
+    flat = top_idx.reshape(-1)
+    pairs = flat.numel()
+    sorted_ids, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(num_experts, device=flat.device)
+    ends = torch.searchsorted(sorted_ids, bounds, right=True)                        # [E] (no host sync)
+    counts = ends - torch.searchsorted(sorted_ids, bounds, right=False)
+    per = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = torch.cumsum(per, 0)
+    slots = pairs // BLOCK_M + num_experts                                            # >= the real tile count
+    i = torch.arange(slots, device=flat.device)
+    expert = torch.searchsorted(tile_ends, i, right=True).clamp_max(num_experts - 1)
+    first = tile_ends[expert] - per[expert]                                           # the expert's first tile
+    start = ends[expert] - counts[expert] + (i - first) * BLOCK_M
+    end = torch.minimum(start + BLOCK_M, ends[expert])
+    real = i < tile_ends[-1]
+    start = torch.where(real, start, torch.zeros_like(start))
+    end = torch.where(real, end, torch.zeros_like(end))
+    return order, expert, start, end
+
+
+def moe(x: torch.Tensor, top_idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Triton; assumes `moe_eligible(...)`."""
+    t, h = x.shape
+    k = top_idx.shape[1]
+    e, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    order, expert, start, end = tiles(top_idx, e)
+    act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)                   # sorted row order
+    y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)                         # pair order
+    dot32 = x.dtype == torch.float32 or INTERPRET
+    with device_of(x):
+        grid = (expert.numel(), triton.cdiv(inter, BLOCK_N))
+        _experts[grid](x, order, expert, start, end, gate_up, act, inter, h, K=k, GATE_UP=True, DOT_F32=dot32,
+                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        grid = (expert.numel(), triton.cdiv(h, BLOCK_N))
+        _experts[grid](act, order, expert, start, end, down, y, h, inter, K=k, GATE_UP=False, DOT_F32=dot32,
+                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return y
+
+
+def run_moe(x: torch.Tensor, top_idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    if moe_eligible(x, top_idx, gate_up, down):
+        return moe(x, top_idx, gate_up, down)
+    return reference_moe(x, top_idx, gate_up, down)
+
+
+# -------------------------------------------------------------------------------------- attention
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if mask is not None:                                                                # no key: zeros
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return out
+
+
+def attention_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return False
+    b, hq, s, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    tensors = (q, k, v) + (() if mask is None else (mask,))
+    return (q.numel() > 0 and length > 0 and hkv > 0 and hq % hkv == 0 and 16 <= d <= MAX_D and d & (d - 1) == 0
+            and k.shape == v.shape == (b, hkv, length, d) and q.dtype in FLOAT_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype
+            and all(t.stride(-1) == 1 for t in (q, k, v))
+            and (mask is None or (mask.dtype == torch.bool and mask.shape[0] in (1, b) and mask.shape[1] == 1
+                                  and mask.shape[2] in (1, s) and mask.shape[3] == length))
+            and launchable(*tensors))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """Triton; assumes `attention_eligible(...)`. Strided q / k / v (views) are read as they are."""
+    b, hq, s, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    out = torch.empty(b, hq, s, d, dtype=q.dtype, device=q.device)
+    has_mask = mask is not None
+    m = mask if has_mask else q
+    ms = (m.stride(0) if has_mask and m.shape[0] > 1 else 0, m.stride(2) if has_mask and m.shape[2] > 1 else 0,
+          m.stride(3) if has_mask else 0)
+    with device_of(q):
+        _attention[(b * hq, triton.cdiv(s, BLOCK_Q))](
+            q, k, v, m.view(torch.uint8) if has_mask else m, out, s, length, scale,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), *ms, HQ=hq, REP=hq // hkv, D=d, HAS_MASK=has_mask,
+            DOT_F32=q.dtype == torch.float32 or INTERPRET, BLOCK_Q=BLOCK_Q, BLOCK_KV=BLOCK_KV,
+            num_warps=4 if d >= 128 else 2)
+    return out
+
+
+def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    if attention_eligible(q, k, v, mask):
+        return attention(q, k, v, mask, scale)
+    return reference_attention(q, k, v, mask, scale)
+
+
+if triton is not None:
+    INTERP = tl.constexpr(INTERPRET)
+
+    @triton.jit
+    def _dot(a, b, DOT_F32: tl.constexpr):
+        """a @ b in float32. The interpreter's tl.dot is numpy's BLAS, whose rounding of a row depends on
+        the other rows' values: there the products are summed per output over K (one fixed order),
+        which is what the GPU's MMA does per output row."""
+        if INTERP:
+            return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        if DOT_F32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit(do_not_specialize=["m"])
+    def _matmul(x_ptr, w_ptr, b_ptr, out_ptr, m, n, k, x_stride, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < m, cols < n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            kk = start + tl.arange(0, BLOCK_K)
+            k_ok = kk < k
+            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + kk[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * k + kk[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                        other=0.0)
+            acc += _dot(a, w, DOT_F32)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], round_to(acc, out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _experts(a_ptr, order_ptr, expert_ptr, start_ptr, end_ptr, w_ptr, out_ptr, n, k, K: tl.constexpr,
+                 GATE_UP: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+        """One tile of one expert's sorted rows against BLOCK_N output columns. GATE_UP: the rows are
+        tokens (x[order // K]), the weight [E, 2n, k] gives gate and up columns, the output is the
+        SwiGLU in sorted row order; else the rows are those outputs, the weight [E, n, k], the output
+        goes to each row's pair (order)."""
+        tile = tl.program_id(0)
+        start = tl.load(start_ptr + tile)
+        end = tl.load(end_ptr + tile)
+        if start < end:
+            expert = tl.load(expert_ptr + tile).to(tl.int64)
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < end
+            pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+            src = pair // K if GATE_UP else rows.to(tl.int64)
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < n
+            width = 2 * n if GATE_UP else n
+            w_rows = w_ptr + expert * width * k + cols[None, :].to(tl.int64) * k
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, k, BLOCK_K):
+                kk = s + tl.arange(0, BLOCK_K)
+                k_ok = kk < k
+                a = tl.load(a_ptr + src[:, None] * k + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w_ok = col_ok[None, :] & k_ok[:, None]
+                acc += _dot(a, tl.load(w_rows + kk[:, None], mask=w_ok, other=0.0), DOT_F32)
+                if GATE_UP:
+                    acc_up += _dot(a, tl.load(w_rows + n * k + kk[:, None], mask=w_ok, other=0.0), DOT_F32)
+            dtype = out_ptr.dtype.element_ty
+            ok = row_ok[:, None] & col_ok[None, :]
+            if GATE_UP:
+                g = round_to(acc, dtype).to(tl.float32)
+                u = round_to(acc_up, dtype).to(tl.float32)
+                a = round_to(g / (1.0 + tl.exp(-g)), dtype).to(tl.float32)
+                tl.store(out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], round_to(a * u, dtype), mask=ok)
+            else:
+                tl.store(out_ptr + pair[:, None] * n + cols[None, :], round_to(acc, dtype), mask=ok)
+
+    @triton.jit(do_not_specialize=["s", "length"])
+    def _attention(q_ptr, k_ptr, v_ptr, m_ptr, out_ptr, s, length, scale, qs0, qs1, qs2, ks0, ks1, ks2,
+                   vs0, vs1, vs2, ms0, ms2, ms3, HQ: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
+                   HAS_MASK: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):
+        bh = tl.program_id(0)
+        b = (bh // HQ).to(tl.int64)
+        h = bh % HQ
+        kvh = (h // REP).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        row_ok = rows < s
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * qs0 + h * qs1 + rows[:, None].to(tl.int64) * qs2 + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        top = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([BLOCK_Q], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+        for j in range(0, length, BLOCK_KV):
+            keys = j + tl.arange(0, BLOCK_KV)
+            key_ok = keys < length
+            kt = tl.load(k_ptr + b * ks0 + kvh * ks1 + keys[None, :].to(tl.int64) * ks2 + d[:, None],
+                         mask=key_ok[None, :], other=0.0)                                       # [D, BLOCK_KV]
+            scores = _dot(q, kt, DOT_F32) * scale
+            ok = row_ok[:, None] & key_ok[None, :]
+            if HAS_MASK:
+                mv = tl.load(m_ptr + b * ms0 + rows[:, None].to(tl.int64) * ms2 + keys[None, :] * ms3, mask=ok,
+                             other=0)
+                ok = ok & (mv != 0)
+            scores = tl.where(ok, scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, axis=1))
+            base = tl.where(new_top == float("-inf"), 0.0, new_top)
+            p = tl.exp(scores - base[:, None])
+            keep = tl.exp(top - base)
+            total = total * keep + tl.sum(p, axis=1)
+            vals = tl.load(v_ptr + b * vs0 + kvh * vs1 + keys[:, None].to(tl.int64) * vs2 + d[None, :],
+                           mask=key_ok[:, None], other=0.0)                                     # [BLOCK_KV, D]
+            acc = acc * keep[:, None] + _dot(p.to(vals.dtype), vals, DOT_F32)
+            top = new_top
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(out_ptr + ((b * HQ + h) * s + rows[:, None].to(tl.int64)) * D + d[None, :],
+                 round_to(out, out_ptr.dtype.element_ty), mask=row_ok[:, None])
