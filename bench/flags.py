@@ -72,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time transformers' generate at c=1 in a separate process, once per workload")
     p.add_argument("--max-batch", type=int, default=64, help="every stage's --max-batch")
     p.add_argument("--extra", default="", help="extra flags for every stage service (split and in-process)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every stage in batch-invariant mode (--deterministic: added to --extra)")
     p.add_argument("--out", default="bench/out", help="folder for the run's JSON and reports")
     p.add_argument("--base-port", type=int, default=52051,
                    help="the started services' thinker port; talker +1, code2wav +2, their metrics +10.., the "

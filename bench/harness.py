@@ -512,6 +512,8 @@ def prepare(args) -> tuple[Plan, "OmniConfig", str, dict[str, RequestMaker]]:
 
 
 def run(args) -> int:
+    if args.deterministic and "--deterministic" not in args.extra.split():
+        args.extra = (args.extra + " --deterministic").strip()      # every stage, split and in-process
     plan, cfg, model, makers = prepare(args)
     # the services and the gateway log at the bench's level (`voxpipe --log-level WARNING bench ...`)
     os.environ.setdefault("VOXPIPE_LOG_LEVEL", getattr(args, "log_level", None) or "INFO")

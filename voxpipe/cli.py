@@ -300,6 +300,7 @@ def _up_stage_flags(args) -> list[str]:
     """`voxpipe up`'s flags for every stage: the engine ones given, then --stage-arg's, as written."""
     flags = [f"--max-batch={args.max_batch}"] if args.max_batch else []
     flags += [f"--load-format={args.load_format}", f"--dtype={args.dtype}"]
+    flags += ["--deterministic"] if args.deterministic else []
     return flags + list(args.stage_arg or [])
 
 
@@ -525,6 +526,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                    help="dummy: full-size random weights built on the device from config.json")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the stages' weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="every stage in batch-invariant mode: a request's output bits do not depend on its batch")
     g.add_argument("--stage-arg", action="append", metavar="FLAG",
                    help="one more flag of every stage, as written (repeatable; e.g. --stage-arg=--max-len=8192)")
     p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,

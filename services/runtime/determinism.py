@@ -33,7 +33,7 @@ from torch import nn
 
 from voxpipe import kernels
 
-ROWS = 16          # CPU: rows per matmul call (one GEMM shape; M >= 4 avoids MKL's small-M paths)
+ROWS = 4           # CPU: rows per matmul call (one GEMM shape; M >= 4 avoids MKL's small-M paths)
 KEY_BLOCK = 16     # attention: keys per block of the fixed-order online softmax
 
 _local = threading.local()

@@ -1,0 +1,85 @@
+"""Batch-invariant mode (--deterministic, services/runtime/determinism.py) on the CPU: its ops give a
+row the same bits whatever else is in the call (row count, position, padded keys, other tokens'
+experts), the flag reaches every stage from `voxpipe up` and the bench, and the bench's probe
+(bench/determinism_check.py) finds a request's audio equal alone and inside a batch. The engines'
+own alone-vs-batched equality with poisoned neighbours is tests/test_isolation.py (which runs in
+this mode); the Triton kernels' is tests/test_kernels.py (`invariant`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from voxpipe.services.runtime import determinism
+
+
+def test_linear_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(70, 96, generator=g), torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    full = determinism.linear(x, w, b)
+    assert torch.allclose(full, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    for m in (1, 2, 3, 5, 16, 17, 33):
+        assert torch.equal(determinism.linear(x[:m], w, b), full[:m]), m
+    perm = torch.randperm(70, generator=g)
+    assert torch.equal(determinism.linear(x[perm], w, b), full[perm])
+    assert torch.equal(determinism.linear(x.view(7, 10, 96), w, b), full.view(7, 10, 80))
+
+
+def test_attention_rows_do_not_depend_on_padding_or_batch():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 5, 16, generator=g)
+    k, v = torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g)
+    lengths = torch.tensor([23, 40])
+    pos = torch.arange(40)[None, None, :]
+    mask = (pos < (lengths[:, None, None] - 4 + torch.arange(5)[None, :, None]))[:, None]    # [2, 1, 5, 40]
+    got = determinism.attention(q, k, v, mask, 0.25)
+    rep = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    assert torch.allclose(got, F.scaled_dot_product_attention(q, *rep, attn_mask=mask, scale=0.25), atol=1e-5)
+    alone = determinism.attention(q[:1, :, 2:3], k[:1, :, :23], v[:1, :, :23], mask[:1, :, 2:3, :23], 0.25)
+    assert torch.equal(alone, got[:1, :, 2:3])
+    pad = torch.randn(2, 2, 50, 16, generator=g)
+    padded = determinism.attention(torch.cat((q, q), 2), torch.cat((k, pad), 2), torch.cat((v, pad), 2),
+                                   F.pad(torch.cat((mask, mask), 2), (0, 50), value=False), 0.25)
+    assert torch.equal(padded[:, :, :5], got)
+    none = determinism.attention(q, k, v, torch.zeros_like(mask), 0.25)
+    assert torch.equal(none, torch.zeros_like(none))     # a row with no key: zeros, not NaN
+
+
+def test_experts_tokens_do_not_depend_on_the_others():
+    from voxpipe.services.runtime.layers import Experts
+
+    g = torch.Generator().manual_seed(2)
+    ex = Experts(8, 64, 32)
+    with torch.no_grad():
+        ex.gate_up.copy_(torch.randn(8, 64, 64, generator=g) / 8)
+        ex.down.copy_(torch.randn(8, 64, 32, generator=g) / 6)
+    determinism.apply(ex)
+    x = torch.randn(40, 64, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(40)])
+    w = torch.softmax(torch.randn(40, 2, generator=g), -1)
+    with torch.no_grad():
+        full = ex(x, idx, w)
+        assert torch.allclose(full, ex.looped(x, idx, w), atol=1e-5)
+        assert torch.equal(ex(x[:1], idx[:1], w[:1]), full[:1])
+        assert torch.equal(ex(x.flip(0), idx.flip(0), w.flip(0)), full.flip(0))
+
+
+def test_flag_reaches_every_stage_from_up_and_the_bench():
+    from voxpipe.cli import _up_stage_flags, build_parser
+
+    parser = build_parser()
+    for stage in ("thinker", "talker", "code2wav"):
+        assert parser.parse_args([stage, "--deterministic"]).deterministic
+        assert not parser.parse_args([stage]).deterministic
+    assert "--deterministic" in _up_stage_flags(parser.parse_args(["up", "--deterministic"]))
+    assert "--deterministic" not in _up_stage_flags(parser.parse_args(["up"]))
+    assert parser.parse_args(["bench", "--deterministic"]).deterministic
+
+
+def test_probe_finds_code2wav_audio_equal_alone_and_batched(capsys):
+    from voxpipe.bench import determinism_check
+
+    assert determinism_check.main(["--stages", "code2wav", "--modes", "deterministic", "--concurrency", "3",
+                                   "--frames", "3"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert '"equal": true' in line and '"mode": "deterministic"' in line
