@@ -1,8 +1,10 @@
 """Batch invariance (`--deterministic`): each stage's engine, built as its service builds it, runs two
 target requests (one greedy, one sampled with a seed) alone, then each inside a batch of c requests
-of other lengths; the target's output bits (thinker: token ids, log probabilities, talker rows;
-talker: codes; code2wav: the float32 samples) must be equal alone and batched. Per stage and mode it
-prints one JSON line: equal or not, and the wall time of the batched run (the mode's cost at c).
+of other lengths (a third of them sampled); the target's output bits (thinker: token ids, log
+probabilities, talker rows; talker: codes; code2wav: the float32 samples) must be equal alone and
+batched. Per stage and mode it prints one JSON line: equal or not, repeatable (alone twice: the
+thinker's second run finds its prompt in the prefix cache), and the wall time of the batched runs;
+then per stage the mode's cost at c (deterministic over default batched wall time, minus 1).
 
     python -m voxpipe.bench.determinism_check --device cuda --load-format dummy --concurrency 64
     python -m voxpipe.bench.determinism_check --device cpu --concurrency 4      # the tiny checkpoint
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model = str(default_model_dir())
     failed = False
     for stage in args.stages.split(","):
+        seconds = {}
         for mode in args.modes.split(","):
             argv_stage = ["--model", args.model, "--device", args.device, "--load-format", args.load_format,
                           "--max-batch", str(args.concurrency), *args.extra.split()]
@@ -204,10 +207,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(line), flush=True)
             if mode == "deterministic" and not all(r["equal"] and r["repeatable"] for r in result.values()):
                 failed = True
+            seconds[mode] = sum(r["batch_s"] for r in result.values())
             del engine
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        if len(seconds) == 2:   # the batched runs' wall time, deterministic over default
+            print(json.dumps({"stage": stage, "concurrency": args.concurrency, "batch_s": seconds,
+                              "cost": round(seconds["deterministic"] / seconds["default"] - 1, 3)}), flush=True)
     return 1 if failed else 0
 
 

@@ -79,7 +79,7 @@ def test_flag_reaches_every_stage_from_up_and_the_bench():
 def test_probe_finds_code2wav_audio_equal_alone_and_batched(capsys):
     from voxpipe.bench import determinism_check
 
-    assert determinism_check.main(["--stages", "code2wav", "--modes", "deterministic", "--concurrency", "3",
-                                   "--frames", "3"]) == 0
+    assert determinism_check.main(["--stages", "code2wav", "--modes", "deterministic", "--concurrency", "2",
+                                   "--frames", "2"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert '"equal": true' in line and '"mode": "deterministic"' in line
