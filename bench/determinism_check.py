@@ -142,10 +142,13 @@ def code2wav_probe(engine, frames: int) -> Probe:
 PROBES = {"thinker": thinker_probe, "talker": talker_probe, "code2wav": code2wav_probe}
 
 
-async def check_stage(engine: StageEngine, probe: Probe, concurrency: int) -> dict:
-    """The greedy and the sampled target alone (twice), then each inside `concurrency` requests."""
+SAMPLED = SamplingParams(temperature=0.9, top_k=50, seed=11)
+
+
+async def check_stage(engine: StageEngine, probe: Probe, concurrency: int, targets: tuple[str, ...]) -> dict:
+    """Each target (greedy, sampled) alone (twice), then inside `concurrency` requests."""
     loop = asyncio.get_running_loop()
-    sampled = SamplingParams(temperature=0.9, top_k=50, seed=11)
+    sampled = SAMPLED
 
     def request(k: int, params: SamplingParams) -> EngineRequest:
         job = probe.make(loop, k, params)
@@ -160,6 +163,8 @@ async def check_stage(engine: StageEngine, probe: Probe, concurrency: int) -> di
 
     out: dict = {}
     for name, params in (("greedy", GREEDY), ("sampled", sampled)):
+        if name not in targets:
+            continue
         solo, again = await alone(params), await alone(params)
         jobs = [request(k, GREEDY if k % 3 else sampled) for k in range(1, concurrency)]
         target = request(0, params)
@@ -184,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--modes", default="default,deterministic")
     p.add_argument("--extra", default="", help="more flags for every stage")
+    p.add_argument("--targets", default="greedy,sampled",
+                   help="which targets: greedy, sampled (code2wav, which does not sample: greedy only)")
     args = p.parse_args(argv)
     if args.model is None:
         if args.load_format == "dummy":
@@ -202,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 argv_stage.append("--deterministic")
             engine = build_engine(stage, argv_stage)
             size = args.tokens if stage == "thinker" else args.frames
-            result = asyncio.run(check_stage(engine, PROBES[stage](engine, size), args.concurrency))
+            targets = ("greedy",) if stage == "code2wav" else tuple(args.targets.split(","))
+            result = asyncio.run(check_stage(engine, PROBES[stage](engine, size), args.concurrency, targets))
             line = {"stage": stage, "mode": mode, "concurrency": args.concurrency, "device": args.device, **result}
             print(json.dumps(line), flush=True)
             if mode == "deterministic" and not all(r["equal"] and r["repeatable"] for r in result.values()):

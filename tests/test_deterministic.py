@@ -7,6 +7,8 @@ this mode); the Triton kernels' is tests/test_kernels.py (`invariant`)."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 
@@ -76,10 +78,13 @@ def test_flag_reaches_every_stage_from_up_and_the_bench():
     assert parser.parse_args(["bench", "--deterministic"]).deterministic
 
 
-def test_probe_finds_code2wav_audio_equal_alone_and_batched(capsys):
+def test_probe_finds_talker_codes_and_audio_equal_alone_and_batched(capsys):
+    """The bench's probe at its smallest: a greedy talker target and a code2wav target, alone and
+    beside another request of another length (the thinker's and the sampled runs: test_isolation)."""
     from voxpipe.bench import determinism_check
 
-    assert determinism_check.main(["--stages", "code2wav", "--modes", "deterministic", "--concurrency", "2",
-                                   "--frames", "2"]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert '"equal": true' in line and '"mode": "deterministic"' in line
+    assert determinism_check.main(["--stages", "talker,code2wav", "--modes", "deterministic", "--concurrency", "2",
+                                   "--frames", "2", "--targets", "greedy"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines() if x.startswith("{")]
+    assert [(r["stage"], r["greedy"]["equal"], r["greedy"]["repeatable"]) for r in lines] == [
+        ("talker", True, True), ("code2wav", True, True)]
