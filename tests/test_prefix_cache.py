@@ -173,6 +173,30 @@ def uncached(tiny_model_dir):
     return _engine(tiny_model_dir, "--no-prefix-cache")
 
 
+@pytest.fixture(scope="module")
+def graphed(tiny_model_dir):
+    """The cached engine with its CUDA-graph plans emulated on the CPU (cuda_graphs.EMULATE): a
+    prompt with a cached prefix replays the extend graph (right-padded rows from their cached
+    prefixes), a short prompt without one the prefill graph, decode the decode graph."""
+    from voxpipe.services.runtime import cuda_graphs
+    before = cuda_graphs.EMULATE
+    cuda_graphs.EMULATE = True
+    try:
+        engine = _engine(tiny_model_dir)
+    finally:
+        cuda_graphs.EMULATE = before
+    g = engine.runner.extend_graphs
+    assert g is not None and g.emulated
+    fn, g.replays = g.fn, 0
+
+    def counted(*args):
+        g.replays += 1
+        return fn(*args)
+
+    g.fn = counted
+    return engine
+
+
 def _job(engine, rid: str, messages: list[ChatMessage], max_tokens: int = 6, talker_rows: bool = True):
     rendered = render(engine.tokenizer, engine.cfg, messages)
     return ThinkerJob(request_id=rid, outbox=Outbox(asyncio.get_event_loop(), limit=10_000), prompt=rendered.token_ids,
@@ -206,8 +230,10 @@ def loop():
     loop.close()
 
 
+@pytest.mark.parametrize("which", ["cached", "graphed"])
 def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache_and_transformers(
-        cached, uncached, tiny_model_dir, loop):
+        which, uncached, tiny_model_dir, loop, request):
+    cached = request.getfixturevalue(which)
     system = ChatMessage.text("system", "You are a lighthouse keeper who answers in long careful sentences.")
     turn1 = [system, ChatMessage.text("user", "Tell me about the sea at night, and the ships that pass.")]
     hits = []
@@ -237,6 +263,8 @@ def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache
         assert reply == ref.text_ids
     get = metrics.REGISTRY.get_sample_value
     assert get("voxpipe_prefix_cache_tokens_total", {"stage": "thinker", "kind": "hit"}) >= sum(hits)
+    if which == "graphed":
+        assert cached.runner.extend_graphs.replays >= 2           # the two hits went on in the extend graph
 
 
 def test_eviction_under_a_small_pool_keeps_outputs(tiny_model_dir, uncached, loop):

@@ -12,6 +12,9 @@ q [B, Hq, S, D], k / v [B, Hkv, S, D], rotated):
 - `prefill_view(tables, s)`: whole prompts from position 0, right-padded to S: graph-friendly.
 - `decode_view(n, kv_len, tables, start)`: one new token per sequence: graph-friendly (the tables
   [N, M] and positions [N] are tensors; shapes depend only on (n, kv_len)).
+- `extend_view(tables, start, length, s, kv_bound)`: prompts that go on from a cached prefix, one
+  per row, right-padded to S new tokens: graph-friendly (start, length [N] tensors; shapes depend
+  only on (N, S)).
 Decode and short packed segments read the blocks in place (kernels/paged_attention.py) where the
 kernel launches (CUDA, or the CPU under Triton's interpreter); elsewhere, and for long packed
 segments (flash attention over a gathered copy is faster there), attention reads a sequence's
@@ -118,6 +121,14 @@ class PagedKVCache:
         ([B, M] int64, padded with the null block). Shapes depend only on (B, S)."""
         return _PagedPrefill(self, tables, new_tokens)
 
+    def extend_view(self, tables: torch.Tensor, start: torch.Tensor, length: torch.Tensor, new_tokens: int,
+                    kv_bound: int) -> "_PagedExtend":
+        """Row b's `length[b]` new tokens (of S, right-padded) go to positions start[b] .. start[b] +
+        length[b] - 1 of table row b ([B, M], M * block_size >= kv_bound, padded with the null
+        block) and attend to its positions before them and causally to each other; the padding's
+        keys go to the scratch block. kv_bound: how far any row may reach (static)."""
+        return _PagedExtend(self, tables, start, length, new_tokens, kv_bound)
+
     def decode_view(self, n: int, kv_len: int, tables: torch.Tensor, start: torch.Tensor) -> "_PagedDecode":
         """One new token for each of n sequences: tables [n, M] (each sequence's blocks), start [n]
         its position; it attends to positions 0 .. start. Shapes depend only on (n, kv_len)."""
@@ -173,6 +184,30 @@ class _PagedPrefill:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         self.cache.write(layer, self.blocks, self.offsets, k.transpose(1, 2), v.transpose(1, 2))
         return _sdpa(q, k, v, self.mask, scale)
+
+
+class _PagedExtend:
+    def __init__(self, cache: PagedKVCache, tables: torch.Tensor, start: torch.Tensor, length: torch.Tensor, s: int,
+                 kv_bound: int) -> None:
+        bs, width = cache.block_size, tables.shape[1]
+        self.cache, self.tables, self.start, self.kv_bound = cache, tables, start, kv_bound
+        step = torch.arange(s, device=start.device)
+        pos = start[:, None] + step[None, :]                                              # [B, S]
+        col = pos // bs
+        blocks = tables.gather(1, col.clamp_max(width - 1))
+        real = (step[None, :] < length[:, None]) & (col < width)
+        self.blocks = torch.where(real, blocks, torch.full_like(blocks, cache.null))
+        self.offsets = pos % bs
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        self.cache.write(layer, self.blocks, self.offsets, k.transpose(1, 2), v.transpose(1, 2))
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if kernels.paged_attention.eligible(q, kc, vc, self.tables, self.start):
+            return kernels.paged_attention.kernel(q, kc, vc, self.tables, self.start, self.kv_bound, scale,
+                                                  self.cache.split)
+        # eager (no graph): only as far as the rows reach
+        bound = min(self.kv_bound, int(self.start.max()) + q.shape[2])
+        return kernels.paged_attention.reference(q, kc, vc, self.tables, self.start, bound, scale)
 
 
 class _PagedDecode:

@@ -28,7 +28,7 @@ from ..runtime.flags import KV_BLOCK_SIZE
 from ..runtime.block_pool import ContentSpan, KVBlockManager
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerPromptOut, TokenLogprob
-from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
+from ..runtime.sampling import RowSampling, SamplingParams, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
 from .audio_cache import AudioEncoderCache
 from .grammar import allowed
 from .job import ThinkerJob
@@ -153,13 +153,46 @@ class ThinkerRunner:
         self._mask_host = self._rows_host = None    # constrained rows' bitmasks (_grammar_masks)
         with torch.inference_mode():
             self.tts_special = model.model.embed_tokens(special).cpu()
-            self.graphs = self.prefill_graphs = None
+            self.graphs = self.prefill_graphs = self.extend_graphs = None
             if cuda_graphs and graphs_available(device):
                 self._capture(max_active, min(decode_graph_len, max_len), min(prefill_graph_len, max_len),
                               eager_fallback)
-        # prompts this short replay a prefill graph from position 0: faster than the eager packed path
-        # a cached prefix would take them down (a 100-token prompt: ~8 ms against ~50 ms on the H200)
+        # prompts this short replay a prefill graph from position 0 (or, with a cached prefix, an
+        # extend graph): faster than the eager packed path (a 100-token prompt: ~8 ms against ~50 ms
+        # on the H200)
         self.graph_prompt_len = min(prefill_graph_len, max_len) if self.prefill_graphs is not None else 0
+        if self.graphs is not None and device.type == "cuda":
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run once, at start, what the graphs do not cover, so that no request pays a first-sight
+        cost (Triton compiling a kernel for a new shape class, allocator growth): the eager packed
+        prefill (long and short segments, odd lengths and starts, the hidden layer kept), an eager
+        decode past the decode graphs, and the sampling kernels. Every write goes to the scratch
+        block (null tables); nothing is published or read later."""
+        dev, bs, null = self.device, self.blocks.block_size, self.cache.null
+        h = self.cfg.text.hidden_size
+        dtype = self.tts_special.dtype
+        for lengths in ((self.graph_prompt_len + 37, 45), (1,), (17,)):
+            parts = [([null] * self.blocks.blocks_for(19 + n), 19 * (i % 2), n) for i, n in enumerate(lengths)]
+            step = PagedPackedStep.pack(parts)
+            x = torch.zeros(1, sum(lengths), h, dtype=dtype, device=dev)
+            self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=self.cfg.accept_hidden_layer,
+                       last=step.ends(dev))
+        longest = self.graphs.kv_lens[-1]
+        if longest < self.max_len:
+            kv = min(self.max_len, longest + 1)
+            tables = torch.full((1, self.blocks.blocks_for(kv)), null, dtype=torch.long, device=dev)
+            self._decode_fn(1, kv, torch.zeros(1, 1, dtype=torch.long, device=dev),
+                            torch.tensor([kv - 1], device=dev), tables)
+        v = self.cfg.text.vocab_size
+        for n in (1, 3):
+            logits = torch.zeros(n, v, device=dev)
+            gens = [torch.Generator(dev).manual_seed(i) for i in range(n)]
+            params = [SamplingParams(temperature=0.7, top_k=20 * i, top_p=0.8 if i else 1.0) for i in range(n)]
+            sample_rows(logits, RowSampling.of(params, v, dev), exponential_noise(gens, v, dev))
+        torch.cuda.synchronize(dev)
 
     def _capture(self, max_active: int, decode_len: int, prefill_len: int, eager_fallback: bool) -> None:
         """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
@@ -182,6 +215,16 @@ class ThinkerRunner:
              torch.full((n, self.prefill_width), null, dtype=torch.long, device=dev)),
             buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill",
             pad=(None, 0, null)), eager_fallback)
+        # prompts going on from a cached prefix (and resumed ones): up to prefill_len new tokens each,
+        # tables as wide as the context; padding rows write the scratch block (length 0)
+        self.extend_width = self.blocks.blocks_for(self.max_len)
+        self.extend_graphs = captured("thinker extend", lambda: GraphedStep(
+            lambda *args: self._extend_fn(*args, keep=self.cfg.accept_hidden_layer),
+            (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+             torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+             torch.full((n, self.extend_width), null, dtype=torch.long, device=dev)),
+            buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker extend",
+            pad=(None, 0, 0, 0, null)), eager_fallback)
 
     def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
                     keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -190,6 +233,17 @@ class ThinkerRunner:
         hidden layer if asked."""
         positions = torch.arange(s, device=embeds.device)[None].expand(n, s)
         return self.model(embeds[:, :s], positions, self.cache.prefill_view(tables, s), keep_hidden=keep, last=last)
+
+    def _extend_fn(self, n: int, s: int, embeds: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+                   last: torch.Tensor, tables: torch.Tensor, keep: int | None = None,
+                   kv_bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prompts going on from their cached prefixes: row b's length[b] new tokens ([n, >= s, H],
+        right-padded to s) at positions start[b] ..., into its blocks (tables [n, M]); logits [n, V]
+        at each row's `last` new token, and the `keep` hidden layer if asked. `kv_bound`: how far
+        any row reaches (default the context)."""
+        positions = start[:, None] + torch.arange(s, device=embeds.device)[None]
+        view = self.cache.extend_view(tables, start, length, s, kv_bound or self.max_len)
+        return self.model(embeds[:, :s], positions, view, keep_hidden=keep, last=last)
 
     def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor,
                    tables: torch.Tensor) -> tuple[torch.Tensor]:
@@ -214,7 +268,7 @@ class ThinkerRunner:
         limit = None
         if job.talker_rows and job.spans:
             limit = job.spans[0].start
-        if not job.generated and len(job.prompt) <= self.graph_prompt_len:
+        if not job.generated and len(job.prompt) <= self.graph_prompt_len and self.extend_graphs is None:
             limit = 0           # the prefill graph from position 0 (a resumed job takes the chunked path)
         table = self.blocks.admit(job.context(), job.spans, reserve=1, max_cached=limit)
         if table is None:
@@ -339,18 +393,30 @@ class ThinkerRunner:
                 job.kept, job.kept_from = [], start
         kept_by = [bool(job.talker_rows and job.audio and not job.generated) for job, _, _ in chunks]
         keep = self.cfg.accept_hidden_layer if any(kept_by) else None
-        step = PagedPackedStep.pack([(job.table.blocks, start, length) for job, start, length in chunks])
-        x = torch.cat([job.embeds[start:start + length] for job, start, length in chunks])[None]
-        logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
-                                    last=step.ends(dev))
+        n, longest = len(chunks), max(length for _, _, length in chunks)
+        g = self.extend_graphs
+        if g is not None and g.fits(n, longest):   # one right-padded row per chunk, graphed
+            x = torch.nn.utils.rnn.pad_sequence([job.embeds[start:start + length] for job, start, length in chunks],
+                                                batch_first=True)
+            start_t, length_t = (torch.tensor(v).to(dev, non_blocking=True)
+                                 for v in ([c[1] for c in chunks], [c[2] for c in chunks]))
+            logits, hidden = g(n, longest, x, start_t, length_t, length_t - 1, self._tables([c[0] for c in chunks],
+                                                                                          self.extend_width))
+            rows_of = [(b, slice(0, length)) for b, (_, _, length) in enumerate(chunks)]
+        else:                                      # packed into one row, eager
+            step = PagedPackedStep.pack([(job.table.blocks, start, length) for job, start, length in chunks])
+            x = torch.cat([job.embeds[start:start + length] for job, start, length in chunks])[None]
+            logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
+                                        last=step.ends(dev))
+            rows_of = [(0, slice(sg.offset, sg.offset + sg.length)) for sg in step.segments]
         going_on = [i for i, (job, start, length) in enumerate(chunks)
                     if start + length < job.prefill_target or job.generated]
         finite = torch.isfinite(logits[going_on]).all(dim=-1).tolist() if going_on else []
         broken = [chunks[i][0] for i, ok in zip(going_on, finite) if not ok]
         done, rows, prompts, resumed = [], [], [], []
-        for i, ((job, start, length), seg) in enumerate(zip(chunks, step.segments)):
+        for i, ((job, start, length), (row, part)) in enumerate(zip(chunks, rows_of)):
             if kept_by[i]:
-                job.kept.append(hidden[0, seg.offset:seg.offset + length])
+                job.kept.append(hidden[row, part])
             if start + length < job.prefill_target:
                 continue
             if job.generated:
