@@ -227,6 +227,17 @@ def main() -> int:
     e = th._decode_fn(2, 128, ids, start, eager_tabs)[0].clone()
     (g,) = th.graphs(2, 101, ids, start, cache.table_tensor(tabs[:2], th.graphs.static[2].shape[1], dev))
     results.append(compare("thinker decode: graph vs eager logits (paged)", g, e, exact=True))
+    # extend: prompt 0 going on from its first 64 positions (the blocks hold all 100 from its prefill;
+    # the extend rewrites 64..99 with the same inputs): graph (length bucket 64) vs the eager step at 36
+    # positions vs the prefill from position 0 (read: batch shapes differ)
+    ext = prompts[0][64:][None]
+    ext_start, ext_len = torch.tensor([64], device=dev), torch.tensor([36], device=dev)
+    ext_tab = cache.table_tensor([tabs[0]], th.extend_width, dev)
+    (g_ext, _) = th.extend_graphs(1, 36, ext, ext_start, ext_len, ext_len - 1, ext_tab)
+    g_ext = g_ext.clone()
+    e_ext = th._extend_fn(1, 36, ext, ext_start, ext_len, ext_len - 1, ext_tab)[0]
+    results.append(compare("thinker extend after a 64-token cached prefix: graph vs eager logits", g_ext, e_ext))
+    results.append(compare("thinker extend after a 64-token cached prefix vs the whole prefill, logits", g_ext, want[:1]))
     kernels.ENABLED = False
     (plain,) = th._decode_fn(2, 128, ids, start, eager_tabs)
     kernels.ENABLED = True

@@ -37,7 +37,9 @@ from .common import FLOAT_DTYPES, INTERPRET, device_of, launchable, round_to, tl
 
 MAX_D = 256
 BLOCK_N = 64          # key positions per inner tile
-TARGET_PROGRAMS = 256  # `split=None`: split rows until about this many programs run
+TARGET_PROGRAMS = 256  # `split=None`: rows that make this many programs run unsplit
+SPLIT = 256            # `split=None`: else positions per split ...
+PARTIAL_BYTES = 64 << 20   # ... unless the partial results of all splits would pass this
 PV_FP32_MAX_S = 16    # up to this many new tokens p.v runs with float32 inputs; more: p in 16 bits
 
 
@@ -80,12 +82,19 @@ def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: t
     return reference(q, k_cache, v_cache, tables, start, kv_bound, scale)
 
 
-def _split_len(programs: int, kv_bound: int, split: int | None) -> int:
+def _split_len(programs: int, partial_row_bytes: int, kv_bound: int, split: int | None) -> int:
+    """Positions per split. Given: `split` (rounded up to BLOCK_N). Else one split when the rows
+    alone fill the GPU (TARGET_PROGRAMS), or SPLIT positions -- fewer, longer splits where the
+    partial results would pass PARTIAL_BYTES. So for a given batch shape the split does not depend on
+    kv_bound below SPLIT * PARTIAL_BYTES / partial_row_bytes positions: a decode graph's bucket and
+    the same step run eagerly at its exact length do the same arithmetic."""
     if split is not None:
         return max(BLOCK_N, -(-split // BLOCK_N) * BLOCK_N)
-    want = max(1, TARGET_PROGRAMS // max(programs, 1))
-    per = -(-kv_bound // want)
-    return max(4 * BLOCK_N, -(-per // BLOCK_N) * BLOCK_N)
+    if programs >= TARGET_PROGRAMS:
+        return max(BLOCK_N, -(-kv_bound // BLOCK_N) * BLOCK_N)
+    most = max(1, PARTIAL_BYTES // max(partial_row_bytes, 1))
+    per = max(SPLIT, -(-kv_bound // most))
+    return -(-per // BLOCK_N) * BLOCK_N
 
 
 def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
@@ -97,7 +106,7 @@ def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
     rows = rep * s
     block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     row_tiles = -(-rows // block_r)
-    split_len = _split_len(n * hkv * row_tiles, kv_bound, split)
+    split_len = _split_len(n * hkv * row_tiles, n * hq * s * (d + 2) * 4, kv_bound, split)
     splits = -(-kv_bound // split_len)
     out = torch.empty(n, hq, s, d, dtype=q.dtype, device=q.device)
     m_part = l_part = acc = out
