@@ -8,8 +8,9 @@ order: up to `prefill_batch` of them while the padded batch (the longest prompt 
 stays within `prefill_tokens` tokens (one prompt always fits) and a slot is free for each. A longer
 prompt takes a slot and is prefilled in chunks: a step packs up to `prefill_chunk` tokens of long
 prompts into one row (no padding), the running ones first, in the order they were admitted, then
-waiting long prompts while tokens of the step are left (at most `prefill_batch` long prompts in
-prefill at once); long prompts that wait do not hold up the short ones behind them. Every running request
+waiting long prompts while tokens of the step are left (at most `prefill_batch` prompts in chunked
+prefill at once, and at most that many chunks a step: the thinker's extend graphs take that many
+rows); long prompts that wait do not hold up the short ones behind them. Every running request
 with a token to feed decodes in every step -- those whose prefill ends in this step too, once the
 prefill made their first token -- except one whose reader is behind (its outbox saturated): it sits
 out, its state unchanged.
@@ -87,7 +88,7 @@ class ThinkerScheduler:
         chunking = self.chunking(running)
         budget = self.prefill_chunk
         for r in chunking:
-            if budget <= 0:
+            if budget <= 0 or len(plan.chunks) >= self.prefill_batch:
                 break
             plan.chunks.append(Chunk(r, r.prefilled, min(budget, r.prefill_target - r.prefilled)))
             budget -= plan.chunks[-1].length
@@ -108,6 +109,8 @@ class ThinkerScheduler:
                 continue
             longest_next = max(longest, r.prefill_target)
             if plan.prefill and longest_next * (len(plan.prefill) + 1) > self.prefill_tokens:
+                break
+            if in_prefill >= self.prefill_batch:   # it may find a cached prefix: it would be one more
                 break
             if not reserve(r):
                 break
