@@ -34,8 +34,8 @@ def short_gateway(tiny_model_dir):
     front of it; no talker (text replies), so the gateway's code2wav address is never dialled."""
     procs = StageProcesses(tiny_model_dir)
     thinker = procs.start("thinker", "thinker", "--max-len", str(CONTEXT), "--kv-cache-tokens", "4096")
+    gw = GatewayProcess(tiny_model_dir, thinker, f"127.0.0.1:{free_port()}")    # starting beside the thinker
     procs.wait_ready()
-    gw = GatewayProcess(tiny_model_dir, thinker, f"127.0.0.1:{free_port()}")
     yield gw
     gw.stop()
     procs.stop()
