@@ -14,12 +14,13 @@ import pytest
 from conftest import GatewayProcess, StageProcesses, free_port
 from test_realtime import MANUAL, of, realtime, run, text_turn, user_text
 from voxpipe.gateway.realtime.events import AUTO_RETENTION_RATIO
+from voxpipe.services.runtime.flags import KV_BLOCK_SIZE
 from voxpipe.services.thinker.prompt import ChatMessage, render
 
 CONTEXT = 320
 TURNS = 14
 REPLY = 8                      # max_output_tokens of every reply: the prompt may hold CONTEXT - REPLY tokens
-BLOCK = 16                     # the thinker's KV block (its prefix cache hits whole blocks)
+BLOCK = KV_BLOCK_SIZE          # the thinker's KV block (its prefix cache hits whole blocks)
 INSTRUCTIONS = "You keep the lighthouse and answer briefly."
 TEXT = {**MANUAL, "output_modalities": ["text"], "instructions": INSTRUCTIONS, "max_output_tokens": REPLY}
 
@@ -57,7 +58,8 @@ async def long_session(gateway, truncation, count: int) -> tuple[dict, list[dict
         session = await rt.update(**TEXT, truncation=truncation)
         done = []
         for i in range(count):
-            await rt.send("conversation.item.create", item={**user_text(question(i)), **({"id": "item_first"} if i == 0 else {})})
+            item = {**user_text(question(i)), **({"id": "item_first"} if i == 0 else {})}
+            await rt.send("conversation.item.create", item=item)
             await rt.until("conversation.item.done")
             await rt.send("response.create", response={})
             done.append((await rt.until("response.done"))[-1]["response"])

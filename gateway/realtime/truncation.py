@@ -22,7 +22,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt, with_instructions
+from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt
 from voxpipe.v1 import stages_pb2 as pb
 
 from ..errors import APIError
@@ -134,7 +134,7 @@ async def fit(render: Render, window: PromptWindow, truncation: Truncation, prom
                              f"more than the {max(room, 0)} that fit")
     best, best_prompt = cuts[-1], shortest
     if shortest_post <= target:          # the fewest turns cut that keep at most `target`
-        lo, hi = 0, len(cuts) - 1         # cuts[hi] fits the target; cuts[lo - 1] (or none) does not
+        lo, hi = 0, len(cuts) - 1         # cuts[hi] keeps at most `target`; the cuts before cuts[lo] keep more
         while lo < hi:
             mid = (lo + hi) // 2
             p, p_post = await tail(cuts[mid])
