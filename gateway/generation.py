@@ -132,15 +132,17 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterat
 class Generation:
     """`render_prompt` and `run_pipeline` bound to one GatewayState: `render(messages, tools=...,
     tools_param=...)` (a refusal is a 400 APIError naming `messages`, or `tools_param` for the
-    tools), `run(req, arrived)`, and the prompt's audio placeholder id (`audio_token`: usage counts
-    the prompt's audio tokens)."""
+    tools), `run(req, arrived)`, the prompt's audio placeholder id (`audio_token`: usage counts
+    the prompt's audio tokens) and the id that begins each turn (`turn_start`, <|im_start|>)."""
 
     render: Callable[..., Awaitable[RenderedPrompt]]
     run: Callable[[SpeechRequest, float], AsyncIterator[PipelineEvent]]
     audio_token: int
+    turn_start: int
 
     @classmethod
     def of(cls, state, param: str = "messages") -> "Generation":
         """`param`: the request parameter a refusal to render names."""
         return cls(render=functools.partial(render_prompt, state, param=param),
-                   run=functools.partial(run_pipeline, state), audio_token=state.omni.thinker.tokens.audio_token)
+                   run=functools.partial(run_pipeline, state), audio_token=state.omni.thinker.tokens.audio_token,
+                   turn_start=state.omni.thinker.tokens.im_start)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from voxpipe.services.runtime.calls import context_exceeded
 from voxpipe.services.runtime.tensors import split_message, to_proto
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
@@ -498,6 +499,22 @@ def test_bad_request_gets_a_clear_status_and_the_stage_keeps_serving(stack, chan
     assert re.search(case.match, err.details() or ""), err.details()
     assert not any(r.WhichOneof("kind") == "finished" for r in responses)
     assert_still_serving(stack, channels, case.stage)
+
+
+def test_a_request_past_the_thinker_context_carries_its_numbers(stack, channels):
+    """OUT_OF_RANGE's trailing metadata holds a ContextExceeded (what realtime truncation learns the
+    context from): the prompt, the reply's room (max_tokens, or assistant_text's tokens), the context."""
+    _, err = call(channels, "thinker", [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 100)),
+                                                      max_tokens=200)])
+    assert err.code() == PAST_CONTEXT
+    assert context_exceeded(err) == pb.ContextExceeded(prompt_tokens=THINKER_CONTEXT - 100, reply_tokens=200,
+                                                       context_tokens=THINKER_CONTEXT)
+    _, err = call(channels, "thinker", [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 1)),
+                                                      assistant_text="Hi.")])
+    detail = context_exceeded(err)
+    assert err.code() == PAST_CONTEXT and detail.prompt_tokens == THINKER_CONTEXT - 1
+    assert detail.context_tokens == THINKER_CONTEXT and detail.reply_tokens >= 2     # "Hi." and <|im_end|>
+    assert_still_serving(stack, channels, "thinker")
 
 
 # ---------------------------------------------------------------------------------------------- large, chunked

@@ -539,6 +539,19 @@ REFUSED_UPDATES = [
     ({"instructions": 5}, "session.instructions"),
     ({"max_audio_frames": 0}, "session.max_audio_frames"),
     ({"ignore_eos": "yes"}, "session.ignore_eos"),
+    ({"truncation": "sometimes"}, "session.truncation"),
+    ({"truncation": 0.5}, "session.truncation"),
+    ({"truncation": {"type": "tokens"}}, "session.truncation.type"),
+    ({"truncation": {"type": "retention_ratio"}}, "session.truncation.retention_ratio"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 1.5}}, "session.truncation.retention_ratio"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": "half"}}, "session.truncation.retention_ratio"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "keep": "x" * 10_000}}, "session.truncation.keep"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": 5}},
+     "session.truncation.token_limits"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"post_instructions": 0}}},
+     "session.truncation.token_limits.post_instructions"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"pre_instructions": 9}}},
+     "session.truncation.token_limits.pre_instructions"),
 ]
 
 
@@ -570,6 +583,7 @@ def test_a_refused_session_update_changes_nothing(gateway):
     assert "1000000 characters; the limit is 16384" in errors[0]["message"]
     assert "from 1 to 4096 or \"inf\"" in errors[1]["message"]
     assert after == before and after["instructions"] == "Be brief." and after["max_output_tokens"] == 3
+    assert before["truncation"] == "auto"
     assert widest["max_output_tokens"] == 4096
     done = turn[-1]["response"]
     assert done["status"] in ("completed", "incomplete") and done["usage"]["output_token_details"]["text_tokens"] <= 3

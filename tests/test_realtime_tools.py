@@ -18,6 +18,7 @@ from voxpipe.gateway.generation import Generation, run_pipeline
 from voxpipe.gateway.realtime.events import Dialect, ResponseOverrides
 from voxpipe.gateway.realtime.response import ResponseContext, ResponseRun
 from voxpipe.gateway.realtime.session import Conversation, ResponseSettings, SessionConfig
+from voxpipe.gateway.realtime.truncation import PromptWindow
 from voxpipe.gateway.state import GatewayState
 from voxpipe.gateway.tool_params import ToolOptions, tool_list
 from voxpipe.client import PipelineClient
@@ -106,7 +107,7 @@ def given_run(stack, tiny_model_dir, text: str, beta: bool = False):
     async def go():
         async with PipelineClient(state.config.thinker, state.config.code2wav) as state.pipeline:
             gen = Generation.of(state)
-            given = Generation(render=gen.render, audio_token=gen.audio_token,
+            given = Generation(render=gen.render, audio_token=gen.audio_token, turn_start=gen.turn_start,
                                run=lambda req, arrived: run_pipeline(state, dataclasses.replace(req, assistant_text=text),
                                                                      arrived))
             ctx = ResponseContext(generation=given, conversation_id="conv_1", emit=emit,
@@ -115,7 +116,7 @@ def given_run(stack, tiny_model_dir, text: str, beta: bool = False):
             session = SessionConfig(id="sess_1", model="m", voice="", audio_out=False,
                                     tools=ToolOptions(tools=tool_list([WEATHER], "tools", nested=False)))
             settings = ResponseSettings.resolve(session, ResponseOverrides(), {})
-            r = ResponseRun(ctx, settings, [ChatMessage.text("user", "Weather in Oslo?")])
+            r = ResponseRun(ctx, settings, PromptWindow("", (("item_1", ChatMessage.text("user", "Weather in Oslo?")),)))
             r.start()
             await r.task
     asyncio.run(go())

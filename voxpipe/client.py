@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind
 
 from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica
-from voxpipe.services.runtime.calls import failed_stage
+from voxpipe.services.runtime.calls import context_exceeded, failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
 from voxpipe.services.runtime.tls import ClientTLS
@@ -149,12 +149,14 @@ class DoneEvent:
 class PipelineError(RuntimeError):
     """A stage failed the request. `replica`: the address of the stage replica it was on (for
     logs; not part of the message, which clients may see). `via`: the stream that reported it
-    ("thinker" or "code2wav": the caller's two streams)."""
+    ("thinker" or "code2wav": the caller's two streams). `context`: the numbers of a thinker's
+    OUT_OF_RANGE refusal (the prompt, the reply's room, and the context they did not fit)."""
 
     def __init__(self, stage: str, code: grpc.StatusCode | None, details: str, replica: str | None = None,
-                 via: str | None = None) -> None:
+                 via: str | None = None, context: pb.ContextExceeded | None = None) -> None:
         super().__init__(f"{stage}: {code.name if code else 'ERROR'}: {details}")
         self.stage, self.code, self.details, self.replica, self.via = stage, code, details, replica, via
+        self.context = context
 
 
 def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
@@ -268,7 +270,9 @@ class PipelineClient:
                 failed = failed_stage(e, stage)
                 if stage in spans:
                     tracing.grpc_error(spans[stage], e.code(), e.details() or "")
-                await events.put(PipelineError(failed, e.code(), e.details(), routes.get(failed), via=stage))
+                context = context_exceeded(e) if failed == "thinker" else None
+                await events.put(PipelineError(failed, e.code(), e.details(), routes.get(failed), via=stage,
+                                               context=context))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - surfaced to the caller

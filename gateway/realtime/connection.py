@@ -35,6 +35,7 @@ from .server_events import (Error, InputAudioCleared, InputAudioCommitted, ItemA
 from .session import (MIN_COMMIT_MS, Conversation, ConversationItem, InputAudioBuffer, ItemContent, ResponseSettings,
                       FunctionCall, SessionConfig, default_voice, ms_to_samples, new_item_content, samples_to_ms)
 from .transcription import Transcriber, TranscriptionContext, TranscriptionJob
+from .truncation import ContextRoom, PromptWindow
 from .vad import FRAME_MS, ServerVad, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class RealtimeConnection:
         self.response_context = ResponseContext(
             generation=generation, conversation_id=self.conversation_id, emit=self.emit,
             insert_item=self.conversation.insert, has_item=self.conversation.has,
-            withdraw_audio=self.outbox.withdraw_audio)
+            withdraw_audio=self.outbox.withdraw_audio, room=ContextRoom())
         self.transcriber = Transcriber(TranscriptionContext(
             generation=generation, emit=self.emit, set_transcript=self.conversation.set_transcript,
             count=lambda outcome: state.metrics.transcriptions.labels(outcome).inc()))
@@ -351,7 +352,8 @@ class RealtimeConnection:
             raise ProtocolError(f"the conversation already has an active response ({self.response.id}); cancel it "
                                 "or wait for response.done", code="conversation_already_has_active_response")
         settings = ResponseSettings.resolve(self.session, overrides, self.state.speakers)
-        self.response = ResponseRun(self.response_context, settings, self.conversation.messages(settings.instructions))
+        window = PromptWindow(settings.instructions, self.conversation.turns(), drop=self.conversation.drop)
+        self.response = ResponseRun(self.response_context, settings, window)
         self.response.start()
 
     async def cancel_response(self, event: ResponseCancel) -> None:

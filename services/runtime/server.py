@@ -155,7 +155,7 @@ class StageServicer:
                 job = self.make_job(start)
                 await self.prepare(job)
             except Abort as e:
-                await abort(context, e.code, e.message)
+                await abort(context, e.code, e.message, trailing=e.trailing)
                 return None
             await send_admitted(context)
             return job

@@ -15,6 +15,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime import metrics
+from ..runtime.calls import context_metadata
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
 from ..runtime.echo import quoted
@@ -188,7 +189,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_tokens {start.min_tokens} > max_tokens {max_tokens}")
         if len(ids) + max_tokens > self.engine.max_len:     # OUT_OF_RANGE: the request is past the context
             raise Abort(grpc.StatusCode.OUT_OF_RANGE,
-                        f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}")
+                        f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}",
+                        context_metadata(len(ids), max_tokens, self.engine.max_len))
         problem = stop_strings_problem(start.stop) or top_logprobs_problem(start.logprobs, start.top_logprobs)
         if problem is not None:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -248,7 +250,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         if prompt_tokens + len(ids) > self.engine.max_len:
             raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"prompt of {prompt_tokens} tokens + assistant_text of {len(ids)} tokens (<|im_end|> included) "
-                        f"exceeds the context of {self.engine.max_len}")
+                        f"exceeds the context of {self.engine.max_len}",
+                        context_metadata(prompt_tokens, len(ids), self.engine.max_len))
         return ForcedReply(token_ids=ids, text=text)
 
     def _speech(self, start: pb.ThinkerStart) -> pb.SpeechParams | None:

@@ -100,6 +100,16 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ContextExceeded(_message.Message):
+    __slots__ = ("prompt_tokens", "reply_tokens", "context_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    reply_tokens: int
+    context_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., reply_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+
 class ThinkerStart(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech", "stop", "logprobs", "top_logprobs", "assistant_text", "constraint", "unspoken_tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
