@@ -167,14 +167,15 @@ class ThinkerRunner:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run once, at start, what the graphs do not cover, so that no request pays a first-sight
-        cost (Triton compiling a kernel for a new shape class, allocator growth): the eager packed
-        prefill (long and short segments, odd lengths and starts, the hidden layer kept), an eager
+        cost (Triton compiling a kernel for a new shape class -- its integer arguments specialise on
+        being 1, a multiple of 16 or neither --, allocator growth): the eager packed prefill (long and
+        short segments, lengths of each class, odd starts, the hidden layer kept), an eager
         decode past the decode graphs, and the sampling kernels. Every write goes to the scratch
         block (null tables); nothing is published or read later."""
         dev, bs, null = self.device, self.blocks.block_size, self.cache.null
         h = self.cfg.text.hidden_size
         dtype = self.tts_special.dtype
-        for lengths in ((self.graph_prompt_len + 37, 45), (1,), (17,)):
+        for lengths in ((self.graph_prompt_len + 37, 45), (self.graph_prompt_len + 16, 32), (1,), (17,)):
             parts = [([null] * self.blocks.blocks_for(19 + n), 19 * (i % 2), n) for i, n in enumerate(lengths)]
             step = PagedPackedStep.pack(parts)
             x = torch.zeros(1, sum(lengths), h, dtype=dtype, device=dev)
