@@ -230,6 +230,9 @@ def loop():
     loop.close()
 
 
+_UNCACHED: dict[tuple[int, ...], tuple] = {}   # prompt -> the uncached engine's (ids, rows)
+
+
 @pytest.mark.parametrize("which", ["cached", "graphed"])
 def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache_and_transformers(
         which, uncached, tiny_model_dir, loop, request):
@@ -239,11 +242,15 @@ def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache
     hits = []
 
     def both(rid, messages):
-        a, b = _job(cached, rid, messages), _job(uncached, rid, messages)
+        a = _job(cached, rid, messages)
         _run(cached, [a])
-        _run(uncached, [b])
-        got, want = _output(a), _output(b)
-        assert got[:2] == want[:2], rid
+        got = _output(a)
+        key = tuple(a.prompt)
+        if key not in _UNCACHED:       # the same prompts in both parametrizations: run the uncached engine once
+            b = _job(uncached, rid, messages)
+            _run(uncached, [b])
+            _UNCACHED[key] = _output(b)[:2]
+        assert got[:2] == _UNCACHED[key], rid
         hits.append(got[2].cached_tokens)
         return a.prompt, got[0]
 
@@ -258,7 +265,7 @@ def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache
     assert hits[-1] == ((len(prompt2) - 1) // BS) * BS              # a hit: all but the last block
     both("other", [ChatMessage.text("system", "Another persona."), ChatMessage.text("user", "Hi!")])
     assert hits[-1] == 0                                          # a miss
-    for prompt, reply in ((prompt1, reply1), (prompt2, reply2)):
+    for prompt, reply in ((prompt1, reply1), (prompt2, reply2)) if which == "cached" else ():   # equal replies: once
         ref = reference_generate(tiny_model_dir, prompt, max_tokens=6, min_tokens=6, max_frames=2, min_frames=2)
         assert reply == ref.text_ids
     get = metrics.REGISTRY.get_sample_value
