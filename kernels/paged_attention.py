@@ -7,7 +7,7 @@ Contract (`reference`):
     k_cache, v_cache: [B, Hkv, bs, D] contiguous, one float dtype with q (runtime/paged_kv.py's
         layout: block b holds positions b_off .. b_off + bs - 1 of whichever sequence owns it)
     tables: [N, M] int64, sequence n's position p in block tables[n, p // bs] at offset p % bs
-        (entries past a sequence's blocks name a block whose keys are finite, e.g. zeros)
+        (entries past a row's reach are never read: they may name any block)
     start: [N] int64, sequence n's new tokens sit at positions start[n] .. start[n] + S - 1 (their
         keys already written); query s attends to positions 0 .. start[n] + s (causal)
     kv_bound: int >= max(start) + S, static: how far any row may reach (sets the split grid)
@@ -51,6 +51,10 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     idx = tables[:, :nb]
     keys = k_cache[idx].transpose(1, 2).reshape(n, hkv, nb * bs, d)[:, :, :kv_bound]
     values = v_cache[idx].transpose(1, 2).reshape(n, hkv, nb * bs, d)[:, :, :kv_bound]
+    # positions past a row's reach may name any block (a graph's stale table columns): zeros there,
+    # so that nothing non-finite is multiplied by their zero weights
+    seen = (torch.arange(kv_bound, device=q.device)[None, :] < (start + s)[:, None])[:, None, :, None]
+    keys, values = keys.masked_fill(~seen, 0), values.masked_fill(~seen, 0)
     q_pos = start[:, None] + torch.arange(s, device=q.device)[None, :]                         # [N, S]
     mask = torch.arange(kv_bound, device=q.device)[None, None, :] <= q_pos[:, :, None]          # [N, S, L]
     rep = hq // hkv
@@ -188,11 +192,12 @@ if triton is not None:
             res = acc / tl.where(l == 0.0, 1.0, l)[:, None]
             dst = ((nrow * HQ + head) * S + tok)[:, None] * D + d[None, :]
             tl.store(out_ptr + dst, round_to(res, dtype), mask=row_ok[:, None])
-        else:
+        else:   # a split past every row's reach stores nothing: the merge reads none of it
             prow = (nrow * HQ + head) * S + tok                                 # [R] row of [N, Hq * S]
-            tl.store(m_ptr + prow * splits + sp, m, mask=row_ok)
-            tl.store(l_ptr + prow * splits + sp, l, mask=row_ok)
-            tl.store(acc_ptr + (prow * splits + sp)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+            keep = row_ok & (r * 0 + lo < reach)
+            tl.store(m_ptr + prow * splits + sp, m, mask=keep)
+            tl.store(l_ptr + prow * splits + sp, l, mask=keep)
+            tl.store(acc_ptr + (prow * splits + sp)[:, None] * D + d[None, :], acc, mask=keep[:, None])
 
     @triton.jit
     def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, start_ptr, splits, split_len, S: tl.constexpr, D: tl.constexpr):

@@ -217,13 +217,10 @@ class _PagedDecode:
         rows = torch.arange(n, device=start.device)
         col = (start // bs).clamp_max(tables.shape[1] - 1)
         self.blocks, self.offsets = self.tables[rows, col], start % bs
-        k_pos = torch.arange(kv_len, device=start.device)
-        self.mask = (k_pos[None, :] <= start[:, None])[:, None, None, :]               # [n, 1, 1, L]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         self.cache.write(layer, self.blocks, self.offsets, k[:, :, 0], v[:, :, 0])
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if kernels.paged_attention.eligible(q, kc, vc, self.tables, self.start):
             return kernels.paged_attention.kernel(q, kc, vc, self.tables, self.start, self.kv_len, scale, self.cache.split)
-        keys, values = self.cache.gather(layer, self.tables, self.kv_len)
-        return _sdpa(q, keys, values, self.mask, scale)
+        return kernels.paged_attention.reference(q, kc, vc, self.tables, self.start, self.kv_len, scale)

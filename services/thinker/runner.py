@@ -135,10 +135,11 @@ class KVPlan:
 class ThinkerRunner:
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, eos_ids: tuple[int, ...], kv: KVPlan, cuda_graphs: bool = True,
-                 prefill_batch: int = 8, prefill_graph_len: int = 512, decode_graph_len: int = 8192,
+                 prefill_batch: int = 8, prefill_graph_len: int = 512, decode_graph_len: int | None = None,
                  eager_fallback: bool = False, audio_cache_bytes: int = 0) -> None:
         """Prompts up to `prefill_graph_len` tokens, `prefill_batch` at a time, replay CUDA graphs;
-        decode steps whose longest sequence is within `decode_graph_len` positions too; up to
+        decode steps whose longest sequence is within `decode_graph_len` positions (default: the
+        whole context) too; up to
         `audio_cache_bytes` of audio encoder outputs are kept by clip content (0: none)."""
         self.model, self.cfg, self.device = model, cfg, device
         self.prefill_batch, self.max_len = prefill_batch, max_len
@@ -155,7 +156,7 @@ class ThinkerRunner:
             self.tts_special = model.model.embed_tokens(special).cpu()
             self.graphs = self.prefill_graphs = self.extend_graphs = None
             if cuda_graphs and graphs_available(device):
-                self._capture(max_active, min(decode_graph_len, max_len), min(prefill_graph_len, max_len),
+                self._capture(max_active, min(decode_graph_len or max_len, max_len), min(prefill_graph_len, max_len),
                               eager_fallback)
         # prompts this short replay a prefill graph from position 0 (or, with a cached prefix, an
         # extend graph): faster than the eager packed path (a 100-token prompt: ~8 ms against ~50 ms
@@ -401,8 +402,9 @@ class ThinkerRunner:
                                                 batch_first=True)
             start_t, length_t = (torch.tensor(v).to(dev, non_blocking=True)
                                  for v in ([c[1] for c in chunks], [c[2] for c in chunks]))
-            logits, hidden = g(n, longest, x, start_t, length_t, length_t - 1, self._tables([c[0] for c in chunks],
-                                                                                          self.extend_width))
+            reach = max(start + length for _, start, length in chunks)    # columns past it: as for decode
+            logits, hidden = g(n, longest, x, start_t, length_t, length_t - 1,
+                               self._tables([c[0] for c in chunks], self.blocks.blocks_for(reach)))
             rows_of = [(b, slice(0, length)) for b, (_, _, length) in enumerate(chunks)]
         else:                                      # packed into one row, eager
             step = PagedPackedStep.pack([(job.table.blocks, start, length) for job, start, length in chunks])
@@ -451,8 +453,10 @@ class ThinkerRunner:
         start = torch.tensor(start_list).to(self.device, non_blocking=True)
         kv_len = max(start_list) + 1
         g = self.graphs
-        if g is not None and g.fits(n, kv_len):   # the tables at the graphs' width: no stale columns
-            (logits,) = g(n, kv_len, ids, start, self._tables(jobs, g.static[2].shape[1]))
+        if g is not None and g.fits(n, kv_len):
+            # the tables as wide as the step needs: a graph's columns past them keep what an earlier
+            # replay left, blocks no row reads (attention reads a row's positions up to its own)
+            (logits,) = g(n, kv_len, ids, start, self._tables(jobs, self.blocks.blocks_for(kv_len)))
         else:
             (logits,) = self._decode_fn(n, kv_len, ids, start, self._tables(jobs, self.blocks.blocks_for(kv_len)))
         return jobs, logits
