@@ -11,6 +11,12 @@ reproduces; a chat client would re-send their decoded text and miss the cache fr
 on). A user turn is `turn_tokens` random ids from the normal text range (~250 tokens a turn with the
 reply); replies are forced to `text_tokens` tokens and `frames` frames.
 
+A voice conversation (workload "voice-conversation") makes each user turn a clip: the bench's voice
+clip rotated by a per-session, per-turn offset (so that no two turns' audio is the same content and
+every new clip is a miss for the thinker's audio encoder cache, as a new utterance is), its log-mel
+features computed once by the driver, then its placeholders in the prompt and every earlier clip's
+features re-sent with the history (the encoder cache and the prefix cache hold those).
+
 Also the long-context probe: one `context_tokens`-token prompt sent cold, then again (its prefix
 cached), TTFP of each."""
 
@@ -22,10 +28,15 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from voxpipe.client import SpeechRequest
+
+TurnAudio = Callable[[int, int], "torch.Tensor"]     # (session, turn) -> that turn's clip's features [mel, frames]
 
 
 def add_arguments(p) -> None:
@@ -68,11 +79,13 @@ class TurnRecord:
 class Conversation:
     """One session's history as token ids (ChatML), turn by turn."""
 
-    def __init__(self, cfg, settings: Settings, session: int, level: int = 0) -> None:
+    def __init__(self, cfg, settings: Settings, session: int, level: int = 0, audio: TurnAudio | None = None) -> None:
         """Session `session` of the level of `level` sessions: its own words (no two sessions of a run
-        share more than the ChatML around them)."""
+        share more than the ChatML around them). `audio`: user turns are clips (a voice conversation)."""
         t = cfg.thinker.tokens
-        self.t, self.settings = t, settings
+        self.t, self.settings, self.session, self.audio = t, settings, session, audio
+        self.n_window = cfg.thinker.audio.n_window
+        self.features: list = []          # every clip of the history so far, in order
         self.nl = 198 if cfg.thinker.text.vocab_size > 151000 else 10        # "\n"
         self.high = min(t.im_start, cfg.thinker.text.vocab_size) - 1
         self.rng = random.Random((settings.seed * 100003 + level) * 1009 + session)
@@ -85,7 +98,15 @@ class Conversation:
     def ask(self) -> list[int]:
         """The next turn's prompt: the history, a new user turn, the assistant head."""
         t = self.t
-        self.ids += [t.im_start, t.user, self.nl] + self._words(self.settings.turn_tokens) + [t.im_end, self.nl]
+        if self.audio is None:
+            body = self._words(self.settings.turn_tokens)
+        else:   # <|audio_start|> placeholders <|audio_end|>, as the chat template renders an audio part
+            from voxpipe.services.thinker.model import audio_output_length
+
+            feats = self.audio(self.session, len(self.features) + 1)
+            self.features.append(feats)
+            body = [t.audio_start] + [t.audio_token] * audio_output_length(feats.shape[1], self.n_window) + [t.audio_end]
+        self.ids += [t.im_start, t.user, self.nl] + body + [t.im_end, self.nl]
         return self.ids + [t.im_start, t.assistant, self.nl]
 
     def answered(self, prompt: list[int], reply: list[int]) -> None:
@@ -94,11 +115,12 @@ class Conversation:
         self.ids = prompt + body + [self.t.im_end, self.nl]
 
 
-def _request(prompt: list[int], settings: Settings, rid: str) -> SpeechRequest:
+def _request(prompt: list[int], settings: Settings, rid: str, features: list | None = None) -> SpeechRequest:
     from voxpipe.client import SpeechRequest
 
-    return SpeechRequest(token_ids=prompt, max_tokens=settings.text_tokens, min_tokens=settings.text_tokens,
-                         max_frames=settings.frames, min_frames=settings.frames, request_id=rid)
+    return SpeechRequest(token_ids=prompt, audio_features=list(features or ()), max_tokens=settings.text_tokens,
+                         min_tokens=settings.text_tokens, max_frames=settings.frames, min_frames=settings.frames,
+                         request_id=rid)
 
 
 async def _one(stream_fn, req: SpeechRequest, rec: TurnRecord) -> list[int]:
@@ -120,13 +142,14 @@ async def _one(stream_fn, req: SpeechRequest, rec: TurnRecord) -> list[int]:
     return ids
 
 
-async def _session(stream_fn, cfg, settings: Settings, session: int, level: int, records: list[TurnRecord]) -> None:
-    conv = Conversation(cfg, settings, session, level)
+async def _session(stream_fn, cfg, settings: Settings, session: int, level: int, records: list[TurnRecord],
+                   audio: TurnAudio | None = None) -> None:
+    conv = Conversation(cfg, settings, session, level, audio)
     for turn in range(1, settings.turns + 1):
         prompt = conv.ask()
         rec = TurnRecord(session, turn, len(prompt))
         records.append(rec)
-        reply = await _one(stream_fn, _request(prompt, settings, f"conv-{session}-{turn}"), rec)
+        reply = await _one(stream_fn, _request(prompt, settings, f"conv-{session}-{turn}", conv.features), rec)
         if rec.error is not None:
             return
         conv.answered(prompt, reply)
@@ -148,10 +171,10 @@ class LevelReport:
     wall_s: float = 0.0
 
 
-async def run_level(stream_fn, cfg, settings: Settings, sessions: int) -> LevelReport:
+async def run_level(stream_fn, cfg, settings: Settings, sessions: int, audio: TurnAudio | None = None) -> LevelReport:
     records: list[TurnRecord] = []
     t0 = time.perf_counter()
-    await asyncio.gather(*(_session(stream_fn, cfg, settings, s, sessions, records) for s in range(sessions)))
+    await asyncio.gather(*(_session(stream_fn, cfg, settings, s, sessions, records, audio) for s in range(sessions)))
     rep = LevelReport(sessions, failed=sum(r.error is not None for r in records), wall_s=time.perf_counter() - t0)
     for turn in range(1, settings.turns + 1):
         done = [r for r in records if r.turn == turn and r.error is None and r.ttfp_ms is not None]
@@ -179,12 +202,13 @@ async def long_context(stream_fn, cfg, settings: Settings) -> dict:
     return out
 
 
-async def run(stream_fn, cfg, settings: Settings, levels: list[int]) -> dict:
-    report = {"settings": asdict(settings), "levels": []}
+async def run(stream_fn, cfg, settings: Settings, levels: list[int], audio: TurnAudio | None = None) -> dict:
+    """`audio`: a voice conversation (each user turn the clip it returns; no long-context probe)."""
+    report = {"settings": asdict(settings), "voice": audio is not None, "levels": []}
     for c in levels:
         print(f"conversation: {c} sessions x {settings.turns} turns", flush=True)
-        report["levels"].append(asdict(await run_level(stream_fn, cfg, settings, c)))
-    if settings.context_tokens:
+        report["levels"].append(asdict(await run_level(stream_fn, cfg, settings, c, audio)))
+    if settings.context_tokens and audio is None:
         print(f"conversation: a {settings.context_tokens}-token prompt, cold then repeated", flush=True)
         report["long_context"] = await long_context(stream_fn, cfg, settings)
     return report
@@ -196,7 +220,8 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 
 def section(report: dict) -> str:
     s = report["settings"]
-    lines = [f"#### conversation: {s['turn_tokens']}-token user turns, {s['text_tokens']} text tokens and "
+    user = "a voice clip (rotated per turn)" if report.get("voice") else f"{s['turn_tokens']}-token"
+    lines = [f"#### conversation: {user} user turns, {s['text_tokens']} text tokens and "
              f"{s['frames']} frames a reply, up to {s['turns']} turns, history re-sent as token ids (split mode)", ""]
     for lvl in report["levels"]:
         lines += [f"{lvl['sessions']} sessions ({lvl['failed']} turns failed, {lvl['wall_s']:.0f} s):", "",

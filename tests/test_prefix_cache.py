@@ -15,7 +15,7 @@ from voxpipe.services.runtime import metrics
 from voxpipe.services.runtime.block_pool import BlockPool, ContentSpan, KVBlockManager, prefix_hashes
 from voxpipe.services.runtime.engine import Outbox
 from voxpipe.services.runtime.kv_cache import _causal_sdpa, _sdpa
-from voxpipe.services.runtime.outputs import Finished, TextOut
+from voxpipe.services.runtime.outputs import Finished, TalkerPromptOut, TextOut
 from voxpipe.services.runtime.paged_kv import PagedKVCache, PagedPackedStep
 from voxpipe.services.runtime.tensors import to_proto
 from voxpipe.services.thinker.job import ThinkerJob
@@ -211,15 +211,19 @@ def _run(engine, jobs) -> None:
         engine.step()
 
 
-def _output(job) -> tuple[list[int], list[bytes], Finished]:
-    """The job's token ids, its talker rows (bytes) and its Finished."""
+def _output(job) -> tuple[list[int], list[bytes], Finished, list[bytes]]:
+    """The job's token ids, its talker rows (bytes), its Finished, and its talker prompt's user rows
+    and assistant head (bytes; none when it sent no talker prompt)."""
     asyncio.get_event_loop().run_until_complete(asyncio.sleep(0))
     items = []
     while (got := job.outbox.poll_timed()) is not None:
         items.append(got[0])
     assert isinstance(items[-1], Finished), items[-1]
     outs = [i for i in items if isinstance(i, TextOut)]
-    return [t for o in outs for t in o.token_ids], [to_proto(o.rows).data for o in outs if o.rows is not None], items[-1]
+    prompts = [to_proto(t).data for p in items if isinstance(p, TalkerPromptOut)
+               for t in (p.user_rows, p.assistant_head) if t is not None]
+    return ([t for o in outs for t in o.token_ids], [to_proto(o.rows).data for o in outs if o.rows is not None],
+            items[-1], prompts)
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +327,8 @@ def test_audio_turns_hit_by_content_and_a_talker_prompt_keeps_its_audio_rows(cac
         _run(uncached, [b])
         got, want = _output(a), _output(b)
         assert got[:2] == want[:2], rid
+        for g, w in zip(got[3], want[3]):   # hidden rows: chunked after a prefix vs one prefill, fp32 order
+            assert torch.allclose(_rows(g), _rows(w), atol=1e-5, rtol=1e-5), rid
         return a, got
 
     job, _ = turn(clip, "clip", False)
@@ -332,19 +338,27 @@ def test_audio_turns_hit_by_content_and_a_talker_prompt_keeps_its_audio_rows(cac
     _, got = turn(other, "other-clip", False)
     assert got[2].cached_tokens <= first_audio                     # other content, same ids: a miss from there
     # a talker prompt needs the audio rows' hidden layer: no cached prefix past the first placeholder
-    _, got = turn(clip, "clip-talker", True)
-    assert 0 < got[2].cached_tokens <= first_audio
+    # until a talker prompt of this prefix made them (then they are cached with its blocks)
+    _, miss = turn(clip, "clip-talker", True)
+    assert 0 < miss[2].cached_tokens <= first_audio and miss[3]
+    _, hit = turn(clip, "clip-talker-again", True)
+    assert hit[2].cached_tokens > first_audio + BS
+    assert hit[3] == miss[3]              # the audio rows from the cache: the miss's bits, exactly
     ref = reference_generate(tiny_model_dir, again.prompt, input_features=clip, max_tokens=6, min_tokens=6,
                              max_frames=2, min_frames=2)
     assert _output_ids_of(cached, again.prompt, clip) == ref.text_ids
     assert num_audio_tokens(clip.shape[1]) == again.prompt.count(cached.cfg.tokens.audio_token)
 
 
+def _rows(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+
 def _output_ids_of(engine, prompt, clip) -> list[int]:
     job = ThinkerJob(request_id="ids", outbox=Outbox(asyncio.get_event_loop(), limit=10_000), prompt=list(prompt),
                      audio=[clip], max_tokens=6, min_tokens=6)
     _run(engine, [job])
-    ids, _, done = _output(job)
+    ids, _, done, _ = _output(job)
     assert done.cached_tokens > 0
     return ids
 
@@ -443,3 +457,30 @@ def test_the_conversation_workload_reports_each_turns_cached_fraction(stack, omn
     lc = report["long_context"]
     assert lc["cold"]["error"] is None and lc["repeated"]["cached_tokens"] >= lc["prompt_tokens"] - BS
     assert "conversation: 40-token user turns" in conversation.section(report)
+
+
+def test_the_voice_conversation_workload_hits_earlier_clips(stack, omni_config, tiny_model_dir):
+    """bench's voice-conversation: each user turn a new clip (the voice clip rotated per turn); turn 2
+    re-sends turn 1's clip, which the prefix cache (keyed by the clip's content) holds."""
+    from voxpipe.bench import conversation
+    from voxpipe.bench.requests import RequestMaker
+    from voxpipe.bench.voice_clip import load_clip
+    from voxpipe.bench.workload import WORKLOADS
+    from voxpipe.client import PipelineClient
+    from voxpipe.services.thinker.prompt import FeatureExtractor
+
+    wl = WORKLOADS["voice-conversation"]
+    maker = RequestMaker(wl, omni_config, None, load_clip(None), FeatureExtractor.for_model(tiny_model_dir,
+                                                                                           omni_config.thinker))
+    assert not torch.equal(maker.turn_audio(0, 1), maker.turn_audio(0, 2))     # every turn is new audio
+    settings = conversation.Settings(turns=2, turn_tokens=1, text_tokens=4, frames=3, context_tokens=0)
+
+    async def go():
+        async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
+            return await conversation.run(client.stream, omni_config, settings, [1], maker.turn_audio)
+
+    report = asyncio.run(go())
+    turns = report["levels"][0]["turns"]
+    assert report["levels"][0]["failed"] == 0 and [t["turn"] for t in turns] == [1, 2]
+    assert turns[0]["cached_fraction"] < 0.5 < turns[1]["cached_fraction"] < 1
+    assert "conversation: a voice clip (rotated per turn) user turns" in conversation.section(report)

@@ -61,6 +61,10 @@ class ThinkerJob(EngineRequest):
     prompt_sent: bool = False                   # its TalkerPromptOut went out at admission (a text prompt)
     embeds: torch.Tensor | None = None          # [P, H] while a chunked prefill runs
     kept: list[torch.Tensor] = field(default_factory=list)   # per chunk: the talker's hidden layer
+    # the talker's hidden rows of its prompt's cached audio blocks (runner.AudioRowCache), by block index
+    cached_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # rows its prefill made for blocks not yet published: (block index, rows), cached once published
+    pending_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     kv_trusted: bool = True                     # False once its numbers went non-finite (its blocks unpublished)
 
     def __post_init__(self) -> None:

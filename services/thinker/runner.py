@@ -25,7 +25,8 @@ from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime import metrics
 from ..runtime.flags import KV_BLOCK_SIZE
-from ..runtime.block_pool import ContentSpan, KVBlockManager
+from ..runtime.block_pool import ContentSpan, KVBlockManager, prefix_hashes
+from ..runtime.lru import BytesLRU
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerPromptOut, TokenLogprob
 from ..runtime.sampling import RowSampling, SamplingParams, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
@@ -118,6 +119,39 @@ def audio_spans(cfg: ThinkerConfig, prompt: list[int], digests: list[bytes]) -> 
     return tuple(spans)
 
 
+def audio_offsets(spans: tuple[ContentSpan, ...], block: int, block_size: int) -> list[int]:
+    """The positions within block `block` that are audio placeholders (of any span), in order."""
+    lo, hi = block * block_size, (block + 1) * block_size
+    return [p - lo for sp in spans for p in range(max(sp.start, lo), min(sp.end, hi))]
+
+
+class AudioRowCache:
+    """The talker's hidden-layer rows of audio placeholders in published blocks, by the block's prefix
+    hash (which covers everything before the block and the clip's content): what a talker prompt
+    takes for the audio rows of a cached prefix, whose keys are cached but whose hidden layer is
+    not. Bounded by bytes (LRU); a missing entry only means the prefix is not taken past there."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.lru = BytesLRU(max_bytes)
+
+    def rows_for(self, job: ThinkerJob, block_size: int) -> tuple[int, dict[int, torch.Tensor]]:
+        """How far (tokens, block-aligned) the job's cached prefix may go -- up to its first full block
+        with audio whose rows are not held -- and the rows held for the audio blocks before it."""
+        hashes = prefix_hashes(job.prompt, block_size, job.spans)
+        found: dict[int, torch.Tensor] = {}
+        for b, h in enumerate(hashes):
+            if not audio_offsets(job.spans, b, block_size):
+                continue
+            rows = self.lru.get(h) if self.lru.max_bytes else None
+            if rows is None:
+                return b * block_size, found
+            found[b] = rows
+        return len(hashes) * block_size, found
+
+    def put(self, h: bytes, rows: torch.Tensor) -> None:
+        self.lru.put(h, rows)
+
+
 @dataclass(frozen=True)
 class KVPlan:
     """The thinker's KV pool: `blocks` blocks of `block_size` positions; `prefix_cache`: publish
@@ -149,6 +183,7 @@ class ThinkerRunner:
         t = cfg.text
         self.cache = PagedKVCache(t.num_layers, kv.blocks, kv.block_size, t.num_kv_heads, t.head_dim, dtype, device)
         self.blocks = KVBlockManager(kv.blocks, kv.block_size, kv.prefix_cache)
+        self.audio_rows = AudioRowCache(audio_cache_bytes if kv.prefix_cache else 0)
         special = torch.tensor([cfg.tokens.tts_bos, cfg.tokens.tts_eos, cfg.tokens.tts_pad], device=device)
         self.eos = torch.tensor(eos_ids, device=device)
         self._mask_host = self._rows_host = None    # constrained rows' bitmasks (_grammar_masks)
@@ -263,19 +298,21 @@ class ThinkerRunner:
         """The job's blocks: its cached prefix (`prefilled` starts there) and new blocks for the rest of
         its context and its first decode position. False (nothing taken) when the pool lacks them.
         A prompt whose talker needs hidden states of its audio rows takes no cached prefix past its
-        first audio placeholder (a cached block keeps keys, not the hidden layer); a prompt short
-        enough for the prefill graphs takes none (graphed from position 0, it is faster)."""
+        first block with audio whose rows the AudioRowCache lacks (a cached block keeps keys, not
+        the hidden layer); without extend graphs, a prompt short enough for the prefill graphs takes
+        none (graphed from position 0, it is faster)."""
         if not job.spans and job.audio and self.blocks.enable_caching:
             job.spans = audio_spans(self.cfg, job.prompt, self._digests(job))
-        limit = None
-        if job.talker_rows and job.spans:
-            limit = job.spans[0].start
+        limit, rows = None, {}
+        if job.talker_rows and job.spans and not job.prompt_sent and not job.generated:
+            limit, rows = self.audio_rows.rows_for(job, self.blocks.block_size)
         if not job.generated and len(job.prompt) <= self.graph_prompt_len and self.extend_graphs is None:
             limit = 0           # the prefill graph from position 0 (a resumed job takes the chunked path)
         table = self.blocks.admit(job.context(), job.spans, reserve=1, max_cached=limit)
         if table is None:
             return False
         job.table, job.prefilled, job.kv_trusted = table, table.cached_tokens, True
+        job.cached_rows = {b: r for b, r in rows.items() if b < table.cached_tokens // self.blocks.block_size}
         if not job.generated:
             job.cached_tokens = table.cached_tokens
             metrics.PREFIX_TOKENS.labels("thinker", "queried").inc(len(job.prompt))
@@ -292,14 +329,21 @@ class ThinkerRunner:
             return
         if job.kv_tokens // self.blocks.block_size > job.table.published:   # a block filled since the last call
             self.blocks.publish(job.table, job.prompt + job.generated, job.kv_tokens, job.spans)
+        if job.pending_rows:
+            published, hashes = job.table.published, job.table.hashes
+            for b, rows in job.pending_rows:
+                if b < published:
+                    self.audio_rows.put(hashes[b], rows)
+            job.pending_rows = [(b, r) for b, r in job.pending_rows if b >= published]
 
     def release(self, job: ThinkerJob) -> None:
         """Give the job's blocks back (published ones stay findable) and drop its prefill state."""
-        job.embeds, job.kept = None, []
+        job.embeds, job.kept, job.cached_rows = None, [], {}
         if job.table is not None:
             self.publish(job)
             self.blocks.release(job.table, trusted=job.kv_trusted)
             job.table = None
+        job.pending_rows = []
 
     def preempt(self, job: ThinkerJob) -> None:
         """Free a running job's blocks to make room: it waits again and prefills its context (the
@@ -368,9 +412,22 @@ class ThinkerRunner:
             if j.talker_rows and not j.prompt_sent:
                 p = len(j.prompt)
                 kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
+                if kept is not None:
+                    self._keep_rows(j, kept)
                 prompt = talker_prompt(self.cfg, torch.tensor(j.prompt), embeds[b].cpu(), kept, self.tts_special)
             prompts.append(prompt)
         return Prefilled(logits, prompts)
+
+    def _keep_rows(self, job: ThinkerJob, kept: torch.Tensor) -> None:
+        """Hold the audio rows of the prompt's full blocks that the cache lacks (kept [P, H] on the
+        host), to be cached as their blocks are published."""
+        if not self.audio_rows.lru.max_bytes or job.table is None or not job.spans:
+            return
+        bs = self.blocks.block_size
+        for b in range(len(job.prompt) // bs):
+            offsets = audio_offsets(job.spans, b, bs)
+            if offsets and b not in job.cached_rows:
+                job.pending_rows.append((b, kept[b * bs + torch.tensor(offsets)].clone()))
 
     def _context_embeds(self, job: ThinkerJob) -> torch.Tensor:
         """[prefill_target, H]: the prompt's embeddings (its audio encoded) and, resumed after a
@@ -430,11 +487,14 @@ class ThinkerRunner:
             prompt = None
             if job.talker_rows and not job.prompt_sent:
                 kept = None
-                if job.kept:     # positions before kept_from hold no audio (allocate's limit)
+                if job.kept:     # before kept_from: audio rows only in cached blocks (allocate's limit)
                     part = torch.cat(job.kept)
-                    kept = part.new_zeros(len(job.prompt), part.shape[1])
-                    kept[job.kept_from:] = part
-                    kept = kept.cpu()
+                    kept = part.new_zeros(len(job.prompt), part.shape[1]).cpu()
+                    kept[job.kept_from:] = part.cpu()
+                    bs = self.blocks.block_size
+                    for b, held in job.cached_rows.items():
+                        kept[b * bs + torch.tensor(audio_offsets(job.spans, b, bs))] = held
+                    self._keep_rows(job, kept)
                 prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
             job.embeds, job.kept = None, []
             done.append(job)
