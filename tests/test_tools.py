@@ -29,7 +29,7 @@ from voxpipe.gateway.openai_chat import ChatOptions, Reply
 from voxpipe.gateway.params import GenerationParams
 from voxpipe.gateway.state import GatewayState
 from voxpipe.gateway.tool_params import ToolOptions, tool_list
-from voxpipe.gateway.tools import ContentPiece, ToolCallParser, parse_reply
+from voxpipe.gateway.tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece, ToolCallParser, parse_reply
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, Tool, ToolCall, render
 from voxpipe.services.thinker.tokenizer import ChatMLByteTokenizer
 from voxpipe.services.thinker.tool_template import TemplateToolError
@@ -139,6 +139,49 @@ def test_the_parser_reads_calls_and_keeps_the_rest_as_content():
     content = [x.text for x in pieces if isinstance(x, ContentPiece)]
     assert "".join(content) == "Sure <b>.Done <tool" and not any("<tool_call" in c or "{" in c for c in content)
     assert [c.name for c in p.calls] == ["get_weather"]
+
+
+def test_an_incremental_parser_streams_a_call_as_it_is_written():
+    """tool_choice 'required' / named (every block a valid call): the head (index, id, name) as soon
+    as the name is complete, then the arguments' text as it comes; the same pieces (but the ids)
+    however the text is split, the arguments joined equal the call's, no markup in any content."""
+    names = {"get_weather", "set_light"}
+    nested = '<tool_call>\n{"name": "set_light", "arguments": {"room": {"name": "a}\\"b"}, "on": true}}\n</tool_call>'
+    text = f"{CALL}\n{nested}"
+
+    def run(chunks, **kw):
+        p = ToolCallParser(names, incremental=True, **kw)
+        pieces = [x for c in chunks for x in p.push(c)] + p.finish()
+        return pieces, p.calls
+
+    pieces, calls = run(list(text))
+    heads = [x for x in pieces if isinstance(x, CallStart)]
+    assert [(h.index, h.name) for h in heads] == [(0, "get_weather"), (1, "set_light")]
+    first = pieces.index(heads[0])
+    assert isinstance(pieces[first + 1], ArgumentsDelta) and len(pieces[first + 1].text) == 1   # one character in
+    for i, call in enumerate(calls):
+        assert "".join(x.text for x in pieces if isinstance(x, ArgumentsDelta) and x.index == i) == call.arguments
+        assert call.id == heads[i].id
+    assert json.loads(calls[1].arguments) == {"room": {"name": 'a}"b'}, "on": True}
+    done = [x for x in pieces if isinstance(x, CallPiece)]
+    assert [d.streamed for d in done] == [True, True] and not [x for x in pieces if isinstance(x, ContentPiece)]
+    # any split gives the same calls; so does a whole reply (parse_reply, the non-streamed path)
+    for size in (2, 3, 7, 50):
+        got = run([text[i:i + size] for i in range(0, len(text), size)])[1]
+        assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in calls]
+    whole = parse_reply(text, names, incremental=True)
+    assert [(c.name, c.arguments) for c in whole.calls] == [(c.name, c.arguments) for c in calls]
+    # parallel=False: the second call is dropped, nothing of it goes out
+    single, kept = run(list(text), parallel=False)
+    assert [c.name for c in kept] == ["get_weather"] and all(x.index == 0 for x in single if hasattr(x, "index"))
+    # cut by max_tokens: the call so far, its arguments as written
+    cut, cut_calls = run([CALL[:CALL.index("ris")]])
+    assert cut_calls[0].arguments == '{"city": "Pa' and isinstance(cut[-1], CallPiece)
+    # a block that does not begin with a known name is read whole (here: content, as without incremental)
+    odd = CALL.replace("get_weather", "format_disk")
+    assert parse_reply(odd, names, incremental=True) == parse_reply(odd, names)
+    swapped = '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"}\n</tool_call>'
+    assert [json.loads(c.arguments) for c in parse_reply(swapped, names, incremental=True).calls] == [{"city": "Rome"}]
 
 
 @pytest.fixture(scope="module")
