@@ -333,11 +333,12 @@ def test_bad_tool_inputs_are_400_naming_them(gateway, model, extra, param, patte
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_a_required_call_is_constrained_and_always_comes(client, model, choice, stream):
+def test_a_required_call_is_constrained_and_always_comes(client, model, choice):
     """`tool_choice` 'required' or a named function: the thinker's sampling is constrained to
     `<tool_call>` blocks of the offered functions (services/thinker/constraint.tool_calls), so even the
-    tiny random model's reply is a valid call, sampled at temperature 1, streamed or not."""
+    tiny random model's reply is a valid call, sampled at temperature 1. Streamed, the call comes as
+    it is written: its head first, then argument pieces; the SDK's own accumulation of the chunks
+    gives the call of the same request not streamed (same seed: the same tokens)."""
     import jsonschema
 
     names = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in TOOLS}
@@ -345,32 +346,57 @@ def test_a_required_call_is_constrained_and_always_comes(client, model, choice, 
     for seed in range(3):
         kw = dict(model=model, messages=MESSAGES, max_tokens=120, tools=TOOLS, tool_choice=choice, temperature=1.0,
                   seed=seed, parallel_tool_calls=False)
-        if stream:
-            calls: dict[int, dict] = {}
-            finish = None
-            for chunk in client.chat.completions.create(stream=True, **kw):
-                for c in chunk.choices:
-                    assert not (c.delta.content or "").strip().startswith("<tool_call>")
-                    for d in c.delta.tool_calls or []:
-                        entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                        entry["name"] += (d.function.name or "") if d.function else ""
-                        entry["arguments"] += (d.function.arguments or "") if d.function else ""
-                    finish = c.finish_reason or finish
-            got = list(calls.values())
-        else:
-            reply = client.chat.completions.create(**kw)
-            finish = reply.choices[0].finish_reason
-            got = [{"name": c.function.name, "arguments": c.function.arguments}
-                   for c in reply.choices[0].message.tool_calls or []]
-        if finish == "length":      # the random model may write a long argument: cut, not a violation
+        reply = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        acc = ChatCompletionStreamState(input_tools=TOOLS)
+        for c in chunks:
+            acc.handle_chunk(c)
+        try:
+            streamed = acc.get_final_completion().choices[0]
+        except openai.LengthFinishReasonError as e:      # the SDK's way to say "cut": its completion is there
+            streamed = e.completion.choices[0]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not any(d.content for d in deltas)
+        with_calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+        assert with_calls[0].id and with_calls[0].function.name and with_calls[0].function.arguments == ""
+        assert len(with_calls) > 2 and all(d.id is None for d in with_calls[1:])    # arguments in pieces
+        whole = reply.choices[0]
+        assert streamed.finish_reason == whole.finish_reason
+        assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        if whole.finish_reason == "length":      # the random model may write a long argument: cut, not a violation
             continue
-        assert finish == "tool_calls" and len(got) == 1, (finish, got)
-        call = got[0]
+        assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1 and whole.message.content is None
+        call = whole.message.tool_calls[0].function
         if isinstance(choice, dict):
-            assert call["name"] == "get_weather"
-        jsonschema.validate(json.loads(call["arguments"]), names[call["name"]])
+            assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), names[call.name])
         completed += 1
     assert completed, "every reply hit max_tokens: nothing checked"
+
+
+def talker_streams(stack) -> float:
+    """Streams the thinker has opened to a talker (its voxpipe_next_stage_streams_total)."""
+    import re
+
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['thinker']}/metrics").text
+    m = re.search(r'^voxpipe_next_stage_streams_total\{stage="talker"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_required_call_with_audio_out_costs_the_talker_nothing(client, model, stack):
+    before = talker_streams(stack)
+    for stream in (False, True):
+        kw = dict(model=model, messages=MESSAGES, max_tokens=120, tools=TOOLS, tool_choice="required", temperature=1.0,
+                  seed=1, modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"})
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            assert not any(getattr(c.choices[0].delta, "audio", None) for c in chunks if c.choices)
+            assert any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        else:
+            msg = client.chat.completions.create(**kw).choices[0].message
+            assert msg.audio is None and msg.content is None and msg.tool_calls
+    assert talker_streams(stack) == before
 
 
 def test_the_sdk_raises_bad_request_for_an_unknown_tool_choice(client, model):
@@ -447,10 +473,20 @@ def test_a_spoken_reply_with_a_call_ends_its_speech_at_the_call(stack, tokenizer
                                                       max_frames=400, unspoken_tool_calls=unspoken))
         return asyncio.run(go())
 
+    before = talker_streams(stack)
     with_call = speak(f"Sure.\n{CALL}", True)
     assert with_call.text == f"Sure.\n{CALL}" and with_call.done.text_finish == pb.STOP
     rows = len(encode_text(tokenizer, "Sure.\n")) + 1
-    assert with_call.done.frames <= 10 * rows + 25 < 10 * len(encode_text(tokenizer, CALL))
+    assert 0 < with_call.done.frames <= 10 * rows + 25 < 10 * len(encode_text(tokenizer, CALL))
+    assert with_call.audio.size and talker_streams(stack) == before + 1
+    # only a call (or whitespace, then a call): no talker stream is opened, no audio, the talker's end is STOP
+    for text in (CALL, f"\n {CALL}\n{CALL2}"):
+        only = speak(text, True)
+        assert only.text == text and only.done.text_finish == pb.STOP and only.done.audio_finish == pb.STOP
+        assert only.audio.size == 0 and only.done.frames == 0 and only.done.samples == 0
+    assert talker_streams(stack) == before + 1
+    # unspoken_tool_calls off: the same call is spoken (the talker runs)
+    assert speak(CALL, False).done.frames > 0 and talker_streams(stack) == before + 2
 
 
 def test_a_tool_round_trip_extends_the_previous_prompt(tokenizer, omni_config):
