@@ -504,3 +504,12 @@ def test_a_tool_round_trip_extends_the_previous_prompt(tokenizer, omni_config):
     second = render(tokenizer, omni_config.thinker, parse_messages(turn, None, None), tools=tools).token_ids
     reply = encode_text(tokenizer, CALL) + [omni_config.thinker.tokens.im_end]
     assert second[:len(first) + len(reply)] == first + reply
+
+
+def test_the_constrained_check_passes_on_a_few_requests(gateway):
+    """bench/constrained_check at a small N (its 1,000-request run is a bench: bench/RESULTS.md):
+    required, named and json_schema replies at temperature 1 all parse and validate."""
+    from voxpipe.bench.constrained_check import check
+
+    result = asyncio.run(check(gateway.base_url, n=6, concurrency=6, max_tokens=512))
+    assert result["valid"] == result["requests"] == 6, result
