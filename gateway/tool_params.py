@@ -56,10 +56,14 @@ class ToolOptions:
 
     def parser(self) -> ToolCallParser | None:
         """The reader of a reply for calls (None: tools not offered or 'none': all of it is content);
-        incremental where the constraint makes every block a valid call."""
+        incremental where the constraint makes every block a valid call (of one function when it
+        allows only one: a call's head then goes out as its block opens)."""
         if not self.parses_calls:
             return None
-        return ToolCallParser(self.names, self.parallel, incremental=self.calls_only)
+        only = self.function if self.choice == "function" else None
+        if self.choice == "required" and len(self.tools) == 1:
+            only = self.tools[0].name
+        return ToolCallParser(self.names, self.parallel, incremental=self.calls_only, only=only)
 
 
 def _short(value: Any) -> str:

@@ -135,10 +135,14 @@ class ToolCallParser:
     """Incremental: `push(text)` and at the end `finish()` give the reply as ContentPieces and
     CallPieces in order; `calls` are the calls kept so far."""
 
-    def __init__(self, names: Iterable[str], parallel: bool = True, incremental: bool = False) -> None:
+    def __init__(self, names: Iterable[str], parallel: bool = True, incremental: bool = False,
+                 only: str | None = None) -> None:
+        """`only` (incremental): the one function the constraint lets a block call (a named
+        tool_choice): each block commits as it opens, its head out before the model writes the name."""
         self.names = frozenset(names)
         self.parallel = parallel
         self.incremental = incremental
+        self.only = only if incremental else None
         self.calls: list[ToolCall] = []
         self._block_state = _Block()
         self._pending = ""        # text not yet given out
@@ -197,12 +201,15 @@ class ToolCallParser:
             return out
         if b.index < 0 and not b.dropped:
             m = NAME_HEAD.match(body)
-            if m is None:
+            if self.only is not None:
+                b.name = self.only
+            elif m is None:
                 return out
-            if m.group(1) not in self.names:
+            elif m.group(1) not in self.names:
                 b.whole = True
                 return out
-            b.name = m.group(1)
+            else:
+                b.name = m.group(1)
             if self.calls and not self.parallel:
                 b.dropped = True
             else:

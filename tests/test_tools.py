@@ -180,6 +180,11 @@ def test_an_incremental_parser_streams_a_call_as_it_is_written():
     # a block that does not begin with a known name is read whole (here: content, as without incremental)
     odd = CALL.replace("get_weather", "format_disk")
     assert parse_reply(odd, names, incremental=True) == parse_reply(odd, names)
+    # one function allowed (a named tool_choice): the head goes out as the block opens
+    named = ToolCallParser(names, incremental=True, only="get_weather")
+    assert [type(x) for x in named.push("<tool_call>")] == [CallStart]
+    rest = named.push(CALL[len("<tool_call>"):]) + named.finish()
+    assert [c.arguments for c in named.calls] == ['{"city": "Paris"}'] and isinstance(rest[-1], CallPiece)
     swapped = '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"}\n</tool_call>'
     assert [json.loads(c.arguments) for c in parse_reply(swapped, names, incremental=True).calls] == [{"city": "Rome"}]
 
