@@ -518,3 +518,30 @@ def test_the_constrained_check_passes_on_a_few_requests(gateway):
 
     result = asyncio.run(check(gateway.base_url, n=6, concurrency=6, max_tokens=512))
     assert result["valid"] == result["requests"] == 6, result
+
+
+def test_a_spoken_stream_that_is_only_a_call_is_admitted_without_the_talker(state, stack):
+    """With audio asked for, a reply that turns out to be only a call: the talker's "silent" end
+    comes with the call's first token, so a stream is admitted (its HTTP status decided) then, not
+    at the reply's end; no audio, no talker stream."""
+    from voxpipe.client import AudioEvent, DoneEvent, StageEvent
+    from voxpipe.gateway.generation import read_until_admitted
+    from voxpipe.v1 import stages_pb2 as pb
+
+    prompt = render(state.tokenizer, state.omni.thinker, parse_messages(MESSAGES, None, None),
+                    tools=tools_of(TOOLS))
+    req = speech_request(prompt, GenerationParams(max_frames=50), "ethan", True, assistant_text=CALL, tool_calls=True)
+    before = talker_streams(stack)
+
+    async def go():
+        async with PipelineClient(state.config.thinker, state.config.code2wav) as state.pipeline:
+            events = run_pipeline(state, req, time.perf_counter())
+            head = await read_until_admitted(events, True)
+            return head, [e async for e in events]
+
+    head, rest = asyncio.run(go())
+    assert isinstance(head[-1], StageEvent) and head[-1].kind == "silent" and head[-1].stage == "talker"
+    assert not any(isinstance(e, (DoneEvent, AudioEvent)) for e in head) and not any(isinstance(e, AudioEvent) for e in rest)
+    [done] = [e for e in rest if isinstance(e, DoneEvent)]
+    assert done.text_finish == pb.STOP and done.audio_finish == pb.STOP and done.frames == 0
+    assert talker_streams(stack) == before
