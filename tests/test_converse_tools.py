@@ -86,15 +86,15 @@ def test_a_required_call_streams_as_deltas_and_is_never_spoken(channel, named):
     audio asked for and none made (no talker: audio_finish unspecified)."""
     import jsonschema
 
-    for seed in range(2):
-        kw = dict(tool_function="get_weather") if named else dict(tool_choice=gw.TOOL_CHOICE_REQUIRED)
-        out = converse(channel, start(text="Weather in Oslo?", tools=[SHORT], max_tokens=120, single_tool_call=True,
-                                      sampling=pb.Sampling(temperature=1.0, seed=seed), **kw))
-        text, audio, done = split(out)
-        assert not audio and done.audio_finish == pb.FINISH_REASON_UNSPECIFIED and not "".join(t.text for t in text)
-        assert done.text_finish == pb.STOP
-        deltas = [r.tool_call_delta for r in out if r.WhichOneof("kind") == "tool_call_delta"]
-        [call] = [r.tool_call for r in out if r.WhichOneof("kind") == "tool_call"]
-        assert deltas[0].call_id == call.call.call_id and deltas[0].name == "get_weather" == call.call.name
-        assert len(deltas) > 2 and "".join(d.arguments_delta for d in deltas) == call.call.arguments_json
-        jsonschema.validate(json.loads(call.call.arguments_json), BOUNDED)
+    seed = 1 if named else 0
+    kw = dict(tool_function="get_weather") if named else dict(tool_choice=gw.TOOL_CHOICE_REQUIRED)
+    out = converse(channel, start(text="Weather in Oslo?", tools=[SHORT], max_tokens=120, single_tool_call=True,
+                                  sampling=pb.Sampling(temperature=1.0, seed=seed), **kw))
+    text, audio, done = split(out)
+    assert not audio and done.audio_finish == pb.FINISH_REASON_UNSPECIFIED and not "".join(t.text for t in text)
+    assert done.text_finish == pb.STOP
+    deltas = [r.tool_call_delta for r in out if r.WhichOneof("kind") == "tool_call_delta"]
+    [call] = [r.tool_call for r in out if r.WhichOneof("kind") == "tool_call"]
+    assert deltas[0].call_id == call.call.call_id and deltas[0].name == "get_weather" == call.call.name
+    assert len(deltas) > 2 and "".join(d.arguments_delta for d in deltas) == call.call.arguments_json
+    jsonschema.validate(json.loads(call.call.arguments_json), BOUNDED)
