@@ -65,9 +65,13 @@ async def render_prompt(state, messages: list[ChatMessage], param: str = "messag
 
 
 def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str, audio: bool,
-                   assistant_text: str | None = None, tool_calls: bool = False) -> SpeechRequest:
+                   assistant_text: str | None = None, tool_calls: bool = False,
+                   calls_only: bool = False) -> SpeechRequest:
     """`assistant_text`: the reply, given (text to speech; the sampling values are then the talker's).
-    `tool_calls`: the reply is read for function calls, which the talker must not speak."""
+    `tool_calls`: the reply is read for function calls, which the talker must not speak.
+    `calls_only`: the reply is only calls (its constraint says so): nothing to speak, so no audio is
+    asked for (neither the talker nor code2wav takes part)."""
+    audio = audio and not calls_only
     return SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=voice, audio=audio,
                          max_tokens=params.max_tokens, min_tokens=params.min_tokens, max_frames=params.max_frames,
                          min_frames=params.min_frames, temperature=params.temperature, top_k=params.top_k,
@@ -83,8 +87,8 @@ def admitted(ev: PipelineEvent, audio: bool) -> bool:
     stream after its own checks and reports the route once the code2wav has accepted)."""
     if isinstance(ev, DoneEvent):
         return True
-    if audio:
-        return isinstance(ev, StageEvent) and ev.kind == "routed" and ev.stage == "code2wav"
+    if audio:   # (or the talker's word that nothing is spoken: no code2wav stream comes)
+        return isinstance(ev, StageEvent) and (ev.kind == "routed" and ev.stage == "code2wav" or ev.kind == "silent")
     return isinstance(ev, (TextEvent, AudioEvent))
 
 

@@ -127,8 +127,9 @@ class FramesEvent:
 
 @dataclass
 class StageEvent:
-    """A downstream stage's report: `kind` "first_output" (its first frame: the talker) or
-    "routed" (it holds the request on `address`)."""
+    """A downstream stage's report: `kind` "first_output" (its first frame: the talker),
+    "routed" (it holds the request on `address`) or "silent" (the talker: the reply has nothing to
+    speak -- a function call only -- so no talker ran and no audio comes)."""
     stage: str
     kind: str
     address: str = ""
@@ -323,6 +324,9 @@ class PipelineClient:
                 elif kind == "talker_finished":
                     done["audio"] = resp.talker_finished.reason
                     usage["frames"] = resp.talker_finished.completion_tokens
+                    if req.audio and "code2wav" not in routes:     # nothing to speak: no audio stream comes
+                        await events.put(StageEvent("talker", "silent"))
+                        await events.put("code2wav-done")
                 else:
                     raise PipelineError("thinker", grpc.StatusCode.INTERNAL, f"unexpected {kind} on a speech stream")
             if req.audio and done["audio"] is None and done["text"] != pb.CANCELLED:

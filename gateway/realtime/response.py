@@ -52,12 +52,13 @@ from voxpipe.services.runtime.logs import REQUEST_ID
 from voxpipe.services.thinker.prompt import RenderedPrompt
 from voxpipe.v1 import stages_pb2 as pb
 
-from ..errors import APIError, from_pipeline_error
+from ..errors import APIError, bad_request, from_pipeline_error
 from ..generation import Generation, speech_request
 from ..params import GenerationParams
 from .events import INPUT_SAMPLE_RATE, Dialect, ProtocolError
 from .session import tools_wire
-from ..tools import CallPiece, ContentPiece, ReplyPiece, ToolCallParser
+from ..tool_params import required_call_constraint
+from ..tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece, ReplyPiece
 from .server_events import (AudioDelta, AudioDone, ContentPart, ContentPartAdded, ContentPartDone, Emit, Error,
                             FunctionCallArgumentsDelta, FunctionCallArgumentsDone, ItemAdded, ItemDone, ItemTruncated,
                             OutputItemAdded, OutputItemDone, ResponseCreated, ResponseDone, TextDelta, TextDone,
@@ -103,9 +104,9 @@ class ResponseRun:
         self.task: asyncio.Task | None = None
         # with tools offered, the reply's text is read for calls: each becomes a function_call item
         # after the message item (output_index 1, 2, ...), its text never reaches the message
-        tools = settings.tools
-        self.parser = ToolCallParser(tools.names, tools.parallel) if tools.parses_calls else None
+        self.parser = settings.tools.parser()
         self.calls: list[ConversationItem] = []
+        self._previous: dict[str, str | None] = {}     # a call item's id -> the item before it
 
     @property
     def content(self) -> ItemContent:
@@ -233,10 +234,14 @@ class ResponseRun:
         """Run self.prompt through the pipeline, sending the reply's events; the text's finish reason."""
         gen, s = self.ctx.generation, self.settings
         forced = s.ignore_eos
+        if forced and s.tools.calls_only:
+            raise bad_request("ignore_eos excludes a tool_choice that requires a call: a constrained reply ends "
+                              "when it is complete", param="tool_choice", code="invalid_value")
         params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if forced else 0,
                                   max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if forced else 0,
-                                  temperature=s.temperature)
-        req = speech_request(self.prompt, params, s.voice, s.audio_out, tool_calls=s.tools.parses_calls)
+                                  temperature=s.temperature, constraint=required_call_constraint(s.tools))
+        req = speech_request(self.prompt, params, s.voice, s.audio_out, tool_calls=s.tools.parses_calls,
+                             calls_only=s.tools.calls_only)
         req.request_id = self.id
         finish = None
         async with aclosing(gen.run(req, self.arrived)) as events:
@@ -276,27 +281,41 @@ class ResponseRun:
             delta = TranscriptDelta if self.settings.audio_out else TextDelta
             await self.ctx.emit(delta(**self._part_ids(), delta=text))
         for p in pieces:
-            if isinstance(p, CallPiece):
-                await self._on_call(p)
+            if isinstance(p, CallStart):
+                await self._call_started(p.id, p.name)
+            elif isinstance(p, ArgumentsDelta):
+                await self._arguments(p.index, p.text)
+            elif isinstance(p, CallPiece):
+                if not p.streamed:
+                    await self._call_started(p.call.id, p.call.name)
+                    await self._arguments(p.index, p.call.arguments)
+                await self._call_done(p)
 
-    async def _on_call(self, piece: CallPiece) -> None:
-        c = piece.call
+    async def _call_started(self, call_id: str, name: str) -> None:
+        """A call's function_call item (output_index 1 + its index), its arguments to come."""
         item = ConversationItem(new_id("item"), "assistant", [], status="in_progress",
-                                call=FunctionCall(c.id, c.name, ""))
+                                call=FunctionCall(call_id, name, ""))
         index = 1 + len(self.calls)
         self.calls.append(item)
         emit = self.ctx.emit
         await emit(OutputItemAdded(self.id, index, item))
-        previous = None
         if not self.settings.out_of_band:
-            previous = self.ctx.insert_item(item)
-            await emit(ItemAdded(previous, item))
-        await emit(FunctionCallArgumentsDelta(self.id, item.id, index, c.id, c.arguments))
+            self._previous[item.id] = self.ctx.insert_item(item)
+            await emit(ItemAdded(self._previous[item.id], item))
+
+    async def _arguments(self, index: int, text: str) -> None:
+        item = self.calls[index]
+        item.call = FunctionCall(item.call.call_id, item.call.name, item.call.arguments + text)
+        await self.ctx.emit(FunctionCallArgumentsDelta(self.id, item.id, 1 + index, item.call.call_id, text))
+
+    async def _call_done(self, piece: CallPiece) -> None:
+        c, item, index = piece.call, self.calls[piece.index], 1 + piece.index
         item.call, item.status = FunctionCall(c.id, c.name, c.arguments), "completed"
+        emit = self.ctx.emit
         await emit(FunctionCallArgumentsDone(self.id, item.id, index, c.id, c.name, c.arguments))
         await emit(OutputItemDone(self.id, index, item))
         if not self.settings.out_of_band:
-            await emit(ItemDone(previous, item))
+            await emit(ItemDone(self._previous[item.id], item))
 
     async def _on_audio(self, ev: AudioEvent) -> None:
         pcm = ev.data

@@ -15,7 +15,7 @@ from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, Tool, ToolCal
 
 from ..errors import APIError
 from ..params import DEFAULT_TEMPERATURE
-from ..tool_params import ToolOptions, required_call_constraint, tool_choice
+from ..tool_params import ToolOptions, tool_choice
 from .events import (INPUT_SAMPLE_RATE, MAX_INPUT_SECONDS, UNSET, Dialect, NewItem, PartKind, ProtocolError,
                      ResponseOverrides, SessionPatch, TranscriptionPatch, Truncation)
 from .vad import ServerVadParams
@@ -137,7 +137,6 @@ def realtime_tools(current: ToolOptions, tools: tuple[Tool, ...] | None, choice:
         else:
             mode, function = tool_choice(choice, new_tools, f"{path}.tool_choice", nested=False)
         opts = ToolOptions(tools=new_tools, choice=mode, function=function)
-        required_call_constraint(opts, f"{path}.tool_choice")
     except APIError as e:
         raise ProtocolError(e.message, code=e.code or "invalid_value", param=e.param) from None
     return opts

@@ -65,12 +65,13 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
 
     def merge(self, first: object, then: object) -> TextOut | None:
         """Consecutive text outputs of one request travel as one (token ids, text, the talker's rows
-        and log probabilities concatenated), up to MERGED_ROWS_MAX_BYTES of rows."""
+        and log probabilities concatenated), up to MERGED_ROWS_MAX_BYTES of rows; the end of the
+        talker's text (talker_end) stays at the end of one."""
         if not isinstance(first, TextOut) or not isinstance(then, TextOut):
             return None
         if then.index != first.index + first.count or (first.rows is None) != (then.rows is None):
             return None
-        if (first.text is None) != (then.text is None):
+        if (first.text is None) != (then.text is None) or first.talker_end:
             return None
         rows = None
         if first.rows is not None:
@@ -80,7 +81,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             rows = torch.cat((a, b))
         text = None if first.text is None else first.text + then.text
         return TextOut(first.index, first.token_ids + then.token_ids, text, rows, first.logprobs + then.logprobs,
-                       more=then.more, last=then.last)
+                       more=then.more, last=then.last, talker_end=then.talker_end)
 
     def to_proto(self, req: ThinkerJob, item: object) -> pb.ThinkerResponse:
         if isinstance(item, TextOut):
