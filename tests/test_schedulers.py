@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from voxpipe.services.code2wav.scheduler import MAX_FRAMES_PER_STEP, Code2WavScheduler
+from voxpipe.services.runtime.playback import PlaybackClock
 from voxpipe.services.talker.scheduler import PROMPT_TAIL, TalkerScheduler, TextRow, text_row
 from voxpipe.services.thinker.scheduler import ThinkerScheduler
 
@@ -30,6 +31,8 @@ class Utterance:
     frames_decoded: int = 0
     owed: int = 0
     outbox: Reader = field(default_factory=Reader)
+    playback: PlaybackClock = field(default_factory=PlaybackClock)
+    skips: int = 0
 
     def add(self, n: int, end: bool = False) -> None:
         self.frames.extend(range(len(self.frames), len(self.frames) + n))
@@ -41,6 +44,7 @@ class Code2WavStage:
 
     def __init__(self, slots: int) -> None:
         self.scheduler = Code2WavScheduler()
+        self.now = 0.0          # the fake clock the playback clocks run on
         self.slots = slots
         self.waiting: list[Utterance] = []
         self.running: list[Utterance] = []
@@ -54,7 +58,7 @@ class Code2WavStage:
 
     def step(self) -> dict[str, int]:
         """One step; the frames each utterance decoded, by name (in the schedule's order)."""
-        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running))
+        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running), self.now)
         for u in plan.admitted:
             self.waiting.remove(u)
             self.running.append(u)
@@ -176,6 +180,8 @@ class Speech:
     pending: object | None = None
     early: bool = False
     outbox: Reader = field(default_factory=Reader)
+    playback: PlaybackClock = field(default_factory=PlaybackClock)
+    skips: int = 0
 
 
 class TalkerStage:
@@ -184,6 +190,7 @@ class TalkerStage:
 
     def __init__(self, slots: int, prefill_batch: int = 8, prefill_tokens: int = 4096, early: bool = False) -> None:
         self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens, early)
+        self.now = 0.0          # the fake clock the playback clocks run on
         self.slots = slots
         self.waiting: list[Speech] = []
         self.running: list[Speech] = []
@@ -194,7 +201,7 @@ class TalkerStage:
 
     def step(self) -> tuple[list[str], list[str]]:
         """One step: the names prefilled, the names decoded."""
-        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running))
+        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running), self.now)
         for s in plan.unspeakable:
             (self.waiting if s in self.waiting else self.running).remove(s)
             self.finished.append(s.name)

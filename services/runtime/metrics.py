@@ -4,6 +4,12 @@ voxpipe_active_streams{stage}      streams admitted and not finished (autoscalin
 voxpipe_queue_depth{stage}         streams waiting for an engine slot (autoscaling signal)
 voxpipe_stage_capacity{stage}      streams the engine runs at once (--max-batch): active streams above it wait
 voxpipe_throttled_streams{stage}   streams paused because their client reads too slowly
+voxpipe_streams_by_slack{stage,band}  streams by their listener's slack (services/runtime/playback.py):
+                                    band = under_0.5s (nearly dry, and streams with no audio yet),
+                                    0.5s_to_2s, over_2s (autoscaling signal: streams under 500 ms)
+voxpipe_underruns_total{stage}     times a stream's listener ran dry before the stream ended, as this
+                                    stage models the listener (code2wav: from what its Listen
+                                    stream delivered; the talker: 1x after its first frame)
 voxpipe_stage_latency_seconds{stage,phase}  queue_wait | first_output | total per stream
 voxpipe_engine_step_seconds{stage}  one engine step
 voxpipe_prefill_batch_size{stage}   requests prefilled together in one engine step
@@ -41,6 +47,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 
 from voxpipe.errors import PortInUse
+
+from .playback import PlaybackClock, band_counts
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -80,6 +88,23 @@ AUDIO_CACHE_BYTES = Gauge("voxpipe_audio_cache_bytes", "Bytes of audio encoder o
                           registry=REGISTRY)
 NEXT_STAGE_STREAMS = Counter("voxpipe_next_stage_streams_total", "Streams opened to the next stage", ["stage"],
                              registry=REGISTRY)
+
+SLACK_STREAMS = Gauge("voxpipe_streams_by_slack", "Streams by their listener's slack", ["stage", "band"],
+                      registry=REGISTRY)
+UNDERRUNS = Counter("voxpipe_underruns", "Times a stream's listener ran dry before the stream ended", ["stage"],
+                    registry=REGISTRY)
+
+
+def set_slack_bands(stage: str, clocks: list[PlaybackClock], now: float) -> None:
+    for label, n in band_counts([c.slack(now) for c in clocks]).items():
+        SLACK_STREAMS.labels(stage, label).set(n)
+
+
+def count_underruns(stage: str, clock: PlaybackClock, before: int) -> None:
+    """Count the underruns `clock` found since it had `before`."""
+    if clock.underruns > before:
+        UNDERRUNS.labels(stage).inc(clock.underruns - before)
+
 
 REPLICA_STATES = ("usable", "unhealthy", "draining")
 
