@@ -10,6 +10,8 @@ voxpipe_streams_by_slack{stage,band}  streams by their listener's slack (service
 voxpipe_underruns_total{stage}     times a stream's listener ran dry before the stream ended, as this
                                     stage models the listener (code2wav: from what its Listen
                                     stream delivered; the talker: 1x after its first frame)
+voxpipe_playback_reports_total{stage}  where-the-listener-is reports taken from the next stage (the
+                                    talker: code2wav's Playback on its Decode streams)
 voxpipe_stage_latency_seconds{stage,phase}  queue_wait | first_output | total per stream
 voxpipe_engine_step_seconds{stage}  one engine step
 voxpipe_prefill_batch_size{stage}   requests prefilled together in one engine step
@@ -93,6 +95,9 @@ SLACK_STREAMS = Gauge("voxpipe_streams_by_slack", "Streams by their listener's s
                       registry=REGISTRY)
 UNDERRUNS = Counter("voxpipe_underruns", "Times a stream's listener ran dry before the stream ended", ["stage"],
                     registry=REGISTRY)
+
+PLAYBACK_REPORTS = Counter("voxpipe_playback_reports", "Playback reports taken from the next stage", ["stage"],
+                           registry=REGISTRY)
 
 
 def set_slack_bands(stage: str, clocks: list[PlaybackClock], now: float) -> None:

@@ -40,6 +40,7 @@ class TalkerEngine(StageEngine):
         self.cfg, self.device, self.max_len = cfg, device, max_len
         self.frame_seconds = frame_seconds
         metrics.UNDERRUNS.labels(self.name)
+        metrics.PLAYBACK_REPORTS.labels(self.name)
         self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens, early=early_prefill)
         self.runner = TalkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
                                    cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
@@ -64,6 +65,7 @@ class TalkerEngine(StageEngine):
         """Where the request's listener is, as its code2wav reports (Code2WavResponse.playback)."""
         with self.lock:
             job.playback.report(played, delivered, time.monotonic())
+        metrics.PLAYBACK_REPORTS.labels(self.name).inc()
 
     # ---- the loop's hooks
     def has_work(self) -> bool:
