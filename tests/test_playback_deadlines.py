@@ -47,6 +47,7 @@ def test_playback_reports_reach_the_talker_and_the_slack_gauges_count_the_stream
         text = scrape(stack, stage)
         assert all((("band", b), ("stage", stage)) in samples(text, "voxpipe_streams_by_slack") for b in BAND_NAMES)
         assert (("stage", stage),) in samples(text, "voxpipe_underruns_total")
+        assert (("stage", stage),) in samples(text, "voxpipe_streams_under_500ms_slack")    # the autoscalers' signal
     seen = {"talker": 0.0, "code2wav": 0.0}
     stop = threading.Event()
 

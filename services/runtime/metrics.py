@@ -6,7 +6,8 @@ voxpipe_stage_capacity{stage}      streams the engine runs at once (--max-batch)
 voxpipe_throttled_streams{stage}   streams paused because their client reads too slowly
 voxpipe_streams_by_slack{stage,band}  streams by their listener's slack (services/runtime/playback.py):
                                     band = under_0.5s (nearly dry, and streams with no audio yet),
-                                    0.5s_to_2s, over_2s (autoscaling signal: streams under 500 ms)
+                                    0.5s_to_2s, over_2s
+voxpipe_streams_under_500ms_slack{stage}  the under_0.5s band alone (autoscaling signal)
 voxpipe_underruns_total{stage}     times a stream's listener ran dry before the stream ended, as this
                                     stage models the listener (code2wav: from what its Listen
                                     stream delivered; the talker: 1x after its first frame)
@@ -50,7 +51,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from voxpipe.errors import PortInUse
 
-from .playback import PlaybackClock, band_counts
+from .playback import BANDS, PlaybackClock, band_counts
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -93,6 +94,8 @@ NEXT_STAGE_STREAMS = Counter("voxpipe_next_stage_streams_total", "Streams opened
 
 SLACK_STREAMS = Gauge("voxpipe_streams_by_slack", "Streams by their listener's slack", ["stage", "band"],
                       registry=REGISTRY)
+DRY_STREAMS = Gauge("voxpipe_streams_under_500ms_slack", "Streams whose listener has under 500 ms of audio ahead "
+                    "(or none yet)", ["stage"], registry=REGISTRY)
 UNDERRUNS = Counter("voxpipe_underruns", "Times a stream's listener ran dry before the stream ended", ["stage"],
                     registry=REGISTRY)
 
@@ -101,8 +104,10 @@ PLAYBACK_REPORTS = Counter("voxpipe_playback_reports", "Playback reports taken f
 
 
 def set_slack_bands(stage: str, clocks: list[PlaybackClock], now: float) -> None:
-    for label, n in band_counts([c.slack(now) for c in clocks]).items():
+    counts = band_counts([c.slack(now) for c in clocks])
+    for label, n in counts.items():
         SLACK_STREAMS.labels(stage, label).set(n)
+    DRY_STREAMS.labels(stage).set(counts[BANDS[0][0]])
 
 
 def count_underruns(stage: str, clock: PlaybackClock, before: int) -> None:

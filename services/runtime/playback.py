@@ -32,7 +32,8 @@ DRY_S = 0.5        # nearly dry: a playing stream with less slack than this
 AHEAD_S = 2.0      # seconds ahead: may sit out a step while a stream is nearly dry
 MAX_SKIPS = 8      # consecutive steps a row may sit out: no stream starves
 
-# voxpipe_streams_by_slack bands: (label, upper bound in seconds)
+# voxpipe_streams_by_slack bands: (label, upper bound in seconds); the first is also
+# voxpipe_streams_under_500ms_slack (the autoscalers' signal)
 BANDS = (("under_0.5s", DRY_S), ("0.5s_to_2s", AHEAD_S), ("over_2s", float("inf")))
 
 
