@@ -57,9 +57,9 @@ class Stream:
 
 class Capacity:
     def __init__(self, wait_s: float, streams_gauge: Gauge, refused: Counter,
-                 clock: Callable[[], float] = time.monotonic, policy: DeadlinePolicy = DeadlinePolicy()) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.wait_s, self.streams_gauge, self.refused = wait_s, streams_gauge, refused
-        self.now, self.policy = clock, policy
+        self.now, self.policy = clock, DeadlinePolicy()
         self.streams: set[Stream] = set()
 
     def shortfall(self) -> str | None:

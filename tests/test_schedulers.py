@@ -622,6 +622,7 @@ def test_deadlines_code2wav_dry_utterance_decodes_and_one_ahead_keeps_its_frames
     dry, ahead = Utterance("dry"), Utterance("ahead")
     stage.submit(dry, ahead)
     stage.step()                                      # both admitted
+    stage.now += 0.1                                  # past the calm verdict of that step (RECHECK_S)
     dry.playback = PlaybackClock(measured=True)
     dry.playback.emit(1.0, stage.now - 1.0)
     dry.playback.deliver(1.0, stage.now - 1.0)        # 1 s played of 1 s: dry

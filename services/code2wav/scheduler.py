@@ -48,8 +48,8 @@ class Code2WavSchedule:
 
 
 class Code2WavScheduler:
-    def __init__(self, max_frames_per_step: int = MAX_FRAMES_PER_STEP, policy: DeadlinePolicy = DeadlinePolicy()) -> None:
-        self.max_frames_per_step, self.policy = max_frames_per_step, policy
+    def __init__(self, max_frames_per_step: int = MAX_FRAMES_PER_STEP, policy: DeadlinePolicy | None = None) -> None:
+        self.max_frames_per_step, self.policy = max_frames_per_step, policy or DeadlinePolicy()
 
     def has_work(self, waiting: Sequence[Utterance], running: Sequence[Utterance], free_slots: int) -> bool:
         if waiting and free_slots > 0:

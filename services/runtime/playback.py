@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 DRY_S = 0.5        # nearly dry: a playing stream with less slack than this
 AHEAD_S = 2.0      # seconds ahead: may sit out a step while a stream is nearly dry
 MAX_SKIPS = 8      # consecutive steps a row may sit out: no stream starves
+RECHECK_S = 0.05   # a calm verdict (no row nearly dry) holds this long
 
 # voxpipe_streams_by_slack bands: (label, upper bound in seconds); the first is also
 # voxpipe_streams_under_500ms_slack (the autoscalers' signal)
@@ -117,25 +118,46 @@ def band_counts(slacks: Sequence[float]) -> dict[str, int]:
     return counts
 
 
-@dataclass(frozen=True)
 class DeadlinePolicy:
-    dry_s: float = DRY_S
-    ahead_s: float = AHEAD_S
-    max_skips: int = MAX_SKIPS
+    """One scheduler's policy (it keeps state: give each scheduler its own)."""
+
+    def __init__(self, dry_s: float = DRY_S, ahead_s: float = AHEAD_S, max_skips: int = MAX_SKIPS,
+                 recheck_s: float = RECHECK_S) -> None:
+        """`recheck_s`: a step that finds no row nearly dry lets the next steps within this long
+        skip the check (slack moves at 1x; the threshold is 500 ms): the fast path costs a clock
+        comparison, not a pass over every row."""
+        self.dry_s, self.ahead_s, self.max_skips, self.recheck_s = dry_s, ahead_s, max_skips, recheck_s
+        self._calm_until = float("-inf")
+        self._skipping = False       # some row's skips may be non-zero
 
     def dry(self, clock: PlaybackClock, now: float) -> bool:
         """Nearly dry: playing for at least dry_s (a fresh stream's slack is still building) with
         less than dry_s of slack."""
         return clock.started is not None and clock.playing_for(now) >= self.dry_s and clock.slack(now) < self.dry_s
 
+    def any_dry(self, rows: Sequence[Paced], now: float) -> bool:
+        """Whether some row is nearly dry (`dry`, inlined)."""
+        d = self.dry_s
+        for r in rows:
+            c = r.playback
+            if c.started is None or now - c.started < d:
+                continue
+            if c.emitted - min(c.played + max(0.0, now - c.at), c.delivered) < d:
+                return True
+        return False
+
     def pick(self, rows: Sequence[P], now: float) -> tuple[list[P], list[P]]:
         """(the rows that step now, the rows that sit out), counting each row's consecutive skips.
         While some row is nearly dry, rows more than ahead_s ahead sit out -- never after max_skips
         steps in a row -- and the rest step in order: rows without output yet (first frames), then
         the least slack first. Otherwise every row steps, in the order given."""
-        if not any(self.dry(r.playback, now) for r in rows):
-            for r in rows:
-                r.skips = 0
+        if now < self._calm_until or not self.any_dry(rows, now):
+            if now >= self._calm_until:
+                self._calm_until = now + self.recheck_s
+            if self._skipping:
+                for r in rows:
+                    r.skips = 0
+                self._skipping = False
             return list(rows), []
         slack = {id(r): r.playback.slack(now) for r in rows}
         chosen, out = [], []
@@ -146,4 +168,5 @@ class DeadlinePolicy:
             else:
                 r.skips = 0
                 chosen.append(r)
+        self._skipping = True
         return chosen, out

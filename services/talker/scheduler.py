@@ -78,13 +78,13 @@ class TalkerSchedule:
 
 class TalkerScheduler:
     def __init__(self, prefill_batch: int, prefill_tokens: int, early: bool = True,
-                 policy: DeadlinePolicy = DeadlinePolicy()) -> None:
+                 policy: DeadlinePolicy | None = None) -> None:
         """A step prefills up to `prefill_batch` requests whose padded prompts (the longest prompt
         times the requests) stay within `prefill_tokens` rows; one request always fits. `early`: a
         request may prefill before its first text row is usable (all but the prompt's last row).
         `policy`: which ready rows decode in a step, by their listeners' slack."""
         self.prefill_batch, self.prefill_tokens, self.early = prefill_batch, prefill_tokens, early
-        self.policy = policy
+        self.policy = policy or DeadlinePolicy()
 
     def has_work(self, waiting: Sequence[Speech], running: Sequence[Speech], free_slots: int) -> bool:
         if any(self.decode_ready(s) or self.unspeakable(s) for s in running):
