@@ -67,7 +67,7 @@ class Code2WavEngine(StageEngine):
         super().__init__(max_active)
         self.cfg, self.device = cfg, device
         self.scheduler = Code2WavScheduler()
-        metrics.UNDERRUNS.labels(self.name)
+        self.slack_gauges = metrics.SlackGauges(self.name)
         self.runner = Code2WavRunner(model, cfg, device=device, max_active=max_active, cuda_graphs=cuda_graphs,
                                      eager_fallback=eager_fallback)
 
@@ -96,7 +96,7 @@ class Code2WavEngine(StageEngine):
 
     def _set_gauges(self) -> None:
         super()._set_gauges()
-        metrics.set_slack_bands(self.name, [j.playback for j in (*self.waiting, *self.running)], time.monotonic())
+        self.slack_gauges.update((*self.waiting, *self.running), time.monotonic())
 
     def release(self, req: Code2WavJob) -> None:
         if req.slot is not None:

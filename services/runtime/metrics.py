@@ -44,14 +44,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from voxpipe.errors import PortInUse
 
-from .playback import BANDS, PlaybackClock, band_counts
+from .playback import BANDS, Paced, PlaybackClock, band_counts
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -103,11 +103,24 @@ PLAYBACK_REPORTS = Counter("voxpipe_playback_reports", "Playback reports taken f
                            registry=REGISTRY)
 
 
-def set_slack_bands(stage: str, clocks: list[PlaybackClock], now: float) -> None:
-    counts = band_counts([c.slack(now) for c in clocks])
-    for label, n in counts.items():
-        SLACK_STREAMS.labels(stage, label).set(n)
-    DRY_STREAMS.labels(stage).set(counts[BANDS[0][0]])
+class SlackGauges:
+    """A stage's voxpipe_streams_by_slack and voxpipe_streams_under_500ms_slack, recounted at most
+    every `every_s` (the engine offers them every step; a pass over every stream's clock each
+    step would cost more than the gauges are worth)."""
+
+    def __init__(self, stage: str, every_s: float = 0.1) -> None:
+        self.stage, self.every_s = stage, every_s
+        self._next = float("-inf")
+        UNDERRUNS.labels(stage)
+
+    def update(self, jobs: Iterable[Paced], now: float) -> None:
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        counts = band_counts([j.playback.slack(now) for j in jobs])
+        for label, n in counts.items():
+            SLACK_STREAMS.labels(self.stage, label).set(n)
+        DRY_STREAMS.labels(self.stage).set(counts[BANDS[0][0]])
 
 
 def count_underruns(stage: str, clock: PlaybackClock, before: int) -> None:

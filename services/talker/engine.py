@@ -39,7 +39,7 @@ class TalkerEngine(StageEngine):
         super().__init__(max_active)
         self.cfg, self.device, self.max_len = cfg, device, max_len
         self.frame_seconds = frame_seconds
-        metrics.UNDERRUNS.labels(self.name)
+        self.slack_gauges = metrics.SlackGauges(self.name)
         metrics.PLAYBACK_REPORTS.labels(self.name)
         self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens, early=early_prefill)
         self.runner = TalkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
@@ -76,7 +76,7 @@ class TalkerEngine(StageEngine):
 
     def _set_gauges(self) -> None:
         super()._set_gauges()
-        metrics.set_slack_bands(self.name, [j.playback for j in (*self.waiting, *self.running)], time.monotonic())
+        self.slack_gauges.update((*self.waiting, *self.running), time.monotonic())
 
     @torch.inference_mode()
     def step(self) -> None:
