@@ -1,6 +1,6 @@
 """Playback deadlines end to end (the scheduling itself: test_schedulers.py, on a fake clock): code2wav's
-Playback reports reach the talker and both stages' slack gauges count the stream while it plays; the
-gateway's admission by capacity (admission.py) on a fake clock."""
+Playback reports reach the talker and both stages' slack gauges count the stream while it plays, as the
+gateway's does; the gateway's admission by capacity (admission.py) on a fake clock."""
 
 from __future__ import annotations
 
@@ -75,11 +75,27 @@ def test_playback_reports_reach_the_talker_and_the_slack_gauges_count_the_stream
     assert seen["talker"] >= 1 and seen["code2wav"] >= 1, seen
 
 
-def test_the_gateway_serves_its_slack_gauges(gateway):
-    text = httpx.get(f"{gateway.base_url}/metrics", timeout=5).text
-    got = samples(text, "voxpipe_gateway_streams_by_slack")
+def gateway_bands(gateway) -> float:
+    got = samples(httpx.get(f"{gateway.base_url}/metrics", timeout=5).text, "voxpipe_gateway_streams_by_slack")
     assert {k[0][1] for k in got} == set(BAND_NAMES)
-    assert "voxpipe_gateway_capacity_refusals_total" in text
+    return sum(got.values())
+
+
+def test_the_gateway_counts_a_spoken_stream_by_slack_while_it_plays(gateway, model):
+    body = {"model": model, "messages": [{"role": "user", "content": "Talk for a while."}],
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "stream": True,
+            "max_tokens": 4, "max_audio_frames": 12, "ignore_eos": True}
+    assert gateway_bands(gateway) == 0
+    with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if '"audio":' in line and '"data":' in line:      # the first audio chunk: the stream is playing
+                break
+        assert gateway_bands(gateway) == 1
+        for line in lines:           # the rest, to the end
+            pass
+    assert gateway_bands(gateway) == 0
+    assert "voxpipe_gateway_capacity_refusals_total" in httpx.get(f"{gateway.base_url}/metrics", timeout=5).text
 
 
 # ---------------------------------------------------------------------------------------------- admission
