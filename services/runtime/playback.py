@@ -48,7 +48,6 @@ class PlaybackClock:
     at: float = 0.0
     started: float | None = None   # the first delivery: the listener starts playing
     underruns: int = 0          # times the listener ran dry before the stream ended
-    stalled: float = 0.0        # seconds it waited, dry, in those underruns
     measured: bool = False      # delivered comes from deliver() or a report; else it is what was emitted
 
     def advance(self, now: float) -> None:
@@ -58,7 +57,6 @@ class PlaybackClock:
         want = self.played + max(0.0, now - self.at)
         if want > self.delivered + 1e-9:
             self.underruns += 1
-            self.stalled += want - self.delivered
             want = self.delivered
         self.played, self.at = want, now
 
