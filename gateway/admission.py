@@ -6,11 +6,12 @@ refused with 429 only once that budget is spent. `--max-sessions` stays a hard c
 with a playback clock (services/runtime/playback.py): audio received from code2wav is what was
 made for the listener, audio the API layer took for its client is what was delivered (a client
 that reads slowly takes less: its listener plays less and the audio read ahead for it is slack,
-not a shortage). They can while no stream that they are serving is nearly dry: none that has played for DRY_S
-has less than DRY_S of slack while audio still comes for it (within the last SERVED_S) -- its
-audio comes, but slower than it plays: the stages' frame rate falls short of what the streams
-need. A stream that gets nothing at all for a while (stuck behind its thinker, a stage being
-replaced) says nothing about the stages' frame rate and holds nobody up.
+not a shortage). They can while no stream that they are serving is nearly dry: none that has
+played for DRY_S has less than DRY_S of slack while audio still comes for it (within the last
+SERVED_S) -- its audio comes, but slower than it plays: the stages' frame rate (the thinker's
+text included) falls short of what the streams need. A stream that gets nothing at all for a
+while (a stage failing over, a stream stopped upstream) says nothing about that rate and holds
+nobody up.
 
 Text-only generations have no playback deadline and are not held here."""
 
