@@ -16,7 +16,8 @@ its frame 0 is then a decode step like any later frame, which reads row 0 (Talke
 
 Decode rows are picked by playback deadline (services/runtime/playback.py): while a playing stream
 is nearly dry, streams seconds ahead of their listeners sit the step out (a bounded number of steps
-in a row) so that the step is shorter for the others; otherwise every ready row steps."""
+in a row) so that the step is shorter for the others (the code predictor's 15 passes run only for
+the rows that decode); otherwise every ready row steps."""
 
 from __future__ import annotations
 
