@@ -67,7 +67,9 @@ def _add_basic_routes(app: FastAPI) -> None:
 
     @app.get("/metrics", dependencies=[Depends(require_api_key)])     # with --api-key, scrapers send it too
     async def metrics(request: Request) -> Response:
-        return Response(gateway_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
+        st = gateway_state(request)
+        st.capacity.set_gauges()
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/version", dependencies=[Depends(require_api_key)])      # the model id is behind the key
     async def version_info(request: Request) -> dict:

@@ -47,6 +47,7 @@ from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
 
 from .audio_formats import decode_clip
+from .admission import AtCapacity
 from .errors import APIError
 from .generation import render_now, run_pipeline
 from .health import readiness
@@ -359,6 +360,8 @@ class ConverseServicer(gw_grpc.GatewayServicer):
                 await events.put(_END)
             except PipelineError as e:
                 await events.put(e)
+            except AtCapacity as e:
+                await events.put(PipelineError("gateway", grpc.StatusCode.RESOURCE_EXHAUSTED, e.message))
 
         async def read_rest() -> None:
             try:

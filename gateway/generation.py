@@ -106,10 +106,13 @@ async def read_until_admitted(events: AsyncIterator[PipelineEvent], audio: bool)
 async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterator[PipelineEvent]:
     """`state.pipeline.stream(req)` with the active-streams gauge, each stage's first-output
     latency, time to first audio and the real-time factor recorded (`arrived`: perf_counter at
-    the request's arrival). Raises PipelineError as the client does."""
+    the request's arrival). A spoken one first waits for capacity (admission.py: AtCapacity, a 429,
+    when it does not come in time) and is then tracked by its listener's playback clock. Raises
+    PipelineError as the client does."""
     m = state.metrics
     seen: set[str] = set()
     samples, rate = 0, state.omni.code2wav.sample_rate
+    stream = await state.capacity.admit() if req.audio else None
     m.active_streams.inc()
     try:
         async with aclosing(state.pipeline.stream(req)) as events:
@@ -125,11 +128,17 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterat
                 if isinstance(ev, AudioEvent):
                     samples += ev.samples.shape[0]
                     rate = ev.sample_rate or rate
+                    if stream is not None:
+                        stream.received(ev.samples.shape[0] / rate, ev.received or time.monotonic())
                 yield ev
+                if stream is not None and isinstance(ev, AudioEvent):   # the API layer took it for its client
+                    stream.taken(ev.samples.shape[0] / rate, time.monotonic())
         if samples:
             m.rtf.observe((time.perf_counter() - arrived) / (samples / rate))
     finally:
         m.active_streams.dec()
+        if stream is not None:
+            state.capacity.done(stream)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ voxpipe_gateway_requests_total{route,status}      HTTP requests by route and sta
 voxpipe_gateway_active_streams                    generations in flight (HTTP and realtime)
 voxpipe_gateway_sessions{api}                     slots of --max-sessions held: api = http (a chat or
                                                   speech request), realtime (a WebSocket), converse (a call)
+voxpipe_gateway_streams_by_slack{band}           spoken generations in flight by their listener's slack as the
+                                                  gateway sees it (admission.py): under_0.5s, 0.5s_to_2s, over_2s
+voxpipe_gateway_capacity_refusals_total           spoken generations refused (429) after waiting --admission-wait
+                                                  for capacity
 voxpipe_gateway_transcriptions_total{outcome}     realtime input audio transcriptions (completed, failed,
                                                   cancelled: the session ended first)
 voxpipe_gateway_audio_ttfp_seconds                request arrival -> first audio bytes
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from voxpipe.services.runtime.playback import BANDS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 SESSION_APIS = ("http", "realtime", "converse")
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
@@ -39,6 +45,12 @@ class GatewayMetrics:
                               ["api"], registry=self.registry)
         for api in SESSION_APIS:
             self.sessions.labels(api)
+        self.streams_by_slack = Gauge("voxpipe_gateway_streams_by_slack", "Spoken generations by their listener's slack",
+                                      ["band"], registry=self.registry)
+        for band, _ in BANDS:
+            self.streams_by_slack.labels(band)
+        self.capacity_refusals = Counter("voxpipe_gateway_capacity_refusals",
+                                         "Spoken generations refused after waiting for capacity", registry=self.registry)
         self.transcriptions = Counter("voxpipe_gateway_transcriptions", "Realtime input audio transcriptions",
                                       ["outcome"], registry=self.registry)
         for outcome in ("completed", "failed", "cancelled"):

@@ -460,6 +460,9 @@ CASES += [
     Case("code2wav", "echo-frames-without-to-listener",
          lambda: [pb.Code2WavRequest(start=pb.Code2WavStart(echo_frames=True)), frames(2), FRAMES_END],
          r"echo_frames needs to_listener"),
+    Case("code2wav", "playback-reports-without-to-listener",
+         lambda: [pb.Code2WavRequest(start=pb.Code2WavStart(playback_reports=True)), frames(2), FRAMES_END],
+         r"playback_reports needs to_listener"),
 ]
 
 # a reply given verbatim (text to speech: ThinkerStart.assistant_text)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -39,6 +40,10 @@ from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# audio chunks read from code2wav and not yet taken by the caller: past this the Listen stream is read
+# only as fast as the caller takes the audio, so flow control holds code2wav's writes and code2wav
+# sees a slow client as one that was delivered less (its playback clock: stages.proto Playback)
+AUDIO_READ_AHEAD = 32
 
 
 @dataclass
@@ -116,6 +121,7 @@ class AudioEvent:
     sample_rate: int
     samples: np.ndarray            # float32 in [-1, 1] (decoded from the wire encoding)
     data: bytes                    # the wire bytes (pcm16 or float32 little-endian)
+    received: float = 0.0          # time.monotonic() when it was read from code2wav (0: not recorded)
 
 
 @dataclass
@@ -242,6 +248,7 @@ class PipelineClient:
         else:
             start.text = req.text or ""
         events: asyncio.Queue = asyncio.Queue()
+        audio_room = asyncio.Semaphore(AUDIO_READ_AHEAD)
         spans: dict[str, trace.Span] = {}
         calls: list = []        # what to cancel when the iteration ends
         tasks: list[asyncio.Task] = []
@@ -344,8 +351,10 @@ class PipelineClient:
                 self.received["code2wav", kind] += 1
                 if kind == "audio":
                     a = resp.audio
+                    received = time.monotonic()
                     usage["samples"] += a.num_samples
-                    await events.put(AudioEvent(a.sample_offset, a.sample_rate, _decode_audio(a), a.data))
+                    await audio_room.acquire()      # released as the caller takes it
+                    await events.put(AudioEvent(a.sample_offset, a.sample_rate, _decode_audio(a), a.data, received))
                 elif kind == "frames":
                     f = resp.frames
                     await events.put(FramesEvent(f.index, from_proto(f.codes).to(torch.int64)))
@@ -360,6 +369,8 @@ class PipelineClient:
         try:
             while pending:
                 ev = await events.get()
+                if isinstance(ev, AudioEvent):
+                    audio_room.release()
                 if isinstance(ev, PipelineError):
                     if ev.replica is None:
                         ev.replica = routes.get(ev.stage)

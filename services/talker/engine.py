@@ -7,6 +7,8 @@ them, then each frame out as soon as it exists (a FramesOut).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..runtime import metrics
@@ -27,13 +29,18 @@ class TalkerEngine(StageEngine):
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_tokens: int = 4096,
                  prefill_graph_len: int = 512, eager_fallback: bool = False, early_prefill: bool = True,
-                 text_table: ThinkerTextEmbedding | None = None) -> None:
+                 text_table: ThinkerTextEmbedding | None = None, frame_seconds: float = 0.08) -> None:
         """A step prefills up to `prefill_batch` ready requests with at most `prefill_tokens` padded
         rows together (right-padded); prompts up to `prefill_graph_len` rows replay CUDA graphs.
         `early_prefill`: a request prefills all but its prompt's last row as soon as it arrives, and
-        makes frame 0 with a decode step once its first text row is usable (scheduler.py)."""
+        makes frame 0 with a decode step once its first text row is usable (scheduler.py).
+        `frame_seconds`: the audio one frame makes (code2wav's samples per frame / sample rate;
+        the released codec's is 80 ms), for the streams' playback clocks."""
         super().__init__(max_active)
         self.cfg, self.device, self.max_len = cfg, device, max_len
+        self.frame_seconds = frame_seconds
+        self.slack_gauges = metrics.SlackGauges(self.name)
+        metrics.PLAYBACK_REPORTS.labels(self.name)
         self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens, early=early_prefill)
         self.runner = TalkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
                                    cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
@@ -54,6 +61,12 @@ class TalkerEngine(StageEngine):
             job.text_done = True
             self.lock.notify_all()
 
+    def report_playback(self, job: TalkerJob, played: float, delivered: float) -> None:
+        """Where the request's listener is, as its code2wav reports (Code2WavResponse.playback)."""
+        with self.lock:
+            job.playback.report(played, delivered, time.monotonic())
+        metrics.PLAYBACK_REPORTS.labels(self.name).inc()
+
     # ---- the loop's hooks
     def has_work(self) -> bool:
         return self.scheduler.has_work(self.waiting, self.running, self.runner.free_slots)
@@ -61,10 +74,14 @@ class TalkerEngine(StageEngine):
     def release(self, req: TalkerJob) -> None:
         self.runner.release(req)
 
+    def _set_gauges(self) -> None:
+        super()._set_gauges()
+        self.slack_gauges.update((*self.waiting, *self.running), time.monotonic())
+
     @torch.inference_mode()
     def step(self) -> None:
         with self.lock:
-            plan = self.scheduler.schedule(self.waiting, self.running, self.runner.free_slots)
+            plan = self.scheduler.schedule(self.waiting, self.running, self.runner.free_slots, time.monotonic())
             for job in plan.unspeakable:     # the thinker gave it nothing to say
                 self.finish(job, Finished(FinishReason.STOP))
             for job in plan.prefill:
@@ -97,9 +114,14 @@ class TalkerEngine(StageEngine):
 
     def _emit(self, jobs: list[TalkerJob], going: list[int], frames: Frames) -> None:
         """Each jobs[i] for i in `going` gets row i of `frames`: its next input, and the frame out."""
+        now = time.monotonic()
         with self.lock:
             for i in going:
                 jobs[i].pending = frames.next_inputs[i]
+                clock = jobs[i].playback
+                before = clock.underruns
+                clock.emit(self.frame_seconds, now)
+                metrics.count_underruns(self.name, clock, before)
         for i in going:
             job = jobs[i]
             job.mark_output()

@@ -11,6 +11,7 @@ import torch
 from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.engine import EngineRequest
+from ..runtime.playback import PlaybackClock
 from ..runtime.sampling import SamplingParams
 from .scheduler import PROMPT_TAIL, TextRow, text_row
 
@@ -43,6 +44,8 @@ class TalkerJob(EngineRequest):
     pending: torch.Tensor | None = None         # next input without its text row [Hk]
     generator: torch.Generator | None = None
     frames_sent: int = 0
+    playback: PlaybackClock = field(default_factory=PlaybackClock)   # its listener (code2wav's reports, or 1x)
+    skips: int = 0              # decode steps sat out in a row (scheduler: DeadlinePolicy)
 
     def frame_cap(self) -> int:
         """The most frames to speak by the text (TalkerStart.text_cap) once it has ended, never below

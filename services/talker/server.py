@@ -101,7 +101,9 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
             if not job.text_done:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before text_end")
 
-        relay = Code2WavRelay(self.code2wav, job, job.code2wav) if job.code2wav is not None else None
+        relay = (Code2WavRelay(self.code2wav, job, job.code2wav,
+                               lambda played, delivered: self.engine.report_playback(job, played, delivered))
+                 if job.code2wav is not None else None)
         # aclosing: the request is freed the moment this handler ends, not when the generator is collected
         async with aclosing(self.serve_request(job, context, reader, relay)) as outputs:
             async for item in outputs:
@@ -174,7 +176,8 @@ def build(args) -> TalkerServicer:
                                                                        cfg.talker.thinker_hidden_size),
                              "thinker.model.embed_tokens.")
     engine = TalkerEngine(model, cfg.talker, device=setup.device, max_active=args.max_batch, max_len=args.max_len,
-                          cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback, text_table=table)
+                          cuda_graphs=args.cuda_graphs, eager_fallback=args.eager_fallback, text_table=table,
+                          frame_seconds=cfg.code2wav.samples_per_frame / cfg.code2wav.sample_rate)
     code2wav = NextStage("code2wav", args.code2wav, max_message_bytes=setup.opts.max_message_bytes,
                          tls=setup.tls) if args.code2wav else None
     return TalkerServicer(engine, setup.opts, cfg, code2wav)

@@ -371,20 +371,30 @@ class ListenRequest(_message.Message):
     def __init__(self, listen_token: _Optional[str] = ...) -> None: ...
 
 class Code2WavStart(_message.Message):
-    __slots__ = ("request_id", "encoding", "first_chunk_frames", "chunk_frames", "to_listener", "echo_frames")
+    __slots__ = ("request_id", "encoding", "first_chunk_frames", "chunk_frames", "to_listener", "echo_frames", "playback_reports")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     TO_LISTENER_FIELD_NUMBER: _ClassVar[int]
     ECHO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PLAYBACK_REPORTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     encoding: AudioEncoding
     first_chunk_frames: int
     chunk_frames: int
     to_listener: bool
     echo_frames: bool
-    def __init__(self, request_id: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., to_listener: _Optional[bool] = ..., echo_frames: _Optional[bool] = ...) -> None: ...
+    playback_reports: bool
+    def __init__(self, request_id: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., to_listener: _Optional[bool] = ..., echo_frames: _Optional[bool] = ..., playback_reports: _Optional[bool] = ...) -> None: ...
+
+class Playback(_message.Message):
+    __slots__ = ("played_seconds", "delivered_seconds")
+    PLAYED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    played_seconds: float
+    delivered_seconds: float
+    def __init__(self, played_seconds: _Optional[float] = ..., delivered_seconds: _Optional[float] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("listen_token",)
@@ -423,15 +433,17 @@ class AudioChunk(_message.Message):
     def __init__(self, sample_offset: _Optional[int] = ..., sample_rate: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., data: _Optional[bytes] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class Code2WavResponse(_message.Message):
-    __slots__ = ("audio", "finished", "accepted", "frames", "ending")
+    __slots__ = ("audio", "finished", "accepted", "frames", "ending", "playback")
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     ENDING_FIELD_NUMBER: _ClassVar[int]
+    PLAYBACK_FIELD_NUMBER: _ClassVar[int]
     audio: AudioChunk
     finished: Finished
     accepted: Accepted
     frames: CodecFrames
     ending: Ending
-    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ...) -> None: ...
+    playback: Playback
+    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ..., playback: _Optional[_Union[Playback, _Mapping]] = ...) -> None: ...
