@@ -142,3 +142,13 @@ def streamed_rows(cache: AudioEncoderCache, job: "ThinkerJob", digests: list[byt
     if not parts:
         return torch.zeros(0, cache.tower.cfg.output_dim, dtype=cache.dtype, device=cache.device)
     return torch.cat(parts)
+
+
+def around_last_clip(ids: list[int], audio_token: int) -> tuple[list[int], list[int]]:
+    """A rendered turn's token ids before and after its last clip's placeholders: a streamed turn's
+    start (the conversation before the clip) and its commit's token ids."""
+    end = len(ids) - ids[::-1].index(audio_token)
+    start = end
+    while start > 0 and ids[start - 1] == audio_token:
+        start -= 1
+    return ids[:start], ids[end:]
