@@ -361,6 +361,7 @@ class Reply:
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0
     prefill_target: int = 0
+    pending: bool = False                # a streamed turn before its commit (prefilled in chunks, never decodes)
     outbox: Reader = field(default_factory=Reader)
 
     def __post_init__(self) -> None:
@@ -507,3 +508,20 @@ def test_thinker_a_request_finished_by_its_first_token_does_not_decode():
     assert stage.step() == {"admitted": ["one", "more"], "chunks": [], "prefill": ["one", "more"],
                             "decode": ["more"]}
     assert stage.finished == ["one"] and len(more.generated) == 2
+
+
+def test_thinker_a_pending_streamed_turn_is_prefilled_in_chunks_and_never_decodes():
+    s = ThinkerScheduler(prefill_batch=4, prefill_tokens=4096, prefill_chunk=64)
+    turn, other = Reply("turn", prompt_tokens=20), Reply("other", prompt_tokens=20)
+    turn.pending = True
+    plan = s.schedule([turn, other], [], free_slots=4)
+    assert plan.admitted == [turn, other] and plan.prefill == [other]      # short, yet chunked: it waits for more
+    assert [(c.request, c.start, c.length, c.last) for c in plan.chunks] == [(turn, 0, 20, False)]
+    assert plan.decode == [other]
+    turn.prefilled = 20
+    assert not s.has_work([], [turn], free_slots=3)          # all it has is prefilled: nothing to do until more
+    turn.prompt += [0] * 13                                   # a window's placeholders join it
+    turn.prefill_target = 33
+    assert s.has_work([], [turn], free_slots=3)
+    plan = s.schedule([], [turn], free_slots=3)
+    assert [(c.start, c.length, c.last) for c in plan.chunks] == [(20, 13, False)] and plan.decode == []
