@@ -57,6 +57,12 @@ class GatewayMetrics:
             self.transcriptions.labels(outcome)
         self.ttfp = Histogram("voxpipe_gateway_audio_ttfp_seconds", "Request arrival to first audio",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.speech_end_ttfp = Histogram(
+            "voxpipe_gateway_realtime_ttfp_seconds", "Realtime: the end of the user's speech to the reply's first "
+            "audio (since: speech_stopped with server VAD, committed without)", ["since"],
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        for since in ("speech_stopped", "committed"):
+            self.speech_end_ttfp.labels(since)
         self.rtf = Histogram("voxpipe_gateway_audio_rtf", "Generation time / audio duration", buckets=RTF_BUCKETS,
                              registry=self.registry)
         self.stage_first_output = Histogram("voxpipe_gateway_stage_first_output_seconds",

@@ -287,6 +287,10 @@ def test_spoken_turn_with_server_vad(gateway, stack, tokenizer, omni_config, tin
     ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, heard, max_tokens=4, max_frames=8)
     assert "".join(d["delta"] for d in of(events, "response.output_audio_transcript.delta")) == ref_text
     assert_same_audio(decoded(of(events, "response.output_audio.delta")), ref_pcm)
+    # the reply's first audio is timed from the end of speech (a person hears that delay)
+    body = urllib.request.urlopen(f"{gateway.base_url}/metrics", timeout=5).read().decode()
+    timed = re.search(r'^voxpipe_gateway_realtime_ttfp_seconds_count\{since="speech_stopped"\} (\S+)$', body, re.M)
+    assert timed and float(timed.group(1)) >= 1
 
 
 def test_manual_commit_then_multi_turn(gateway, stack, tokenizer, omni_config, tiny_model_dir):

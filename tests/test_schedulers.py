@@ -368,6 +368,7 @@ class Reply:
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0
     prefill_target: int = 0
+    pending: bool = False                # a streamed turn before its commit (prefilled in chunks, never decodes)
     outbox: Reader = field(default_factory=Reader)
 
     def __post_init__(self) -> None:
@@ -632,3 +633,19 @@ def test_deadlines_code2wav_dry_utterance_decodes_and_one_ahead_keeps_its_frames
     assert ahead.frames == [0] and ahead.skips == 1   # untouched, decoded once nobody is dry
     dry.playback.emit(5.0, stage.now)
     assert stage.step() == {"ahead": 1}
+
+def test_thinker_a_pending_streamed_turn_is_prefilled_in_chunks_and_never_decodes():
+    s = ThinkerScheduler(prefill_batch=4, prefill_tokens=4096, prefill_chunk=64)
+    turn, other = Reply("turn", prompt_tokens=20), Reply("other", prompt_tokens=20)
+    turn.pending = True
+    plan = s.schedule([turn, other], [], free_slots=4)
+    assert plan.admitted == [turn, other] and plan.prefill == [other]      # short, yet chunked: it waits for more
+    assert [(c.request, c.start, c.length, c.last) for c in plan.chunks] == [(turn, 0, 20, False)]
+    assert plan.decode == [other]
+    turn.prefilled = 20
+    assert not s.has_work([], [turn], free_slots=3)          # all it has is prefilled: nothing to do until more
+    turn.prompt += [0] * 13                                   # a window's placeholders join it
+    turn.prefill_target = 33
+    assert s.has_work([], [turn], free_slots=3)
+    plan = s.schedule([], [turn], free_slots=3)
+    assert [(c.start, c.length, c.last) for c in plan.chunks] == [(20, 13, False)] and plan.decode == []

@@ -82,11 +82,17 @@ class ResponseContext:
     has_item: Callable[[str], bool]
     withdraw_audio: Callable[[str], Awaitable[int]]
     room: ContextRoom = field(default_factory=ContextRoom)
+    # the reply's first audio after the end of the user's speech: (since which event, seconds)
+    heard_to_audio: Callable[[str, float], None] = lambda since, seconds: None
 
 
 class ResponseRun:
-    def __init__(self, ctx: ResponseContext, settings: ResponseSettings, window: PromptWindow) -> None:
+    def __init__(self, ctx: ResponseContext, settings: ResponseSettings, window: PromptWindow,
+                 speech_end: tuple[str, float] | None = None) -> None:
+        """`speech_end`: the event that ended the user's speech this run answers and its perf_counter
+        time (its first audio is timed from there)."""
         self.ctx, self.settings, self.window = ctx, settings, window
+        self.speech_end = speech_end
         self.id = new_id("resp")
         self.arrived = time.perf_counter()
         kind = "output_audio" if settings.audio_out else "output_text"
@@ -325,6 +331,9 @@ class ResponseRun:
         n = len(pcm) // 2
         if not n:
             return
+        if not self.produced_samples and self.speech_end is not None:
+            since, at = self.speech_end
+            self.ctx.heard_to_audio(since, time.perf_counter() - at)
         self.produced_samples += n
         await self.ctx.emit(AudioDelta(**self._part_ids(), delta=base64.b64encode(pcm).decode("ascii")),
                             response_id=self.id, audio_samples=n, on_sent=self._on_sent)

@@ -34,6 +34,7 @@ class Finished:
     completion_tokens: int = 0
     samples: int = 0                 # code2wav: audio samples sent
     cached_tokens: int = 0           # thinker: prompt tokens whose prefill the prefix cache skipped
+    streamed_tokens: int = 0         # thinker, a streamed turn: prompt tokens with keys at its commit
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,7 @@ class StageServicer:
 def finished_proto(finished: Finished) -> pb.Finished:
     return pb.Finished(reason=int(finished.reason), prompt_tokens=finished.prompt_tokens,
                        completion_tokens=finished.completion_tokens, samples=finished.samples,
-                       cached_tokens=finished.cached_tokens)
+                       cached_tokens=finished.cached_tokens, streamed_tokens=finished.streamed_tokens)
 
 
 def routed_proto(routed: Routed) -> pb.Routed:

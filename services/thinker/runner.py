@@ -34,6 +34,7 @@ from .audio_cache import AudioEncoderCache
 from .grammar import allowed
 from .job import ThinkerJob
 from .model import ThinkerModel
+from .streamed import streamed_rows
 
 
 def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor) -> int:
@@ -304,9 +305,13 @@ class ThinkerRunner:
         if not job.spans and job.audio and self.blocks.enable_caching:
             job.spans = audio_spans(self.cfg, job.prompt, self._digests(job))
         limit, rows = None, {}
-        if job.talker_rows and job.spans and not job.prompt_sent and not job.generated:
+        if job.pending and job.spans:   # a pending turn may be spoken: its rows are kept too (from position 0)
+            limit = job.spans[0].start
+        elif job.talker_rows and job.spans and not job.prompt_sent and not job.generated:
             limit, rows = self.audio_rows.rows_for(job, self.blocks.block_size)
-        if not job.generated and len(job.prompt) <= self.graph_prompt_len and self.extend_graphs is None:
+        if job.pending:         # found by its conversation alone (the streamed clip's digest comes at the commit)
+            limit = min(limit, job.stream_start) if limit is not None else job.stream_start
+        elif not job.generated and len(job.prompt) <= self.graph_prompt_len and self.extend_graphs is None:
             limit = 0           # the prefill graph from position 0 (a resumed job takes the chunked path)
         table = self.blocks.admit(job.context(), job.spans, reserve=1, max_cached=limit)
         if table is None:
@@ -325,7 +330,7 @@ class ThinkerRunner:
 
     def publish(self, job: ThinkerJob) -> None:
         """Publish the job's full blocks whose keys are computed (after a step whose outputs were finite)."""
-        if job.table is None or not job.kv_trusted:
+        if job.table is None or not job.kv_trusted or job.pending:   # a pending turn: at its commit
             return
         if job.kv_tokens // self.blocks.block_size > job.table.published:   # a block filled since the last call
             self.blocks.publish(job.table, job.prompt + job.generated, job.kv_tokens, job.spans)
@@ -380,6 +385,8 @@ class ThinkerRunner:
     def embed(self, job: ThinkerJob) -> torch.Tensor:
         """The job's prompt embeddings [P, H] on the device; its clips through the audio encoder cache."""
         ids = torch.tensor(job.prompt, device=self.device)
+        if job.streamed is not None:       # its last clip's rows: the windows encoded so far, or all of it
+            return self.model.embed(ids, encoded=streamed_rows(self.audio, job, self._digests(job)))
         if not job.audio:
             return self.model.embed(ids)
         return self.model.embed(ids, encoded=self.audio.encode(job.audio, self._digests(job)))
@@ -450,7 +457,8 @@ class ThinkerRunner:
             if job.embeds is None:   # first chunk: the whole context's embeddings, kept until the last chunk
                 job.embeds = self._context_embeds(job)
                 job.kept, job.kept_from = [], start
-        kept_by = [bool(job.talker_rows and job.audio and not job.generated) for job, _, _ in chunks]
+        kept_by = [bool((job.talker_rows or job.pending) and (job.audio or job.streamed) and not job.generated)
+                   for job, _, _ in chunks]
         keep = self.cfg.accept_hidden_layer if any(kept_by) else None
         n, longest = len(chunks), max(length for _, _, length in chunks)
         g = self.extend_graphs
@@ -470,14 +478,14 @@ class ThinkerRunner:
                                         last=step.ends(dev))
             rows_of = [(0, slice(sg.offset, sg.offset + sg.length)) for sg in step.segments]
         going_on = [i for i, (job, start, length) in enumerate(chunks)
-                    if start + length < job.prefill_target or job.generated]
+                    if start + length < job.prefill_target or job.generated or job.pending]
         finite = torch.isfinite(logits[going_on]).all(dim=-1).tolist() if going_on else []
         broken = [chunks[i][0] for i, ok in zip(going_on, finite) if not ok]
         done, rows, prompts, resumed = [], [], [], []
         for i, ((job, start, length), (row, part)) in enumerate(zip(chunks, rows_of)):
             if kept_by[i]:
                 job.kept.append(hidden[row, part])
-            if start + length < job.prefill_target:
+            if start + length < job.prefill_target or job.pending:   # more to come (a pending turn: its audio)
                 continue
             if job.generated:
                 job.embeds, job.kept = None, []

@@ -40,6 +40,7 @@ class Request(Protocol):
     generated: Sequence[int]     # tokens made so far: a request decodes once it has one
     prefilled: int               # context tokens in the KV cache (a long prompt: chunk by chunk)
     prefill_target: int          # context tokens to prefill before it decodes (len(prompt) unless preempted)
+    pending: bool                # a streamed turn before its commit: prefilled in chunks, never decodes
     outbox: Reader
 
 
@@ -54,8 +55,8 @@ class Chunk:
     @property
     def last(self) -> bool:
         """The prefill's last chunk: the request makes its first token (or, resumed after a
-        preemption, decodes again) in this step."""
-        return self.start + self.length >= self.request.prefill_target
+        preemption, decodes again) in this step (a pending turn's never is: it waits for more)."""
+        return self.start + self.length >= self.request.prefill_target and not self.request.pending
 
 
 @dataclass
@@ -77,7 +78,7 @@ class ThinkerScheduler:
     def has_work(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int,
                  fits: Callable[[Request], bool] = lambda r: True) -> bool:
         """`fits(r)`: whether the KV blocks for waiting request r are free now (nothing taken)."""
-        return (any(not r.outbox.saturated for r in running)
+        return (any(not r.outbox.saturated and (r.generated or r.prefilled < r.prefill_target) for r in running)
                 or (bool(waiting) and free_slots > 0 and fits(waiting[0])))
 
     def schedule(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int,
@@ -114,7 +115,7 @@ class ThinkerScheduler:
                 break
             if not reserve(r):
                 break
-            if r.prefilled or r.generated:   # a cached prefix, or resumed after a preemption: chunked
+            if r.prefilled or r.generated or r.pending:   # a cached prefix, resumed, or streamed: chunked
                 plan.admitted.append(r)
                 free -= 1
                 in_prefill += 1

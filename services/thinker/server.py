@@ -37,6 +37,7 @@ from .model import ThinkerModel, audio_output_length
 from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_problem
 from .prompt import encode_text, load_tokenizer, render, user_turn
 from .relay import TalkerRelay
+from .turns import StreamedTurns
 from .runner import KVPlan
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         # constraints compile here (grammar.py), off the engine thread and the event loop
         self.compile_pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="thinker-grammar")
         self.compile_pool.submit(lambda: engine.grammars)     # the vocabulary's bytes, ready before a first constraint
+        self.turns = StreamedTurns(self)      # ThinkerStart.stream_audio (turns.py)
 
     def merge(self, first: object, then: object) -> TextOut | None:
         """Consecutive text outputs of one request travel as one (token ids, text, the talker's rows
@@ -134,6 +136,11 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                     return
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")
 
+        if job.pending:        # a streamed turn: its audio until the commit, then the committed job
+            job = await self.turns.stream(job, it, context)
+            if job is None:
+                yield pb.ThinkerResponse(finished=finished_proto(self.cancelled()))
+                return
         relay = TalkerRelay(self.talker, job, job.speech) if job.speech is not None else None
         # aclosing: the request is freed the moment this handler ends, not when the generator is collected
         async with aclosing(self.serve_request(job, context, reader, relay)) as outputs:
@@ -142,15 +149,9 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
 
     def make_job(self, start: pb.ThinkerStart) -> ThinkerJob:
         th = self.cfg.thinker
-        try:
-            audio = [from_proto(t, dtype=torch.float32, shape=(th.audio.num_mel_bins, None), name=f"audio_features[{i}]")
-                     for i, t in enumerate(start.audio_features)]
-            params = SamplingParams.from_proto(start.sampling)
-            check_audio_features(audio)
-        except (TensorError, ValueError) as e:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if any(a.shape[1] == 0 for a in audio):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features with zero frames")
+        audio = self._audio_features(start)
+        if start.stream_audio:
+            return self.turns.pending_job(start, audio)
         kind = start.WhichOneof("prompt")
         if kind == "text":
             try:
@@ -161,6 +162,24 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             ids = list(start.token_ids.ids)
         else:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "start needs a prompt: token_ids or text")
+        return self.job_of(start, ids, audio)
+
+    def _audio_features(self, start: pb.ThinkerStart) -> list[torch.Tensor]:
+        th = self.cfg.thinker
+        try:
+            audio = [from_proto(t, dtype=torch.float32, shape=(th.audio.num_mel_bins, None), name=f"audio_features[{i}]")
+                     for i, t in enumerate(start.audio_features)]
+            check_audio_features(audio)
+        except (TensorError, ValueError) as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if any(a.shape[1] == 0 for a in audio):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features with zero frames")
+        return audio
+
+    def check_prompt(self, ids: list[int], audio: list[torch.Tensor], streamed_tokens: int = 0) -> None:
+        """Token ids in the vocabulary, no image or video, and as many audio placeholders as the
+        clips make (`streamed_tokens`: those of a streamed clip besides `audio`'s)."""
+        th = self.cfg.thinker
         if not ids:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
         vocab = th.text.vocab_size
@@ -170,11 +189,22 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         tok = th.tokens
         if tok.image_token in ids or tok.video_token in ids:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "image and video input are not supported")
-        want = sum(audio_output_length(a.shape[1], th.audio.n_window) for a in audio)
+        want = sum(audio_output_length(a.shape[1], th.audio.n_window) for a in audio) + streamed_tokens
         if ids.count(tok.audio_token) != want:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"prompt has {ids.count(tok.audio_token)} audio placeholder tokens but the "
                         f"{len(audio)} audio feature tensors make {want}")
+
+    def job_of(self, start: pb.ThinkerStart, ids: list[int], audio: list[torch.Tensor],
+               streamed_tokens: int = 0) -> ThinkerJob:
+        """The checked job of a start whose prompt is `ids` with `audio`'s clips (and a streamed clip's
+        `streamed_tokens` placeholders, whose keys the engine makes)."""
+        th = self.cfg.thinker
+        try:
+            params = SamplingParams.from_proto(start.sampling)
+        except ValueError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.check_prompt(ids, audio, streamed_tokens)
         speech = self._speech(start)
         rows = start.talker_rows or speech is not None
         if start.unspoken_tool_calls and not rows:
@@ -201,7 +231,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                           talker_rows=rows, speech=speech, stops=tuple(start.stop),
                           unspoken=UNSPOKEN_TOOL_CALL if rows and start.unspoken_tool_calls else (),
                           top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced,
-                          audio_keys=self.engine.runner.audio.keys_soon(audio),
+                          audio_keys=None if streamed_tokens else self.engine.runner.audio.keys_soon(audio),
                           constraint=constraint)
 
     def _constraint(self, start: pb.ThinkerStart) -> Constraint | None:

@@ -77,18 +77,20 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "samples", "cached_tokens")
+    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "samples", "cached_tokens", "streamed_tokens")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     samples: int
     cached_tokens: int
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., samples: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    streamed_tokens: int
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., samples: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., streamed_tokens: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ()
@@ -111,7 +113,7 @@ class ContextExceeded(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., reply_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class ThinkerStart(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech", "stop", "logprobs", "top_logprobs", "assistant_text", "constraint", "unspoken_tool_calls")
+    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech", "stop", "logprobs", "top_logprobs", "assistant_text", "constraint", "unspoken_tool_calls", "stream_audio")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,7 @@ class ThinkerStart(_message.Message):
     ASSISTANT_TEXT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     UNSPOKEN_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_AUDIO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: TokenIds
     text: str
@@ -142,7 +145,22 @@ class ThinkerStart(_message.Message):
     assistant_text: str
     constraint: Constraint
     unspoken_tool_calls: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ..., speech: _Optional[_Union[SpeechParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., assistant_text: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., unspoken_tool_calls: _Optional[bool] = ...) -> None: ...
+    stream_audio: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ..., speech: _Optional[_Union[SpeechParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., assistant_text: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., unspoken_tool_calls: _Optional[bool] = ..., stream_audio: _Optional[bool] = ...) -> None: ...
+
+class AudioFrames(_message.Message):
+    __slots__ = ("log_mel",)
+    LOG_MEL_FIELD_NUMBER: _ClassVar[int]
+    log_mel: Tensor
+    def __init__(self, log_mel: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class StreamCommit(_message.Message):
+    __slots__ = ("log_mel", "start")
+    LOG_MEL_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    log_mel: Tensor
+    start: ThinkerStart
+    def __init__(self, log_mel: _Optional[_Union[Tensor, _Mapping]] = ..., start: _Optional[_Union[ThinkerStart, _Mapping]] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "structural_tag")
@@ -231,14 +249,18 @@ class Routed(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., address: _Optional[str] = ..., listen_token: _Optional[str] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
-    __slots__ = ("start", "chunk", "cancel")
+    __slots__ = ("start", "chunk", "cancel", "audio", "commit")
     START_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     start: ThinkerStart
     chunk: PayloadChunk
     cancel: Cancel
-    def __init__(self, start: _Optional[_Union[ThinkerStart, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    audio: AudioFrames
+    commit: StreamCommit
+    def __init__(self, start: _Optional[_Union[ThinkerStart, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., audio: _Optional[_Union[AudioFrames, _Mapping]] = ..., commit: _Optional[_Union[StreamCommit, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("index", "token_ids", "text", "embeddings", "logprobs", "more")
