@@ -238,6 +238,7 @@ class ResponseRun:
                                   temperature=s.temperature)
         req = speech_request(self.prompt, params, s.voice, s.audio_out, tool_calls=s.tools.parses_calls)
         req.request_id = self.id
+        req.session = self.ctx.conversation_id     # the session's turns prefer one thinker replica
         finish = None
         async with aclosing(gen.run(req, self.arrived)) as events:
             async for ev in events:
