@@ -313,14 +313,18 @@ class PipelineClient:
         async def run_thinker() -> None:
             span, md = client_span("thinker", "Generate")
             key = await self.route_key(req)
+
+            def on_replica(replica: Replica) -> None:       # each attempt's (a refused stream moves)
+                span.set_attribute("server.address", replica.address)
+                routes["thinker"] = replica.address
+
             stream = BalancedStream(self.thinker, lambda channel: pb_grpc.ThinkerStub(channel).Generate(metadata=md),
-                                    lambda replica: span.set_attribute("server.address", replica.address), key)
+                                    on_replica, key)
             calls.append(stream)
             try:
                 await stream.open()
             except NoReplicaError as e:
                 raise PipelineError("thinker", grpc.StatusCode.UNAVAILABLE, str(e)) from None
-            routes["thinker"] = stream.replica.address
             head, chunks = split_message(start, self.max_message_bytes - 1024)
             await stream.write(pb.ThinkerRequest(start=head))
             for data in chunks:
