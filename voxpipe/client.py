@@ -40,7 +40,9 @@ from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-HASH_OFF_LOOP_BYTES = 256 * 1024        # clip features larger than this are hashed in a worker thread
+# a prompt with more clip feature bytes or more tokens than these is hashed in a worker thread
+HASH_OFF_LOOP_BYTES = 256 * 1024
+HASH_OFF_LOOP_TOKENS = 8192
 
 
 @dataclass
@@ -213,12 +215,14 @@ class PipelineClient:
         if req.token_ids is None or (req.audio_features and self.audio_token is None):
             # the thinker renders the prompt (or the clips' places are unknown): the session alone
             return RouteKey(session=req.session) if req.session is not None else None
-        feats = req.audio_features
-        if sum(f.numel() * f.element_size() for f in feats) > HASH_OFF_LOOP_BYTES:
-            digests = await asyncio.to_thread(lambda: [content_digest(f) for f in feats])
-        else:
-            digests = [content_digest(f) for f in feats]
-        return prompt_key(req.token_ids, req.session, self.audio_token, digests)
+        ids, feats = req.token_ids, req.audio_features
+
+        def key() -> RouteKey:
+            return prompt_key(ids, req.session, self.audio_token, [content_digest(f) for f in feats])
+
+        if len(ids) > HASH_OFF_LOOP_TOKENS or sum(f.numel() * f.element_size() for f in feats) > HASH_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(key)
+        return key()
 
     async def _code2wav_replica(self, address: str) -> Replica:
         """The caller's own channel to the code2wav replica a talker reported (it never dials an

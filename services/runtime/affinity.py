@@ -90,8 +90,8 @@ class Loaded(Protocol):
 
 @dataclass
 class RouteStats:
-    """Routed streams by outcome, and the prompt tokens of keyed ones: `queried` (all) and `matched`
-    (the prefix the table knew on the replica each went to)."""
+    """Picks by outcome (a stream replayed on another replica is picked again), and the prompt tokens
+    of keyed picks: `queried` (all) and `matched` (the prefix the table knew on the replica chosen)."""
 
     outcomes: Counter = field(default_factory=Counter)
     queried_tokens: int = 0
