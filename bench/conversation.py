@@ -17,6 +17,11 @@ every new clip is a miss for the thinker's audio encoder cache, as a new utteran
 features computed once by the driver, then its placeholders in the prompt and every earlier clip's
 features re-sent with the history (the encoder cache and the prefix cache hold those).
 
+With several thinker replicas (--devices thinker=cuda:0*2, say) each turn goes where its prompt's
+longest known prefix went (services.runtime.affinity): the report gives each replica's turns,
+cached share and the load spread ((max - min) / mean of the replicas' turns), to set beside one
+replica's cached share.
+
 Also the long-context probe: one `context_tokens`-token prompt sent cold, then again (its prefix
 cached), TTFP of each."""
 
@@ -74,6 +79,7 @@ class TurnRecord:
     cached_tokens: int = 0
     ttfp_ms: float | None = None
     error: str | None = None
+    thinker: str = ""               # the replica that served it (DoneEvent.routes)
 
 
 class Conversation:
@@ -137,6 +143,7 @@ async def _one(stream_fn, req: SpeechRequest, rec: TurnRecord) -> list[int]:
                 rec.ttfp_ms = (time.perf_counter() - start) * 1000.0
             elif isinstance(ev, DoneEvent):
                 rec.cached_tokens = ev.cached_tokens
+                rec.thinker = ev.routes.get("thinker", "")
     except Exception as e:      # the turn fails alone; the session stops (its history is incomplete)
         rec.error = f"{type(e).__name__}: {e}"[:300]
     return ids
@@ -169,6 +176,25 @@ class LevelReport:
     turns: list[dict] = field(default_factory=list)     # per turn: TTFP p50 / p90, cached fraction, prompt tokens
     failed: int = 0
     wall_s: float = 0.0
+    cached_fraction: float = 0.0                        # over every turn that finished
+    replicas: dict[str, dict] = field(default_factory=dict)   # thinker address -> its turns, cached share
+    load_spread: float = 0.0                            # (max - min) / mean of the replicas' turns
+
+
+def by_replica(records: list[TurnRecord]) -> tuple[dict[str, dict], float]:
+    """Each thinker replica's finished turns, their prompt tokens and cached share; the load spread."""
+    out: dict[str, dict] = {}
+    for r in records:
+        if r.error is None:
+            d = out.setdefault(r.thinker, {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0})
+            d["turns"] += 1
+            d["prompt_tokens"] += r.prompt_tokens
+            d["cached_tokens"] += r.cached_tokens
+    for d in out.values():
+        d["cached_fraction"] = d["cached_tokens"] / max(d["prompt_tokens"], 1)
+    loads = [d["turns"] for d in out.values()]
+    spread = (max(loads) - min(loads)) / statistics.mean(loads) if loads else 0.0
+    return out, spread
 
 
 async def run_level(stream_fn, cfg, settings: Settings, sessions: int, audio: TurnAudio | None = None) -> LevelReport:
@@ -176,6 +202,9 @@ async def run_level(stream_fn, cfg, settings: Settings, sessions: int, audio: Tu
     t0 = time.perf_counter()
     await asyncio.gather(*(_session(stream_fn, cfg, settings, s, sessions, records, audio) for s in range(sessions)))
     rep = LevelReport(sessions, failed=sum(r.error is not None for r in records), wall_s=time.perf_counter() - t0)
+    ok = [r for r in records if r.error is None]
+    rep.cached_fraction = sum(r.cached_tokens for r in ok) / max(sum(r.prompt_tokens for r in ok), 1)
+    rep.replicas, rep.load_spread = by_replica(records)
     for turn in range(1, settings.turns + 1):
         done = [r for r in records if r.turn == turn and r.error is None and r.ttfp_ms is not None]
         if not done:
@@ -224,8 +253,13 @@ def section(report: dict) -> str:
     lines = [f"#### conversation: {user} user turns, {s['text_tokens']} text tokens and "
              f"{s['frames']} frames a reply, up to {s['turns']} turns, history re-sent as token ids (split mode)", ""]
     for lvl in report["levels"]:
-        lines += [f"{lvl['sessions']} sessions ({lvl['failed']} turns failed, {lvl['wall_s']:.0f} s):", "",
-                  "| turn | prompt tokens | TTFP p50 ms | TTFP p90 ms | cached |", "|---|---|---|---|---|"]
+        lines += [f"{lvl['sessions']} sessions ({lvl['failed']} turns failed, {lvl['wall_s']:.0f} s), "
+                  f"{lvl['cached_fraction']:.1%} of prompt tokens cached:", ""]
+        if len(lvl["replicas"]) > 1:
+            lines += ["| thinker replica | turns | cached |", "|---|---|---|"]
+            lines += [f"| {a} | {d['turns']} | {d['cached_fraction']:.1%} |" for a, d in sorted(lvl["replicas"].items())]
+            lines += ["", f"load spread (max - min) / mean of turns: {lvl['load_spread']:.1%}", ""]
+        lines += ["| turn | prompt tokens | TTFP p50 ms | TTFP p90 ms | cached |", "|---|---|---|---|---|"]
         shown = [t for t in lvl["turns"] if t["turn"] in (1, 2, 5, 10, 15, 20, 30, 40) or t is lvl["turns"][-1]]
         for t in shown:
             lines.append(f"| {t['turn']} | {t['prompt_tokens']} | {_fmt(t['ttfp_p50_ms'])} | {_fmt(t['ttfp_p90_ms'])} "

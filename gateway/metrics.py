@@ -19,13 +19,26 @@ voxpipe_gateway_audio_cache_hits_total, _misses_total, _evictions_total
                                                   clip cache / were decoded and featurized / were dropped
                                                   for room (--audio-cache-mb)
 voxpipe_gateway_audio_cache_bytes                 bytes of features that cache holds
+voxpipe_gateway_routed_total{stage,outcome}      thinker streams by how their replica was chosen
+                                                  (services.runtime.affinity): session, prefix (its
+                                                  longest known prefix), least_loaded (no affinity,
+                                                  over the load bound, or one replica)
+voxpipe_gateway_routed_prefix_tokens_total{stage,kind}  prompt tokens of the streams routed with a key
+                                                  (queried; none with one replica) and of those, the
+                                                  prefix known on the replica each went to (matched):
+                                                  read beside the replicas' voxpipe_prefix_cache_tokens_total
 voxpipe_event_loop_lag_seconds{stage="gateway"}   how late the gateway's event loop (the relay of every
                                                   stage message) wakes for a 20 ms timer
 """
 
 from __future__ import annotations
 
+import weakref
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from voxpipe.services.runtime.affinity import OUTCOMES
 
 from voxpipe.services.runtime.playback import BANDS
 
@@ -83,5 +96,43 @@ class GatewayMetrics:
                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
                                   registry=self.registry)
 
+        self.routing = RoutingCollector()
+        self.registry.register(self.routing)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RoutingCollector:
+    """voxpipe_gateway_routed_* read at scrape time from the balancers it watches (held weakly;
+    their counters are services.runtime.affinity.RouteStats)."""
+
+    def __init__(self) -> None:
+        self.balancers: list[weakref.ref] = []
+
+    def watch(self, balancer) -> None:
+        self.balancers.append(weakref.ref(balancer))
+
+    def describe(self):
+        return self._families()[:2]
+
+    def _families(self):
+        return [CounterMetricFamily("voxpipe_gateway_routed", "Streams by how their replica was chosen",
+                                    labels=["stage", "outcome"]),
+                CounterMetricFamily("voxpipe_gateway_routed_prefix_tokens",
+                                    "Prompt tokens routed with a key (queried) and known on the chosen replica (matched)",
+                                    labels=["stage", "kind"])]
+
+    def collect(self):
+        routed, tokens = self._families()
+        for ref in self.balancers:
+            balancer = ref()
+            if balancer is None:
+                continue
+            stats = balancer.affinity.stats
+            for outcome in OUTCOMES:
+                routed.add_metric([balancer.stage, outcome], stats.outcomes[outcome])
+            tokens.add_metric([balancer.stage, "queried"], stats.queried_tokens)
+            tokens.add_metric([balancer.stage, "matched"], stats.matched_tokens)
+        yield routed
+        yield tokens

@@ -102,7 +102,9 @@ class GatewayState:
         return self.omni.talker.speakers
 
     def open_pipeline(self) -> PipelineClient:
-        self.pipeline = PipelineClient(self.config.thinker, self.config.code2wav, tls=self.config.stage_tls)
+        self.pipeline = PipelineClient(self.config.thinker, self.config.code2wav, tls=self.config.stage_tls,
+                                       audio_token=self.omni.thinker.tokens.audio_token)
+        self.metrics.routing.watch(self.pipeline.thinker)
         return self.pipeline
 
 

@@ -454,6 +454,10 @@ def test_the_conversation_workload_reports_each_turns_cached_fraction(stack, omn
     assert report["levels"][0]["failed"] == 0 and [t["turn"] for t in turns] == [1, 2]
     assert turns[0]["cached_fraction"] < 0.5 < turns[1]["cached_fraction"] < 1
     assert all(t["ttfp_p50_ms"] > 0 for t in turns)
+    level = report["levels"][0]
+    # one replica: both turns on it, its cached share the level's
+    assert list(level["replicas"]) == [stack.address("thinker")] and level["load_spread"] == 0
+    assert level["replicas"][stack.address("thinker")]["cached_fraction"] == level["cached_fraction"] > 0
     lc = report["long_context"]
     assert lc["cold"]["error"] is None and lc["repeated"]["cached_tokens"] >= lc["prompt_tokens"] - BS
     assert "conversation: 40-token user turns" in conversation.section(report)

@@ -30,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from voxpipe.services.runtime import tracing
+from voxpipe.services.runtime.affinity import RouteKey, content_digest, prompt_key
 from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica
 from voxpipe.services.runtime.calls import context_exceeded, failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
@@ -44,6 +45,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # only as fast as the caller takes the audio, so flow control holds code2wav's writes and code2wav
 # sees a slow client as one that was delivered less (its playback clock: stages.proto Playback)
 AUDIO_READ_AHEAD = 32
+# a prompt with more clip feature bytes or more tokens than these is hashed in a worker thread
+HASH_OFF_LOOP_BYTES = 256 * 1024
+HASH_OFF_LOOP_TOKENS = 8192
 
 
 @dataclass
@@ -72,6 +76,9 @@ class SpeechRequest:
     encoding: int = pb.AUDIO_PCM16
     echo_frames: bool = False                 # debug: also the codec frames code2wav received (FramesEvent)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # routing only: the requests of one session (a realtime conversation) prefer the thinker replica
+    # of its previous one (services.runtime.affinity); None: by the prompt's prefix alone
+    session: str | None = None
 
     def sampling(self) -> pb.Sampling:
         s = pb.Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
@@ -175,14 +182,19 @@ def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
 class PipelineClient:
     def __init__(self, thinker: str | list[str], code2wav: str | list[str] | None = None, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, metadata: tuple[tuple[str, str], ...] = (),
-                 balancing: BalancerOptions | None = None, tls: ClientTLS | None = None) -> None:
+                 balancing: BalancerOptions | None = None, tls: ClientTLS | None = None,
+                 audio_token: int | None = None) -> None:
         """Each stage: `host:port` and/or `dns:///name:port` entries, comma-separated or a list; every
         address (every DNS record) is one replica (see voxpipe.services.runtime.balancer). The talker
         is the thinker's business (its --talker); `code2wav` lists the replicas audio may come from:
         the one a talker picked must be among them. `balancing`: re-resolution, health cool-down and
         retry settings. `tls`: dial both stages with TLS, presenting its client certificate when it
-        has one (voxpipe.services.runtime.tls); None: plaintext."""
+        has one (voxpipe.services.runtime.tls); None: plaintext. With several thinker replicas a request
+        goes where its session or its prompt's longest prefix went (services.runtime.affinity);
+        `audio_token`: the thinker's audio placeholder id (the model config's), so that a prompt's
+        clips count by content in its prefix (None: prompts with audio route by session alone)."""
         self.max_message_bytes = max_message_bytes
+        self.audio_token = audio_token
         self.thinker = stage_balancer("thinker", thinker, max_message_bytes, balancing, tls)
         self.code2wav = stage_balancer("code2wav", code2wav, max_message_bytes, balancing, tls) if code2wav else None
         self.metadata = metadata
@@ -200,6 +212,24 @@ class PipelineClient:
         for p in (self.thinker, self.code2wav):
             if p is not None:
                 await p.close()
+
+    async def route_key(self, req: SpeechRequest) -> RouteKey | None:
+        """The thinker pick's affinity for `req`: its session and its prompt's block hashes (clips by
+        their features' content). None with one thinker replica (no choice: nothing is hashed)."""
+        await self.thinker.start()
+        if not self.thinker.choosing:
+            return None
+        if req.token_ids is None or (req.audio_features and self.audio_token is None):
+            # the thinker renders the prompt (or the clips' places are unknown): the session alone
+            return RouteKey(session=req.session) if req.session is not None else None
+        ids, feats = req.token_ids, req.audio_features
+
+        def key() -> RouteKey:
+            return prompt_key(ids, req.session, self.audio_token, [content_digest(f) for f in feats])
+
+        if len(ids) > HASH_OFF_LOOP_TOKENS or sum(f.numel() * f.element_size() for f in feats) > HASH_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(key)
+        return key()
 
     async def _code2wav_replica(self, address: str) -> Replica:
         """The caller's own channel to the code2wav replica a talker reported (it never dials an
@@ -294,14 +324,19 @@ class PipelineClient:
 
         async def run_thinker() -> None:
             span, md = client_span("thinker", "Generate")
+            key = await self.route_key(req)
+
+            def on_replica(replica: Replica) -> None:       # each attempt's (a refused stream moves)
+                span.set_attribute("server.address", replica.address)
+                routes["thinker"] = replica.address
+
             stream = BalancedStream(self.thinker, lambda channel: pb_grpc.ThinkerStub(channel).Generate(metadata=md),
-                                    lambda replica: span.set_attribute("server.address", replica.address))
+                                    on_replica, key)
             calls.append(stream)
             try:
                 await stream.open()
             except NoReplicaError as e:
                 raise PipelineError("thinker", grpc.StatusCode.UNAVAILABLE, str(e)) from None
-            routes["thinker"] = stream.replica.address
             head, chunks = split_message(start, self.max_message_bytes - 1024)
             await stream.write(pb.ThinkerRequest(start=head))
             for data in chunks:

@@ -249,6 +249,7 @@ class ResponseRun:
         req = speech_request(self.prompt, params, s.voice, s.audio_out, tool_calls=s.tools.parses_calls,
                              calls_only=s.tools.calls_only)
         req.request_id = self.id
+        req.session = self.ctx.conversation_id     # the session's turns prefer one thinker replica
         finish = None
         async with aclosing(gen.run(req, self.arrived)) as events:
             async for ev in events:

@@ -25,6 +25,7 @@ from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime import metrics
 from ..runtime.flags import KV_BLOCK_SIZE
+from ..runtime.affinity import placeholder_spans
 from ..runtime.block_pool import ContentSpan, KVBlockManager, prefix_hashes
 from ..runtime.lru import BytesLRU
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
@@ -107,17 +108,7 @@ def audio_spans(cfg: ThinkerConfig, prompt: list[int], digests: list[bytes]) -> 
     """Each audio clip's placeholder run in the prompt with its clip's digest (audio_cache.clip_key:
     the encoder's whole input, features and chunk padding): the content behind those token ids, for
     the prefix hashes. Runs and clips pair up in order (the server checked their counts)."""
-    tok = cfg.tokens.audio_token
-    spans, i, n = [], 0, len(prompt)
-    for digest in digests:
-        while i < n and prompt[i] != tok:
-            i += 1
-        j = i
-        while j < n and prompt[j] == tok:
-            j += 1
-        spans.append(ContentSpan(i, j, digest))
-        i = j
-    return tuple(spans)
+    return placeholder_spans(prompt, cfg.tokens.audio_token, digests)
 
 
 def audio_offsets(spans: tuple[ContentSpan, ...], block: int, block_size: int) -> list[int]:
