@@ -33,7 +33,7 @@ class Finished:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     samples: int = 0                 # code2wav: audio samples sent
-    cached_tokens: int = 0           # thinker: prompt tokens whose prefill the prefix cache skipped
+    cached_tokens: int = 0           # prompt tokens (thinker) / rows (talker) whose prefill the prefix cache skipped
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,8 @@ class TalkerPromptOut:
     assistant_head: "torch.Tensor"   # [3, H] "<|im_start|>", "assistant", "\n"
     assistant_prefix: "torch.Tensor"   # [A, H] prompt tokens after the head (usually A = 0)
     tts_special: "torch.Tensor"      # [3, H] tts_bos, tts_eos, tts_pad
+    audio_rows: "torch.Tensor | None" = None   # [M, H] with user_rows None: the multimodal user rows alone
+    audio_keys: tuple[bytes, ...] = ()         # per run of multimodal user rows: its content key (row_keys.py)
 
 
 @dataclass(frozen=True)

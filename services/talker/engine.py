@@ -1,17 +1,21 @@
 """Talker engine: codec-0 steps batched across requests, then the code predictor batched across
 them, then each frame out as soon as it exists (a FramesOut).
 
-    step: scheduler (slots, prefill budget, early prefills, rows ready: scheduler.py) -> runner (forwards,
-          sampling: runner.py) -> output step here (EOS, min / max frames, non-finite rows fail
-          alone; frames out; finish)"""
+    step: scheduler (slots, KV blocks, prefill budget, early prefills, rows ready: scheduler.py) ->
+          blocks for the decode step (the newest running request preempted when the pool has none) ->
+          runner (forwards, sampling: runner.py) -> output step here (EOS, min / max frames,
+          non-finite rows fail alone; frames out; the prompt's user-row blocks published; finish)"""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from ..runtime import metrics
 from ..runtime.config import TalkerConfig
 from ..runtime.engine import StageEngine
+from ..runtime.kv_plan import KVPlan
 from ..runtime.outputs import Finished, FinishReason, FramesOut
 from .job import DEFAULT_TEXT_CAP, TalkerJob
 from .model import TalkerModel, ThinkerTextEmbedding
@@ -20,22 +24,27 @@ from .scheduler import TalkerScheduler
 
 __all__ = ["DEFAULT_TEXT_CAP", "TalkerEngine", "TalkerJob"]   # the job and its default cap: job.py
 
+log = logging.getLogger(__name__)
+
 
 class TalkerEngine(StageEngine):
     name = "talker"
 
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
-                 max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_tokens: int = 4096,
-                 prefill_graph_len: int = 512, eager_fallback: bool = False, early_prefill: bool = True,
-                 text_table: ThinkerTextEmbedding | None = None) -> None:
+                 max_len: int, kv: KVPlan | None = None, cuda_graphs: bool = True, prefill_batch: int = 8,
+                 prefill_tokens: int = 4096, prefill_graph_len: int = 512, eager_fallback: bool = False,
+                 early_prefill: bool = True, text_table: ThinkerTextEmbedding | None = None) -> None:
         """A step prefills up to `prefill_batch` ready requests with at most `prefill_tokens` padded
         rows together (right-padded); prompts up to `prefill_graph_len` rows replay CUDA graphs.
         `early_prefill`: a request prefills all but its prompt's last row as soon as it arrives, and
-        makes frame 0 with a decode step once its first text row is usable (scheduler.py)."""
+        makes frame 0 with a decode step once its first text row is usable (scheduler.py). `kv`: the
+        KV pool (default: room for `max_active` sequences of `max_len` positions)."""
         super().__init__(max_active)
+        if kv is None:
+            kv = KVPlan(blocks=-(-max_active * max_len // KVPlan.block_size))
         self.cfg, self.device, self.max_len = cfg, device, max_len
         self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens, early=early_prefill)
-        self.runner = TalkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len,
+        self.runner = TalkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len, kv=kv,
                                    cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                    prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
                                    text_table=text_table)
@@ -56,7 +65,9 @@ class TalkerEngine(StageEngine):
 
     # ---- the loop's hooks
     def has_work(self) -> bool:
-        return self.scheduler.has_work(self.waiting, self.running, self.runner.free_slots)
+        headroom = self.runner.blocks_needed(self.running)
+        return self.scheduler.has_work(self.waiting, self.running, self.runner.free_slots,
+                                       lambda s: self.runner.fits(s, headroom))
 
     def release(self, req: TalkerJob) -> None:
         self.runner.release(req)
@@ -64,23 +75,54 @@ class TalkerEngine(StageEngine):
     @torch.inference_mode()
     def step(self) -> None:
         with self.lock:
-            plan = self.scheduler.schedule(self.waiting, self.running, self.runner.free_slots)
+            # admissions leave free the blocks the running requests' next decode step takes
+            headroom = self.runner.blocks_needed(self.running)
+            plan = self.scheduler.schedule(self.waiting, self.running, self.runner.free_slots,
+                                           lambda s: self.runner.allocate(s, headroom))
             for job in plan.unspeakable:     # the thinker gave it nothing to say
                 self.finish(job, Finished(FinishReason.STOP))
             for job in plan.prefill:
-                job.early = any(job is e for e in plan.early)
-                self.runner.allocate(job)
-                job.mark_started()
+                if not job.resumed:
+                    job.early = any(job is e for e in plan.early)
+                if job.started is None:
+                    job.mark_started()
                 self.running.append(job)
                 self.waiting.remove(job)
-            text_rows = [job.next_text_row() for job in plan.decode]
-        if not plan.prefill and not plan.decode:
+            decode = self._with_blocks(plan.decode, plan.prefill)
+            text_rows = [job.next_text_row() for job in decode]
+        if not plan.prefill and not decode:
             return
         if plan.prefill:
             metrics.PREFILL_BATCH.labels(self.name).observe(len(plan.prefill))
-        jobs, logits, hidden = self.runner.forward(plan.prefill, plan.decode, text_rows)
+        jobs, logits, hidden = self.runner.forward(plan.prefill, decode, text_rows)
         if jobs:
             self._output(jobs, logits, hidden)
+        self.runner.observe_kv()
+
+    def _with_blocks(self, decode: list[TalkerJob], prefill: list[TalkerJob]) -> list[TalkerJob]:
+        """The decoding jobs, each with a block for its next position. When the pool has none, the
+        newest running job is preempted (its blocks freed; it waits, first in line, and recomputes its
+        positions later, its frames unchanged) until one is free, the job itself last; a job admitted
+        in this step leaves `prefill` (it never ran). Called with the lock held."""
+        ready: list[TalkerJob] = []
+        for job in decode:            # oldest first: the running list is in admission order
+            if job.table is None:     # preempted for an older one in this loop
+                continue
+            while not self.runner.grow(job):
+                victim = self.running[-1]
+                self.running.remove(victim)
+                self.waiting.insert(0, victim)
+                log.info("request %s preempted: no free KV block (%d frames)", victim.request_id, len(victim.codes0))
+                self.runner.preempt(victim)
+                if victim in prefill:
+                    prefill.remove(victim)
+                if victim in ready:
+                    ready.remove(victim)
+                if victim is job:
+                    break
+            else:
+                ready.append(job)
+        return ready
 
     # ---- the output step
     def _output(self, jobs: list[TalkerJob], logits: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -100,6 +142,8 @@ class TalkerEngine(StageEngine):
         with self.lock:
             for i in going:
                 jobs[i].pending = frames.next_inputs[i]
+        for i in going:       # a finite frame: its prompt's keys are finite, their user-row blocks findable
+            self.runner.publish(jobs[i])
         for i in going:
             job = jobs[i]
             job.mark_output()
@@ -124,9 +168,11 @@ class TalkerEngine(StageEngine):
                 continue
             job.codes0.append(c0)
             if c0 == eos:
-                self.finish(job, Finished(FinishReason.STOP, completion_tokens=job.frames_sent))
+                self.finish(job, Finished(FinishReason.STOP, completion_tokens=job.frames_sent,
+                                          cached_tokens=job.cached_tokens))
             elif len(job.codes0) >= job.max_frames or job.frames_sent >= job.frame_cap():
-                self.finish(job, Finished(FinishReason.LENGTH, completion_tokens=job.frames_sent))
+                self.finish(job, Finished(FinishReason.LENGTH, completion_tokens=job.frames_sent,
+                                          cached_tokens=job.cached_tokens))
             else:
                 framing.append(i)
         return framing

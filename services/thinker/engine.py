@@ -82,6 +82,7 @@ class ThinkerEngine(StageEngine):
                                     eos_ids=eos_ids, kv=kv, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
                                     audio_cache_bytes=audio_cache_bytes)
+        self.runner.talker_prompt_ids = talker_prompt_ids
 
     @property
     def grammars(self) -> Grammars:

@@ -24,10 +24,11 @@ import torch
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime import metrics
-from ..runtime.flags import KV_BLOCK_SIZE
 from ..runtime.block_pool import ContentSpan, KVBlockManager
+from ..runtime.kv_plan import KVPlan
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerPromptOut, TokenLogprob
+from ..runtime.row_keys import audio_run_keys
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
 from .audio_cache import AudioEncoderCache
 from .grammar import allowed
@@ -42,12 +43,14 @@ def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor) -> int:
 
 
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
-                  special: torch.Tensor, user_rows: bool = True) -> TalkerPromptOut:
+                  special: torch.Tensor, user_rows: bool = True, spans: tuple[ContentSpan, ...] = ()) -> TalkerPromptOut:
     """What the talker needs from a prompt (transformers' `_get_talker_user_parts` / assistant parts):
     rows of user turns (role = the token after the latest <|im_start|>), the assistant head, any
-    prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H].
-    Without `user_rows` (a text prompt only): the user turns as token ids alone, for a talker that looks
-    their embeddings up itself; `embeds` then holds only the rows from `assistant_start` on."""
+    prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H]
+    (the hidden layer at the audio positions, else None). Without `user_rows`: the user turns as token
+    ids, for a talker that looks their text rows up itself, and the multimodal rows alone (audio_rows);
+    `embeds` may then hold only the rows from `assistant_start` on. `spans`: the prompt's clips with
+    their digests (audio_spans), for the keys of its multimodal runs (row_keys.audio_run_keys)."""
     tok = cfg.tokens
     p = ids.shape[0]
     pos = torch.arange(p)
@@ -58,18 +61,27 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
     mm = (ids == tok.audio_token) | (ids == tok.image_token) | (ids == tok.video_token)
     user_mm = mm[user]
     start = assistant_start(cfg, ids)
+    has_mm = bool(user_mm.any())
+    if has_mm and hidden is None:
+        raise ValueError("a prompt with audio, image or video rows needs their hidden layer")
+    keys = ()
+    if has_mm and spans:
+        keys = tuple(audio_run_keys(ids.tolist(), pos[user].tolist(), user_mm.tolist(), spans))
+    audio = None
     if user_rows:
         rows = embeds[user]
-        if bool(user_mm.any()):
+        if has_mm:
             rows = rows.clone()
             rows[user_mm] = hidden[user][user_mm]
         tail = embeds[start:]
     else:
-        if bool(user_mm.any()):
-            raise ValueError("a prompt with audio, image or video rows sends its user rows")
-        rows, tail = None, embeds
+        rows = None
+        tail = embeds[start:] if embeds.shape[0] == p else embeds
+        if has_mm:
+            audio = hidden[user][user_mm]
     return TalkerPromptOut(user_rows=rows, user_mm_mask=user_mm, user_token_ids=ids[user],
-                           assistant_head=tail[:3], assistant_prefix=tail[3:], tts_special=special)
+                           assistant_head=tail[:3], assistant_prefix=tail[3:], tts_special=special,
+                           audio_rows=audio, audio_keys=keys)
 
 
 @dataclass
@@ -118,20 +130,6 @@ def audio_spans(cfg: ThinkerConfig, prompt: list[int], digests: list[bytes]) -> 
     return tuple(spans)
 
 
-@dataclass(frozen=True)
-class KVPlan:
-    """The thinker's KV pool: `blocks` blocks of `block_size` positions; `prefix_cache`: publish
-    full blocks and find cached prefixes."""
-
-    blocks: int
-    block_size: int = KV_BLOCK_SIZE
-    prefix_cache: bool = True
-
-    @property
-    def tokens(self) -> int:
-        return self.blocks * self.block_size
-
-
 class ThinkerRunner:
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, eos_ids: tuple[int, ...], kv: KVPlan, cuda_graphs: bool = True,
@@ -142,6 +140,7 @@ class ThinkerRunner:
         `audio_cache_bytes` of audio encoder outputs are kept by clip content (0: none)."""
         self.model, self.cfg, self.device = model, cfg, device
         self.prefill_batch, self.max_len = prefill_batch, max_len
+        self.talker_prompt_ids = True   # a routed talker's prompts: user turns as ids (the engine sets it)
         dtype = next(model.parameters()).dtype
         self.audio = AudioEncoderCache(model.audio_tower, audio_cache_bytes, model.model.embed_tokens.weight.dtype,
                                        device, keyed=kv.prefix_cache)
@@ -312,9 +311,21 @@ class ThinkerRunner:
             if j.talker_rows and not j.prompt_sent:
                 p = len(j.prompt)
                 kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
-                prompt = talker_prompt(self.cfg, torch.tensor(j.prompt), embeds[b].cpu(), kept, self.tts_special)
+                prompt = self._talker_prompt(j, embeds[b], kept)
             prompts.append(prompt)
         return Prefilled(logits, prompts)
+
+    def _talker_prompt(self, job: ThinkerJob, embeds: torch.Tensor, kept: torch.Tensor | None) -> TalkerPromptOut:
+        """A prefilled job's talker prompt (embeds [P, H] on the device, kept [P, H] on the host): to
+        a routed talker (`talker_prompt_ids`) its user turns as token ids with the multimodal rows
+        alone; its clips' digests key those rows' runs."""
+        ids = torch.tensor(job.prompt)
+        ids_only = self.talker_prompt_ids and job.speech is not None
+        if ids_only:
+            embeds = embeds[assistant_start(self.cfg, ids):]
+        digests = self._digests(job) if job.audio else []
+        spans = audio_spans(self.cfg, job.prompt, digests) if digests and all(digests) else ()
+        return talker_prompt(self.cfg, ids, embeds.cpu(), kept, self.tts_special, user_rows=not ids_only, spans=spans)
 
     def _context_embeds(self, job: ThinkerJob) -> torch.Tensor:
         """[prefill_target, H]: the prompt's embeddings (its audio encoded) and, resumed after a
@@ -366,7 +377,7 @@ class ThinkerRunner:
                     kept = part.new_zeros(len(job.prompt), part.shape[1])
                     kept[job.kept_from:] = part
                     kept = kept.cpu()
-                prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
+                prompt = self._talker_prompt(job, job.embeds, kept)
             job.embeds, job.kept = None, []
             done.append(job)
             rows.append(i)

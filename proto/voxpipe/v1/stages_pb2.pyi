@@ -247,20 +247,24 @@ class TextDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class TalkerPrompt(_message.Message):
-    __slots__ = ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special")
+    __slots__ = ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special", "audio_rows", "audio_keys")
     USER_ROWS_FIELD_NUMBER: _ClassVar[int]
     USER_MM_MASK_FIELD_NUMBER: _ClassVar[int]
     USER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_HEAD_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_PREFIX_FIELD_NUMBER: _ClassVar[int]
     TTS_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ROWS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_KEYS_FIELD_NUMBER: _ClassVar[int]
     user_rows: Tensor
     user_mm_mask: Tensor
     user_token_ids: Tensor
     assistant_head: Tensor
     assistant_prefix: Tensor
     tts_special: Tensor
-    def __init__(self, user_rows: _Optional[_Union[Tensor, _Mapping]] = ..., user_mm_mask: _Optional[_Union[Tensor, _Mapping]] = ..., user_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_head: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_prefix: _Optional[_Union[Tensor, _Mapping]] = ..., tts_special: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    audio_rows: Tensor
+    audio_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, user_rows: _Optional[_Union[Tensor, _Mapping]] = ..., user_mm_mask: _Optional[_Union[Tensor, _Mapping]] = ..., user_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_head: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_prefix: _Optional[_Union[Tensor, _Mapping]] = ..., tts_special: _Optional[_Union[Tensor, _Mapping]] = ..., audio_rows: _Optional[_Union[Tensor, _Mapping]] = ..., audio_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ThinkerResponse(_message.Message):
     __slots__ = ("talker_prompt", "text", "chunk", "finished", "routed", "talker_finished", "first_output")
