@@ -71,7 +71,6 @@ class ThinkerEngine(StageEngine):
         super().__init__(max_active)
         if kv is None:
             kv = KVPlan(blocks=-(-max_active * max_len // KVPlan.block_size))
-        self.talker_prompt_ids = talker_prompt_ids
         self.cfg, self.tokenizer, self.device, self.max_len = cfg, tokenizer, device, max_len
         self.eos_ids = eos_ids
         self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk,
@@ -82,7 +81,16 @@ class ThinkerEngine(StageEngine):
                                     eos_ids=eos_ids, kv=kv, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
                                     audio_cache_bytes=audio_cache_bytes)
-        self.runner.talker_prompt_ids = talker_prompt_ids
+        self.talker_prompt_ids = talker_prompt_ids
+
+    @property
+    def talker_prompt_ids(self) -> bool:
+        """A routed talker's prompts send the user turns as token ids (the runner builds them)."""
+        return self.runner.talker_prompt_ids
+
+    @talker_prompt_ids.setter
+    def talker_prompt_ids(self, value: bool) -> None:
+        self.runner.talker_prompt_ids = value
 
     @property
     def grammars(self) -> Grammars:
