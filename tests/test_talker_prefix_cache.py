@@ -8,6 +8,7 @@ TalkerStart; every frame equals the talker with the prefix cache off, and transf
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from oracle import reference_generate
 from voxpipe.cli import build_parser
 from voxpipe.services.runtime import cuda_graphs, metrics
 from voxpipe.services.runtime.engine import Outbox
-from voxpipe.services.runtime.outputs import Finished, FramesOut, TalkerPromptOut, TextOut
+from voxpipe.services.runtime.outputs import Finished, FramesOut, TalkerAudioRowsOut, TalkerPromptOut, TextOut
 from voxpipe.services.runtime.server import Abort, talker_prompt_proto
 from voxpipe.services.thinker.job import ThinkerJob
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
@@ -74,7 +75,8 @@ def _drain(job) -> list:
 
 
 def _thinker_turn(thinker, rid: str, messages: list[ChatMessage]) -> tuple[list[int], TalkerPromptOut, torch.Tensor, int]:
-    """A spoken reply's thinker side: its prompt ids, the talker prompt it sends, its text rows and the
+    """A spoken reply's thinker side: its prompt ids, the talker prompt it sends (an audio prompt's
+    with its audio rows, which follow the start: TalkerAudioRowsOut), its text rows and the
     thinker's cached prompt tokens."""
     rendered = render(thinker.tokenizer, thinker.cfg, messages)
     job = ThinkerJob(request_id=rid, outbox=Outbox(asyncio.get_event_loop(), limit=10_000), prompt=rendered.token_ids,
@@ -86,11 +88,17 @@ def _thinker_turn(thinker, rid: str, messages: list[ChatMessage]) -> tuple[list[
     items = _drain(job)
     assert isinstance(items[0], TalkerPromptOut) and isinstance(items[-1], Finished), items[-1]
     rows = torch.cat([i.rows for i in items if isinstance(i, TextOut) and i.rows is not None])
-    return job.prompt, items[0], rows, items[-1].cached_tokens
+    prompt = items[0]
+    if prompt.audio_rows_follow:
+        assert prompt.audio_rows is None and isinstance(items[1], TalkerAudioRowsOut)
+        prompt = dataclasses.replace(prompt, audio_rows=items[1].rows)
+    return job.prompt, prompt, rows, items[-1].cached_tokens
 
 
-def _start(rid: str, prompt: TalkerPromptOut, frames: int = FRAMES) -> pb.TalkerStart:
-    return pb.TalkerStart(request_id=rid, prompt=talker_prompt_proto(prompt), max_frames=frames, min_frames=frames)
+def _start(rid: str, prompt: TalkerPromptOut, frames: int = FRAMES, follow: bool = False) -> pb.TalkerStart:
+    """The TalkerStart of `prompt` (its audio rows in it; `follow`: left out, to follow the talker's Held)."""
+    sent = dataclasses.replace(prompt, audio_rows=None) if follow else dataclasses.replace(prompt, audio_rows_follow=False)
+    return pb.TalkerStart(request_id=rid, prompt=talker_prompt_proto(sent), max_frames=frames, min_frames=frames)
 
 
 def _jobs(servicer, starts: list[pb.TalkerStart]):
@@ -99,12 +107,17 @@ def _jobs(servicer, starts: list[pb.TalkerStart]):
     return asyncio.get_event_loop().run_until_complete(make())
 
 
-def _speak(servicer, starts: list[pb.TalkerStart], rows: list[torch.Tensor]) -> list[tuple[torch.Tensor, Finished]]:
-    """The talker requests together (their text rows all there): each one's codes [n, G] and Finished."""
+def _speak(servicer, starts: list[pb.TalkerStart], rows: list[torch.Tensor],
+           audio: list[torch.Tensor] | None = None) -> list[tuple[torch.Tensor, Finished]]:
+    """The talker requests together (their text rows all there): each one's codes [n, G] and Finished.
+    `audio`: each start's audio rows, for a start whose audio rows follow."""
     engine = servicer.engine
     jobs = _jobs(servicer, starts)
-    for job, r in zip(jobs, rows):
+    for job, r, a in zip(jobs, rows, audio or [None] * len(jobs)):
         engine.submit(job)
+        if job.audio_follow:           # as the servicer and the thinker's relay do: Held, then the rest
+            engine.hold(job)
+            engine.add_audio_rows(job, job.held_audio, a[job.held_audio:])
         engine.add_rows(job, r)
         engine.end_text(job)
     while engine.has_work():
@@ -118,8 +131,10 @@ def _speak(servicer, starts: list[pb.TalkerStart], rows: list[torch.Tensor]) -> 
 
 
 def _both(cached, uncached, rid, prompt, rows) -> tuple[torch.Tensor, int]:
-    """Frames and the cached rows of the cached talker, checked equal to the uncached talker's."""
-    (got, done), = _speak(cached, [_start(rid, prompt)], [rows])
+    """Frames and the cached rows of the cached talker, checked equal to the uncached talker's (an
+    audio prompt goes to the cached one as the thinker sends it: its audio rows past the held prefix)."""
+    follow = prompt.audio_rows_follow
+    (got, done), = _speak(cached, [_start(rid, prompt, follow=follow)], [rows], [prompt.audio_rows] if follow else None)
     (want, _), = _speak(uncached, [_start(rid, prompt)], [rows])
     assert torch.equal(got, want), rid
     assert got.shape[0] == FRAMES - 1
@@ -180,6 +195,7 @@ def test_audio_turns_hit_by_content_keys(thinker, cached, uncached, tiny_model_d
     mm = prompt.user_mm_mask
     first_mm = int(mm.nonzero()[0])
     assert prompt.user_rows is None and prompt.audio_rows.shape[0] == int(mm.sum()) and len(prompt.audio_keys) == 1
+    assert prompt.audio_rows_follow
     assert first_mm > BS
     codes, hit = _both(cached, uncached, "a1", prompt, rows)
     assert hit == 0
@@ -187,6 +203,10 @@ def test_audio_turns_hit_by_content_keys(thinker, cached, uncached, tiny_model_d
     assert again.audio_keys == prompt.audio_keys
     _, hit = _both(cached, uncached, "a1-again", again, rows_again)
     assert hit == (mm.shape[0] // BS) * BS                                  # past the audio rows
+    probe, = _jobs(cached, [_start("probe", again, follow=True)])
+    cached.engine.hold(probe)                       # what its Held says: the audio rows it need not be sent
+    assert probe.held_rows == hit and probe.held_audio == int(mm[:hit].sum()) > 0
+    cached.engine.runner.release(probe)
     _, moved, rows_moved = turn(other, "Please listen to this sound and tell me what it is:", "a2")
     assert moved.audio_keys != prompt.audio_keys
     _, hit = _both(cached, uncached, "a2", moved, rows_moved)
@@ -281,3 +301,42 @@ def test_bad_audio_rows_and_keys_are_invalid_argument(thinker, cached, loop):
         with pytest.raises(Abort) as e:
             _jobs(cached, [start])
         assert e.value.code.name == "INVALID_ARGUMENT" and message in e.value.message, (start.request_id, e.value.message)
+
+
+def _talker_hits(stack) -> float:
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['talker']}/metrics").text
+    line = next(l for l in text.splitlines()
+                if l.startswith("voxpipe_prefix_cache_tokens_total") and 'stage="talker"' in l and 'kind="hit"' in l)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_voice_turn_again_through_the_services_sends_only_new_rows_and_equals_transformers(stack, tiny_model_dir,
+                                                                                             tokenizer, omni_config):
+    """Thinker and talker as processes: an audio prompt's start goes without its audio rows, the talker
+    answers what it holds (nothing the first time), the thinker's relay sends the rest; the same voice
+    turn again is a talker hit. Both equal transformers."""
+    from voxpipe.client import PipelineClient, SpeechRequest
+
+    clip = torch.randn(omni_config.thinker.audio.num_mel_bins, 160, generator=torch.Generator().manual_seed(7)) * 0.5
+    prompt = render(tokenizer, omni_config.thinker, [
+        ChatMessage.text("system", "You listen to a recording and answer in a few words, carefully."),
+        ChatMessage("user", [ChatPart(text="What do you hear in this recording?"), ChatPart(features=clip)])])
+    ref = reference_generate(tiny_model_dir, prompt.token_ids, input_features=clip, max_tokens=TOKENS,
+                             min_tokens=TOKENS, max_frames=FRAMES, min_frames=FRAMES)
+
+    async def speak():
+        async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
+            return await client.collect(SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features,
+                                                      max_tokens=TOKENS, min_tokens=TOKENS, max_frames=FRAMES,
+                                                      min_frames=FRAMES, encoding=pb.AUDIO_FLOAT32, echo_frames=True))
+
+    before = _talker_hits(stack)
+    first = asyncio.run(speak())
+    between = _talker_hits(stack)
+    again = asyncio.run(speak())
+    for res in (first, again):
+        assert res.text_ids == ref.text_ids and torch.equal(res.codes, ref.codes)
+    assert _talker_hits(stack) - between >= BS * (prompt.token_ids.index(omni_config.thinker.tokens.audio_token) // BS)
+    assert between >= before

@@ -84,6 +84,24 @@ class TalkerPromptOut:
     tts_special: "torch.Tensor"      # [3, H] tts_bos, tts_eos, tts_pad
     audio_rows: "torch.Tensor | None" = None   # [M, H] with user_rows None: the multimodal user rows alone
     audio_keys: tuple[bytes, ...] = ()         # per run of multimodal user rows: its content key (row_keys.py)
+    audio_rows_follow: bool = False            # audio_rows come later (TalkerAudioRowsOut), once the talker said what it holds
+
+
+@dataclass(frozen=True)
+class TalkerAudioRowsOut:
+    """A prompt's multimodal user rows [M, H] (on the host), after its prefill, for a talker prompt
+    sent with audio_rows_follow: the relay sends the talker those past the prefix it holds."""
+
+    rows: "torch.Tensor"
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The talker's answer to a prompt with audio_rows_follow (voxpipe.v1.Held): the leading user rows
+    whose KV it holds for the request, and how many of them are multimodal."""
+
+    user_rows: int
+    audio_rows: int
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,20 @@ class TalkerEngine(StageEngine):
                                    text_table=text_table)
 
     # ---- inputs from the handler
+    def hold(self, job: TalkerJob) -> None:
+        """A prompt whose audio rows follow: keep its cached prefix now (TalkerRunner.hold)."""
+        with self.lock:
+            self.runner.hold(job)
+
+    def add_audio_rows(self, job: TalkerJob, first: int, rows: torch.Tensor) -> None:
+        """The multimodal user rows from index `first` (= job.held_audio) on; those before are in the
+        blocks it holds (their rows are never read: zeros)."""
+        full = rows.new_zeros(first + rows.shape[0], rows.shape[1])
+        full[first:] = rows
+        with self.lock:
+            job.audio_rows = full
+            self.lock.notify_all()
+
     def add_rows(self, job: TalkerJob, rows: torch.Tensor, more: bool = False) -> None:
         """`more`: the reply surely goes on after these rows (TextRows.more): all of them are spoken."""
         with self.lock:
@@ -66,8 +80,12 @@ class TalkerEngine(StageEngine):
     # ---- the loop's hooks
     def has_work(self) -> bool:
         headroom = self.runner.blocks_needed(self.running)
-        return self.scheduler.has_work(self.waiting, self.running, self.runner.free_slots,
+        return self.scheduler.has_work(self._complete(), self.running, self.runner.free_slots,
                                        lambda s: self.runner.fits(s, headroom))
+
+    def _complete(self) -> list[TalkerJob]:
+        """The waiting requests whose prompts are whole (audio_rows_follow: once the rows came)."""
+        return [j for j in self.waiting if j.prompt_complete]
 
     def release(self, req: TalkerJob) -> None:
         self.runner.release(req)
@@ -77,7 +95,7 @@ class TalkerEngine(StageEngine):
         with self.lock:
             # admissions leave free the blocks the running requests' next decode step takes
             headroom = self.runner.blocks_needed(self.running)
-            plan = self.scheduler.schedule(self.waiting, self.running, self.runner.free_slots,
+            plan = self.scheduler.schedule(self._complete(), self.running, self.runner.free_slots,
                                            lambda s: self.runner.allocate(s, headroom))
             for job in plan.unspeakable:     # the thinker gave it nothing to say
                 self.finish(job, Finished(FinishReason.STOP))

@@ -28,6 +28,10 @@ class TalkerJob(EngineRequest):
     user_ids: torch.Tensor | None = None        # [U] int64: the user turns' token ids (their rows when user_rows is None)
     audio_rows: torch.Tensor | None = None      # [M, thinker_hidden]: the multimodal user rows when user_rows is None
     audio_keys: tuple[bytes, ...] = ()          # one per run of multimodal user rows (runtime/row_keys.py)
+    audio_follow: bool = False  # its audio_rows come after the start (TalkerPrompt.audio_rows_follow)
+    held_rows: int = 0          # leading user rows it holds from the prefix cache (answered in Held)
+    held_audio: int = 0         # of those, multimodal: the audio rows it was not sent
+    pinned: list[int] = field(default_factory=list)   # the held rows' blocks, referenced until it ends
     head: torch.Tensor | None = None            # [3, thinker_hidden]
     special: torch.Tensor | None = None         # [3, thinker_hidden]: tts_bos, tts_eos, tts_pad
     speaker_id: int = 0
@@ -67,6 +71,11 @@ class TalkerJob(EngineRequest):
     def prompt_rows(self) -> int:
         """Rows of its talker prompt: the user turns, then PROMPT_TAIL."""
         return self.user_mm_mask.shape[0] + PROMPT_TAIL
+
+    @property
+    def prompt_complete(self) -> bool:
+        """Every prompt row it needs is here (a prompt with audio_rows_follow: once they came)."""
+        return not self.audio_follow or self.audio_rows is not None
 
     @property
     def prefill_rows(self) -> int:

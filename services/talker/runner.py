@@ -29,7 +29,7 @@ import torch
 from voxpipe import kernels
 
 from ..runtime import metrics
-from ..runtime.block_pool import KVBlockManager
+from ..runtime.block_pool import KVBlockManager, prefix_hashes
 from ..runtime.config import TalkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime.kv_plan import KVPlan
@@ -239,6 +239,21 @@ class TalkerRunner:
         want = self.text_table(ids.to(self.device))
         return torch.equal(job.user_rows[text].to(self.device, want.dtype), want)
 
+    def hold(self, job: TalkerJob) -> None:
+        """For a prompt whose audio rows follow: find its cached prefix of user rows now and keep its
+        blocks (referenced until the job ends, preemptions included: the rows it was not sent are
+        never needed again), setting `held_rows` / `held_audio`."""
+        self._identify(job)
+        bs = self.blocks.block_size
+        usable = min((job.prompt_rows - 1) // bs, job.cacheable // bs)
+        if not usable:
+            return
+        hashes = prefix_hashes(job.keys[:usable * bs], bs, job.spans)
+        job.pinned = self.blocks.pool.lookup(hashes)
+        self.blocks.pool.take(job.pinned)
+        job.held_rows = len(job.pinned) * bs
+        job.held_audio = int(job.user_mm_mask[:job.held_rows].sum())
+
     def grow(self, job: TalkerJob) -> bool:
         """A block for the job's next decode position; False (nothing taken) when none is free."""
         return self.blocks.grow(job.table, job.next_position() + 1)
@@ -252,8 +267,12 @@ class TalkerRunner:
         if computed // self.blocks.block_size > job.table.published:
             self.blocks.publish(job.table, job.keys, computed, job.spans)
 
-    def release(self, job: TalkerJob) -> None:
-        """Give the job's blocks (published ones stay findable) and its slot back."""
+    def release(self, job: TalkerJob, keep_held: bool = False) -> None:
+        """Give the job's blocks (published ones stay findable) and its slot back; its held blocks
+        too unless `keep_held`."""
+        if job.pinned and not keep_held:
+            self.blocks.pool.release(job.pinned)
+            job.pinned = []
         if job.table is not None:
             self.blocks.release(job.table, trusted=job.kv_trusted)
             job.table = None
@@ -265,7 +284,7 @@ class TalkerRunner:
         """Free a running job's blocks and slot to make room: it waits again and recomputes every
         position it had written (its prompt and its decode inputs) before decoding on, its frames
         unchanged. A job admitted in this step whose prefill has not run gives its blocks back only."""
-        self.release(job)
+        self.release(job, keep_held=True)
         if job.prompt_len:
             job.resumed = True
             self.blocks.stats.preempted += 1

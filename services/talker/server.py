@@ -18,7 +18,7 @@ from ..runtime.downstream import NextStage
 from ..runtime.echo import quoted
 from ..runtime.engine import Outbox
 from ..runtime.sampling import MAX_ROW_VALUE, SamplingParams, check_features
-from ..runtime.outputs import Finished, FirstOutput, FramesOut, Routed
+from ..runtime.outputs import Finished, FirstOutput, FramesOut, HeldOut, Routed
 from ..runtime.flags import TALKER_TOKENS_PER_STREAM, add_talker_arguments as add_arguments  # noqa: F401
 from ..runtime.kv_plan import kv_plan
 from ..runtime.row_keys import mm_runs
@@ -80,7 +80,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
             return None
         return FramesOut(first.index, torch.cat((first.codes, then.codes)))
 
-    def to_proto(self, req: TalkerJob, item: FramesOut | Finished | Routed | FirstOutput) -> pb.TalkerResponse:
+    def to_proto(self, req: TalkerJob, item: FramesOut | Finished | Routed | FirstOutput | HeldOut) -> pb.TalkerResponse:
         if isinstance(item, FramesOut):
             return pb.TalkerResponse(frames=frames_proto(item))
         if isinstance(item, Finished):
@@ -89,6 +89,8 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
             return pb.TalkerResponse(routed=routed_proto(item))
         if isinstance(item, FirstOutput):
             return pb.TalkerResponse(first_output=pb.FirstOutput(stage=item.stage))
+        if isinstance(item, HeldOut):
+            return pb.TalkerResponse(held=pb.Held(user_rows=item.user_rows, audio_rows=item.audio_rows))
         raise TypeError(f"the talker has no message for {item!r}")
 
     @traced_rpc("voxpipe.v1.Talker", "Generate")
@@ -110,6 +112,8 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"{len(msg.rows.token_ids)} token ids for {rows.shape[0]} rows")
                     self.engine.add_rows(job, rows, more=msg.rows.more)
+                elif kind == "audio_rows":
+                    self._audio_rows(job, msg.audio_rows, hidden)
                 elif kind == "text_end":
                     self.engine.end_text(job)
                 elif kind == "cancel":
@@ -121,11 +125,29 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
             if not job.text_done:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before text_end")
 
+        if job.audio_follow:        # the caller sends the audio rows past what this talker holds
+            self.engine.hold(job)
+            job.outbox.put(HeldOut(job.held_rows, job.held_audio))
         relay = Code2WavRelay(self.code2wav, job, job.code2wav) if job.code2wav is not None else None
         # aclosing: the request is freed the moment this handler ends, not when the generator is collected
         async with aclosing(self.serve_request(job, context, reader, relay)) as outputs:
             async for item in outputs:
                 yield item
+
+    def _audio_rows(self, job: TalkerJob, msg: pb.AudioRows, hidden: int) -> None:
+        """An AudioRows message, checked: once, for a prompt with audio_rows_follow, from the Held
+        answer's audio_rows on, one row per multimodal user row past it."""
+        if not job.audio_follow or job.audio_rows is not None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        "audio_rows only once, for a prompt with audio_rows_follow")
+        if msg.first != job.held_audio:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"audio_rows.first {msg.first}: this talker holds the first {job.held_audio} audio rows")
+        try:
+            rows = _rows(msg.rows, hidden, "audio_rows.rows", int(job.user_mm_mask.sum()) - job.held_audio)
+        except (TensorError, ValueError) as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.engine.add_audio_rows(job, job.held_audio, rows)
 
     def make_job(self, start: pb.TalkerStart) -> TalkerJob:
         cfg = self.cfg.talker
@@ -153,7 +175,10 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
                 users = ids.shape[0]
                 mm = from_proto(p.user_mm_mask, dtype=torch.bool, shape=(users,), name="prompt.user_mm_mask")
                 multimodal = int(mm.sum())
-                if multimodal and not p.HasField("audio_rows"):
+                if p.audio_rows_follow and (p.HasField("audio_rows") or not multimodal or not p.audio_keys):
+                    raise ValueError("prompt.audio_rows_follow needs multimodal user rows with their audio_keys, "
+                                     "and the rows not in the start")
+                if multimodal and not p.HasField("audio_rows") and not p.audio_rows_follow:
                     raise ValueError("prompt.audio_rows (or prompt.user_rows) is required when a user row is "
                                      "multimodal (user_mm_mask)")
                 # one row per multimodal user row
@@ -183,7 +208,8 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
             raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"{users} user rows + {PROMPT_TAIL} prompt rows + max_frames {max_frames} exceed the talker context of {self.engine.max_len}")
         job = TalkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
-                        user_rows=user, user_mm_mask=mm, user_ids=ids, audio_rows=audio, audio_keys=keys, head=head,
+                        user_rows=user, user_mm_mask=mm, user_ids=ids, audio_rows=audio, audio_keys=keys,
+                        audio_follow=p.audio_rows_follow, head=head,
                         special=special, speaker_id=cfg.speakers[speaker],
                         params=params, max_frames=max_frames, min_frames=start.min_frames,
                         text_cap=((start.text_cap.frames_per_token, start.text_cap.base_frames)

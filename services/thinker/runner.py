@@ -27,7 +27,7 @@ from ..runtime import metrics
 from ..runtime.block_pool import ContentSpan, KVBlockManager
 from ..runtime.kv_plan import KVPlan
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
-from ..runtime.outputs import TalkerPromptOut, TokenLogprob
+from ..runtime.outputs import TalkerAudioRowsOut, TalkerPromptOut, TokenLogprob
 from ..runtime.row_keys import audio_run_keys
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
 from .audio_cache import AudioEncoderCache
@@ -43,14 +43,17 @@ def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor) -> int:
 
 
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
-                  special: torch.Tensor, user_rows: bool = True, spans: tuple[ContentSpan, ...] = ()) -> TalkerPromptOut:
+                  special: torch.Tensor, user_rows: bool = True, spans: tuple[ContentSpan, ...] = (),
+                  follow: bool = False) -> TalkerPromptOut:
     """What the talker needs from a prompt (transformers' `_get_talker_user_parts` / assistant parts):
     rows of user turns (role = the token after the latest <|im_start|>), the assistant head, any
     prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H]
     (the hidden layer at the audio positions, else None). Without `user_rows`: the user turns as token
     ids, for a talker that looks their text rows up itself, and the multimodal rows alone (audio_rows);
     `embeds` may then hold only the rows from `assistant_start` on. `spans`: the prompt's clips with
-    their digests (audio_spans), for the keys of its multimodal runs (row_keys.audio_run_keys)."""
+    their digests (audio_spans), for the keys of its multimodal runs (row_keys.audio_run_keys).
+    `follow` (without `user_rows`, with `spans`): the multimodal rows are left out, to follow once the
+    talker said which prefix it holds (`hidden` may be None)."""
     tok = cfg.tokens
     p = ids.shape[0]
     pos = torch.arange(p)
@@ -62,7 +65,7 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
     user_mm = mm[user]
     start = assistant_start(cfg, ids)
     has_mm = bool(user_mm.any())
-    if has_mm and hidden is None:
+    if has_mm and hidden is None and not follow:
         raise ValueError("a prompt with audio, image or video rows needs their hidden layer")
     keys = ()
     if has_mm and spans:
@@ -77,11 +80,11 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
     else:
         rows = None
         tail = embeds[start:] if embeds.shape[0] == p else embeds
-        if has_mm:
+        if has_mm and not follow:
             audio = hidden[user][user_mm]
     return TalkerPromptOut(user_rows=rows, user_mm_mask=user_mm, user_token_ids=ids[user],
                            assistant_head=tail[:3], assistant_prefix=tail[3:], tts_special=special,
-                           audio_rows=audio, audio_keys=keys)
+                           audio_rows=audio, audio_keys=keys, audio_rows_follow=follow and has_mm)
 
 
 @dataclass
@@ -308,24 +311,33 @@ class ThinkerRunner:
         for b, j in enumerate(jobs):
             j.generator = j.params.generator(dev)
             prompt = None
-            if j.talker_rows and not j.prompt_sent:
+            if j.talker_rows and (not j.prompt_sent or j.audio_follow):
                 p = len(j.prompt)
                 kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
                 prompt = self._talker_prompt(j, embeds[b], kept)
             prompts.append(prompt)
         return Prefilled(logits, prompts)
 
-    def _talker_prompt(self, job: ThinkerJob, embeds: torch.Tensor, kept: torch.Tensor | None) -> TalkerPromptOut:
+    def _talker_prompt(self, job: ThinkerJob, embeds: torch.Tensor,
+                       kept: torch.Tensor | None) -> TalkerPromptOut | TalkerAudioRowsOut:
         """A prefilled job's talker prompt (embeds [P, H] on the device, kept [P, H] on the host): to
         a routed talker (`talker_prompt_ids`) its user turns as token ids with the multimodal rows
-        alone; its clips' digests key those rows' runs."""
+        alone; its clips' digests key those rows' runs. Its prompt sent at admission without them
+        (`audio_follow`): the multimodal rows alone."""
         ids = torch.tensor(job.prompt)
         ids_only = self.talker_prompt_ids and job.speech is not None
         if ids_only:
             embeds = embeds[assistant_start(self.cfg, ids):]
+        spans = self._talker_spans(job)
+        prompt = talker_prompt(self.cfg, ids, embeds.cpu(), kept, self.tts_special, user_rows=not ids_only,
+                               spans=spans)
+        return TalkerAudioRowsOut(prompt.audio_rows) if job.audio_follow else prompt
+
+    def _talker_spans(self, job: ThinkerJob) -> tuple[ContentSpan, ...]:
+        """Its clips with their digests, for the talker's keys of its multimodal runs (none when a
+        clip has no digest: the caches are off)."""
         digests = self._digests(job) if job.audio else []
-        spans = audio_spans(self.cfg, job.prompt, digests) if digests and all(digests) else ()
-        return talker_prompt(self.cfg, ids, embeds.cpu(), kept, self.tts_special, user_rows=not ids_only, spans=spans)
+        return audio_spans(self.cfg, job.prompt, digests) if digests and all(digests) else ()
 
     def _context_embeds(self, job: ThinkerJob) -> torch.Tensor:
         """[prefill_target, H]: the prompt's embeddings (its audio encoded) and, resumed after a
@@ -370,7 +382,7 @@ class ThinkerRunner:
                 continue
             job.generator = job.params.generator(dev)
             prompt = None
-            if job.talker_rows and not job.prompt_sent:
+            if job.talker_rows and (not job.prompt_sent or job.audio_follow):
                 kept = None
                 if job.kept:     # positions before kept_from hold no audio (allocate's limit)
                     part = torch.cat(job.kept)
@@ -403,13 +415,21 @@ class ThinkerRunner:
 
     def early_talker_prompt(self, job: ThinkerJob, ids_only: bool) -> TalkerPromptOut | None:
         """A text prompt's talker prompt before its prefill (lookups in the embedding table: no row of
-        it needs a hidden state), so that the talker prefills it while this prefill runs; None for a
-        prompt with audio, whose rows need the prefill's hidden layer. `ids_only`: the user turns go as
-        token ids (the talker looks their rows up); only the assistant head and what follows it are
-        looked up here."""
-        if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
-            return None
+        it needs a hidden state), so that the talker prefills it while this prefill runs. `ids_only`: the
+        user turns go as token ids (the talker looks their rows up); only the assistant head and what
+        follows it are looked up here. A prompt with audio: with `ids_only` and its clips' digests, the
+        prompt without its audio rows (audio_rows_follow, `job.audio_follow` set: they follow after the
+        prefill, which makes them, past what the talker holds), else None (it goes after the prefill)."""
         ids = torch.tensor(job.prompt)
+        if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
+            spans = self._talker_spans(job) if ids_only else ()
+            if not spans:
+                return None
+            tail = self.model.model.embed_tokens(ids[assistant_start(self.cfg, ids):].to(self.device)).cpu()
+            prompt = talker_prompt(self.cfg, ids, tail, None, self.tts_special, user_rows=False, spans=spans,
+                                   follow=True)
+            job.audio_follow = prompt.audio_rows_follow
+            return prompt
         if not ids_only:
             embeds = self.model.model.embed_tokens(ids.to(self.device)).cpu()
             return talker_prompt(self.cfg, ids, embeds, None, self.tts_special)
