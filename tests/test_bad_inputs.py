@@ -103,6 +103,20 @@ def talker_prompt(users: int = 5, **override) -> pb.TalkerPrompt:
     return p
 
 
+def audio_prompt(audio_rows: pb.Tensor | None | bool = True, keys: list[bytes] | None = None,
+                 follow: bool = False) -> pb.TalkerPrompt:
+    """A talker prompt of 5 user rows as token ids, rows 1 and 2 multimodal (one run): their rows in
+    audio_rows (`audio_rows`: True, a tensor, or None for none), one key each run unless `keys`."""
+    p = talker_prompt(user_rows=None, user_mm_mask=to_proto(torch.tensor([False, True, True, False, False])))
+    if audio_rows is True:
+        audio_rows = rows(2, seed=6)
+    if audio_rows is not None:
+        p.audio_rows.CopyFrom(audio_rows)
+    p.audio_keys.extend([b"k" * 16] if keys is None else keys)
+    p.audio_rows_follow = follow
+    return p
+
+
 def talker_start(prompt: pb.TalkerPrompt | None = None, **kw) -> pb.TalkerRequest:
     kw.setdefault("speaker", "ethan")
     kw.setdefault("max_frames", 4)
@@ -314,7 +328,35 @@ CASES = [
     # user turns as token ids (user_rows unset): the talker looks them up, so they must be text rows it knows
     Case("talker", "ids-only-with-mm-rows", lambda: [talker_start(talker_prompt(
         user_rows=None, user_mm_mask=to_proto(torch.tensor([False, True, False, False, False]))))],
-         r"prompt\.user_rows is required when a user row is multimodal"),
+         r"prompt\.audio_rows \(or prompt\.user_rows\) is required when a user row is multimodal"),
+    # multimodal rows alone (audio_rows), keyed (audio_keys), or following the start (audio_rows_follow)
+    Case("talker", "audio-rows-count", lambda: [talker_start(audio_prompt(audio_rows=rows(1)))],
+         r"prompt\.audio_rows: shape \[1, 64\], expected \[2, 64\]"),
+    Case("talker", "audio-rows-with-user-rows", lambda: [talker_start(talker_prompt(audio_rows=rows(2)))],
+         r"prompt\.audio_rows goes without prompt\.user_rows"),
+    Case("talker", "audio-keys-count", lambda: [talker_start(audio_prompt(keys=[b"k" * 16] * 2))],
+         r"prompt\.audio_keys: 2 keys for 1 runs of multimodal user rows"),
+    Case("talker", "audio-key-too-long", lambda: [talker_start(audio_prompt(keys=[b"k" * 65]))],
+         r"prompt\.audio_keys: each key has 1 to 64 bytes"),
+    Case("talker", "audio-follow-without-keys", lambda: [talker_start(audio_prompt(audio_rows=None, keys=[],
+                                                                                   follow=True))],
+         r"prompt\.audio_rows_follow needs multimodal user rows with their audio_keys"),
+    Case("talker", "audio-rows-message-without-follow", lambda: [
+        talker_start(audio_prompt()), pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))), TEXT_END],
+         r"audio_rows only once, for a prompt with audio_rows_follow"),
+    Case("talker", "audio-rows-message-wrong-first", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(first=1, rows=rows(1))), TEXT_END],
+         r"audio_rows\.first 1: this talker holds the first 0 audio rows"),
+    Case("talker", "audio-rows-message-count", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(3))), TEXT_END],
+         r"audio_rows\.rows: shape \[3, 64\], expected \[2, 64\]"),
+    Case("talker", "audio-rows-message-twice", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))), TEXT_END],
+         r"audio_rows only once"),
     Case("talker", "ids-only-out-of-vocab", lambda: [talker_start(talker_prompt(
         user_rows=None, user_token_ids=to_proto(torch.tensor([1, 2, 3, 4, 10**9]))))],
          r"prompt\.user_token_ids: ids must be in \[0, \d+\) without prompt\.user_rows, got 1\.\.1000000000"),

@@ -54,6 +54,8 @@ class TalkerEngine(StageEngine):
         """A prompt whose audio rows follow: keep its cached prefix now (TalkerRunner.hold)."""
         with self.lock:
             self.runner.hold(job)
+        log.info("request %s: holds %d of %d user rows (%d audio rows not sent); %d cacheable", job.request_id,
+                 job.held_rows, job.user_mm_mask.shape[0], job.held_audio, job.cacheable)
 
     def add_audio_rows(self, job: TalkerJob, first: int, rows: torch.Tensor) -> None:
         """The multimodal user rows from index `first` (= job.held_audio) on; those before are in the
