@@ -31,7 +31,7 @@ IM_START, IM_END, USER, ASSISTANT = 388, 389, 268, 272
 AUDIO_PAD, IMAGE_PAD, VIDEO_PAD = 392, 393, 394
 NL = 198             # any ordinary token
 SERVER_MAX_MESSAGE = 64 * 1024 * 1024
-THINKER_CONTEXT, TALKER_CONTEXT = 65536, 8192   # the thinker's: the tiny model's max_position_embeddings
+THINKER_CONTEXT = TALKER_CONTEXT = 65536   # the tiny model's max_position_embeddings (each stage's default)
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024),
                    ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -426,8 +426,10 @@ CASES = [
          rf"payload of {3_000_000 * HIDDEN * 4 + 5 + 40 + 2 * 3 * HIDDEN * 4} bytes exceeds the limit of {512 * 1024 * 1024}"),
     Case("talker", "min-over-max", lambda: [talker_start(max_frames=4, min_frames=9)],
          r"min_frames 9 > max_frames 4"),
-    Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=500, min_frames=0)],
-         rf"8000 user rows \+ 9 prompt rows \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}", PAST_CONTEXT),
+    Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=60000,
+                                                                  min_frames=0)],
+         rf"8000 user rows \+ 9 prompt rows \+ max_frames 60000 exceed the talker context of {TALKER_CONTEXT}",
+         PAST_CONTEXT),
     Case("talker", "bad-repetition-penalty",
          lambda: [talker_start(sampling=pb.Sampling(repetition_penalty=0.0))],
          r"repetition_penalty must be in \[0\.01, 100\], got 0\.0"),

@@ -173,8 +173,9 @@ class TalkerRunner:
 
     def fits(self, job: TalkerJob, headroom: int = 0) -> bool:
         """Whether the pool has the blocks for `job`'s context and its next position now, without a
-        cached prefix, and `headroom` blocks more."""
-        return self.blocks.blocks_for(self._context(job) + 1) + headroom <= self.blocks.pool.free
+        cached prefix but the blocks it holds (`hold`), and `headroom` blocks more."""
+        need = self.blocks.blocks_for(self._context(job) + 1) - len(job.pinned)
+        return need + headroom <= self.blocks.pool.free
 
     def blocks_needed(self, jobs: list[TalkerJob]) -> int:
         """New blocks the next decode step of `jobs` takes (those whose next position opens a block)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-import logging
 import uuid
 
 import grpc
@@ -37,7 +36,6 @@ from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_p
 from .prompt import encode_text, load_tokenizer, render, user_turn
 from .relay import TalkerRelay
 
-log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
 UNSPOKEN_TOOL_CALL = ("<tool_call>",)   # ThinkerStart.unspoken_tool_calls: the markup a call begins with
 MAX_ASSISTANT_TEXT_CHARS = 32768    # ThinkerStart.assistant_text, checked before it is tokenized
