@@ -249,9 +249,15 @@ class TalkerRunner:
         usable = min((job.prompt_rows - 1) // bs, job.cacheable // bs)
         if not usable:
             return
-        hashes = prefix_hashes(job.keys[:usable * bs], bs, job.spans)
-        job.pinned = self.blocks.pool.lookup(hashes)
-        self.blocks.pool.take(job.pinned)
+        pool = self.blocks.pool
+        hit = pool.lookup(prefix_hashes(job.keys[:usable * bs], bs, job.spans))
+        # kept only while the rest of its blocks are free beside them: held blocks of waiting requests
+        # are no longer free, so a pool that could not hold the request with them does not hold them
+        while hit and (self.blocks.blocks_for(job.prompt_rows + 1) - len(hit)
+                       > pool.free - sum(1 for b in hit if pool.refs[b] == 0)):
+            hit.pop()
+        job.pinned = hit
+        pool.take(job.pinned)
         job.held_rows = len(job.pinned) * bs
         job.held_audio = int(job.user_mm_mask[:job.held_rows].sum())
 
