@@ -32,7 +32,7 @@ IM_START, IM_END, USER, ASSISTANT = 388, 389, 268, 272
 AUDIO_PAD, IMAGE_PAD, VIDEO_PAD = 392, 393, 394
 NL = 198             # any ordinary token
 SERVER_MAX_MESSAGE = 64 * 1024 * 1024
-THINKER_CONTEXT, TALKER_CONTEXT = 65536, 8192   # the thinker's: the tiny model's max_position_embeddings
+THINKER_CONTEXT = TALKER_CONTEXT = 65536   # the tiny model's max_position_embeddings (each stage's default)
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024),
                    ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -101,6 +101,20 @@ def talker_prompt(users: int = 5, **override) -> pb.TalkerPrompt:
             p.ClearField(k)
         else:
             getattr(p, k).CopyFrom(v)
+    return p
+
+
+def audio_prompt(audio_rows: pb.Tensor | None | bool = True, keys: list[bytes] | None = None,
+                 follow: bool = False) -> pb.TalkerPrompt:
+    """A talker prompt of 5 user rows as token ids, rows 1 and 2 multimodal (one run): their rows in
+    audio_rows (`audio_rows`: True, a tensor, or None for none), one key each run unless `keys`."""
+    p = talker_prompt(user_rows=None, user_mm_mask=to_proto(torch.tensor([False, True, True, False, False])))
+    if audio_rows is True:
+        audio_rows = rows(2, seed=6)
+    if audio_rows is not None:
+        p.audio_rows.CopyFrom(audio_rows)
+    p.audio_keys.extend([b"k" * 16] if keys is None else keys)
+    p.audio_rows_follow = follow
     return p
 
 
@@ -315,7 +329,35 @@ CASES = [
     # user turns as token ids (user_rows unset): the talker looks them up, so they must be text rows it knows
     Case("talker", "ids-only-with-mm-rows", lambda: [talker_start(talker_prompt(
         user_rows=None, user_mm_mask=to_proto(torch.tensor([False, True, False, False, False]))))],
-         r"prompt\.user_rows is required when a user row is multimodal"),
+         r"prompt\.audio_rows \(or prompt\.user_rows\) is required when a user row is multimodal"),
+    # multimodal rows alone (audio_rows), keyed (audio_keys), or following the start (audio_rows_follow)
+    Case("talker", "audio-rows-count", lambda: [talker_start(audio_prompt(audio_rows=rows(1)))],
+         r"prompt\.audio_rows: shape \[1, 64\], expected \[2, 64\]"),
+    Case("talker", "audio-rows-with-user-rows", lambda: [talker_start(talker_prompt(audio_rows=rows(2)))],
+         r"prompt\.audio_rows goes without prompt\.user_rows"),
+    Case("talker", "audio-keys-count", lambda: [talker_start(audio_prompt(keys=[b"k" * 16] * 2))],
+         r"prompt\.audio_keys: 2 keys for 1 runs of multimodal user rows"),
+    Case("talker", "audio-key-too-long", lambda: [talker_start(audio_prompt(keys=[b"k" * 65]))],
+         r"prompt\.audio_keys: each key has 1 to 64 bytes"),
+    Case("talker", "audio-follow-without-keys", lambda: [talker_start(audio_prompt(audio_rows=None, keys=[],
+                                                                                   follow=True))],
+         r"prompt\.audio_rows_follow needs multimodal user rows with their audio_keys"),
+    Case("talker", "audio-rows-message-without-follow", lambda: [
+        talker_start(audio_prompt()), pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))), TEXT_END],
+         r"audio_rows only once, for a prompt with audio_rows_follow"),
+    Case("talker", "audio-rows-message-wrong-first", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(first=1, rows=rows(1))), TEXT_END],
+         r"audio_rows\.first 1: this talker holds the first 0 audio rows"),
+    Case("talker", "audio-rows-message-count", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(3))), TEXT_END],
+         r"audio_rows\.rows: shape \[3, 64\], expected \[2, 64\]"),
+    Case("talker", "audio-rows-message-twice", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))), TEXT_END],
+         r"audio_rows only once"),
     Case("talker", "ids-only-out-of-vocab", lambda: [talker_start(talker_prompt(
         user_rows=None, user_token_ids=to_proto(torch.tensor([1, 2, 3, 4, 10**9]))))],
          r"prompt\.user_token_ids: ids must be in \[0, \d+\) without prompt\.user_rows, got 1\.\.1000000000"),
@@ -385,8 +427,10 @@ CASES = [
          rf"payload of {3_000_000 * HIDDEN * 4 + 5 + 40 + 2 * 3 * HIDDEN * 4} bytes exceeds the limit of {512 * 1024 * 1024}"),
     Case("talker", "min-over-max", lambda: [talker_start(max_frames=4, min_frames=9)],
          r"min_frames 9 > max_frames 4"),
-    Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=500, min_frames=0)],
-         rf"8000 user rows \+ 9 prompt rows \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}", PAST_CONTEXT),
+    Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=60000,
+                                                                  min_frames=0)],
+         rf"8000 user rows \+ 9 prompt rows \+ max_frames 60000 exceed the talker context of {TALKER_CONTEXT}",
+         PAST_CONTEXT),
     Case("talker", "bad-repetition-penalty",
          lambda: [talker_start(sampling=pb.Sampling(repetition_penalty=0.0))],
          r"repetition_penalty must be in \[0\.01, 100\], got 0\.0"),

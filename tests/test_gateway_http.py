@@ -289,9 +289,9 @@ AUDIO_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "ethan", "forma
     ({"max_completion_tokens": 2**31}, r"the thinker rejected the request: prompt of \d+ tokens \+ max_tokens "
                                        r"2147483648 exceeds the context of 65536"),
     ({"max_tokens": 2**32}, r"'max_tokens' must be an integer from 1 to 4294967295"),
-    ({**AUDIO_OUT, "max_tokens": 2, "max_audio_frames": 9000},
-     r"the talker rejected the request: \d+ user rows \+ \d+ prompt rows \+ max_frames 9000 exceed the talker "
-     r"context of 8192"),
+    ({**AUDIO_OUT, "max_tokens": 2, "max_audio_frames": 70000},
+     r"the talker rejected the request: \d+ user rows \+ \d+ prompt rows \+ max_frames 70000 exceed the talker "
+     r"context of 65536"),
     ({"messages": [{"role": "user", "content": "x" * 200_001}]}, r"the limit is 200000"),
     ({"stop": ["a"] * 5}, r"at most 4 stop strings"),
     ({"logprobs": True, "top_logprobs": 21}, r"'top_logprobs' must be an integer from 0 to 20"),
@@ -308,10 +308,10 @@ def test_every_limit_is_checked_before_a_stream_opens(gateway, model, extra, pat
 
 @pytest.mark.parametrize("stream_format", ["audio", "sse"])
 def test_speech_limits_are_checked_before_the_audio_starts(gateway, model, stream_format):
-    body = {"model": model, "input": "hi", "voice": "ethan", "response_format": "pcm", "max_audio_frames": 9000,
+    body = {"model": model, "input": "hi", "voice": "ethan", "response_format": "pcm", "max_audio_frames": 70000,
             "stream_format": stream_format}
     err = assert_openai_error(post(gateway, "/v1/audio/speech", json.dumps(body)), 400,
-                              r"the talker rejected the request: .*max_frames 9000 exceed the talker context of 8192")
+                              r"the talker rejected the request: .*max_frames 70000 exceed the talker context of 65536")
     assert err["code"] == "context_length_exceeded"
 
 

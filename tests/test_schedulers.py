@@ -179,6 +179,7 @@ class Speech:
     codes0: list[int] = field(default_factory=list)
     pending: object | None = None
     early: bool = False
+    resumed: bool = False
     outbox: Reader = field(default_factory=Reader)
     playback: PlaybackClock = field(default_factory=PlaybackClock)
     skips: int = 0

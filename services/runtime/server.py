@@ -336,7 +336,9 @@ def talker_prompt_proto(prompt: TalkerPromptOut) -> pb.TalkerPrompt:
                            user_token_ids=tensor_proto(prompt.user_token_ids),
                            assistant_head=tensor_proto(prompt.assistant_head),
                            assistant_prefix=tensor_proto(prompt.assistant_prefix),
-                           tts_special=tensor_proto(prompt.tts_special))
+                           tts_special=tensor_proto(prompt.tts_special),
+                           audio_rows=None if prompt.audio_rows is None else tensor_proto(prompt.audio_rows),
+                           audio_keys=prompt.audio_keys, audio_rows_follow=prompt.audio_rows_follow)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_name: str,

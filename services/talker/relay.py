@@ -22,7 +22,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.downstream import Downstream, DownstreamFailed, NextStage
 from ..runtime.engine import StageError
-from ..runtime.outputs import Finished, FinishReason, FirstOutput, FramesOut, Routed
+from ..runtime.outputs import Finished, FinishReason, FirstOutput, FramesOut, HeldOut, Routed
 from ..runtime.server import frames_proto
 from .job import TalkerJob
 
@@ -42,8 +42,8 @@ class Code2WavRelay:
         self._closed = False
         self._task = asyncio.ensure_future(self._run())
 
-    async def forward(self, item: FramesOut | Finished | Routed) -> list[Finished | Routed | FirstOutput]:
-        if isinstance(item, Routed):
+    async def forward(self, item: FramesOut | Finished | Routed | HeldOut) -> list[Finished | Routed | FirstOutput | HeldOut]:
+        if isinstance(item, (Routed, HeldOut)):
             return [item]
         down = await asyncio.shield(self._down)     # a cancelled handler must not cancel the future _run resolves
         if down is None:                    # code2wav could not be reached: the StageError is on its way

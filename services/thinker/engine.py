@@ -72,7 +72,6 @@ class ThinkerEngine(StageEngine):
         super().__init__(max_active)
         if kv is None:
             kv = KVPlan(blocks=-(-max_active * max_len // KVPlan.block_size))
-        self.talker_prompt_ids = talker_prompt_ids
         self.cfg, self.tokenizer, self.device, self.max_len = cfg, tokenizer, device, max_len
         self.eos_ids = eos_ids
         self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk,
@@ -84,6 +83,16 @@ class ThinkerEngine(StageEngine):
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
                                     audio_cache_bytes=audio_cache_bytes)
         self.streams = TurnStreams(self)     # turns whose audio is streamed (streaming.py)
+        self.talker_prompt_ids = talker_prompt_ids
+
+    @property
+    def talker_prompt_ids(self) -> bool:
+        """A routed talker's prompts send the user turns as token ids (the runner builds them)."""
+        return self.runner.talker_prompt_ids
+
+    @talker_prompt_ids.setter
+    def talker_prompt_ids(self, value: bool) -> None:
+        self.runner.talker_prompt_ids = value
 
     @property
     def grammars(self) -> Grammars:

@@ -24,12 +24,13 @@ import torch
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime import metrics
-from ..runtime.flags import KV_BLOCK_SIZE
 from ..runtime.affinity import placeholder_spans
 from ..runtime.block_pool import ContentSpan, KVBlockManager, prefix_hashes
+from ..runtime.kv_plan import KVPlan
 from ..runtime.lru import BytesLRU
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
-from ..runtime.outputs import TalkerPromptOut, TokenLogprob
+from ..runtime.outputs import TalkerAudioRowsOut, TalkerPromptOut, TokenLogprob
+from ..runtime.row_keys import audio_run_keys
 from ..runtime.sampling import RowSampling, SamplingParams, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
 from .audio_cache import AudioEncoderCache
 from .grammar import allowed
@@ -45,12 +46,17 @@ def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor) -> int:
 
 
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
-                  special: torch.Tensor, user_rows: bool = True) -> TalkerPromptOut:
+                  special: torch.Tensor, user_rows: bool = True, spans: tuple[ContentSpan, ...] = (),
+                  follow: bool = False) -> TalkerPromptOut:
     """What the talker needs from a prompt (transformers' `_get_talker_user_parts` / assistant parts):
     rows of user turns (role = the token after the latest <|im_start|>), the assistant head, any
-    prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H].
-    Without `user_rows` (a text prompt only): the user turns as token ids alone, for a talker that looks
-    their embeddings up itself; `embeds` then holds only the rows from `assistant_start` on."""
+    prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H]
+    (the hidden layer at the audio positions, else None). Without `user_rows`: the user turns as token
+    ids, for a talker that looks their text rows up itself, and the multimodal rows alone (audio_rows);
+    `embeds` may then hold only the rows from `assistant_start` on. `spans`: the prompt's clips with
+    their digests (audio_spans), for the keys of its multimodal runs (row_keys.audio_run_keys).
+    `follow` (without `user_rows`, with `spans`): the multimodal rows are left out, to follow once the
+    talker said which prefix it holds (`hidden` may be None)."""
     tok = cfg.tokens
     p = ids.shape[0]
     pos = torch.arange(p)
@@ -61,18 +67,27 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
     mm = (ids == tok.audio_token) | (ids == tok.image_token) | (ids == tok.video_token)
     user_mm = mm[user]
     start = assistant_start(cfg, ids)
+    has_mm = bool(user_mm.any())
+    if has_mm and hidden is None and not follow:
+        raise ValueError("a prompt with audio, image or video rows needs their hidden layer")
+    keys = ()
+    if has_mm and spans:
+        keys = tuple(audio_run_keys(ids.tolist(), pos[user].tolist(), user_mm.tolist(), spans))
+    audio = None
     if user_rows:
         rows = embeds[user]
-        if bool(user_mm.any()):
+        if has_mm:
             rows = rows.clone()
             rows[user_mm] = hidden[user][user_mm]
         tail = embeds[start:]
     else:
-        if bool(user_mm.any()):
-            raise ValueError("a prompt with audio, image or video rows sends its user rows")
-        rows, tail = None, embeds
+        rows = None
+        tail = embeds[start:] if embeds.shape[0] == p else embeds
+        if has_mm and not follow:
+            audio = hidden[user][user_mm]
     return TalkerPromptOut(user_rows=rows, user_mm_mask=user_mm, user_token_ids=ids[user],
-                           assistant_head=tail[:3], assistant_prefix=tail[3:], tts_special=special)
+                           assistant_head=tail[:3], assistant_prefix=tail[3:], tts_special=special,
+                           audio_rows=audio, audio_keys=keys, audio_rows_follow=follow and has_mm)
 
 
 @dataclass
@@ -144,20 +159,6 @@ class AudioRowCache:
         self.lru.put(h, rows)
 
 
-@dataclass(frozen=True)
-class KVPlan:
-    """The thinker's KV pool: `blocks` blocks of `block_size` positions; `prefix_cache`: publish
-    full blocks and find cached prefixes."""
-
-    blocks: int
-    block_size: int = KV_BLOCK_SIZE
-    prefix_cache: bool = True
-
-    @property
-    def tokens(self) -> int:
-        return self.blocks * self.block_size
-
-
 class ThinkerRunner:
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, eos_ids: tuple[int, ...], kv: KVPlan, cuda_graphs: bool = True,
@@ -169,6 +170,7 @@ class ThinkerRunner:
         `audio_cache_bytes` of audio encoder outputs are kept by clip content (0: none)."""
         self.model, self.cfg, self.device = model, cfg, device
         self.prefill_batch, self.max_len = prefill_batch, max_len
+        self.talker_prompt_ids = True   # a routed talker's prompts: user turns as ids (the engine sets it)
         dtype = next(model.parameters()).dtype
         self.audio = AudioEncoderCache(model.audio_tower, audio_cache_bytes, model.model.embed_tokens.weight.dtype,
                                        device, keyed=kv.prefix_cache)
@@ -407,12 +409,12 @@ class ThinkerRunner:
         for b, j in enumerate(jobs):
             j.generator = j.params.generator(dev)
             prompt = None
-            if j.talker_rows and not j.prompt_sent:
+            if j.talker_rows and (not j.prompt_sent or j.audio_follow):
                 p = len(j.prompt)
                 kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
                 if kept is not None:
                     self._keep_rows(j, kept)
-                prompt = talker_prompt(self.cfg, torch.tensor(j.prompt), embeds[b].cpu(), kept, self.tts_special)
+                prompt = self._talker_prompt(j, embeds[b], kept)
             prompts.append(prompt)
         return Prefilled(logits, prompts)
 
@@ -426,6 +428,27 @@ class ThinkerRunner:
             offsets = audio_offsets(job.spans, b, bs)
             if offsets and b not in job.cached_rows:
                 job.pending_rows.append((b, kept[b * bs + torch.tensor(offsets)].clone()))
+
+    def _talker_prompt(self, job: ThinkerJob, embeds: torch.Tensor,
+                       kept: torch.Tensor | None) -> TalkerPromptOut | TalkerAudioRowsOut:
+        """A prefilled job's talker prompt (embeds [P, H] on the device, kept [P, H] on the host): to
+        a routed talker (`talker_prompt_ids`) its user turns as token ids with the multimodal rows
+        alone; its clips' digests key those rows' runs. Its prompt sent at admission without them
+        (`audio_follow`): the multimodal rows alone."""
+        ids = torch.tensor(job.prompt)
+        ids_only = self.talker_prompt_ids and job.speech is not None
+        if ids_only:
+            embeds = embeds[assistant_start(self.cfg, ids):]
+        spans = self._talker_spans(job)
+        prompt = talker_prompt(self.cfg, ids, embeds.cpu(), kept, self.tts_special, user_rows=not ids_only,
+                               spans=spans)
+        return TalkerAudioRowsOut(prompt.audio_rows) if job.audio_follow else prompt
+
+    def _talker_spans(self, job: ThinkerJob) -> tuple[ContentSpan, ...]:
+        """Its clips with their digests, for the talker's keys of its multimodal runs (none when a
+        clip has no digest: the caches are off)."""
+        digests = self._digests(job) if job.audio else []
+        return audio_spans(self.cfg, job.prompt, digests) if digests and all(digests) else ()
 
     def _context_embeds(self, job: ThinkerJob) -> torch.Tensor:
         """[prefill_target, H]: the prompt's embeddings (its audio encoded) and, resumed after a
@@ -484,7 +507,7 @@ class ThinkerRunner:
                 continue
             job.generator = job.params.generator(dev)
             prompt = None
-            if job.talker_rows and not job.prompt_sent:
+            if job.talker_rows and (not job.prompt_sent or job.audio_follow):
                 kept = None
                 if job.kept:     # before kept_from: audio rows only in cached blocks (allocate's limit)
                     part = torch.cat(job.kept)
@@ -494,7 +517,7 @@ class ThinkerRunner:
                     for b, held in job.cached_rows.items():
                         kept[b * bs + torch.tensor(audio_offsets(job.spans, b, bs))] = held
                     self._keep_rows(job, kept)
-                prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
+                prompt = self._talker_prompt(job, job.embeds, kept)
             job.embeds, job.kept = None, []
             done.append(job)
             rows.append(i)
@@ -522,13 +545,21 @@ class ThinkerRunner:
 
     def early_talker_prompt(self, job: ThinkerJob, ids_only: bool) -> TalkerPromptOut | None:
         """A text prompt's talker prompt before its prefill (lookups in the embedding table: no row of
-        it needs a hidden state), so that the talker prefills it while this prefill runs; None for a
-        prompt with audio, whose rows need the prefill's hidden layer. `ids_only`: the user turns go as
-        token ids (the talker looks their rows up); only the assistant head and what follows it are
-        looked up here."""
-        if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
-            return None
+        it needs a hidden state), so that the talker prefills it while this prefill runs. `ids_only`: the
+        user turns go as token ids (the talker looks their rows up); only the assistant head and what
+        follows it are looked up here. A prompt with audio: with `ids_only` and its clips' digests, the
+        prompt without its audio rows (audio_rows_follow, `job.audio_follow` set: they follow after the
+        prefill, which makes them, past what the talker holds), else None (it goes after the prefill)."""
         ids = torch.tensor(job.prompt)
+        if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
+            spans = self._talker_spans(job) if ids_only else ()
+            if not spans:
+                return None
+            tail = self.model.model.embed_tokens(ids[assistant_start(self.cfg, ids):].to(self.device)).cpu()
+            prompt = talker_prompt(self.cfg, ids, tail, None, self.tts_special, user_rows=False, spans=spans,
+                                   follow=True)
+            job.audio_follow = prompt.audio_rows_follow
+            return prompt
         if not ids_only:
             embeds = self.model.model.embed_tokens(ids.to(self.device)).cpu()
             return talker_prompt(self.cfg, ids, embeds, None, self.tts_special)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-import logging
 import uuid
 
 import grpc
@@ -29,7 +28,7 @@ from ..runtime.server import (Abort, StageServicer, finished_proto, load_stage_m
                               routed_proto, serve_stage, stage_setup, talker_prompt_proto)
 from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
-from ..runtime.paged_kv import PagedKVCache
+from ..runtime.kv_plan import KVPlan, kv_plan as stage_kv_plan
 from .engine import ThinkerEngine, assistant_head_index
 from .constraint import Constraint
 from .job import ForcedReply, ThinkerJob
@@ -38,9 +37,7 @@ from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_p
 from .prompt import encode_text, load_tokenizer, render, user_turn
 from .relay import TalkerRelay
 from .turns import StreamedTurns
-from .runner import KVPlan
 
-log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
 UNSPOKEN_TOOL_CALL = ("<tool_call>",)   # ThinkerStart.unspoken_tool_calls: the markup a call begins with
 MAX_ASSISTANT_TEXT_CHARS = 32768    # ThinkerStart.assistant_text, checked before it is tokenized
@@ -309,45 +306,11 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
 # CUDA memory a thinker keeps beside its weights and KV pool: activations of a prefill chunk, the
 # decode graphs' gathered keys, the allocator's slack (bench/RESULTS.md: the pool sizing)
 ACTIVATION_RESERVE_BYTES = 6 << 30
-DEFAULT_GPU_MEMORY_FRACTION = 0.9     # alone on its GPU; `voxpipe up` and the manifests set shares
 
 
 def kv_plan(args, cfg: OmniConfig, device: torch.device, dtype: torch.dtype) -> tuple[KVPlan, int]:
-    """The KV pool (--kv-cache-tokens, else on CUDA what --gpu-memory-fraction of the GPU leaves beside
-    the weights loaded so far and ACTIVATION_RESERVE_BYTES, else on the CPU twice the model's context)
-    and the context (--max-len, default the model's max_position_embeddings, at most the pool).
-    ConfigError with the numbers when they do not fit."""
-    t = cfg.thinker.text
-    bs = args.kv_block_size
-    if bs < 1 or bs & (bs - 1):
-        raise ConfigError(f"--kv-block-size must be a power of two, got {bs}")
-    model_len = t.max_position_embeddings or 32768
-    per_block = PagedKVCache.bytes_per_block(t.num_layers, bs, t.num_kv_heads, t.head_dim, dtype)
-    if args.kv_cache_tokens:
-        blocks = -(-args.kv_cache_tokens // bs)
-        how = "--kv-cache-tokens"
-    elif device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(index).total_memory
-        fraction = args.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
-        in_use = torch.cuda.memory_reserved(index)
-        left = fraction * total - in_use - ACTIVATION_RESERVE_BYTES
-        blocks = max(int(left // per_block), 0)
-        how = (f"{fraction:.2f} of {total / 2**30:.1f} GiB, less {in_use / 2**30:.1f} GiB in use and "
-               f"{ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB for activations")
-    else:
-        blocks = -(-2 * min(args.max_len or model_len, model_len) // bs)
-        how = "twice the context, on the CPU"
-    max_len = args.max_len or min(model_len, blocks * bs)
-    if max_len > model_len:
-        log.warning("--max-len %d is past the model's max_position_embeddings %d", max_len, model_len)
-    if blocks * bs < max_len:
-        raise ConfigError(f"the thinker's KV pool holds {blocks * bs} tokens ({how}), less than --max-len "
-                         f"{max_len}: raise --gpu-memory-fraction or --kv-cache-tokens, or lower --max-len")
-    plan = KVPlan(blocks=blocks, block_size=bs, prefix_cache=args.prefix_cache)
-    log.info("thinker KV pool: %d blocks of %d tokens = %d tokens, %.2f GiB (%s); context %d tokens; prefix cache %s",
-             blocks, bs, plan.tokens, blocks * per_block / 2**30, how, max_len, "on" if plan.prefix_cache else "off")
-    return plan, max_len
+    """The thinker's KV pool and context (runtime/kv_plan.py)."""
+    return stage_kv_plan(args, "thinker", cfg.thinker.text, device, dtype, activation_reserve=ACTIVATION_RESERVE_BYTES)
 
 
 def build(args) -> tuple[ThinkerServicer, OmniConfig]:

@@ -279,20 +279,26 @@ class TextDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class TalkerPrompt(_message.Message):
-    __slots__ = ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special")
+    __slots__ = ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special", "audio_rows", "audio_keys", "audio_rows_follow")
     USER_ROWS_FIELD_NUMBER: _ClassVar[int]
     USER_MM_MASK_FIELD_NUMBER: _ClassVar[int]
     USER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_HEAD_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_PREFIX_FIELD_NUMBER: _ClassVar[int]
     TTS_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ROWS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_KEYS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ROWS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     user_rows: Tensor
     user_mm_mask: Tensor
     user_token_ids: Tensor
     assistant_head: Tensor
     assistant_prefix: Tensor
     tts_special: Tensor
-    def __init__(self, user_rows: _Optional[_Union[Tensor, _Mapping]] = ..., user_mm_mask: _Optional[_Union[Tensor, _Mapping]] = ..., user_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_head: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_prefix: _Optional[_Union[Tensor, _Mapping]] = ..., tts_special: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    audio_rows: Tensor
+    audio_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    audio_rows_follow: bool
+    def __init__(self, user_rows: _Optional[_Union[Tensor, _Mapping]] = ..., user_mm_mask: _Optional[_Union[Tensor, _Mapping]] = ..., user_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_head: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_prefix: _Optional[_Union[Tensor, _Mapping]] = ..., tts_special: _Optional[_Union[Tensor, _Mapping]] = ..., audio_rows: _Optional[_Union[Tensor, _Mapping]] = ..., audio_keys: _Optional[_Iterable[bytes]] = ..., audio_rows_follow: _Optional[bool] = ...) -> None: ...
 
 class ThinkerResponse(_message.Message):
     __slots__ = ("talker_prompt", "text", "chunk", "finished", "routed", "talker_finished", "first_output")
@@ -346,19 +352,37 @@ class TextEnd(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AudioRows(_message.Message):
+    __slots__ = ("first", "rows")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    rows: Tensor
+    def __init__(self, first: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Held(_message.Message):
+    __slots__ = ("user_rows", "audio_rows")
+    USER_ROWS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ROWS_FIELD_NUMBER: _ClassVar[int]
+    user_rows: int
+    audio_rows: int
+    def __init__(self, user_rows: _Optional[int] = ..., audio_rows: _Optional[int] = ...) -> None: ...
+
 class TalkerRequest(_message.Message):
-    __slots__ = ("start", "rows", "text_end", "chunk", "cancel")
+    __slots__ = ("start", "rows", "text_end", "chunk", "cancel", "audio_rows")
     START_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     TEXT_END_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ROWS_FIELD_NUMBER: _ClassVar[int]
     start: TalkerStart
     rows: TextRows
     text_end: TextEnd
     chunk: PayloadChunk
     cancel: Cancel
-    def __init__(self, start: _Optional[_Union[TalkerStart, _Mapping]] = ..., rows: _Optional[_Union[TextRows, _Mapping]] = ..., text_end: _Optional[_Union[TextEnd, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    audio_rows: AudioRows
+    def __init__(self, start: _Optional[_Union[TalkerStart, _Mapping]] = ..., rows: _Optional[_Union[TextRows, _Mapping]] = ..., text_end: _Optional[_Union[TextEnd, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., audio_rows: _Optional[_Union[AudioRows, _Mapping]] = ...) -> None: ...
 
 class CodecFrames(_message.Message):
     __slots__ = ("index", "codes")
@@ -373,18 +397,20 @@ class Ending(_message.Message):
     def __init__(self) -> None: ...
 
 class TalkerResponse(_message.Message):
-    __slots__ = ("frames", "finished", "routed", "first_output", "ending")
+    __slots__ = ("frames", "finished", "routed", "first_output", "ending", "held")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
     FIRST_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ENDING_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     frames: CodecFrames
     finished: Finished
     routed: Routed
     first_output: FirstOutput
     ending: Ending
-    def __init__(self, frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., routed: _Optional[_Union[Routed, _Mapping]] = ..., first_output: _Optional[_Union[FirstOutput, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ...) -> None: ...
+    held: Held
+    def __init__(self, frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., routed: _Optional[_Union[Routed, _Mapping]] = ..., first_output: _Optional[_Union[FirstOutput, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ..., held: _Optional[_Union[Held, _Mapping]] = ...) -> None: ...
 
 class ListenRequest(_message.Message):
     __slots__ = ("listen_token",)
