@@ -20,6 +20,7 @@ import pytest
 
 from conftest import GatewayProcess, free_port, start_chain
 from voxpipe.bench import chaos
+from voxpipe.client import PipelineClient, PipelineError, SpeechRequest
 
 STAGES = ("thinker", "talker", "code2wav")
 REPORT_WITHIN_S = 1.0
@@ -94,6 +95,23 @@ def serves_again(chain, g: chaos.Gateway, stage: str) -> float:
     return back
 
 
+def a_later_stages_failure_leaves_the_thinker_healthy(chain, dead: str) -> None:
+    """With `dead` (talker or code2wav) gone, a spoken request fails naming it -- and the caller's
+    balancer keeps the thinker replica that passed the failure on healthy and not draining (a
+    replica is judged by its own failures, not by those its status names in `voxpipe-stage`)."""
+    async def go():
+        async with PipelineClient(chain.address("thinker"), chain.code2wav_address) as client:
+            with pytest.raises(PipelineError) as e:
+                async for _ in client.stream(SpeechRequest(text="Hi", max_tokens=2, max_frames=2)):
+                    pass
+            (replica,) = client.thinker.replicas
+            return e.value, replica.healthy, replica.draining
+
+    error, healthy, draining = asyncio.run(go())
+    assert error.stage == dead, error
+    assert healthy and not draining, error
+
+
 def running_when_signalled(seen: list[chaos.Seen], at: float) -> None:
     early = [(s.kind, s.events) for s in seen if s.running_at is None or (s.ended_at or at) < at]
     assert not early, f"streams not running at the signal (lengths too short for this machine?): {early}"
@@ -126,4 +144,6 @@ def test_a_killed_stage_is_reported_to_every_client_within_a_second(chain, gatew
     assert all(s.status == "200" for s in seen if s.kind.startswith(("chat", "speech"))), report
     assert {s.status for s in seen if s.kind == "converse"} == {"UNAVAILABLE"}, report
     wait_idle(chain, gateway)
+    if stage != "thinker":
+        a_later_stages_failure_leaves_the_thinker_healthy(chain, stage)
     serves_again(chain, gateway, stage)
