@@ -13,9 +13,10 @@ with UNAVAILABLE is unhealthy: skipped by new picks, re-probed with grpc.health.
 (SIGTERM) is skipped the same way. A status that names a later stage (`voxpipe-stage`: the
 replica's talker died, its code2wav drains) is that stage's failure and leaves the replica as it
 was. A stream refused (UNAVAILABLE, or grpc's "Internal error from Core" that hides the status
-when the refusal races a write) before its first response is replayed once on another replica; after the first response a failure is the request's. Once
-its start is written (`end_head`), a stream writes on only after the replica's admission
-headers (services.runtime.calls.ADMITTED_METADATA), so a refusal of a start never races a write.
+when the refusal races a write) before its first response is replayed once on another replica;
+after the first response a failure is the request's. Once its start is written (`end_head`), a
+stream writes on only after the replica's admission headers (services.runtime.calls.
+ADMITTED_METADATA), so a refusal of a start never races a write.
 Channels ping every 20 s during streams, so a replica whose host vanished fails its streams
 (UNAVAILABLE) within ~30 s instead of hanging them.
 
