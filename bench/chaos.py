@@ -81,8 +81,8 @@ class Gateway:
     converse: str                           # host:port of --grpc-port
     model: str
     api_key: str = "unused"
-    tokens: int = 12                        # max_tokens (= min: ignore_eos)
-    frames: int = 20                        # max_audio_frames / max_frames (= min)
+    tokens: int = 10                        # max_tokens (= min: ignore_eos)
+    frames: int = 16                        # max_audio_frames / max_frames (= min)
     voice: str = "ethan"
 
     @property

@@ -14,6 +14,7 @@ import asyncio
 import re
 import signal
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -89,7 +90,7 @@ def serves_again(chain, g: chaos.Gateway, stage: str) -> float:
         assert r.status_code == 503 and time.monotonic() < deadline, (r.status_code, r.text[:300])
         time.sleep(0.1)
     back = time.monotonic() - t0
-    seen = asyncio.run(chaos.streams(g, ONE_EACH))
+    seen = asyncio.run(chaos.streams(replace(g, tokens=4, frames=6), ONE_EACH))
     assert [s.outcome for s in seen] == ["complete"] * len(seen), chaos.summary(seen)
     wait_idle(chain, g)
     return back
@@ -123,10 +124,11 @@ def test_a_drained_stage_finishes_every_stream(chain, gateway, stage):
     running_when_signalled(seen, at)
     assert chain.procs[stage].wait(timeout=60) == 0
     report = chaos.summary(seen)
+    print(f"SIGTERM {stage}: {report}")
     assert all(s.outcome == "complete" for s in seen), report
     assert all(s.status in ("200", "open", "OK") for s in seen), report
     wait_idle(chain, gateway)
-    serves_again(chain, gateway, stage)
+    print(f"{stage} restarted: serving again after {serves_again(chain, gateway, stage):.2f} s")
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -135,15 +137,16 @@ def test_a_killed_stage_is_reported_to_every_client_within_a_second(chain, gatew
     running_when_signalled(seen, at)
     assert chain.procs[stage].wait(timeout=30) == -signal.SIGKILL
     report = chaos.summary(seen, at, stage)
+    print(f"SIGKILL {stage}: {report}")
     # an error, and nothing after it: no `[DONE]`, no finish_reason, no done -- nothing that reads as a whole reply
-    assert all(s.outcome == "error" for s in seen), report
-    assert all(s.error_at - at <= REPORT_WITHIN_S for s in seen), report
-    named = [s for s in seen if s.kind not in chaos.NAMES_NO_STAGE]
-    assert all(s.names(stage) for s in named), report
+    assert not [(s.kind, s.events) for s in seen if s.outcome != "error"], report
+    late = [(s.kind, round(s.error_at - at, 3)) for s in seen if s.error_at - at > REPORT_WITHIN_S]
+    assert not late, late
+    assert not [(s.kind, s.error) for s in seen if s.kind not in chaos.NAMES_NO_STAGE and not s.names(stage)]
     # the HTTP streams had started (200) before the kill; Converse ends UNAVAILABLE
-    assert all(s.status == "200" for s in seen if s.kind.startswith(("chat", "speech"))), report
+    assert not [(s.kind, s.status) for s in seen if s.kind.startswith(("chat", "speech")) and s.status != "200"]
     assert {s.status for s in seen if s.kind == "converse"} == {"UNAVAILABLE"}, report
     wait_idle(chain, gateway)
     if stage != "thinker":
         a_later_stages_failure_leaves_the_thinker_healthy(chain, stage)
-    serves_again(chain, gateway, stage)
+    print(f"{stage} restarted: serving again after {serves_again(chain, gateway, stage):.2f} s")
