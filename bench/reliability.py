@@ -1200,9 +1200,10 @@ def kill_and_drain(dep: Deployment, k: int) -> dict:
 
 
 def chaos_kills(dep: Deployment) -> list[dict]:
-    """For the thinker, talker A and the code2wav in turn: voxpipe.bench.chaos's 16 streams (4 per
-    gateway API), SIGKILL once each has audio; what every client saw (streams on talker B finish);
-    then the stage restarted and the seconds until a spoken request succeeds."""
+    """After kill_and_drain (both talkers started again): for the thinker, talker A and the code2wav in
+    turn, voxpipe.bench.chaos's 16 streams (4 per gateway API), SIGKILL once each has audio; what every
+    client saw (streams on talker B finish); then the stage restarted and the seconds until a spoken
+    request succeeds."""
     import asyncio
 
     import httpx
@@ -1210,6 +1211,9 @@ def chaos_kills(dep: Deployment) -> list[dict]:
     from . import chaos
 
     g = chaos.Gateway(dep.base_url, dep.converse_address, dep.model_dir.name, api_key=API_KEY)
+    for name in ("talker_a", "talker_b"):       # killed and drained by kill_and_drain
+        dep.restart(name)
+    settle(dep)
     rows = []
     for name in ("thinker", "talker_a", "code2wav"):
         stage, victim = STAGE_LABEL[name], dep.services[name]
@@ -1407,13 +1411,13 @@ def run(s: Settings, model_dir: Path, seed: int = 0, log: Callable[[str], None] 
             again = known_good(dep, PROMPT_IDS)
             report["soak"]["known_good_identical"] = again == reference
             log(f"soak: {report['soak']['ok']}/{report['soak']['requests']} ok in {report['soak']['seconds']} s")
+            report["lifecycle"] = kill_and_drain(dep, s.kill_streams)
+            log(f"kill: {json.dumps(report['lifecycle']['kill'])[:400]}")
+            log(f"drain: {json.dumps(report['lifecycle']['drain'])[:400]}")
             if s.chaos:
                 report["chaos"] = chaos_kills(dep)
                 for row in report["chaos"]:
                     log(f"chaos {row['stage']}: {json.dumps({k: v for k, v in row.items() if k != 'by_kind'})[:400]}")
-            report["lifecycle"] = kill_and_drain(dep, s.kill_streams)
-            log(f"kill: {json.dumps(report['lifecycle']['kill'])[:400]}")
-            log(f"drain: {json.dumps(report['lifecycle']['drain'])[:400]}")
             report["tracebacks_in_logs"] = {n: svc.tracebacks() for n, svc in dep.services.items()}
             report["unexpected_exits"] = dep.dead(expected_gone=("talker_a", "talker_b"))
         finally:
