@@ -5,8 +5,9 @@ thinker -> talker -> code2wav chain of processes and a real gateway.
 
 A kill: every client sees an error naming the killed stage within 1 s of the signal (a raw pcm body,
 which cannot say why, is cut short), with nothing after it -- never a 200 stream that ends as a whole
-reply would. A drain: every stream finishes whole, the stage exits 0. Either way the stage is then
-started again on its port and every API serves the next request, and no slot stays held."""
+reply would. A drain: every stream finishes whole, the stage exits 0. Either way no slot stays held,
+and the stage is then started again on its port: once its callers have reconnected (their channels
+retry every 1-3 s; a request before is a 503 naming the stage) every API serves again."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from voxpipe.client import PipelineClient, PipelineError, SpeechRequest
 
 STAGES = ("thinker", "talker", "code2wav")
 REPORT_WITHIN_S = 1.0
-RECONNECT_WITHIN_S = 6.0         # the balancer's 3 s reconnect backoff, with room for a loaded machine
+RECONNECT_WITHIN_S = 10.0        # the callers' reconnect backoff (at most 3 s a hop), with room for a loaded machine
 ONE_EACH = {"chat": 1, "chat_sdk": 0, "speech": 1, "speech_pcm": 0, "realtime": 1, "converse": 1}
 
 
