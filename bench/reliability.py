@@ -351,9 +351,13 @@ def strategies(model_id: str, omni):
                                                                                             max_size=4), max_leaves=12)
     hostile = st.one_of(scalar, json_any, st.just([]), st.just({}), st.just([[[[[]]]]]))
     # lengths: small enough to run, or certainly refused (beyond the contexts), or not integers at all
+    # (`beyond`: past both the thinker's and the talker's context -- a length under it is served, and
+    # thousands of tokens are minutes of work on a CPU, not a case)
+    beyond = 1 + max(omni.thinker.text.max_position_embeddings or 32768,
+                     omni.talker.text.max_position_embeddings or 32768)
     small = st.integers(1, 8)
     cap = st.one_of(small, small, st.sampled_from([0, -1, 2**32 - 1, 2**32, 2**63, 10**30]),
-                    st.integers(max_value=0), st.integers(min_value=8300), st.sampled_from(floats),
+                    st.integers(max_value=0), st.integers(min_value=beyond), st.sampled_from(floats),
                     pick(strings[:6]), st.booleans(), st.just([]), st.just({}))
     speakers = sorted(omni.talker.speakers)
     voice = st.one_of(st.sampled_from(speakers), st.sampled_from([s.upper() for s in speakers]),
@@ -543,7 +547,7 @@ def strategies(model_id: str, omni):
     f32s = st.sampled_from([0.0, 1.0, -1.0, 1e-40, 1e5, 1e6, 3e38, float("nan"), float("inf"), float("-inf")])
     u32 = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 2**31, 2**32 - 1]))
     i32 = st.one_of(st.integers(-2**31, 2**31 - 1), st.sampled_from([-1, 0, 2**31 - 1, -2**31]))
-    pcap = st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(8300, 2**32 - 1))   # 0 = 4096 frames
+    pcap = st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(beyond, 2**32 - 1))   # 0 = 4096 frames
 
     def sampling():
         return st.one_of(st.none(), st.builds(
@@ -685,8 +689,8 @@ def strategies(model_id: str, omni):
                                                                 pick(proto_strings)),
         st.lists(st.one_of(pcm_in, wav_in), max_size=2), st.one_of(st.text(max_size=200), pick(proto_strings)),
         st.one_of(st.just(""), speaker_text), st.lists(st.integers(-1, 5), max_size=3), sampling(),
-        st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(8300, 2**32 - 1)), st.one_of(st.integers(0, 8), u32),
-        st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(8300, 2**32 - 1)), st.one_of(st.integers(0, 8), u32),
+        st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(beyond, 2**32 - 1)), st.one_of(st.integers(0, 8), u32),
+        st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(beyond, 2**32 - 1)), st.one_of(st.integers(0, 8), u32),
         st.booleans(), st.integers(-1, 4))
     conv_msgs = st.one_of(
         st.builds(lambda s, rest: [s, *rest], conv_start,
