@@ -69,7 +69,12 @@ def wait_idle(chain, g: chaos.Gateway, timeout: float = 10.0) -> None:
 
 
 def under_signal(g: chaos.Gateway, chain, stage: str, sig: int) -> tuple[list[chaos.Seen], float]:
-    """The 16 streams, `sig` sent to `stage` once each has its first audio; when it was sent."""
+    """The 16 streams, `sig` sent to `stage` once each has its first audio; when it was sent. (A
+    stage an earlier case left dead -- it failed before its restart -- is started first.)"""
+    for name in STAGES:
+        if not chain.alive(name):
+            chain.restart(name)
+    serving(g)
     sent: dict[str, float] = {}
 
     async def fire() -> None:
@@ -80,17 +85,21 @@ def under_signal(g: chaos.Gateway, chain, stage: str, sig: int) -> tuple[list[ch
     return seen, sent["at"]
 
 
-def serves_again(chain, g: chaos.Gateway, stage: str) -> float:
-    """Restart `stage`; the seconds until a spoken reply (every stage) succeeds, then one stream of each
-    API must complete. The gateway's and the thinker's channels to a stage that went away retry the
-    connection every second or so (at most the balancer's cooldown): a request in that window is a 503."""
-    chain.restart(stage)
+def serving(g: chaos.Gateway) -> float:
+    """The seconds until a spoken reply (every stage) succeeds. The gateway's and the stages' channels
+    to a stage that went away retry the connection every 1-3 s: a request before is a 503."""
     t0, deadline = time.monotonic(), time.monotonic() + RECONNECT_WITHIN_S
     body = {"model": g.model, "input": "Back.", "voice": g.voice, "response_format": "pcm", "max_audio_frames": 2}
     while (r := httpx.post(f"{g.base_url}/v1/audio/speech", json=body, timeout=60)).status_code != 200:
         assert r.status_code == 503 and time.monotonic() < deadline, (r.status_code, r.text[:300])
         time.sleep(0.1)
-    back = time.monotonic() - t0
+    return time.monotonic() - t0
+
+
+def serves_again(chain, g: chaos.Gateway, stage: str) -> float:
+    """Restart `stage`; the seconds until it serves (`serving`), then one stream of each API must complete."""
+    chain.restart(stage)
+    back = serving(g)
     seen = asyncio.run(chaos.streams(replace(g, tokens=4, frames=6), ONE_EACH))
     assert [s.outcome for s in seen] == ["complete"] * len(seen), chaos.summary(seen)
     wait_idle(chain, g)
