@@ -587,3 +587,33 @@ def test_stage_down_is_503(strict_gateway, chain):
             pass
     ready = httpx.get(f"{strict_gateway.base_url}/ready")
     assert ready.status_code == 503 and ready.json()["ready"] is False
+
+
+def _requests_total(gateway, route: str) -> dict[str, float]:
+    text = httpx.get(f"{gateway.base_url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(rf'^voxpipe_gateway_requests_total{{route="{re.escape(route)}",status="(\d+)"}} (\S+)$', text, re.M)}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/audio/speech"])
+def test_a_client_gone_before_its_answer_is_499_not_a_server_error(gateway, model, path):
+    """A client that sends its whole request and closes the socket at once (the bench's `at_once`
+    disconnects): the gateway sees the disconnect while reading the body -- that is the client's doing,
+    counted as 499 (nginx's "client closed request"), never a 500 with a traceback."""
+    body = (chat_body(model, modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+            if path == "/v1/chat/completions" else json.dumps({"model": model, "input": "Hi.", "voice": "ethan"}))
+    before = _requests_total(gateway, path)
+    rounds = 10
+    for _ in range(rounds):
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as conn:
+            conn.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    deadline = time.monotonic() + 30
+    while True:
+        after = _requests_total(gateway, path)
+        counted = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        if sum(counted.values()) >= rounds or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not counted.get("500"), counted
+    assert sum(counted.values()) == rounds, counted

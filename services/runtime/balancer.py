@@ -13,11 +13,13 @@ before, while that replica is within its share of the load (services.runtime.aff
 replica no key is made). A replica that fails a stream
 with UNAVAILABLE is unhealthy: skipped by new picks, re-probed with grpc.health.v1 Check every
 `cooldown_s` until it answers SERVING. A replica that refuses a new stream because it is draining
-(SIGTERM) is skipped the same way. A stream refused (UNAVAILABLE, or grpc's "Internal error from
-Core" that hides the status when the refusal races a write) before its first response is
-replayed once on another replica; after the first response a failure is the request's. Once
-its start is written (`end_head`), a stream writes on only after the replica's admission
-headers (services.runtime.calls.ADMITTED_METADATA), so a refusal of a start never races a write.
+(SIGTERM) is skipped the same way. A status that names a later stage (`voxpipe-stage`: the
+replica's talker died, its code2wav drains) is that stage's failure and leaves the replica as it
+was. A stream refused (UNAVAILABLE, or grpc's "Internal error from Core" that hides the status
+when the refusal races a write) before its first response is replayed once on another replica;
+after the first response a failure is the request's. Once its start is written (`end_head`), a
+stream writes on only after the replica's admission headers (services.runtime.calls.
+ADMITTED_METADATA), so a refusal of a start never races a write.
 Channels ping every 20 s during streams, so a replica whose host vanished fails its streams
 (UNAVAILABLE) within ~30 s instead of hanging them.
 
@@ -41,7 +43,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .affinity import AffinityTable, Choice, RouteKey
-from .calls import is_admitted
+from .calls import failed_stage, is_admitted
 from .tls import ClientTLS, aio_channel
 
 log = logging.getLogger(__name__)
@@ -577,7 +579,8 @@ class BalancedStream:
                 lost = is_lost_status(e.code(), e.details())
                 if lost and not self.committed:
                     self.balancer.report_lost_status(self.replica)
-                else:
+                elif failed_stage(e, self.balancer.stage) == self.balancer.stage:
+                    # a status naming a later stage (voxpipe-stage: its talker died or drains) is not this replica's
                     self.balancer.report_failure(self.replica, e.code(), e.details())
                 if not (e.code() == grpc.StatusCode.UNAVAILABLE or lost) or not self._may_retry():
                     raise
