@@ -182,7 +182,13 @@ class _PagedPrefill:
         self.mask = causal[None, None].expand(tables.shape[0], 1, s, s)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal over the right-padded rows (a real query never sees a padded key): on CUDA in 16
+        bits flash attention with no mask at all -- the [B, 1, rep * S, S] mask `_sdpa` builds is
+        8 GiB for a 32k-row prompt (the talker prefills a whole prompt in one forward) --, elsewhere
+        the same causal mask as before."""
         self.cache.write(layer, self.blocks, self.offsets, k.transpose(1, 2), v.transpose(1, 2))
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            return _causal_flash(q, k, v, scale)
         return _sdpa(q, k, v, self.mask, scale)
 
 
