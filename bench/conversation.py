@@ -11,6 +11,17 @@ reproduces; a chat client would re-send their decoded text and miss the cache fr
 on). A user turn is `turn_tokens` random ids from the normal text range (~250 tokens a turn with the
 reply); replies are forced to `text_tokens` tokens and `frames` frames.
 
+A voice conversation (workload "voice-conversation") makes each user turn a clip: the bench's voice
+clip rotated by a per-session, per-turn offset (so that no two turns' audio is the same content and
+every new clip is a miss for the thinker's audio encoder cache, as a new utterance is), its log-mel
+features computed once by the driver, then its placeholders in the prompt and every earlier clip's
+features re-sent with the history (the encoder cache and the prefix cache hold those).
+
+With several thinker replicas (--devices thinker=cuda:0*2, say) each turn goes where its prompt's
+longest known prefix went (services.runtime.affinity): the report gives each replica's turns,
+cached share and the load spread ((max - min) / mean of the replicas' turns), to set beside one
+replica's cached share.
+
 Also the long-context probe: one `context_tokens`-token prompt sent cold, then again (its prefix
 cached), TTFP of each."""
 
@@ -22,10 +33,15 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from voxpipe.client import SpeechRequest
+
+TurnAudio = Callable[[int, int], "torch.Tensor"]     # (session, turn) -> that turn's clip's features [mel, frames]
 
 
 def add_arguments(p) -> None:
@@ -63,16 +79,19 @@ class TurnRecord:
     cached_tokens: int = 0
     ttfp_ms: float | None = None
     error: str | None = None
+    thinker: str = ""               # the replica that served it (DoneEvent.routes)
 
 
 class Conversation:
     """One session's history as token ids (ChatML), turn by turn."""
 
-    def __init__(self, cfg, settings: Settings, session: int, level: int = 0) -> None:
+    def __init__(self, cfg, settings: Settings, session: int, level: int = 0, audio: TurnAudio | None = None) -> None:
         """Session `session` of the level of `level` sessions: its own words (no two sessions of a run
-        share more than the ChatML around them)."""
+        share more than the ChatML around them). `audio`: user turns are clips (a voice conversation)."""
         t = cfg.thinker.tokens
-        self.t, self.settings = t, settings
+        self.t, self.settings, self.session, self.audio = t, settings, session, audio
+        self.n_window = cfg.thinker.audio.n_window
+        self.features: list = []          # every clip of the history so far, in order
         self.nl = 198 if cfg.thinker.text.vocab_size > 151000 else 10        # "\n"
         self.high = min(t.im_start, cfg.thinker.text.vocab_size) - 1
         self.rng = random.Random((settings.seed * 100003 + level) * 1009 + session)
@@ -85,7 +104,15 @@ class Conversation:
     def ask(self) -> list[int]:
         """The next turn's prompt: the history, a new user turn, the assistant head."""
         t = self.t
-        self.ids += [t.im_start, t.user, self.nl] + self._words(self.settings.turn_tokens) + [t.im_end, self.nl]
+        if self.audio is None:
+            body = self._words(self.settings.turn_tokens)
+        else:   # <|audio_start|> placeholders <|audio_end|>, as the chat template renders an audio part
+            from voxpipe.services.thinker.model import audio_output_length
+
+            feats = self.audio(self.session, len(self.features) + 1)
+            self.features.append(feats)
+            body = [t.audio_start] + [t.audio_token] * audio_output_length(feats.shape[1], self.n_window) + [t.audio_end]
+        self.ids += [t.im_start, t.user, self.nl] + body + [t.im_end, self.nl]
         return self.ids + [t.im_start, t.assistant, self.nl]
 
     def answered(self, prompt: list[int], reply: list[int]) -> None:
@@ -94,11 +121,12 @@ class Conversation:
         self.ids = prompt + body + [self.t.im_end, self.nl]
 
 
-def _request(prompt: list[int], settings: Settings, rid: str) -> SpeechRequest:
+def _request(prompt: list[int], settings: Settings, rid: str, features: list | None = None) -> SpeechRequest:
     from voxpipe.client import SpeechRequest
 
-    return SpeechRequest(token_ids=prompt, max_tokens=settings.text_tokens, min_tokens=settings.text_tokens,
-                         max_frames=settings.frames, min_frames=settings.frames, request_id=rid)
+    return SpeechRequest(token_ids=prompt, audio_features=list(features or ()), max_tokens=settings.text_tokens,
+                         min_tokens=settings.text_tokens, max_frames=settings.frames, min_frames=settings.frames,
+                         request_id=rid)
 
 
 async def _one(stream_fn, req: SpeechRequest, rec: TurnRecord) -> list[int]:
@@ -115,18 +143,20 @@ async def _one(stream_fn, req: SpeechRequest, rec: TurnRecord) -> list[int]:
                 rec.ttfp_ms = (time.perf_counter() - start) * 1000.0
             elif isinstance(ev, DoneEvent):
                 rec.cached_tokens = ev.cached_tokens
+                rec.thinker = ev.routes.get("thinker", "")
     except Exception as e:      # the turn fails alone; the session stops (its history is incomplete)
         rec.error = f"{type(e).__name__}: {e}"[:300]
     return ids
 
 
-async def _session(stream_fn, cfg, settings: Settings, session: int, level: int, records: list[TurnRecord]) -> None:
-    conv = Conversation(cfg, settings, session, level)
+async def _session(stream_fn, cfg, settings: Settings, session: int, level: int, records: list[TurnRecord],
+                   audio: TurnAudio | None = None) -> None:
+    conv = Conversation(cfg, settings, session, level, audio)
     for turn in range(1, settings.turns + 1):
         prompt = conv.ask()
         rec = TurnRecord(session, turn, len(prompt))
         records.append(rec)
-        reply = await _one(stream_fn, _request(prompt, settings, f"conv-{session}-{turn}"), rec)
+        reply = await _one(stream_fn, _request(prompt, settings, f"conv-{session}-{turn}", conv.features), rec)
         if rec.error is not None:
             return
         conv.answered(prompt, reply)
@@ -146,13 +176,35 @@ class LevelReport:
     turns: list[dict] = field(default_factory=list)     # per turn: TTFP p50 / p90, cached fraction, prompt tokens
     failed: int = 0
     wall_s: float = 0.0
+    cached_fraction: float = 0.0                        # over every turn that finished
+    replicas: dict[str, dict] = field(default_factory=dict)   # thinker address -> its turns, cached share
+    load_spread: float = 0.0                            # (max - min) / mean of the replicas' turns
 
 
-async def run_level(stream_fn, cfg, settings: Settings, sessions: int) -> LevelReport:
+def by_replica(records: list[TurnRecord]) -> tuple[dict[str, dict], float]:
+    """Each thinker replica's finished turns, their prompt tokens and cached share; the load spread."""
+    out: dict[str, dict] = {}
+    for r in records:
+        if r.error is None:
+            d = out.setdefault(r.thinker, {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0})
+            d["turns"] += 1
+            d["prompt_tokens"] += r.prompt_tokens
+            d["cached_tokens"] += r.cached_tokens
+    for d in out.values():
+        d["cached_fraction"] = d["cached_tokens"] / max(d["prompt_tokens"], 1)
+    loads = [d["turns"] for d in out.values()]
+    spread = (max(loads) - min(loads)) / statistics.mean(loads) if loads else 0.0
+    return out, spread
+
+
+async def run_level(stream_fn, cfg, settings: Settings, sessions: int, audio: TurnAudio | None = None) -> LevelReport:
     records: list[TurnRecord] = []
     t0 = time.perf_counter()
-    await asyncio.gather(*(_session(stream_fn, cfg, settings, s, sessions, records) for s in range(sessions)))
+    await asyncio.gather(*(_session(stream_fn, cfg, settings, s, sessions, records, audio) for s in range(sessions)))
     rep = LevelReport(sessions, failed=sum(r.error is not None for r in records), wall_s=time.perf_counter() - t0)
+    ok = [r for r in records if r.error is None]
+    rep.cached_fraction = sum(r.cached_tokens for r in ok) / max(sum(r.prompt_tokens for r in ok), 1)
+    rep.replicas, rep.load_spread = by_replica(records)
     for turn in range(1, settings.turns + 1):
         done = [r for r in records if r.turn == turn and r.error is None and r.ttfp_ms is not None]
         if not done:
@@ -179,12 +231,13 @@ async def long_context(stream_fn, cfg, settings: Settings) -> dict:
     return out
 
 
-async def run(stream_fn, cfg, settings: Settings, levels: list[int]) -> dict:
-    report = {"settings": asdict(settings), "levels": []}
+async def run(stream_fn, cfg, settings: Settings, levels: list[int], audio: TurnAudio | None = None) -> dict:
+    """`audio`: a voice conversation (each user turn the clip it returns; no long-context probe)."""
+    report = {"settings": asdict(settings), "voice": audio is not None, "levels": []}
     for c in levels:
         print(f"conversation: {c} sessions x {settings.turns} turns", flush=True)
-        report["levels"].append(asdict(await run_level(stream_fn, cfg, settings, c)))
-    if settings.context_tokens:
+        report["levels"].append(asdict(await run_level(stream_fn, cfg, settings, c, audio)))
+    if settings.context_tokens and audio is None:
         print(f"conversation: a {settings.context_tokens}-token prompt, cold then repeated", flush=True)
         report["long_context"] = await long_context(stream_fn, cfg, settings)
     return report
@@ -196,11 +249,17 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 
 def section(report: dict) -> str:
     s = report["settings"]
-    lines = [f"#### conversation: {s['turn_tokens']}-token user turns, {s['text_tokens']} text tokens and "
+    user = "a voice clip (rotated per turn)" if report.get("voice") else f"{s['turn_tokens']}-token"
+    lines = [f"#### conversation: {user} user turns, {s['text_tokens']} text tokens and "
              f"{s['frames']} frames a reply, up to {s['turns']} turns, history re-sent as token ids (split mode)", ""]
     for lvl in report["levels"]:
-        lines += [f"{lvl['sessions']} sessions ({lvl['failed']} turns failed, {lvl['wall_s']:.0f} s):", "",
-                  "| turn | prompt tokens | TTFP p50 ms | TTFP p90 ms | cached |", "|---|---|---|---|---|"]
+        lines += [f"{lvl['sessions']} sessions ({lvl['failed']} turns failed, {lvl['wall_s']:.0f} s), "
+                  f"{lvl['cached_fraction']:.1%} of prompt tokens cached:", ""]
+        if len(lvl["replicas"]) > 1:
+            lines += ["| thinker replica | turns | cached |", "|---|---|---|"]
+            lines += [f"| {a} | {d['turns']} | {d['cached_fraction']:.1%} |" for a, d in sorted(lvl["replicas"].items())]
+            lines += ["", f"load spread (max - min) / mean of turns: {lvl['load_spread']:.1%}", ""]
+        lines += ["| turn | prompt tokens | TTFP p50 ms | TTFP p90 ms | cached |", "|---|---|---|---|---|"]
         shown = [t for t in lvl["turns"] if t["turn"] in (1, 2, 5, 10, 15, 20, 30, 40) or t is lvl["turns"][-1]]
         for t in shown:
             lines.append(f"| {t['turn']} | {t['prompt_tokens']} | {_fmt(t['ttfp_p50_ms'])} | {_fmt(t['ttfp_p90_ms'])} "

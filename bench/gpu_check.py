@@ -15,7 +15,6 @@ import torch
 import voxpipe.kernels as kernels
 from voxpipe.services.runtime import layers
 from voxpipe.services.runtime.config import OmniConfig, released_config_path
-from voxpipe.services.runtime.kv_cache import SlotStep
 from voxpipe.services.runtime.paged_kv import PagedPackedStep
 from voxpipe.services.runtime.weights import load_module
 from voxpipe.services.talker.engine import TalkerEngine
@@ -45,28 +44,6 @@ def main() -> int:
     cfg = OmniConfig.load(released_config_path())
     results = []
 
-    class Owner:
-        slot = None
-
-    def prefill_pair(name: str, engine, model, prompts: list[torch.Tensor], step_ids) -> None:
-        """Batched graphed prefill of `prompts` ([L, H] each) into slots 0..n-1 (3 prompts: a padding
-        row on the scratch KV row), then one eager decode step; the same with one eager prefill per
-        prompt: logits of both must agree. `engine`: what holds the prefill graphs and the KV cache
-        (each stage's runner)."""
-        n = len(prompts)
-        lens = torch.tensor([p.shape[0] for p in prompts], device=dev)
-        slots = torch.arange(n, device=dev)
-        x = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
-        got = engine.prefill_graphs(n, x.shape[1], x, lens - 1, slots)[0]
-        got_dec = step_ids(n, lens)
-        want = []
-        for i, p in enumerate(prompts):
-            step = SlotStep.build([i], [0], p.shape[0], dev)
-            want.append(model(p[None], torch.arange(p.shape[0], device=dev)[None], engine.cache.bind(step))[0])
-        want_dec = step_ids(n, lens)
-        results.append(compare(f"{name}: batched prefill graph vs one eager prefill each, logits", got, torch.cat(want)))
-        results.append(compare(f"{name}: decode after the batched prefill vs after the eager ones", got_dec, want_dec))
-
     def moe_kernels_vs_torch(name: str, moe_layer, hidden: int) -> None:
         """One MoE layer, kernels on vs off: 4 tokens (the per-pair GEMV path, kernels.experts) and 64
         (kernels.moe align + grouped GEMMs + combine)."""
@@ -81,41 +58,71 @@ def main() -> int:
     # ---- talker: prefill / step / predictor graphs vs eager; grouped MoE vs loop
     talker = layers.serving_layout(load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev,
                                                dtype=torch.bfloat16, load_format="dummy"), dev)
-    # the engine's runner: its KV cache, graphs and step functions
+    # the engine's runner: its paged KV cache, graphs (block tables as inputs) and step functions
     te = TalkerEngine(talker, cfg.talker, device=dev, max_active=8, max_len=1024, cuda_graphs=True).runner
     h = cfg.talker.text.hidden_size
-    lens = [37, 80, 5]
-    for _ in range(4):
-        te.cache.allocate(Owner())
-    step_x = torch.randn(4, 1, h, device=dev, dtype=torch.bfloat16)
-    prefill_pair("talker", te, talker, [torch.randn(n, h, device=dev, dtype=torch.bfloat16) for n in (109, 60, 12, 33)],
-                 lambda n, lens: te._step_fn(n, 128, step_x[:n], lens)[0])
-    for slot, n_len in enumerate(lens):
-        x = torch.randn(1, n_len, h, device=dev, dtype=torch.bfloat16)
-        step = SlotStep.build([slot], [0], n_len, dev)
-        talker(x, torch.arange(n_len, device=dev)[None], te.cache.bind(step))
+    t_blocks = te.blocks.blocks_for
+
+    def t_tables(lens):
+        """Fresh talker blocks for sequences of `lens` positions and one more each (a decode step)."""
+        return [te.blocks.pool.allocate(t_blocks(n + 1)) for n in lens]
+
+    def t_eager_prefill(p: torch.Tensor, table: list[int]) -> torch.Tensor:
+        n = p.shape[0]
+        return te._prefill_fn(1, n, p[None], torch.tensor([n - 1], device=dev),
+                              te.cache.table_tensor([table], t_blocks(n), dev))[0]
+
+    # batched prefill graph (3 prompts: a padding row on the scratch block) then an eager step, vs one
+    # eager prefill per prompt then the same step
+    plens = [109, 60, 12]
+    prompts = [torch.randn(n, h, device=dev, dtype=torch.bfloat16) for n in plens]
+    tabs = t_tables(plens)
+    lens_t = torch.tensor(plens, device=dev)
+    step_x = torch.randn(3, 1, h, device=dev, dtype=torch.bfloat16)
+    step_tabs = te.cache.table_tensor(tabs, t_blocks(128), dev)
+    xp = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
+    got = te.prefill_graphs(3, xp.shape[1], xp, lens_t - 1, te.cache.table_tensor(tabs, te.prefill_width, dev))[0]
+    got_dec = te._step_fn(3, 128, step_x, lens_t, step_tabs)[0].clone()
+    want = torch.cat([t_eager_prefill(p, t) for p, t in zip(prompts, tabs)])
+    want_dec = te._step_fn(3, 128, step_x, lens_t, step_tabs)[0]
+    results.append(compare("talker: batched paged prefill graph vs one eager prefill each, logits", got, want))
+    results.append(compare("talker: step after the batched prefill vs after the eager ones", got_dec, want_dec))
+    # packed prefill from a cached prefix (the prefix cache's path) vs the whole prompt's eager prefill
+    cached_len = 64
+    packed_tab = te.blocks.pool.allocate(t_blocks(plens[0] + 1))
+    # its first 64 positions: prompt 0's keys and values, copied from its blocks (as a hit would share them)
+    for layer in range(len(te.cache.k)):
+        for kc in (te.cache.k[layer], te.cache.v[layer]):
+            kc[packed_tab[:cached_len // te.blocks.block_size]] = kc[tabs[0][:cached_len // te.blocks.block_size]]
+    step = PagedPackedStep.pack([(packed_tab, cached_len, plens[0] - cached_len)])
+    packed_logits, _ = talker(prompts[0][cached_len:][None], step.positions(dev), te.cache.packed(step),
+                              last=step.ends(dev))
+    results.append(compare("talker: packed prefill after a cached prefix vs the whole eager prefill, logits",
+                           packed_logits, want[:1]))
     x = torch.randn(3, 1, h, device=dev, dtype=torch.bfloat16)
-    start = torch.tensor(lens, device=dev)
-    eager = te._step_fn(3, 128, x, start)
-    graph = te.step_graphs(3, 100, x, start)
-    results.append(compare("talker step: graph vs eager logits", graph[0], eager[0], exact=True))
+    start = lens_t
+    eager = te._step_fn(3, 128, x, start, step_tabs)
+    graph = te.step_graphs(3, 100, x, start, te.cache.table_tensor(tabs, te.step_graphs.static[2].shape[1], dev))
+    results.append(compare("talker step: graph vs eager logits (paged)", graph[0], eager[0], exact=True))
     kernels.ENABLED = False
-    plain = te._step_fn(3, 128, x, start)
+    plain = te._step_fn(3, 128, x, start, step_tabs)
     kernels.ENABLED = True
     results.append(compare("talker step: Triton kernels (norms, rope, routing, SwiGLU) vs PyTorch ops", eager[0], plain[0]))
     kernels.ENABLED = False          # the plain grouped path (with kernels, 3 tokens take the GEMV path)
     layers.GROUPED_MM = False
-    looped = te._step_fn(3, 128, x, start)
+    looped = te._step_fn(3, 128, x, start, step_tabs)
     layers.GROUPED_MM = True
     kernels.ENABLED = True
     results.append(compare("talker step: grouped-GEMM MoE vs per-expert loop (kernels off)", plain[0], looped[0]))
     # early prefill (the talker prompt before the text): all but the prompt's last row, then frame 0 as a
-    # graphed step at the last row's position, vs the whole prompt's graphed prefill (slot 0)
+    # graphed step at the last row's position, vs the whole prompt's graphed prefill
     p = torch.randn(1, 70, h, device=dev, dtype=torch.bfloat16)
-    slot0 = torch.zeros(1, dtype=torch.long, device=dev)
-    whole = te.prefill_graphs(1, 70, p, torch.tensor([69], device=dev), slot0)[0].clone()
-    te.prefill_graphs(1, 69, p[:, :69], torch.tensor([68], device=dev), slot0)
-    early = te.step_graphs(1, 70, p[:, 69:70], torch.tensor([69], device=dev))[0]
+    (early_tab,) = t_tables([70])
+    early_pre = te.cache.table_tensor([early_tab], te.prefill_width, dev)
+    whole = te.prefill_graphs(1, 70, p, torch.tensor([69], device=dev), early_pre)[0].clone()
+    te.prefill_graphs(1, 69, p[:, :69], torch.tensor([68], device=dev), early_pre)
+    early = te.step_graphs(1, 70, p[:, 69:70], torch.tensor([69], device=dev),
+                           te.cache.table_tensor([early_tab], te.step_graphs.static[2].shape[1], dev))[0]
     results.append(compare("talker: early prefill + frame-0 step vs the whole prefill, logits", early, whole))
     moe_kernels_vs_torch("talker", talker.model.layers[0].mlp, h)
     hid = torch.randn(3, h, device=dev, dtype=torch.bfloat16)
@@ -171,10 +178,10 @@ def main() -> int:
     results.append(rec)
     # VOXPIPE_NORM_LINEAR: norm + q/k/v projection and norm + gate/up + SwiGLU in one kernel each
     # (kernels.normlinear), eager and in freshly captured graphs, vs the kernel path without it
-    k_step = te._step_fn(3, 128, x, start)[0].clone()   # the early-prefill check above rewrote slot 0's cache: again
+    k_step = te._step_fn(3, 128, x, start, step_tabs)[0].clone()
     layers.NORM_LINEAR = True
     n_codes, n_sum, _ = te._predict_fn(3, 1, hid, c0)
-    n_step = te._step_fn(3, 128, x, start)[0].clone()
+    n_step = te._step_fn(3, 128, x, start, step_tabs)[0].clone()
     tn = TalkerEngine(talker, cfg.talker, device=dev, max_active=8, max_len=1024, cuda_graphs=True).runner
     ng_codes, ng_sum, _ = tn.predictor_graphs(3, 1, hid, c0)
     layers.NORM_LINEAR = False
@@ -227,6 +234,17 @@ def main() -> int:
     e = th._decode_fn(2, 128, ids, start, eager_tabs)[0].clone()
     (g,) = th.graphs(2, 101, ids, start, cache.table_tensor(tabs[:2], th.graphs.static[2].shape[1], dev))
     results.append(compare("thinker decode: graph vs eager logits (paged)", g, e, exact=True))
+    # extend: prompt 0 going on from its first 64 positions (the blocks hold all 100 from its prefill;
+    # the extend rewrites 64..99 with the same inputs): graph (length bucket 64) vs the eager step at 36
+    # positions vs the prefill from position 0 (read: batch shapes differ)
+    ext = prompts[0][64:][None]
+    ext_start, ext_len = torch.tensor([64], device=dev), torch.tensor([36], device=dev)
+    ext_tab = cache.table_tensor([tabs[0]], th.extend_width, dev)
+    (g_ext, _) = th.extend_graphs(1, 36, ext, ext_start, ext_len, ext_len - 1, ext_tab)
+    g_ext = g_ext.clone()
+    e_ext = th._extend_fn(1, 36, ext, ext_start, ext_len, ext_len - 1, ext_tab)[0]
+    results.append(compare("thinker extend after a 64-token cached prefix: graph vs eager logits", g_ext, e_ext))
+    results.append(compare("thinker extend after a 64-token cached prefix vs the whole prefill, logits", g_ext, want[:1]))
     kernels.ENABLED = False
     (plain,) = th._decode_fn(2, 128, ids, start, eager_tabs)
     kernels.ENABLED = True

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 import triton
 
-from voxpipe.kernels import attention, experts, glu, moe, rmsnorm, rope, sample, sampling, snakebeta
+from voxpipe.kernels import attention, experts, glu, moe, paged_attention, rmsnorm, rope, sample, sampling, snakebeta
+from voxpipe.services.runtime.kv_cache import _causal_flash
 
 ATOL, RTOL, BUDGET_16 = 1e-5, 1e-5, 1.25
 EPS = 1e-6
@@ -81,10 +82,14 @@ def report(name: str, shape, dtype: torch.dtype, error: dict, kernel_fn, referen
 
 
 @torch.inference_mode()
-def main() -> int:
+def main(only: str | None = None) -> int:
+    """`only="paged_attention"`: that kernel alone."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     lines = []
+    check_paged(lines)
+    if only == "paged_attention":
+        return 0 if all(line["ok"] for line in lines) else 1
     for rows, n in ((64, 2048), (64, 1024)):
         dt = torch.bfloat16
         x = (torch.randn(rows, n, device=dev) * 2).to(dt)
@@ -224,5 +229,35 @@ def main() -> int:
     return 0 if all(line["ok"] for line in lines) else 1
 
 
+def check_paged(lines: list[dict]) -> None:
+    """The thinker's paged attention at full size."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    # the thinker's paged attention at full size (Hq 32 / Hkv 4 x 128, 16-position blocks): decode rows
+    # and extends of a cached prefix, against the gather-into-a-dense-copy path it replaces
+    hq, hkv, d, bs = 32, 4, 128, 16
+    for n, s, ctx in ((1, 1, 512), (64, 1, 512), (64, 1, 2048), (16, 1, 8192), (1, 1, 32768),
+                      (1, 128, 4096), (1, 512, 4096), (1, 512, 32768)):
+        dt = torch.bfloat16
+        nb = n * (-(-ctx // bs)) + 2
+        kc, vc = (torch.randn(nb, hkv, bs, d, device=dev).to(dt) for _ in range(2))
+        tables = torch.randperm(nb - 2, device=dev).view(n, -1)
+        start = torch.full((n,), ctx - s, dtype=torch.long, device=dev)
+        q = torch.randn(n, s, hq, d, device=dev).to(dt).transpose(1, 2)
+        scale = d ** -0.5
+        err = budget_error(paged_attention.kernel(q, kc, vc, tables, start, ctx, scale),
+                           paged_attention.reference(q, kc, vc, tables, start, ctx, scale),
+                           paged_attention.reference(q.float(), kc.float(), vc.float(), tables, start, ctx, scale))
+
+        def gathered():
+            keys = kc[tables].transpose(1, 2).reshape(n, hkv, -1, d)[:, :, :ctx]
+            values = vc[tables].transpose(1, 2).reshape(n, hkv, -1, d)[:, :, :ctx]
+            return _causal_flash(q, keys, values, scale)
+
+        lines.append(report("paged_attention (reference column: gather + sdpa)", (n, s, ctx), dt, err,
+                            lambda: paged_attention.kernel(q, kc, vc, tables, start, ctx, scale), gathered))
+        del kc, vc
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))

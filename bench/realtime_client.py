@@ -71,7 +71,9 @@ class RealtimeStream:
                     response = event["response"]
                     # forced lengths end at max_output_tokens: "incomplete" is the expected status
                     if response["status"] not in ("completed", "incomplete"):
-                        raise RealtimeError(f"response {response['status']}: {response.get('status_details')}")
+                        error = (response.get("status_details") or {}).get("error") or {}
+                        raise RealtimeError(f"response {response['status']}: {response.get('status_details')}",
+                                            error.get("code"))    # e.g. rate_limit_exceeded: refused for capacity
                     usage = response.get("usage") or {}
                     details = usage.get("output_token_details") or {}
                     yield DoneEvent(0, 0, usage.get("input_tokens", 0), details.get("text_tokens", 0),

@@ -1,7 +1,10 @@
-"""The reliability suite (issue #13): fuzzed inputs on every API of a real local deployment, random
-client disconnects, a short soak, a talker SIGKILL and SIGTERM drain, and the security checks.
+"""The reliability suite (issues #13, #25): fuzzed inputs on every API of a real local deployment,
+client disconnects at random and at the worst timings, a short soak, each stage SIGKILLed under
+streams of every gateway API and restarted (--chaos, on with --full), a talker SIGKILL and SIGTERM
+drain, and the security checks.
 
     python -m voxpipe.bench.reliability [--full] [--out reliability.json] [--md tables.md] [--seed 0]
+        [--cases N] [--disconnects N] [--soak N] [--chaos | --no-chaos]
 
 What it starts (all on 127.0.0.1, the tiny checkpoint, CPU): one thinker (--reflection), two talkers (A, B;
 reflection off by default), one code2wav (--no-reflection), and a gateway with --api-key, --grpc-port
@@ -84,11 +87,13 @@ class Settings:
     hang_s: float              # the hang bound per case
     kill_streams: int          # concurrent streams when a talker is killed / drained
     listen_timeout_s: float | None = None   # code2wav --listen-timeout (None: its default, 30 s)
+    chaos: bool = False        # SIGKILL each stage under streams of every gateway API, then restart it
 
 
 SHORT = Settings("short", cases=24, disconnects=8, soak_requests=12, soak_concurrency=4, hang_s=60, kill_streams=4,
                  listen_timeout_s=5)    # a to_listener case whose listener never attaches costs 5 s, not 30
-FULL = Settings("full", cases=500, disconnects=100, soak_requests=400, soak_concurrency=4, hang_s=90, kill_streams=8)
+FULL = Settings("full", cases=500, disconnects=1000, soak_requests=400, soak_concurrency=4, hang_s=90, kill_streams=8,
+                chaos=True)
 
 
 # ============================================================================== processes
@@ -103,10 +108,10 @@ def free_port() -> int:
 class Service:
     """One `voxpipe` process; stderr goes to a log file (tracebacks are counted at the end)."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
-        self.name = name
+    def __init__(self, name: str, args: list[str], log_dir: Path, restarted: bool = False) -> None:
+        self.name, self.args, self.log_dir = name, args, log_dir
         self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "a" if restarted else "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "voxpipe.cli", "--log-level", "WARNING", *args],
                                      stdout=subprocess.PIPE, stderr=self._log, text=True)
 
@@ -200,6 +205,13 @@ class Deployment:
         for name, svc in self.services.items():
             if name != "gateway":
                 svc.stop()
+
+    def restart(self, name: str, timeout: float = 300) -> None:
+        """Start the (ended) process `name` again with its flags and ports; ready."""
+        old = self.services[name]
+        old.stop()
+        self.services[name] = Service(name, old.args, self.log_dir, restarted=True)
+        self.services[name].wait_ready(time.monotonic() + timeout)
 
     def dead(self, expected_gone: tuple[str, ...] = ()) -> list[str]:
         return [n for n, s in self.services.items() if n not in expected_gone and not s.alive]
@@ -339,9 +351,13 @@ def strategies(model_id: str, omni):
                                                                                             max_size=4), max_leaves=12)
     hostile = st.one_of(scalar, json_any, st.just([]), st.just({}), st.just([[[[[]]]]]))
     # lengths: small enough to run, or certainly refused (beyond the contexts), or not integers at all
+    # (`beyond`: past both the thinker's and the talker's context -- a length under it is served, and
+    # thousands of tokens are minutes of work on a CPU, not a case)
+    beyond = 1 + max(omni.thinker.text.max_position_embeddings or 32768,
+                     omni.talker.text.max_position_embeddings or 32768)
     small = st.integers(1, 8)
     cap = st.one_of(small, small, st.sampled_from([0, -1, 2**32 - 1, 2**32, 2**63, 10**30]),
-                    st.integers(max_value=0), st.integers(min_value=8300), st.sampled_from(floats),
+                    st.integers(max_value=0), st.integers(min_value=beyond), st.sampled_from(floats),
                     pick(strings[:6]), st.booleans(), st.just([]), st.just({}))
     speakers = sorted(omni.talker.speakers)
     voice = st.one_of(st.sampled_from(speakers), st.sampled_from([s.upper() for s in speakers]),
@@ -531,7 +547,7 @@ def strategies(model_id: str, omni):
     f32s = st.sampled_from([0.0, 1.0, -1.0, 1e-40, 1e5, 1e6, 3e38, float("nan"), float("inf"), float("-inf")])
     u32 = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 2**31, 2**32 - 1]))
     i32 = st.one_of(st.integers(-2**31, 2**31 - 1), st.sampled_from([-1, 0, 2**31 - 1, -2**31]))
-    pcap = st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(8300, 2**32 - 1))   # 0 = 4096 frames
+    pcap = st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(beyond, 2**32 - 1))   # 0 = 4096 frames
 
     def sampling():
         return st.one_of(st.none(), st.builds(
@@ -673,8 +689,8 @@ def strategies(model_id: str, omni):
                                                                 pick(proto_strings)),
         st.lists(st.one_of(pcm_in, wav_in), max_size=2), st.one_of(st.text(max_size=200), pick(proto_strings)),
         st.one_of(st.just(""), speaker_text), st.lists(st.integers(-1, 5), max_size=3), sampling(),
-        st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(8300, 2**32 - 1)), st.one_of(st.integers(0, 8), u32),
-        st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(8300, 2**32 - 1)), st.one_of(st.integers(0, 8), u32),
+        st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(beyond, 2**32 - 1)), st.one_of(st.integers(0, 8), u32),
+        st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(beyond, 2**32 - 1)), st.one_of(st.integers(0, 8), u32),
         st.booleans(), st.integers(-1, 4))
     conv_msgs = st.one_of(
         st.builds(lambda s, rest: [s, *rest], conv_start,
@@ -915,13 +931,30 @@ def known_good(dep: Deployment, tokenizer_ids: list[int]) -> dict[str, str]:
     return out
 
 
-# ============================================================================== random client disconnects
+# ============================================================================== client disconnects
+
+# When a client cuts its request (outputs read before the cut): anywhere in the first 30, before any
+# output (an HTTP request whose socket closes once sent, a Converse call cancelled as it starts, a
+# realtime socket closed after response.create), after the first, after the end (the whole reply read,
+# then the cut: for Converse, Cancel after `done` and then the call cancelled, the timing that leaked
+# a session slot in issue #25).
+TIMINGS = ("random", "at_once", "first", "after_end")
+AT_ONCE, AFTER_END = -1, 10**9
+
+
+def _send_and_close(port: int, path: str, body: dict) -> None:
+    """A whole HTTP request on a raw socket, closed as soon as it is sent."""
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+    with socket.create_connection((HOST, port), timeout=10) as sock:
+        sock.sendall(head + data)
 
 
 def disconnects(dep: Deployment, n: int, seed: int) -> dict:
-    """`n` requests, each cut by its client at a random point (before, during or near the end of its
-    output): HTTP SSE chat, pcm speech, Converse (Cancel message or a dropped call), a realtime socket
-    closed mid-response, a pipeline client (stage gRPC) iteration abandoned."""
+    """`n` requests, each cut by its client (TIMINGS, in turn): HTTP SSE chat, pcm speech, Converse
+    (a Cancel message, or the call dropped), a realtime socket closed, a pipeline client (stage gRPC)
+    iteration abandoned."""
     import asyncio
 
     import httpx
@@ -938,23 +971,24 @@ def disconnects(dep: Deployment, n: int, seed: int) -> dict:
     with httpx.Client(base_url=dep.base_url, timeout=60, headers=auth_headers()) as http:
         for i in range(n):
             kind = kinds[i % len(kinds)]
-            cut = rng.randint(0, 30)            # outputs read before the cut
+            timing = TIMINGS[(i // len(kinds)) % len(TIMINGS)]
+            cut = {"random": rng.randint(0, 30), "at_once": AT_ONCE, "first": 1, "after_end": AFTER_END}[timing]
             try:
-                if kind == "http_chat_sse":
-                    with http.stream("POST", "/v1/chat/completions", json={
-                            "model": model, "messages": [{"role": "user", "content": f"Story {i}"}], "stream": True,
-                            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
-                            "max_tokens": 30, "max_audio_frames": 30, "ignore_eos": True}) as r:
-                        for k, _ in enumerate(r.iter_lines()):
-                            if k >= cut:
-                                break
-                elif kind == "http_speech_pcm":
-                    with http.stream("POST", "/v1/audio/speech", json={
-                            "model": model, "input": f"Count {i}", "voice": "aiden", "response_format": "pcm",
-                            "max_audio_frames": 30, "ignore_eos": True}) as r:
-                        for k, _ in enumerate(r.iter_bytes(1920)):
-                            if k >= cut:
-                                break
+                if kind in ("http_chat_sse", "http_speech_pcm"):
+                    path, body = ("/v1/chat/completions", {
+                        "model": model, "messages": [{"role": "user", "content": f"Story {i}"}], "stream": True,
+                        "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
+                        "max_tokens": 30, "max_audio_frames": 30, "ignore_eos": True}) if kind == "http_chat_sse" else (
+                        "/v1/audio/speech", {"model": model, "input": f"Count {i}", "voice": "aiden",
+                                             "response_format": "pcm", "max_audio_frames": 30, "ignore_eos": True})
+                    if cut == AT_ONCE:
+                        _send_and_close(dep.http_port, path, body)
+                    else:
+                        with http.stream("POST", path, json=body) as r:
+                            pieces = r.iter_lines() if kind == "http_chat_sse" else r.iter_bytes(1920)
+                            for k, _ in enumerate(pieces):
+                                if k >= cut:
+                                    break
                 elif kind.startswith("converse"):
                     import queue
 
@@ -964,18 +998,19 @@ def disconnects(dep: Deployment, n: int, seed: int) -> dict:
                     with grpc.insecure_channel(dep.converse_address) as ch:
                         call = gw_grpc.GatewayStub(ch).Converse(iter(q.get, None), timeout=60, metadata=AUTH_METADATA)
                         try:
-                            for k, _ in enumerate(call):
-                                if k >= cut:
-                                    if kind == "converse_cancel":
+                            if cut == AT_ONCE:
+                                if kind == "converse_cancel":
+                                    q.put(gw.ConverseRequest(cancel=pb.Cancel()))
+                                call.cancel()
+                            for k, resp in enumerate(call):
+                                if k >= cut or resp.WhichOneof("kind") == "done":
+                                    if kind == "converse_cancel":   # Cancel, read to `done`, then drop the call
                                         q.put(gw.ConverseRequest(cancel=pb.Cancel()))
-                                        q.put(None)
-                                        for _ in call:
-                                            pass
-                                    else:
-                                        call.cancel()
+                                        for resp in call:
+                                            if resp.WhichOneof("kind") == "done":
+                                                break
+                                    call.cancel()
                                     break
-                            else:
-                                q.put(None)
                         except grpc.RpcError as e:
                             if e.code() != grpc.StatusCode.CANCELLED:
                                 raise
@@ -989,22 +1024,26 @@ def disconnects(dep: Deployment, n: int, seed: int) -> dict:
                         ws.send(json.dumps({"type": "conversation.item.create", "item": {
                             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}}))
                         ws.send(json.dumps({"type": "response.create"}))
-                        for k in range(cut + 3):        # session.created / updated / item, then the response
-                            ws.recv(timeout=60)
+                        for k in range(-3, cut):        # session.created / updated / item, then the response
+                            if json.loads(ws.recv(timeout=60)).get("type") == "response.done":
+                                break
                 else:
                     async def go():
                         async with PipelineClient(dep.address("thinker"), dep.address("code2wav")) as client:
                             k = 0
-                            async for _ in client.stream(SpeechRequest(token_ids=ids, max_tokens=30, min_tokens=30,
-                                                                       max_frames=30, min_frames=30)):
+                            async for ev in client.stream(SpeechRequest(token_ids=ids, max_tokens=30, min_tokens=30,
+                                                                        max_frames=30, min_frames=30)):
                                 k += 1
-                                if k >= cut:
+                                if k > cut or type(ev).__name__ == "DoneEvent":
                                     break
                     asyncio.run(go())
-                done[kind] += 1
+                done[f"{kind}/{timing}"] += 1
             except Exception as e:          # the client's own view; the gauges are the check
-                errors.append(f"{kind}: {type(e).__name__}: {str(e)[:200]}")
-    return {"requests": n, "by_kind": dict(done), "client_errors": errors[:10], "client_error_count": len(errors)}
+                errors.append(f"{kind}/{timing}: {type(e).__name__}: {str(e)[:200]}")
+    by_kind = Counter(k.split("/")[0] for k in done.elements())
+    by_timing = Counter(k.split("/")[1] for k in done.elements())
+    return {"requests": n, "by_kind": dict(by_kind), "by_timing": dict(by_timing), "client_errors": errors[:10],
+            "client_error_count": len(errors)}
 
 
 # ============================================================================== soak
@@ -1159,6 +1198,58 @@ def kill_and_drain(dep: Deployment, k: int) -> dict:
         else None,
     }
     return out
+
+
+# ============================================================================== chaos: every stage killed
+
+
+def chaos_kills(dep: Deployment) -> list[dict]:
+    """After kill_and_drain (both talkers started again): for the thinker, talker A and the code2wav in
+    turn, voxpipe.bench.chaos's 16 streams (4 per gateway API), SIGKILL once each has audio; what every
+    client saw (streams on talker B finish); then the stage restarted and the seconds until a spoken
+    request succeeds."""
+    import asyncio
+
+    import httpx
+
+    from . import chaos
+
+    g = chaos.Gateway(dep.base_url, dep.converse_address, dep.model_dir.name, api_key=API_KEY)
+    for name in ("talker_a", "talker_b"):       # killed and drained by kill_and_drain
+        dep.restart(name)
+    settle(dep)
+    rows = []
+    for name in ("thinker", "talker_a", "code2wav"):
+        stage, victim = STAGE_LABEL[name], dep.services[name]
+        sent: dict[str, float] = {}
+
+        async def fire() -> None:
+            sent["at"] = time.monotonic()
+            victim.proc.send_signal(signal.SIGKILL)
+
+        seen = asyncio.run(chaos.streams(g, while_running=fire))
+        victim.proc.wait(30)
+        errors = [x for x in seen if x.outcome == "error"]
+        row = {"stage": name, "streams": len(seen), "complete": sum(x.outcome == "complete" for x in seen),
+               "error": len(errors), "cut": sum(x.outcome == "cut" for x in seen),
+               "error_names_stage": sum(x.names(stage) for x in errors if x.kind not in chaos.NAMES_NO_STAGE),
+               "error_can_name": sum(x.kind not in chaos.NAMES_NO_STAGE for x in errors),
+               "worst_report_s": max((round(x.error_at - sent["at"], 3) for x in errors), default=None),
+               "by_kind": chaos.summary(seen, sent["at"], stage)}
+        t0 = time.monotonic()
+        dep.restart(name)
+        restarted = time.monotonic()
+        body = {"model": g.model, "input": "Back.", "voice": "ethan", "response_format": "pcm", "max_audio_frames": 2}
+        status = None
+        while time.monotonic() - restarted < 30:
+            status = httpx.post(f"{dep.base_url}/v1/audio/speech", json=body, headers=auth_headers(), timeout=60).status_code
+            if status == 200:
+                break
+            time.sleep(0.1)
+        row.update(restart_s=round(restarted - t0, 1), serving_after_s=round(time.monotonic() - restarted, 2),
+                   serving_status=status, gauges_after=settle(dep))
+        rows.append(row)
+    return rows
 
 
 # ============================================================================== security
@@ -1327,6 +1418,10 @@ def run(s: Settings, model_dir: Path, seed: int = 0, log: Callable[[str], None] 
             report["lifecycle"] = kill_and_drain(dep, s.kill_streams)
             log(f"kill: {json.dumps(report['lifecycle']['kill'])[:400]}")
             log(f"drain: {json.dumps(report['lifecycle']['drain'])[:400]}")
+            if s.chaos:
+                report["chaos"] = chaos_kills(dep)
+                for row in report["chaos"]:
+                    log(f"chaos {row['stage']}: {json.dumps({k: v for k, v in row.items() if k != 'by_kind'})[:400]}")
             report["tracebacks_in_logs"] = {n: svc.tracebacks() for n, svc in dep.services.items()}
             report["unexpected_exits"] = dep.dead(expected_gone=("talker_a", "talker_b"))
         finally:
@@ -1362,6 +1457,9 @@ def verdict(r: dict) -> dict:
         and kill["other_finished_complete"] == kill["on_other_talker"],
         "drain_finished_all": drain["finished_complete"] == drain["streams"] and drain["exit_code"] == 0,
         "security": all(c["pass"] for c in r["security"]),
+        "kills_reported_within_1s": all(row["cut"] == 0 and row["error_names_stage"] == row["error_can_name"]
+                                        and (row["worst_report_s"] or 0) <= 1.0 and row["serving_status"] == 200
+                                        for row in r.get("chaos", [])),
     }
 
 
@@ -1430,11 +1528,22 @@ def markdown(r: dict) -> str:
                   f"| SIGTERM talker B with {dr['streams']} streams running ({dr['on_draining_talker']} on B) | "
                   f"{dr['finished_complete']} finished with every frame; failed: {dr['failed'] or 'none'} |",
                   f"| talker B exit | code {dr['exit_code']}, {dr['exit_seconds_after_sigterm']} s after SIGTERM |"]
+    if r.get("chaos"):
+        lines += ["", "| SIGKILL under 16 streams (4 chat SSE, 4 speech, 4 realtime, 4 Converse) | complete | error | "
+                  "... naming the stage | cut | worst report after the kill (s) | restart (s) | serving again after (s) | "
+                  "gauges after |", "|---|---|---|---|---|---|---|---|---|"]
+        for row in r["chaos"]:
+            g = row["gauges_after"]
+            lines.append(f"| {row['stage']} | {row['complete']} | {row['error']} | {row['error_names_stage']} of "
+                         f"{row['error_can_name']} | {row['cut']} | {row['worst_report_s']} | {row['restart_s']} | "
+                         f"{row['serving_after_s']} ({row['serving_status']}) | {'0' if g['zero'] else g['nonzero']} |")
     d = r.get("disconnects")
     if d:
         g = d["gauges_after"]
-        lines += ["", f"Disconnects: {d['requests']} requests cut by their clients at random points "
-                  f"({', '.join(f'{k} {v}' for k, v in d['by_kind'].items())}; {d['client_error_count']} raised on the "
+        timings = d.get("by_timing")     # absent from runs before the timings
+        lines += ["", f"Disconnects: {d['requests']} requests cut by their clients "
+                  + (f"({', '.join(f'{k} {v}' for k, v in timings.items())}) " if timings else "at random points ")
+                  + f"({', '.join(f'{k} {v}' for k, v in d['by_kind'].items())}; {d['client_error_count']} raised on the "
                   f"client side) in {d['seconds']} s: gauges "
                   f"{'back to 0 after ' + str(g['seconds']) + ' s' if g['zero'] else 'NOT back to 0: ' + str(g['nonzero'])}, "
                   f"processes died: {', '.join(d['dead_after']) or 'none'}."]
@@ -1459,6 +1568,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help=f"{FULL.cases} cases per API, {FULL.disconnects} disconnects, "
                                                         f"{FULL.soak_requests}-request soak (default: the short run)")
     p.add_argument("--cases", type=int, help="override the cases per API")
+    p.add_argument("--disconnects", type=int, help="override the number of client disconnects")
+    p.add_argument("--soak", type=int, help="override the soak's requests")
+    p.add_argument("--chaos", action=argparse.BooleanOptionalAction, default=None,
+                   help="SIGKILL each stage under streams of every API, then restart it (default: on with --full)")
     p.add_argument("--model", help="checkpoint folder (default: the tiny checkpoint)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--apis", default=",".join(APIS))
@@ -1470,8 +1583,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(json.loads(Path(args.render).read_text())))
         return 0
     s = FULL if args.full else SHORT
-    if args.cases:
-        s = Settings(**{**asdict(s), "cases": args.cases})
+    overrides = {"cases": args.cases, "disconnects": args.disconnects, "soak_requests": args.soak, "chaos": args.chaos}
+    s = Settings(**{**asdict(s), **{k: v for k, v in overrides.items() if v is not None}})
     if args.model:
         model = Path(args.model)
     else:

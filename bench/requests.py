@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 from voxpipe.client import SpeechRequest
 from voxpipe.services.runtime.config import OmniConfig
@@ -61,6 +62,12 @@ class RequestMaker:
         self.user_text = lru_cache(maxsize=None)(self._user_text)
 
     # ------------------------------------------------------------------------- per client
+
+    def turn_audio(self, session: int, turn: int) -> torch.Tensor:
+        """A voice conversation's user turn (bench/conversation.py): the clip rotated by an offset of
+        this session and turn, so that every turn is new audio, as its log-mel features [mel, frames]."""
+        n = len(self.clip.samples)
+        return self.features(np.roll(self.clip.samples, (session * 7919 + turn * 997) % n))
 
     def speech(self, index: int) -> SpeechRequest:
         wl = self.wl

@@ -94,6 +94,8 @@ WORKLOADS = {
     # ~250 tokens a turn: a 200-token user turn and a 48-token reply; 25 frames (2 s) a reply; its
     # transformers reference: one prompt the size of turn 15's (3,800 tokens), uncached
     "conversation": Workload(name="conversation", conversation=True, prompt_tokens=3800, frames=25, levels=(1, 16)),
+    # a clip a turn (bench/conversation.py); its reference: the voice-in prompt (one clip), uncached
+    "voice-conversation": Workload(name="voice-conversation", conversation=True, voice=True, frames=25, levels=(1, 16)),
 }
 
 

@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from voxpipe import version
 from voxpipe.client import PipelineError
@@ -36,6 +37,9 @@ from .state import GatewayState, gateway_state, require_api_key
 log = logging.getLogger(__name__)
 
 
+CLIENT_CLOSED_REQUEST = 499     # nginx's status for a request whose client went away before the answer
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -44,6 +48,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PipelineError)
     async def pipeline_error(request: Request, exc: PipelineError) -> JSONResponse:
         return from_pipeline_error(exc).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # the client left while its body was read: its doing, not the server's (nobody reads this)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -67,7 +76,9 @@ def _add_basic_routes(app: FastAPI) -> None:
 
     @app.get("/metrics", dependencies=[Depends(require_api_key)])     # with --api-key, scrapers send it too
     async def metrics(request: Request) -> Response:
-        return Response(gateway_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
+        st = gateway_state(request)
+        st.capacity.set_gauges()
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/version", dependencies=[Depends(require_api_key)])      # the model id is behind the key
     async def version_info(request: Request) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from voxpipe.services.runtime.tls import ClientTLS, ServerTLS, client_tls_from_args
 
+from .admission import DEFAULT_ADMISSION_WAIT_S
 from .cors import AllowedOrigins, origins_from_env
 from .limits import DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
 
@@ -23,7 +24,8 @@ class GatewayConfig:
     grpc_port: int = 0                 # the Converse gRPC API (0: off)
     api_key: str | None = None         # when set, every /v1 request and every Converse call needs
                                        # `Authorization: Bearer <key>` (header or gRPC metadata)
-    max_sessions: int = 64             # concurrent HTTP generations, realtime and Converse sessions before 429
+    max_sessions: int = 0              # hard cap: concurrent HTTP generations, realtime and Converse sessions before 429 (0: none)
+    admission_wait_s: float = DEFAULT_ADMISSION_WAIT_S   # a spoken generation's wait for capacity before 429 (admission.py)
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout_s: float = 60.0       # a request body must arrive completely within this time (408)
     max_prompt_chars: int = MAX_PROMPT_CHARS   # text of one conversation, checked before tokenizing
@@ -51,7 +53,7 @@ class GatewayConfig:
         return cls(thinker=args.thinker, code2wav=args.code2wav, model_dir=str(args.model),
                    model_id=args.served_model_name or "", host=args.host, http_port=args.http_port,
                    grpc_port=args.grpc_port or 0, api_key=args.api_key or os.environ.get("VOXPIPE_API_KEY") or None,
-                   max_sessions=args.max_sessions, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                   max_sessions=args.max_sessions, admission_wait_s=args.admission_wait, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                    body_timeout_s=args.body_timeout, max_prompt_chars=args.max_prompt_chars,
                    reflection=args.reflection, audio_expiry_s=args.audio_expiry,
                    audio_cache_bytes=int(args.audio_cache_mb * 2**20),

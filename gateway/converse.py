@@ -47,13 +47,14 @@ from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
 
 from .audio_formats import decode_clip
+from .admission import AtCapacity
 from .errors import APIError
 from .generation import render_now, run_pipeline
 from .health import readiness
 from .limits import AUDIO_RATES, audio_problem
 from .state import authorized
 from .tool_params import ToolOptions, check_schema, function_tool, required_call_constraint
-from .tools import CallPiece, ContentPiece, ToolCallParser
+from .tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,14 @@ def _tool_options(start: gw.ConverseStart) -> ToolOptions:
         if start.tool_choice == gw.TOOL_CHOICE_REQUIRED and not tools:
             raise InvalidInput("tool_choice TOOL_CHOICE_REQUIRED needs tools")
         choice = {gw.TOOL_CHOICE_AUTO: "auto", gw.TOOL_CHOICE_NONE: "none"}.get(start.tool_choice, "required")
-        opts = ToolOptions(tools=tuple(tools), choice=choice, parallel=not start.single_tool_call)
-        required_call_constraint(opts, "tool_choice")
+        function = start.tool_function or None
+        if function is not None:
+            if choice == "none":
+                raise InvalidInput("tool_function excludes tool_choice TOOL_CHOICE_NONE")
+            if function not in {t.name for t in tools}:
+                raise InvalidInput(f"tool_function {quoted(function)} is not one of tools")
+            choice = "function"
+        opts = ToolOptions(tools=tuple(tools), choice=choice, function=function, parallel=not start.single_tool_call)
     except APIError as e:
         raise InvalidInput(e.message) from None
     return opts
@@ -220,6 +227,12 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
         stop=tuple(dict.fromkeys(start.stop)), top_logprobs=start.top_logprobs if start.logprobs else None,
         request_id=start.request_id or uuid.uuid4().hex)
     speech.unspoken_tool_calls = tools.parses_calls and want_audio
+    speech.constraint = required_call_constraint(tools)
+    if tools.calls_only:        # only calls: nothing to speak (no talker, no code2wav)
+        speech.audio = speech.unspoken_tool_calls = False
+        if start.min_tokens or start.ignore_eos:
+            raise InvalidInput("a tool_choice that requires a call excludes min_tokens / ignore_eos: a constrained "
+                               "reply ends when it is complete")
     return ConverseTurn(messages, speech, tools)
 
 
@@ -232,8 +245,18 @@ def cancelled_usage(usage: gw.Usage, prompt_tokens: int, samples_per_frame: int)
 
 
 def tool_call_messages(pieces) -> list[gw.ConverseResponse]:
-    return [gw.ConverseResponse(tool_call=gw.ToolCallOutput(index=p.index, call=gw.FunctionCall(
-        call_id=p.call.id, name=p.call.name, arguments_json=p.call.arguments))) for p in pieces if isinstance(p, CallPiece)]
+    """A call as it is written (ToolCallDelta: its head, then pieces of its arguments), and each
+    call whole once it is complete (ToolCallOutput)."""
+    out = []
+    for p in pieces:
+        if isinstance(p, CallStart):
+            out.append(gw.ConverseResponse(tool_call_delta=gw.ToolCallDelta(index=p.index, call_id=p.id, name=p.name)))
+        elif isinstance(p, ArgumentsDelta):
+            out.append(gw.ConverseResponse(tool_call_delta=gw.ToolCallDelta(index=p.index, arguments_delta=p.text)))
+        elif isinstance(p, CallPiece):
+            out.append(gw.ConverseResponse(tool_call=gw.ToolCallOutput(index=p.index, call=gw.FunctionCall(
+                call_id=p.call.id, name=p.call.name, arguments_json=p.call.arguments))))
+    return out
 
 
 # ----------------------------------------------------------------------------- the servicer
@@ -337,6 +360,8 @@ class ConverseServicer(gw_grpc.GatewayServicer):
                 await events.put(_END)
             except PipelineError as e:
                 await events.put(e)
+            except AtCapacity as e:
+                await events.put(PipelineError("gateway", grpc.StatusCode.RESOURCE_EXHAUSTED, e.message))
 
         async def read_rest() -> None:
             try:
@@ -368,7 +393,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
         text_finish = audio_finish = pb.FINISH_REASON_UNSPECIFIED
         sent_output = False
         # with tools, the text is read for calls: content stays `text`, each call is a `tool_call`
-        parser = ToolCallParser(turn.tools.names, turn.tools.parallel) if turn.tools.parses_calls else None
+        parser = turn.tools.parser()
         try:
             while True:
                 ev = await events.get()

@@ -65,9 +65,13 @@ async def render_prompt(state, messages: list[ChatMessage], param: str = "messag
 
 
 def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str, audio: bool,
-                   assistant_text: str | None = None, tool_calls: bool = False) -> SpeechRequest:
+                   assistant_text: str | None = None, tool_calls: bool = False,
+                   calls_only: bool = False) -> SpeechRequest:
     """`assistant_text`: the reply, given (text to speech; the sampling values are then the talker's).
-    `tool_calls`: the reply is read for function calls, which the talker must not speak."""
+    `tool_calls`: the reply is read for function calls, which the talker must not speak.
+    `calls_only`: the reply is only calls (its constraint says so): nothing to speak, so no audio is
+    asked for (neither the talker nor code2wav takes part)."""
+    audio = audio and not calls_only
     return SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=voice, audio=audio,
                          max_tokens=params.max_tokens, min_tokens=params.min_tokens, max_frames=params.max_frames,
                          min_frames=params.min_frames, temperature=params.temperature, top_k=params.top_k,
@@ -83,8 +87,8 @@ def admitted(ev: PipelineEvent, audio: bool) -> bool:
     stream after its own checks and reports the route once the code2wav has accepted)."""
     if isinstance(ev, DoneEvent):
         return True
-    if audio:
-        return isinstance(ev, StageEvent) and ev.kind == "routed" and ev.stage == "code2wav"
+    if audio:   # (or the talker's word that nothing is spoken: no code2wav stream comes)
+        return isinstance(ev, StageEvent) and (ev.kind == "routed" and ev.stage == "code2wav" or ev.kind == "silent")
     return isinstance(ev, (TextEvent, AudioEvent))
 
 
@@ -102,10 +106,13 @@ async def read_until_admitted(events: AsyncIterator[PipelineEvent], audio: bool)
 async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterator[PipelineEvent]:
     """`state.pipeline.stream(req)` with the active-streams gauge, each stage's first-output
     latency, time to first audio and the real-time factor recorded (`arrived`: perf_counter at
-    the request's arrival). Raises PipelineError as the client does."""
+    the request's arrival). A spoken one first waits for capacity (admission.py: AtCapacity, a 429,
+    when it does not come in time) and is then tracked by its listener's playback clock. Raises
+    PipelineError as the client does."""
     m = state.metrics
     seen: set[str] = set()
     samples, rate = 0, state.omni.code2wav.sample_rate
+    stream = await state.capacity.admit() if req.audio else None
     m.active_streams.inc()
     try:
         async with aclosing(state.pipeline.stream(req)) as events:
@@ -121,26 +128,34 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterat
                 if isinstance(ev, AudioEvent):
                     samples += ev.samples.shape[0]
                     rate = ev.sample_rate or rate
+                    if stream is not None:
+                        stream.received(ev.samples.shape[0] / rate, ev.received or time.monotonic())
                 yield ev
+                if stream is not None and isinstance(ev, AudioEvent):   # the API layer took it for its client
+                    stream.taken(ev.samples.shape[0] / rate, time.monotonic())
         if samples:
             m.rtf.observe((time.perf_counter() - arrived) / (samples / rate))
     finally:
         m.active_streams.dec()
+        if stream is not None:
+            state.capacity.done(stream)
 
 
 @dataclass(frozen=True)
 class Generation:
     """`render_prompt` and `run_pipeline` bound to one GatewayState: `render(messages, tools=...,
     tools_param=...)` (a refusal is a 400 APIError naming `messages`, or `tools_param` for the
-    tools), `run(req, arrived)`, and the prompt's audio placeholder id (`audio_token`: usage counts
-    the prompt's audio tokens)."""
+    tools), `run(req, arrived)`, the prompt's audio placeholder id (`audio_token`: usage counts
+    the prompt's audio tokens) and the id that begins each turn (`turn_start`, <|im_start|>)."""
 
     render: Callable[..., Awaitable[RenderedPrompt]]
     run: Callable[[SpeechRequest, float], AsyncIterator[PipelineEvent]]
     audio_token: int
+    turn_start: int
 
     @classmethod
     def of(cls, state, param: str = "messages") -> "Generation":
         """`param`: the request parameter a refusal to render names."""
         return cls(render=functools.partial(render_prompt, state, param=param),
-                   run=functools.partial(run_pipeline, state), audio_token=state.omni.thinker.tokens.audio_token)
+                   run=functools.partial(run_pipeline, state), audio_token=state.omni.thinker.tokens.audio_token,
+                   turn_start=state.omni.thinker.tokens.im_start)

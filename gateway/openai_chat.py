@@ -5,9 +5,11 @@ stream, `delta.audio` pieces carry the transcript and pcm16 24 kHz data as soon 
 (id and expires_at in the first). The id names the reply's transcript in later turns.
 
 With `tools` (tool_params.py), the prompt lists them and the reply's calls (tools.py) come as
-`message.tool_calls` / `delta.tool_calls` (each call whole once its markup closes: index, id, type
-and name with empty arguments, then the arguments) with `finish_reason: "tool_calls"`; only the
-text outside the calls is `content` (and the transcript of an audio reply).
+`message.tool_calls` / `delta.tool_calls` (index, id, type and name with empty arguments, then the
+arguments: with tool_choice 'auto' once the call's markup closes; with 'required' / a named function,
+whose sampling is constrained to calls, as they are written) with `finish_reason: "tool_calls"`
+("length" when max_tokens cut the reply); only the text outside the calls is `content` (and the
+transcript of an audio reply). A reply that is only calls asks nothing of the talker: no audio.
 
 `stop` ends the text and the speech (matched in the thinker, services/thinker/output.py);
 `logprobs` / `top_logprobs` fill `choices[].logprobs.content` in the completion and in each
@@ -42,7 +44,7 @@ from .response_format import check_response_format, response_format
 from .params import GenerationParams, check_model, generation_params, optional, read_json, resolve_voice
 from .streaming import CancellableStream, prepended, read_ahead, sse, until_disconnect
 from .tool_params import ToolOptions, required_call_constraint, tool_options
-from .tools import CallPiece, ContentPiece, ReplyPiece, ToolCallParser
+from .tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece, ReplyPiece
 
 router = APIRouter()
 CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm16")
@@ -85,7 +87,7 @@ def chat_options(body: dict, st: GatewayState) -> ChatOptions:
                               param="audio.format", code="unsupported_value")
     include_usage = stream_options(body, stream)
     tools = tool_options(body)
-    structured, required = response_format(body), required_call_constraint(tools, "tool_choice", served=True)
+    structured, required = response_format(body), required_call_constraint(tools)
     if structured is not None and required is not None:
         raise bad_request("'response_format' excludes a 'tool_choice' that requires a call: the reply is one or the "
                           "other", param="response_format", code="invalid_value")
@@ -110,12 +112,13 @@ async def chat_completions(request: Request) -> Response:
     try:
         messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts, st.clips)
         prompt = await render_prompt(st, messages, tools=opts.tools.prompt_tools)
-        req = speech_request(prompt, opts.params, opts.voice, opts.audio_out, tool_calls=opts.tools.parses_calls)
+        req = speech_request(prompt, opts.params, opts.voice, opts.audio_out, tool_calls=opts.tools.parses_calls,
+                             calls_only=opts.tools.calls_only)
         reply = Reply(st, opts, req, arrived, count_audio_tokens(st, prompt.token_ids))
         if opts.stream:  # the response releases the session when it closes
             events = run_pipeline(st, req, arrived)
             try:  # every stage's checks first: a refusal is still an HTTP error status, as without stream
-                head = await read_ahead(request.receive, events, read_until_admitted(events, opts.audio_out))
+                head = await read_ahead(request.receive, events, read_until_admitted(events, req.audio))
             except ClientDisconnect:
                 return Response(status_code=499)
             handed_over = True
@@ -154,17 +157,15 @@ class Reply:
         self.created = int(time.time())
         self.audio_id, self.expires_at = st.transcripts.new_id()
         # a reply read for calls goes through the parser; otherwise all of it is content
-        self.parser = ToolCallParser(opts.tools.names, opts.tools.parallel) if opts.tools.parses_calls else None
+        self.parser = opts.tools.parser()
 
     def envelope(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.st.config.model_id,
                 "system_fingerprint": None}
 
     def finish_reason(self, done: DoneEvent, called: bool = False) -> str:
-        if called:
-            return "tool_calls"
-        length = done.text_finish == pb.LENGTH or (self.opts.audio_out and done.audio_finish == pb.LENGTH)
-        return "length" if length else "stop"
+        length = done.text_finish == pb.LENGTH or (self.req.audio and done.audio_finish == pb.LENGTH)
+        return "length" if length else "tool_calls" if called else "stop"
 
     def usage(self, done: DoneEvent) -> dict:
         audio_tokens = done.frames if self.opts.audio_out else 0
@@ -201,7 +202,9 @@ class Reply:
                    "annotations": []}
         if calls:
             message["tool_calls"] = calls
-        if self.opts.audio_out:
+        if self.opts.audio_out and not self.req.audio:     # only calls: nothing was spoken
+            message["content"] = None
+        elif self.opts.audio_out:
             rate = self.st.omni.code2wav.sample_rate
             data = await asyncio.to_thread(audio_formats.encode, bytes(pcm), rate, self.opts.audio_format)
             self.st.transcripts.put(self.audio_id, transcript, self.expires_at)
@@ -224,8 +227,15 @@ class Reply:
         return self.parser.push(text) + (self.parser.finish() if last else [])
 
     def piece_deltas(self, piece: ReplyPiece, first_audio: dict) -> list[dict]:
-        """The deltas of one piece: content (or an audio transcript), or a call in two (its index,
-        id, type and name with empty arguments; then the arguments)."""
+        """The deltas of one piece: content (or an audio transcript), a call's head (index, id,
+        type and name with empty arguments) or a piece of its arguments, or a whole call in two."""
+        if isinstance(piece, CallStart):
+            return [{"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
+                                     "function": {"name": piece.name, "arguments": ""}}]}]
+        if isinstance(piece, ArgumentsDelta):
+            return [{"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}]
+        if isinstance(piece, CallPiece) and piece.streamed:
+            return []
         if isinstance(piece, CallPiece):
             call = openai_call(piece)
             head = {**call, "function": {"name": call["function"]["name"], "arguments": ""}}

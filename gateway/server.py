@@ -14,6 +14,7 @@ from voxpipe.errors import ConfigError
 from voxpipe.services.runtime.listen import HOST_HELP, bind_http, check_free, default_host, port_number
 from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
 
+from .admission import DEFAULT_ADMISSION_WAIT_S
 from .cors import ENV as CORS_ENV, OriginsError, origins_flag
 from .limits import DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
 
@@ -24,6 +25,16 @@ def megabytes(text: str) -> float:
     value = float(text)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of MB, at least 0, got {text!r}")
+    return value
+
+
+def non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, at least 0, got {text[:40]!r}")
     return value
 
 
@@ -44,8 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=port_number, default=0, help="serve the Converse gRPC API here (0: off)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on HTTP, WebSocket "
                                                         "and Converse (default: $VOXPIPE_API_KEY; unset: no auth)")
-    parser.add_argument("--max-sessions", type=int, default=64,
-                        help="concurrent generations, realtime and Converse sessions before 429 (0: no limit)")
+    parser.add_argument("--max-sessions", type=int, default=0,
+                        help="a hard cap: concurrent generations, realtime and Converse sessions before 429 (default "
+                             "0: none; spoken generations are admitted by capacity, see --admission-wait)")
+    parser.add_argument("--admission-wait", type=non_negative_seconds, default=DEFAULT_ADMISSION_WAIT_S,
+                        help="seconds a spoken generation waits for the stages to have capacity (no stream they "
+                             "serve under 500 ms of audio ahead of its listener) before 429 "
+                             f"(default {DEFAULT_ADMISSION_WAIT_S:g}; 0: refuse at once)")
     parser.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body (413 above)")
     parser.add_argument("--body-timeout", type=float, default=60.0,
                         help="seconds a request body may take to arrive completely (408 after)")

@@ -1,7 +1,7 @@
 """The gateway's shared state, what every API (openai_chat.py, speech.py, realtime/, converse.py)
 uses of it: GatewayState (the pipeline client, the tokenizer and feature extractor for rendering
-prompts, the chat clips' features cache, the metrics, the store of assistant audio transcripts), the SessionLimiter that
-`--max-sessions` sets, shared by HTTP, realtime and Converse, and the API-key check.
+prompts, the chat clips' features cache, the metrics, the store of assistant audio transcripts,
+admission by capacity: admission.py), the SessionLimiter that `--max-sessions` sets, shared by HTTP, realtime and Converse, and the API-key check.
 
 The FastAPI app (app.py) keeps one GatewayState in `app.state.gateway`; the routes read it with
 `gateway_state(request)`. Nothing here imports the app or an API module."""
@@ -21,6 +21,7 @@ from voxpipe.client import PipelineClient
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.thinker.prompt import FeatureExtractor, load_tokenizer
 
+from .admission import Capacity
 from .clip_cache import ClipCache
 from .config import GatewayConfig
 from .errors import APIError, too_many_sessions
@@ -79,6 +80,7 @@ class GatewayState:
     metrics: GatewayMetrics
     sessions: SessionLimiter
     clips: ClipCache
+    capacity: Capacity
     transcripts: TranscriptStore | None = None
     pipeline: PipelineClient | None = None          # opened on startup, on the serving event loop
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -92,6 +94,7 @@ class GatewayState:
         return cls(config=config, omni=omni, tokenizer=load_tokenizer(config.model_dir), features=features,
                    metrics=metrics, sessions=SessionLimiter(config.max_sessions, metrics.sessions),
                    clips=ClipCache(config.audio_cache_bytes, features, metrics),
+                   capacity=Capacity(config.admission_wait_s, metrics.streams_by_slack, metrics.capacity_refusals),
                    transcripts=TranscriptStore(config.audio_expiry_s, config.max_stored_audio))
 
     @property
@@ -99,7 +102,9 @@ class GatewayState:
         return self.omni.talker.speakers
 
     def open_pipeline(self) -> PipelineClient:
-        self.pipeline = PipelineClient(self.config.thinker, self.config.code2wav, tls=self.config.stage_tls)
+        self.pipeline = PipelineClient(self.config.thinker, self.config.code2wav, tls=self.config.stage_tls,
+                                       audio_token=self.omni.thinker.tokens.audio_token)
+        self.metrics.routing.watch(self.pipeline.thinker)
         return self.pipeline
 
 

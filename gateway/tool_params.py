@@ -5,7 +5,8 @@ never echoes more than a bounded piece of the input.
 
 `tool_choice`: "none" (the tools are left out of the prompt and the reply is plain text), "auto"
 (the default with tools: the model may call), "required" or a named function (a call must come:
-that needs the thinker's grammar constraint, attached in `required_call_constraint`)."""
+the thinker's grammar constraint, `required_call_constraint`, makes the reply only valid calls, on
+every API: chat completions, realtime, Converse)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from typing import Any
 
 import jsonschema
 
-from voxpipe.services.runtime.echo import quoted
 from voxpipe.services.thinker.constraint import Constraint, tool_calls
 from voxpipe.services.thinker.prompt import Tool
 
 from .errors import bad_request
+from .tools import ToolCallParser
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -46,6 +47,23 @@ class ToolOptions:
     @property
     def names(self) -> frozenset[str]:
         return frozenset(t.name for t in self.tools)
+
+    @property
+    def calls_only(self) -> bool:
+        """The reply is only calls ('required' / a named function: its sampling is constrained to
+        them): nothing in it is spoken, and its calls can stream as they are written."""
+        return self.choice in ("required", "function")
+
+    def parser(self) -> ToolCallParser | None:
+        """The reader of a reply for calls (None: tools not offered or 'none': all of it is content);
+        incremental where the constraint makes every block a valid call (of one function when it
+        allows only one: a call's head then goes out as its block opens)."""
+        if not self.parses_calls:
+            return None
+        only = self.function if self.choice == "function" else None
+        if self.choice == "required" and len(self.tools) == 1:
+            only = self.tools[0].name
+        return ToolCallParser(self.names, self.parallel, incremental=self.calls_only, only=only)
 
 
 def _short(value: Any) -> str:
@@ -165,18 +183,11 @@ def tool_options(body: dict) -> ToolOptions:
     return ToolOptions(tools=tools, choice=choice, function=function, parallel=parallel is not False)
 
 
-def required_call_constraint(opts: ToolOptions, param: str, served: bool = False) -> Constraint | None:
+def required_call_constraint(opts: ToolOptions) -> Constraint | None:
     """The thinker's grammar constraint for a call that must come (`tool_choice` 'required' or a
     named function): `<tool_call>` blocks of one of `opts.tools` (or of the named function alone), one
-    or, with parallel calls, more (services/thinker/constraint.tool_calls); None for 'auto' / 'none'.
-    `served`: the caller carries the constraint to the thinker (chat completions); elsewhere such a
-    choice is refused, since free sampling cannot promise a call."""
-    if opts.choice not in ("required", "function"):
+    or, with parallel calls, more (services/thinker/constraint.tool_calls); None for 'auto' / 'none'."""
+    if not opts.calls_only:
         return None
-    if not served:
-        what = "'required'" if opts.choice == "required" else f"the named function {quoted(opts.function)}"
-        raise bad_request(f"'{param}' {what} is not served here yet: it needs grammar-constrained decoding, which "
-                          "chat completions serve; use 'auto'",
-                          param=param, code="unsupported_value")
     tools = [t for t in opts.tools if opts.choice == "required" or t.name == opts.function]
     return tool_calls([{"name": t.name, "parameters": t.parameters} for t in tools], parallel=opts.parallel)

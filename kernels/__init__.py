@@ -11,6 +11,8 @@ with the same contract (see each module's docstring):
 - `normlinear`: residual add + RMSNorm + the projection that reads it (+ SwiGLU) for a decode
   step's few rows, in one launch (`VOXPIPE_NORM_LINEAR=1`: the layers use it; see runtime/layers.py)
 - `attention`: a few new tokens over a short cache (the code predictor), cache append fused in
+- `paged_attention`: attention over the paged KV cache read in place through block tables (decode,
+  and prefill extending a cached prefix), split over positions with an in-order merge
 - `experts`: routed MoE experts for a few tokens (gate/up GEMV + SwiGLU, down GEMV + weighted sum +
   shared expert) in three launches straight from the router's top-k
 - `invariant`: batch-invariant matmul, routed experts and masked attention (fixed tiles, fixed
@@ -39,7 +41,7 @@ def active(t) -> bool:
     return ENABLED and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
 
 KERNEL_MODULES = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "normlinear", "attention",
-                  "experts", "invariant")
+                  "experts", "invariant", "paged_attention")
 
 
 def __getattr__(name: str):

@@ -133,6 +133,7 @@ class StageProcesses:
         self.stages: dict[str, str] = {}
         self.ports: dict[str, int] = {}
         self.metrics_ports: dict[str, int] = {}
+        self.flags: dict[str, tuple[str, ...]] = {}
         self._ready: set[str] = set()
 
     def start(self, name: str, stage: str, *extra: str, port: int | None = None) -> str:
@@ -140,6 +141,7 @@ class StageProcesses:
         import sys
 
         self.ports[name], self.metrics_ports[name], self.stages[name] = port or free_port(), free_port(), stage
+        self.flags[name] = extra
         cmd = [sys.executable, "-m", "voxpipe.cli", stage, "--model", str(self.model_dir), "--host", "127.0.0.1",
                "--port", str(self.ports[name]), "--device", "cpu", "--grace", "2",
                "--metrics-port", str(self.metrics_ports[name]), *extra]
@@ -159,6 +161,14 @@ class StageProcesses:
                     self.stop()
                     raise RuntimeError(f"{name} did not start (exit code {proc.returncode})")
         return self
+
+    def restart(self, name: str, timeout: float = 240) -> str:
+        """Start `name` again as it was started (stage, flags, port) once its process has ended; ready."""
+        assert self.procs[name].poll() is not None, f"{name} is still running"
+        self._ready.discard(name)
+        self.start(name, self.stages[name], *self.flags[name], port=self.ports[name])
+        self.wait_ready(timeout)
+        return self.address(name)
 
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"

@@ -63,9 +63,16 @@ def counters() -> dict[str, float]:
 
 
 def thinker_engine(model_dir, *flags: str):
+    """A CPU thinker. Its AudioRowCache (talker rows of cached audio blocks, tests/test_prefix_cache.py)
+    is off, so that each turn prefills from the same position as the uncached engine's and what is
+    compared here is the audio encoder cache alone, bit for bit."""
+    from voxpipe.services.thinker.runner import AudioRowCache
+
     ns = build_parser().parse_args(["thinker", "--model", str(model_dir), "--device", "cpu", "--max-batch", "4",
                                     *flags])
-    return thinker_server.build(ns)[0].engine
+    engine = thinker_server.build(ns)[0].engine
+    engine.runner.audio_rows = AudioRowCache(0)
+    return engine
 
 
 def run_turn(engine, turn: str) -> tuple[list[int], TalkerPromptOut, torch.Tensor]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from voxpipe.services.runtime.calls import context_exceeded
 from voxpipe.services.runtime.tensors import split_message, to_proto
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
@@ -31,7 +32,7 @@ IM_START, IM_END, USER, ASSISTANT = 388, 389, 268, 272
 AUDIO_PAD, IMAGE_PAD, VIDEO_PAD = 392, 393, 394
 NL = 198             # any ordinary token
 SERVER_MAX_MESSAGE = 64 * 1024 * 1024
-THINKER_CONTEXT, TALKER_CONTEXT = 65536, 8192   # the thinker's: the tiny model's max_position_embeddings
+THINKER_CONTEXT = TALKER_CONTEXT = 65536   # the tiny model's max_position_embeddings (each stage's default)
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024),
                    ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -100,6 +101,20 @@ def talker_prompt(users: int = 5, **override) -> pb.TalkerPrompt:
             p.ClearField(k)
         else:
             getattr(p, k).CopyFrom(v)
+    return p
+
+
+def audio_prompt(audio_rows: pb.Tensor | None | bool = True, keys: list[bytes] | None = None,
+                 follow: bool = False) -> pb.TalkerPrompt:
+    """A talker prompt of 5 user rows as token ids, rows 1 and 2 multimodal (one run): their rows in
+    audio_rows (`audio_rows`: True, a tensor, or None for none), one key each run unless `keys`."""
+    p = talker_prompt(user_rows=None, user_mm_mask=to_proto(torch.tensor([False, True, True, False, False])))
+    if audio_rows is True:
+        audio_rows = rows(2, seed=6)
+    if audio_rows is not None:
+        p.audio_rows.CopyFrom(audio_rows)
+    p.audio_keys.extend([b"k" * 16] if keys is None else keys)
+    p.audio_rows_follow = follow
     return p
 
 
@@ -314,7 +329,35 @@ CASES = [
     # user turns as token ids (user_rows unset): the talker looks them up, so they must be text rows it knows
     Case("talker", "ids-only-with-mm-rows", lambda: [talker_start(talker_prompt(
         user_rows=None, user_mm_mask=to_proto(torch.tensor([False, True, False, False, False]))))],
-         r"prompt\.user_rows is required when a user row is multimodal"),
+         r"prompt\.audio_rows \(or prompt\.user_rows\) is required when a user row is multimodal"),
+    # multimodal rows alone (audio_rows), keyed (audio_keys), or following the start (audio_rows_follow)
+    Case("talker", "audio-rows-count", lambda: [talker_start(audio_prompt(audio_rows=rows(1)))],
+         r"prompt\.audio_rows: shape \[1, 64\], expected \[2, 64\]"),
+    Case("talker", "audio-rows-with-user-rows", lambda: [talker_start(talker_prompt(audio_rows=rows(2)))],
+         r"prompt\.audio_rows goes without prompt\.user_rows"),
+    Case("talker", "audio-keys-count", lambda: [talker_start(audio_prompt(keys=[b"k" * 16] * 2))],
+         r"prompt\.audio_keys: 2 keys for 1 runs of multimodal user rows"),
+    Case("talker", "audio-key-too-long", lambda: [talker_start(audio_prompt(keys=[b"k" * 65]))],
+         r"prompt\.audio_keys: each key has 1 to 64 bytes"),
+    Case("talker", "audio-follow-without-keys", lambda: [talker_start(audio_prompt(audio_rows=None, keys=[],
+                                                                                   follow=True))],
+         r"prompt\.audio_rows_follow needs multimodal user rows with their audio_keys"),
+    Case("talker", "audio-rows-message-without-follow", lambda: [
+        talker_start(audio_prompt()), pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))), TEXT_END],
+         r"audio_rows only once, for a prompt with audio_rows_follow"),
+    Case("talker", "audio-rows-message-wrong-first", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(first=1, rows=rows(1))), TEXT_END],
+         r"audio_rows\.first 1: this talker holds the first 0 audio rows"),
+    Case("talker", "audio-rows-message-count", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(3))), TEXT_END],
+         r"audio_rows\.rows: shape \[3, 64\], expected \[2, 64\]"),
+    Case("talker", "audio-rows-message-twice", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))), TEXT_END],
+         r"audio_rows only once"),
     Case("talker", "ids-only-out-of-vocab", lambda: [talker_start(talker_prompt(
         user_rows=None, user_token_ids=to_proto(torch.tensor([1, 2, 3, 4, 10**9]))))],
          r"prompt\.user_token_ids: ids must be in \[0, \d+\) without prompt\.user_rows, got 1\.\.1000000000"),
@@ -384,8 +427,10 @@ CASES = [
          rf"payload of {3_000_000 * HIDDEN * 4 + 5 + 40 + 2 * 3 * HIDDEN * 4} bytes exceeds the limit of {512 * 1024 * 1024}"),
     Case("talker", "min-over-max", lambda: [talker_start(max_frames=4, min_frames=9)],
          r"min_frames 9 > max_frames 4"),
-    Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=500, min_frames=0)],
-         rf"8000 user rows \+ 9 prompt rows \+ max_frames 500 exceed the talker context of {TALKER_CONTEXT}", PAST_CONTEXT),
+    Case("talker", "too-long-for-context", lambda: [talker_start(talker_prompt(users=8000), max_frames=60000,
+                                                                  min_frames=0)],
+         rf"8000 user rows \+ 9 prompt rows \+ max_frames 60000 exceed the talker context of {TALKER_CONTEXT}",
+         PAST_CONTEXT),
     Case("talker", "bad-repetition-penalty",
          lambda: [talker_start(sampling=pb.Sampling(repetition_penalty=0.0))],
          r"repetition_penalty must be in \[0\.01, 100\], got 0\.0"),
@@ -459,6 +504,9 @@ CASES += [
     Case("code2wav", "echo-frames-without-to-listener",
          lambda: [pb.Code2WavRequest(start=pb.Code2WavStart(echo_frames=True)), frames(2), FRAMES_END],
          r"echo_frames needs to_listener"),
+    Case("code2wav", "playback-reports-without-to-listener",
+         lambda: [pb.Code2WavRequest(start=pb.Code2WavStart(playback_reports=True)), frames(2), FRAMES_END],
+         r"playback_reports needs to_listener"),
 ]
 
 # a reply given verbatim (text to speech: ThinkerStart.assistant_text)
@@ -498,6 +546,22 @@ def test_bad_request_gets_a_clear_status_and_the_stage_keeps_serving(stack, chan
     assert re.search(case.match, err.details() or ""), err.details()
     assert not any(r.WhichOneof("kind") == "finished" for r in responses)
     assert_still_serving(stack, channels, case.stage)
+
+
+def test_a_request_past_the_thinker_context_carries_its_numbers(stack, channels):
+    """OUT_OF_RANGE's trailing metadata holds a ContextExceeded (what realtime truncation learns the
+    context from): the prompt, the reply's room (max_tokens, or assistant_text's tokens), the context."""
+    _, err = call(channels, "thinker", [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 100)),
+                                                      max_tokens=200)])
+    assert err.code() == PAST_CONTEXT
+    assert context_exceeded(err) == pb.ContextExceeded(prompt_tokens=THINKER_CONTEXT - 100, reply_tokens=200,
+                                                       context_tokens=THINKER_CONTEXT)
+    _, err = call(channels, "thinker", [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 1)),
+                                                      assistant_text="Hi.")])
+    detail = context_exceeded(err)
+    assert err.code() == PAST_CONTEXT and detail.prompt_tokens == THINKER_CONTEXT - 1
+    assert detail.context_tokens == THINKER_CONTEXT and detail.reply_tokens >= 2     # "Hi." and <|im_end|>
+    assert_still_serving(stack, channels, "thinker")
 
 
 # ---------------------------------------------------------------------------------------------- large, chunked

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -309,9 +310,9 @@ def test_talker_prefill_batch_respects_the_padded_row_budget(tiny_model_dir):
             engine.submit(job)
         free = engine.runner.free_slots
         with engine.lock:
-            first = engine.scheduler.schedule(engine.waiting, engine.running, free).prefill
+            first = engine.scheduler.schedule(engine.waiting, engine.running, free, time.monotonic()).prefill
             rest = [j for j in engine.waiting if all(j is not f for f in first)]
-            second = engine.scheduler.schedule(rest, engine.running, free - len(first)).prefill
+            second = engine.scheduler.schedule(rest, engine.running, free - len(first), time.monotonic()).prefill
         return [len(first), len(second)]
 
     # 10, 40, 20 fit (3 x 49 rows); adding 5 would make 4 x 49 > budget; then 5 and 30 fit together

@@ -15,9 +15,14 @@ from voxpipe.gateway.converse import tool_call_messages
 from voxpipe.gateway.tools import ToolCallParser
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, Tool, ToolCall, render
 from voxpipe.v1 import gateway_pb2 as gw
+from voxpipe.v1 import stages_pb2 as pb
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = gw.FunctionTool(name="get_weather", description="The weather in a city.", parameters_json=json.dumps(SCHEMA))
+# no free strings: a constrained reply of the random model always completes within a few tokens
+BOUNDED = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"],
+           "additionalProperties": False}
+SHORT = gw.FunctionTool(name="get_weather", parameters_json=json.dumps(BOUNDED))
 HISTORY = [gw.HistoryItem(user_text="Weather in Oslo?"),
            gw.HistoryItem(function_call=gw.FunctionCall(call_id="c1", name="get_weather",
                                                         arguments_json='{"city": "Oslo"}')),
@@ -53,7 +58,11 @@ BAD = [
     (dict(text="hi", tools=[gw.FunctionTool(name="f", parameters_json="{")]), "not valid JSON"),
     (dict(text="hi", tools=[gw.FunctionTool(name="f", parameters_json='{"type": 3}')]), "not a valid JSON schema"),
     (dict(text="hi", tools=[WEATHER, WEATHER]), "used twice"),
-    (dict(text="hi", tools=[WEATHER], tool_choice=gw.TOOL_CHOICE_REQUIRED), "grammar-constrained"),
+    (dict(text="hi", tools=[WEATHER], tool_function="nope"), "is not one of tools"),
+    (dict(text="hi", tools=[WEATHER], tool_function="get_weather", tool_choice=gw.TOOL_CHOICE_NONE),
+     "excludes tool_choice TOOL_CHOICE_NONE"),
+    (dict(text="hi", tools=[WEATHER], tool_choice=gw.TOOL_CHOICE_REQUIRED, max_tokens=4, ignore_eos=True,
+          output_modalities=[gw.MODALITY_TEXT]), "excludes min_tokens / ignore_eos"),
     (dict(text="hi", tool_choice=gw.TOOL_CHOICE_REQUIRED), "needs tools"),
     (dict(history=[gw.HistoryItem(function_output=gw.FunctionOutput(call_id="zz", output="x"))]),
      "answers no function_call"),
@@ -68,3 +77,24 @@ def test_bad_tool_input_is_invalid_argument(channel, fields, message):
         converse(channel, start(**fields))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert message in err.value.details() and len(err.value.details()) < 400
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["required", "named"])
+def test_a_required_call_streams_as_deltas_and_is_never_spoken(channel, named):
+    """TOOL_CHOICE_REQUIRED / tool_function: the reply is a valid call (temperature 1), written out as
+    ToolCallDeltas (head, then argument pieces that add up to the ToolCallOutput's arguments), with
+    audio asked for and none made (no talker: audio_finish unspecified)."""
+    import jsonschema
+
+    seed = 1 if named else 0
+    kw = dict(tool_function="get_weather") if named else dict(tool_choice=gw.TOOL_CHOICE_REQUIRED)
+    out = converse(channel, start(text="Weather in Oslo?", tools=[SHORT], max_tokens=120, single_tool_call=True,
+                                  sampling=pb.Sampling(temperature=1.0, seed=seed), **kw))
+    text, audio, done = split(out)
+    assert not audio and done.audio_finish == pb.FINISH_REASON_UNSPECIFIED and not "".join(t.text for t in text)
+    assert done.text_finish == pb.STOP
+    deltas = [r.tool_call_delta for r in out if r.WhichOneof("kind") == "tool_call_delta"]
+    [call] = [r.tool_call for r in out if r.WhichOneof("kind") == "tool_call"]
+    assert deltas[0].call_id == call.call.call_id and deltas[0].name == "get_weather" == call.call.name
+    assert len(deltas) > 2 and "".join(d.arguments_delta for d in deltas) == call.call.arguments_json
+    jsonschema.validate(json.loads(call.call.arguments_json), BOUNDED)

@@ -289,9 +289,9 @@ AUDIO_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "ethan", "forma
     ({"max_completion_tokens": 2**31}, r"the thinker rejected the request: prompt of \d+ tokens \+ max_tokens "
                                        r"2147483648 exceeds the context of 65536"),
     ({"max_tokens": 2**32}, r"'max_tokens' must be an integer from 1 to 4294967295"),
-    ({**AUDIO_OUT, "max_tokens": 2, "max_audio_frames": 9000},
-     r"the talker rejected the request: \d+ user rows \+ \d+ prompt rows \+ max_frames 9000 exceed the talker "
-     r"context of 8192"),
+    ({**AUDIO_OUT, "max_tokens": 2, "max_audio_frames": 70000},
+     r"the talker rejected the request: \d+ user rows \+ \d+ prompt rows \+ max_frames 70000 exceed the talker "
+     r"context of 65536"),
     ({"messages": [{"role": "user", "content": "x" * 200_001}]}, r"the limit is 200000"),
     ({"stop": ["a"] * 5}, r"at most 4 stop strings"),
     ({"logprobs": True, "top_logprobs": 21}, r"'top_logprobs' must be an integer from 0 to 20"),
@@ -308,10 +308,10 @@ def test_every_limit_is_checked_before_a_stream_opens(gateway, model, extra, pat
 
 @pytest.mark.parametrize("stream_format", ["audio", "sse"])
 def test_speech_limits_are_checked_before_the_audio_starts(gateway, model, stream_format):
-    body = {"model": model, "input": "hi", "voice": "ethan", "response_format": "pcm", "max_audio_frames": 9000,
+    body = {"model": model, "input": "hi", "voice": "ethan", "response_format": "pcm", "max_audio_frames": 70000,
             "stream_format": stream_format}
     err = assert_openai_error(post(gateway, "/v1/audio/speech", json.dumps(body)), 400,
-                              r"the talker rejected the request: .*max_frames 9000 exceed the talker context of 8192")
+                              r"the talker rejected the request: .*max_frames 70000 exceed the talker context of 65536")
     assert err["code"] == "context_length_exceeded"
 
 
@@ -587,3 +587,33 @@ def test_stage_down_is_503(strict_gateway, chain):
             pass
     ready = httpx.get(f"{strict_gateway.base_url}/ready")
     assert ready.status_code == 503 and ready.json()["ready"] is False
+
+
+def _requests_total(gateway, route: str) -> dict[str, float]:
+    text = httpx.get(f"{gateway.base_url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(rf'^voxpipe_gateway_requests_total{{route="{re.escape(route)}",status="(\d+)"}} (\S+)$', text, re.M)}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/audio/speech"])
+def test_a_client_gone_before_its_answer_is_499_not_a_server_error(gateway, model, path):
+    """A client that sends its whole request and closes the socket at once (the bench's `at_once`
+    disconnects): the gateway sees the disconnect while reading the body -- that is the client's doing,
+    counted as 499 (nginx's "client closed request"), never a 500 with a traceback."""
+    body = (chat_body(model, modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+            if path == "/v1/chat/completions" else json.dumps({"model": model, "input": "Hi.", "voice": "ethan"}))
+    before = _requests_total(gateway, path)
+    rounds = 10
+    for _ in range(rounds):
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as conn:
+            conn.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    deadline = time.monotonic() + 30
+    while True:
+        after = _requests_total(gateway, path)
+        counted = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        if sum(counted.values()) >= rounds or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not counted.get("500"), counted
+    assert sum(counted.values()) == rounds, counted

@@ -308,7 +308,7 @@ def test_talker_poisoned_rows_fail_alone(talker_engine):
         await _assert_poisoned(penalty, "talker")
         for job, want in zip(together, solo):
             assert torch.equal(await _talker_frames(job), want)
-        assert engine.runner.cache.used == 0
+        assert engine.runner.blocks.pool.used == 0 and engine.runner.free_slots == 4
         # a longer poisoned prompt alone in slot 0, then the innocents together (as for the thinker)
         rows = _talker_job(engine, loop, "bad-rows-2", 8, default, scale=HUGE, users=30)
         _run(engine, [rows])

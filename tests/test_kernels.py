@@ -39,7 +39,7 @@ BUDGET_16_P = 2.0
 SAMPLE_MISMATCH = 0.02
 EPS = 1e-6
 KERNELS = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "normlinear", "attention", "experts",
-           "invariant", "layers")
+           "invariant", "layers", "paged_attention")
 
 try:
     import triton  # noqa: F401  (imported only to know; no kernel runs in this process on the CPU)
@@ -823,13 +823,65 @@ def check_invariant(device: str) -> list[dict]:
                                     invariant.attention_eligible(q32, kv32[0], kv32[1], mask),
                                     invariant.run_attention(q32, kv32[0], kv32[1], mask, 0.2),
                                     invariant.reference_attention(q32, kv32[0], kv32[1], mask, 0.2)))
+
+
+def check_paged_attention(device: str) -> list[dict]:
+    """Decode (S=1) and extend (S>1) rows of mixed lengths over shuffled block tables, split and
+    unsplit; a row alone equals the row inside a batch bit for bit when the split is fixed; and
+    the fallbacks."""
+    from voxpipe.kernels import paged_attention as pa
+    g = torch.Generator().manual_seed(12)
+    out = []
+    blocks = 48
+    for n, hq, hkv, s, d, bs, bound, split in [(3, 8, 2, 1, 32, 16, 100, None), (4, 4, 4, 1, 16, 8, 300, 64),
+                                              (2, 8, 2, 5, 32, 16, 90, 64), (2, 8, 2, 20, 32, 16, 70, None),
+                                              (1, 8, 2, 1, 32, 16, 600, None)]:
+        width = -(-bound // bs) + 1
+        tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(n)]).to(device)
+        start = torch.randint(0, bound - s + 1, (n,), generator=g)
+        start[0] = bound - s                                           # one row reaches the bound
+        start = start.to(device)
+        for dt in (torch.float32, torch.bfloat16):
+            kc, vc = (torch.randn(blocks, hkv, bs, d, generator=g).to(device).to(dt) for _ in range(2))
+            q = torch.randn(n, s, hq, d, generator=g).to(device).to(dt).transpose(1, 2)   # head-strided
+            tag = f"{str(dt)[6:]} n={n} {hq}/{hkv}x{d} S={s} bs={bs} bound={bound} split={split}"
+            assert pa.eligible(q, kc, vc, tables, start), f"paged attention {tag} should launch on {device}"
+            got = pa.run(q, kc, vc, tables, start, bound, d ** -0.5, split)
+            want = pa.reference(q, kc, vc, tables, start, bound, d ** -0.5)
+            if dt == torch.float32:
+                out.append(_fp32_record(f"paged attention {tag}", got, want))
+            else:
+                want32 = pa.reference(q.float(), kc.float(), vc.float(), tables, start, bound, d ** -0.5)
+                out.append(_budget_record(f"paged attention {tag}", got, want, want32))
+            if split is not None:
+                alone = [pa.run(q[i:i + 1], kc, vc, tables[i:i + 1], start[i:i + 1], int(start[i]) + s, d ** -0.5,
+                                split) for i in range(n)]
+                out.append(_exact_record(f"paged attention batch-invariant {tag}", torch.cat(alone), got))
+    q = torch.randn(2, 4, 1, 32, generator=g).to(device)
+    kc, vc = torch.randn(8, 2, 4, 32, generator=g).to(device), torch.randn(8, 2, 4, 32, generator=g).to(device)
+    tables, start = torch.arange(8, device=device).view(2, 4), torch.tensor([5, 9], device=device)
+    cases = {
+        "float64": (q.double(), kc.double(), vc.double(), tables, start),
+        "head_dim not a power of two": (q[..., :24], kc[..., :24].contiguous(), vc[..., :24].contiguous(), tables, start),
+        "cache not contiguous": (q, kc.transpose(2, 3).contiguous().transpose(2, 3), vc, tables, start),
+        "int32 tables": (q, kc, vc, tables.int(), start),
+    }
+    for name, args in cases.items():
+        eligible = pa.eligible(*args)
+        out.append(_fallback_record(f"paged attention fallback {name}", eligible, pa.run(*args, 10, 0.2),
+                                    pa.reference(*args, 10, 0.2)))
+    with _disabled():
+        out.append(_fallback_record("paged attention fallback ENABLED=False", pa.eligible(q, kc, vc, tables, start),
+                                    pa.run(q, kc, vc, tables, start, 10, 0.2),
+                                    pa.reference(q, kc, vc, tables, start, 10, 0.2)))
     return out
 
 
 CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling, "sample": check_sample,
           "rope": check_rope,
           "moe": check_moe, "glu": check_glu, "normlinear": check_normlinear, "attention": check_attention,
-          "experts": check_experts, "invariant": check_invariant, "layers": check_layers}
+          "experts": check_experts, "invariant": check_invariant, "layers": check_layers,
+          "paged_attention": check_paged_attention}
 
 
 def assert_records(records: list[dict]) -> None:

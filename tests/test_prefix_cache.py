@@ -15,7 +15,7 @@ from voxpipe.services.runtime import metrics
 from voxpipe.services.runtime.block_pool import BlockPool, ContentSpan, KVBlockManager, prefix_hashes
 from voxpipe.services.runtime.engine import Outbox
 from voxpipe.services.runtime.kv_cache import _causal_sdpa, _sdpa
-from voxpipe.services.runtime.outputs import Finished, TextOut
+from voxpipe.services.runtime.outputs import Finished, TalkerPromptOut, TextOut
 from voxpipe.services.runtime.paged_kv import PagedKVCache, PagedPackedStep
 from voxpipe.services.runtime.tensors import to_proto
 from voxpipe.services.thinker.job import ThinkerJob
@@ -173,6 +173,30 @@ def uncached(tiny_model_dir):
     return _engine(tiny_model_dir, "--no-prefix-cache")
 
 
+@pytest.fixture(scope="module")
+def graphed(tiny_model_dir):
+    """The cached engine with its CUDA-graph plans emulated on the CPU (cuda_graphs.EMULATE): a
+    prompt with a cached prefix replays the extend graph (right-padded rows from their cached
+    prefixes), a short prompt without one the prefill graph, decode the decode graph."""
+    from voxpipe.services.runtime import cuda_graphs
+    before = cuda_graphs.EMULATE
+    cuda_graphs.EMULATE = True
+    try:
+        engine = _engine(tiny_model_dir)
+    finally:
+        cuda_graphs.EMULATE = before
+    g = engine.runner.extend_graphs
+    assert g is not None and g.emulated
+    fn, g.replays = g.fn, 0
+
+    def counted(*args):
+        g.replays += 1
+        return fn(*args)
+
+    g.fn = counted
+    return engine
+
+
 def _job(engine, rid: str, messages: list[ChatMessage], max_tokens: int = 6, talker_rows: bool = True):
     rendered = render(engine.tokenizer, engine.cfg, messages)
     return ThinkerJob(request_id=rid, outbox=Outbox(asyncio.get_event_loop(), limit=10_000), prompt=rendered.token_ids,
@@ -187,15 +211,19 @@ def _run(engine, jobs) -> None:
         engine.step()
 
 
-def _output(job) -> tuple[list[int], list[bytes], Finished]:
-    """The job's token ids, its talker rows (bytes) and its Finished."""
+def _output(job) -> tuple[list[int], list[bytes], Finished, list[bytes]]:
+    """The job's token ids, its talker rows (bytes), its Finished, and its talker prompt's user rows
+    and assistant head (bytes; none when it sent no talker prompt)."""
     asyncio.get_event_loop().run_until_complete(asyncio.sleep(0))
     items = []
     while (got := job.outbox.poll_timed()) is not None:
         items.append(got[0])
     assert isinstance(items[-1], Finished), items[-1]
     outs = [i for i in items if isinstance(i, TextOut)]
-    return [t for o in outs for t in o.token_ids], [to_proto(o.rows).data for o in outs if o.rows is not None], items[-1]
+    prompts = [to_proto(t).data for p in items if isinstance(p, TalkerPromptOut)
+               for t in (p.user_rows, p.assistant_head) if t is not None]
+    return ([t for o in outs for t in o.token_ids], [to_proto(o.rows).data for o in outs if o.rows is not None],
+            items[-1], prompts)
 
 
 @pytest.fixture(scope="module")
@@ -206,18 +234,27 @@ def loop():
     loop.close()
 
 
+_UNCACHED: dict[tuple[int, ...], tuple] = {}   # prompt -> the uncached engine's (ids, rows)
+
+
+@pytest.mark.parametrize("which", ["cached", "graphed"])
 def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache_and_transformers(
-        cached, uncached, tiny_model_dir, loop):
+        which, uncached, tiny_model_dir, loop, request):
+    cached = request.getfixturevalue(which)
     system = ChatMessage.text("system", "You are a lighthouse keeper who answers in long careful sentences.")
     turn1 = [system, ChatMessage.text("user", "Tell me about the sea at night, and the ships that pass.")]
     hits = []
 
     def both(rid, messages):
-        a, b = _job(cached, rid, messages), _job(uncached, rid, messages)
+        a = _job(cached, rid, messages)
         _run(cached, [a])
-        _run(uncached, [b])
-        got, want = _output(a), _output(b)
-        assert got[:2] == want[:2], rid
+        got = _output(a)
+        key = tuple(a.prompt)
+        if key not in _UNCACHED:       # the same prompts in both parametrizations: run the uncached engine once
+            b = _job(uncached, rid, messages)
+            _run(uncached, [b])
+            _UNCACHED[key] = _output(b)[:2]
+        assert got[:2] == _UNCACHED[key], rid
         hits.append(got[2].cached_tokens)
         return a.prompt, got[0]
 
@@ -232,11 +269,13 @@ def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache
     assert hits[-1] == ((len(prompt2) - 1) // BS) * BS              # a hit: all but the last block
     both("other", [ChatMessage.text("system", "Another persona."), ChatMessage.text("user", "Hi!")])
     assert hits[-1] == 0                                          # a miss
-    for prompt, reply in ((prompt1, reply1), (prompt2, reply2)):
+    for prompt, reply in ((prompt1, reply1), (prompt2, reply2)) if which == "cached" else ():   # equal replies: once
         ref = reference_generate(tiny_model_dir, prompt, max_tokens=6, min_tokens=6, max_frames=2, min_frames=2)
         assert reply == ref.text_ids
     get = metrics.REGISTRY.get_sample_value
     assert get("voxpipe_prefix_cache_tokens_total", {"stage": "thinker", "kind": "hit"}) >= sum(hits)
+    if which == "graphed":
+        assert cached.runner.extend_graphs.replays >= 2           # the two hits went on in the extend graph
 
 
 def test_eviction_under_a_small_pool_keeps_outputs(tiny_model_dir, uncached, loop):
@@ -288,6 +327,8 @@ def test_audio_turns_hit_by_content_and_a_talker_prompt_keeps_its_audio_rows(cac
         _run(uncached, [b])
         got, want = _output(a), _output(b)
         assert got[:2] == want[:2], rid
+        for g, w in zip(got[3], want[3]):   # hidden rows: chunked after a prefix vs one prefill, fp32 order
+            assert torch.allclose(_rows(g), _rows(w), atol=1e-5, rtol=1e-5), rid
         return a, got
 
     job, _ = turn(clip, "clip", False)
@@ -297,19 +338,27 @@ def test_audio_turns_hit_by_content_and_a_talker_prompt_keeps_its_audio_rows(cac
     _, got = turn(other, "other-clip", False)
     assert got[2].cached_tokens <= first_audio                     # other content, same ids: a miss from there
     # a talker prompt needs the audio rows' hidden layer: no cached prefix past the first placeholder
-    _, got = turn(clip, "clip-talker", True)
-    assert 0 < got[2].cached_tokens <= first_audio
+    # until a talker prompt of this prefix made them (then they are cached with its blocks)
+    _, miss = turn(clip, "clip-talker", True)
+    assert 0 < miss[2].cached_tokens <= first_audio and miss[3]
+    _, hit = turn(clip, "clip-talker-again", True)
+    assert hit[2].cached_tokens > first_audio + BS
+    assert hit[3] == miss[3]              # the audio rows from the cache: the miss's bits, exactly
     ref = reference_generate(tiny_model_dir, again.prompt, input_features=clip, max_tokens=6, min_tokens=6,
                              max_frames=2, min_frames=2)
     assert _output_ids_of(cached, again.prompt, clip) == ref.text_ids
     assert num_audio_tokens(clip.shape[1]) == again.prompt.count(cached.cfg.tokens.audio_token)
 
 
+def _rows(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+
 def _output_ids_of(engine, prompt, clip) -> list[int]:
     job = ThinkerJob(request_id="ids", outbox=Outbox(asyncio.get_event_loop(), limit=10_000), prompt=list(prompt),
                      audio=[clip], max_tokens=6, min_tokens=6)
     _run(engine, [job])
-    ids, _, done = _output(job)
+    ids, _, done, _ = _output(job)
     assert done.cached_tokens > 0
     return ids
 
@@ -405,6 +454,37 @@ def test_the_conversation_workload_reports_each_turns_cached_fraction(stack, omn
     assert report["levels"][0]["failed"] == 0 and [t["turn"] for t in turns] == [1, 2]
     assert turns[0]["cached_fraction"] < 0.5 < turns[1]["cached_fraction"] < 1
     assert all(t["ttfp_p50_ms"] > 0 for t in turns)
+    level = report["levels"][0]
+    # one replica: both turns on it, its cached share the level's
+    assert list(level["replicas"]) == [stack.address("thinker")] and level["load_spread"] == 0
+    assert level["replicas"][stack.address("thinker")]["cached_fraction"] == level["cached_fraction"] > 0
     lc = report["long_context"]
     assert lc["cold"]["error"] is None and lc["repeated"]["cached_tokens"] >= lc["prompt_tokens"] - BS
     assert "conversation: 40-token user turns" in conversation.section(report)
+
+
+def test_the_voice_conversation_workload_hits_earlier_clips(stack, omni_config, tiny_model_dir):
+    """bench's voice-conversation: each user turn a new clip (the voice clip rotated per turn); turn 2
+    re-sends turn 1's clip, which the prefix cache (keyed by the clip's content) holds."""
+    from voxpipe.bench import conversation
+    from voxpipe.bench.requests import RequestMaker
+    from voxpipe.bench.voice_clip import load_clip
+    from voxpipe.bench.workload import WORKLOADS
+    from voxpipe.client import PipelineClient
+    from voxpipe.services.thinker.prompt import FeatureExtractor
+
+    wl = WORKLOADS["voice-conversation"]
+    maker = RequestMaker(wl, omni_config, None, load_clip(None), FeatureExtractor.for_model(tiny_model_dir,
+                                                                                           omni_config.thinker))
+    assert not torch.equal(maker.turn_audio(0, 1), maker.turn_audio(0, 2))     # every turn is new audio
+    settings = conversation.Settings(turns=2, turn_tokens=1, text_tokens=4, frames=3, context_tokens=0)
+
+    async def go():
+        async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
+            return await conversation.run(client.stream, omni_config, settings, [1], maker.turn_audio)
+
+    report = asyncio.run(go())
+    turns = report["levels"][0]["turns"]
+    assert report["levels"][0]["failed"] == 0 and [t["turn"] for t in turns] == [1, 2]
+    assert turns[0]["cached_fraction"] < 0.5 < turns[1]["cached_fraction"] < 1
+    assert "conversation: a voice clip (rotated per turn) user turns" in conversation.section(report)

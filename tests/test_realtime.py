@@ -287,6 +287,10 @@ def test_spoken_turn_with_server_vad(gateway, stack, tokenizer, omni_config, tin
     ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, heard, max_tokens=4, max_frames=8)
     assert "".join(d["delta"] for d in of(events, "response.output_audio_transcript.delta")) == ref_text
     assert_same_audio(decoded(of(events, "response.output_audio.delta")), ref_pcm)
+    # the reply's first audio is timed from the end of speech (a person hears that delay)
+    body = urllib.request.urlopen(f"{gateway.base_url}/metrics", timeout=5).read().decode()
+    timed = re.search(r'^voxpipe_gateway_realtime_ttfp_seconds_count\{since="speech_stopped"\} (\S+)$', body, re.M)
+    assert timed and float(timed.group(1)) >= 1
 
 
 def test_manual_commit_then_multi_turn(gateway, stack, tokenizer, omni_config, tiny_model_dir):
@@ -539,6 +543,19 @@ REFUSED_UPDATES = [
     ({"instructions": 5}, "session.instructions"),
     ({"max_audio_frames": 0}, "session.max_audio_frames"),
     ({"ignore_eos": "yes"}, "session.ignore_eos"),
+    ({"truncation": "sometimes"}, "session.truncation"),
+    ({"truncation": 0.5}, "session.truncation"),
+    ({"truncation": {"type": "tokens"}}, "session.truncation.type"),
+    ({"truncation": {"type": "retention_ratio"}}, "session.truncation.retention_ratio"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 1.5}}, "session.truncation.retention_ratio"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": "half"}}, "session.truncation.retention_ratio"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "keep": "x" * 10_000}}, "session.truncation.keep"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": 5}},
+     "session.truncation.token_limits"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"post_instructions": 0}}},
+     "session.truncation.token_limits.post_instructions"),
+    ({"truncation": {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"pre_instructions": 9}}},
+     "session.truncation.token_limits.pre_instructions"),
 ]
 
 
@@ -570,6 +587,7 @@ def test_a_refused_session_update_changes_nothing(gateway):
     assert "1000000 characters; the limit is 16384" in errors[0]["message"]
     assert "from 1 to 4096 or \"inf\"" in errors[1]["message"]
     assert after == before and after["instructions"] == "Be brief." and after["max_output_tokens"] == 3
+    assert before["truncation"] == "auto"
     assert widest["max_output_tokens"] == 4096
     done = turn[-1]["response"]
     assert done["status"] in ("completed", "incomplete") and done["usage"]["output_token_details"]["text_tokens"] <= 3

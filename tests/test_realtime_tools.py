@@ -18,6 +18,7 @@ from voxpipe.gateway.generation import Generation, run_pipeline
 from voxpipe.gateway.realtime.events import Dialect, ResponseOverrides
 from voxpipe.gateway.realtime.response import ResponseContext, ResponseRun
 from voxpipe.gateway.realtime.session import Conversation, ResponseSettings, SessionConfig
+from voxpipe.gateway.realtime.truncation import PromptWindow
 from voxpipe.gateway.state import GatewayState
 from voxpipe.gateway.tool_params import ToolOptions, tool_list
 from voxpipe.client import PipelineClient
@@ -25,6 +26,9 @@ from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, ToolCall, ren
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+# no free strings: a constrained reply of the random model always completes within a few tokens
+SHORT = {**WEATHER, "parameters": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+                                   "required": ["city"], "additionalProperties": False}}
 CALL_TEXT = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 
 
@@ -66,8 +70,6 @@ def test_bad_tool_events_get_errors_and_the_session_goes_on(gateway):
                     {"type": "session.update", "session": {"type": "realtime", "tools": [
                         {**WEATHER, "parameters": {"type": 5}}]}},
                     {"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "mcp"}]}},
-                    {"type": "session.update", "session": {"type": "realtime", "tools": [WEATHER],
-                                                           "tool_choice": "required"}},
                     {"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "call_x",
                                                                   "output": "?"}},
                     {"type": "conversation.item.create", "item": {"type": "function_call", "call_id": "c"}},
@@ -79,9 +81,9 @@ def test_bad_tool_events_get_errors_and_the_session_goes_on(gateway):
 
     errors, session = run(go())
     assert [e["param"] for e in errors] == ["session.tool_choice", "session.tools[0].parameters", "session.tools[0].type",
-                                            "session.tool_choice", "item.call_id", "item.name", "response.tool_choice"]
-    assert "not in 'tools'" in errors[0]["message"] and "answers no function_call" in errors[4]["message"]
-    assert "grammar-constrained" in errors[3]["message"] and "needs 'tools'" in errors[6]["message"]
+                                            "item.call_id", "item.name", "response.tool_choice"]
+    assert "not in 'tools'" in errors[0]["message"] and "answers no function_call" in errors[3]["message"]
+    assert "needs 'tools'" in errors[5]["message"]
     assert all(e["type"] == "invalid_request_error" and len(e["message"]) < 400 for e in errors)
     assert session["tools"] == [WEATHER]
 
@@ -106,7 +108,7 @@ def given_run(stack, tiny_model_dir, text: str, beta: bool = False):
     async def go():
         async with PipelineClient(state.config.thinker, state.config.code2wav) as state.pipeline:
             gen = Generation.of(state)
-            given = Generation(render=gen.render, audio_token=gen.audio_token,
+            given = Generation(render=gen.render, audio_token=gen.audio_token, turn_start=gen.turn_start,
                                run=lambda req, arrived: run_pipeline(state, dataclasses.replace(req, assistant_text=text),
                                                                      arrived))
             ctx = ResponseContext(generation=given, conversation_id="conv_1", emit=emit,
@@ -115,7 +117,7 @@ def given_run(stack, tiny_model_dir, text: str, beta: bool = False):
             session = SessionConfig(id="sess_1", model="m", voice="", audio_out=False,
                                     tools=ToolOptions(tools=tool_list([WEATHER], "tools", nested=False)))
             settings = ResponseSettings.resolve(session, ResponseOverrides(), {})
-            r = ResponseRun(ctx, settings, [ChatMessage.text("user", "Weather in Oslo?")])
+            r = ResponseRun(ctx, settings, PromptWindow("", (("item_1", ChatMessage.text("user", "Weather in Oslo?")),)))
             r.start()
             await r.task
     asyncio.run(go())
@@ -142,3 +144,44 @@ def test_a_reply_with_a_call_gives_a_function_call_item(stack, tiny_model_dir):
     # beta: the same events under their beta names
     beta_events, _ = given_run(stack, tiny_model_dir, CALL_TEXT, beta=True)
     assert of(beta_events, "response.function_call_arguments.done") and of(beta_events, "conversation.item.created")
+
+
+def test_a_required_call_is_constrained_streamed_and_never_spoken(gateway):
+    """tool_choice 'required' (and a named function, per response): the reply is a valid call, sampled
+    at temperature 1; its arguments come in several deltas as they are written, which add up to the
+    `.done` arguments; with audio output nothing is spoken (no audio deltas). ignore_eos with a
+    required call: the response fails naming tool_choice."""
+    import jsonschema
+
+    async def go():
+        async with realtime(gateway) as rt:
+            await rt.update(**{**MANUAL, "temperature": 1.0}, tools=[SHORT], tool_choice="required",
+                            max_output_tokens=120)
+            await rt.send("conversation.item.create", item=user_text("Weather in Oslo?"))
+            await rt.until("conversation.item.done")
+            runs = []
+            for choice in ("required", {"type": "function", "name": "get_weather"}):
+                await rt.send("response.create", response={"tool_choice": choice})
+                runs.append(await rt.until("response.done", timeout=120))
+            await rt.update(type="realtime", ignore_eos=True, max_audio_frames=8)
+            await rt.send("response.create", response={})
+            runs.append(await rt.until("response.done", timeout=60))
+            return runs
+
+    *calls, forced = run(go())
+    checked = 0
+    for events in calls:
+        assert not of(events, "response.output_audio.delta")
+        response = events[-1]["response"]
+        assert response["status"] in ("completed", "incomplete"), response    # more calls may follow, to the limit
+        done = of(events, "response.function_call_arguments.done")
+        deltas = of(events, "response.function_call_arguments.delta")
+        assert done and all(d["name"] == "get_weather" for d in done)
+        for d in done[:-1] if response["status"] == "incomplete" else done:     # the last one may be cut
+            pieces = [x["delta"] for x in deltas if x["item_id"] == d["item_id"]]
+            assert len(pieces) > 1 and "".join(pieces) == d["arguments"]
+            jsonschema.validate(json.loads(d["arguments"]), SHORT["parameters"])
+            checked += 1
+    assert checked
+    details = forced[-1]["response"]["status_details"]
+    assert forced[-1]["response"]["status"] == "failed" and "ignore_eos" in details["error"]["message"]

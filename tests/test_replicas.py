@@ -32,6 +32,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import GatewayProcess, free_port
+from voxpipe.bench import conversation
+from voxpipe.bench.conversation import Conversation
 from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, StageEvent
 from voxpipe.services.runtime.balancer import resolve
 from voxpipe.services.thinker.prompt import ChatMessage, render
@@ -353,8 +355,116 @@ def test_gateway_with_dns_replica_lists(replicas, tiny_model_dir):
             assert resp.status_code == 200, resp.text
             assert len(resp.content) == 2 * samples_for(6)
         assert sum(p.finished_streams() for p in replicas.code2wavs) - before == 2
+        # how the gateway chose its thinkers (two replicas: keyed by the rendered prompts' blocks)
+        text = httpx.get(f"{gw.base_url}/metrics", timeout=10).text
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(text) for s in fam.samples}
+        routed = {dict(k)["outcome"]: v for (name, k), v in samples.items() if name == "voxpipe_gateway_routed_total"}
+        assert sum(routed.values()) == 2 and set(routed) == {"session", "prefix", "least_loaded"}, routed
+        tokens = {dict(k)["kind"]: v for (name, k), v in samples.items()
+                  if name == "voxpipe_gateway_routed_prefix_tokens_total"}
+        assert tokens["queried"] > 0 and 0 <= tokens["matched"] <= tokens["queried"], tokens
     finally:
         gw.stop()
+
+
+# ----------------------------------------------------------------------------- affinity
+
+@dataclass
+class Turn:
+    thinker: str
+    prompt_tokens: int
+    cached_tokens: int
+    reply: list[int]
+
+
+async def converse(client: PipelineClient, cfg, session: int, level: int, turns: int, keyed: bool = False,
+                   before_turn=None) -> list[Turn]:
+    """One text conversation (voxpipe.bench.conversation: each turn re-sends the history as token
+    ids), greedy, 4 tokens a reply; `keyed`: with a session key (as realtime sends); `before_turn(i,
+    turns so far)` runs before turn i."""
+    conv = Conversation(cfg, conversation.Settings(turns, 24, 4, 0, 0), session, level)
+    out: list[Turn] = []
+    for i in range(turns):
+        if before_turn is not None:
+            before_turn(i, out)
+        prompt = conv.ask()
+        res = await client.collect(SpeechRequest(token_ids=prompt, audio=False, max_tokens=4, min_tokens=4,
+                                                 session=f"conv-{level}-{session}" if keyed else None))
+        out.append(Turn(res.done.routes["thinker"], res.done.prompt_tokens, res.done.cached_tokens, res.text_ids))
+        conv.answered(prompt, res.text_ids)
+    return out
+
+
+def hits(rs: Replicas) -> list[float]:
+    return [p.metric("voxpipe_prefix_cache_tokens_total", stage="thinker", kind="hit") for p in rs.thinkers]
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["chat-prefix", "realtime-session"])
+def test_a_conversations_turns_all_hit_on_one_replica(replicas, omni_config, keyed):
+    replicas.revive()
+    before = hits(replicas)
+
+    async def go():
+        async with replicas.client() as client:
+            turns = await converse(client, omni_config, 0, 100 + keyed, 4, keyed)
+            return turns, dict(client.thinker.affinity.stats.outcomes), client.thinker.affinity.stats
+
+    turns, outcomes, stats = run(go())
+    assert len({t.thinker for t in turns}) == 1, [t.thinker for t in turns]
+    cached = [t.cached_tokens for t in turns]
+    assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:])), cached
+    assert outcomes == {"least_loaded": 1, ("session" if keyed else "prefix"): 3}
+    assert stats.queried_tokens == sum(t.prompt_tokens for t in turns) and 0 < stats.matched_tokens
+    # the replica that served them found them in its cache; the other found nothing
+    served = [p.serves(turns[0].thinker) for p in replicas.thinkers]
+    delta = [h - b for h, b in zip(hits(replicas), before)]
+    assert delta == [sum(cached) if s else 0 for s in served], (delta, served)
+
+
+def test_many_sessions_spread_within_the_bound_and_hit_as_on_one_replica(replicas, omni_config):
+    """The bench's conversation workload (8 sessions of 3 turns) on two replicas, then on one: the
+    same cached share within 5 % (each session stays where its cache is), and the turns split
+    evenly (least-loaded first turns, 4 / 4, then each session's turns follow it)."""
+    replicas.revive()
+    settings = conversation.Settings(turns=3, turn_tokens=24, text_tokens=4, frames=2, context_tokens=0)
+
+    async def go(thinkers, sessions):
+        async with replicas.client(thinkers) as client:
+            return await conversation.run_level(client.stream, omni_config, settings, sessions)
+
+    two = run(go(None, 8))
+    one = run(go(replicas.thinkers[:1], 9))      # 9 sessions: other words than the 8's (the level seeds them)
+    assert two.failed == one.failed == 0
+    assert two.cached_fraction >= one.cached_fraction - 0.05, (two.cached_fraction, one.cached_fraction)
+    assert sorted(d["turns"] for d in two.replicas.values()) == [12, 12] and two.load_spread == 0, two.replicas
+    assert len(one.replicas) == 1 and one.load_spread == 0
+
+
+def test_a_killed_replicas_sessions_continue_on_the_other_with_the_same_output(replicas, omni_config):
+    replicas.revive()
+    killed: list[StageProcess] = []
+
+    def kill_after_two(i: int, done: list[Turn]) -> None:
+        if i == 2:
+            victim = replicas.process("thinker", done[-1].thinker)
+            victim.proc.kill()
+            victim.proc.wait()
+            killed.append(victim)
+
+    async def go(before_turn):
+        async with replicas.client() as client:
+            turns = await converse(client, omni_config, 0, 300, 4, keyed=True, before_turn=before_turn)
+            return turns, dict(client.thinker.affinity.sessions)
+
+    reference, _ = run(go(None))
+    turns, sessions = run(go(kill_after_two))
+    assert [t.reply for t in turns] == [t.reply for t in reference]     # greedy: the same answers
+    victim, = killed
+    survivor = next(p for p in replicas.thinkers if p is not victim)
+    assert [victim.serves(t.thinker) for t in turns] == [True, True, False, False], [t.thinker for t in turns]
+    assert survivor.serves(turns[3].thinker) and turns[3].cached_tokens > 0    # it went on caching there
+    assert [survivor.serves(a) for a in sessions.values()] == [True]
 
 
 # ----------------------------------------------------------------------------- failures

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from voxpipe.services.code2wav.scheduler import MAX_FRAMES_PER_STEP, Code2WavScheduler
+from voxpipe.services.runtime.playback import PlaybackClock
 from voxpipe.services.talker.scheduler import PROMPT_TAIL, TalkerScheduler, TextRow, text_row
 from voxpipe.services.thinker.scheduler import ThinkerScheduler
 
@@ -30,6 +31,8 @@ class Utterance:
     frames_decoded: int = 0
     owed: int = 0
     outbox: Reader = field(default_factory=Reader)
+    playback: PlaybackClock = field(default_factory=PlaybackClock)
+    skips: int = 0
 
     def add(self, n: int, end: bool = False) -> None:
         self.frames.extend(range(len(self.frames), len(self.frames) + n))
@@ -41,6 +44,7 @@ class Code2WavStage:
 
     def __init__(self, slots: int) -> None:
         self.scheduler = Code2WavScheduler()
+        self.now = 0.0          # the fake clock the playback clocks run on
         self.slots = slots
         self.waiting: list[Utterance] = []
         self.running: list[Utterance] = []
@@ -54,7 +58,7 @@ class Code2WavStage:
 
     def step(self) -> dict[str, int]:
         """One step; the frames each utterance decoded, by name (in the schedule's order)."""
-        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running))
+        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running), self.now)
         for u in plan.admitted:
             self.waiting.remove(u)
             self.running.append(u)
@@ -175,7 +179,10 @@ class Speech:
     codes0: list[int] = field(default_factory=list)
     pending: object | None = None
     early: bool = False
+    resumed: bool = False
     outbox: Reader = field(default_factory=Reader)
+    playback: PlaybackClock = field(default_factory=PlaybackClock)
+    skips: int = 0
 
 
 class TalkerStage:
@@ -184,6 +191,7 @@ class TalkerStage:
 
     def __init__(self, slots: int, prefill_batch: int = 8, prefill_tokens: int = 4096, early: bool = False) -> None:
         self.scheduler = TalkerScheduler(prefill_batch, prefill_tokens, early)
+        self.now = 0.0          # the fake clock the playback clocks run on
         self.slots = slots
         self.waiting: list[Speech] = []
         self.running: list[Speech] = []
@@ -194,7 +202,7 @@ class TalkerStage:
 
     def step(self) -> tuple[list[str], list[str]]:
         """One step: the names prefilled, the names decoded."""
-        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running))
+        plan = self.scheduler.schedule(self.waiting, self.running, self.slots - len(self.running), self.now)
         for s in plan.unspeakable:
             (self.waiting if s in self.waiting else self.running).remove(s)
             self.finished.append(s.name)
@@ -361,6 +369,7 @@ class Reply:
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0
     prefill_target: int = 0
+    pending: bool = False                # a streamed turn before its commit (prefilled in chunks, never decodes)
     outbox: Reader = field(default_factory=Reader)
 
     def __post_init__(self) -> None:
@@ -507,3 +516,137 @@ def test_thinker_a_request_finished_by_its_first_token_does_not_decode():
     assert stage.step() == {"admitted": ["one", "more"], "chunks": [], "prefill": ["one", "more"],
                             "decode": ["more"]}
     assert stage.finished == ["one"] and len(more.generated) == 2
+
+
+# ---------------------------------------------------------------------------------------------- deadlines
+
+FRAME_S = 0.08
+
+
+def playing(stage, s, frames: int, for_s: float) -> None:
+    """`s` made `frames` frames, the first `for_s` seconds before the stage's fake clock: its listener
+    has played for_s of them (1x) and its slack is frames x 80 ms - for_s."""
+    s.playback = PlaybackClock()
+    s.playback.emit(FRAME_S, stage.now - for_s)
+    s.playback.emit((frames - 1) * FRAME_S, stage.now - for_s)
+
+
+def talker_running(stage: TalkerStage, *names: str) -> list[Speech]:
+    out = []
+    for name in names:
+        s = Speech(name, rows=[0] * 200, spoken=200, codes0=[7] * 10, pending=object())
+        stage.running.append(s)
+        out.append(s)
+    return out
+
+
+def test_deadlines_a_nearly_dry_stream_steps_and_one_seconds_ahead_sits_out():
+    stage = TalkerStage(slots=8)
+    stage.now = 100.0
+    ahead, dry, middle = talker_running(stage, "ahead", "dry", "middle")
+    playing(stage, ahead, frames=100, for_s=3.0)      # 8 s made, 3 s played: 5 s ahead
+    playing(stage, dry, frames=20, for_s=1.5)         # 1.6 s made, 1.5 s played: 0.1 s left
+    playing(stage, middle, frames=30, for_s=1.0)      # 1.4 s of slack
+    # the dry one first, then by slack; the one 5 s ahead sits out
+    assert stage.step() == ([], ["dry", "middle"])
+    assert ahead.skips == 1 and dry.skips == 0
+
+
+def test_deadlines_nothing_changes_while_no_stream_is_dry():
+    stage = TalkerStage(slots=8)
+    stage.now = 50.0
+    a, b, c = talker_running(stage, "a", "b", "c")
+    playing(stage, a, frames=200, for_s=2.0)          # 14 s ahead
+    playing(stage, b, frames=20, for_s=0.2)           # fresh: 1.4 s of slack
+    playing(stage, c, frames=12, for_s=0.3)           # young (under 0.5 s of playback): not dry yet
+    assert stage.step() == ([], ["a", "b", "c"])      # arrival order, nobody sits out
+    assert a.skips == 0
+
+
+def test_deadlines_no_stream_starves():
+    """A stream far ahead sits out at most MAX_SKIPS steps in a row, however long another stays dry."""
+    from voxpipe.services.runtime.playback import MAX_SKIPS
+
+    stage = TalkerStage(slots=8)
+    stage.now = 10.0
+    ahead, dry = talker_running(stage, "ahead", "dry")
+    playing(stage, ahead, frames=400, for_s=5.0)      # 27 s ahead
+    playing(stage, dry, frames=13, for_s=1.0)         # 0.04 s
+    stepped = []
+    for _ in range(3 * (MAX_SKIPS + 1)):
+        stage.now += 0.001                          # the dry one stays dry: its frames keep it at the edge
+        dry.playback.emit(0.001, stage.now)
+        stepped.append("ahead" in stage.step()[1])
+    runs, run = [], 0
+    for s in stepped:
+        run = 0 if s else run + 1
+        runs.append(run)
+    assert max(runs) == MAX_SKIPS and stepped.count(True) == 3
+
+
+def test_deadlines_first_frames_come_first():
+    """Under pressure a stream without output yet (its first frame is a decode step) goes ahead of
+    playing ones."""
+    stage = TalkerStage(slots=8)
+    stage.now = 20.0
+    dry, new = talker_running(stage, "dry", "new")
+    playing(stage, dry, frames=8, for_s=0.6)
+    new.codes0, new.early = [], True
+    assert stage.step() == ([], ["new", "dry"])
+
+
+def test_deadlines_a_slow_reader_has_more_slack():
+    """The listener plays only what reached it: a client that takes its audio slowly (delivered less)
+    is further from dry than one assumed to play at 1x from its first packet."""
+    fast, slow = PlaybackClock(), PlaybackClock(measured=True)
+    t = 0.0
+    for _ in range(50):                # 4 s of audio made in 4 s
+        fast.emit(FRAME_S, t)
+        slow.emit(FRAME_S, t)
+        t += FRAME_S
+    for i in range(25):                # the slow client took half of it, at half speed
+        slow.deliver(FRAME_S, 2 * i * FRAME_S)
+    assert fast.slack(t) < 0.1
+    assert slow.slack(t) > 1.9
+    assert slow.underruns > 0          # and its listener stalled waiting for it
+    # a downstream report (code2wav -> talker) moves the stage's view to the listener's
+    told = PlaybackClock()
+    told.emit(4.0, 0.0)
+    told.report(played=1.0, delivered=2.0, now=4.0)
+    assert abs(told.slack(4.5) - 2.5) < 1e-6 and abs(told.slack(9.0) - 2.0) < 1e-6   # plays up to delivered
+    told.report(played=float("nan"), delivered=1.0, now=5.0)                          # not a position: ignored
+    assert abs(told.slack(4.5) - 2.5) < 1e-6
+
+
+def test_deadlines_code2wav_dry_utterance_decodes_and_one_ahead_keeps_its_frames():
+    stage = Code2WavStage(slots=4)
+    stage.now = 30.0
+    dry, ahead = Utterance("dry"), Utterance("ahead")
+    stage.submit(dry, ahead)
+    stage.step()                                      # both admitted
+    stage.now += 0.1                                  # past the calm verdict of that step (RECHECK_S)
+    dry.playback = PlaybackClock(measured=True)
+    dry.playback.emit(1.0, stage.now - 1.0)
+    dry.playback.deliver(1.0, stage.now - 1.0)        # 1 s played of 1 s: dry
+    ahead.playback.emit(10.0, stage.now - 1.0)        # 9 s ahead
+    dry.add(1), ahead.add(1)
+    assert stage.step() == {"dry": 1}
+    assert ahead.frames == [0] and ahead.skips == 1   # untouched, decoded once nobody is dry
+    dry.playback.emit(5.0, stage.now)
+    assert stage.step() == {"ahead": 1}
+
+def test_thinker_a_pending_streamed_turn_is_prefilled_in_chunks_and_never_decodes():
+    s = ThinkerScheduler(prefill_batch=4, prefill_tokens=4096, prefill_chunk=64)
+    turn, other = Reply("turn", prompt_tokens=20), Reply("other", prompt_tokens=20)
+    turn.pending = True
+    plan = s.schedule([turn, other], [], free_slots=4)
+    assert plan.admitted == [turn, other] and plan.prefill == [other]      # short, yet chunked: it waits for more
+    assert [(c.request, c.start, c.length, c.last) for c in plan.chunks] == [(turn, 0, 20, False)]
+    assert plan.decode == [other]
+    turn.prefilled = 20
+    assert not s.has_work([], [turn], free_slots=3)          # all it has is prefilled: nothing to do until more
+    turn.prompt += [0] * 13                                   # a window's placeholders join it
+    turn.prefill_target = 33
+    assert s.has_work([], [turn], free_slots=3)
+    plan = s.schedule([], [turn], free_slots=3)
+    assert [(c.start, c.length, c.last) for c in plan.chunks] == [(20, 13, False)] and plan.decode == []

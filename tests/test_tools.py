@@ -29,7 +29,7 @@ from voxpipe.gateway.openai_chat import ChatOptions, Reply
 from voxpipe.gateway.params import GenerationParams
 from voxpipe.gateway.state import GatewayState
 from voxpipe.gateway.tool_params import ToolOptions, tool_list
-from voxpipe.gateway.tools import ContentPiece, ToolCallParser, parse_reply
+from voxpipe.gateway.tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece, ToolCallParser, parse_reply
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, Tool, ToolCall, render
 from voxpipe.services.thinker.tokenizer import ChatMLByteTokenizer
 from voxpipe.services.thinker.tool_template import TemplateToolError
@@ -139,6 +139,54 @@ def test_the_parser_reads_calls_and_keeps_the_rest_as_content():
     content = [x.text for x in pieces if isinstance(x, ContentPiece)]
     assert "".join(content) == "Sure <b>.Done <tool" and not any("<tool_call" in c or "{" in c for c in content)
     assert [c.name for c in p.calls] == ["get_weather"]
+
+
+def test_an_incremental_parser_streams_a_call_as_it_is_written():
+    """tool_choice 'required' / named (every block a valid call): the head (index, id, name) as soon
+    as the name is complete, then the arguments' text as it comes; the same pieces (but the ids)
+    however the text is split, the arguments joined equal the call's, no markup in any content."""
+    names = {"get_weather", "set_light"}
+    nested = '<tool_call>\n{"name": "set_light", "arguments": {"room": {"name": "a}\\"b"}, "on": true}}\n</tool_call>'
+    text = f"{CALL}\n{nested}"
+
+    def run(chunks, **kw):
+        p = ToolCallParser(names, incremental=True, **kw)
+        pieces = [x for c in chunks for x in p.push(c)] + p.finish()
+        return pieces, p.calls
+
+    pieces, calls = run(list(text))
+    heads = [x for x in pieces if isinstance(x, CallStart)]
+    assert [(h.index, h.name) for h in heads] == [(0, "get_weather"), (1, "set_light")]
+    first = pieces.index(heads[0])
+    assert isinstance(pieces[first + 1], ArgumentsDelta) and len(pieces[first + 1].text) == 1   # one character in
+    for i, call in enumerate(calls):
+        assert "".join(x.text for x in pieces if isinstance(x, ArgumentsDelta) and x.index == i) == call.arguments
+        assert call.id == heads[i].id
+    assert json.loads(calls[1].arguments) == {"room": {"name": 'a}"b'}, "on": True}
+    done = [x for x in pieces if isinstance(x, CallPiece)]
+    assert [d.streamed for d in done] == [True, True] and not [x for x in pieces if isinstance(x, ContentPiece)]
+    # any split gives the same calls; so does a whole reply (parse_reply, the non-streamed path)
+    for size in (2, 3, 7, 50):
+        got = run([text[i:i + size] for i in range(0, len(text), size)])[1]
+        assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in calls]
+    whole = parse_reply(text, names, incremental=True)
+    assert [(c.name, c.arguments) for c in whole.calls] == [(c.name, c.arguments) for c in calls]
+    # parallel=False: the second call is dropped, nothing of it goes out
+    single, kept = run(list(text), parallel=False)
+    assert [c.name for c in kept] == ["get_weather"] and all(x.index == 0 for x in single if hasattr(x, "index"))
+    # cut by max_tokens: the call so far, its arguments as written
+    cut, cut_calls = run([CALL[:CALL.index("ris")]])
+    assert cut_calls[0].arguments == '{"city": "Pa' and isinstance(cut[-1], CallPiece)
+    # a block that does not begin with a known name is read whole (here: content, as without incremental)
+    odd = CALL.replace("get_weather", "format_disk")
+    assert parse_reply(odd, names, incremental=True) == parse_reply(odd, names)
+    # one function allowed (a named tool_choice): the head goes out as the block opens
+    named = ToolCallParser(names, incremental=True, only="get_weather")
+    assert [type(x) for x in named.push("<tool_call>")] == [CallStart]
+    rest = named.push(CALL[len("<tool_call>"):]) + named.finish()
+    assert [c.arguments for c in named.calls] == ['{"city": "Paris"}'] and isinstance(rest[-1], CallPiece)
+    swapped = '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"}\n</tool_call>'
+    assert [json.loads(c.arguments) for c in parse_reply(swapped, names, incremental=True).calls] == [{"city": "Rome"}]
 
 
 @pytest.fixture(scope="module")
@@ -290,11 +338,12 @@ def test_bad_tool_inputs_are_400_naming_them(gateway, model, extra, param, patte
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_a_required_call_is_constrained_and_always_comes(client, model, choice, stream):
+def test_a_required_call_is_constrained_and_always_comes(client, model, choice):
     """`tool_choice` 'required' or a named function: the thinker's sampling is constrained to
     `<tool_call>` blocks of the offered functions (services/thinker/constraint.tool_calls), so even the
-    tiny random model's reply is a valid call, sampled at temperature 1, streamed or not."""
+    tiny random model's reply is a valid call, sampled at temperature 1. Streamed, the call comes as
+    it is written: its head first, then argument pieces; the SDK's own accumulation of the chunks
+    gives the call of the same request not streamed (same seed: the same tokens)."""
     import jsonschema
 
     names = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in TOOLS}
@@ -302,32 +351,57 @@ def test_a_required_call_is_constrained_and_always_comes(client, model, choice, 
     for seed in range(3):
         kw = dict(model=model, messages=MESSAGES, max_tokens=120, tools=TOOLS, tool_choice=choice, temperature=1.0,
                   seed=seed, parallel_tool_calls=False)
-        if stream:
-            calls: dict[int, dict] = {}
-            finish = None
-            for chunk in client.chat.completions.create(stream=True, **kw):
-                for c in chunk.choices:
-                    assert not (c.delta.content or "").strip().startswith("<tool_call>")
-                    for d in c.delta.tool_calls or []:
-                        entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                        entry["name"] += (d.function.name or "") if d.function else ""
-                        entry["arguments"] += (d.function.arguments or "") if d.function else ""
-                    finish = c.finish_reason or finish
-            got = list(calls.values())
-        else:
-            reply = client.chat.completions.create(**kw)
-            finish = reply.choices[0].finish_reason
-            got = [{"name": c.function.name, "arguments": c.function.arguments}
-                   for c in reply.choices[0].message.tool_calls or []]
-        if finish == "length":      # the random model may write a long argument: cut, not a violation
+        reply = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        acc = ChatCompletionStreamState(input_tools=TOOLS)
+        for c in chunks:
+            acc.handle_chunk(c)
+        try:
+            streamed = acc.get_final_completion().choices[0]
+        except openai.LengthFinishReasonError as e:      # the SDK's way to say "cut": its completion is there
+            streamed = e.completion.choices[0]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not any(d.content for d in deltas)
+        with_calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+        assert with_calls[0].id and with_calls[0].function.name and with_calls[0].function.arguments == ""
+        assert len(with_calls) > 2 and all(d.id is None for d in with_calls[1:])    # arguments in pieces
+        whole = reply.choices[0]
+        assert streamed.finish_reason == whole.finish_reason
+        assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        if whole.finish_reason == "length":      # the random model may write a long argument: cut, not a violation
             continue
-        assert finish == "tool_calls" and len(got) == 1, (finish, got)
-        call = got[0]
+        assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1 and whole.message.content is None
+        call = whole.message.tool_calls[0].function
         if isinstance(choice, dict):
-            assert call["name"] == "get_weather"
-        jsonschema.validate(json.loads(call["arguments"]), names[call["name"]])
+            assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), names[call.name])
         completed += 1
     assert completed, "every reply hit max_tokens: nothing checked"
+
+
+def talker_streams(stack) -> float:
+    """Streams the thinker has opened to a talker (its voxpipe_next_stage_streams_total)."""
+    import re
+
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['thinker']}/metrics").text
+    m = re.search(r'^voxpipe_next_stage_streams_total\{stage="talker"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_required_call_with_audio_out_costs_the_talker_nothing(client, model, stack):
+    before = talker_streams(stack)
+    for stream in (False, True):
+        kw = dict(model=model, messages=MESSAGES, max_tokens=120, tools=TOOLS, tool_choice="required", temperature=1.0,
+                  seed=1, modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"})
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            assert not any(getattr(c.choices[0].delta, "audio", None) for c in chunks if c.choices)
+            assert any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        else:
+            msg = client.chat.completions.create(**kw).choices[0].message
+            assert msg.audio is None and msg.content is None and msg.tool_calls
+    assert talker_streams(stack) == before
 
 
 def test_the_sdk_raises_bad_request_for_an_unknown_tool_choice(client, model):
@@ -397,17 +471,27 @@ def test_a_spoken_reply_with_a_call_ends_its_speech_at_the_call(stack, tokenizer
 
     prompt = render(tokenizer, omni_config.thinker, [ChatMessage.text("user", "Weather?")]).token_ids
 
-    def speak(text, unspoken):
+    def speak(text, unspoken, frames=400):
         async def go():
             async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as pc:
                 return await pc.collect(SpeechRequest(token_ids=prompt, assistant_text=text, audio=True,
-                                                      max_frames=400, unspoken_tool_calls=unspoken))
+                                                      max_frames=frames, unspoken_tool_calls=unspoken))
         return asyncio.run(go())
 
+    before = talker_streams(stack)
     with_call = speak(f"Sure.\n{CALL}", True)
     assert with_call.text == f"Sure.\n{CALL}" and with_call.done.text_finish == pb.STOP
     rows = len(encode_text(tokenizer, "Sure.\n")) + 1
-    assert with_call.done.frames <= 10 * rows + 25 < 10 * len(encode_text(tokenizer, CALL))
+    assert 0 < with_call.done.frames <= 10 * rows + 25 < 10 * len(encode_text(tokenizer, CALL))
+    assert with_call.audio.size and talker_streams(stack) == before + 1
+    # only a call (or whitespace, then a call): no talker stream is opened, no audio, the talker's end is STOP
+    for text in (CALL, f"\n {CALL}\n{CALL2}"):
+        only = speak(text, True)
+        assert only.text == text and only.done.text_finish == pb.STOP and only.done.audio_finish == pb.STOP
+        assert only.audio.size == 0 and only.done.frames == 0 and only.done.samples == 0
+    assert talker_streams(stack) == before + 1
+    # unspoken_tool_calls off: the same call is spoken (the talker runs)
+    assert speak(CALL, False, frames=4).done.frames > 0 and talker_streams(stack) == before + 2
 
 
 def test_a_tool_round_trip_extends_the_previous_prompt(tokenizer, omni_config):
@@ -425,3 +509,39 @@ def test_a_tool_round_trip_extends_the_previous_prompt(tokenizer, omni_config):
     second = render(tokenizer, omni_config.thinker, parse_messages(turn, None, None), tools=tools).token_ids
     reply = encode_text(tokenizer, CALL) + [omni_config.thinker.tokens.im_end]
     assert second[:len(first) + len(reply)] == first + reply
+
+
+def test_the_constrained_check_passes_on_a_few_requests(gateway):
+    """bench/constrained_check at N = 3, one of each kind (its 1,000-request run is a bench: bench/RESULTS.md):
+    required, named and json_schema replies at temperature 1 all parse and validate."""
+    from voxpipe.bench.constrained_check import check
+
+    result = asyncio.run(check(gateway.base_url, n=3, concurrency=3, max_tokens=512))
+    assert result["valid"] == result["requests"] == 3, result
+
+
+def test_a_spoken_stream_that_is_only_a_call_is_admitted_without_the_talker(state, stack):
+    """With audio asked for, a reply that turns out to be only a call: the talker's "silent" end
+    comes with the call's first token, so a stream is admitted (its HTTP status decided) then, not
+    at the reply's end; no audio, no talker stream."""
+    from voxpipe.client import AudioEvent, DoneEvent, StageEvent
+    from voxpipe.gateway.generation import read_until_admitted
+    from voxpipe.v1 import stages_pb2 as pb
+
+    prompt = render(state.tokenizer, state.omni.thinker, parse_messages(MESSAGES, None, None),
+                    tools=tools_of(TOOLS))
+    req = speech_request(prompt, GenerationParams(max_frames=50), "ethan", True, assistant_text=CALL, tool_calls=True)
+    before = talker_streams(stack)
+
+    async def go():
+        async with PipelineClient(state.config.thinker, state.config.code2wav) as state.pipeline:
+            events = run_pipeline(state, req, time.perf_counter())
+            head = await read_until_admitted(events, True)
+            return head, [e async for e in events]
+
+    head, rest = asyncio.run(go())
+    assert isinstance(head[-1], StageEvent) and head[-1].kind == "silent" and head[-1].stage == "talker"
+    assert not any(isinstance(e, (DoneEvent, AudioEvent)) for e in head) and not any(isinstance(e, AudioEvent) for e in rest)
+    [done] = [e for e in rest if isinstance(e, DoneEvent)]
+    assert done.text_finish == pb.STOP and done.audio_finish == pb.STOP and done.frames == 0
+    assert talker_streams(stack) == before

@@ -106,3 +106,93 @@ def resample(x: np.ndarray, src: int, dst: int) -> np.ndarray:
     out[:k] = spec[:k]
     y = np.fft.irfft(out, n=n) * (n / len(x))
     return y.astype(np.float32)
+
+
+SINC_ZEROS = 16          # zero crossings of the low-pass kernel on each side (ClipResampler)
+KAISER_BETA = 8.6        # its window: ~90 dB stop band
+ROLLOFF = 0.94           # its cutoff, as a share of the lower rate's Nyquist frequency
+
+
+class ClipResampler:
+    """Band-limited resampling by a rational ratio, made as the clip arrives: `push(x)` returns the
+    output samples that became final, `finish()` the rest once the clip is complete; concatenated
+    they equal `resample_clip` of the whole clip, bit for bit, however the clip was cut.
+
+    Output sample m sits at input time t = m * src / dst and is sum_k x[k] h(t - k) over the
+    kernel's 2 * J + 2 taps (a Kaiser-windowed sinc at ROLLOFF of the lower Nyquist frequency),
+    the clip taken as zero outside itself. Each output is one fixed sequence of float64 products
+    and sums, whatever else is computed with it, so the pieces' sums are the whole clip's. The
+    output has round(n * dst / src) samples for n input samples (as `resample`)."""
+
+    def __init__(self, src: int, dst: int) -> None:
+        if src < 1 or dst < 1:
+            raise ValueError(f"sample rates must be positive, got {src} and {dst}")
+        g = np.gcd(src, dst)
+        self.up, self.down = dst // g, src // g        # t(m) = m * down / up
+        cutoff = ROLLOFF * min(1.0, dst / src)         # in cycles per input sample, times 2
+        self.half = int(np.ceil(SINC_ZEROS / cutoff))  # J: taps base - J + 1 .. base + J (+ 1)
+        j = np.arange(-self.half + 1, self.half + 1)   # k - floor(t)
+        phase = np.arange(self.up)[:, None] / self.up  # frac(t) = (m * down mod up) / up
+        tau = phase - j[None, :]                       # t - k
+        window = np.kaiser(2 * self.half + 1, KAISER_BETA)
+        w = np.interp(tau, np.arange(-self.half, self.half + 1), window, left=0.0, right=0.0)
+        taps = cutoff * np.sinc(cutoff * tau) * w
+        self.taps = taps / taps.sum(axis=1, keepdims=True)      # [up, 2J] float64, each phase's gain 1 at DC
+        self.offsets = j
+        self.x = np.zeros(0, np.float64)               # input from sample `self.x_start` on
+        self.x_start = 0
+        self.received = 0
+        self.made = 0                                  # outputs returned
+        self.finished = False
+
+    def push(self, x: np.ndarray) -> np.ndarray:
+        if self.finished:
+            raise ValueError("the clip is complete")
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        self.x = np.concatenate((self.x, x))
+        self.received += x.size
+        # output m is final once its last tap, floor(t) + J, has arrived
+        last = (self.received - self.half) * self.up // self.down   # m with floor(t(m)) + J < received
+        ready = max(0, min(last, self.total(self.received)) - self.made)
+        return self._make(ready)
+
+    def finish(self) -> np.ndarray:
+        if self.finished:
+            raise ValueError("the clip is complete")
+        self.finished = True
+        return self._make(self.total(self.received) - self.made)
+
+    def total(self, n: int) -> int:
+        """Output samples of a clip of `n` input samples."""
+        return int(round(n * self.up / self.down))
+
+    def _make(self, count: int) -> np.ndarray:
+        if count <= 0:
+            return np.zeros(0, np.float32)
+        m0, m1 = self.made, self.made + count
+        lo = m0 * self.down // self.up + self.offsets[0]             # the first output's first tap
+        hi = (m1 - 1) * self.down // self.up + self.offsets[-1] + 1  # past the last output's last tap
+        w = np.zeros(hi - lo)                                        # the clip is zero outside itself
+        a, b = max(lo, self.x_start), min(hi, self.x_start + self.x.size)
+        if b > a:
+            w[a - lo:b - lo] = self.x[a - self.x_start:b - self.x_start]
+        out = np.zeros(count)
+        for first in range(m0, min(m0 + self.up, m1)):   # outputs `up` apart share their taps' phase,
+            n = len(range(first, m1, self.up))             # and their inputs are strided slices of w
+            base = first * self.down // self.up - lo
+            taps = self.taps[first * self.down % self.up]
+            acc = np.zeros(n)
+            for j, off in enumerate(self.offsets):   # one fixed order of sums per output sample
+                s = base + off
+                acc = acc + w[s:s + self.down * (n - 1) + 1:self.down] * taps[j]
+            out[first - m0::self.up] = acc
+        self.made = m1
+        keep_from = max(0, m1 * self.down // self.up + self.offsets[0] - self.x_start)   # the next output's first tap
+        self.x, self.x_start = self.x[keep_from:], self.x_start + keep_from
+        return out.astype(np.float32)
+
+
+def resample_clip(x: np.ndarray, src: int, dst: int) -> np.ndarray:
+    """The whole clip through ClipResampler (what a stream of its pieces makes)."""
+    r = ClipResampler(src, dst)
+    return np.concatenate((r.push(x), r.finish()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,8 +30,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from voxpipe.services.runtime import tracing
+from voxpipe.services.runtime.affinity import RouteKey, content_digest, prompt_key
 from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica
-from voxpipe.services.runtime.calls import failed_stage
+from voxpipe.services.runtime.calls import context_exceeded, failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
 from voxpipe.services.runtime.tls import ClientTLS
@@ -39,6 +41,13 @@ from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# audio chunks read from code2wav and not yet taken by the caller: past this the Listen stream is read
+# only as fast as the caller takes the audio, so flow control holds code2wav's writes and code2wav
+# sees a slow client as one that was delivered less (its playback clock: stages.proto Playback)
+AUDIO_READ_AHEAD = 32
+# a prompt with more clip feature bytes or more tokens than these is hashed in a worker thread
+HASH_OFF_LOOP_BYTES = 256 * 1024
+HASH_OFF_LOOP_TOKENS = 8192
 
 
 @dataclass
@@ -67,6 +76,9 @@ class SpeechRequest:
     encoding: int = pb.AUDIO_PCM16
     echo_frames: bool = False                 # debug: also the codec frames code2wav received (FramesEvent)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # routing only: the requests of one session (a realtime conversation) prefer the thinker replica
+    # of its previous one (services.runtime.affinity); None: by the prompt's prefix alone
+    session: str | None = None
 
     def sampling(self) -> pb.Sampling:
         s = pb.Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
@@ -116,6 +128,7 @@ class AudioEvent:
     sample_rate: int
     samples: np.ndarray            # float32 in [-1, 1] (decoded from the wire encoding)
     data: bytes                    # the wire bytes (pcm16 or float32 little-endian)
+    received: float = 0.0          # time.monotonic() when it was read from code2wav (0: not recorded)
 
 
 @dataclass
@@ -127,8 +140,9 @@ class FramesEvent:
 
 @dataclass
 class StageEvent:
-    """A downstream stage's report: `kind` "first_output" (its first frame: the talker) or
-    "routed" (it holds the request on `address`)."""
+    """A downstream stage's report: `kind` "first_output" (its first frame: the talker),
+    "routed" (it holds the request on `address`) or "silent" (the talker: the reply has nothing to
+    speak -- a function call only -- so no talker ran and no audio comes)."""
     stage: str
     kind: str
     address: str = ""
@@ -149,12 +163,14 @@ class DoneEvent:
 class PipelineError(RuntimeError):
     """A stage failed the request. `replica`: the address of the stage replica it was on (for
     logs; not part of the message, which clients may see). `via`: the stream that reported it
-    ("thinker" or "code2wav": the caller's two streams)."""
+    ("thinker" or "code2wav": the caller's two streams). `context`: the numbers of a thinker's
+    OUT_OF_RANGE refusal (the prompt, the reply's room, and the context they did not fit)."""
 
     def __init__(self, stage: str, code: grpc.StatusCode | None, details: str, replica: str | None = None,
-                 via: str | None = None) -> None:
+                 via: str | None = None, context: pb.ContextExceeded | None = None) -> None:
         super().__init__(f"{stage}: {code.name if code else 'ERROR'}: {details}")
         self.stage, self.code, self.details, self.replica, self.via = stage, code, details, replica, via
+        self.context = context
 
 
 def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
@@ -166,14 +182,19 @@ def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
 class PipelineClient:
     def __init__(self, thinker: str | list[str], code2wav: str | list[str] | None = None, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, metadata: tuple[tuple[str, str], ...] = (),
-                 balancing: BalancerOptions | None = None, tls: ClientTLS | None = None) -> None:
+                 balancing: BalancerOptions | None = None, tls: ClientTLS | None = None,
+                 audio_token: int | None = None) -> None:
         """Each stage: `host:port` and/or `dns:///name:port` entries, comma-separated or a list; every
         address (every DNS record) is one replica (see voxpipe.services.runtime.balancer). The talker
         is the thinker's business (its --talker); `code2wav` lists the replicas audio may come from:
         the one a talker picked must be among them. `balancing`: re-resolution, health cool-down and
         retry settings. `tls`: dial both stages with TLS, presenting its client certificate when it
-        has one (voxpipe.services.runtime.tls); None: plaintext."""
+        has one (voxpipe.services.runtime.tls); None: plaintext. With several thinker replicas a request
+        goes where its session or its prompt's longest prefix went (services.runtime.affinity);
+        `audio_token`: the thinker's audio placeholder id (the model config's), so that a prompt's
+        clips count by content in its prefix (None: prompts with audio route by session alone)."""
         self.max_message_bytes = max_message_bytes
+        self.audio_token = audio_token
         self.thinker = stage_balancer("thinker", thinker, max_message_bytes, balancing, tls)
         self.code2wav = stage_balancer("code2wav", code2wav, max_message_bytes, balancing, tls) if code2wav else None
         self.metadata = metadata
@@ -191,6 +212,24 @@ class PipelineClient:
         for p in (self.thinker, self.code2wav):
             if p is not None:
                 await p.close()
+
+    async def route_key(self, req: SpeechRequest) -> RouteKey | None:
+        """The thinker pick's affinity for `req`: its session and its prompt's block hashes (clips by
+        their features' content). None with one thinker replica (no choice: nothing is hashed)."""
+        await self.thinker.start()
+        if not self.thinker.choosing:
+            return None
+        if req.token_ids is None or (req.audio_features and self.audio_token is None):
+            # the thinker renders the prompt (or the clips' places are unknown): the session alone
+            return RouteKey(session=req.session) if req.session is not None else None
+        ids, feats = req.token_ids, req.audio_features
+
+        def key() -> RouteKey:
+            return prompt_key(ids, req.session, self.audio_token, [content_digest(f) for f in feats])
+
+        if len(ids) > HASH_OFF_LOOP_TOKENS or sum(f.numel() * f.element_size() for f in feats) > HASH_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(key)
+        return key()
 
     async def _code2wav_replica(self, address: str) -> Replica:
         """The caller's own channel to the code2wav replica a talker reported (it never dials an
@@ -239,6 +278,7 @@ class PipelineClient:
         else:
             start.text = req.text or ""
         events: asyncio.Queue = asyncio.Queue()
+        audio_room = asyncio.Semaphore(AUDIO_READ_AHEAD)
         spans: dict[str, trace.Span] = {}
         calls: list = []        # what to cancel when the iteration ends
         tasks: list[asyncio.Task] = []
@@ -268,7 +308,9 @@ class PipelineClient:
                 failed = failed_stage(e, stage)
                 if stage in spans:
                     tracing.grpc_error(spans[stage], e.code(), e.details() or "")
-                await events.put(PipelineError(failed, e.code(), e.details(), routes.get(failed), via=stage))
+                context = context_exceeded(e) if failed == "thinker" else None
+                await events.put(PipelineError(failed, e.code(), e.details(), routes.get(failed), via=stage,
+                                               context=context))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - surfaced to the caller
@@ -282,14 +324,19 @@ class PipelineClient:
 
         async def run_thinker() -> None:
             span, md = client_span("thinker", "Generate")
+            key = await self.route_key(req)
+
+            def on_replica(replica: Replica) -> None:       # each attempt's (a refused stream moves)
+                span.set_attribute("server.address", replica.address)
+                routes["thinker"] = replica.address
+
             stream = BalancedStream(self.thinker, lambda channel: pb_grpc.ThinkerStub(channel).Generate(metadata=md),
-                                    lambda replica: span.set_attribute("server.address", replica.address))
+                                    on_replica, key)
             calls.append(stream)
             try:
                 await stream.open()
             except NoReplicaError as e:
                 raise PipelineError("thinker", grpc.StatusCode.UNAVAILABLE, str(e)) from None
-            routes["thinker"] = stream.replica.address
             head, chunks = split_message(start, self.max_message_bytes - 1024)
             await stream.write(pb.ThinkerRequest(start=head))
             for data in chunks:
@@ -319,6 +366,9 @@ class PipelineClient:
                 elif kind == "talker_finished":
                     done["audio"] = resp.talker_finished.reason
                     usage["frames"] = resp.talker_finished.completion_tokens
+                    if req.audio and "code2wav" not in routes:     # nothing to speak: no audio stream comes
+                        await events.put(StageEvent("talker", "silent"))
+                        await events.put("code2wav-done")
                 else:
                     raise PipelineError("thinker", grpc.StatusCode.INTERNAL, f"unexpected {kind} on a speech stream")
             if req.audio and done["audio"] is None and done["text"] != pb.CANCELLED:
@@ -336,8 +386,10 @@ class PipelineClient:
                 self.received["code2wav", kind] += 1
                 if kind == "audio":
                     a = resp.audio
+                    received = time.monotonic()
                     usage["samples"] += a.num_samples
-                    await events.put(AudioEvent(a.sample_offset, a.sample_rate, _decode_audio(a), a.data))
+                    await audio_room.acquire()      # released as the caller takes it
+                    await events.put(AudioEvent(a.sample_offset, a.sample_rate, _decode_audio(a), a.data, received))
                 elif kind == "frames":
                     f = resp.frames
                     await events.put(FramesEvent(f.index, from_proto(f.codes).to(torch.int64)))
@@ -352,6 +404,8 @@ class PipelineClient:
         try:
             while pending:
                 ev = await events.get()
+                if isinstance(ev, AudioEvent):
+                    audio_room.release()
                 if isinstance(ev, PipelineError):
                     if ev.replica is None:
                         ev.replica = routes.get(ev.stage)

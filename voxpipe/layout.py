@@ -89,10 +89,11 @@ class Layout:
 
 # A GPU shared by several stage processes: each one's --gpu-memory-fraction is its stage's weight
 # over the weights of all processes on that GPU, times SHARED_GPU_MEMORY. One of each stage on an
-# H200 (140 GiB): thinker 0.66 = 92.7 GiB (57 GiB of weights, 6 GiB of activations, a KV pool of
-# ~29.7 GiB = 324k tokens), talker 0.16 = 22.5 GiB (5.6 GiB of weights, 0.6 GiB of the thinker's
-# embedding table, 10.7 GiB of KV for 64 streams of 8,192 positions, its graphs), code2wav 0.08.
-MEMORY_WEIGHTS = {"thinker": 0.66, "talker": 0.16, "code2wav": 0.08}
+# H200 (139.8 GiB): thinker 0.68 = 95.1 GiB (59.1 GiB in use after its weights were loaded, 6 GiB for
+# activations, a KV pool of ~30 GiB = ~327k tokens; at 0.66 it was 296k, bench/RESULTS.md 2026-12-03),
+# talker 0.14 = 19.6 GiB (5.6 GiB of weights, 0.6 GiB of the thinker's embedding table, its graphs and
+# activations, the rest its KV pool at 20 KiB a position), code2wav 0.08.
+MEMORY_WEIGHTS = {"thinker": 0.68, "talker": 0.14, "code2wav": 0.08}
 SHARED_GPU_MEMORY = 0.9
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
@@ -35,6 +36,7 @@ from .server_events import (Error, InputAudioCleared, InputAudioCommitted, ItemA
 from .session import (MIN_COMMIT_MS, Conversation, ConversationItem, InputAudioBuffer, ItemContent, ResponseSettings,
                       FunctionCall, SessionConfig, default_voice, ms_to_samples, new_item_content, samples_to_ms)
 from .transcription import Transcriber, TranscriptionContext, TranscriptionJob
+from .truncation import ContextRoom, PromptWindow
 from .vad import FRAME_MS, ServerVad, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,9 @@ class RealtimeConnection:
         self.response_context = ResponseContext(
             generation=generation, conversation_id=self.conversation_id, emit=self.emit,
             insert_item=self.conversation.insert, has_item=self.conversation.has,
-            withdraw_audio=self.outbox.withdraw_audio)
+            withdraw_audio=self.outbox.withdraw_audio, room=ContextRoom(),
+            heard_to_audio=lambda since, s: state.metrics.speech_end_ttfp.labels(since).observe(s))
+        self.speech_end: tuple[str, float] | None = None    # the last end of speech, until a response answers it
         self.transcriber = Transcriber(TranscriptionContext(
             generation=generation, emit=self.emit, set_transcript=self.conversation.set_transcript,
             count=lambda outcome: state.metrics.transcriptions.labels(outcome).inc()))
@@ -257,10 +261,12 @@ class RealtimeConnection:
         params = self.vad.params
         item_id = self.speech_item_id or new_id("item")
         self.speech_item_id = None
+        stopped_at = time.perf_counter()
         await self.emit(SpeechStoppedEvent(ev.end_ms, item_id))
         end = min(ms_to_samples(ev.end_ms), self.buffer.end)
         if end - max(self.speech_start, self.buffer.start) < ms_to_samples(MIN_COMMIT_MS):
             return
+        self.speech_end = ("speech_stopped", stopped_at)
         item = await self._commit(self.buffer.take(self.speech_start, end), item_id)
         try:
             if not params.create_response:
@@ -281,6 +287,7 @@ class RealtimeConnection:
                                 f"has {have_ms} ms", code="input_audio_buffer_commit_empty")
         item_id = self.speech_item_id or new_id("item")
         self.speech_item_id = None
+        self.speech_end = ("committed", time.perf_counter())
         self._transcribe(await self._commit(self.buffer.take(), item_id))
 
     def _features(self, audio_24k):
@@ -351,7 +358,9 @@ class RealtimeConnection:
             raise ProtocolError(f"the conversation already has an active response ({self.response.id}); cancel it "
                                 "or wait for response.done", code="conversation_already_has_active_response")
         settings = ResponseSettings.resolve(self.session, overrides, self.state.speakers)
-        self.response = ResponseRun(self.response_context, settings, self.conversation.messages(settings.instructions))
+        window = PromptWindow(settings.instructions, self.conversation.turns(), drop=self.conversation.drop)
+        self.response = ResponseRun(self.response_context, settings, window, speech_end=self.speech_end)
+        self.speech_end = None
         self.response.start()
 
     async def cancel_response(self, event: ResponseCancel) -> None:

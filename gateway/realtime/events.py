@@ -63,6 +63,35 @@ class TranscriptionPatch:
     prompt: str | None = None                  # guidance text, put into the transcription prompt
 
 
+AUTO_RETENTION_RATIO = 0.8      # "auto": see Truncation
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """`session.truncation`, OpenAI's shape: "auto" (the default), "disabled", or {"type":
+    "retention_ratio", "retention_ratio": r in [0, 1], "token_limits": {"post_instructions": n}}.
+    When a response's prompt (instructions, tools, the conversation) and its reply's room would
+    pass the thinker's context (or the conversation after the instructions would pass
+    `post_instructions`), the oldest conversation items leave the model's context until the
+    conversation after the instructions is at most r times what it may hold (gateway/realtime/
+    truncation.py). "auto" is r = AUTO_RETENTION_RATIO: one cut makes room for the next fifth of
+    the context, so about four of every five turns after a cut append to a prefix the thinker
+    has cached, while most of the conversation stays heard. "disabled": such a response fails
+    with a `context_length_exceeded` error."""
+
+    mode: Literal["auto", "disabled", "retention_ratio"] = "auto"
+    retention_ratio: float = AUTO_RETENTION_RATIO
+    post_instructions: int | None = None       # token_limits.post_instructions (None: the context's room)
+
+    def wire(self) -> Any:
+        if self.mode != "retention_ratio":
+            return self.mode
+        body: dict[str, Any] = {"type": "retention_ratio", "retention_ratio": self.retention_ratio}
+        if self.post_instructions is not None:
+            body["token_limits"] = {"post_instructions": self.post_instructions}
+        return body
+
+
 @dataclass(frozen=True)
 class SessionPatch:
     """The fields a session.update sets; None (or UNSET for turn_detection, where null means
@@ -79,6 +108,7 @@ class SessionPatch:
     max_audio_frames: int | None = None
     tools: tuple[Tool, ...] | None = None      # session.tools (flat function definitions)
     tool_choice: Any = None                    # session.tool_choice as sent (checked against the tools in effect)
+    truncation: Truncation | None = None
 
 
 @dataclass(frozen=True)
@@ -337,6 +367,37 @@ def _transcription(value: Any, param: str) -> TranscriptionPatch | None:
                               prompt=prompt or None)
 
 
+def _truncation(value: Any, param: str) -> Truncation | None:
+    """session.truncation (None: unchanged)."""
+    if value is None:
+        return None
+    if value in ("auto", "disabled"):
+        return Truncation(mode=value)
+    if isinstance(value, str):
+        raise ProtocolError(f"'{param}' must be \"auto\", \"disabled\" or a retention_ratio object, got "
+                            f"{quoted(value)}", param=param)
+    if not isinstance(value, dict):
+        raise ProtocolError(f"'{param}' must be a string or an object", code="invalid_type", param=param)
+    for key in value:
+        if key not in ("type", "retention_ratio", "token_limits"):
+            raise ProtocolError(f"'{param}.{clipped(key)}' is not a truncation field; set type, retention_ratio "
+                                "and token_limits", param=f"{param}.{key}")
+    if value.get("type") != "retention_ratio":
+        raise ProtocolError(f"'{param}.type' must be \"retention_ratio\", got {quoted(value.get('type'))}",
+                            param=f"{param}.type")
+    ratio = _get(value, "retention_ratio", (int, float), param, required=True)
+    if not 0.0 <= ratio <= 1.0:
+        raise ProtocolError(f"'{param}.retention_ratio' must be between 0 and 1, got {ratio}",
+                            param=f"{param}.retention_ratio")
+    limits = _get(value, "token_limits", dict, param) or {}
+    for key in limits:
+        if key != "post_instructions":
+            raise ProtocolError(f"'{param}.token_limits.{clipped(key)}' is not a token limit; set post_instructions",
+                                param=f"{param}.token_limits.{key}")
+    post = _positive_int(limits, "post_instructions", f"{param}.token_limits")
+    return Truncation(mode="retention_ratio", retention_ratio=float(ratio), post_instructions=post)
+
+
 def _voice(value: Any, param: str) -> str | None:
     if isinstance(value, dict):                 # GA custom voice form {"id": name}
         value = value.get("id")
@@ -403,7 +464,8 @@ def _session_patch(s: Any) -> SessionPatch:
                         transcription=transcription, max_output_tokens=max_tokens,
                         temperature=_temperature(s, "session"), ignore_eos=ignore_eos,
                         max_audio_frames=_positive_int(s, "max_audio_frames", "session"),
-                        tools=_tools(s, "session"), tool_choice=s.get("tool_choice"))
+                        tools=_tools(s, "session"), tool_choice=s.get("tool_choice"),
+                        truncation=_truncation(s.get("truncation"), "session.truncation"))
 
 
 def _response_overrides(r: Any) -> ResponseOverrides:

@@ -20,7 +20,13 @@ it): these values and callbacks, never the connection, its outbox or its convers
 - `has_item(item_id)`: whether an item is still in the conversation (a cancelled reply whose item
   is gone sends no `conversation.item.truncated`);
 - `withdraw_audio(response_id)`: drop the response's audio deltas still queued; returns the samples
-  of its delta being written at that moment, which still reach the client.
+  of its delta being written at that moment, which still reach the client;
+- `room`: what the session has learned of the thinker's context (truncation.ContextRoom), which a
+  run reads and adds to.
+
+A run reads its prompt from the PromptWindow it is given and fits it to the context as the
+session's truncation says (truncation.py); a prompt that does not fit is a failed response with a
+`context_length_exceeded` `error` event before its response.done.
 
 The connection, in turn, uses of a run only `id`, `item`, `active`, `task`, `start()` and
 `cancel(reason)`."""
@@ -33,28 +39,32 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import grpc
 
 import numpy as np
 
 from voxpipe.audio import resample
 from voxpipe.client import AudioEvent, DoneEvent, PipelineError, TextEvent
 from voxpipe.services.runtime.logs import REQUEST_ID
-from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt
+from voxpipe.services.thinker.prompt import RenderedPrompt
 from voxpipe.v1 import stages_pb2 as pb
 
-from ..errors import APIError, from_pipeline_error
+from ..errors import APIError, bad_request, from_pipeline_error
 from ..generation import Generation, speech_request
 from ..params import GenerationParams
-from .events import INPUT_SAMPLE_RATE, Dialect
+from .events import INPUT_SAMPLE_RATE, Dialect, ProtocolError
 from .session import tools_wire
-from ..tools import CallPiece, ContentPiece, ReplyPiece, ToolCallParser
-from .server_events import (AudioDelta, AudioDone, ContentPart, ContentPartAdded, ContentPartDone, Emit,
+from ..tool_params import required_call_constraint
+from ..tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece, ReplyPiece
+from .server_events import (AudioDelta, AudioDone, ContentPart, ContentPartAdded, ContentPartDone, Emit, Error,
                             FunctionCallArgumentsDelta, FunctionCallArgumentsDone, ItemAdded, ItemDone, ItemTruncated,
                             OutputItemAdded, OutputItemDone, ResponseCreated, ResponseDone, TextDelta, TextDone,
                             TranscriptDelta, TranscriptDone, new_id)
 from .session import ConversationItem, FunctionCall, ItemContent, ResponseSettings, samples_to_ms
+from .truncation import ContextRoom, ContextTooLong, PromptWindow, fit
 
 log = logging.getLogger(__name__)
 OUTPUT_SAMPLE_RATE = INPUT_SAMPLE_RATE        # OpenAI's realtime audio: pcm16 24 kHz both ways
@@ -71,11 +81,18 @@ class ResponseContext:
     insert_item: Callable[[ConversationItem], str | None]
     has_item: Callable[[str], bool]
     withdraw_audio: Callable[[str], Awaitable[int]]
+    room: ContextRoom = field(default_factory=ContextRoom)
+    # the reply's first audio after the end of the user's speech: (since which event, seconds)
+    heard_to_audio: Callable[[str, float], None] = lambda since, seconds: None
 
 
 class ResponseRun:
-    def __init__(self, ctx: ResponseContext, settings: ResponseSettings, messages: list[ChatMessage]) -> None:
-        self.ctx, self.settings, self.messages = ctx, settings, messages
+    def __init__(self, ctx: ResponseContext, settings: ResponseSettings, window: PromptWindow,
+                 speech_end: tuple[str, float] | None = None) -> None:
+        """`speech_end`: the event that ended the user's speech this run answers and its perf_counter
+        time (its first audio is timed from there)."""
+        self.ctx, self.settings, self.window = ctx, settings, window
+        self.speech_end = speech_end
         self.id = new_id("resp")
         self.arrived = time.perf_counter()
         kind = "output_audio" if settings.audio_out else "output_text"
@@ -93,9 +110,9 @@ class ResponseRun:
         self.task: asyncio.Task | None = None
         # with tools offered, the reply's text is read for calls: each becomes a function_call item
         # after the message item (output_index 1, 2, ...), its text never reaches the message
-        tools = settings.tools
-        self.parser = ToolCallParser(tools.names, tools.parallel) if tools.parses_calls else None
+        self.parser = settings.tools.parser()
         self.calls: list[ConversationItem] = []
+        self._previous: dict[str, str | None] = {}     # a call item's id -> the item before it
 
     @property
     def content(self) -> ItemContent:
@@ -171,43 +188,88 @@ class ResponseRun:
         await self._finish(*outcome)
 
     async def _generate(self) -> tuple[str, dict[str, Any] | None]:
-        gen = self.ctx.generation
-        s = self.settings
         try:
-            self.prompt = await gen.render(self.messages, tools=s.tools.prompt_tools, tools_param="session.tools")
-            forced = s.ignore_eos
-            params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if forced else 0,
-                                      max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if forced else 0,
-                                      temperature=s.temperature)
-            req = speech_request(self.prompt, params, s.voice, s.audio_out, tool_calls=s.tools.parses_calls)
-            req.request_id = self.id
-            finish = None
-            async with aclosing(gen.run(req, self.arrived)) as events:
-                async for ev in events:
-                    if isinstance(ev, TextEvent):
-                        await self._on_text(ev)
-                    elif isinstance(ev, AudioEvent):
-                        await self._on_audio(ev)
-                    elif isinstance(ev, DoneEvent):
-                        await self._on_pieces(0, self.parser.finish() if self.parser is not None else [])
-                        finish = ev.text_finish
-                        self.frames = ev.frames     # the talker's own count
-                        self.cached_tokens = ev.cached_tokens
-                        self.audio_finish = ev.audio_finish
+            for attempt in (1, 2):     # a refusal for the context is learned from, and the prompt fitted again
+                await self._fit()
+                try:
+                    finish = await self._stream()
+                    break
+                except PipelineError as e:
+                    if attempt == 2 or not self._learn(e):
+                        raise
+        except ContextTooLong as e:
+            return await self._failed(e.error)
         except PipelineError as e:
-            return self._failed(from_pipeline_error(e))
+            return await self._failed(from_pipeline_error(e))
         except APIError as e:
-            return self._failed(e)
+            return await self._failed(e)
         except Exception:
             log.exception("realtime response %s failed", self.id)
-            return self._failed(APIError(500, "the server failed while generating this response", type="server_error",
-                                         code="server_error"))
+            return await self._failed(APIError(500, "the server failed while generating this response",
+                                               type="server_error", code="server_error"))
         if finish == pb.LENGTH:
             return "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         return "completed", None
 
-    def _failed(self, e: APIError) -> tuple[str, dict[str, Any]]:
+    async def _fit(self) -> None:
+        """self.prompt: the window's prompt, fitted to what is known of the context (truncation.fit);
+        the items it leaves out leave the session's context."""
+        s, gen = self.settings, self.ctx.generation
+        tools = s.tools.prompt_tools
+
+        def render(messages):
+            return gen.render(messages, tools=tools, tools_param="session.tools")
+
+        fitted = await fit(render, self.window, s.truncation, self.ctx.room.prompt_limit(s.max_output_tokens),
+                           has_system=bool(self.window.instructions or tools), turn_start=gen.turn_start)
+        if fitted.cut:
+            log.info("realtime response %s: truncation leaves the %d oldest turns out (%d prompt tokens)", self.id,
+                     fitted.cut, len(fitted.prompt.token_ids))
+            self.window.drop([item_id for item_id, _ in self.window.turns[:fitted.cut]])
+        self.prompt = fitted.prompt
+
+    def _learn(self, e: PipelineError) -> bool:
+        """Whether `e` is the thinker's refusal for its context before any output (then learned)."""
+        if e.stage != "thinker" or e.code != grpc.StatusCode.OUT_OF_RANGE or e.context is None \
+                or self.text_tokens or self.produced_samples:
+            return False
+        self.ctx.room.learn(e.context, self.settings.max_output_tokens)
+        return True
+
+    async def _stream(self) -> int | None:
+        """Run self.prompt through the pipeline, sending the reply's events; the text's finish reason."""
+        gen, s = self.ctx.generation, self.settings
+        forced = s.ignore_eos
+        if forced and s.tools.calls_only:
+            raise bad_request("ignore_eos excludes a tool_choice that requires a call: a constrained reply ends "
+                              "when it is complete", param="tool_choice", code="invalid_value")
+        params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if forced else 0,
+                                  max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if forced else 0,
+                                  temperature=s.temperature, constraint=required_call_constraint(s.tools))
+        req = speech_request(self.prompt, params, s.voice, s.audio_out, tool_calls=s.tools.parses_calls,
+                             calls_only=s.tools.calls_only)
+        req.request_id = self.id
+        req.session = self.ctx.conversation_id     # the session's turns prefer one thinker replica
+        finish = None
+        async with aclosing(gen.run(req, self.arrived)) as events:
+            async for ev in events:
+                if isinstance(ev, TextEvent):
+                    await self._on_text(ev)
+                elif isinstance(ev, AudioEvent):
+                    await self._on_audio(ev)
+                elif isinstance(ev, DoneEvent):
+                    await self._on_pieces(0, self.parser.finish() if self.parser is not None else [])
+                    finish = ev.text_finish
+                    self.frames = ev.frames     # the talker's own count
+                    self.cached_tokens = ev.cached_tokens
+                    self.audio_finish = ev.audio_finish
+        return finish
+
+    async def _failed(self, e: APIError) -> tuple[str, dict[str, Any]]:
+        """A failed outcome; a prompt past the context is also an `error` event (the session goes on)."""
         log.info("realtime response %s failed: %s", self.id, e.message)
+        if e.code == "context_length_exceeded":
+            await self.ctx.emit(Error.of(ProtocolError(e.message, code=e.code)))
         return "failed", {"type": "failed", "error": {"type": e.type, "code": e.code, "message": e.message}}
 
     async def _on_text(self, ev: TextEvent) -> None:
@@ -226,27 +288,41 @@ class ResponseRun:
             delta = TranscriptDelta if self.settings.audio_out else TextDelta
             await self.ctx.emit(delta(**self._part_ids(), delta=text))
         for p in pieces:
-            if isinstance(p, CallPiece):
-                await self._on_call(p)
+            if isinstance(p, CallStart):
+                await self._call_started(p.id, p.name)
+            elif isinstance(p, ArgumentsDelta):
+                await self._arguments(p.index, p.text)
+            elif isinstance(p, CallPiece):
+                if not p.streamed:
+                    await self._call_started(p.call.id, p.call.name)
+                    await self._arguments(p.index, p.call.arguments)
+                await self._call_done(p)
 
-    async def _on_call(self, piece: CallPiece) -> None:
-        c = piece.call
+    async def _call_started(self, call_id: str, name: str) -> None:
+        """A call's function_call item (output_index 1 + its index), its arguments to come."""
         item = ConversationItem(new_id("item"), "assistant", [], status="in_progress",
-                                call=FunctionCall(c.id, c.name, ""))
+                                call=FunctionCall(call_id, name, ""))
         index = 1 + len(self.calls)
         self.calls.append(item)
         emit = self.ctx.emit
         await emit(OutputItemAdded(self.id, index, item))
-        previous = None
         if not self.settings.out_of_band:
-            previous = self.ctx.insert_item(item)
-            await emit(ItemAdded(previous, item))
-        await emit(FunctionCallArgumentsDelta(self.id, item.id, index, c.id, c.arguments))
+            self._previous[item.id] = self.ctx.insert_item(item)
+            await emit(ItemAdded(self._previous[item.id], item))
+
+    async def _arguments(self, index: int, text: str) -> None:
+        item = self.calls[index]
+        item.call = FunctionCall(item.call.call_id, item.call.name, item.call.arguments + text)
+        await self.ctx.emit(FunctionCallArgumentsDelta(self.id, item.id, 1 + index, item.call.call_id, text))
+
+    async def _call_done(self, piece: CallPiece) -> None:
+        c, item, index = piece.call, self.calls[piece.index], 1 + piece.index
         item.call, item.status = FunctionCall(c.id, c.name, c.arguments), "completed"
+        emit = self.ctx.emit
         await emit(FunctionCallArgumentsDone(self.id, item.id, index, c.id, c.name, c.arguments))
         await emit(OutputItemDone(self.id, index, item))
         if not self.settings.out_of_band:
-            await emit(ItemDone(previous, item))
+            await emit(ItemDone(self._previous[item.id], item))
 
     async def _on_audio(self, ev: AudioEvent) -> None:
         pcm = ev.data
@@ -256,6 +332,9 @@ class ResponseRun:
         n = len(pcm) // 2
         if not n:
             return
+        if not self.produced_samples and self.speech_end is not None:
+            since, at = self.speech_end
+            self.ctx.heard_to_audio(since, time.perf_counter() - at)
         self.produced_samples += n
         await self.ctx.emit(AudioDelta(**self._part_ids(), delta=base64.b64encode(pcm).decode("ascii")),
                             response_id=self.id, audio_samples=n, on_sent=self._on_sent)

@@ -3,6 +3,7 @@ its input audio buffer. No I/O here; connection.py drives it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -14,9 +15,9 @@ from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, Tool, ToolCal
 
 from ..errors import APIError
 from ..params import DEFAULT_TEMPERATURE
-from ..tool_params import ToolOptions, required_call_constraint, tool_choice
+from ..tool_params import ToolOptions, tool_choice
 from .events import (INPUT_SAMPLE_RATE, MAX_INPUT_SECONDS, UNSET, Dialect, NewItem, PartKind, ProtocolError,
-                     ResponseOverrides, SessionPatch, TranscriptionPatch)
+                     ResponseOverrides, SessionPatch, TranscriptionPatch, Truncation)
 from .vad import ServerVadParams
 
 PCM_FORMAT = {"type": "audio/pcm", "rate": INPUT_SAMPLE_RATE}
@@ -82,6 +83,7 @@ class SessionConfig:
     ignore_eos: bool = False
     max_audio_frames: int = 0                  # 0: the talker's default
     tools: ToolOptions = ToolOptions()
+    truncation: Truncation = Truncation()
 
     def updated(self, patch: SessionPatch, speakers: dict[str, int]) -> "SessionConfig":
         changes: dict[str, Any] = {}
@@ -94,7 +96,8 @@ class SessionConfig:
         if patch.transcription is not UNSET:
             changes["transcription"] = (None if patch.transcription is None
                                         else TranscriptionSettings.of(patch.transcription, self.model))
-        for name in ("audio_out", "instructions", "max_output_tokens", "temperature", "ignore_eos", "max_audio_frames"):
+        for name in ("audio_out", "instructions", "max_output_tokens", "temperature", "ignore_eos", "max_audio_frames",
+                     "truncation"):
             value = getattr(patch, name)
             if value is not None:
                 changes[name] = value
@@ -111,13 +114,15 @@ class SessionConfig:
                     "modalities": ["audio", "text"] if self.audio_out else ["text"], "instructions": self.instructions,
                     "voice": self.voice, "input_audio_format": "pcm16", "output_audio_format": "pcm16",
                     "input_audio_transcription": transcription, "turn_detection": turn,
-                    **tools_wire(self.tools), "max_response_output_tokens": limit, **vendor}
+                    **tools_wire(self.tools), "max_response_output_tokens": limit,
+                    "truncation": self.truncation.wire(), **vendor}
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
                 "output_modalities": ["audio"] if self.audio_out else ["text"], "instructions": self.instructions,
                 "audio": {"input": {"format": PCM_FORMAT, "transcription": transcription, "noise_reduction": None,
                                     "turn_detection": turn},
                           "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0}},
-                **tools_wire(self.tools), "max_output_tokens": limit, **vendor}
+                **tools_wire(self.tools), "max_output_tokens": limit, "truncation": self.truncation.wire(),
+                **vendor}
 
 
 def realtime_tools(current: ToolOptions, tools: tuple[Tool, ...] | None, choice: Any, path: str) -> ToolOptions:
@@ -132,7 +137,6 @@ def realtime_tools(current: ToolOptions, tools: tuple[Tool, ...] | None, choice:
         else:
             mode, function = tool_choice(choice, new_tools, f"{path}.tool_choice", nested=False)
         opts = ToolOptions(tools=new_tools, choice=mode, function=function)
-        required_call_constraint(opts, f"{path}.tool_choice")
     except APIError as e:
         raise ProtocolError(e.message, code=e.code or "invalid_value", param=e.param) from None
     return opts
@@ -159,6 +163,7 @@ class ResponseSettings:
     out_of_band: bool = False
     metadata: dict[str, str] | None = None
     tools: ToolOptions = ToolOptions()
+    truncation: Truncation = Truncation()
 
     @classmethod
     def resolve(cls, session: SessionConfig, o: ResponseOverrides, speakers: dict[str, int]) -> "ResponseSettings":
@@ -170,7 +175,7 @@ class ResponseSettings:
         s = cls(voice=voice, audio_out=pick("audio_out"), instructions=pick("instructions"),
                 max_output_tokens=pick("max_output_tokens"), temperature=pick("temperature"),
                 ignore_eos=pick("ignore_eos"), max_audio_frames=pick("max_audio_frames"),
-                out_of_band=o.out_of_band, metadata=o.metadata,
+                out_of_band=o.out_of_band, metadata=o.metadata, truncation=session.truncation,
                 tools=session.tools if o.tools is None and o.tool_choice is None
                 else realtime_tools(session.tools, o.tools, o.tool_choice, "response"))
         if s.ignore_eos and not s.max_output_tokens:
@@ -298,9 +303,27 @@ class ConversationItem:
         return ChatMessage.text(self.role, text) if text or self.role == "system" else None
 
 
+def prompt_messages(instructions: str, turns: Sequence[tuple[str, ChatMessage | None]]) -> list[ChatMessage]:
+    """The prompt's turns from items' (id, turn) pairs: a call right after an assistant turn (its
+    text, or other calls of the same reply) joins that turn, as the model wrote them."""
+    out: list[ChatMessage] = []
+    for _, m in turns:
+        if m is None:
+            continue
+        if m.tool_calls and out and out[-1].role == "assistant":
+            out[-1] = replace(out[-1], tool_calls=[*out[-1].tool_calls, *m.tool_calls])
+            continue
+        out.append(m)
+    return with_instructions(instructions, out)
+
+
 class Conversation:
+    """The items, in order. Items that truncation took out of the model's context (`dropped`)
+    stay in the conversation (retrievable, deletable) but no prompt reads them."""
+
     def __init__(self) -> None:
         self.items: list[ConversationItem] = []
+        self.dropped: set[str] = set()
 
     def find(self, item_id: str, param: str = "item_id") -> ConversationItem:
         for item in self.items:
@@ -334,20 +357,18 @@ class Conversation:
 
     def delete(self, item_id: str) -> None:
         self.items.remove(self.find(item_id))
+        self.dropped.discard(item_id)
+
+    def turns(self) -> tuple[tuple[str, ChatMessage | None], ...]:
+        """(id, prompt turn) of each item in the model's context, in order (None: nothing of it left)."""
+        return tuple((item.id, item.chat_message()) for item in self.items if item.id not in self.dropped)
+
+    def drop(self, item_ids: Sequence[str]) -> None:
+        """Take items out of the model's context (truncation)."""
+        self.dropped.update(item_ids)
 
     def messages(self, instructions: str) -> list[ChatMessage]:
-        """The prompt's turns: a call right after an assistant turn (its text, or other calls of the
-        same reply) joins that turn, as the model wrote them."""
-        out: list[ChatMessage] = []
-        for item in self.items:
-            m = item.chat_message()
-            if m is None:
-                continue
-            if m.tool_calls and out and out[-1].role == "assistant":
-                out[-1] = replace(out[-1], tool_calls=[*out[-1].tool_calls, *m.tool_calls])
-                continue
-            out.append(m)
-        return with_instructions(instructions, out)
+        return prompt_messages(instructions, self.turns())
 
     def has_call(self, call_id: str) -> bool:
         return any(item.call is not None and item.call.call_id == call_id for item in self.items)

@@ -7,6 +7,7 @@ each utterance's new samples as one AudioOut.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,8 +15,10 @@ import torch
 
 from voxpipe.v1 import stages_pb2 as pb
 
+from ..runtime import metrics
 from ..runtime.config import Code2WavConfig
 from ..runtime.engine import EngineRequest, StageEngine, StageError
+from ..runtime.playback import PlaybackClock
 from ..runtime.outputs import AudioOut, Finished, FinishReason
 from .model import Code2WavModel
 from .runner import Code2WavRunner, FrameWork
@@ -37,6 +40,13 @@ class Code2WavJob(EngineRequest):
     to_listener: bool = False
     echo_frames: bool = False
     ended: "asyncio.Future | None" = None   # the request's last item (Finished or StageError)
+    # its listener: emitted = audio decoded; delivered = audio its Listen stream has written
+    # (Code2WavEngine.delivered) when to_listener (measured), else = emitted
+    playback: PlaybackClock = field(default_factory=PlaybackClock)
+    skips: int = 0             # steps sat out in a row (scheduler: DeadlinePolicy)
+    playback_reports: bool = False   # to_listener: report the listener on the Decode stream (Code2WavStart)
+    reports: "asyncio.Queue | None" = None   # with playback_reports: pb.Playback for the Decode stream (server.py)
+    reported_at: float = float("-inf")      # monotonic time of the last report
 
     def end(self, final: Finished | StageError) -> None:
         """Resolve `ended` (first caller wins)."""
@@ -57,6 +67,7 @@ class Code2WavEngine(StageEngine):
         super().__init__(max_active)
         self.cfg, self.device = cfg, device
         self.scheduler = Code2WavScheduler()
+        self.slack_gauges = metrics.SlackGauges(self.name)
         self.runner = Code2WavRunner(model, cfg, device=device, max_active=max_active, cuda_graphs=cuda_graphs,
                                      eager_fallback=eager_fallback)
 
@@ -71,9 +82,21 @@ class Code2WavEngine(StageEngine):
             job.frames_end = True
             self.lock.notify_all()
 
+    def delivered(self, job: Code2WavJob, samples: int) -> None:
+        """`samples` of the request's audio were written to its stream (toward the listener)."""
+        with self.lock:
+            clock = job.playback
+            before = clock.underruns
+            clock.deliver(samples / self.cfg.sample_rate, time.monotonic())
+            metrics.count_underruns(self.name, clock, before)
+
     # ---- the loop's hooks
     def has_work(self) -> bool:
         return self.scheduler.has_work(self.waiting, self.running, self.runner.free_slots)
+
+    def _set_gauges(self) -> None:
+        super()._set_gauges()
+        self.slack_gauges.update((*self.waiting, *self.running), time.monotonic())
 
     def release(self, req: Code2WavJob) -> None:
         if req.slot is not None:
@@ -83,7 +106,7 @@ class Code2WavEngine(StageEngine):
     @torch.inference_mode()
     def step(self) -> None:
         with self.lock:
-            plan = self.scheduler.schedule(self.waiting, self.running, self.runner.free_slots)
+            plan = self.scheduler.schedule(self.waiting, self.running, self.runner.free_slots, time.monotonic())
             for job in plan.admitted:
                 job.slot = self.runner.allocate()
                 job.mark_started()
@@ -100,12 +123,15 @@ class Code2WavEngine(StageEngine):
 
     def _output(self, work: list[tuple[Code2WavJob, list[torch.Tensor]]], audio: list[np.ndarray],
                 usable: list[bool]) -> None:
+        now = time.monotonic()
         for (job, frames), samples, ok in zip(work, audio, usable):
             if not ok:
                 self.runner.scrub(job.slot)     # its state must not reach the slot's next utterance
                 self.finish(job, self.nonfinite(job, "audio samples"))
                 continue
             job.frames_decoded += len(frames)
+            with self.lock:
+                job.playback.emit(samples.shape[0] / self.cfg.sample_rate, now)
             job.mark_output()
             job.outbox.put(AudioOut(job.samples_sent, samples))
             job.samples_sent += samples.shape[0]

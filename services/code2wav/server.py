@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 import uuid
 from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +26,7 @@ from ..runtime.flags import add_code2wav_arguments as add_arguments  # noqa: F40
 from voxpipe.errors import ConfigError
 
 from ..runtime.flags import DEFAULT_LISTEN_TIMEOUT_S
+from ..runtime.playback import PlaybackClock
 from ..runtime.server import (Abort, StageServicer, finished_proto, frames_proto, load_stage_model,
                               serve_stage, stage_setup)
 from ..runtime.tensors import TensorError, from_proto
@@ -48,6 +50,7 @@ class FramesEndedEarly(Abort):
     def __init__(self) -> None:
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, "request stream ended before frames_end")
 CALL_END_GRACE_S = 0.5     # how long a request stream that ended early waits to see whether its call was cancelled
+REPORT_EVERY_S = 0.25      # Playback reports on a Decode stream: at most one per this much wall time
 
 
 class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
@@ -88,11 +91,15 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown audio encoding {start.encoding}")
         if start.echo_frames and not start.to_listener:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "echo_frames needs to_listener")
+        if start.playback_reports and not start.to_listener:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "playback_reports needs to_listener")
         return Code2WavJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
                            encoding=start.encoding or pb.AUDIO_PCM16,
                            first_chunk_frames=start.first_chunk_frames or self.first_chunk_frames,
                            chunk_frames=start.chunk_frames or self.chunk_frames,
-                           to_listener=start.to_listener, echo_frames=start.echo_frames)
+                           to_listener=start.to_listener, echo_frames=start.echo_frames,
+                           playback=PlaybackClock(measured=start.to_listener),
+                           playback_reports=start.to_listener and start.playback_reports)
 
     @traced_rpc("voxpipe.v1.Code2Wav", "Decode")
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -137,13 +144,17 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
 
     async def serve_listened(self, job: Code2WavJob, context: grpc.aio.ServicerContext,
                              reader: Callable[[], Any]) -> AsyncIterator[pb.Code2WavResponse]:
-        """A to_listener Decode stream: Accepted (with a one-time listen token), then, once the
-        request ended (its listener read the Finished, or it failed), Finished or the failure.
+        """A to_listener Decode stream: Accepted (with a one-time listen token), Playback reports if
+        asked for, then, once the request ended (its listener read the Finished, or it failed),
+        Finished or the failure.
         The audio goes to the Listen stream; until a listener attaches it waits in the request's
         outbox (bounded: a full outbox pauses the request) for at most --listen-timeout."""
         loop = asyncio.get_running_loop()
         token = secrets.token_urlsafe(18)
         job.ended = loop.create_future()
+        reports: asyncio.Queue[pb.Playback | None] = asyncio.Queue()
+        job.ended.add_done_callback(lambda _f: reports.put_nowait(None))
+        job.reports = reports if job.playback_reports else None
         self.listening[token] = job
         self.engine.submit(job)
 
@@ -186,7 +197,9 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
         final = None
         try:
             yield pb.Code2WavResponse(accepted=pb.Accepted(listen_token=token))
-            final = await asyncio.shield(job.ended)   # a cancelled handler must not cancel the future itself
+            while (report := await reports.get()) is not None:    # None: `ended` is resolved
+                yield pb.Code2WavResponse(playback=report)
+            final = job.ended.result()
             if isinstance(final, StageError):
                 if (ending := self.ending(context)) is not None:
                     yield ending        # the talker stops writing frames, then gets the status
@@ -211,6 +224,17 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
         job.outbox.put(error)
         job.end(error)
 
+    def _delivered(self, job: Code2WavJob, samples: int) -> None:
+        """The listener's stream took `samples` more: its clock moves; a report goes up if one is due."""
+        self.engine.delivered(job, samples)
+        if job.reports is None:
+            return
+        now = time.monotonic()
+        if now - job.reported_at >= REPORT_EVERY_S:
+            job.reported_at = now
+            clock = job.playback
+            job.reports.put_nowait(pb.Playback(played_seconds=clock.position(now), delivered_seconds=clock.delivered))
+
     @traced_rpc("voxpipe.v1.Code2Wav", "Listen")
     async def Listen(self, request: pb.ListenRequest, context: grpc.aio.ServicerContext):
         job = self.listening.pop(request.listen_token, None)
@@ -227,6 +251,8 @@ class Code2WavServicer(StageServicer, pb_grpc.Code2WavServicer):
                     job.end(item)
                     await abort(context, item.code, item.message, item.stage)
                 yield self.to_proto(job, item)
+                if isinstance(item, AudioOut):
+                    self._delivered(job, item.samples.shape[0])
                 if isinstance(item, Finished):
                     job.end(item)
                     return

@@ -7,14 +7,19 @@ and soon after a connection failure, so replicas come and go with the pods. A re
 DNS takes no new streams; its channel closes once its last stream ends.
 
 Each new stream goes to the usable replica with the fewest outstanding streams from this client
-(ties round-robin) and stays there for its life (BalancedStream). A replica that fails a stream
+(ties round-robin) and stays there for its life (BalancedStream); a stream with a RouteKey (its
+session, its prompt's block hashes) goes where its session or its longest known prefix went
+before, while that replica is within its share of the load (services.runtime.affinity: with one
+replica no key is made). A replica that fails a stream
 with UNAVAILABLE is unhealthy: skipped by new picks, re-probed with grpc.health.v1 Check every
 `cooldown_s` until it answers SERVING. A replica that refuses a new stream because it is draining
-(SIGTERM) is skipped the same way. A stream refused (UNAVAILABLE, or grpc's "Internal error from
-Core" that hides the status when the refusal races a write) before its first response is
-replayed once on another replica; after the first response a failure is the request's. Once
-its start is written (`end_head`), a stream writes on only after the replica's admission
-headers (services.runtime.calls.ADMITTED_METADATA), so a refusal of a start never races a write.
+(SIGTERM) is skipped the same way. A status that names a later stage (`voxpipe-stage`: the
+replica's talker died, its code2wav drains) is that stage's failure and leaves the replica as it
+was. A stream refused (UNAVAILABLE, or grpc's "Internal error from Core" that hides the status
+when the refusal races a write) before its first response is replayed once on another replica;
+after the first response a failure is the request's. Once its start is written (`end_head`), a
+stream writes on only after the replica's admission headers (services.runtime.calls.
+ADMITTED_METADATA), so a refusal of a start never races a write.
 Channels ping every 20 s during streams, so a replica whose host vanished fails its streams
 (UNAVAILABLE) within ~30 s instead of hanging them.
 
@@ -37,7 +42,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .calls import is_admitted
+from .affinity import AffinityTable, Choice, RouteKey
+from .calls import failed_stage, is_admitted
 from .tls import ClientTLS, aio_channel
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,12 @@ class BalancerOptions:
     cooldown_s: float = 3.0             # an unhealthy replica is skipped this long, then re-probed
     probe_timeout_s: float = 2.0        # one grpc.health.v1 Check
     retries: int = 1                    # replays of a stream refused before its first response
+    # affinity (services.runtime.affinity): a replica chosen for a stream's session or prefix holds at
+    # most ceil(load_bound * mean) + load_slack streams with it; the table's bounds, in block hashes and sessions
+    load_bound: float = 1.1
+    load_slack: int = 1
+    affinity_blocks: int = 65536
+    affinity_sessions: int = 16384
 
 
 @dataclass(frozen=True)
@@ -171,6 +183,8 @@ class StageBalancer:
         self._last_resolve = float("-inf")
         self._background: set[asyncio.Task] = set()
         self._closed = False
+        o = self.options
+        self.affinity = AffinityTable(o.affinity_blocks, o.affinity_sessions, o.load_bound, o.load_slack)
 
     def _new_replica(self, address: str, static: bool, server_name: str | None = None) -> Replica:
         """`server_name`: the name its certificate must carry when it is not the dialled host (a
@@ -181,6 +195,11 @@ class StageBalancer:
     def replicas(self) -> list[Replica]:
         """The replicas new streams may go to (unhealthy and draining ones included)."""
         return list(self._replicas.values())
+
+    @property
+    def choosing(self) -> bool:
+        """Whether a pick is a choice (more than one replica known): a RouteKey is worth making."""
+        return len(self._replicas) > 1
 
     # ------------------------------------------------------------------ resolution
 
@@ -249,6 +268,7 @@ class StageBalancer:
 
     def _retire(self, replica: Replica) -> None:
         replica.retired = True
+        self.affinity.forget(replica.address)
         if replica.probe is not None:
             replica.probe.cancel()
         if replica.in_flight == 0:
@@ -263,20 +283,22 @@ class StageBalancer:
 
     # ------------------------------------------------------------------ picking
 
-    async def acquire(self, avoid: Iterable[Replica] = ()) -> Replica:
-        """The replica for a new stream, counted as in flight until `release`."""
+    async def acquire(self, avoid: Iterable[Replica] = (), key: RouteKey | None = None) -> Replica:
+        """The replica for a new stream (with `key`: by affinity), counted as in flight until `release`."""
         await self.start()
         if not self._replicas and self._dns_targets:
             loop = asyncio.get_running_loop()
             if loop.time() - self._last_resolve >= self.options.min_resolve_gap_s:
                 await self._resolve_all()
-        replica = self.pick(avoid)
+        replica = self.pick(avoid, key)
         replica.in_flight += 1
         return replica
 
-    def pick(self, avoid: Iterable[Replica] = ()) -> Replica:
-        """Least outstanding streams among the usable replicas not in `avoid` (ties round-robin);
-        when there are none, the best of the rest (a stream that fails is clearer than none)."""
+    def pick(self, avoid: Iterable[Replica] = (), key: RouteKey | None = None) -> Replica:
+        """Among the usable replicas not in `avoid`: with `key` and a choice to make, the affinity
+        table's pick (session, longest known prefix, within the load bound), else the least
+        outstanding streams (ties round-robin); when none is usable, the best of the rest (a stream
+        that fails is clearer than none). The pick is counted and, with `key`, recorded."""
         avoid = set(avoid)
         live = list(self._replicas.values())
         if not live:
@@ -288,9 +310,17 @@ class StageBalancer:
 
         best = min(tier(r) for r in live)
         candidates = [r for r in live if tier(r) == best]
-        low = min(r.in_flight for r in candidates)
-        candidates = [r for r in candidates if r.in_flight == low]
-        return candidates[next(self._rr) % len(candidates)]
+        turn = next(self._rr)
+        if key is not None and len(live) > 1 and best == (False, False, False):
+            choice = self.affinity.choose(candidates, key, turn)
+        else:       # one replica, no key, or none usable: affinity never picks an unusable one
+            low = min(r.in_flight for r in candidates)
+            tied = [r for r in candidates if r.in_flight == low]
+            choice = Choice(tied[turn % len(tied)], "least_loaded", 0)
+        self.affinity.count(choice, key)
+        if key is not None:
+            self.affinity.record(choice.replica.address, key)
+        return choice.replica
 
     def release(self, replica: Replica) -> None:
         replica.in_flight -= 1
@@ -321,6 +351,7 @@ class StageBalancer:
                             details, self.options.cooldown_s)
             replica.healthy = False
             self.request_resolve()
+        self.affinity.forget(replica.address)
         self._start_probe(replica)
 
     def report_lost_status(self, replica: Replica) -> None:
@@ -350,6 +381,7 @@ class StageBalancer:
                     if replica.healthy:
                         log.warning("%s: replica %s does not answer health checks (%s)", self.stage,
                                     replica.address, e.code().name)
+                        self.affinity.forget(replica.address)
                     replica.healthy = False
                     continue
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -357,6 +389,7 @@ class StageBalancer:
                     return
                 if not replica.draining:
                     log.info("%s: replica %s is not serving (draining)", self.stage, replica.address)
+                    self.affinity.forget(replica.address)
                 replica.draining = True
         finally:
             replica.probe = None
@@ -428,8 +461,9 @@ class BalancedStream:
     """
 
     def __init__(self, balancer: StageBalancer, open_call: Callable[[grpc.aio.Channel], Any],
-                 on_replica: Callable[[Replica], None] | None = None) -> None:
-        self.balancer, self._open_call, self._on_replica = balancer, open_call, on_replica
+                 on_replica: Callable[[Replica], None] | None = None, key: RouteKey | None = None) -> None:
+        """`key`: the stream's affinity (its session, its prompt's blocks) for the pick and any replay's."""
+        self.balancer, self._open_call, self._on_replica, self.key = balancer, open_call, on_replica, key
         self.replica: Replica | None = None
         self._call = None
         self._tried: list[Replica] = []
@@ -442,7 +476,7 @@ class BalancedStream:
         self._closed = False
 
     async def open(self) -> "BalancedStream":
-        self._attach(await self.balancer.acquire())
+        self._attach(await self.balancer.acquire(key=self.key))
         return self
 
     def _attach(self, replica: Replica) -> None:
@@ -545,7 +579,8 @@ class BalancedStream:
                 lost = is_lost_status(e.code(), e.details())
                 if lost and not self.committed:
                     self.balancer.report_lost_status(self.replica)
-                else:
+                elif failed_stage(e, self.balancer.stage) == self.balancer.stage:
+                    # a status naming a later stage (voxpipe-stage: its talker died or drains) is not this replica's
                     self.balancer.report_failure(self.replica, e.code(), e.details())
                 if not (e.code() == grpc.StatusCode.UNAVAILABLE or lost) or not self._may_retry():
                     raise
@@ -555,7 +590,7 @@ class BalancedStream:
         """Reopen the stream on another replica and replay what was written."""
         async with self._lock:
             failed = self.replica
-            replica = await self.balancer.acquire(avoid=self._tried)
+            replica = await self.balancer.acquire(avoid=self._tried, key=self.key)
             self.balancer.release(failed)
             log.info("%s: stream refused by %s (%s: %s); retrying on %s", self.balancer.stage, failed.address,
                      error.code().name, error.details(), replica.address)

@@ -12,6 +12,9 @@ import asyncio
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
+
+from voxpipe.v1 import stages_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,8 @@ AWAITS_ADMISSION_METADATA = "voxpipe-awaits-admission"
 # request headers of a client that half-closes on an Ending response (stages.proto): a stream that
 # fails after its admission sends it one first, so that the status does not race the client's writes
 TAKES_ENDING_METADATA = "voxpipe-takes-ending"
+# trailing metadata of a call refused OUT_OF_RANGE: a serialized stages.proto ContextExceeded
+CONTEXT_METADATA = "voxpipe-context-bin"
 
 
 def is_admitted(initial_metadata) -> bool:
@@ -45,6 +50,23 @@ async def send_admitted(context: grpc.aio.ServicerContext) -> None:
         if context.cancelled() or context.done():
             raise ClientGone() from None
         raise
+
+
+def context_metadata(prompt_tokens: int, reply_tokens: int, context_tokens: int) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata of an OUT_OF_RANGE refusal: the numbers, as a ContextExceeded."""
+    detail = pb.ContextExceeded(prompt_tokens=prompt_tokens, reply_tokens=reply_tokens, context_tokens=context_tokens)
+    return ((CONTEXT_METADATA, detail.SerializeToString()),)
+
+
+def context_exceeded(error: grpc.aio.AioRpcError) -> pb.ContextExceeded | None:
+    """The ContextExceeded a failed call's trailing metadata carries (None: none, or not one)."""
+    for key, value in error.trailing_metadata() or ():
+        if key == CONTEXT_METADATA and isinstance(value, bytes):
+            try:
+                return pb.ContextExceeded.FromString(value)
+            except DecodeError:
+                return None
+    return None
 
 
 def failed_stage(error: grpc.aio.AioRpcError, callee: str) -> str:
@@ -68,9 +90,10 @@ class ClientGone(Exception):
 
 
 async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
-                stage: str | None = None) -> None:
+                stage: str | None = None, trailing: tuple[tuple[str, str | bytes], ...] = ()) -> None:
     """`context.abort(code, message)`, or ClientGone when the caller already cancelled the call.
-    `stage`: the stage the failure is about, when not this one (sent as `voxpipe-stage`).
+    `stage`: the stage the failure is about, when not this one (sent as `voxpipe-stage`);
+    `trailing`: more trailing metadata (e.g. CONTEXT_METADATA).
 
     A cancelled call shows itself in two ways, whichever comes first: a read that ends early
     (which looks like a bad request: "empty request stream", "ended before text_end") and a
@@ -79,8 +102,9 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     if context.cancelled():
         raise ClientGone()
     try:
-        if stage is not None:
-            context.set_trailing_metadata(((STAGE_METADATA, stage),))
+        metadata = (((STAGE_METADATA, stage),) if stage is not None else ()) + tuple(trailing)
+        if metadata:
+            context.set_trailing_metadata(metadata)
         await context.abort(code, message)
     except (grpc.aio.AbortError, asyncio.CancelledError):
         raise

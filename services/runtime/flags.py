@@ -11,7 +11,10 @@ from .tls import add_client_tls_arguments, add_server_tls_arguments
 
 PREFILL_CHUNK = 4096   # long prompts' tokens a thinker step prefills, packed (--prefill-chunk; bench/RESULTS.md)
 DEFAULT_LISTEN_TIMEOUT_S = 30.0   # a code2wav request routed to it waits this long for its Listen stream
-KV_BLOCK_SIZE = 16                # positions per thinker KV block (--kv-block-size)
+KV_BLOCK_SIZE = 16                # positions per KV block (--kv-block-size)
+# the talker's default pool on CUDA: at most this many positions per stream (--max-batch), as its
+# slots held before the pool was paged; the rest of its share is left to activations and graphs
+TALKER_TOKENS_PER_STREAM = 8192
 DEFAULT_AUDIO_CACHE_MB = 256.0    # --audio-cache-mb: ~850 clips of 5.7 s at full size (74 rows x 2048 x bf16)
 
 
@@ -95,15 +98,20 @@ def fraction(value: str) -> float:
     return number
 
 
-def add_thinker_arguments(parser: argparse.ArgumentParser) -> None:
-    add_stage_arguments(parser, default_port=50051, default_max_len=0)
+def add_kv_arguments(parser: argparse.ArgumentParser, gpu_sizing: str) -> None:
+    """The paged KV pool's flags (runtime/kv_plan.py), the same for the thinker and the talker."""
     parser.add_argument("--kv-cache-tokens", type=at_least(0), default=0,
-                        help="positions the KV pool holds, shared by all sequences (0: sized from the GPU memory "
-                             "--gpu-memory-fraction leaves beside the weights; on the CPU twice the context)")
+                        help=f"positions the KV pool holds, shared by all sequences (0: sized from {gpu_sizing}; "
+                             "on the CPU twice the context)")
     parser.add_argument("--kv-block-size", type=at_least(1), default=KV_BLOCK_SIZE,
                         help="positions per KV block (a power of two; the prefix cache's unit)")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="keep computed KV blocks by their prefix hash and skip the prefill of a cached prefix")
+
+
+def add_thinker_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stage_arguments(parser, default_port=50051, default_max_len=0)
+    add_kv_arguments(parser, "the GPU memory --gpu-memory-fraction leaves beside the weights")
     parser.add_argument("--audio-cache-mb", type=float, default=DEFAULT_AUDIO_CACHE_MB,
                         help="audio encoder outputs kept on the device by clip content (the features' SHA-256), "
                              "least recently used dropped first: a clip a conversation sends again is not encoded "
@@ -122,7 +130,9 @@ def add_thinker_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_talker_arguments(parser: argparse.ArgumentParser) -> None:
-    add_stage_arguments(parser, default_port=50052, default_max_len=8192)
+    add_stage_arguments(parser, default_port=50052, default_max_len=0)
+    add_kv_arguments(parser, "the GPU memory --gpu-memory-fraction leaves beside the weights, at most "
+                             f"--max-batch x {TALKER_TOKENS_PER_STREAM} positions")
     parser.add_argument("--code2wav", default=os.environ.get("VOXPIPE_CODE2WAV", ""),
                         help="the code2wav replicas routed frames go to: host:port and/or dns:///name:port, "
                              "comma-separated (env VOXPIPE_CODE2WAV); unset: frames only back to the caller")

@@ -4,6 +4,15 @@ voxpipe_active_streams{stage}      streams admitted and not finished (autoscalin
 voxpipe_queue_depth{stage}         streams waiting for an engine slot (autoscaling signal)
 voxpipe_stage_capacity{stage}      streams the engine runs at once (--max-batch): active streams above it wait
 voxpipe_throttled_streams{stage}   streams paused because their client reads too slowly
+voxpipe_streams_by_slack{stage,band}  streams by their listener's slack (services/runtime/playback.py):
+                                    band = under_0.5s (nearly dry, and streams with no audio yet),
+                                    0.5s_to_2s, over_2s
+voxpipe_streams_under_500ms_slack{stage}  the under_0.5s band alone (autoscaling signal)
+voxpipe_underruns_total{stage}     times a stream's listener ran dry before the stream ended, as this
+                                    stage models the listener (code2wav: from what its Listen
+                                    stream delivered; the talker: 1x after its first frame)
+voxpipe_playback_reports_total{stage}  where-the-listener-is reports taken from the next stage (the
+                                    talker: code2wav's Playback on its Decode streams)
 voxpipe_stage_latency_seconds{stage,phase}  queue_wait | first_output | total per stream
 voxpipe_engine_step_seconds{stage}  one engine step
 voxpipe_prefill_batch_size{stage}   requests prefilled together in one engine step
@@ -35,12 +44,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from voxpipe.errors import PortInUse
+
+from .playback import BANDS, Paced, PlaybackClock, band_counts
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -80,6 +91,43 @@ AUDIO_CACHE_BYTES = Gauge("voxpipe_audio_cache_bytes", "Bytes of audio encoder o
                           registry=REGISTRY)
 NEXT_STAGE_STREAMS = Counter("voxpipe_next_stage_streams_total", "Streams opened to the next stage", ["stage"],
                              registry=REGISTRY)
+
+SLACK_STREAMS = Gauge("voxpipe_streams_by_slack", "Streams by their listener's slack", ["stage", "band"],
+                      registry=REGISTRY)
+DRY_STREAMS = Gauge("voxpipe_streams_under_500ms_slack", "Streams whose listener has under 500 ms of audio ahead "
+                    "(or none yet)", ["stage"], registry=REGISTRY)
+UNDERRUNS = Counter("voxpipe_underruns", "Times a stream's listener ran dry before the stream ended", ["stage"],
+                    registry=REGISTRY)
+
+PLAYBACK_REPORTS = Counter("voxpipe_playback_reports", "Playback reports taken from the next stage", ["stage"],
+                           registry=REGISTRY)
+
+
+class SlackGauges:
+    """A stage's voxpipe_streams_by_slack and voxpipe_streams_under_500ms_slack, recounted at most
+    every `every_s` (the engine offers them every step; a pass over every stream's clock each
+    step would cost more than the gauges are worth)."""
+
+    def __init__(self, stage: str, every_s: float = 0.1) -> None:
+        self.stage, self.every_s = stage, every_s
+        self._next = float("-inf")
+        UNDERRUNS.labels(stage)
+
+    def update(self, jobs: Iterable[Paced], now: float) -> None:
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        counts = band_counts([j.playback.slack(now) for j in jobs])
+        for label, n in counts.items():
+            SLACK_STREAMS.labels(self.stage, label).set(n)
+        DRY_STREAMS.labels(self.stage).set(counts[BANDS[0][0]])
+
+
+def count_underruns(stage: str, clock: PlaybackClock, before: int) -> None:
+    """Count the underruns `clock` found since it had `before`."""
+    if clock.underruns > before:
+        UNDERRUNS.labels(stage).inc(clock.underruns - before)
+
 
 REPLICA_STATES = ("usable", "unhealthy", "draining")
 

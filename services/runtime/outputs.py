@@ -33,7 +33,8 @@ class Finished:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     samples: int = 0                 # code2wav: audio samples sent
-    cached_tokens: int = 0           # thinker: prompt tokens whose prefill the prefix cache skipped
+    cached_tokens: int = 0           # prompt tokens (thinker) / rows (talker) whose prefill the prefix cache skipped
+    streamed_tokens: int = 0         # thinker, a streamed turn: prompt tokens with keys at its commit
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,26 @@ class TalkerPromptOut:
     assistant_head: "torch.Tensor"   # [3, H] "<|im_start|>", "assistant", "\n"
     assistant_prefix: "torch.Tensor"   # [A, H] prompt tokens after the head (usually A = 0)
     tts_special: "torch.Tensor"      # [3, H] tts_bos, tts_eos, tts_pad
+    audio_rows: "torch.Tensor | None" = None   # [M, H] with user_rows None: the multimodal user rows alone
+    audio_keys: tuple[bytes, ...] = ()         # per run of multimodal user rows: its content key (row_keys.py)
+    audio_rows_follow: bool = False            # audio_rows come later (TalkerAudioRowsOut), once the talker said what it holds
+
+
+@dataclass(frozen=True)
+class TalkerAudioRowsOut:
+    """A prompt's multimodal user rows [M, H] (on the host), after its prefill, for a talker prompt
+    sent with audio_rows_follow: the relay sends the talker those past the prefix it holds."""
+
+    rows: "torch.Tensor"
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The talker's answer to a prompt with audio_rows_follow (voxpipe.v1.Held): the leading user rows
+    whose KV it holds for the request, and how many of them are multimodal."""
+
+    user_rows: int
+    audio_rows: int
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,13 @@ q [B, Hq, S, D], k / v [B, Hkv, S, D], rotated):
 - `prefill_view(tables, s)`: whole prompts from position 0, right-padded to S: graph-friendly.
 - `decode_view(n, kv_len, tables, start)`: one new token per sequence: graph-friendly (the tables
   [N, M] and positions [N] are tensors; shapes depend only on (n, kv_len)).
-Attention reads a sequence's blocks gathered into one dense [Hkv, L, D] run (the reference path;
-positions past a sequence's length are masked)."""
+- `extend_view(tables, start, length, s, kv_bound)`: prompts that go on from a cached prefix, one
+  per row, right-padded to S new tokens: graph-friendly (start, length [N] tensors; shapes depend
+  only on (N, S)).
+Decode and short packed segments read the blocks in place (kernels/paged_attention.py) where the
+kernel launches (CUDA, or the CPU under Triton's interpreter); elsewhere, and for long packed
+segments (flash attention over a gathered copy is faster there), attention reads a sequence's
+blocks gathered into one dense [Hkv, L, D] run, positions past a sequence's length masked."""
 
 from __future__ import annotations
 
@@ -21,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from voxpipe import kernels
 from .kv_cache import _causal_flash, _sdpa
+
+PACKED_KERNEL_MAX = 512    # packed segments up to this many new tokens attend with the paged kernel
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class PagedKVCache:
                  dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch, self.null = num_blocks, num_blocks + 1
+        self.split: int | None = None      # the paged kernel's split (fixed: batch-invariant attention)
         shape = (num_blocks + 2, num_kv_heads, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -112,6 +121,14 @@ class PagedKVCache:
         ([B, M] int64, padded with the null block). Shapes depend only on (B, S)."""
         return _PagedPrefill(self, tables, new_tokens)
 
+    def extend_view(self, tables: torch.Tensor, start: torch.Tensor, length: torch.Tensor, new_tokens: int,
+                    kv_bound: int) -> "_PagedExtend":
+        """Row b's `length[b]` new tokens (of S, right-padded) go to positions start[b] .. start[b] +
+        length[b] - 1 of table row b ([B, M], M * block_size >= kv_bound, padded with the null
+        block) and attend to its positions before them and causally to each other; the padding's
+        keys go to the scratch block. kv_bound: how far any row may reach (static)."""
+        return _PagedExtend(self, tables, start, length, new_tokens, kv_bound)
+
     def decode_view(self, n: int, kv_len: int, tables: torch.Tensor, start: torch.Tensor) -> "_PagedDecode":
         """One new token for each of n sequences: tables [n, M] (each sequence's blocks), start [n]
         its position; it attends to positions 0 .. start. Shapes depend only on (n, kv_len)."""
@@ -124,21 +141,29 @@ class _PagedPacked:
         dev, bs = cache.k[0].device, cache.block_size
         self.where = []
         self.tables = []
+        self.starts = []
         for sg in step.segments:
             pos = torch.arange(sg.start, sg.start + sg.length)
             table = torch.tensor(sg.blocks, dtype=torch.long)
             self.where.append((table[pos // bs].to(dev), (pos % bs).to(dev)))
             self.tables.append(table[None].to(dev))
+            self.starts.append(torch.tensor([sg.start], device=dev))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [1, Hq, T, D], k / v [1, Hkv, T, D]: segment by segment, its keys into its blocks, then its
         queries over its positions 0 .. start + length - 1."""
         outs = []
-        for sg, (blocks, offsets), table in zip(self.step.segments, self.where, self.tables):
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        for sg, (blocks, offsets), table, start in zip(self.step.segments, self.where, self.tables, self.starts):
             rows = slice(sg.offset, sg.offset + sg.length)
             self.cache.write(layer, blocks, offsets, k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1))
+            qs = q[:, :, rows]
+            if sg.length <= PACKED_KERNEL_MAX and kernels.paged_attention.eligible(qs, kc, vc, table, start):
+                outs.append(kernels.paged_attention.kernel(qs, kc, vc, table, start, sg.start + sg.length, scale,
+                                                   self.cache.split))
+                continue
             keys, values = self.cache.gather(layer, table, sg.start + sg.length)
-            outs.append(_causal_flash(q[:, :, rows], keys, values, scale))
+            outs.append(_causal_flash(qs, keys, values, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -157,21 +182,51 @@ class _PagedPrefill:
         self.mask = causal[None, None].expand(tables.shape[0], 1, s, s)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal over the right-padded rows (a real query never sees a padded key): on CUDA in 16
+        bits flash attention with no mask at all -- the [B, 1, rep * S, S] mask `_sdpa` builds is
+        8 GiB for a 32k-row prompt (the talker prefills a whole prompt in one forward) --, elsewhere
+        the same causal mask as before."""
         self.cache.write(layer, self.blocks, self.offsets, k.transpose(1, 2), v.transpose(1, 2))
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            return _causal_flash(q, k, v, scale)
         return _sdpa(q, k, v, self.mask, scale)
+
+
+class _PagedExtend:
+    def __init__(self, cache: PagedKVCache, tables: torch.Tensor, start: torch.Tensor, length: torch.Tensor, s: int,
+                 kv_bound: int) -> None:
+        bs, width = cache.block_size, tables.shape[1]
+        self.cache, self.tables, self.start, self.kv_bound = cache, tables, start, kv_bound
+        step = torch.arange(s, device=start.device)
+        pos = start[:, None] + step[None, :]                                              # [B, S]
+        col = pos // bs
+        blocks = tables.gather(1, col.clamp_max(width - 1))
+        real = (step[None, :] < length[:, None]) & (col < width)
+        self.blocks = torch.where(real, blocks, torch.full_like(blocks, cache.null))
+        self.offsets = pos % bs
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        self.cache.write(layer, self.blocks, self.offsets, k.transpose(1, 2), v.transpose(1, 2))
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if kernels.paged_attention.eligible(q, kc, vc, self.tables, self.start):
+            return kernels.paged_attention.kernel(q, kc, vc, self.tables, self.start, self.kv_bound, scale,
+                                                  self.cache.split)
+        # eager (no graph): only as far as the rows reach
+        bound = min(self.kv_bound, int(self.start.max()) + q.shape[2])
+        return kernels.paged_attention.reference(q, kc, vc, self.tables, self.start, bound, scale)
 
 
 class _PagedDecode:
     def __init__(self, cache: PagedKVCache, n: int, kv_len: int, tables: torch.Tensor, start: torch.Tensor) -> None:
         bs = cache.block_size
-        self.cache, self.kv_len, self.tables = cache, kv_len, tables[:n]
+        self.cache, self.kv_len, self.tables, self.start = cache, kv_len, tables[:n], start[:n]
         rows = torch.arange(n, device=start.device)
         col = (start // bs).clamp_max(tables.shape[1] - 1)
         self.blocks, self.offsets = self.tables[rows, col], start % bs
-        k_pos = torch.arange(kv_len, device=start.device)
-        self.mask = (k_pos[None, :] <= start[:, None])[:, None, None, :]               # [n, 1, 1, L]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         self.cache.write(layer, self.blocks, self.offsets, k[:, :, 0], v[:, :, 0])
-        keys, values = self.cache.gather(layer, self.tables, self.kv_len)
-        return _sdpa(q, keys, values, self.mask, scale)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if kernels.paged_attention.eligible(q, kc, vc, self.tables, self.start):
+            return kernels.paged_attention.kernel(q, kc, vc, self.tables, self.start, self.kv_len, scale, self.cache.split)
+        return kernels.paged_attention.reference(q, kc, vc, self.tables, self.start, self.kv_len, scale)

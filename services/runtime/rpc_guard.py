@@ -32,9 +32,11 @@ DRAIN_S = 2.0        # how long a refusal waits for the client to half-close bef
 
 
 class Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """A refusal: the call ends with `code` and `message`; `trailing`: metadata sent with the status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple[tuple[str, str | bytes], ...] = ()) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.trailing = code, message, trailing
 
 
 class _Undecodable:
@@ -183,7 +185,7 @@ class RequestGuard(grpc.aio.ServerInterceptor):
                 async for response in inner(requests, ctx):
                     yield response
             except Abort as e:          # a refusal no handler turned into a status
-                await ctx.abort(e.code, e.message)
+                await ctx.abort(e.code, e.message, e.trailing)
 
         return grpc.stream_stream_rpc_method_handler(guarded, request_deserializer=_lenient(handler.request_deserializer),
                                                      response_serializer=handler.response_serializer)

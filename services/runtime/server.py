@@ -156,7 +156,7 @@ class StageServicer:
                 job = self.make_job(start)
                 await self.prepare(job)
             except Abort as e:
-                await abort(context, e.code, e.message)
+                await abort(context, e.code, e.message, trailing=e.trailing)
                 return None
             await send_admitted(context)
             return job
@@ -313,7 +313,7 @@ class StageServicer:
 def finished_proto(finished: Finished) -> pb.Finished:
     return pb.Finished(reason=int(finished.reason), prompt_tokens=finished.prompt_tokens,
                        completion_tokens=finished.completion_tokens, samples=finished.samples,
-                       cached_tokens=finished.cached_tokens)
+                       cached_tokens=finished.cached_tokens, streamed_tokens=finished.streamed_tokens)
 
 
 def routed_proto(routed: Routed) -> pb.Routed:
@@ -337,7 +337,9 @@ def talker_prompt_proto(prompt: TalkerPromptOut) -> pb.TalkerPrompt:
                            user_token_ids=tensor_proto(prompt.user_token_ids),
                            assistant_head=tensor_proto(prompt.assistant_head),
                            assistant_prefix=tensor_proto(prompt.assistant_prefix),
-                           tts_special=tensor_proto(prompt.tts_special))
+                           tts_special=tensor_proto(prompt.tts_special),
+                           audio_rows=None if prompt.audio_rows is None else tensor_proto(prompt.audio_rows),
+                           audio_keys=prompt.audio_keys, audio_rows_follow=prompt.audio_rows_follow)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_name: str,

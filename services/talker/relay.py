@@ -4,6 +4,7 @@ frame, the talker's Finished.
 
     engine outputs -> Code2WavRelay.forward -> code2wav: Code2WavStart (to_listener), CodecFrames, FramesEnd
                                             -> caller:   Routed (code2wav, listen token), FirstOutput, Finished
+    code2wav's Playback reports (where the listener is) -> `on_playback` (the engine's playback clock)
 
 It reads the request's outbox items as they are (FramesOut, Finished, and the Routed it put there
 itself) and returns typed outputs for the caller, which the servicer's `to_proto` turns into messages.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -20,7 +22,7 @@ from voxpipe.v1 import stages_pb2 as pb
 
 from ..runtime.downstream import Downstream, DownstreamFailed, NextStage
 from ..runtime.engine import StageError
-from ..runtime.outputs import Finished, FinishReason, FirstOutput, FramesOut, Routed
+from ..runtime.outputs import Finished, FinishReason, FirstOutput, FramesOut, HeldOut, Routed
 from ..runtime.server import frames_proto
 from .job import TalkerJob
 
@@ -28,8 +30,11 @@ log = logging.getLogger(__name__)
 
 
 class Code2WavRelay:
-    def __init__(self, code2wav: NextStage, job: TalkerJob, params: pb.Code2WavParams) -> None:
+    def __init__(self, code2wav: NextStage, job: TalkerJob, params: pb.Code2WavParams,
+                 on_playback: Callable[[float, float], None]) -> None:
+        """`on_playback(played_seconds, delivered_seconds)`: each of code2wav's Playback reports."""
         self.code2wav, self.job, self.params = code2wav, job, params
+        self.on_playback = on_playback
         self.done = False
         loop = asyncio.get_running_loop()
         self._down: asyncio.Future[Downstream | None] = loop.create_future()
@@ -37,8 +42,8 @@ class Code2WavRelay:
         self._closed = False
         self._task = asyncio.ensure_future(self._run())
 
-    async def forward(self, item: FramesOut | Finished | Routed) -> list[Finished | Routed | FirstOutput]:
-        if isinstance(item, Routed):
+    async def forward(self, item: FramesOut | Finished | Routed | HeldOut) -> list[Finished | Routed | FirstOutput | HeldOut]:
+        if isinstance(item, (Routed, HeldOut)):
             return [item]
         down = await asyncio.shield(self._down)     # a cancelled handler must not cancel the future _run resolves
         if down is None:                    # code2wav could not be reached: the StageError is on its way
@@ -70,13 +75,15 @@ class Code2WavRelay:
             down = await self.code2wav.open("Decode", job.request_id, awaits_admission=True)
             await down.write_start(pb.Code2WavStart(
                 request_id=job.request_id, encoding=p.encoding, first_chunk_frames=p.first_chunk_frames,
-                chunk_frames=p.chunk_frames, to_listener=True, echo_frames=p.echo_frames),
+                chunk_frames=p.chunk_frames, to_listener=True, echo_frames=p.echo_frames, playback_reports=True),
                 lambda m: pb.Code2WavRequest(start=m))
             self._down.set_result(down)         # frames are written after the start
             async for resp in down.responses():
                 kind = resp.WhichOneof("kind")
                 if kind == "accepted":
                     outbox.put(Routed("code2wav", down.address, resp.accepted.listen_token))
+                elif kind == "playback":
+                    self.on_playback(resp.playback.played_seconds, resp.playback.delivered_seconds)
                 elif kind == "finished":
                     down.ended = True
                     if self._finished is None:   # code2wav cannot end before the frames did

@@ -1,14 +1,24 @@
-"""Talker model runner: the talker on its device, its KV slots, CUDA graphs and sampling.
+"""Talker model runner: the talker on its device, its paged KV cache and prefix cache, CUDA graphs
+and sampling.
 
-A step: one right-padded prefill of the requests admitted now (an early one without its prompt's
-last row: see scheduler.py), one codec-0 forward over every slot
-0..n-1 (dense, graph-friendly), then code 0 and the code predictor's residual codes for every row
-that made logits (`frames`), and one host read of the whole step: the frames of rows that stop are
-dropped. Greedy batches pick code 0 with one Triton kernel and replay the greedy predictor graphs.
-A batch with a sampled row draws each sampled row's noise for the whole frame from its own
-generator (one launch a row), picks code 0 for all rows at once and replays the sampled predictor
-graphs, which sample inside the graph (runtime/sampling.py: `sample_rows`); greedy rows in it get
-exactly their greedy codes."""
+KV memory is one pool of blocks shared by all sequences (runtime/block_pool.py, runtime/paged_kv.py,
+as the thinker's): a request takes the blocks of its prompt at admission -- the published blocks of
+its longest cached prefix of user rows, new ones for the rest -- and one more whenever its decode
+crosses a block boundary. Only user rows are ever published (hashed by what they are: their token
+ids and, for multimodal rows, their run's key, runtime/row_keys.py); the assistant head, the tts
+rows and the frames' inputs depend on the reply and the speaker.
+
+A step: the prefill of the requests admitted now (an early one without its prompt's last row: see
+scheduler.py) -- prompts without a cached prefix right-padded into one forward (CUDA graphs with
+block tables as inputs), the others (a cached prefix, or a recompute after a preemption) packed
+into one eager forward from their first uncached position -- then one codec-0 forward over the
+requests that decode (block tables as graph inputs), then code 0 and the code predictor's residual
+codes for every row that made logits (`frames`), and one host read of the whole step: the frames
+of rows that stop are dropped. Greedy batches pick code 0 with one Triton kernel and replay the
+greedy predictor graphs. A batch with a sampled row draws each sampled row's noise for the whole
+frame from its own generator (one launch a row), picks code 0 for all rows at once and replays the
+sampled predictor graphs, which sample inside the graph (runtime/sampling.py: `sample_rows`);
+greedy rows in it get exactly their greedy codes."""
 
 from __future__ import annotations
 
@@ -18,12 +28,17 @@ import torch
 
 from voxpipe import kernels
 
+from ..runtime import metrics
+from ..runtime.block_pool import KVBlockManager, prefix_hashes
 from ..runtime.config import TalkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
-from ..runtime.kv_cache import SlotKVCache
+from ..runtime.kv_plan import KVPlan
+from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
+from ..runtime.row_keys import mm_runs, user_row_spans
 from ..runtime.sampling import RowSampling, SamplingParams, exponential_noise, finite_rows, sample_rows
 from .job import TalkerJob
 from .model import TalkerModel, ThinkerTextEmbedding
+from .scheduler import PROMPT_TAIL
 
 # transformers samples the code predictor with these whenever the talker samples
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
@@ -52,39 +67,49 @@ class Frames:
 
 class TalkerRunner:
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
-                 max_len: int, cuda_graphs: bool = True, prefill_batch: int = 8, prefill_graph_len: int = 512,
-                 eager_fallback: bool = False, text_table: ThinkerTextEmbedding | None = None) -> None:
-        """Prompts up to `prefill_graph_len` rows, `prefill_batch` at a time, replay CUDA graphs.
+                 max_len: int, kv: KVPlan, cuda_graphs: bool = True, prefill_batch: int = 8,
+                 prefill_graph_len: int = 512, decode_graph_len: int = 8192, eager_fallback: bool = False,
+                 text_table: ThinkerTextEmbedding | None = None) -> None:
+        """Prompts up to `prefill_graph_len` rows, `prefill_batch` at a time, replay CUDA graphs, and
+        decode steps whose longest sequence is within `decode_graph_len` positions.
         `text_table`: the thinker's embedding table, for prompts whose user turns come as token ids."""
         self.model, self.cfg, self.device = model, cfg, device
         self.text_table = text_table
         self.dtype = next(model.parameters()).dtype
         t = cfg.text
-        self.cache = SlotKVCache(t.num_layers, max_active, max_len, t.num_kv_heads, t.head_dim, self.dtype, device)
+        self.cache = PagedKVCache(t.num_layers, kv.blocks, kv.block_size, t.num_kv_heads, t.head_dim, self.dtype, device)
+        self.blocks = KVBlockManager(kv.blocks, kv.block_size, kv.prefix_cache)
         suppress = torch.zeros(t.vocab_size, dtype=torch.bool, device=device)
         suppress[list(cfg.suppressed_tokens)] = True
         suppress[cfg.codec.eos] = False
         self.suppress = suppress
         self.seen = torch.zeros(max_active, t.vocab_size, dtype=torch.bool, device=device)  # codec-0 ids per slot
+        self._free = list(range(max_active - 1, -1, -1))      # free rows of `seen` (pop from the end)
         self.predictor_vocab = cfg.code_predictor.vocab_size
         self.step_graphs = self.predictor_graphs = self.sampled_predictor_graphs = self.prefill_graphs = None
         if cuda_graphs and graphs_available(device):
-            self._capture(max_active, max_len, min(prefill_batch, max_active), min(prefill_graph_len, max_len),
-                          eager_fallback)
+            self._capture(max_active, min(decode_graph_len, max_len), min(prefill_batch, max_active),
+                          min(prefill_graph_len, max_len), eager_fallback)
 
     @torch.inference_mode()
-    def _capture(self, max_active: int, max_len: int, n: int, prefill_len: int, eager_fallback: bool) -> None:
+    def _capture(self, max_active: int, decode_len: int, n: int, prefill_len: int, eager_fallback: bool) -> None:
         """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
         h, dev = self.cfg.text.hidden_size, self.device
+        null = self.cache.null
+        self.prefill_width = self.blocks.blocks_for(prefill_len)
         self.prefill_graphs = captured("talker prefill", lambda: GraphedStep(
             self._prefill_fn, (torch.zeros(n, prefill_len, h, dtype=self.dtype, device=dev),
-                               torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)),
+                               torch.zeros(n, dtype=torch.long, device=dev),
+                               torch.full((n, self.prefill_width), null, dtype=torch.long, device=dev)),
             buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill",
-            pad=(None, 0, self.cache.scratch)), eager_fallback)   # padding rows write the scratch KV row
+            pad=(None, 0, null)), eager_fallback)   # padding rows: the null table (writes go to scratch)
         self.step_graphs = captured("talker step", lambda: GraphedStep(
             self._step_fn, (torch.zeros(max_active, 1, h, dtype=self.dtype, device=dev),
-                            torch.zeros(max_active, dtype=torch.long, device=dev)),
-            buckets(max_active), buckets(max_len, min(256, max_len)), "talker step"), eager_fallback)
+                            torch.zeros(max_active, dtype=torch.long, device=dev),
+                            torch.full((max_active, self.blocks.blocks_for(decode_len)), null, dtype=torch.long,
+                                       device=dev)),
+            buckets(max_active), buckets(decode_len, min(256, decode_len)), "talker step",
+            pad=(None, 0, null)), eager_fallback)
         self.predictor_graphs = captured("code predictor", lambda: GraphedStep(
             self._predict_fn, (torch.zeros(max_active, h, dtype=self.dtype, device=dev),
                                torch.zeros(max_active, dtype=torch.long, device=dev)),
@@ -98,15 +123,17 @@ class TalkerRunner:
             buckets(max_active), [1], "sampled code predictor (15 steps)"), eager_fallback)
 
     def _prefill_fn(self, n: int, s: int, x: torch.Tensor, last: torch.Tensor,
-                    slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompts [n, >= s, H] (right-padded to s) from position 0 into KV slots [n]: codec-0
-        logits [n, V] and final hidden [n, H] at each prompt's `last` position."""
+                    tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts [n, >= s, H] (right-padded to s) from position 0 into their blocks (tables [n, M],
+        padded with the null block): codec-0 logits [n, V] and final hidden [n, H] at each prompt's
+        `last` position."""
         positions = torch.arange(s, device=x.device)[None].expand(n, s)
-        return self.model(x[:, :s], positions, self.cache.prefill_view(slots, s), last=last)
+        return self.model(x[:, :s], positions, self.cache.prefill_view(tables, s), last=last)
 
-    def _step_fn(self, n: int, kv_len: int, x: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One codec step for the sequences in slots 0..n-1: x [n, 1, H] inputs, start [n] positions."""
-        return self.model(x, start[:, None], self.cache.decode_view(n, kv_len, start))
+    def _step_fn(self, n: int, kv_len: int, x: torch.Tensor, start: torch.Tensor,
+                 tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One codec step for n sequences: x [n, 1, H] inputs, start [n] their positions, tables [n, M]."""
+        return self.model(x, start[:, None], self.cache.decode_view(n, kv_len, tables, start))
 
     def _predict_fn(self, n: int, _kv: int, hidden: torch.Tensor,
                     code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,96 +161,258 @@ class TalkerRunner:
         residual, embeds = self.model.code_predictor.predict(hidden, code0_embed, pick_codes)
         return residual, torch.stack([code0_embed] + embeds, dim=1).sum(1), torch.stack(usable, 1).all(1)
 
-    # ---- slots (dense: the requests hold slots 0..used-1)
+    # ---- slots (rows of the per-request state) and KV blocks
     @property
     def free_slots(self) -> int:
-        return self.cache.free_slots
+        return len(self._free)
 
-    def allocate(self, job: TalkerJob) -> None:
-        job.slot = self.cache.allocate(job)
+    def _context(self, job: TalkerJob) -> int:
+        """Positions its admission covers: its prompt (the whole, also for an early prefill: one row
+        more than it writes), or after a preemption every position it had written."""
+        return job.next_position() if job.resumed else job.prompt_rows
+
+    def fits(self, job: TalkerJob, headroom: int = 0) -> bool:
+        """Whether the pool has the blocks for `job`'s context and its next position now, without a
+        cached prefix but the blocks it holds (`hold`), and `headroom` blocks more."""
+        need = self.blocks.blocks_for(self._context(job) + 1) - len(job.pinned)
+        return need + headroom <= self.blocks.pool.free
+
+    def blocks_needed(self, jobs: list[TalkerJob]) -> int:
+        """New blocks the next decode step of `jobs` takes (those whose next position opens a block)."""
+        return sum(1 for j in jobs
+                   if j.table is not None and self.blocks.blocks_for(j.next_position() + 1) > len(j.table.blocks))
+
+    def allocate(self, job: TalkerJob, headroom: int = 0) -> bool:
+        """A slot and the job's blocks: its cached prefix of user rows and new blocks for the rest of
+        its context and its next position, leaving `headroom` blocks free (the running requests'
+        next decode step). False (nothing taken) when the pool lacks them."""
+        if not self._free or not self.fits(job, headroom):
+            return False
+        if job.keys is None:
+            self._identify(job)
+        ctx = self._context(job)
+        keys = job.keys[:ctx] + [-1] * (ctx - len(job.keys))
+        table = self.blocks.admit(keys, job.spans, reserve=1, max_cached=job.cacheable)
+        if table is None:
+            return False
+        job.table, job.kv_trusted = table, True
+        job.slot = self._free.pop()
         self.seen[job.slot] = False
+        if job.codes0:          # resumed: the codes it made so far, for its repetition penalty
+            self.seen[job.slot, torch.tensor(job.codes0, device=self.device)] = True
+        if not job.resumed:
+            job.cached_tokens = table.cached_tokens
+            metrics.PREFIX_TOKENS.labels("talker", "queried").inc(job.prompt_rows)
+            metrics.PREFIX_TOKENS.labels("talker", "hit").inc(table.cached_tokens)
+        return True
 
-    def release(self, job: TalkerJob) -> None:
-        """Free the job's slot; the request in the last slot moves into it."""
+    def _identify(self, job: TalkerJob) -> None:
+        """What its prompt rows are for the prefix hashes: the user token ids (then -1 for the rest of
+        the prompt, never published), its multimodal runs keyed by TalkerPrompt.audio_keys, and how
+        many first user rows those name (`cacheable`): all of them, or up to the first multimodal row
+        when the keys are missing, or none when the caller's own text rows are not the embeddings of
+        their ids (rows given, not looked up here)."""
+        mask = job.user_mm_mask.tolist()
+        ids = job.user_ids.tolist() if job.user_ids is not None else [-1] * len(mask)
+        job.keys = ids + [-1] * PROMPT_TAIL
+        job.cacheable = 0
+        if not self.blocks.enable_caching or job.user_ids is None:
+            return
+        runs = mm_runs(mask)
+        if job.user_rows is not None and not self._rows_are_embeddings(job):
+            return
+        if runs and len(job.audio_keys) != len(runs):
+            job.cacheable = runs[0][0]
+            return
+        job.spans = user_row_spans(mask, job.audio_keys)
+        job.cacheable = len(ids)
+
+    def _rows_are_embeddings(self, job: TalkerJob) -> bool:
+        """Whether the caller's text user rows equal this talker's embeddings of their token ids."""
+        if self.text_table is None:
+            return False
+        text = ~job.user_mm_mask
+        if not bool(text.any()):
+            return True
+        ids = job.user_ids[text]
+        if int(ids.min()) < 0 or int(ids.max()) >= self.text_table.weight.shape[0]:   # the caller's own ids
+            return False
+        want = self.text_table(ids.to(self.device))
+        return torch.equal(job.user_rows[text].to(self.device, want.dtype), want)
+
+    def hold(self, job: TalkerJob) -> None:
+        """For a prompt whose audio rows follow: find its cached prefix of user rows now and keep its
+        blocks (referenced until the job ends, preemptions included: the rows it was not sent are
+        never needed again), setting `held_rows` / `held_audio`."""
+        self._identify(job)
+        bs = self.blocks.block_size
+        usable = min((job.prompt_rows - 1) // bs, job.cacheable // bs)
+        if not usable:
+            return
+        pool = self.blocks.pool
+        hit = pool.lookup(prefix_hashes(job.keys[:usable * bs], bs, job.spans))
+        # kept only while the rest of its blocks are free beside them: held blocks of waiting requests
+        # are no longer free, so a pool that could not hold the request with them does not hold them
+        while hit and (self.blocks.blocks_for(job.prompt_rows + 1) - len(hit)
+                       > pool.free - sum(1 for b in hit if pool.refs[b] == 0)):
+            hit.pop()
+        job.pinned = hit
+        pool.take(job.pinned)
+        job.held_rows = len(job.pinned) * bs
+        job.held_audio = int(job.user_mm_mask[:job.held_rows].sum())
+
+    def grow(self, job: TalkerJob) -> bool:
+        """A block for the job's next decode position; False (nothing taken) when none is free."""
+        return self.blocks.grow(job.table, job.next_position() + 1)
+
+    def publish(self, job: TalkerJob) -> None:
+        """Publish the job's full blocks of cacheable user rows (after an output of it was finite:
+        its attention read every earlier position, so its keys there are finite)."""
+        if job.table is None or not job.kv_trusted:
+            return
+        computed = min(job.next_position(), job.cacheable)
+        if computed // self.blocks.block_size > job.table.published:
+            self.blocks.publish(job.table, job.keys, computed, job.spans)
+
+    def release(self, job: TalkerJob, keep_held: bool = False) -> None:
+        """Give the job's blocks (published ones stay findable) and its slot back; its held blocks
+        too unless `keep_held`."""
+        if job.pinned and not keep_held:
+            self.blocks.pool.release(job.pinned)
+            job.pinned = []
+        if job.table is not None:
+            self.blocks.release(job.table, trusted=job.kv_trusted)
+            job.table = None
         if job.slot is not None:
-            last = self.cache.used - 1
-            moved = self.cache.release(job.slot)
-            if moved is not None:
-                self.seen[job.slot] = self.seen[last]
-                moved.slot = job.slot
+            self._free.append(job.slot)
             job.slot = None
 
+    def preempt(self, job: TalkerJob) -> None:
+        """Free a running job's blocks and slot to make room: it waits again and recomputes every
+        position it had written (its prompt and its decode inputs) before decoding on, its frames
+        unchanged. A job admitted in this step whose prefill has not run gives its blocks back only."""
+        self.release(job, keep_held=True)
+        if job.prompt_len:
+            job.resumed = True
+            self.blocks.stats.preempted += 1
+            metrics.PREEMPTIONS.labels("talker").inc()
+        else:
+            job.early = False
+
+    def observe_kv(self) -> None:
+        """The KV gauges (after a step)."""
+        pool = self.blocks.pool
+        metrics.KV_BLOCKS.labels("talker", "used").set(pool.used)
+        metrics.KV_BLOCKS.labels("talker", "free").set(pool.free)
+        metrics.KV_BLOCKS.labels("talker", "cached").set(pool.cached)
+
     def scrub(self, job: TalkerJob) -> None:
-        """Zero the job's KV slot and the graphs' float inputs, so that nothing its non-finite numbers
-        left on the device reaches a later request (SlotKVCache.scrub)."""
-        if job.slot is not None:
-            self.cache.scrub(job.slot)
+        """Zero the blocks the job wrote and the graphs' float inputs, so that nothing its non-finite
+        numbers left on the device reaches a later request; its blocks are never published."""
+        job.kv_trusted = False
+        if job.table is not None:
+            self.cache.scrub(job.table.blocks[job.table.cached_tokens // self.blocks.block_size:])
         for graphs in (self.step_graphs, self.predictor_graphs, self.sampled_predictor_graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.scrub()
+
+    def _tables(self, jobs: list[TalkerJob], width: int) -> torch.Tensor:
+        return self.cache.table_tensor([j.table.blocks for j in jobs], width, self.device)
 
     # ---- forwards
     def forward(self, prefill: list[TalkerJob], decode: list[TalkerJob],
                 text_rows: list[torch.Tensor]) -> tuple[list[TalkerJob], torch.Tensor, torch.Tensor]:
         """The step's forwards: the prefill of the `prefill` jobs, then the codec step of the `decode`
-        jobs (each with its text row). The jobs that made logits (prefilled first, then decoded in
-        slot order), their codec-0 logits [n, V] float32 and final hidden rows [n, Hk]."""
+        jobs (each with its text row). The jobs that made logits (prefilled first, then decoded), their
+        codec-0 logits [n, V] float32 and final hidden rows [n, Hk]. An early prefill and a recompute
+        after a preemption make none."""
         results: list[tuple[TalkerJob, torch.Tensor, torch.Tensor]] = []
         if prefill:
-            logits, hidden = self._prefill(prefill)
-            results.extend((j, logits[b], hidden[b]) for b, j in enumerate(prefill) if not j.early)
+            results.extend(self._prefill(prefill))
         if decode:
             results.extend(self._decode(decode, text_rows))
-        if not results:       # early prefills only: no frame this step
+        if not results:       # early prefills and recomputes only: no frame this step
             return [], torch.empty(0), torch.empty(0)
         return ([r[0] for r in results], torch.stack([r[1] for r in results]).float(),
                 torch.stack([r[2] for r in results]))
 
-    def _prefill(self, jobs: list[TalkerJob]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over the jobs' prompts (right-padded): codec-0 logits [n, V], hidden [n, Hk].
-        An `early` job's prompt goes without its last row (its logits here mean nothing); its next
-        input is that row's codec part, which its frame-0 decode step adds to text row 0's projection."""
+    def _prefill(self, jobs: list[TalkerJob]) -> list[tuple[TalkerJob, torch.Tensor, torch.Tensor]]:
+        """The jobs' prefills: those from position 0 right-padded into one forward, those with a cached
+        prefix or a recompute packed into another. (job, codec-0 logits [V], hidden [Hk]) for each job
+        that makes frame 0 now (not early, not resumed). An `early` job's prompt goes without its last
+        row; its next input is that row's codec part, which its frame-0 decode step adds to text row
+        0's projection."""
         dev = self.device
-        prompts = [self._prompt(j, last_row=not j.early) for j in jobs]
-        for j, p in zip(jobs, prompts):
-            j.prompt_len = p.shape[0] + (1 if j.early else 0)
-            j.generator = j.params.generator(dev)
         bos = self.model.model.codec_embedding.weight[self.cfg.codec.bos]           # a view: no lookup
+        rows = {}
         for j in jobs:
-            if j.early:
-                j.pending = bos
+            rows[id(j)] = self._rows(j)
+            if not j.resumed:
+                j.prompt_len = j.prompt_rows
+                j.generator = j.params.generator(dev)
+                if j.early:
+                    j.pending = bos
+        whole = [j for j in jobs if not j.resumed and not j.table.cached_tokens]
+        packed = [j for j in jobs if j.resumed or j.table.cached_tokens]
+        out = []
+        if whole:
+            logits, hidden = self._prefill_whole(whole, [rows[id(j)] for j in whole])
+            out += [(j, logits[b], hidden[b]) for b, j in enumerate(whole) if not j.early]
+        if packed:
+            logits, hidden = self._prefill_packed(packed, [rows[id(j)] for j in packed])
+            out += [(j, logits[b], hidden[b]) for b, j in enumerate(packed) if not j.early and not j.resumed]
+        for j in jobs:
+            j.resumed = False
+        return out
+
+    def _rows(self, job: TalkerJob) -> torch.Tensor:
+        """[positions, Hk]: what its prefill writes -- its prompt (without the last row when early) and,
+        resumed after a preemption, every decode input it had fed."""
+        x = self._prompt(job, last_row=not job.early)
+        if job.resumed and job.inputs:
+            x = torch.cat((x, torch.stack(job.inputs).to(x.dtype)))
+        return x
+
+    def _prefill_whole(self, jobs: list[TalkerJob], prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts from position 0, right-padded into one forward: codec-0 logits [n, V], hidden [n, Hk]."""
+        dev = self.device
         lengths = [p.shape[0] for p in prompts]
         n, s = len(jobs), max(lengths)
         x = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)                   # [n, s, Hk]
         last = torch.tensor([k - 1 for k in lengths]).to(dev, non_blocking=True)
-        slots = torch.tensor([j.slot for j in jobs]).to(dev, non_blocking=True)
         g = self.prefill_graphs
-        if g is not None and g.fits(n, s):   # padding rows go to the scratch KV row
-            return g(n, s, x, last, slots)
-        return self._prefill_fn(n, s, x, last, slots)
+        if g is not None and g.fits(n, s):   # padding rows and positions write the scratch block
+            return g(n, s, x, last, self._tables(jobs, self.prefill_width))
+        return self._prefill_fn(n, s, x, last, self._tables(jobs, self.blocks.blocks_for(s)))
+
+    def _prefill_packed(self, jobs: list[TalkerJob], rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each job's rows from its first uncached position, packed into one row (eager), each attending
+        to its earlier positions: codec-0 logits [n, V] and hidden [n, Hk] at each one's last row."""
+        dev = self.device
+        parts = [(j.table.blocks, j.table.cached_tokens, r.shape[0] - j.table.cached_tokens) for j, r in zip(jobs, rows)]
+        step = PagedPackedStep.pack(parts)
+        x = torch.cat([r[j.table.cached_tokens:] for j, r in zip(jobs, rows)])[None]
+        return self.model(x, step.positions(dev), self.cache.packed(step), last=step.ends(dev))
 
     def _decode(self, jobs: list[TalkerJob],
                 text_rows: list[torch.Tensor]) -> list[tuple[TalkerJob, torch.Tensor, torch.Tensor]]:
-        """One step over every slot 0..n-1 for `jobs` (each with its text row): rows of the other
-        slots compute garbage at a position they will overwrite later, and their results are
-        dropped. (job, codec-0 logits [V], hidden [Hk]) per job, in slot order."""
-        owners = self.cache.owners[:self.cache.used]
-        n, h = len(owners), self.cfg.text.hidden_size
-        x = torch.zeros(n, h, device=self.device, dtype=self.dtype)
-        order = sorted(range(len(jobs)), key=lambda k: jobs[k].slot)
-        idx = [jobs[k].slot for k in order]
-        rows = torch.tensor(idx, device=self.device)
-        x[rows] = torch.stack([owners[i].pending for i in idx]) + self._project([text_rows[k] for k in order])
-        start_list = [j.next_position() for j in owners]
+        """One codec step over `jobs` (each with its text row and a block for its next position):
+        (job, codec-0 logits [V], hidden [Hk]) per job. Each input is kept (a recompute replays it)."""
+        n = len(jobs)
+        x = torch.stack([j.pending for j in jobs]) + self._project(text_rows)          # [n, Hk]
+        start_list = [j.next_position() for j in jobs]
         start = torch.tensor(start_list).to(self.device, non_blocking=True)
         kv_len = max(start_list) + 1
-        for i in idx:
-            owners[i].pending = None
-        if self.step_graphs is not None and self.step_graphs.fits(n, kv_len):
-            logits, hidden = self.step_graphs(n, kv_len, x[:, None], start)
+        for j, row in zip(jobs, x):
+            j.inputs.append(row)
+            j.pending = None
+        g = self.step_graphs
+        if g is not None and g.fits(n, kv_len):   # the tables at the graphs' width: no stale columns
+            logits, hidden = g(n, kv_len, x[:, None], start, self._tables(jobs, g.static[2].shape[1]))
         else:
-            logits, hidden = self._step_fn(n, kv_len, x[:, None], start)
-        return [(owners[i], logits[i], hidden[i]) for i in idx]
+            logits, hidden = self._step_fn(n, kv_len, x[:, None], start,
+                                           self._tables(jobs, self.blocks.blocks_for(kv_len)))
+        return [(j, logits[i], hidden[i]) for i, j in enumerate(jobs)]
 
     def _project(self, rows: list[torch.Tensor]) -> torch.Tensor:
         x = torch.stack(rows).to(self.device, self.dtype)
@@ -236,11 +425,13 @@ class TalkerRunner:
         Without `last_row`: all but the last ([L - 1, Hk]; the first text row need not be there)."""
         m, c = self.model, self.cfg.codec
         dev, dt = self.device, self.dtype
+        mm = job.user_mm_mask.to(dev)
         if job.user_rows is not None:
             user = job.user_rows.to(dev, dt)
-        else:           # a text prompt's user turns as token ids (the server checked: no multimodal rows)
+        else:           # the user turns' text rows as token ids; the multimodal ones (if any) in audio_rows
             user = self.text_table(job.user_ids.to(dev)).to(dt)
-        mm = job.user_mm_mask.to(dev)
+            if job.audio_rows is not None and job.audio_rows.shape[0]:
+                user[mm] = job.audio_rows.to(dev, dt)
         user_part = torch.empty(user.shape[0], self.cfg.text.hidden_size, device=dev, dtype=dt)
         if bool(mm.any()):
             user_part[mm] = m.hidden_projection(user[mm])

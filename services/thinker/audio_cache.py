@@ -54,9 +54,10 @@ class AudioEncoderCache:
     def pad(self, clips: list[torch.Tensor]) -> int:
         return chunk_pad([f.shape[1] for f in clips], self.n_window)
 
-    def keys(self, clips: list[torch.Tensor]) -> list[bytes | None]:
-        """A prompt's clips' keys, in order (None each when the cache is off and nothing else needs them)."""
-        pad = self.pad(clips)
+    def keys(self, clips: list[torch.Tensor], pad_to: int | None = None) -> list[bytes | None]:
+        """A prompt's clips' keys, in order (None each when the cache is off and nothing else needs them);
+        `pad_to`: the prompt's chunk padding when other clips count too (default: these clips')."""
+        pad = self.pad(clips) if pad_to is None else pad_to
         return [clip_key(f, pad) if self.lru.max_bytes or self.keyed else None for f in clips]
 
     def keys_soon(self, clips: list[torch.Tensor]) -> list[Future] | None:
@@ -67,10 +68,10 @@ class AudioEncoderCache:
         pad = self.pad(clips)
         return [_HASHING.submit(clip_key, f, pad) for f in clips]
 
-    def encode(self, clips: list[torch.Tensor], keys: list[bytes | None]) -> torch.Tensor:
+    def encode(self, clips: list[torch.Tensor], keys: list[bytes | None], pad_to: int | None = None) -> torch.Tensor:
         """A prompt's clips' encoder outputs in order, concatenated: a new tensor [sum n, H]
-        (torch.cat copies), so no caller writes into a cached entry."""
-        pad = self.pad(clips)
+        (torch.cat copies), so no caller writes into a cached entry. `pad_to` as for `keys`."""
+        pad = self.pad(clips) if pad_to is None else pad_to
         return torch.cat([self._one(f, pad, k) for f, k in zip(clips, keys)])
 
     def forget(self, keys: list[bytes | None]) -> None:

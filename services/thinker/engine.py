@@ -31,6 +31,7 @@ from .model import ThinkerModel
 from .output import IncrementalDetokenizer, ReplyText
 from .runner import KVPlan, Prefilled, ThinkerRunner, talker_prompt
 from .scheduler import ThinkerScheduler
+from .streaming import TurnStreams
 
 __all__ = ["ThinkerEngine", "ThinkerJob", "ForcedReply", "IncrementalDetokenizer", "talker_prompt",
            "assistant_head_index"]
@@ -71,7 +72,6 @@ class ThinkerEngine(StageEngine):
         super().__init__(max_active)
         if kv is None:
             kv = KVPlan(blocks=-(-max_active * max_len // KVPlan.block_size))
-        self.talker_prompt_ids = talker_prompt_ids
         self.cfg, self.tokenizer, self.device, self.max_len = cfg, tokenizer, device, max_len
         self.eos_ids = eos_ids
         self.scheduler = ThinkerScheduler(prefill_batch, prefill_tokens, prefill_chunk,
@@ -82,6 +82,17 @@ class ThinkerEngine(StageEngine):
                                     eos_ids=eos_ids, kv=kv, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
                                     audio_cache_bytes=audio_cache_bytes)
+        self.streams = TurnStreams(self)     # turns whose audio is streamed (streaming.py)
+        self.talker_prompt_ids = talker_prompt_ids
+
+    @property
+    def talker_prompt_ids(self) -> bool:
+        """A routed talker's prompts send the user turns as token ids (the runner builds them)."""
+        return self.runner.talker_prompt_ids
+
+    @talker_prompt_ids.setter
+    def talker_prompt_ids(self, value: bool) -> None:
+        self.runner.talker_prompt_ids = value
 
     @property
     def grammars(self) -> Grammars:
@@ -99,7 +110,16 @@ class ThinkerEngine(StageEngine):
         return self.max_active - len(self.running)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work(self.waiting, self.running, self.free_slots, self.runner.fits)
+        return (self.streams.has_work()
+                or self.scheduler.has_work(self.waiting, self.running, self.free_slots, self.runner.fits))
+
+    def submit(self, req: ThinkerJob) -> None:
+        """A committed streamed turn takes its pending job's place at the next step (streaming.py)."""
+        if req.adopts is None:
+            super().submit(req)
+            return
+        req.outbox.on_drain = self.notify
+        self.streams.commit(req)
 
     def release(self, req: ThinkerJob) -> None:
         self.runner.release(req)
@@ -107,6 +127,7 @@ class ThinkerEngine(StageEngine):
 
     @torch.inference_mode()
     def step(self) -> None:
+        self.streams.advance()
         with self.lock:
             plan = self.scheduler.schedule(self.waiting, self.running, self.free_slots, self.runner.allocate)
             for job in plan.admitted:
@@ -258,7 +279,7 @@ class ThinkerEngine(StageEngine):
                 reason = FinishReason.STOP
             if reason is not None:
                 self.finish(job, Finished(reason, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
-                                          cached_tokens=job.cached_tokens))
+                                          cached_tokens=job.cached_tokens, streamed_tokens=job.streamed_tokens))
 
     def _fail_nonfinite(self, job: ThinkerJob, what: str) -> None:
         """Finish `job` alone with a clear error; nothing it left on the device reaches a later

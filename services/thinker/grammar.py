@@ -53,11 +53,14 @@ def vocabulary_bytes(tokenizer, vocab_size: int) -> list[bytes]:
 class Grammars:
     """The thinker's grammar compiler over its vocabulary, with a bounded cache of compiled grammars."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: tuple[int, ...], cache_size: int = CACHE_SIZE) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: tuple[int, ...], cache_size: int = CACHE_SIZE,
+                 threads: int = COMPILE_THREADS, info: xgr.TokenizerInfo | None = None) -> None:
+        """`threads`: the library's threads per compile. `info`: the vocabulary as the library sees
+        it, when already made for this tokenizer (`self.info` of another Grammars: it takes seconds)."""
         self.vocab_size, self.stop_ids = vocab_size, stop_ids
-        self.info = xgr.TokenizerInfo(vocabulary_bytes(tokenizer, vocab_size), xgr.VocabType.RAW,
-                                      vocab_size=vocab_size, stop_token_ids=list(stop_ids))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        self.info = info or xgr.TokenizerInfo(vocabulary_bytes(tokenizer, vocab_size), xgr.VocabType.RAW,
+                                              vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self.cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self.cache_size = cache_size
         self.lock = threading.Lock()

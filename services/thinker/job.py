@@ -20,6 +20,7 @@ from .output import ReplyText, StreamText
 
 if TYPE_CHECKING:
     from .grammar import Matcher
+    from .streamed import StreamedClip
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,21 @@ class ThinkerJob(EngineRequest):
     cached_tokens: int = 0                      # of the prompt, taken from the prefix cache at admission
     kept_from: int = 0                          # the first position whose hidden layer `kept` holds
     prompt_sent: bool = False                   # its TalkerPromptOut went out at admission (a text prompt)
+    audio_follow: bool = False                  # ... without its audio rows (audio_rows_follow): they go after the prefill
     embeds: torch.Tensor | None = None          # [P, H] while a chunked prefill runs
     kept: list[torch.Tensor] = field(default_factory=list)   # per chunk: the talker's hidden layer
+    # the talker's hidden rows of its prompt's cached audio blocks (runner.AudioRowCache), by block index
+    cached_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    # rows its prefill made for blocks not yet published: (block index, rows), cached once published
+    pending_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     kv_trusted: bool = True                     # False once its numbers went non-finite (its blocks unpublished)
+    # a turn whose last clip is streamed (ThinkerStart.stream_audio; streaming.py)
+    pending: bool = False                       # before its commit: prefilled as its audio arrives, never decodes
+    streamed: StreamedClip | None = None        # that clip: its frames and encoded windows (the engine thread's)
+    heard: list[torch.Tensor] = field(default_factory=list)   # frames received, not yet in `streamed` (engine lock)
+    stream_start: int = 0                       # where the clip's placeholders begin in the prompt
+    adopts: ThinkerJob | None = None            # a committed turn: the pending job whose KV and state it takes
+    streamed_tokens: int = 0                    # of the prompt, positions with keys when the commit came
 
     def __post_init__(self) -> None:
         if not self.prefill_target:

@@ -52,13 +52,17 @@ class AudioEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
-    def forward(self, x: torch.Tensor, block_mask: torch.Tensor) -> torch.Tensor:
-        """x: [N, d]; block_mask: [N, N] bool (attention stays inside each window)."""
+    def forward(self, x: torch.Tensor, windows: list[int]) -> torch.Tensor:
+        """x: [N, d]; `windows`: the attention windows' lengths in order (sum N). Each window attends
+        only to itself and is computed on its own, as transformers' sdpa path does (a window's outputs
+        are the same bits whatever precedes or follows it: streamed.py encodes windows one by one)."""
         n, d = x.shape
         a = self.self_attn
         h = self.self_attn_layer_norm(x)
         q, k, v = (p(h).view(n, self.num_heads, -1).transpose(0, 1).unsqueeze(0) for p in (a.q_proj, a.k_proj, a.v_proj))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask, scale=(d // self.num_heads) ** -0.5)
+        scale = (d // self.num_heads) ** -0.5
+        o = torch.cat([F.scaled_dot_product_attention(qw, kw, vw, scale=scale)
+                       for qw, kw, vw in zip(q.split(windows, 2), k.split(windows, 2), v.split(windows, 2))], dim=2)
         x = x + a.out_proj(o[0].transpose(0, 1).reshape(n, d))
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
@@ -66,7 +70,9 @@ class AudioEncoderLayer(nn.Module):
 class AudioEncoder(nn.Module):
     """Whisper-style encoder: per 2*n_window-frame chunk, three stride-2 convs + sinusoid positions;
     then transformer layers attending within windows of n_window_infer frames; then projection
-    to the thinker's hidden size."""
+    to the thinker's hidden size. Every step but attention is per chunk or per row, and attention is
+    per window, so a window's outputs are a function of its own frames (and the chunk padding)
+    alone: a clip encoded window by window gives the bits of the whole clip encoded at once."""
 
     def __init__(self, cfg: AudioEncoderConfig) -> None:
         super().__init__()
@@ -104,15 +110,17 @@ class AudioEncoder(nn.Module):
             outs.append(F.gelu(self.conv2d3(h)))
         h = torch.cat(outs, dim=0)
         b, c, f, t = h.shape
-        h = self.conv_out(h.permute(0, 3, 1, 2).reshape(b, t, c * f))
+        # contiguous first: for one chunk the reshape would be a strided view, and the projection's
+        # bits depend on its input's layout (transformers' order)
+        h = self.conv_out(h.permute(0, 3, 1, 2).contiguous().view(b, t, c * f))
         h = h + self._positions[:t].to(h.device, h.dtype)
         valid = [_conv_out_len(n) for n in lengths]
         x = torch.cat([h[i, :n] for i, n in enumerate(valid)], dim=0)               # [N, d]
         window = max(valid) * (cfg.n_window_infer // (2 * cfg.n_window))
-        window_id = torch.arange(x.shape[0], device=x.device) // window
-        block_mask = window_id[:, None] == window_id[None, :]
+        n = x.shape[0]
+        windows = [window] * (n // window) + ([n % window] if n % window else [])
         for layer in self.layers:
-            x = layer(x, block_mask)
+            x = layer(x, windows)
         x = self.proj1(self.ln_post(x))
         return self.proj2(F.gelu(x))
 

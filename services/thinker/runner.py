@@ -24,15 +24,19 @@ import torch
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime import metrics
-from ..runtime.flags import KV_BLOCK_SIZE
-from ..runtime.block_pool import ContentSpan, KVBlockManager
+from ..runtime.affinity import placeholder_spans
+from ..runtime.block_pool import ContentSpan, KVBlockManager, prefix_hashes
+from ..runtime.kv_plan import KVPlan
+from ..runtime.lru import BytesLRU
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
-from ..runtime.outputs import TalkerPromptOut, TokenLogprob
-from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
+from ..runtime.outputs import TalkerAudioRowsOut, TalkerPromptOut, TokenLogprob
+from ..runtime.row_keys import audio_run_keys
+from ..runtime.sampling import RowSampling, SamplingParams, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
 from .audio_cache import AudioEncoderCache
 from .grammar import allowed
 from .job import ThinkerJob
 from .model import ThinkerModel
+from .streamed import streamed_rows
 
 
 def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor) -> int:
@@ -42,12 +46,17 @@ def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor) -> int:
 
 
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
-                  special: torch.Tensor, user_rows: bool = True) -> TalkerPromptOut:
+                  special: torch.Tensor, user_rows: bool = True, spans: tuple[ContentSpan, ...] = (),
+                  follow: bool = False) -> TalkerPromptOut:
     """What the talker needs from a prompt (transformers' `_get_talker_user_parts` / assistant parts):
     rows of user turns (role = the token after the latest <|im_start|>), the assistant head, any
-    prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H].
-    Without `user_rows` (a text prompt only): the user turns as token ids alone, for a talker that looks
-    their embeddings up itself; `embeds` then holds only the rows from `assistant_start` on."""
+    prompt tokens after the head, and the tts special embeddings. ids [P], embeds [P, H], hidden [P, H]
+    (the hidden layer at the audio positions, else None). Without `user_rows`: the user turns as token
+    ids, for a talker that looks their text rows up itself, and the multimodal rows alone (audio_rows);
+    `embeds` may then hold only the rows from `assistant_start` on. `spans`: the prompt's clips with
+    their digests (audio_spans), for the keys of its multimodal runs (row_keys.audio_run_keys).
+    `follow` (without `user_rows`, with `spans`): the multimodal rows are left out, to follow once the
+    talker said which prefix it holds (`hidden` may be None)."""
     tok = cfg.tokens
     p = ids.shape[0]
     pos = torch.arange(p)
@@ -58,18 +67,27 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
     mm = (ids == tok.audio_token) | (ids == tok.image_token) | (ids == tok.video_token)
     user_mm = mm[user]
     start = assistant_start(cfg, ids)
+    has_mm = bool(user_mm.any())
+    if has_mm and hidden is None and not follow:
+        raise ValueError("a prompt with audio, image or video rows needs their hidden layer")
+    keys = ()
+    if has_mm and spans:
+        keys = tuple(audio_run_keys(ids.tolist(), pos[user].tolist(), user_mm.tolist(), spans))
+    audio = None
     if user_rows:
         rows = embeds[user]
-        if bool(user_mm.any()):
+        if has_mm:
             rows = rows.clone()
             rows[user_mm] = hidden[user][user_mm]
         tail = embeds[start:]
     else:
-        if bool(user_mm.any()):
-            raise ValueError("a prompt with audio, image or video rows sends its user rows")
-        rows, tail = None, embeds
+        rows = None
+        tail = embeds[start:] if embeds.shape[0] == p else embeds
+        if has_mm and not follow:
+            audio = hidden[user][user_mm]
     return TalkerPromptOut(user_rows=rows, user_mm_mask=user_mm, user_token_ids=ids[user],
-                           assistant_head=tail[:3], assistant_prefix=tail[3:], tts_special=special)
+                           assistant_head=tail[:3], assistant_prefix=tail[3:], tts_special=special,
+                           audio_rows=audio, audio_keys=keys, audio_rows_follow=follow and has_mm)
 
 
 @dataclass
@@ -105,61 +123,107 @@ def audio_spans(cfg: ThinkerConfig, prompt: list[int], digests: list[bytes]) -> 
     """Each audio clip's placeholder run in the prompt with its clip's digest (audio_cache.clip_key:
     the encoder's whole input, features and chunk padding): the content behind those token ids, for
     the prefix hashes. Runs and clips pair up in order (the server checked their counts)."""
-    tok = cfg.tokens.audio_token
-    spans, i, n = [], 0, len(prompt)
-    for digest in digests:
-        while i < n and prompt[i] != tok:
-            i += 1
-        j = i
-        while j < n and prompt[j] == tok:
-            j += 1
-        spans.append(ContentSpan(i, j, digest))
-        i = j
-    return tuple(spans)
+    return placeholder_spans(prompt, cfg.tokens.audio_token, digests)
 
 
-@dataclass(frozen=True)
-class KVPlan:
-    """The thinker's KV pool: `blocks` blocks of `block_size` positions; `prefix_cache`: publish
-    full blocks and find cached prefixes."""
+def audio_offsets(spans: tuple[ContentSpan, ...], block: int, block_size: int) -> list[int]:
+    """The positions within block `block` that are audio placeholders (of any span), in order."""
+    lo, hi = block * block_size, (block + 1) * block_size
+    return [p - lo for sp in spans for p in range(max(sp.start, lo), min(sp.end, hi))]
 
-    blocks: int
-    block_size: int = KV_BLOCK_SIZE
-    prefix_cache: bool = True
 
-    @property
-    def tokens(self) -> int:
-        return self.blocks * self.block_size
+class AudioRowCache:
+    """The talker's hidden-layer rows of audio placeholders in published blocks, by the block's prefix
+    hash (which covers everything before the block and the clip's content): what a talker prompt
+    takes for the audio rows of a cached prefix, whose keys are cached but whose hidden layer is
+    not. Bounded by bytes (LRU); a missing entry only means the prefix is not taken past there."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.lru = BytesLRU(max_bytes)
+
+    def rows_for(self, job: ThinkerJob, block_size: int) -> tuple[int, dict[int, torch.Tensor]]:
+        """How far (tokens, block-aligned) the job's cached prefix may go -- up to its first full block
+        with audio whose rows are not held -- and the rows held for the audio blocks before it."""
+        hashes = prefix_hashes(job.prompt, block_size, job.spans)
+        found: dict[int, torch.Tensor] = {}
+        for b, h in enumerate(hashes):
+            if not audio_offsets(job.spans, b, block_size):
+                continue
+            rows = self.lru.get(h) if self.lru.max_bytes else None
+            if rows is None:
+                return b * block_size, found
+            found[b] = rows
+        return len(hashes) * block_size, found
+
+    def put(self, h: bytes, rows: torch.Tensor) -> None:
+        self.lru.put(h, rows)
 
 
 class ThinkerRunner:
     def __init__(self, model: ThinkerModel, cfg: ThinkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, eos_ids: tuple[int, ...], kv: KVPlan, cuda_graphs: bool = True,
-                 prefill_batch: int = 8, prefill_graph_len: int = 512, decode_graph_len: int = 8192,
+                 prefill_batch: int = 8, prefill_graph_len: int = 512, decode_graph_len: int | None = None,
                  eager_fallback: bool = False, audio_cache_bytes: int = 0) -> None:
         """Prompts up to `prefill_graph_len` tokens, `prefill_batch` at a time, replay CUDA graphs;
-        decode steps whose longest sequence is within `decode_graph_len` positions too; up to
+        decode steps whose longest sequence is within `decode_graph_len` positions (default: the
+        whole context) too; up to
         `audio_cache_bytes` of audio encoder outputs are kept by clip content (0: none)."""
         self.model, self.cfg, self.device = model, cfg, device
         self.prefill_batch, self.max_len = prefill_batch, max_len
+        self.talker_prompt_ids = True   # a routed talker's prompts: user turns as ids (the engine sets it)
         dtype = next(model.parameters()).dtype
         self.audio = AudioEncoderCache(model.audio_tower, audio_cache_bytes, model.model.embed_tokens.weight.dtype,
                                        device, keyed=kv.prefix_cache)
         t = cfg.text
         self.cache = PagedKVCache(t.num_layers, kv.blocks, kv.block_size, t.num_kv_heads, t.head_dim, dtype, device)
         self.blocks = KVBlockManager(kv.blocks, kv.block_size, kv.prefix_cache)
+        self.audio_rows = AudioRowCache(audio_cache_bytes if kv.prefix_cache else 0)
         special = torch.tensor([cfg.tokens.tts_bos, cfg.tokens.tts_eos, cfg.tokens.tts_pad], device=device)
         self.eos = torch.tensor(eos_ids, device=device)
         self._mask_host = self._rows_host = None    # constrained rows' bitmasks (_grammar_masks)
         with torch.inference_mode():
             self.tts_special = model.model.embed_tokens(special).cpu()
-            self.graphs = self.prefill_graphs = None
+            self.graphs = self.prefill_graphs = self.extend_graphs = None
             if cuda_graphs and graphs_available(device):
-                self._capture(max_active, min(decode_graph_len, max_len), min(prefill_graph_len, max_len),
+                self._capture(max_active, min(decode_graph_len or max_len, max_len), min(prefill_graph_len, max_len),
                               eager_fallback)
-        # prompts this short replay a prefill graph from position 0: faster than the eager packed path
-        # a cached prefix would take them down (a 100-token prompt: ~8 ms against ~50 ms on the H200)
+        # prompts this short replay a prefill graph from position 0 (or, with a cached prefix, an
+        # extend graph): faster than the eager packed path (a 100-token prompt: ~8 ms against ~50 ms
+        # on the H200)
         self.graph_prompt_len = min(prefill_graph_len, max_len) if self.prefill_graphs is not None else 0
+        if self.graphs is not None and device.type == "cuda":
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run once, at start, what the graphs do not cover, so that no request pays a first-sight
+        cost (Triton compiling a kernel for a new shape class -- its integer arguments specialise on
+        being 1, a multiple of 16 or neither --, allocator growth): the eager packed prefill (long and
+        short segments, lengths of each class, odd starts, the hidden layer kept), an eager
+        decode past the decode graphs, and the sampling kernels. Every write goes to the scratch
+        block (null tables); nothing is published or read later."""
+        dev, bs, null = self.device, self.blocks.block_size, self.cache.null
+        h = self.cfg.text.hidden_size
+        dtype = self.tts_special.dtype
+        for lengths in ((self.graph_prompt_len + 37, 45), (self.graph_prompt_len + 16, 32), (1,), (17,)):
+            parts = [([null] * self.blocks.blocks_for(19 + n), 19 * (i % 2), n) for i, n in enumerate(lengths)]
+            step = PagedPackedStep.pack(parts)
+            x = torch.zeros(1, sum(lengths), h, dtype=dtype, device=dev)
+            self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=self.cfg.accept_hidden_layer,
+                       last=step.ends(dev))
+        longest = self.graphs.kv_lens[-1]
+        if longest < self.max_len:
+            kv = min(self.max_len, longest + 1)
+            tables = torch.full((1, self.blocks.blocks_for(kv)), null, dtype=torch.long, device=dev)
+            self._decode_fn(1, kv, torch.zeros(1, 1, dtype=torch.long, device=dev),
+                            torch.tensor([kv - 1], device=dev), tables)
+        v = self.cfg.text.vocab_size
+        for n in (1, 3):
+            logits = torch.zeros(n, v, device=dev)
+            gens = [torch.Generator(dev).manual_seed(i) for i in range(n)]
+            params = [SamplingParams(temperature=0.7, top_k=20 * i, top_p=0.8 if i else 1.0) for i in range(n)]
+            sample_rows(logits, RowSampling.of(params, v, dev), exponential_noise(gens, v, dev))
+        torch.cuda.synchronize(dev)
 
     def _capture(self, max_active: int, decode_len: int, prefill_len: int, eager_fallback: bool) -> None:
         """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
@@ -182,6 +246,16 @@ class ThinkerRunner:
              torch.full((n, self.prefill_width), null, dtype=torch.long, device=dev)),
             buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill",
             pad=(None, 0, null)), eager_fallback)
+        # prompts going on from a cached prefix (and resumed ones): up to prefill_len new tokens each,
+        # tables as wide as the context; padding rows write the scratch block (length 0)
+        self.extend_width = self.blocks.blocks_for(self.max_len)
+        self.extend_graphs = captured("thinker extend", lambda: GraphedStep(
+            lambda *args: self._extend_fn(*args, keep=self.cfg.accept_hidden_layer),
+            (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+             torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+             torch.full((n, self.extend_width), null, dtype=torch.long, device=dev)),
+            buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker extend",
+            pad=(None, 0, 0, 0, null)), eager_fallback)
 
     def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
                     keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -190,6 +264,17 @@ class ThinkerRunner:
         hidden layer if asked."""
         positions = torch.arange(s, device=embeds.device)[None].expand(n, s)
         return self.model(embeds[:, :s], positions, self.cache.prefill_view(tables, s), keep_hidden=keep, last=last)
+
+    def _extend_fn(self, n: int, s: int, embeds: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+                   last: torch.Tensor, tables: torch.Tensor, keep: int | None = None,
+                   kv_bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prompts going on from their cached prefixes: row b's length[b] new tokens ([n, >= s, H],
+        right-padded to s) at positions start[b] ..., into its blocks (tables [n, M]); logits [n, V]
+        at each row's `last` new token, and the `keep` hidden layer if asked. `kv_bound`: how far
+        any row reaches (default the context)."""
+        positions = start[:, None] + torch.arange(s, device=embeds.device)[None]
+        view = self.cache.extend_view(tables, start, length, s, kv_bound or self.max_len)
+        return self.model(embeds[:, :s], positions, view, keep_hidden=keep, last=last)
 
     def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor,
                    tables: torch.Tensor) -> tuple[torch.Tensor]:
@@ -207,19 +292,25 @@ class ThinkerRunner:
         """The job's blocks: its cached prefix (`prefilled` starts there) and new blocks for the rest of
         its context and its first decode position. False (nothing taken) when the pool lacks them.
         A prompt whose talker needs hidden states of its audio rows takes no cached prefix past its
-        first audio placeholder (a cached block keeps keys, not the hidden layer); a prompt short
-        enough for the prefill graphs takes none (graphed from position 0, it is faster)."""
+        first block with audio whose rows the AudioRowCache lacks (a cached block keeps keys, not
+        the hidden layer); without extend graphs, a prompt short enough for the prefill graphs takes
+        none (graphed from position 0, it is faster)."""
         if not job.spans and job.audio and self.blocks.enable_caching:
             job.spans = audio_spans(self.cfg, job.prompt, self._digests(job))
-        limit = None
-        if job.talker_rows and job.spans:
+        limit, rows = None, {}
+        if job.pending and job.spans:   # a pending turn may be spoken: its rows are kept too (from position 0)
             limit = job.spans[0].start
-        if not job.generated and len(job.prompt) <= self.graph_prompt_len:
+        elif job.talker_rows and job.spans and not job.prompt_sent and not job.generated:
+            limit, rows = self.audio_rows.rows_for(job, self.blocks.block_size)
+        if job.pending:         # found by its conversation alone (the streamed clip's digest comes at the commit)
+            limit = min(limit, job.stream_start) if limit is not None else job.stream_start
+        elif not job.generated and len(job.prompt) <= self.graph_prompt_len and self.extend_graphs is None:
             limit = 0           # the prefill graph from position 0 (a resumed job takes the chunked path)
         table = self.blocks.admit(job.context(), job.spans, reserve=1, max_cached=limit)
         if table is None:
             return False
         job.table, job.prefilled, job.kv_trusted = table, table.cached_tokens, True
+        job.cached_rows = {b: r for b, r in rows.items() if b < table.cached_tokens // self.blocks.block_size}
         if not job.generated:
             job.cached_tokens = table.cached_tokens
             metrics.PREFIX_TOKENS.labels("thinker", "queried").inc(len(job.prompt))
@@ -232,18 +323,25 @@ class ThinkerRunner:
 
     def publish(self, job: ThinkerJob) -> None:
         """Publish the job's full blocks whose keys are computed (after a step whose outputs were finite)."""
-        if job.table is None or not job.kv_trusted:
+        if job.table is None or not job.kv_trusted or job.pending:   # a pending turn: at its commit
             return
         if job.kv_tokens // self.blocks.block_size > job.table.published:   # a block filled since the last call
             self.blocks.publish(job.table, job.prompt + job.generated, job.kv_tokens, job.spans)
+        if job.pending_rows:
+            published, hashes = job.table.published, job.table.hashes
+            for b, rows in job.pending_rows:
+                if b < published:
+                    self.audio_rows.put(hashes[b], rows)
+            job.pending_rows = [(b, r) for b, r in job.pending_rows if b >= published]
 
     def release(self, job: ThinkerJob) -> None:
         """Give the job's blocks back (published ones stay findable) and drop its prefill state."""
-        job.embeds, job.kept = None, []
+        job.embeds, job.kept, job.cached_rows = None, [], {}
         if job.table is not None:
             self.publish(job)
             self.blocks.release(job.table, trusted=job.kv_trusted)
             job.table = None
+        job.pending_rows = []
 
     def preempt(self, job: ThinkerJob) -> None:
         """Free a running job's blocks to make room: it waits again and prefills its context (the
@@ -280,6 +378,8 @@ class ThinkerRunner:
     def embed(self, job: ThinkerJob) -> torch.Tensor:
         """The job's prompt embeddings [P, H] on the device; its clips through the audio encoder cache."""
         ids = torch.tensor(job.prompt, device=self.device)
+        if job.streamed is not None:       # its last clip's rows: the windows encoded so far, or all of it
+            return self.model.embed(ids, encoded=streamed_rows(self.audio, job, self._digests(job)))
         if not job.audio:
             return self.model.embed(ids)
         return self.model.embed(ids, encoded=self.audio.encode(job.audio, self._digests(job)))
@@ -309,12 +409,46 @@ class ThinkerRunner:
         for b, j in enumerate(jobs):
             j.generator = j.params.generator(dev)
             prompt = None
-            if j.talker_rows and not j.prompt_sent:
+            if j.talker_rows and (not j.prompt_sent or j.audio_follow):
                 p = len(j.prompt)
                 kept = hidden[b, :p].cpu() if hidden is not None and audio[b] else None
-                prompt = talker_prompt(self.cfg, torch.tensor(j.prompt), embeds[b].cpu(), kept, self.tts_special)
+                if kept is not None:
+                    self._keep_rows(j, kept)
+                prompt = self._talker_prompt(j, embeds[b], kept)
             prompts.append(prompt)
         return Prefilled(logits, prompts)
+
+    def _keep_rows(self, job: ThinkerJob, kept: torch.Tensor) -> None:
+        """Hold the audio rows of the prompt's full blocks that the cache lacks (kept [P, H] on the
+        host), to be cached as their blocks are published."""
+        if not self.audio_rows.lru.max_bytes or job.table is None or not job.spans:
+            return
+        bs = self.blocks.block_size
+        for b in range(len(job.prompt) // bs):
+            offsets = audio_offsets(job.spans, b, bs)
+            if offsets and b not in job.cached_rows:
+                job.pending_rows.append((b, kept[b * bs + torch.tensor(offsets)].clone()))
+
+    def _talker_prompt(self, job: ThinkerJob, embeds: torch.Tensor,
+                       kept: torch.Tensor | None) -> TalkerPromptOut | TalkerAudioRowsOut:
+        """A prefilled job's talker prompt (embeds [P, H] on the device, kept [P, H] on the host): to
+        a routed talker (`talker_prompt_ids`) its user turns as token ids with the multimodal rows
+        alone; its clips' digests key those rows' runs. Its prompt sent at admission without them
+        (`audio_follow`): the multimodal rows alone."""
+        ids = torch.tensor(job.prompt)
+        ids_only = self.talker_prompt_ids and job.speech is not None
+        if ids_only:
+            embeds = embeds[assistant_start(self.cfg, ids):]
+        spans = self._talker_spans(job)
+        prompt = talker_prompt(self.cfg, ids, embeds.cpu(), kept, self.tts_special, user_rows=not ids_only,
+                               spans=spans)
+        return TalkerAudioRowsOut(prompt.audio_rows) if job.audio_follow else prompt
+
+    def _talker_spans(self, job: ThinkerJob) -> tuple[ContentSpan, ...]:
+        """Its clips with their digests, for the talker's keys of its multimodal runs (none when a
+        clip has no digest: the caches are off)."""
+        digests = self._digests(job) if job.audio else []
+        return audio_spans(self.cfg, job.prompt, digests) if digests and all(digests) else ()
 
     def _context_embeds(self, job: ThinkerJob) -> torch.Tensor:
         """[prefill_target, H]: the prompt's embeddings (its audio encoded) and, resumed after a
@@ -337,21 +471,35 @@ class ThinkerRunner:
             if job.embeds is None:   # first chunk: the whole context's embeddings, kept until the last chunk
                 job.embeds = self._context_embeds(job)
                 job.kept, job.kept_from = [], start
-        kept_by = [bool(job.talker_rows and job.audio and not job.generated) for job, _, _ in chunks]
+        kept_by = [bool((job.talker_rows or job.pending) and (job.audio or job.streamed) and not job.generated)
+                   for job, _, _ in chunks]
         keep = self.cfg.accept_hidden_layer if any(kept_by) else None
-        step = PagedPackedStep.pack([(job.table.blocks, start, length) for job, start, length in chunks])
-        x = torch.cat([job.embeds[start:start + length] for job, start, length in chunks])[None]
-        logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
-                                    last=step.ends(dev))
+        n, longest = len(chunks), max(length for _, _, length in chunks)
+        g = self.extend_graphs
+        if g is not None and g.fits(n, longest):   # one right-padded row per chunk, graphed
+            x = torch.nn.utils.rnn.pad_sequence([job.embeds[start:start + length] for job, start, length in chunks],
+                                                batch_first=True)
+            start_t, length_t = (torch.tensor(v).to(dev, non_blocking=True)
+                                 for v in ([c[1] for c in chunks], [c[2] for c in chunks]))
+            reach = max(start + length for _, start, length in chunks)    # columns past it: as for decode
+            logits, hidden = g(n, longest, x, start_t, length_t, length_t - 1,
+                               self._tables([c[0] for c in chunks], self.blocks.blocks_for(reach)))
+            rows_of = [(b, slice(0, length)) for b, (_, _, length) in enumerate(chunks)]
+        else:                                      # packed into one row, eager
+            step = PagedPackedStep.pack([(job.table.blocks, start, length) for job, start, length in chunks])
+            x = torch.cat([job.embeds[start:start + length] for job, start, length in chunks])[None]
+            logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
+                                        last=step.ends(dev))
+            rows_of = [(0, slice(sg.offset, sg.offset + sg.length)) for sg in step.segments]
         going_on = [i for i, (job, start, length) in enumerate(chunks)
-                    if start + length < job.prefill_target or job.generated]
+                    if start + length < job.prefill_target or job.generated or job.pending]
         finite = torch.isfinite(logits[going_on]).all(dim=-1).tolist() if going_on else []
         broken = [chunks[i][0] for i, ok in zip(going_on, finite) if not ok]
         done, rows, prompts, resumed = [], [], [], []
-        for i, ((job, start, length), seg) in enumerate(zip(chunks, step.segments)):
+        for i, ((job, start, length), (row, part)) in enumerate(zip(chunks, rows_of)):
             if kept_by[i]:
-                job.kept.append(hidden[0, seg.offset:seg.offset + length])
-            if start + length < job.prefill_target:
+                job.kept.append(hidden[row, part])
+            if start + length < job.prefill_target or job.pending:   # more to come (a pending turn: its audio)
                 continue
             if job.generated:
                 job.embeds, job.kept = None, []
@@ -359,14 +507,17 @@ class ThinkerRunner:
                 continue
             job.generator = job.params.generator(dev)
             prompt = None
-            if job.talker_rows and not job.prompt_sent:
+            if job.talker_rows and (not job.prompt_sent or job.audio_follow):
                 kept = None
-                if job.kept:     # positions before kept_from hold no audio (allocate's limit)
+                if job.kept:     # before kept_from: audio rows only in cached blocks (allocate's limit)
                     part = torch.cat(job.kept)
-                    kept = part.new_zeros(len(job.prompt), part.shape[1])
-                    kept[job.kept_from:] = part
-                    kept = kept.cpu()
-                prompt = talker_prompt(self.cfg, torch.tensor(job.prompt), job.embeds.cpu(), kept, self.tts_special)
+                    kept = part.new_zeros(len(job.prompt), part.shape[1]).cpu()
+                    kept[job.kept_from:] = part.cpu()
+                    bs = self.blocks.block_size
+                    for b, held in job.cached_rows.items():
+                        kept[b * bs + torch.tensor(audio_offsets(job.spans, b, bs))] = held
+                    self._keep_rows(job, kept)
+                prompt = self._talker_prompt(job, job.embeds, kept)
             job.embeds, job.kept = None, []
             done.append(job)
             rows.append(i)
@@ -384,21 +535,31 @@ class ThinkerRunner:
         start = torch.tensor(start_list).to(self.device, non_blocking=True)
         kv_len = max(start_list) + 1
         g = self.graphs
-        if g is not None and g.fits(n, kv_len):   # the tables at the graphs' width: no stale columns
-            (logits,) = g(n, kv_len, ids, start, self._tables(jobs, g.static[2].shape[1]))
+        if g is not None and g.fits(n, kv_len):
+            # the tables as wide as the step needs: a graph's columns past them keep what an earlier
+            # replay left, blocks no row reads (attention reads a row's positions up to its own)
+            (logits,) = g(n, kv_len, ids, start, self._tables(jobs, self.blocks.blocks_for(kv_len)))
         else:
             (logits,) = self._decode_fn(n, kv_len, ids, start, self._tables(jobs, self.blocks.blocks_for(kv_len)))
         return jobs, logits
 
     def early_talker_prompt(self, job: ThinkerJob, ids_only: bool) -> TalkerPromptOut | None:
         """A text prompt's talker prompt before its prefill (lookups in the embedding table: no row of
-        it needs a hidden state), so that the talker prefills it while this prefill runs; None for a
-        prompt with audio, whose rows need the prefill's hidden layer. `ids_only`: the user turns go as
-        token ids (the talker looks their rows up); only the assistant head and what follows it are
-        looked up here."""
-        if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
-            return None
+        it needs a hidden state), so that the talker prefills it while this prefill runs. `ids_only`: the
+        user turns go as token ids (the talker looks their rows up); only the assistant head and what
+        follows it are looked up here. A prompt with audio: with `ids_only` and its clips' digests, the
+        prompt without its audio rows (audio_rows_follow, `job.audio_follow` set: they follow after the
+        prefill, which makes them, past what the talker holds), else None (it goes after the prefill)."""
         ids = torch.tensor(job.prompt)
+        if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
+            spans = self._talker_spans(job) if ids_only else ()
+            if not spans:
+                return None
+            tail = self.model.model.embed_tokens(ids[assistant_start(self.cfg, ids):].to(self.device)).cpu()
+            prompt = talker_prompt(self.cfg, ids, tail, None, self.tts_special, user_rows=False, spans=spans,
+                                   follow=True)
+            job.audio_follow = prompt.audio_rows_follow
+            return prompt
         if not ids_only:
             embeds = self.model.model.embed_tokens(ids.to(self.device)).cpu()
             return talker_prompt(self.cfg, ids, embeds, None, self.tts_special)

@@ -8,8 +8,9 @@ order: up to `prefill_batch` of them while the padded batch (the longest prompt 
 stays within `prefill_tokens` tokens (one prompt always fits) and a slot is free for each. A longer
 prompt takes a slot and is prefilled in chunks: a step packs up to `prefill_chunk` tokens of long
 prompts into one row (no padding), the running ones first, in the order they were admitted, then
-waiting long prompts while tokens of the step are left (at most `prefill_batch` long prompts in
-prefill at once); long prompts that wait do not hold up the short ones behind them. Every running request
+waiting long prompts while tokens of the step are left (at most `prefill_batch` prompts in chunked
+prefill at once, and at most that many chunks a step: the thinker's extend graphs take that many
+rows); long prompts that wait do not hold up the short ones behind them. Every running request
 with a token to feed decodes in every step -- those whose prefill ends in this step too, once the
 prefill made their first token -- except one whose reader is behind (its outbox saturated): it sits
 out, its state unchanged.
@@ -39,6 +40,7 @@ class Request(Protocol):
     generated: Sequence[int]     # tokens made so far: a request decodes once it has one
     prefilled: int               # context tokens in the KV cache (a long prompt: chunk by chunk)
     prefill_target: int          # context tokens to prefill before it decodes (len(prompt) unless preempted)
+    pending: bool                # a streamed turn before its commit: prefilled in chunks, never decodes
     outbox: Reader
 
 
@@ -53,8 +55,8 @@ class Chunk:
     @property
     def last(self) -> bool:
         """The prefill's last chunk: the request makes its first token (or, resumed after a
-        preemption, decodes again) in this step."""
-        return self.start + self.length >= self.request.prefill_target
+        preemption, decodes again) in this step (a pending turn's never is: it waits for more)."""
+        return self.start + self.length >= self.request.prefill_target and not self.request.pending
 
 
 @dataclass
@@ -76,7 +78,7 @@ class ThinkerScheduler:
     def has_work(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int,
                  fits: Callable[[Request], bool] = lambda r: True) -> bool:
         """`fits(r)`: whether the KV blocks for waiting request r are free now (nothing taken)."""
-        return (any(not r.outbox.saturated for r in running)
+        return (any(not r.outbox.saturated and (r.generated or r.prefilled < r.prefill_target) for r in running)
                 or (bool(waiting) and free_slots > 0 and fits(waiting[0])))
 
     def schedule(self, waiting: Sequence[Request], running: Sequence[Request], free_slots: int,
@@ -87,7 +89,7 @@ class ThinkerScheduler:
         chunking = self.chunking(running)
         budget = self.prefill_chunk
         for r in chunking:
-            if budget <= 0:
+            if budget <= 0 or len(plan.chunks) >= self.prefill_batch:
                 break
             plan.chunks.append(Chunk(r, r.prefilled, min(budget, r.prefill_target - r.prefilled)))
             budget -= plan.chunks[-1].length
@@ -109,9 +111,11 @@ class ThinkerScheduler:
             longest_next = max(longest, r.prefill_target)
             if plan.prefill and longest_next * (len(plan.prefill) + 1) > self.prefill_tokens:
                 break
+            if in_prefill >= self.prefill_batch:   # it may find a cached prefix: it would be one more
+                break
             if not reserve(r):
                 break
-            if r.prefilled or r.generated:   # a cached prefix, or resumed after a preemption: chunked
+            if r.prefilled or r.generated or r.pending:   # a cached prefix, resumed, or streamed: chunked
                 plan.admitted.append(r)
                 free -= 1
                 in_prefill += 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-import logging
 import uuid
 
 import grpc
@@ -15,6 +14,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime import metrics
+from ..runtime.calls import context_metadata
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
 from ..runtime.echo import quoted
@@ -28,7 +28,7 @@ from ..runtime.server import (Abort, StageServicer, finished_proto, load_stage_m
                               routed_proto, serve_stage, stage_setup, talker_prompt_proto)
 from ..runtime.tensors import TensorError, from_proto, to_proto
 from ..runtime.tracing import traced_rpc
-from ..runtime.paged_kv import PagedKVCache
+from ..runtime.kv_plan import KVPlan, kv_plan as stage_kv_plan
 from .engine import ThinkerEngine, assistant_head_index
 from .constraint import Constraint
 from .job import ForcedReply, ThinkerJob
@@ -36,9 +36,8 @@ from .model import ThinkerModel, audio_output_length
 from .output import StreamText, TokenBytes, stop_strings_problem, top_logprobs_problem
 from .prompt import encode_text, load_tokenizer, render, user_turn
 from .relay import TalkerRelay
-from .runner import KVPlan
+from .turns import StreamedTurns
 
-log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
 UNSPOKEN_TOOL_CALL = ("<tool_call>",)   # ThinkerStart.unspoken_tool_calls: the markup a call begins with
 MAX_ASSISTANT_TEXT_CHARS = 32768    # ThinkerStart.assistant_text, checked before it is tokenized
@@ -61,15 +60,17 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         # constraints compile here (grammar.py), off the engine thread and the event loop
         self.compile_pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="thinker-grammar")
         self.compile_pool.submit(lambda: engine.grammars)     # the vocabulary's bytes, ready before a first constraint
+        self.turns = StreamedTurns(self)      # ThinkerStart.stream_audio (turns.py)
 
     def merge(self, first: object, then: object) -> TextOut | None:
         """Consecutive text outputs of one request travel as one (token ids, text, the talker's rows
-        and log probabilities concatenated), up to MERGED_ROWS_MAX_BYTES of rows."""
+        and log probabilities concatenated), up to MERGED_ROWS_MAX_BYTES of rows; the end of the
+        talker's text (talker_end) stays at the end of one."""
         if not isinstance(first, TextOut) or not isinstance(then, TextOut):
             return None
         if then.index != first.index + first.count or (first.rows is None) != (then.rows is None):
             return None
-        if (first.text is None) != (then.text is None):
+        if (first.text is None) != (then.text is None) or first.talker_end:
             return None
         rows = None
         if first.rows is not None:
@@ -79,7 +80,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             rows = torch.cat((a, b))
         text = None if first.text is None else first.text + then.text
         return TextOut(first.index, first.token_ids + then.token_ids, text, rows, first.logprobs + then.logprobs,
-                       more=then.more, last=then.last)
+                       more=then.more, last=then.last, talker_end=then.talker_end)
 
     def to_proto(self, req: ThinkerJob, item: object) -> pb.ThinkerResponse:
         if isinstance(item, TextOut):
@@ -132,6 +133,11 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                     return
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind} after start")
 
+        if job.pending:        # a streamed turn: its audio until the commit, then the committed job
+            job = await self.turns.stream(job, it, context)
+            if job is None:
+                yield pb.ThinkerResponse(finished=finished_proto(self.cancelled()))
+                return
         relay = TalkerRelay(self.talker, job, job.speech) if job.speech is not None else None
         # aclosing: the request is freed the moment this handler ends, not when the generator is collected
         async with aclosing(self.serve_request(job, context, reader, relay)) as outputs:
@@ -140,15 +146,9 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
 
     def make_job(self, start: pb.ThinkerStart) -> ThinkerJob:
         th = self.cfg.thinker
-        try:
-            audio = [from_proto(t, dtype=torch.float32, shape=(th.audio.num_mel_bins, None), name=f"audio_features[{i}]")
-                     for i, t in enumerate(start.audio_features)]
-            params = SamplingParams.from_proto(start.sampling)
-            check_audio_features(audio)
-        except (TensorError, ValueError) as e:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if any(a.shape[1] == 0 for a in audio):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features with zero frames")
+        audio = self._audio_features(start)
+        if start.stream_audio:
+            return self.turns.pending_job(start, audio)
         kind = start.WhichOneof("prompt")
         if kind == "text":
             try:
@@ -159,6 +159,24 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             ids = list(start.token_ids.ids)
         else:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "start needs a prompt: token_ids or text")
+        return self.job_of(start, ids, audio)
+
+    def _audio_features(self, start: pb.ThinkerStart) -> list[torch.Tensor]:
+        th = self.cfg.thinker
+        try:
+            audio = [from_proto(t, dtype=torch.float32, shape=(th.audio.num_mel_bins, None), name=f"audio_features[{i}]")
+                     for i, t in enumerate(start.audio_features)]
+            check_audio_features(audio)
+        except (TensorError, ValueError) as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if any(a.shape[1] == 0 for a in audio):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "audio_features with zero frames")
+        return audio
+
+    def check_prompt(self, ids: list[int], audio: list[torch.Tensor], streamed_tokens: int = 0) -> None:
+        """Token ids in the vocabulary, no image or video, and as many audio placeholders as the
+        clips make (`streamed_tokens`: those of a streamed clip besides `audio`'s)."""
+        th = self.cfg.thinker
         if not ids:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
         vocab = th.text.vocab_size
@@ -168,11 +186,22 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         tok = th.tokens
         if tok.image_token in ids or tok.video_token in ids:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "image and video input are not supported")
-        want = sum(audio_output_length(a.shape[1], th.audio.n_window) for a in audio)
+        want = sum(audio_output_length(a.shape[1], th.audio.n_window) for a in audio) + streamed_tokens
         if ids.count(tok.audio_token) != want:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"prompt has {ids.count(tok.audio_token)} audio placeholder tokens but the "
                         f"{len(audio)} audio feature tensors make {want}")
+
+    def job_of(self, start: pb.ThinkerStart, ids: list[int], audio: list[torch.Tensor],
+               streamed_tokens: int = 0) -> ThinkerJob:
+        """The checked job of a start whose prompt is `ids` with `audio`'s clips (and a streamed clip's
+        `streamed_tokens` placeholders, whose keys the engine makes)."""
+        th = self.cfg.thinker
+        try:
+            params = SamplingParams.from_proto(start.sampling)
+        except ValueError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.check_prompt(ids, audio, streamed_tokens)
         speech = self._speech(start)
         rows = start.talker_rows or speech is not None
         if start.unspoken_tool_calls and not rows:
@@ -188,7 +217,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_tokens {start.min_tokens} > max_tokens {max_tokens}")
         if len(ids) + max_tokens > self.engine.max_len:     # OUT_OF_RANGE: the request is past the context
             raise Abort(grpc.StatusCode.OUT_OF_RANGE,
-                        f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}")
+                        f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}",
+                        context_metadata(len(ids), max_tokens, self.engine.max_len))
         problem = stop_strings_problem(start.stop) or top_logprobs_problem(start.logprobs, start.top_logprobs)
         if problem is not None:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -198,7 +228,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                           talker_rows=rows, speech=speech, stops=tuple(start.stop),
                           unspoken=UNSPOKEN_TOOL_CALL if rows and start.unspoken_tool_calls else (),
                           top_logprobs=start.top_logprobs if start.logprobs else None, forced=forced,
-                          audio_keys=self.engine.runner.audio.keys_soon(audio),
+                          audio_keys=None if streamed_tokens else self.engine.runner.audio.keys_soon(audio),
                           constraint=constraint)
 
     def _constraint(self, start: pb.ThinkerStart) -> Constraint | None:
@@ -248,7 +278,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         if prompt_tokens + len(ids) > self.engine.max_len:
             raise Abort(grpc.StatusCode.OUT_OF_RANGE,
                         f"prompt of {prompt_tokens} tokens + assistant_text of {len(ids)} tokens (<|im_end|> included) "
-                        f"exceeds the context of {self.engine.max_len}")
+                        f"exceeds the context of {self.engine.max_len}",
+                        context_metadata(prompt_tokens, len(ids), self.engine.max_len))
         return ForcedReply(token_ids=ids, text=text)
 
     def _speech(self, start: pb.ThinkerStart) -> pb.SpeechParams | None:
@@ -275,45 +306,11 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
 # CUDA memory a thinker keeps beside its weights and KV pool: activations of a prefill chunk, the
 # decode graphs' gathered keys, the allocator's slack (bench/RESULTS.md: the pool sizing)
 ACTIVATION_RESERVE_BYTES = 6 << 30
-DEFAULT_GPU_MEMORY_FRACTION = 0.9     # alone on its GPU; `voxpipe up` and the manifests set shares
 
 
 def kv_plan(args, cfg: OmniConfig, device: torch.device, dtype: torch.dtype) -> tuple[KVPlan, int]:
-    """The KV pool (--kv-cache-tokens, else on CUDA what --gpu-memory-fraction of the GPU leaves beside
-    the weights loaded so far and ACTIVATION_RESERVE_BYTES, else on the CPU twice the model's context)
-    and the context (--max-len, default the model's max_position_embeddings, at most the pool).
-    ConfigError with the numbers when they do not fit."""
-    t = cfg.thinker.text
-    bs = args.kv_block_size
-    if bs < 1 or bs & (bs - 1):
-        raise ConfigError(f"--kv-block-size must be a power of two, got {bs}")
-    model_len = t.max_position_embeddings or 32768
-    per_block = PagedKVCache.bytes_per_block(t.num_layers, bs, t.num_kv_heads, t.head_dim, dtype)
-    if args.kv_cache_tokens:
-        blocks = -(-args.kv_cache_tokens // bs)
-        how = "--kv-cache-tokens"
-    elif device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(index).total_memory
-        fraction = args.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
-        in_use = torch.cuda.memory_reserved(index)
-        left = fraction * total - in_use - ACTIVATION_RESERVE_BYTES
-        blocks = max(int(left // per_block), 0)
-        how = (f"{fraction:.2f} of {total / 2**30:.1f} GiB, less {in_use / 2**30:.1f} GiB in use and "
-               f"{ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB for activations")
-    else:
-        blocks = -(-2 * min(args.max_len or model_len, model_len) // bs)
-        how = "twice the context, on the CPU"
-    max_len = args.max_len or min(model_len, blocks * bs)
-    if max_len > model_len:
-        log.warning("--max-len %d is past the model's max_position_embeddings %d", max_len, model_len)
-    if blocks * bs < max_len:
-        raise ConfigError(f"the thinker's KV pool holds {blocks * bs} tokens ({how}), less than --max-len "
-                         f"{max_len}: raise --gpu-memory-fraction or --kv-cache-tokens, or lower --max-len")
-    plan = KVPlan(blocks=blocks, block_size=bs, prefix_cache=args.prefix_cache)
-    log.info("thinker KV pool: %d blocks of %d tokens = %d tokens, %.2f GiB (%s); context %d tokens; prefix cache %s",
-             blocks, bs, plan.tokens, blocks * per_block / 2**30, how, max_len, "on" if plan.prefix_cache else "off")
-    return plan, max_len
+    """The thinker's KV pool and context (runtime/kv_plan.py)."""
+    return stage_kv_plan(args, "thinker", cfg.thinker.text, device, dtype, activation_reserve=ACTIVATION_RESERVE_BYTES)
 
 
 def build(args) -> tuple[ThinkerServicer, OmniConfig]:

@@ -43,7 +43,7 @@ class AudioInput(_message.Message):
     def __init__(self, pcm16: _Optional[_Union[Pcm16Audio, _Mapping]] = ..., wav: _Optional[bytes] = ...) -> None: ...
 
 class ConverseStart(_message.Message):
-    __slots__ = ("request_id", "instructions", "audio", "text", "voice", "output_modalities", "sampling", "max_tokens", "min_tokens", "max_frames", "min_frames", "ignore_eos", "audio_encoding", "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "single_tool_call", "history")
+    __slots__ = ("request_id", "instructions", "audio", "text", "voice", "output_modalities", "sampling", "max_tokens", "min_tokens", "max_frames", "min_frames", "ignore_eos", "audio_encoding", "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "single_tool_call", "history", "tool_function")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class ConverseStart(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     SINGLE_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instructions: str
     audio: _containers.RepeatedCompositeFieldContainer[AudioInput]
@@ -84,7 +85,8 @@ class ConverseStart(_message.Message):
     tool_choice: ToolChoice
     single_tool_call: bool
     history: _containers.RepeatedCompositeFieldContainer[HistoryItem]
-    def __init__(self, request_id: _Optional[str] = ..., instructions: _Optional[str] = ..., audio: _Optional[_Iterable[_Union[AudioInput, _Mapping]]] = ..., text: _Optional[str] = ..., voice: _Optional[str] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_stages_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., audio_encoding: _Optional[_Union[_stages_pb2.AudioEncoding, str]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., single_tool_call: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[HistoryItem, _Mapping]]] = ...) -> None: ...
+    tool_function: str
+    def __init__(self, request_id: _Optional[str] = ..., instructions: _Optional[str] = ..., audio: _Optional[_Iterable[_Union[AudioInput, _Mapping]]] = ..., text: _Optional[str] = ..., voice: _Optional[str] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_stages_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., audio_encoding: _Optional[_Union[_stages_pb2.AudioEncoding, str]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., single_tool_call: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[HistoryItem, _Mapping]]] = ..., tool_function: _Optional[str] = ...) -> None: ...
 
 class FunctionTool(_message.Message):
     __slots__ = ("name", "description", "parameters_json")
@@ -133,6 +135,18 @@ class ToolCallOutput(_message.Message):
     index: int
     call: FunctionCall
     def __init__(self, index: _Optional[int] = ..., call: _Optional[_Union[FunctionCall, _Mapping]] = ...) -> None: ...
+
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "call_id", "name", "arguments_delta")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    call_id: str
+    name: str
+    arguments_delta: str
+    def __init__(self, index: _Optional[int] = ..., call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_delta: _Optional[str] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
     __slots__ = ("start", "cancel")
@@ -191,15 +205,17 @@ class ConverseError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...
 
 class ConverseResponse(_message.Message):
-    __slots__ = ("text", "audio", "done", "error", "tool_call")
+    __slots__ = ("text", "audio", "done", "error", "tool_call", "tool_call_delta")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_DELTA_FIELD_NUMBER: _ClassVar[int]
     text: TextOutput
     audio: _stages_pb2.AudioChunk
     done: ConverseDone
     error: ConverseError
     tool_call: ToolCallOutput
-    def __init__(self, text: _Optional[_Union[TextOutput, _Mapping]] = ..., audio: _Optional[_Union[_stages_pb2.AudioChunk, _Mapping]] = ..., done: _Optional[_Union[ConverseDone, _Mapping]] = ..., error: _Optional[_Union[ConverseError, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallOutput, _Mapping]] = ...) -> None: ...
+    tool_call_delta: ToolCallDelta
+    def __init__(self, text: _Optional[_Union[TextOutput, _Mapping]] = ..., audio: _Optional[_Union[_stages_pb2.AudioChunk, _Mapping]] = ..., done: _Optional[_Union[ConverseDone, _Mapping]] = ..., error: _Optional[_Union[ConverseError, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallOutput, _Mapping]] = ..., tool_call_delta: _Optional[_Union[ToolCallDelta, _Mapping]] = ...) -> None: ...

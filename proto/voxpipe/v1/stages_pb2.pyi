@@ -77,18 +77,20 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "samples", "cached_tokens")
+    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "samples", "cached_tokens", "streamed_tokens")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     samples: int
     cached_tokens: int
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., samples: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    streamed_tokens: int
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., samples: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., streamed_tokens: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ()
@@ -100,8 +102,18 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ContextExceeded(_message.Message):
+    __slots__ = ("prompt_tokens", "reply_tokens", "context_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    reply_tokens: int
+    context_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., reply_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+
 class ThinkerStart(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech", "stop", "logprobs", "top_logprobs", "assistant_text", "constraint", "unspoken_tool_calls")
+    __slots__ = ("request_id", "token_ids", "text", "audio_features", "sampling", "max_tokens", "min_tokens", "talker_rows", "speech", "stop", "logprobs", "top_logprobs", "assistant_text", "constraint", "unspoken_tool_calls", "stream_audio")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +129,7 @@ class ThinkerStart(_message.Message):
     ASSISTANT_TEXT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     UNSPOKEN_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_AUDIO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: TokenIds
     text: str
@@ -132,7 +145,22 @@ class ThinkerStart(_message.Message):
     assistant_text: str
     constraint: Constraint
     unspoken_tool_calls: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ..., speech: _Optional[_Union[SpeechParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., assistant_text: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., unspoken_tool_calls: _Optional[bool] = ...) -> None: ...
+    stream_audio: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., audio_features: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., talker_rows: _Optional[bool] = ..., speech: _Optional[_Union[SpeechParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., assistant_text: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., unspoken_tool_calls: _Optional[bool] = ..., stream_audio: _Optional[bool] = ...) -> None: ...
+
+class AudioFrames(_message.Message):
+    __slots__ = ("log_mel",)
+    LOG_MEL_FIELD_NUMBER: _ClassVar[int]
+    log_mel: Tensor
+    def __init__(self, log_mel: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class StreamCommit(_message.Message):
+    __slots__ = ("log_mel", "start")
+    LOG_MEL_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    log_mel: Tensor
+    start: ThinkerStart
+    def __init__(self, log_mel: _Optional[_Union[Tensor, _Mapping]] = ..., start: _Optional[_Union[ThinkerStart, _Mapping]] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "structural_tag")
@@ -221,14 +249,18 @@ class Routed(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., address: _Optional[str] = ..., listen_token: _Optional[str] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
-    __slots__ = ("start", "chunk", "cancel")
+    __slots__ = ("start", "chunk", "cancel", "audio", "commit")
     START_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     start: ThinkerStart
     chunk: PayloadChunk
     cancel: Cancel
-    def __init__(self, start: _Optional[_Union[ThinkerStart, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    audio: AudioFrames
+    commit: StreamCommit
+    def __init__(self, start: _Optional[_Union[ThinkerStart, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., audio: _Optional[_Union[AudioFrames, _Mapping]] = ..., commit: _Optional[_Union[StreamCommit, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("index", "token_ids", "text", "embeddings", "logprobs", "more")
@@ -247,20 +279,26 @@ class TextDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class TalkerPrompt(_message.Message):
-    __slots__ = ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special")
+    __slots__ = ("user_rows", "user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special", "audio_rows", "audio_keys", "audio_rows_follow")
     USER_ROWS_FIELD_NUMBER: _ClassVar[int]
     USER_MM_MASK_FIELD_NUMBER: _ClassVar[int]
     USER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_HEAD_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_PREFIX_FIELD_NUMBER: _ClassVar[int]
     TTS_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ROWS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_KEYS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ROWS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     user_rows: Tensor
     user_mm_mask: Tensor
     user_token_ids: Tensor
     assistant_head: Tensor
     assistant_prefix: Tensor
     tts_special: Tensor
-    def __init__(self, user_rows: _Optional[_Union[Tensor, _Mapping]] = ..., user_mm_mask: _Optional[_Union[Tensor, _Mapping]] = ..., user_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_head: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_prefix: _Optional[_Union[Tensor, _Mapping]] = ..., tts_special: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    audio_rows: Tensor
+    audio_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    audio_rows_follow: bool
+    def __init__(self, user_rows: _Optional[_Union[Tensor, _Mapping]] = ..., user_mm_mask: _Optional[_Union[Tensor, _Mapping]] = ..., user_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_head: _Optional[_Union[Tensor, _Mapping]] = ..., assistant_prefix: _Optional[_Union[Tensor, _Mapping]] = ..., tts_special: _Optional[_Union[Tensor, _Mapping]] = ..., audio_rows: _Optional[_Union[Tensor, _Mapping]] = ..., audio_keys: _Optional[_Iterable[bytes]] = ..., audio_rows_follow: _Optional[bool] = ...) -> None: ...
 
 class ThinkerResponse(_message.Message):
     __slots__ = ("talker_prompt", "text", "chunk", "finished", "routed", "talker_finished", "first_output")
@@ -314,19 +352,37 @@ class TextEnd(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AudioRows(_message.Message):
+    __slots__ = ("first", "rows")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    rows: Tensor
+    def __init__(self, first: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Held(_message.Message):
+    __slots__ = ("user_rows", "audio_rows")
+    USER_ROWS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ROWS_FIELD_NUMBER: _ClassVar[int]
+    user_rows: int
+    audio_rows: int
+    def __init__(self, user_rows: _Optional[int] = ..., audio_rows: _Optional[int] = ...) -> None: ...
+
 class TalkerRequest(_message.Message):
-    __slots__ = ("start", "rows", "text_end", "chunk", "cancel")
+    __slots__ = ("start", "rows", "text_end", "chunk", "cancel", "audio_rows")
     START_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     TEXT_END_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_ROWS_FIELD_NUMBER: _ClassVar[int]
     start: TalkerStart
     rows: TextRows
     text_end: TextEnd
     chunk: PayloadChunk
     cancel: Cancel
-    def __init__(self, start: _Optional[_Union[TalkerStart, _Mapping]] = ..., rows: _Optional[_Union[TextRows, _Mapping]] = ..., text_end: _Optional[_Union[TextEnd, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    audio_rows: AudioRows
+    def __init__(self, start: _Optional[_Union[TalkerStart, _Mapping]] = ..., rows: _Optional[_Union[TextRows, _Mapping]] = ..., text_end: _Optional[_Union[TextEnd, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., audio_rows: _Optional[_Union[AudioRows, _Mapping]] = ...) -> None: ...
 
 class CodecFrames(_message.Message):
     __slots__ = ("index", "codes")
@@ -341,18 +397,20 @@ class Ending(_message.Message):
     def __init__(self) -> None: ...
 
 class TalkerResponse(_message.Message):
-    __slots__ = ("frames", "finished", "routed", "first_output", "ending")
+    __slots__ = ("frames", "finished", "routed", "first_output", "ending", "held")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
     FIRST_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ENDING_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     frames: CodecFrames
     finished: Finished
     routed: Routed
     first_output: FirstOutput
     ending: Ending
-    def __init__(self, frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., routed: _Optional[_Union[Routed, _Mapping]] = ..., first_output: _Optional[_Union[FirstOutput, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ...) -> None: ...
+    held: Held
+    def __init__(self, frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., routed: _Optional[_Union[Routed, _Mapping]] = ..., first_output: _Optional[_Union[FirstOutput, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ..., held: _Optional[_Union[Held, _Mapping]] = ...) -> None: ...
 
 class ListenRequest(_message.Message):
     __slots__ = ("listen_token",)
@@ -361,20 +419,30 @@ class ListenRequest(_message.Message):
     def __init__(self, listen_token: _Optional[str] = ...) -> None: ...
 
 class Code2WavStart(_message.Message):
-    __slots__ = ("request_id", "encoding", "first_chunk_frames", "chunk_frames", "to_listener", "echo_frames")
+    __slots__ = ("request_id", "encoding", "first_chunk_frames", "chunk_frames", "to_listener", "echo_frames", "playback_reports")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     TO_LISTENER_FIELD_NUMBER: _ClassVar[int]
     ECHO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PLAYBACK_REPORTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     encoding: AudioEncoding
     first_chunk_frames: int
     chunk_frames: int
     to_listener: bool
     echo_frames: bool
-    def __init__(self, request_id: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., to_listener: _Optional[bool] = ..., echo_frames: _Optional[bool] = ...) -> None: ...
+    playback_reports: bool
+    def __init__(self, request_id: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., first_chunk_frames: _Optional[int] = ..., chunk_frames: _Optional[int] = ..., to_listener: _Optional[bool] = ..., echo_frames: _Optional[bool] = ..., playback_reports: _Optional[bool] = ...) -> None: ...
+
+class Playback(_message.Message):
+    __slots__ = ("played_seconds", "delivered_seconds")
+    PLAYED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    played_seconds: float
+    delivered_seconds: float
+    def __init__(self, played_seconds: _Optional[float] = ..., delivered_seconds: _Optional[float] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("listen_token",)
@@ -413,15 +481,17 @@ class AudioChunk(_message.Message):
     def __init__(self, sample_offset: _Optional[int] = ..., sample_rate: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., data: _Optional[bytes] = ..., num_samples: _Optional[int] = ...) -> None: ...
 
 class Code2WavResponse(_message.Message):
-    __slots__ = ("audio", "finished", "accepted", "frames", "ending")
+    __slots__ = ("audio", "finished", "accepted", "frames", "ending", "playback")
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     ENDING_FIELD_NUMBER: _ClassVar[int]
+    PLAYBACK_FIELD_NUMBER: _ClassVar[int]
     audio: AudioChunk
     finished: Finished
     accepted: Accepted
     frames: CodecFrames
     ending: Ending
-    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ...) -> None: ...
+    playback: Playback
+    def __init__(self, audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., frames: _Optional[_Union[CodecFrames, _Mapping]] = ..., ending: _Optional[_Union[Ending, _Mapping]] = ..., playback: _Optional[_Union[Playback, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,166 @@
+"""Every constrained reply is valid: chat completions with `tool_choice` "required", a named
+function, or a `json_schema` response format (strict), sampled at temperature 1 with a seed each,
+through the gateway and the unmodified openai SDK; each reply must parse (the call's arguments,
+or the content, as JSON) and validate against its schema (jsonschema), and end by itself (a reply
+cut at max_tokens counts as a failure). The schemas bound every string (enum / maxLength / pattern)
+and number (integer ranges), as issue #22's goal asks, so that a valid reply is always finite.
+
+    python -m voxpipe.bench.constrained_check --n 1000            # the tiny checkpoint, on the CPU
+    python -m voxpipe.bench.constrained_check --base-url http://127.0.0.1:8000 --n 1000
+
+Without --base-url it builds the tiny checkpoint (`voxpipe make-tiny`, seed 0) in a temporary
+folder and serves it (the three stages and the gateway as processes, `--device`). Prints one JSON
+line: requests, valid, and each failure kind with a few examples; exits 1 on any failure. Results:
+bench/RESULTS.md ("every constrained reply validates")."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+_CONTACT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                             "phone": {"type": "string", "pattern": "^[0-9]{6,10}$"}},
+            "required": ["name"], "additionalProperties": False}
+# a tool set like bench/grammar_libs.py's (5 functions, nested objects, arrays, enums), every value bounded
+TOOLS = [{"type": "function", "function": f} for f in (
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"], "additionalProperties": False}},
+    {"name": "book_table", "parameters": {"type": "object", "properties": {
+        "restaurant": {"type": "string", "maxLength": 16}, "party": {"type": "integer", "minimum": 1, "maximum": 20},
+        "contact": _CONTACT}, "required": ["restaurant", "party"], "additionalProperties": False}},
+    {"name": "look_up_order", "parameters": {"type": "object", "properties": {
+        "order_id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{4}$"},
+        "include": {"type": "array", "items": {"enum": ["items", "shipping", "payment"]}, "maxItems": 3}},
+        "required": ["order_id"], "additionalProperties": False}},
+    {"name": "set_light", "parameters": {"type": "object", "properties": {
+        "room": {"enum": ["hall", "kitchen", "bedroom"]}, "on": {"type": "boolean"},
+        "level": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["room", "on"], "additionalProperties": False}},
+    {"name": "ship_parcel", "parameters": {"type": "object", "properties": {
+        "to": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+               "required": ["city", "zip"], "additionalProperties": False},
+        "express": {"type": "boolean"}}, "required": ["to"], "additionalProperties": False}},
+)]
+RESPONSE = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 24}, "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+    "tags": {"type": "array", "items": {"enum": ["new", "sale", "gift"]}, "maxItems": 3},
+    "author": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+               "additionalProperties": False},
+    "status": {"enum": ["draft", "published", "archived"]}},
+    "required": ["title", "rating", "tags", "author", "status"], "additionalProperties": False}
+KINDS = ("required", "named", "json_schema")
+MESSAGES = [{"role": "user", "content": "Book a table for two at Luigi's, then tell me the weather."}]
+
+
+def request(kind: str, seed: int, model: str, max_tokens: int) -> dict:
+    kw = dict(model=model, messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=max_tokens)
+    if kind == "json_schema":
+        return {**kw, "response_format": {"type": "json_schema",
+                                          "json_schema": {"name": "review", "schema": RESPONSE, "strict": True}}}
+    choice = "required" if kind == "required" else {"type": "function", "function": {"name": "book_table"}}
+    return {**kw, "tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
+
+
+def verdict(kind: str, reply) -> str | None:
+    """None when the reply is valid, else what is wrong (one short line)."""
+    import jsonschema
+
+    choice = reply.choices[0]
+    if choice.finish_reason == "length":
+        return "cut at max_tokens"
+    if kind == "json_schema":
+        if choice.finish_reason != "stop":
+            return f"finish_reason {choice.finish_reason}"
+        value, schema = choice.message.content, RESPONSE
+    else:
+        calls = choice.message.tool_calls or []
+        if choice.finish_reason != "tool_calls" or len(calls) != 1 or choice.message.content:
+            return f"finish_reason {choice.finish_reason}, {len(calls)} calls, content {choice.message.content!r:.40}"
+        name = calls[0].function.name
+        if kind == "named" and name != "book_table":
+            return f"called {name}, not the named book_table"
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        if name not in params:
+            return f"unknown function {name!r:.40}"
+        value, schema = calls[0].function.arguments, params[name]
+    try:
+        jsonschema.validate(json.loads(value), schema)
+    except (ValueError, jsonschema.ValidationError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return None
+
+
+async def check(base_url: str, n: int, concurrency: int, max_tokens: int) -> dict:
+    """`n` requests (the kinds in turn, seed = the request's number), `concurrency` at a time."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    model = (await client.models.list()).data[0].id
+    failures: Counter[str] = Counter()
+    examples: dict[str, list] = {}
+    tokens: list[int] = []
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        kind = KINDS[i % len(KINDS)]
+        async with gate:
+            try:
+                reply = await client.chat.completions.create(**request(kind, i, model, max_tokens))
+                problem = verdict(kind, reply)
+                tokens.append(reply.usage.completion_tokens)
+            except openai.APIError as e:
+                problem = f"API error: {str(e)[:120]}"
+        if problem is not None:
+            failures[kind] += 1
+            examples.setdefault(kind, [])
+            if len(examples[kind]) < 3:
+                examples[kind].append({"seed": i, "problem": problem})
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    await client.close()
+    return {"requests": n, "valid": n - sum(failures.values()), "failures": dict(failures), "examples": examples,
+            "kinds": list(KINDS), "temperature": 1.0, "max_tokens": max_tokens,
+            "completion_tokens_max": max(tokens, default=0),
+            "completion_tokens_mean": round(sum(tokens) / max(len(tokens), 1), 1),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=1000, help="requests (the three kinds in turn)")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=512, help="a valid reply of these schemas is shorter")
+    p.add_argument("--base-url", help="a running gateway (default: serve the tiny checkpoint here)")
+    p.add_argument("--device", default="cpu", help="the stages' device (without --base-url)")
+    p.add_argument("--base-port", type=int, default=55051, help="first stage port (the gateway: +99)")
+    args = p.parse_args(argv)
+    if args.base_url:
+        result = asyncio.run(check(args.base_url, args.n, args.concurrency, args.max_tokens))
+    else:
+        from voxpipe.cli import LocalStack
+        from voxpipe.tiny import make_tiny
+
+        with tempfile.TemporaryDirectory(prefix="voxpipe-constrained-") as tmp:
+            model = make_tiny(Path(tmp), seed=0)
+            http_port = args.base_port + 99
+            stack = LocalStack(model, "127.0.0.1", args.base_port, args.device, http_port=http_port)
+            stack.start(timeout=400)
+            try:
+                result = asyncio.run(check(f"http://127.0.0.1:{http_port}", args.n, args.concurrency, args.max_tokens))
+            finally:
+                stack.stop()
+    print(json.dumps(result), flush=True)
+    return 0 if result["valid"] == result["requests"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
