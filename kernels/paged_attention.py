@@ -102,8 +102,9 @@ def _split_len(programs: int, partial_row_bytes: int, kv_bound: int, split: int 
 
 
 def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
-           kv_bound: int, scale: float, split: int | None = None) -> torch.Tensor:
-    """Triton; assumes `eligible(...)`."""
+           kv_bound: int, scale: float, split: int | None = None, pv_fp32: bool | None = None) -> torch.Tensor:
+    """Triton; assumes `eligible(...)`. `pv_fp32`: p.v with float32 inputs whatever S (None: up to
+    PV_FP32_MAX_S new tokens)."""
     n, hq, s, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     rep = hq // hkv
@@ -123,7 +124,8 @@ def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
             q, k_cache, v_cache, tables, start, out, m_part, l_part, acc,
             q.stride(0), q.stride(1), q.stride(2), tables.stride(0), splits, split_len, row_tiles, scale,
             S=s, HQ=hq, HKV=hkv, BS=bs, D=d, BLOCK_R=block_r, BLOCK_N=BLOCK_N, DIRECT=splits == 1,
-            PV_FP32=q.dtype == torch.float32 or s <= PV_FP32_MAX_S, EMULATE=INTERPRET, num_warps=4)
+            PV_FP32=q.dtype == torch.float32 or (s <= PV_FP32_MAX_S if pv_fp32 is None else pv_fp32),
+            EMULATE=INTERPRET, num_warps=4)
         if splits > 1:
             _merge[(n, hq * s)](m_part, l_part, acc, out, start, splits, split_len, S=s, D=d, num_warps=4)
     return out

@@ -823,6 +823,7 @@ def check_invariant(device: str) -> list[dict]:
                                     invariant.attention_eligible(q32, kv32[0], kv32[1], mask),
                                     invariant.run_attention(q32, kv32[0], kv32[1], mask, 0.2),
                                     invariant.reference_attention(q32, kv32[0], kv32[1], mask, 0.2)))
+    return out
 
 
 def check_paged_attention(device: str) -> list[dict]:

@@ -27,9 +27,39 @@ from dataclasses import dataclass
 import torch
 
 from voxpipe import kernels
+
+from . import determinism
 from .kv_cache import _causal_flash, _sdpa
 
 PACKED_KERNEL_MAX = 512    # packed segments up to this many new tokens attend with the paged kernel
+# the batch-invariant mode (runtime/determinism.py, inside its scope): one split a row (its arithmetic
+# alone, no partial results), p.v in float32 for any number of new tokens, every packed segment on the
+# kernel; on the CPU the gathered attention goes through determinism.attention (`_sdpa`)
+INVARIANT_SPLIT = 1 << 30
+
+
+def _kernel(cache: "PagedKVCache", q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
+            start: torch.Tensor, bound: int, scale: float) -> torch.Tensor:
+    if determinism.in_scope():
+        return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, INVARIANT_SPLIT, pv_fp32=True)
+    return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, cache.split)
+
+
+def _gathered(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
+              bound: int, scale: float) -> torch.Tensor:
+    """The kernel's reference; in the batch-invariant mode its mask through `_sdpa` (determinism.attention)."""
+    if not determinism.in_scope():
+        return kernels.paged_attention.reference(q, kc, vc, tables, start, bound, scale)
+    n, _, s, d = q.shape
+    hkv, bs = kc.shape[1], kc.shape[2]
+    nb = -(-bound // bs)
+    keys = kc[tables[:, :nb]].transpose(1, 2).reshape(n, hkv, nb * bs, d)[:, :, :bound]
+    values = vc[tables[:, :nb]].transpose(1, 2).reshape(n, hkv, nb * bs, d)[:, :, :bound]
+    seen = (torch.arange(bound, device=q.device)[None, :] < (start + s)[:, None])[:, None, :, None]
+    keys, values = keys.masked_fill(~seen, 0), values.masked_fill(~seen, 0)
+    q_pos = start[:, None] + torch.arange(s, device=q.device)[None, :]
+    mask = torch.arange(bound, device=q.device)[None, None, :] <= q_pos[:, :, None]              # [N, S, L]
+    return _sdpa(q, keys, values, mask[:, None], scale)
 
 
 @dataclass(frozen=True)
@@ -158,9 +188,9 @@ class _PagedPacked:
             rows = slice(sg.offset, sg.offset + sg.length)
             self.cache.write(layer, blocks, offsets, k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1))
             qs = q[:, :, rows]
-            if sg.length <= PACKED_KERNEL_MAX and kernels.paged_attention.eligible(qs, kc, vc, table, start):
-                outs.append(kernels.paged_attention.kernel(qs, kc, vc, table, start, sg.start + sg.length, scale,
-                                                   self.cache.split))
+            if ((sg.length <= PACKED_KERNEL_MAX or determinism.in_scope())
+                    and kernels.paged_attention.eligible(qs, kc, vc, table, start)):
+                outs.append(_kernel(self.cache, qs, kc, vc, table, start, sg.start + sg.length, scale))
                 continue
             keys, values = self.cache.gather(layer, table, sg.start + sg.length)
             outs.append(_causal_flash(qs, keys, values, scale))
@@ -209,11 +239,10 @@ class _PagedExtend:
         self.cache.write(layer, self.blocks, self.offsets, k.transpose(1, 2), v.transpose(1, 2))
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if kernels.paged_attention.eligible(q, kc, vc, self.tables, self.start):
-            return kernels.paged_attention.kernel(q, kc, vc, self.tables, self.start, self.kv_bound, scale,
-                                                  self.cache.split)
+            return _kernel(self.cache, q, kc, vc, self.tables, self.start, self.kv_bound, scale)
         # eager (no graph): only as far as the rows reach
         bound = min(self.kv_bound, int(self.start.max()) + q.shape[2])
-        return kernels.paged_attention.reference(q, kc, vc, self.tables, self.start, bound, scale)
+        return _gathered(q, kc, vc, self.tables, self.start, bound, scale)
 
 
 class _PagedDecode:
@@ -228,5 +257,5 @@ class _PagedDecode:
         self.cache.write(layer, self.blocks, self.offsets, k[:, :, 0], v[:, :, 0])
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if kernels.paged_attention.eligible(q, kc, vc, self.tables, self.start):
-            return kernels.paged_attention.kernel(q, kc, vc, self.tables, self.start, self.kv_len, scale, self.cache.split)
-        return kernels.paged_attention.reference(q, kc, vc, self.tables, self.start, self.kv_len, scale)
+            return _kernel(self.cache, q, kc, vc, self.tables, self.start, self.kv_len, scale)
+        return _gathered(q, kc, vc, self.tables, self.start, self.kv_len, scale)
