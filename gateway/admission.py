@@ -28,7 +28,7 @@ from voxpipe.services.runtime.playback import DeadlinePolicy, PlaybackClock, ban
 
 from .errors import APIError
 
-DEFAULT_ADMISSION_WAIT_S = 1.0     # --admission-wait: how long a spoken request may wait for capacity (0: no waiting)
+from .limits import DEFAULT_ADMISSION_WAIT_S  # noqa: F401  (the flag's default; limits.py imports nothing heavy)
 POLL_S = 0.02                      # how often a waiting request looks again
 SERVED_S = 1.0                     # a stream the stages are serving: audio came for it within this long
 

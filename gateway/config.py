@@ -8,9 +8,8 @@ from pathlib import Path
 
 from voxpipe.services.runtime.tls import ClientTLS, ServerTLS, client_tls_from_args
 
-from .admission import DEFAULT_ADMISSION_WAIT_S
 from .cors import AllowedOrigins, origins_from_env
-from .limits import DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
+from .limits import DEFAULT_ADMISSION_WAIT_S, DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
 
 
 @dataclass(frozen=True)

@@ -32,3 +32,5 @@ def audio_problem(frames: int, rate: int, channels: int = 1) -> str | None:
     if seconds > MAX_AUDIO_SECONDS:
         return f"the audio is {seconds:.0f} s long; the limit is {MAX_AUDIO_SECONDS:.0f} s"
     return None
+
+DEFAULT_ADMISSION_WAIT_S = 1.0     # --admission-wait: how long a spoken request may wait for capacity (0: no waiting)

@@ -14,9 +14,8 @@ from voxpipe.errors import ConfigError
 from voxpipe.services.runtime.listen import HOST_HELP, bind_http, check_free, default_host, port_number
 from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
 
-from .admission import DEFAULT_ADMISSION_WAIT_S
 from .cors import ENV as CORS_ENV, OriginsError, origins_flag
-from .limits import DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
+from .limits import DEFAULT_ADMISSION_WAIT_S, DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
 
 log = logging.getLogger(__name__)
 

@@ -197,7 +197,7 @@ def test_help_imports_nothing_heavy_and_shows_defaults(command):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("HEAVY []"), proc.stdout[-500:]
     if command in ("thinker", "gateway"):
-        assert "(default: 16)" in proc.stdout if command == "thinker" else "(default: 64)" in proc.stdout
+        assert "(default: 16)" in proc.stdout if command == "thinker" else "(default 0: none" in proc.stdout
 
 
 def test_version():
