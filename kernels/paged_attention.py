@@ -132,10 +132,12 @@ def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
 
 
 if triton is not None:
-    @triton.jit
+    # S (new tokens a row) and the grid's integers are plain arguments, never specialised: a prompt
+    # of a new length must not compile a kernel on the request path (~0.7 s on the H200 each time)
+    @triton.jit(do_not_specialize=["q_sn", "q_sh", "tab_sn", "splits", "split_len", "row_tiles", "S"])
     def _partial(q_ptr, kc_ptr, vc_ptr, tab_ptr, start_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                  q_sn, q_sh, q_ss, tab_sn, splits, split_len, row_tiles, scale,
-                 S: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                 S, HQ: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PV_FP32: tl.constexpr,
                  EMULATE: tl.constexpr):
         pid = tl.program_id(0)
@@ -201,8 +203,8 @@ if triton is not None:
             tl.store(l_ptr + prow * splits + sp, l, mask=keep)
             tl.store(acc_ptr + (prow * splits + sp)[:, None] * D + d[None, :], acc, mask=keep[:, None])
 
-    @triton.jit
-    def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, start_ptr, splits, split_len, S: tl.constexpr, D: tl.constexpr):
+    @triton.jit(do_not_specialize=["splits", "split_len", "S"])
+    def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, start_ptr, splits, split_len, S, D: tl.constexpr):
         """One (sequence, head x token) row: its splits merged in order, up to the last one it reaches."""
         nrow = tl.program_id(0).to(tl.int64)
         hr = tl.program_id(1)
