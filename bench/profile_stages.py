@@ -200,7 +200,7 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
                         load_format="dummy")
     serving_layout(model, dev)
     eng = ThinkerEngine(model, cfg.thinker, ChatMLByteTokenizer(cfg.thinker, cfg.role_ids), device=dev,
-                        max_active=8, max_len=4096, eos_ids=(cfg.thinker.tokens.im_end,))
+                        max_active=8, max_len=max(4096, length + 64), eos_ids=(cfg.thinker.tokens.im_end,))
     gen = torch.Generator().manual_seed(0)
     for budget in budgets:
         eng.scheduler.prefill_chunk = budget
@@ -228,7 +228,7 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
     eng.scheduler.prefill_chunk = budgets[-1]
     for j in _long_jobs(cfg, 2, length, gen):
         eng.submit(j)
-    profile_one(eng, f"thinker: one packed long-prompt step ({budgets[-1]} tokens of 2 prompts)")
+    profile_one(eng, f"thinker: one packed long-prompt step ({budgets[-1]} tokens of 2 {length}-token prompts)")
     drop_all(eng)
     # one layer's attention of a 512-token chunk over 2,500 positions: masked SDPA vs the flash path
     t = cfg.thinker.text
@@ -242,7 +242,7 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
     flash = _causal_flash(q, k, v, scale)
     for name, fn in (("masked SDPA (before)", lambda: _sdpa(q, k, v, mask, scale)),
                      ("repeated heads + flash, causal_lower_right", lambda: _causal_flash(q, k, v, scale))):
-        print(json.dumps({"stage": "attention of a 512-token chunk over 2,500 positions, one layer", "path": name,
+        print(json.dumps({"stage": f"attention of a 512-token chunk over {length} positions, one layer", "path": name,
                           "ms": round(timed_ms(fn, 20, warm=3), 3)}), flush=True)
     print(json.dumps({"check": "flash vs masked SDPA", "max_abs": float((flash.float() - masked.float()).abs().max())}),
           flush=True)
@@ -329,13 +329,14 @@ def main() -> None:
     p.add_argument("--temperatures", default="0", help="comma list; 0: greedy (code2wav does not sample)")
     p.add_argument("--prefill-chunks", default="512,2048,4096",
                    help="long-prompt: the thinker's --prefill-chunk values to measure (comma list)")
+    p.add_argument("--prompt-tokens", type=int, default=2500, help="long-prompt: each prompt's length")
     args = p.parse_args()
     dev = torch.device("cuda")
     cfg = OmniConfig.load(released_config_path())
     batches = [int(x) for x in args.batches.split(",")]
     for stage in args.stages.split(","):
         if stage == "long-prompt":
-            long_prompt(cfg, [int(x) for x in args.prefill_chunks.split(",")], dev)
+            long_prompt(cfg, [int(x) for x in args.prefill_chunks.split(",")], dev, args.prompt_tokens)
         elif stage == "voice-in":
             voice_in(cfg, dev)
         else:
