@@ -182,6 +182,7 @@ class LevelReport:
     cached_fraction: float = 0.0                        # over every turn that finished
     replicas: dict[str, dict] = field(default_factory=dict)   # thinker address -> its turns, cached share
     load_spread: float = 0.0                            # (max - min) / mean of the replicas' turns
+    server: dict[str, dict] = field(default_factory=dict)     # per stage: means over the level (server_stats)
 
 
 def by_replica(records: list[TurnRecord]) -> tuple[dict[str, dict], float]:
@@ -200,11 +201,20 @@ def by_replica(records: list[TurnRecord]) -> tuple[dict[str, dict], float]:
     return out, spread
 
 
-async def run_level(stream_fn, cfg, settings: Settings, sessions: int, audio: TurnAudio | None = None) -> LevelReport:
+async def run_level(stream_fn, cfg, settings: Settings, sessions: int, audio: TurnAudio | None = None,
+                    scrape: Callable[[], str] | None = None) -> LevelReport:
+    """`scrape`: the services' /metrics text, read before and after the level for its per-stage means."""
+    from . import server_stats
+
     records: list[TurnRecord] = []
+    before = server_stats.parse(await asyncio.to_thread(scrape)) if scrape else None
     t0 = time.perf_counter()
     await asyncio.gather(*(_session(stream_fn, cfg, settings, s, sessions, records, audio) for s in range(sessions)))
     rep = LevelReport(sessions, failed=sum(r.error is not None for r in records), wall_s=time.perf_counter() - t0)
+    if scrape:
+        after = server_stats.parse(await asyncio.to_thread(scrape))
+        rep.server = {k: v for k, v in server_stats.level_stats(before, after, ("thinker", "talker", "code2wav")).items()
+                      if v}
     ok = [r for r in records if r.error is None]
     rep.cached_fraction = sum(r.cached_tokens for r in ok) / max(sum(r.prompt_tokens for r in ok), 1)
     rep.replicas, rep.load_spread = by_replica(records)
@@ -235,12 +245,13 @@ async def long_context(stream_fn, cfg, settings: Settings) -> dict:
     return out
 
 
-async def run(stream_fn, cfg, settings: Settings, levels: list[int], audio: TurnAudio | None = None) -> dict:
+async def run(stream_fn, cfg, settings: Settings, levels: list[int], audio: TurnAudio | None = None,
+              scrape: Callable[[], str] | None = None) -> dict:
     """`audio`: a voice conversation (each user turn the clip it returns; no long-context probe)."""
     report = {"settings": asdict(settings), "voice": audio is not None, "levels": []}
     for c in levels:
         print(f"conversation: {c} sessions x {settings.turns} turns", flush=True)
-        report["levels"].append(asdict(await run_level(stream_fn, cfg, settings, c, audio)))
+        report["levels"].append(asdict(await run_level(stream_fn, cfg, settings, c, audio, scrape)))
     if settings.context_tokens and audio is None:
         print(f"conversation: a {settings.context_tokens}-token prompt, cold then repeated", flush=True)
         report["long_context"] = await long_context(stream_fn, cfg, settings)
@@ -270,6 +281,12 @@ def section(report: dict) -> str:
             lines.append(f"| {t['turn']} | {t['prompt_tokens']} | {_fmt(t['ttfp_p50_ms'])} | {_fmt(t['ttfp_p90_ms'])} "
                          f"| {_fmt(t.get('ttft_p50_ms'))} | {t['cached_fraction']:.0%} |")
         lines.append("")
+        if lvl.get("server"):
+            lines += ["| stage | queue wait ms | first output ms | step ms | steps | prefill batch |", "|---|---|---|---|---|---|"]
+            for stage, st in lvl["server"].items():
+                lines.append(f"| {stage} | {_fmt(st.get('queue_wait_ms'))} | {_fmt(st.get('first_output_ms'))} | "
+                             f"{_fmt(st.get('step_ms'), 2)} | {_fmt(st.get('steps'), 0)} | {_fmt(st.get('prefill_batch'), 2)} |")
+            lines.append("")
     lc = report.get("long_context")
     if lc:
         lines.append(f"Long context, {lc['prompt_tokens']} tokens: cold TTFP {_fmt(lc['cold']['ttfp_ms'])} ms, "

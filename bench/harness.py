@@ -336,7 +336,7 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
                         async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
                             info["conversation"] = await conversation.run(
                                 client.stream, cfg, conversation.Settings.of(args, wl.text_tokens, wl.frames),
-                                levels_of(args, wl), maker.turn_audio if wl.voice else None)
+                                levels_of(args, wl), maker.turn_audio if wl.voice else None, scrape)
                     elif mode == "split":
                         async with PipelineClient(stack.address("thinker"), stack.address("code2wav")) as client:
                             out += await _levels(client.stream, maker.speech, args, wl, mode, scrape)
