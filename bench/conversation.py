@@ -233,15 +233,23 @@ async def run_level(stream_fn, cfg, settings: Settings, sessions: int, audio: Tu
     return rep
 
 
-async def long_context(stream_fn, cfg, settings: Settings) -> dict:
-    """One long prompt cold, then the same prompt again: TTFP of each and the second's cached tokens."""
+async def long_context(stream_fn, cfg, settings: Settings, scrape: Callable[[], str] | None = None) -> dict:
+    """One long prompt cold, then the same prompt again: TTFP of each and the second's cached tokens
+    (with `scrape`: each one's per-stage server means)."""
+    from . import server_stats
+
     conv = Conversation(cfg, Settings(1, settings.context_tokens, settings.text_tokens, settings.frames, 0, seed=7), 0)
     prompt = conv.ask()
     out = {"prompt_tokens": len(prompt)}
     for name in ("cold", "repeated"):
         rec = TurnRecord(0, 1, len(prompt))
+        before = server_stats.parse(await asyncio.to_thread(scrape)) if scrape else None
         await _one(stream_fn, _request(prompt, settings, f"context-{name}"), rec)
         out[name] = asdict(rec)
+        if scrape:
+            after = server_stats.parse(await asyncio.to_thread(scrape))
+            out[name]["server"] = {k: v for k, v in server_stats.level_stats(
+                before, after, ("thinker", "talker", "code2wav")).items() if v}
     return out
 
 
@@ -254,7 +262,7 @@ async def run(stream_fn, cfg, settings: Settings, levels: list[int], audio: Turn
         report["levels"].append(asdict(await run_level(stream_fn, cfg, settings, c, audio, scrape)))
     if settings.context_tokens and audio is None:
         print(f"conversation: a {settings.context_tokens}-token prompt, cold then repeated", flush=True)
-        report["long_context"] = await long_context(stream_fn, cfg, settings)
+        report["long_context"] = await long_context(stream_fn, cfg, settings, scrape)
     return report
 
 
@@ -282,10 +290,12 @@ def section(report: dict) -> str:
                          f"| {_fmt(t.get('ttft_p50_ms'))} | {t['cached_fraction']:.0%} |")
         lines.append("")
         if lvl.get("server"):
-            lines += ["| stage | queue wait ms | first output ms | step ms | steps | prefill batch |", "|---|---|---|---|---|---|"]
+            lines += ["| stage | queue wait ms | first output ms | step ms | steps | prefill batch | prefix hit tokens "
+                      "| preemptions |", "|---|---|---|---|---|---|---|---|"]
             for stage, st in lvl["server"].items():
                 lines.append(f"| {stage} | {_fmt(st.get('queue_wait_ms'))} | {_fmt(st.get('first_output_ms'))} | "
-                             f"{_fmt(st.get('step_ms'), 2)} | {_fmt(st.get('steps'), 0)} | {_fmt(st.get('prefill_batch'), 2)} |")
+                             f"{_fmt(st.get('step_ms'), 2)} | {_fmt(st.get('steps'), 0)} | {_fmt(st.get('prefill_batch'), 2)} "
+                             f"| {st.get('prefix_hit_tokens', 0):.0f} | {st.get('preemptions', 0):.0f} |")
             lines.append("")
     lc = report.get("long_context")
     if lc:
@@ -293,4 +303,9 @@ def section(report: dict) -> str:
                      f"repeated {_fmt(lc['repeated']['ttfp_ms'])} ms ({lc['repeated']['cached_tokens']} tokens cached)"
                      + (f"; errors: {lc['cold']['error'] or ''} {lc['repeated']['error'] or ''}"
                         if lc['cold']['error'] or lc['repeated']['error'] else ""))
+        for name in ("cold", "repeated"):
+            for stage, st in (lc[name].get("server") or {}).items():
+                lines.append(f"- {name}, {stage}: first output {_fmt(st.get('first_output_ms'))} ms, queue wait "
+                             f"{_fmt(st.get('queue_wait_ms'))} ms, {st.get('prefix_hit_tokens', 0):.0f} prefix tokens hit, "
+                             f"{st.get('preemptions', 0):.0f} preemptions")
     return "\n".join(lines)

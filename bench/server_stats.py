@@ -30,7 +30,14 @@ def parse(text: str) -> dict[tuple[str, str, str], float]:
             if s.name.endswith(("_sum", "_count")) and "stage" in s.labels:
                 key = (s.name.rsplit("_", 1)[0], s.labels["stage"], s.labels.get("phase", ""), s.name.rsplit("_", 1)[1])
                 out[key] = out.get(key, 0.0) + s.value
+            elif s.name in COUNTED and "stage" in s.labels:      # counters: (name, stage, kind, "total")
+                key = (s.name, s.labels["stage"], s.labels.get("kind", ""), "total")
+                out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+# counters whose growth over a level each stage reports: prefix-cache tokens found, sequences preempted
+COUNTED = {"voxpipe_prefix_cache_tokens_total": "prefix_hit_tokens", "voxpipe_preemptions_total": "preemptions"}
 
 
 def streams_finished(text: str, stage: str) -> int:
@@ -79,6 +86,11 @@ def level_stats(before: dict, after: dict, stages: tuple[str, ...]) -> dict[str,
         if "step_ms" in row:
             row["steps"] = after.get(("voxpipe_engine_step_seconds", stage, "", "count"), 0.0) - \
                 before.get(("voxpipe_engine_step_seconds", stage, "", "count"), 0.0)
+        for name, col in COUNTED.items():
+            kind = "hit" if col == "prefix_hit_tokens" else ""
+            grew = after.get((name, stage, kind, "total"), 0.0) - before.get((name, stage, kind, "total"), 0.0)
+            if grew:
+                row[col] = grew
         key = ("voxpipe_stage_latency_seconds", stage, "queue_wait", "count")
         if after.get(key, 0.0) - before.get(key, 0.0):
             row["requests"] = after[key] - before.get(key, 0.0)     # requests that ended between the scrapes
