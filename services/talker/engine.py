@@ -54,7 +54,7 @@ class TalkerEngine(StageEngine):
         self.runner = TalkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len, kv=kv,
                                    cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                    prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
-                                   text_table=text_table)
+                                   text_table=text_table, prefill_tokens=prefill_tokens)
 
     # ---- inputs from the handler
     def hold(self, job: TalkerJob) -> None:
