@@ -126,7 +126,8 @@ class TalkerRunner:
             kernels.sampling.run(torch.zeros(n, v, device=dev), self.suppress, torch.zeros(n, dtype=torch.bool, device=dev),
                                  self.cfg.codec.eos)
         warm_sampling(v, dev)
-        torch.cuda.synchronize(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     @torch.inference_mode()
     def _capture(self, max_active: int, decode_len: int, n: int, prefill_len: int, eager_fallback: bool) -> None:

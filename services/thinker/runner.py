@@ -216,7 +216,8 @@ class ThinkerRunner:
             self._decode_fn(1, kv, torch.zeros(1, 1, dtype=torch.long, device=dev),
                             torch.tensor([kv - 1], device=dev), tables)
         warm_sampling(self.cfg.text.vocab_size, dev)
-        torch.cuda.synchronize(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def _capture(self, max_active: int, decode_len: int, prefill_len: int, eager_fallback: bool) -> None:
         """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
