@@ -61,7 +61,8 @@ def talker_extend_checks(te, prompts: list[torch.Tensor], tabs: list[list[int]],
     g_logits, g_hidden = (t.clone() for t in te.extend_graphs(2, part.longest, part.x, part.start, part.length,
                                                                part.last, tables))
     s = te.extend_graphs.kv_lens[bisect.bisect_left(te.extend_graphs.kv_lens, part.longest)]
-    x = torch.zeros(2, s, h, dtype=part.x.dtype, device=dev)
+    # laid out as the graph's static input (its widest bucket's columns): the same strides
+    x = torch.zeros(2, te.extend_graphs.static[0].shape[1], h, dtype=part.x.dtype, device=dev)
     x[:, :part.longest] = part.x
     e_logits, e_hidden = te._extend_fn(2, s, x, part.start, part.length, part.last, tables)
     results.append(compare("talker extend graph (2 rows after 64 / 32 cached positions) vs the same step eager, "

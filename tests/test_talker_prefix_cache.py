@@ -288,8 +288,8 @@ def test_preemption_under_a_pool_too_small_for_the_batch_keeps_frames(thinker, u
 
 def test_one_step_with_a_hit_in_the_extend_graph_and_one_past_it_keeps_frames(thinker, cached, uncached, loop):
     """Extend graphs of at most 32 new rows (emulated): in one step a hit whose new rows fit goes on
-    in the graph, a partial hit with more new rows goes on in the eager packed forward; both speak as
-    without the cache."""
+    in the graph, a partial hit with more new rows goes on in the eager packed forward; the hit speaks
+    as its miss did, the partial hit as the talker without the cache."""
     from voxpipe.services.talker.engine import TalkerEngine
     from voxpipe.services.talker.server import TalkerServicer
 
@@ -306,16 +306,15 @@ def test_one_step_with_a_hit_in_the_extend_graph_and_one_past_it_keeps_frames(th
     turn2 = turn1 + [ChatMessage.text("assistant", "Grey water, gulls."),
                      ChatMessage.text("user", "Now describe it at noon, with the fishing boats coming back in.")]
     long1, long2 = _text_prompt(thinker, turn1), _text_prompt(thinker, turn2)
-    for i, (p, r) in enumerate((short, long1)):      # misses: their blocks published
-        _speak(narrow, [_start(f"m{i}", p)], [r])
+    (miss, _), _ = _speak(narrow, [_start("m0", short[0], 2), _start("m1", long1[0], 2)], [short[1], long1[1]])
     replays = engine.runner.extend_graphs.replays
-    got = _speak(narrow, [_start("hit", short[0]), _start("partial", long2[0])], [short[1], long2[1]])
+    got = _speak(narrow, [_start("hit", short[0], 2), _start("partial", long2[0], 2)], [short[1], long2[1]])
     assert engine.runner.extend_graphs.replays == replays + 1        # one step, one replay: the hit alone
-    for rid, (p, r), (codes, done) in zip(("hit", "partial"), (short, long2), got):
+    (want, _), = _speak(uncached, [_start("partial", long2[0], 2)], [long2[1]])
+    for rid, p, (codes, done), ref in zip(("hit", "partial"), (short[0], long2[0]), got, (miss, want)):
         new_rows = p.user_token_ids.shape[0] + PROMPT_TAIL - done.cached_tokens
         assert done.cached_tokens > 0 and (new_rows <= 32) == (rid == "hit"), (rid, new_rows)
-        (want, _), = _speak(uncached, [_start(rid, p)], [r])
-        assert torch.equal(codes, want), rid
+        assert torch.equal(codes, ref), rid                           # the hit as its miss; the partial as no cache
     assert engine.runner.blocks.pool.used == 0
 
 
