@@ -483,8 +483,8 @@ class ThinkerRunner:
         broken = [chunks[i][0] for i, ok in zip(going_on, finite) if not ok]
         done, rows, prompts, resumed = [], [], [], []
         for i, ((job, start, length), (row, part)) in enumerate(zip(chunks, rows_of)):
-            if kept_by[i]:
-                job.kept.append(hidden[row, part])
+            if kept_by[i]:     # a copy: a graph's outputs are overwritten by its next replay (a later chunk)
+                job.kept.append(hidden[row, part].clone())
             if start + length < job.prefill_target or job.pending:   # more to come (a pending turn: its audio)
                 continue
             if job.generated:
