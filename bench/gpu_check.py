@@ -1,20 +1,25 @@
 """GPU correctness of the optimized paths at full size (dummy weights): CUDA-graph replays vs the
 same step run eagerly, batched right-padded prefill (graphed) vs one eager prefill per prompt, long
-prompts' packed chunks vs one eager prefill per prompt, and the grouped-GEMM MoE vs the per-expert
-loop, and the audio encoder cache's hits vs encoding again, on identical inputs.
+prompts' packed chunks vs one eager prefill per prompt, the extend graphs (prompts going on from
+cached blocks) vs the same step eager, the talker's first sight of a shape after its warm-up vs the
+repeat, the grouped-GEMM MoE vs the per-expert loop, and the audio encoder cache's hits vs encoding
+again, on identical inputs.
 `python -m voxpipe.bench.gpu_check` (device tool); prints one line per comparison and exits 1 if a
 graph replay differs from its eager step."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import sys
+import time
 
 import torch
 
 import voxpipe.kernels as kernels
 from voxpipe.services.runtime import layers
 from voxpipe.services.runtime.config import OmniConfig, released_config_path
+from voxpipe.services.runtime.extend import ExtendRows
 from voxpipe.services.runtime.paged_kv import PagedPackedStep
 from voxpipe.services.runtime.weights import load_module
 from voxpipe.services.talker.engine import TalkerEngine
@@ -34,6 +39,70 @@ def compare(name: str, a: torch.Tensor, b: torch.Tensor, exact: bool = False) ->
         out["exact"] = out["max_abs"] == 0.0
     if a.ndim == 2 and a.shape[-1] > 16:
         out["argmax_equal"] = bool((a.argmax(-1) == b.argmax(-1)).all())
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def talker_extend_checks(te, prompts: list[torch.Tensor], tabs: list[list[int]], want: torch.Tensor,
+                         results: list[dict]) -> None:
+    """The talker's extend graph (prefix hits, recomputes): prompts 0 and 1 going on from their first 64
+    and 32 positions (their blocks hold every position from the prefill; the extend rewrites the rest
+    with the same inputs). The graph (bucket (2, 64), its padding columns zeroed) vs the same padded
+    step run eagerly: equal; vs the eager packed path and the whole eager prefill: read."""
+    dev, h = te.device, te.cfg.text.hidden_size
+    part = ExtendRows.of([(prompts[0][64:], 64), (prompts[1][32:], 32)], dev)
+    tables = te.cache.table_tensor(tabs[:2], te.extend_width, dev)
+    te.extend_graphs.scrub()          # the graph's padding columns: zeros, as the eager step's below
+    g_logits, g_hidden = (t.clone() for t in te.extend_graphs(2, part.longest, part.x, part.start, part.length,
+                                                               part.last, tables))
+    s = te.extend_graphs.kv_lens[bisect.bisect_left(te.extend_graphs.kv_lens, part.longest)]
+    # laid out as the graph's static input (its widest bucket's columns): the same strides
+    x = torch.zeros(2, te.extend_graphs.static[0].shape[1], h, dtype=part.x.dtype, device=dev)
+    x[:, :part.longest] = part.x
+    e_logits, e_hidden = te._extend_fn(2, s, x, part.start, part.length, part.last, tables)
+    results.append(compare("talker extend graph (2 rows after 64 / 32 cached positions) vs the same step eager, "
+                           "logits", g_logits, e_logits, exact=True))
+    results.append(compare("talker extend graph vs the same step eager, hidden", g_hidden, e_hidden, exact=True))
+    step = PagedPackedStep.pack([(tabs[0], 64, prompts[0].shape[0] - 64), (tabs[1], 32, prompts[1].shape[0] - 32)])
+    rows = torch.cat([prompts[0][64:], prompts[1][32:]])[None]
+    p_logits, p_hidden = te.model(rows, step.positions(dev), te.cache.packed(step), last=step.ends(dev))
+    results.append(compare("talker extend graph vs the eager packed path, logits", g_logits, p_logits))
+    results.append(compare("talker extend graph vs the eager packed path, hidden", g_hidden, p_hidden))
+    results.append(compare("talker extend graph vs the whole eager prefill, logits", g_logits, want[:2]))
+
+
+def talker_first_sight(te, t_tables) -> dict:
+    """After the warm-up: the first eager packed prefill of a new length past the graphs (777 rows after
+    64 cached), the first whole eager prefill of one (600 rows) and the first extend-graph replay of a
+    new shape, each against its repeat (issue 21: first sight at most 1.3 times the repeat)."""
+    dev, h = te.device, te.cfg.text.hidden_size
+    (long_tab,) = t_tables([841])
+    step = PagedPackedStep.pack([(long_tab, 64, 777)])
+    x = torch.randn(1, 777, h, device=dev, dtype=torch.bfloat16)
+    whole = torch.randn(1, 600, h, device=dev, dtype=torch.bfloat16)
+    whole_tab = te.cache.table_tensor([long_tab], te.blocks.blocks_for(600), dev)
+    part = ExtendRows.of([(x[0, :100], 64), (x[0, 100:177], 64), (x[0, 177:190], 64)], dev)   # bucket (4, 128)
+    ext_tab = te.cache.table_tensor([long_tab] * 3, te.extend_width, dev)
+    runs = {"packed 777 rows": lambda: te.model(x, step.positions(dev), te.cache.packed(step), last=step.ends(dev)),
+            "whole 600 rows": lambda: te._prefill_fn(1, 600, whole, torch.tensor([599], device=dev), whole_tab),
+            "extend graph, rows of 100, 77, 13": lambda: te.extend_graphs(3, 100, part.x, part.start, part.length,
+                                                                           part.last, ext_tab)}
+    out = {"check": "talker first sight vs repeat, seconds"}
+    for name, run in runs.items():
+        times = []
+        for _ in range(2):
+            sync(dev)
+            t0 = time.perf_counter()
+            run()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        out[name] = {"first": round(times[0], 4), "repeat": round(times[1], 4),
+                     "within_1.3x": times[0] <= 1.3 * times[1]}
     print(json.dumps(out), flush=True)
     return out
 
@@ -99,6 +168,8 @@ def main() -> int:
                               last=step.ends(dev))
     results.append(compare("talker: packed prefill after a cached prefix vs the whole eager prefill, logits",
                            packed_logits, want[:1]))
+    talker_extend_checks(te, prompts, tabs, want, results)
+    results.append(talker_first_sight(te, t_tables))
     x = torch.randn(3, 1, h, device=dev, dtype=torch.bfloat16)
     start = lens_t
     eager = te._step_fn(3, 128, x, start, step_tabs)

@@ -186,14 +186,7 @@ def graphed(tiny_model_dir):
     finally:
         cuda_graphs.EMULATE = before
     g = engine.runner.extend_graphs
-    assert g is not None and g.emulated
-    fn, g.replays = g.fn, 0
-
-    def counted(*args):
-        g.replays += 1
-        return fn(*args)
-
-    g.fn = counted
+    assert g is not None and g.emulated and g.replays == 0
     return engine
 
 

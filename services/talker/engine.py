@@ -54,7 +54,7 @@ class TalkerEngine(StageEngine):
         self.runner = TalkerRunner(model, cfg, device=device, max_active=max_active, max_len=max_len, kv=kv,
                                    cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                    prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
-                                   text_table=text_table)
+                                   text_table=text_table, prefill_tokens=prefill_tokens)
 
     # ---- inputs from the handler
     def hold(self, job: TalkerJob) -> None:
@@ -125,7 +125,7 @@ class TalkerEngine(StageEngine):
                     job.mark_started()
                 self.running.append(job)
                 self.waiting.remove(job)
-            decode = self._with_blocks(plan.decode, plan.prefill)
+            decode = self._with_blocks(plan.decode, plan.prefill)   # a victim admitted now leaves the prefill
             text_rows = [job.next_text_row() for job in decode]
         if not plan.prefill and not decode:
             return
@@ -136,30 +136,8 @@ class TalkerEngine(StageEngine):
             self._output(jobs, logits, hidden)
         self.runner.observe_kv()
 
-    def _with_blocks(self, decode: list[TalkerJob], prefill: list[TalkerJob]) -> list[TalkerJob]:
-        """The decoding jobs, each with a block for its next position. When the pool has none, the
-        newest running job is preempted (its blocks freed; it waits, first in line, and recomputes its
-        positions later, its frames unchanged) until one is free, the job itself last; a job admitted
-        in this step leaves `prefill` (it never ran). Called with the lock held."""
-        ready: list[TalkerJob] = []
-        for job in decode:            # oldest first: the running list is in admission order
-            if job.table is None:     # preempted for an older one in this loop
-                continue
-            while not self.runner.grow(job):
-                victim = self.running[-1]
-                self.running.remove(victim)
-                self.waiting.insert(0, victim)
-                log.info("request %s preempted: no free KV block (%d frames)", victim.request_id, len(victim.codes0))
-                self.runner.preempt(victim)
-                if victim in prefill:
-                    prefill.remove(victim)
-                if victim in ready:
-                    ready.remove(victim)
-                if victim is job:
-                    break
-            else:
-                ready.append(job)
-        return ready
+    def _progress(self, req: TalkerJob) -> str:
+        return f"{len(req.codes0)} frames"
 
     # ---- the output step
     def _output(self, jobs: list[TalkerJob], logits: torch.Tensor, hidden: torch.Tensor) -> None:

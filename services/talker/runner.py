@@ -10,8 +10,9 @@ rows and the frames' inputs depend on the reply and the speaker.
 
 A step: the prefill of the requests admitted now (an early one without its prompt's last row: see
 scheduler.py) -- prompts without a cached prefix right-padded into one forward (CUDA graphs with
-block tables as inputs), the others (a cached prefix, or a recompute after a preemption) packed
-into one eager forward from their first uncached position -- then one codec-0 forward over the
+block tables as inputs), the others (a cached prefix, or a recompute after a preemption) from
+their first uncached position, right-padded in the extend graphs (runtime/extend.py) where their
+new rows fit, else packed into one eager forward -- then one codec-0 forward over the
 requests that decode (block tables as graph inputs), then code 0 and the code predictor's residual
 codes for every row that made logits (`frames`), and one host read of the whole step: the frames
 of rows that stop are dropped. Greedy batches pick code 0 with one Triton kernel and replay the
@@ -32,10 +33,12 @@ from ..runtime import metrics
 from ..runtime.block_pool import KVBlockManager, prefix_hashes
 from ..runtime.config import TalkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
+from ..runtime.extend import ExtendRows, capture_extend, extend_forward
 from ..runtime.kv_plan import KVPlan
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.row_keys import mm_runs, user_row_spans
 from ..runtime.sampling import RowSampling, SamplingParams, exponential_noise, finite_rows, sample_rows
+from ..runtime.warm import packed_shapes, warm_packed, warm_sampling
 from .job import TalkerJob
 from .model import TalkerModel, ThinkerTextEmbedding
 from .scheduler import PROMPT_TAIL
@@ -69,11 +72,12 @@ class TalkerRunner:
     def __init__(self, model: TalkerModel, cfg: TalkerConfig, *, device: torch.device, max_active: int,
                  max_len: int, kv: KVPlan, cuda_graphs: bool = True, prefill_batch: int = 8,
                  prefill_graph_len: int = 512, decode_graph_len: int | None = None, eager_fallback: bool = False,
-                 text_table: ThinkerTextEmbedding | None = None) -> None:
-        """Prompts up to `prefill_graph_len` rows, `prefill_batch` at a time, replay CUDA graphs, and
-        decode steps whose longest sequence is within `decode_graph_len` positions (default: the whole
-        context: a step past them runs eagerly, turns 39-40 of a 40-turn conversation took ~1.2 s
-        to first audio that way).
+                 text_table: ThinkerTextEmbedding | None = None, prefill_tokens: int = 4096) -> None:
+        """Prompts up to `prefill_graph_len` rows, `prefill_batch` at a time, replay CUDA graphs (from
+        position 0, or going on from their cached blocks), and decode steps whose longest sequence
+        is within `decode_graph_len` positions (default: the whole context: a step past them runs
+        eagerly, turns 39-40 of a 40-turn conversation took ~1.2 s to first audio that way).
+        `prefill_tokens`: a step's prefill row budget (the scheduler's), warmed up at start.
         `text_table`: the thinker's embedding table, for prompts whose user turns come as token ids."""
         self.model, self.cfg, self.device = model, cfg, device
         self.text_table = text_table
@@ -88,10 +92,43 @@ class TalkerRunner:
         self.seen = torch.zeros(max_active, t.vocab_size, dtype=torch.bool, device=device)  # codec-0 ids per slot
         self._free = list(range(max_active - 1, -1, -1))      # free rows of `seen` (pop from the end)
         self.predictor_vocab = cfg.code_predictor.vocab_size
-        self.step_graphs = self.predictor_graphs = self.sampled_predictor_graphs = self.prefill_graphs = None
+        self.max_len, self.prefill_tokens = max_len, prefill_tokens
+        self.step_graphs = self.predictor_graphs = self.sampled_predictor_graphs = None
+        self.prefill_graphs = self.extend_graphs = None
         if cuda_graphs and graphs_available(device):
             self._capture(max_active, min(decode_graph_len or max_len, max_len), min(prefill_batch, max_active),
                           min(prefill_graph_len, max_len), eager_fallback)
+        if self.step_graphs is not None and device.type == "cuda":
+            self.warm_up(min(prefill_graph_len, max_len))
+
+    @torch.inference_mode()
+    def warm_up(self, graph_len: int) -> None:
+        """Run once, at start, what the graphs do not cover (runtime/warm.py): the eager packed
+        prefill (long and short segments of each class, odd starts, and one of the step's row
+        budget `prefill_tokens`, for the allocator), the eager right-padded prefill past the prefill
+        graphs (`graph_len` rows), an eager codec step past the step graphs, and code 0's greedy
+        kernel and sampled rows (the code predictor always replays its graphs)."""
+        dev, null, h = self.device, self.cache.null, self.cfg.text.hidden_size
+        longest = min(self.max_len, self.prefill_tokens)
+        warm_packed(lambda x, positions, view, last: self.model(x, positions, view, last=last), self.cache,
+                    self.blocks, h, self.dtype, packed_shapes(graph_len) + ((longest,),))
+        for n, s in ((1, graph_len + 37), (2, graph_len + 16)):
+            s = min(s, self.max_len)
+            self._prefill_fn(n, s, torch.zeros(n, s, h, dtype=self.dtype, device=dev),
+                             torch.full((n,), s - 1, device=dev),
+                             torch.full((n, self.blocks.blocks_for(s)), null, dtype=torch.long, device=dev))
+        kv_graphs = self.step_graphs.kv_lens[-1]
+        if kv_graphs < self.max_len:
+            kv = kv_graphs + 1
+            self._step_fn(1, kv, torch.zeros(1, 1, h, dtype=self.dtype, device=dev), torch.tensor([kv - 1], device=dev),
+                          torch.full((1, self.blocks.blocks_for(kv)), null, dtype=torch.long, device=dev))
+        v = self.cfg.text.vocab_size
+        for n in (1, 3):
+            kernels.sampling.run(torch.zeros(n, v, device=dev), self.suppress, torch.zeros(n, dtype=torch.bool, device=dev),
+                                 self.cfg.codec.eos)
+        warm_sampling(v, dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     @torch.inference_mode()
     def _capture(self, max_active: int, decode_len: int, n: int, prefill_len: int, eager_fallback: bool) -> None:
@@ -105,6 +142,11 @@ class TalkerRunner:
                                torch.full((n, self.prefill_width), null, dtype=torch.long, device=dev)),
             buckets(n), buckets(prefill_len, min(32, prefill_len)), "talker prefill",
             pad=(None, 0, null)), eager_fallback)   # padding rows: the null table (writes go to scratch)
+        # prompts going on from their cached blocks (a hit, a recompute): up to prefill_len new rows
+        # each, tables as wide as the context
+        self.extend_width = self.blocks.blocks_for(self.max_len)
+        self.extend_graphs = capture_extend("talker extend", self._extend_fn, n, prefill_len, h, self.dtype,
+                                            self.cache, self.extend_width, eager_fallback)
         self.step_graphs = captured("talker step", lambda: GraphedStep(
             self._step_fn, (torch.zeros(max_active, 1, h, dtype=self.dtype, device=dev),
                             torch.zeros(max_active, dtype=torch.long, device=dev),
@@ -131,6 +173,13 @@ class TalkerRunner:
         `last` position."""
         positions = torch.arange(s, device=x.device)[None].expand(n, s)
         return self.model(x[:, :s], positions, self.cache.prefill_view(tables, s), last=last)
+
+    def _extend_fn(self, n: int, s: int, x: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+                   last: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts going on from their blocks: row b's length[b] new rows ([n, >= s, H], right-padded
+        to s) at positions start[b] ..., into its blocks (tables [n, M], M * block_size >= max_len):
+        codec-0 logits [n, V] and final hidden [n, H] at each row's `last` new row."""
+        return extend_forward(self.model, self.cache, s, x, start, length, tables, self.max_len, last=last)
 
     def _step_fn(self, n: int, kv_len: int, x: torch.Tensor, start: torch.Tensor,
                  tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,7 +363,8 @@ class TalkerRunner:
         job.kv_trusted = False
         if job.table is not None:
             self.cache.scrub(job.table.blocks[job.table.cached_tokens // self.blocks.block_size:])
-        for graphs in (self.step_graphs, self.predictor_graphs, self.sampled_predictor_graphs, self.prefill_graphs):
+        for graphs in (self.step_graphs, self.predictor_graphs, self.sampled_predictor_graphs, self.prefill_graphs,
+                       self.extend_graphs):
             if graphs is not None:
                 graphs.scrub()
 
@@ -340,7 +390,8 @@ class TalkerRunner:
 
     def _prefill(self, jobs: list[TalkerJob]) -> list[tuple[TalkerJob, torch.Tensor, torch.Tensor]]:
         """The jobs' prefills: those from position 0 right-padded into one forward, those with a cached
-        prefix or a recompute packed into another. (job, codec-0 logits [V], hidden [Hk]) for each job
+        prefix or a recompute right-padded into an extend graph (those that fit) and packed into one
+        eager forward (the rest). (job, codec-0 logits [V], hidden [Hk]) for each job
         that makes frame 0 now (not early, not resumed). An `early` job's prompt goes without its last
         row; its next input is that row's codec part, which its frame-0 decode step adds to text row
         0's projection."""
@@ -355,14 +406,15 @@ class TalkerRunner:
                 if j.early:
                     j.pending = bos
         whole = [j for j in jobs if not j.resumed and not j.table.cached_tokens]
-        packed = [j for j in jobs if j.resumed or j.table.cached_tokens]
+        extend, packed = self._going_on([j for j in jobs if j.resumed or j.table.cached_tokens], rows)
         out = []
         if whole:
             logits, hidden = self._prefill_whole(whole, [rows[id(j)] for j in whole])
             out += [(j, logits[b], hidden[b]) for b, j in enumerate(whole) if not j.early]
-        if packed:
-            logits, hidden = self._prefill_packed(packed, [rows[id(j)] for j in packed])
-            out += [(j, logits[b], hidden[b]) for b, j in enumerate(packed) if not j.early and not j.resumed]
+        for part, run in ((extend, self._prefill_extend), (packed, self._prefill_packed)):
+            if part:
+                logits, hidden = run(part, [rows[id(j)] for j in part])
+                out += [(j, logits[b], hidden[b]) for b, j in enumerate(part) if not j.early and not j.resumed]
         for j in jobs:
             j.resumed = False
         return out
@@ -386,6 +438,25 @@ class TalkerRunner:
         if g is not None and g.fits(n, s):   # padding rows and positions write the scratch block
             return g(n, s, x, last, self._tables(jobs, self.prefill_width))
         return self._prefill_fn(n, s, x, last, self._tables(jobs, self.blocks.blocks_for(s)))
+
+    def _going_on(self, jobs: list[TalkerJob],
+                  rows: dict[int, torch.Tensor]) -> tuple[list[TalkerJob], list[TalkerJob]]:
+        """Jobs that go on from their blocks (a cached prefix, a recompute), split into those whose new
+        rows fit the extend graphs (as many as their batch holds) and the rest (eager, packed)."""
+        g = self.extend_graphs
+        if g is None:
+            return [], jobs
+        fit = [j for j in jobs if g.fits(1, rows[id(j)].shape[0] - j.table.cached_tokens)][:g.batch_sizes[-1]]
+        return fit, [j for j in jobs if not any(j is f for f in fit)]
+
+    def _prefill_extend(self, jobs: list[TalkerJob], rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each job's rows from its first uncached position, one right-padded row each, in the extend
+        graph: codec-0 logits [n, V] and hidden [n, Hk] at each one's last row."""
+        part = ExtendRows.of([(r[j.table.cached_tokens:], j.table.cached_tokens) for j, r in zip(jobs, rows)],
+                             self.device)
+        # the tables at the graphs' width, null past each job's blocks: no stale columns
+        return self.extend_graphs(len(jobs), part.longest, part.x, part.start, part.length, part.last,
+                                  self._tables(jobs, self.extend_width))
 
     def _prefill_packed(self, jobs: list[TalkerJob], rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each job's rows from its first uncached position, packed into one row (eager), each attending

@@ -172,29 +172,8 @@ class ThinkerEngine(StageEngine):
             self.runner.publish(job)
         self.runner.observe_kv()
 
-    def _with_blocks(self, decode: list[ThinkerJob]) -> list[ThinkerJob]:
-        """The decoding jobs, each with a block for its next position. When the pool has none, the
-        newest running job is preempted (its blocks freed; it waits and recomputes its context later,
-        its output unchanged) until one is free, the job itself last."""
-        ready: list[ThinkerJob] = []
-        for job in decode:            # oldest first: the running list is in admission order
-            if job.table is None:     # preempted for an older one in this loop
-                continue
-            while not self.runner.grow(job):
-                with self.lock:
-                    victim = self.running[-1]
-                    self.running.remove(victim)
-                    self.waiting.insert(0, victim)
-                log.info("request %s preempted: no free KV block (%d generated)", victim.request_id,
-                         len(victim.generated))
-                self.runner.preempt(victim)
-                if victim in ready:
-                    ready.remove(victim)
-                if victim is job:
-                    break
-            else:
-                ready.append(job)
-        return ready
+    def _progress(self, req: ThinkerJob) -> str:
+        return f"{len(req.generated)} generated"
 
     # ---- the output step
     def _first_outputs(self, jobs: list[ThinkerJob], prefilled: Prefilled, step: str) -> None:

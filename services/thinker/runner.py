@@ -23,6 +23,8 @@ import torch
 
 from ..runtime.config import ThinkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
+from ..runtime.extend import ExtendRows, capture_extend, extend_forward
+from ..runtime.warm import packed_shapes, warm_packed, warm_sampling
 from ..runtime import metrics
 from ..runtime.affinity import placeholder_spans
 from ..runtime.block_pool import ContentSpan, KVBlockManager, prefix_hashes
@@ -31,7 +33,7 @@ from ..runtime.lru import BytesLRU
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerAudioRowsOut, TalkerPromptOut, TokenLogprob
 from ..runtime.row_keys import audio_run_keys
-from ..runtime.sampling import RowSampling, SamplingParams, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
+from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
 from .audio_cache import AudioEncoderCache
 from .grammar import allowed
 from .job import ThinkerJob
@@ -202,28 +204,20 @@ class ThinkerRunner:
         short segments, lengths of each class, odd starts, the hidden layer kept), an eager
         decode past the decode graphs, and the sampling kernels. Every write goes to the scratch
         block (null tables); nothing is published or read later."""
-        dev, bs, null = self.device, self.blocks.block_size, self.cache.null
-        h = self.cfg.text.hidden_size
-        dtype = self.tts_special.dtype
-        for lengths in ((self.graph_prompt_len + 37, 45), (self.graph_prompt_len + 16, 32), (1,), (17,)):
-            parts = [([null] * self.blocks.blocks_for(19 + n), 19 * (i % 2), n) for i, n in enumerate(lengths)]
-            step = PagedPackedStep.pack(parts)
-            x = torch.zeros(1, sum(lengths), h, dtype=dtype, device=dev)
-            self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=self.cfg.accept_hidden_layer,
-                       last=step.ends(dev))
+        dev, null = self.device, self.cache.null
+        keep = self.cfg.accept_hidden_layer
+        warm_packed(lambda x, positions, view, last: self.model(x, positions, view, keep_hidden=keep, last=last),
+                    self.cache, self.blocks, self.cfg.text.hidden_size, self.tts_special.dtype,
+                    packed_shapes(self.graph_prompt_len))
         longest = self.graphs.kv_lens[-1]
         if longest < self.max_len:
             kv = min(self.max_len, longest + 1)
             tables = torch.full((1, self.blocks.blocks_for(kv)), null, dtype=torch.long, device=dev)
             self._decode_fn(1, kv, torch.zeros(1, 1, dtype=torch.long, device=dev),
                             torch.tensor([kv - 1], device=dev), tables)
-        v = self.cfg.text.vocab_size
-        for n in (1, 3):
-            logits = torch.zeros(n, v, device=dev)
-            gens = [torch.Generator(dev).manual_seed(i) for i in range(n)]
-            params = [SamplingParams(temperature=0.7, top_k=20 * i, top_p=0.8 if i else 1.0) for i in range(n)]
-            sample_rows(logits, RowSampling.of(params, v, dev), exponential_noise(gens, v, dev))
-        torch.cuda.synchronize(dev)
+        warm_sampling(self.cfg.text.vocab_size, dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def _capture(self, max_active: int, decode_len: int, prefill_len: int, eager_fallback: bool) -> None:
         """Each step's graphs, or GraphCaptureError (with `eager_fallback`: that step runs eagerly)."""
@@ -247,15 +241,11 @@ class ThinkerRunner:
             buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker prefill",
             pad=(None, 0, null)), eager_fallback)
         # prompts going on from a cached prefix (and resumed ones): up to prefill_len new tokens each,
-        # tables as wide as the context; padding rows write the scratch block (length 0)
+        # tables as wide as the context
         self.extend_width = self.blocks.blocks_for(self.max_len)
-        self.extend_graphs = captured("thinker extend", lambda: GraphedStep(
-            lambda *args: self._extend_fn(*args, keep=self.cfg.accept_hidden_layer),
-            (torch.zeros(n, prefill_len, h, dtype=dtype, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
-             torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
-             torch.full((n, self.extend_width), null, dtype=torch.long, device=dev)),
-            buckets(n), buckets(prefill_len, min(32, prefill_len)), "thinker extend",
-            pad=(None, 0, 0, 0, null)), eager_fallback)
+        self.extend_graphs = capture_extend("thinker extend",
+                                            lambda *args: self._extend_fn(*args, keep=self.cfg.accept_hidden_layer),
+                                            n, prefill_len, h, dtype, self.cache, self.extend_width, eager_fallback)
 
     def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
                     keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -272,9 +262,8 @@ class ThinkerRunner:
         right-padded to s) at positions start[b] ..., into its blocks (tables [n, M]); logits [n, V]
         at each row's `last` new token, and the `keep` hidden layer if asked. `kv_bound`: how far
         any row reaches (default the context)."""
-        positions = start[:, None] + torch.arange(s, device=embeds.device)[None]
-        view = self.cache.extend_view(tables, start, length, s, kv_bound or self.max_len)
-        return self.model(embeds[:, :s], positions, view, keep_hidden=keep, last=last)
+        return extend_forward(self.model, self.cache, s, embeds, start, length, tables, kv_bound or self.max_len,
+                              keep_hidden=keep, last=last)
 
     def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor,
                    tables: torch.Tensor) -> tuple[torch.Tensor]:
@@ -367,7 +356,7 @@ class ThinkerRunner:
             own = job.table.blocks[job.table.cached_tokens // self.blocks.block_size:]
             self.cache.scrub(own)
         self.audio.forget(job.audio_digests or [])
-        for graphs in (self.graphs, self.prefill_graphs):
+        for graphs in (self.graphs, self.prefill_graphs, self.extend_graphs):
             if graphs is not None:
                 graphs.scrub()
 
@@ -477,13 +466,10 @@ class ThinkerRunner:
         n, longest = len(chunks), max(length for _, _, length in chunks)
         g = self.extend_graphs
         if g is not None and g.fits(n, longest):   # one right-padded row per chunk, graphed
-            x = torch.nn.utils.rnn.pad_sequence([job.embeds[start:start + length] for job, start, length in chunks],
-                                                batch_first=True)
-            start_t, length_t = (torch.tensor(v).to(dev, non_blocking=True)
-                                 for v in ([c[1] for c in chunks], [c[2] for c in chunks]))
-            reach = max(start + length for _, start, length in chunks)    # columns past it: as for decode
-            logits, hidden = g(n, longest, x, start_t, length_t, length_t - 1,
-                               self._tables([c[0] for c in chunks], self.blocks.blocks_for(reach)))
+            rows = ExtendRows.of([(job.embeds[start:start + length], start) for job, start, length in chunks], dev)
+            # columns past the rows' reach: as for decode
+            logits, hidden = g(n, longest, rows.x, rows.start, rows.length, rows.last,
+                               self._tables([c[0] for c in chunks], self.blocks.blocks_for(rows.reach)))
             rows_of = [(b, slice(0, length)) for b, (_, _, length) in enumerate(chunks)]
         else:                                      # packed into one row, eager
             step = PagedPackedStep.pack([(job.table.blocks, start, length) for job, start, length in chunks])
@@ -497,8 +483,8 @@ class ThinkerRunner:
         broken = [chunks[i][0] for i, ok in zip(going_on, finite) if not ok]
         done, rows, prompts, resumed = [], [], [], []
         for i, ((job, start, length), (row, part)) in enumerate(zip(chunks, rows_of)):
-            if kept_by[i]:
-                job.kept.append(hidden[row, part])
+            if kept_by[i]:     # a copy: a graph's outputs are overwritten by its next replay (a later chunk)
+                job.kept.append(hidden[row, part].clone())
             if start + length < job.prefill_target or job.pending:   # more to come (a pending turn: its audio)
                 continue
             if job.generated:
