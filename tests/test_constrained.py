@@ -290,9 +290,13 @@ def _walk(grammars: Grammars, compiled, steps: int = 30) -> list[list[int]]:
 def test_the_grammar_cache_gives_the_uncached_grammar_on_hit_and_after_eviction(tokenizer, omni_config):
     th = omni_config.thinker
     a, b, c = (Constraint.json_schema(PROFILE), Constraint.json_schema(ORDER), tool_calls(FUNCTIONS))
-    fresh = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=0)
+    fresh = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=0, rule_cache_bytes=0)
     grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=2)
+    grammars.warm()        # the library's cache of rules' masks: b and c then partly hit what a computed
     want = {k: _walk(fresh, fresh.compile(x)) for k, x in (("a", a), ("b", b), ("c", c))}
+    # a library cache too small for a grammar (every entry evicted): the same masks again
+    tiny = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=0, rule_cache_bytes=1, info=fresh.info)
+    assert all(_walk(tiny, tiny.compile(x)) == want[k] for k, x in (("a", a), ("c", c), ("a", a)))
     first = grammars.compile(a)                                               # miss
     assert grammars.compile(Constraint(a.kind, json.dumps(PROFILE, indent=2))) is first   # same content: hit
     assert _walk(grammars, first) == want["a"]
