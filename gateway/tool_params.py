@@ -56,7 +56,8 @@ class ToolOptions:
 
     def parser(self) -> ToolCallParser | None:
         """The reader of a reply for calls (None: tools not offered or 'none': all of it is content);
-        where the constraint allows one function only, a call's head goes out as its block opens."""
+        where the constraint allows one function only, a call's head goes out with the reply's
+        first token."""
         if not self.parses_calls:
             return None
         only = self.function if self.choice == "function" else None

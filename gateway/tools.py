@@ -25,7 +25,8 @@ A block is judged by its head, the way a stream must judge it (ToolCallParser.pu
   tool) is read whole at its end: a call when its JSON is one (any member order), otherwise
   content, as it was written (vLLM's hermes parser: invalid JSON is content), never an error.
 - `only` (sampling constrained to one function's calls): every block is that function's call from
-  the moment it opens (its head out before the model writes the name)."""
+  its first character on (its head out with the reply's first token, before the model writes
+  the markup or the name)."""
 
 from __future__ import annotations
 
@@ -160,6 +161,7 @@ class ToolCallParser:
         self._inside = False      # within a <tool_call> block (its body is in _pending)
         self._lead = ""           # the separator dropped before the open block
         self._after_call = False  # a call just ended: a separator right after it is markup
+        self._early = False       # `only`: the next block's head went out with its first character
 
     def push(self, text: str) -> list[ReplyPiece]:
         self._pending += text
@@ -182,6 +184,12 @@ class ToolCallParser:
                     self._pending = self._pending[len(LEAD):]
                 self._after_call = False
             start = self._pending.find(OPEN)
+            if start < 0 and self.only is not None and not self._early and self._pending \
+                    and (OPEN.startswith(self._pending) or (LEAD + OPEN).startswith(self._pending)):
+                # the grammar makes every block that function's call: the head goes out with the
+                # block's first character (a reply's first token), not once its markup is complete
+                self._block_state, self._early = _Block(), True
+                out += self._commit(self.only)
             if start < 0:
                 keep = _held_tail(self._pending, OPEN)
                 text_out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
@@ -195,9 +203,12 @@ class ToolCallParser:
                 out.append(ContentPiece(before))
             self._pending = self._pending[start + len(OPEN):]
             self._inside = True
-            self._block_state = _Block()
-            if self.only is not None:
-                out += self._commit(self.only)
+            if self._early:
+                self._early = False
+            else:
+                self._block_state = _Block()
+                if self.only is not None:
+                    out += self._commit(self.only)
 
     def finish(self) -> list[ReplyPiece]:
         """The rest: a block still open when the reply ends (max_tokens) ends there; a tail that
@@ -206,6 +217,9 @@ class ToolCallParser:
             body, self._pending, self._inside = self._pending, "", False
             return self._advance(body[:len(body) - _held_tail(body, CLOSE)]) + self._block(body, closed=False)
         rest, self._pending = self._pending, ""
+        if self._early:             # the reply ended in the markup of a call already begun
+            self._early = False
+            return self._block("", closed=False)
         return [ContentPiece(rest)] if rest else []
 
     def _commit(self, name: str) -> list[ReplyPiece]:

@@ -191,10 +191,10 @@ def test_the_parser_streams_a_call_as_it_is_written():
     open_ended = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\n</tool_call>'
     assert [c.arguments for c in run(list(open_ended))[1]] == ['{"city": "Pa']
     assert [c.arguments for c in run([open_ended[:-4]])[1]] == ['{"city": "Pa']     # cut inside the markup
-    # one function allowed (a named tool_choice): the head goes out as the block opens
+    # one function allowed (a named tool_choice): the head goes out with the reply's first character
     named = ToolCallParser(names, only="get_weather")
-    assert [type(x) for x in named.push("<tool_call>")] == [CallStart]
-    rest = named.push(CALL[len("<tool_call>"):]) + named.finish()
+    assert [type(x) for x in named.push("<")] == [CallStart]
+    rest = named.push(CALL[1:]) + named.finish()
     assert [c.arguments for c in named.calls] == ['{"city": "Paris"}'] and isinstance(rest[-1], CallPiece)
     swapped = '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"}\n</tool_call>'
     assert [json.loads(c.arguments) for c in parse_reply(swapped, names).calls] == [{"city": "Rome"}]
