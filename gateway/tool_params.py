@@ -57,13 +57,13 @@ class ToolOptions:
     def parser(self) -> ToolCallParser | None:
         """The reader of a reply for calls (None: tools not offered or 'none': all of it is content);
         where the constraint allows one function only, a call's head goes out with the reply's
-        first token."""
+        first token; with 'required', once the name being written begins one tool's name only."""
         if not self.parses_calls:
             return None
         only = self.function if self.choice == "function" else None
         if self.choice == "required" and len(self.tools) == 1:
             only = self.tools[0].name
-        return ToolCallParser(self.names, self.parallel, only=only)
+        return ToolCallParser(self.names, self.parallel, only=only, constrained=self.calls_only)
 
 
 def _short(value: Any) -> str:

@@ -24,6 +24,8 @@ A block is judged by its head, the way a stream must judge it (ToolCallParser.pu
 - A block whose head is not such a name (not JSON, another first member, a name that is not a
   tool) is read whole at its end: a call when its JSON is one (any member order), otherwise
   content, as it was written (vLLM's hermes parser: invalid JSON is content), never an error.
+- `constrained` (sampling constrained to calls of the tools: tool_choice 'required'): the head goes
+  out once the name being written begins one tool's name only.
 - `only` (sampling constrained to one function's calls): every block is that function's call from
   its first character on (its head out with the reply's first token, before the model writes
   the markup or the name)."""
@@ -77,6 +79,7 @@ ReplyPiece = ContentPiece | CallStart | ArgumentsDelta | CallPiece
 # a call's head: the call object's "name" (a tool name: no escapes), then its
 # "arguments" up to the value's opening brace
 NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"')
+NAME_SO_FAR = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})$')    # the name being written
 ARGS_HEAD = re.compile(NAME_HEAD.pattern + r'\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
@@ -149,12 +152,16 @@ class ToolCallParser:
     """`push(text)` as the reply comes and at the end `finish()` give the reply as ContentPieces and
     call pieces (CallStart, ArgumentsDelta, CallPiece) in order; `calls` are the calls kept so far."""
 
-    def __init__(self, names: Iterable[str], parallel: bool = True, only: str | None = None) -> None:
+    def __init__(self, names: Iterable[str], parallel: bool = True, only: str | None = None,
+                 constrained: bool = False) -> None:
         """`only`: the one function the constraint lets a block call (a named tool_choice): each
-        block commits as it opens, its head out before the model writes the name."""
+        block commits as it opens, its head out before the model writes the name. `constrained`:
+        the sampling allows only calls of `names` (tool_choice 'required'): a block commits as soon
+        as the name written so far begins one name only."""
         self.names = frozenset(names)
         self.parallel = parallel
         self.only = only
+        self.constrained = constrained
         self.calls: list[ToolCall] = []
         self._block_state = _Block()
         self._pending = ""        # text not yet given out
@@ -239,11 +246,15 @@ class ToolCallParser:
         if not b.committed:
             m = NAME_HEAD.match(body)
             if m is None:
-                return out
-            if m.group(1) not in self.names:
+                name = self._only_name(body) if self.constrained else None
+                if name is None:
+                    return out
+                out += self._commit(name)
+            elif m.group(1) not in self.names:
                 b.whole = True
                 return out
-            out += self._commit(m.group(1))
+            else:
+                out += self._commit(m.group(1))
         if b.pos < 0:
             m = ARGS_HEAD.match(body)
             if m is None:
@@ -256,6 +267,14 @@ class ToolCallParser:
             if text and not b.dropped:
                 out.append(ArgumentsDelta(b.index, text))
         return out
+
+    def _only_name(self, body: str) -> str | None:
+        """The tool whose name alone begins with the name `body` is writing (None: none yet, or more than one)."""
+        m = NAME_SO_FAR.match(body)
+        if m is None:
+            return None
+        begun = [n for n in self.names if n.startswith(m.group(1))]
+        return begun[0] if len(begun) == 1 else None
 
     def _block(self, body: str, closed: bool) -> list[ReplyPiece]:
         """The block's last pieces, at its end (`body`: all of it, as written)."""

@@ -191,6 +191,12 @@ def test_the_parser_streams_a_call_as_it_is_written():
     open_ended = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\n</tool_call>'
     assert [c.arguments for c in run(list(open_ended))[1]] == ['{"city": "Pa']
     assert [c.arguments for c in run([open_ended[:-4]])[1]] == ['{"city": "Pa']     # cut inside the markup
+    # sampling constrained to the tools' calls ('required'): the head once the name begun is one tool's only
+    required = ToolCallParser(names, constrained=True)
+    at = CALL2.index("set_light")
+    assert required.push(CALL2[:at]) == [] and [type(x) for x in required.push("s")] == [CallStart]    # not get_weather
+    required.push(CALL2[at + 1:])
+    assert [(c.name, c.arguments) for c in required.calls] == [("set_light", '{"on": true, "room": {"name": "hall"}}')]
     # one function allowed (a named tool_choice): the head goes out with the reply's first character
     named = ToolCallParser(names, only="get_weather")
     assert [type(x) for x in named.push("<")] == [CallStart]
