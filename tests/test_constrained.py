@@ -309,6 +309,18 @@ def test_the_grammar_cache_gives_the_uncached_grammar_on_hit_and_after_eviction(
     assert Constraint.json_schema({**PROFILE, "properties": reordered}).key() != a.key()
 
 
+def test_the_compile_bench_reports_the_goal(tiny_model_dir, capsys):
+    """bench/grammar_compile over the tiny checkpoint's tokenizer, one repeat: a row per constraint
+    and the goal's line (the tool schema's first compile, warmed, and its cached lookup)."""
+    from voxpipe.bench.grammar_compile import main
+
+    assert main(["--tokenizer", str(tiny_model_dir), "--repeats", "1", "--threads", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    goal = lines[-1]
+    assert {r["constraint"] for r in lines[1:-1]} == {"tools_required", "tools_named", "response_format"}
+    assert goal["first_compile_ms"] > 0 and goal["cached_ms"] < goal["first_compile_ms"] and goal["cores"] >= 1
+
+
 def test_concurrent_compiles_of_one_constraint_compile_once(tokenizer, omni_config):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -572,6 +572,17 @@ def test_the_constrained_check_passes_on_a_few_requests(gateway):
     assert result["valid"] == result["requests"] == 3, result
 
 
+def test_the_first_delta_bench_times_every_kind(gateway):
+    """bench/constrained_check --first-delta at one round (its runs are a bench: bench/RESULTS.md):
+    plain, auto, required and named streamed replies each give a first delta (named and required: a
+    `delta.tool_calls` head) and the ratios to plain."""
+    from voxpipe.bench.constrained_check import FIRST_DELTA_KINDS, first_deltas
+
+    result = asyncio.run(first_deltas(gateway.base_url, rounds=1))
+    assert all(result["first_delta"][k]["n"] == 1 for k in FIRST_DELTA_KINDS), result
+    assert set(result["ratios"]) == {"required/plain", "required/auto", "named/plain", "named/auto"}
+
+
 def test_a_spoken_stream_that_is_only_a_call_is_admitted_without_the_talker(state, stack):
     """With audio asked for, a reply that turns out to be only a call: the talker's "silent" end
     comes with the call's first token, so a stream is admitted (its HTTP status decided) then, not
