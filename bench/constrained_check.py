@@ -14,7 +14,7 @@ line: requests, valid, and each failure kind with a few examples; exits 1 on any
 bench/RESULTS.md ("every constrained reply validates").
 
     python -m voxpipe.bench.constrained_check --first-delta 20       # tiny checkpoint, CPU
-    python -m voxpipe.bench.constrained_check --base-url http://127.0.0.1:8000 --first-delta 50
+    python -m voxpipe.bench.constrained_check --dummy --device cuda --first-delta 30   # full size, dummy weights
 
 instead times the first delta of streamed replies, one request at a time, the kinds interleaved:
 "plain" (no tools: the first content), "auto" (the tools in the prompt, tool_choice auto: the first
@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", help="a running gateway (default: serve the tiny checkpoint here)")
     p.add_argument("--device", default="cpu", help="the stages' device (without --base-url)")
     p.add_argument("--base-port", type=int, default=55051, help="first stage port (the gateway: +99)")
+    p.add_argument("--dummy", action="store_true",
+                   help="serve the released config with full-size dummy weights (without --base-url; a GPU)")
     p.add_argument("--first-delta", type=int, metavar="ROUNDS",
                    help="time the first delta of each kind instead (ROUNDS requests a kind, one at a time)")
     args = p.parse_args(argv)
@@ -219,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         from voxpipe.tiny import make_tiny
 
         with tempfile.TemporaryDirectory(prefix="voxpipe-constrained-") as tmp:
-            model = make_tiny(Path(tmp), seed=0)
+            if args.dummy:
+                from voxpipe.services.runtime.config import released_config_path
+                model, extra = released_config_path(), ["--load-format", "dummy"]
+            else:
+                model, extra = make_tiny(Path(tmp), seed=0), []
             http_port = args.base_port + 99
-            stack = LocalStack(model, "127.0.0.1", args.base_port, args.device, http_port=http_port)
+            stack = LocalStack(model, "127.0.0.1", args.base_port, args.device, http_port=http_port, extra=extra)
             stack.start(timeout=400)
             try:
                 result = run(f"http://127.0.0.1:{http_port}")

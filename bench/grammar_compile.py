@@ -36,7 +36,8 @@ def timed(fn) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", help="a checkpoint folder with an HF tokenizer (default: a BPE trained here)")
+    p.add_argument("--tokenizer", help="a checkpoint folder with an HF tokenizer, or a tokenizer.json "
+                                       "(default: a BPE trained here, /tmp/voxpipe-bench-bpe-151643.json)")
     p.add_argument("--vocab", type=int, default=151643, help="the trained BPE's target size (without --tokenizer)")
     p.add_argument("--threads", default="1,2,8", help="the compiler's thread counts to try, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="first compiles per (constraint, threads)")
@@ -50,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     from voxpipe.services.thinker.constraint import Constraint, tool_calls
     from voxpipe.services.thinker.grammar import COMPILE_THREADS, Grammars, check
 
-    if args.tokenizer:
+    if args.tokenizer and args.tokenizer.endswith(".json"):      # a tokenizers file (the BPE trained here, carried)
+        from transformers import PreTrainedTokenizerFast
+        tok = PreTrainedTokenizerFast(tokenizer_file=args.tokenizer, eos_token="<|im_end|>")
+    elif args.tokenizer:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
     else:
