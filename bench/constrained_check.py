@@ -11,13 +11,25 @@ and number (integer ranges), as issue #22's goal asks, so that a valid reply is 
 Without --base-url it builds the tiny checkpoint (`voxpipe make-tiny`, seed 0) in a temporary
 folder and serves it (the three stages and the gateway as processes, `--device`). Prints one JSON
 line: requests, valid, and each failure kind with a few examples; exits 1 on any failure. Results:
-bench/RESULTS.md ("every constrained reply validates")."""
+bench/RESULTS.md ("every constrained reply validates").
+
+    python -m voxpipe.bench.constrained_check --first-delta 20       # tiny checkpoint, CPU
+    python -m voxpipe.bench.constrained_check --dummy --device cuda --first-delta 30   # full size, dummy weights
+
+instead times the first delta of streamed replies, one request at a time, the kinds interleaved:
+"plain" (no tools: the first content), "auto" (the tools in the prompt, tool_choice auto: the first
+content or tool_calls delta), "required" and "named" (the first `delta.tool_calls`: the call's head),
+each user message numbered (the tools' prefix stays cached, as for an agent). A first round (the
+grammars' compiles) is reported apart. Prints one JSON line: medians and p90 per kind, and the ratios
+of required / named to plain and to auto (issue #22: the first tool_calls delta within noise of
+plain TTFT)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -134,6 +146,56 @@ async def check(base_url: str, n: int, concurrency: int, max_tokens: int) -> dic
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
+FIRST_DELTA_KINDS = ("plain", "auto", "required", "named")
+
+
+def first_delta_request(kind: str, i: int, model: str) -> dict:
+    messages = [{"role": "user", "content": f"{MESSAGES[0]['content']} (request {i})"}]
+    kw = dict(model=model, messages=messages, temperature=1.0, seed=i, max_tokens=256, stream=True)
+    if kind == "plain":
+        return kw
+    choice = {"auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "book_table"}}}[kind]
+    return {**kw, "tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
+
+
+async def first_deltas(base_url: str, rounds: int) -> dict:
+    """Milliseconds from sending each streamed request to its first delta of text or a call (see
+    the module docstring), `rounds` per kind after a first, uncounted round."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    model = (await client.models.list()).data[0].id
+    times: dict[str, list[float]] = {k: [] for k in FIRST_DELTA_KINDS}
+    first_round: dict[str, float | None] = {}
+    for r in range(rounds + 1):
+        for kind in FIRST_DELTA_KINDS:
+            t0 = time.perf_counter()
+            got = None
+            stream = await client.chat.completions.create(**first_delta_request(kind, r, model))
+            async for chunk in stream:
+                delta = chunk.choices[0].delta if chunk.choices else None
+                calls = delta is not None and bool(delta.tool_calls)
+                if calls or (delta is not None and delta.content and kind in ("plain", "auto")):
+                    got = (time.perf_counter() - t0) * 1e3
+                    break
+            await stream.close()       # the rest of the reply is not timed: cancelled
+            if r == 0:
+                first_round[kind] = None if got is None else round(got, 1)
+            elif got is not None:
+                times[kind].append(got)
+    await client.close()
+
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {"n": len(xs), "median_ms": round(statistics.median(xs), 1) if xs else None,
+                "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 1) if xs else None}
+    out = {k: stats(v) for k, v in times.items()}
+    med = {k: v["median_ms"] for k, v in out.items()}
+    ratios = {f"{k}/{base}": round(med[k] / med[base], 3) for k in ("required", "named") for base in ("plain", "auto")
+              if med[k] and med[base]}
+    return {"first_delta": out, "ratios": ratios, "first_round_ms": first_round, "rounds": rounds}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=1000, help="requests (the three kinds in turn)")
@@ -142,24 +204,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", help="a running gateway (default: serve the tiny checkpoint here)")
     p.add_argument("--device", default="cpu", help="the stages' device (without --base-url)")
     p.add_argument("--base-port", type=int, default=55051, help="first stage port (the gateway: +99)")
+    p.add_argument("--dummy", action="store_true",
+                   help="serve the released config with full-size dummy weights (without --base-url; a GPU)")
+    p.add_argument("--first-delta", type=int, metavar="ROUNDS",
+                   help="time the first delta of each kind instead (ROUNDS requests a kind, one at a time)")
     args = p.parse_args(argv)
+
+    def run(base_url: str) -> dict:
+        if args.first_delta:
+            return asyncio.run(first_deltas(base_url, args.first_delta))
+        return asyncio.run(check(base_url, args.n, args.concurrency, args.max_tokens))
     if args.base_url:
-        result = asyncio.run(check(args.base_url, args.n, args.concurrency, args.max_tokens))
+        result = run(args.base_url)
     else:
         from voxpipe.cli import LocalStack
         from voxpipe.tiny import make_tiny
 
         with tempfile.TemporaryDirectory(prefix="voxpipe-constrained-") as tmp:
-            model = make_tiny(Path(tmp), seed=0)
+            if args.dummy:
+                from voxpipe.services.runtime.config import released_config_path
+                model, extra = released_config_path(), ["--load-format", "dummy"]
+            else:
+                model, extra = make_tiny(Path(tmp), seed=0), []
             http_port = args.base_port + 99
-            stack = LocalStack(model, "127.0.0.1", args.base_port, args.device, http_port=http_port)
+            stack = LocalStack(model, "127.0.0.1", args.base_port, args.device, http_port=http_port, extra=extra)
             stack.start(timeout=400)
             try:
-                result = asyncio.run(check(f"http://127.0.0.1:{http_port}", args.n, args.concurrency, args.max_tokens))
+                result = run(f"http://127.0.0.1:{http_port}")
             finally:
                 stack.stop()
     print(json.dumps(result), flush=True)
-    return 0 if result["valid"] == result["requests"] else 1
+    return 0 if args.first_delta or result["valid"] == result["requests"] else 1
 
 
 if __name__ == "__main__":

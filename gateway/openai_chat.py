@@ -5,11 +5,11 @@ stream, `delta.audio` pieces carry the transcript and pcm16 24 kHz data as soon 
 (id and expires_at in the first). The id names the reply's transcript in later turns.
 
 With `tools` (tool_params.py), the prompt lists them and the reply's calls (tools.py) come as
-`message.tool_calls` / `delta.tool_calls` (index, id, type and name with empty arguments, then the
-arguments: with tool_choice 'auto' once the call's markup closes; with 'required' / a named function,
-whose sampling is constrained to calls, as they are written) with `finish_reason: "tool_calls"`
-("length" when max_tokens cut the reply); only the text outside the calls is `content` (and the
-transcript of an audio reply). A reply that is only calls asks nothing of the talker: no audio.
+`message.tool_calls` / `delta.tool_calls` (index, id, type and name with empty arguments as soon as
+a block's JSON names a tool, then the arguments as they are written) with `finish_reason:
+"tool_calls"` ("length" when max_tokens cut the reply); only the text outside the calls is
+`content` (and the transcript of an audio reply). The SDK's accumulation of a stream is the
+completion of the same reply. A reply that is only calls asks nothing of the talker: no audio.
 
 `stop` ends the text and the speech (matched in the thinker, services/thinker/output.py);
 `logprobs` / `top_logprobs` fill `choices[].logprobs.content` in the completion and in each

@@ -51,19 +51,19 @@ class ToolOptions:
     @property
     def calls_only(self) -> bool:
         """The reply is only calls ('required' / a named function: its sampling is constrained to
-        them): nothing in it is spoken, and its calls can stream as they are written."""
+        them): nothing in it is spoken, and it asks nothing of the talker."""
         return self.choice in ("required", "function")
 
     def parser(self) -> ToolCallParser | None:
         """The reader of a reply for calls (None: tools not offered or 'none': all of it is content);
-        incremental where the constraint makes every block a valid call (of one function when it
-        allows only one: a call's head then goes out as its block opens)."""
+        where the constraint allows one function only, a call's head goes out with the reply's
+        first token; with 'required', once the name being written begins one tool's name only."""
         if not self.parses_calls:
             return None
         only = self.function if self.choice == "function" else None
         if self.choice == "required" and len(self.tools) == 1:
             only = self.tools[0].name
-        return ToolCallParser(self.names, self.parallel, incremental=self.calls_only, only=only)
+        return ToolCallParser(self.names, self.parallel, only=only, constrained=self.calls_only)
 
 
 def _short(value: Any) -> str:

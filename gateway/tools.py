@@ -1,22 +1,34 @@
 """The thinker's reply text -> content and function calls (Hermes / Qwen style markup), for every
-API (chat completions, realtime, Converse).
+API (chat completions, realtime, Converse), streamed and whole alike (a whole reply is the same
+parser given all of the text at once: the same pieces, so the same calls, however it is split).
 
-A call is `<tool_call>` JSON `</tool_call>`, the JSON `{"name": ..., "arguments": {...}}` with a
-name among the request's tools and an object of arguments. The newline the template puts between
-text and a call (before `<tool_call>`, after `</tool_call>`) belongs to the markup. A block that
-is not such a call (invalid JSON, an unknown name, arguments not an object) stays content, as
-it was written. With `parallel=False` only the first call is kept (later ones are dropped).
+A call is a `<tool_call>` block: `<tool_call>` JSON `</tool_call>`, the JSON `{"name": ...,
+"arguments": {...}}`. The newline the template puts between text and a call (before `<tool_call>`,
+after `</tool_call>`) belongs to the markup. With `parallel=False` only the first call is kept
+(later ones are dropped: nothing of them goes out).
 
-Streaming (`ToolCallParser.push`): content goes out as soon as it cannot be the start of a call
-(a tail that may begin "\\n<tool_call>" is held back). A call goes out whole (a CallPiece) once
-its block is closed (or the reply ends), so a block that turns out not to be a call can still be
-content -- unless the parser is `incremental`, for replies whose sampling is constrained to calls
-(tool_choice 'required' / a named function: every block is a valid call): then a block commits as
-soon as it begins `{"name": "<a known name>"` (a CallStart: index, id, name), its arguments go out
-as they are written (ArgumentsDeltas: the text of the arguments' JSON value, as the model wrote
-it), and the CallPiece (`streamed=True`, its arguments those deltas joined) closes it. A block
-that does not begin so is read whole, as without `incremental`. The same text gives the same
-pieces however it is split."""
+A block is judged by its head, the way a stream must judge it (ToolCallParser.push):
+- Content goes out as soon as it cannot be the start of a call (a tail that may begin
+  "\\n<tool_call>" is held back).
+- Once a block begins `{"name": "<one of the tools>"`, it is a call (`CallStart`: index, id,
+  name go out then). Its arguments are the text of the `"arguments"` value as the model writes it,
+  out as it comes (ArgumentsDeltas), up to the value's closing brace; a tail that may begin the
+  closing markup ("\\n</tool_call>") is held back, so no markup is ever in them. The CallPiece
+  (`streamed=True`, its arguments those deltas joined) closes the call with its block.
+  A call whose JSON goes wrong after its head (the model wrote invalid JSON, or max_tokens cut it)
+  keeps its arguments as written up to the block's end: a stream has already sent them, and a
+  whole reply says the same (OpenAI's contract: arguments are the model's text, not always valid
+  JSON; the client validates them). A head without an `"arguments": {` after the name (the
+  members in another order) takes the arguments of the whole block once it closes, if it is a
+  valid call; otherwise the arguments are "".
+- A block whose head is not such a name (not JSON, another first member, a name that is not a
+  tool) is read whole at its end: a call when its JSON is one (any member order), otherwise
+  content, as it was written (vLLM's hermes parser: invalid JSON is content), never an error.
+- `constrained` (sampling constrained to calls of the tools: tool_choice 'required'): the head goes
+  out once the name being written begins one tool's name only.
+- `only` (sampling constrained to one function's calls): every block is that function's call from
+  its first character on (its head out with the reply's first token, before the model writes
+  the markup or the name)."""
 
 from __future__ import annotations
 
@@ -31,7 +43,6 @@ from voxpipe.services.thinker.prompt import ToolCall
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 LEAD = "\n"          # the template's separator between text and a call
 
-
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -45,12 +56,13 @@ class ContentPiece:
 class CallPiece:
     index: int           # among the reply's kept calls, from 0
     call: ToolCall
-    streamed: bool = False   # its CallStart and ArgumentsDeltas went out before (incremental)
+    streamed: bool = False   # its CallStart and ArgumentsDeltas went out before
 
 
 @dataclass(frozen=True)
 class CallStart:
-    """An incremental call's head: its arguments follow as ArgumentsDeltas, then its CallPiece."""
+    """A call's head, once its block is known to be a call: its arguments follow as ArgumentsDeltas,
+    then its CallPiece."""
     index: int
     id: str
     name: str
@@ -64,26 +76,31 @@ class ArgumentsDelta:
 
 ReplyPiece = ContentPiece | CallStart | ArgumentsDelta | CallPiece
 
-# an incremental block's beginning: the call object's "name" (a tool name: no escapes), then its
+# a call's head: the call object's "name" (a tool name: no escapes), then its
 # "arguments" up to the value's opening brace
 NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"')
+NAME_SO_FAR = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})$')    # the name being written
 ARGS_HEAD = re.compile(NAME_HEAD.pattern + r'\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
 @dataclass
 class _Block:
-    """An incremental block's state: its call (once committed) and how far its arguments are read."""
+    """A block's state: its call (once committed) and how far its arguments are read."""
     index: int = -1              # committed: its index among the kept calls (-1: not committed)
     id: str = ""
     name: str = ""
     dropped: bool = False        # committed, but a second call with parallel=False: nothing goes out
-    whole: bool = False          # not a call this parser can stream: read whole at its end
+    whole: bool = False          # its head is not a tool's name: read whole at its end
     pos: int = -1                # where the unread arguments begin in the body (-1: not found yet)
     args: str = ""               # the arguments' text read so far
     depth: int = 0               # JSON nesting within the arguments
     in_string: bool = False
     escape: bool = False
     complete: bool = False       # the arguments' value has closed
+
+    @property
+    def committed(self) -> bool:
+        return self.index >= 0 or self.dropped
 
     def scan(self, text: str) -> str:
         """The part of `text` (the body after `pos`) that belongs to the arguments' value."""
@@ -101,18 +118,18 @@ class _Block:
                 self.depth += 1
             elif ch in "}]":
                 self.depth -= 1
-                if self.depth == 0:
+                if self.depth <= 0:
                     self.complete = True
                     return text[:i + 1]
         return text
 
 
-def _held_tail(text: str) -> int:
-    """Length of the longest tail of `text` that may begin LEAD + OPEN (what must wait for more)."""
-    marker = LEAD + OPEN
+def _held_tail(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that may begin LEAD + tag or tag (what must wait for more)."""
+    marker = LEAD + tag
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         tail = text[-n:]
-        if marker.startswith(tail) or OPEN.startswith(tail):
+        if marker.startswith(tail) or tag.startswith(tail):
             return n
     return 0
 
@@ -132,23 +149,26 @@ def parse_call(body: str, names: Iterable[str]) -> ToolCall | None:
 
 
 class ToolCallParser:
-    """Incremental: `push(text)` and at the end `finish()` give the reply as ContentPieces and
-    CallPieces in order; `calls` are the calls kept so far."""
+    """`push(text)` as the reply comes and at the end `finish()` give the reply as ContentPieces and
+    call pieces (CallStart, ArgumentsDelta, CallPiece) in order; `calls` are the calls kept so far."""
 
-    def __init__(self, names: Iterable[str], parallel: bool = True, incremental: bool = False,
-                 only: str | None = None) -> None:
-        """`only` (incremental): the one function the constraint lets a block call (a named
-        tool_choice): each block commits as it opens, its head out before the model writes the name."""
+    def __init__(self, names: Iterable[str], parallel: bool = True, only: str | None = None,
+                 constrained: bool = False) -> None:
+        """`only`: the one function the constraint lets a block call (a named tool_choice): each
+        block commits as it opens, its head out before the model writes the name. `constrained`:
+        the sampling allows only calls of `names` (tool_choice 'required'): a block commits as soon
+        as the name written so far begins one name only."""
         self.names = frozenset(names)
         self.parallel = parallel
-        self.incremental = incremental
-        self.only = only if incremental else None
+        self.only = only
+        self.constrained = constrained
         self.calls: list[ToolCall] = []
         self._block_state = _Block()
         self._pending = ""        # text not yet given out
         self._inside = False      # within a <tool_call> block (its body is in _pending)
         self._lead = ""           # the separator dropped before the open block
         self._after_call = False  # a call just ended: a separator right after it is markup
+        self._early = False       # `only`: the next block's head went out with its first character
 
     def push(self, text: str) -> list[ReplyPiece]:
         self._pending += text
@@ -156,12 +176,12 @@ class ToolCallParser:
         while True:
             if self._inside:
                 end = self._pending.find(CLOSE)
-                if self.incremental:
-                    out += self._advance(self._pending if end < 0 else self._pending[:end])
                 if end < 0:
-                    return out
+                    body = self._pending
+                    return out + self._advance(body[:len(body) - _held_tail(body, CLOSE)])
                 body, self._pending = self._pending[:end], self._pending[end + len(CLOSE):]
                 self._inside = False
+                out += self._advance(body.removesuffix(LEAD))
                 out += self._block(body, closed=True)
                 continue
             if self._after_call:
@@ -171,8 +191,14 @@ class ToolCallParser:
                     self._pending = self._pending[len(LEAD):]
                 self._after_call = False
             start = self._pending.find(OPEN)
+            if start < 0 and self.only is not None and not self._early and self._pending \
+                    and (OPEN.startswith(self._pending) or (LEAD + OPEN).startswith(self._pending)):
+                # the grammar makes every block that function's call: the head goes out with the
+                # block's first character (a reply's first token), not once its markup is complete
+                self._block_state, self._early = _Block(), True
+                out += self._commit(self.only)
             if start < 0:
-                keep = _held_tail(self._pending)
+                keep = _held_tail(self._pending, OPEN)
                 text_out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
                 if text_out:
                     out.append(ContentPiece(text_out))
@@ -184,37 +210,51 @@ class ToolCallParser:
                 out.append(ContentPiece(before))
             self._pending = self._pending[start + len(OPEN):]
             self._inside = True
-            self._block_state = _Block()
+            if self._early:
+                self._early = False
+            else:
+                self._block_state = _Block()
+                if self.only is not None:
+                    out += self._commit(self.only)
 
     def finish(self) -> list[ReplyPiece]:
-        """The rest: an unclosed block at the end is a call when its body is one."""
+        """The rest: a block still open when the reply ends (max_tokens) ends there; a tail that
+        may begin its closing markup is markup."""
         if self._inside:
             body, self._pending, self._inside = self._pending, "", False
-            return self._block(body, closed=False)
+            return self._advance(body[:len(body) - _held_tail(body, CLOSE)]) + self._block(body, closed=False)
         rest, self._pending = self._pending, ""
+        if self._early:             # the reply ended in the markup of a call already begun
+            self._early = False
+            return self._block("", closed=False)
         return [ContentPiece(rest)] if rest else []
 
+    def _commit(self, name: str) -> list[ReplyPiece]:
+        b = self._block_state
+        b.name = name
+        if self.calls and not self.parallel:
+            b.dropped = True
+            return []
+        b.index, b.id = len(self.calls), new_call_id()
+        return [CallStart(b.index, b.id, b.name)]
+
     def _advance(self, body: str) -> list[ReplyPiece]:
-        """An incremental block's new pieces, `body` its text so far."""
+        """The block's new pieces, `body` its text so far (never shorter than the last time)."""
         b, out = self._block_state, []
         if b.whole:
             return out
-        if b.index < 0 and not b.dropped:
+        if not b.committed:
             m = NAME_HEAD.match(body)
-            if self.only is not None:
-                b.name = self.only
-            elif m is None:
-                return out
+            if m is None:
+                name = self._only_name(body) if self.constrained else None
+                if name is None:
+                    return out
+                out += self._commit(name)
             elif m.group(1) not in self.names:
                 b.whole = True
                 return out
             else:
-                b.name = m.group(1)
-            if self.calls and not self.parallel:
-                b.dropped = True
-            else:
-                b.index, b.id = len(self.calls), new_call_id()
-                out.append(CallStart(b.index, b.id, b.name))
+                out += self._commit(m.group(1))
         if b.pos < 0:
             m = ARGS_HEAD.match(body)
             if m is None:
@@ -228,18 +268,28 @@ class ToolCallParser:
                 out.append(ArgumentsDelta(b.index, text))
         return out
 
+    def _only_name(self, body: str) -> str | None:
+        """The tool whose name alone begins with the name `body` is writing (None: none yet, or more than one)."""
+        m = NAME_SO_FAR.match(body)
+        if m is None:
+            return None
+        begun = [n for n in self.names if n.startswith(m.group(1))]
+        return begun[0] if len(begun) == 1 else None
+
     def _block(self, body: str, closed: bool) -> list[ReplyPiece]:
+        """The block's last pieces, at its end (`body`: all of it, as written)."""
         b = self._block_state
-        if self.incremental and (b.index >= 0 or b.dropped):
+        if b.committed:
             self._after_call = True
             if b.dropped:
                 return []
             out: list[ReplyPiece] = []
             args = b.args
-            if not args:        # no arguments came: the call's own (or none)
-                parsed = parse_call(body, self.names)
-                args = parsed.arguments if parsed is not None else "{}"
-                out.append(ArgumentsDelta(b.index, args))
+            if b.pos < 0:       # no "arguments" right after the name: the whole block's, when it is a call
+                parsed = parse_call(body, {b.name})
+                args = parsed.arguments if parsed is not None else ""
+                if args:
+                    out.append(ArgumentsDelta(b.index, args))
             call = ToolCall(id=b.id, name=b.name, arguments=args)
             self.calls.append(call)
             return out + [CallPiece(b.index, call, streamed=True)]
@@ -260,8 +310,8 @@ class ParsedReply:
     calls: list[ToolCall]
 
 
-def parse_reply(text: str, names: Iterable[str], parallel: bool = True, incremental: bool = False) -> ParsedReply:
+def parse_reply(text: str, names: Iterable[str], parallel: bool = True) -> ParsedReply:
     """A whole reply as content (the text outside its calls) and calls."""
-    parser = ToolCallParser(names, parallel, incremental)
+    parser = ToolCallParser(names, parallel)
     pieces = parser.push(text) + parser.finish()
     return ParsedReply("".join(p.text for p in pieces if isinstance(p, ContentPiece)), parser.calls)

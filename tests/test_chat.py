@@ -440,5 +440,9 @@ def test_node_sdk_stop_logprobs_and_refusals(gateway, model, node_chat, referenc
     assert out["logprobs"] == out["text_tokens"] >= 1 and out["top"] == [2] * out["logprobs"]
     assert out["stream_logprobs"] == out["logprobs"] and out["sorted"]
     assert out["tools_stream_finish"] in ("stop", "length", "tool_calls")      # tools served, streamed
+    call = out["call"]       # the Node SDK's stream accumulation of a call is the completion's call
+    assert call["whole_finish"] == call["streamed_finish"] == "tool_calls" and call["streamed"] == call["whole"]
+    assert call["whole"][0][0] == "city" and json.loads(call["whole"][0][1])["name"] in ("Oslo", "Rome")
+    assert call["heads"] == 1 and call["first_has_name"] and call["pieces"] > 1
     assert out["refused"] == [{"status": 400, "param": "tool_choice"}, {"status": 400, "param": "response_format.json_schema.schema"},
                               {"status": 400, "param": "stop"}]

@@ -290,9 +290,13 @@ def _walk(grammars: Grammars, compiled, steps: int = 30) -> list[list[int]]:
 def test_the_grammar_cache_gives_the_uncached_grammar_on_hit_and_after_eviction(tokenizer, omni_config):
     th = omni_config.thinker
     a, b, c = (Constraint.json_schema(PROFILE), Constraint.json_schema(ORDER), tool_calls(FUNCTIONS))
-    fresh = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=0)
+    fresh = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=0, rule_cache_bytes=0)
     grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=2)
+    grammars.warm()        # the library's cache of rules' masks: b and c then partly hit what a computed
     want = {k: _walk(fresh, fresh.compile(x)) for k, x in (("a", a), ("b", b), ("c", c))}
+    # a library cache too small for a grammar (every entry evicted): the same masks again
+    tiny = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,), cache_size=0, rule_cache_bytes=1, info=fresh.info)
+    assert all(_walk(tiny, tiny.compile(x)) == want[k] for k, x in (("a", a), ("c", c), ("a", a)))
     first = grammars.compile(a)                                               # miss
     assert grammars.compile(Constraint(a.kind, json.dumps(PROFILE, indent=2))) is first   # same content: hit
     assert _walk(grammars, first) == want["a"]
@@ -303,6 +307,18 @@ def test_the_grammar_cache_gives_the_uncached_grammar_on_hit_and_after_eviction(
     assert _walk(grammars, again) == want["a"] and _walk(grammars, grammars.compile(c)) == want["c"]
     reordered = dict(reversed(list(PROFILE["properties"].items())))           # property order is content
     assert Constraint.json_schema({**PROFILE, "properties": reordered}).key() != a.key()
+
+
+def test_the_compile_bench_reports_the_goal(tiny_model_dir, capsys):
+    """bench/grammar_compile over the tiny checkpoint's tokenizer, one repeat: a row per constraint
+    and the goal's line (the tool schema's first compile, warmed, and its cached lookup)."""
+    from voxpipe.bench.grammar_compile import main
+
+    assert main(["--tokenizer", str(tiny_model_dir), "--repeats", "1", "--threads", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    goal = lines[-1]
+    assert {r["constraint"] for r in lines[1:-1]} == {"tools_required", "tools_named", "response_format"}
+    assert goal["first_compile_ms"] > 0 and goal["cached_ms"] < goal["first_compile_ms"] and goal["cores"] >= 1
 
 
 def test_concurrent_compiles_of_one_constraint_compile_once(tokenizer, omni_config):

@@ -47,7 +47,9 @@ def test_tools_and_history_are_the_prompt(channel, tokenizer, omni_config):
 def test_a_call_is_a_tool_call_message():
     p = ToolCallParser({"get_weather"})
     pieces = p.push('Ok.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>') + p.finish()
-    [msg] = tool_call_messages(pieces)
+    *deltas, msg = tool_call_messages(pieces)
+    assert deltas[0].tool_call_delta.name == "get_weather" and deltas[0].tool_call_delta.call_id == msg.tool_call.call.call_id
+    assert "".join(d.tool_call_delta.arguments_delta for d in deltas) == msg.tool_call.call.arguments_json
     assert msg.tool_call.index == 0 and msg.tool_call.call.name == "get_weather"
     assert msg.tool_call.call.call_id.startswith("call_")
     assert json.loads(msg.tool_call.call.arguments_json) == {"city": "Oslo"}

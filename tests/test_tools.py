@@ -21,7 +21,7 @@ import torch
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from voxpipe.client import PipelineClient
+from voxpipe.client import PipelineClient, TextEvent
 from voxpipe.gateway.chat_messages import parse_messages
 from voxpipe.gateway.config import GatewayConfig
 from voxpipe.gateway.generation import run_pipeline, speech_request
@@ -126,8 +126,14 @@ def test_the_parser_reads_calls_and_keeps_the_rest_as_content():
     assert json.loads(r.calls[1].arguments) == {"on": True, "room": {"name": "hall"}}
     assert all(c.id.startswith("call_") for c in r.calls) and r.calls[0].id != r.calls[1].id
     assert [c.name for c in parse_reply(f"{CALL}\n{CALL2}", names, parallel=False).calls] == ["get_weather"]
+    # a block whose JSON does not begin with a tool's name is not a call: content, as written
+    for bad in ('<tool_call>\n{"nam": "get_weather", "arguments": {}}\n</tool_call>', "<tool_call>\nhi</tool_call>"):
+        assert parse_reply(f"a\n{bad}", names) == type(r)(f"a\n{bad}", [])
+    # one that does is a call from its head on (a stream has sent it): invalid JSON after it stays in
+    # its arguments as written (OpenAI's contract: the client validates them), never in the content
     bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
-    assert parse_reply(f"a\n{bad}", names) == type(r)(f"a\n{bad}", [])                 # invalid JSON: content
+    broken = parse_reply(f"a\n{bad}", names)
+    assert broken.content == "a" and [(c.name, c.arguments) for c in broken.calls] == [("get_weather", '{"city": }')]
     unknown = CALL.replace("get_weather", "format_disk")
     assert parse_reply(unknown, names).calls == [] and parse_reply(unknown, names).content == unknown
     # an unclosed call at the end of the reply is still a call
@@ -141,16 +147,16 @@ def test_the_parser_reads_calls_and_keeps_the_rest_as_content():
     assert [c.name for c in p.calls] == ["get_weather"]
 
 
-def test_an_incremental_parser_streams_a_call_as_it_is_written():
-    """tool_choice 'required' / named (every block a valid call): the head (index, id, name) as soon
-    as the name is complete, then the arguments' text as it comes; the same pieces (but the ids)
+def test_the_parser_streams_a_call_as_it_is_written():
+    """Every tool_choice (auto, required, named): the head (index, id, name) as soon as the name is
+    complete, then the arguments' text as it comes; the same pieces (but the ids)
     however the text is split, the arguments joined equal the call's, no markup in any content."""
     names = {"get_weather", "set_light"}
     nested = '<tool_call>\n{"name": "set_light", "arguments": {"room": {"name": "a}\\"b"}, "on": true}}\n</tool_call>'
     text = f"{CALL}\n{nested}"
 
     def run(chunks, **kw):
-        p = ToolCallParser(names, incremental=True, **kw)
+        p = ToolCallParser(names, **kw)
         pieces = [x for c in chunks for x in p.push(c)] + p.finish()
         return pieces, p.calls
 
@@ -169,7 +175,7 @@ def test_an_incremental_parser_streams_a_call_as_it_is_written():
     for size in (2, 3, 7, 50):
         got = run([text[i:i + size] for i in range(0, len(text), size)])[1]
         assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in calls]
-    whole = parse_reply(text, names, incremental=True)
+    whole = parse_reply(text, names)
     assert [(c.name, c.arguments) for c in whole.calls] == [(c.name, c.arguments) for c in calls]
     # parallel=False: the second call is dropped, nothing of it goes out
     single, kept = run(list(text), parallel=False)
@@ -177,16 +183,27 @@ def test_an_incremental_parser_streams_a_call_as_it_is_written():
     # cut by max_tokens: the call so far, its arguments as written
     cut, cut_calls = run([CALL[:CALL.index("ris")]])
     assert cut_calls[0].arguments == '{"city": "Pa' and isinstance(cut[-1], CallPiece)
-    # a block that does not begin with a known name is read whole (here: content, as without incremental)
+    # a block that does not begin with a known name is read whole: nothing of it goes out before it ends
     odd = CALL.replace("get_weather", "format_disk")
-    assert parse_reply(odd, names, incremental=True) == parse_reply(odd, names)
-    # one function allowed (a named tool_choice): the head goes out as the block opens
-    named = ToolCallParser(names, incremental=True, only="get_weather")
-    assert [type(x) for x in named.push("<tool_call>")] == [CallStart]
-    rest = named.push(CALL[len("<tool_call>"):]) + named.finish()
+    odd_pieces, _ = run(list(odd))
+    assert odd_pieces == [ContentPiece(odd)]
+    # the closing markup never gets into the arguments, even where the JSON does not close
+    open_ended = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\n</tool_call>'
+    assert [c.arguments for c in run(list(open_ended))[1]] == ['{"city": "Pa']
+    assert [c.arguments for c in run([open_ended[:-4]])[1]] == ['{"city": "Pa']     # cut inside the markup
+    # sampling constrained to the tools' calls ('required'): the head once the name begun is one tool's only
+    required = ToolCallParser(names, constrained=True)
+    at = CALL2.index("set_light")
+    assert required.push(CALL2[:at]) == [] and [type(x) for x in required.push("s")] == [CallStart]    # not get_weather
+    required.push(CALL2[at + 1:])
+    assert [(c.name, c.arguments) for c in required.calls] == [("set_light", '{"on": true, "room": {"name": "hall"}}')]
+    # one function allowed (a named tool_choice): the head goes out with the reply's first character
+    named = ToolCallParser(names, only="get_weather")
+    assert [type(x) for x in named.push("<")] == [CallStart]
+    rest = named.push(CALL[1:]) + named.finish()
     assert [c.arguments for c in named.calls] == ['{"city": "Paris"}'] and isinstance(rest[-1], CallPiece)
     swapped = '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"}\n</tool_call>'
-    assert [json.loads(c.arguments) for c in parse_reply(swapped, names, incremental=True).calls] == [{"city": "Rome"}]
+    assert [json.loads(c.arguments) for c in parse_reply(swapped, names).calls] == [{"city": "Rome"}]
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +213,21 @@ def state(stack, tiny_model_dir):
                                            model_dir=str(tiny_model_dir)))
 
 
-def given_reply(state, text: str, tools: ToolOptions, stream: bool):
+async def in_pieces(events, size: int):
+    """The pipeline's events with each text split into pieces of `size` characters (a given reply
+    leaves the thinker whole; a sampled one comes a token at a time): its token ids with the first."""
+    async for ev in events:
+        if isinstance(ev, TextEvent) and len(ev.text) > size:
+            for i in range(0, len(ev.text), size):
+                yield TextEvent(ev.index, ev.token_ids if i == 0 else [], ev.text[i:i + size], ev.logprobs if i == 0 else [])
+        else:
+            yield ev
+
+
+def given_reply(state, text: str, tools: ToolOptions, stream: bool, split: int | None = None):
     """The gateway's Reply to a request whose reply is given to the thinker (`text`), as the SDK
-    reads it: a ChatCompletion, or the chunks and the SDK's accumulated completion."""
+    reads it: a ChatCompletion, or the chunks and the SDK's accumulated completion (`split`: the
+    text streamed in pieces of that many characters)."""
     prompt = render(state.tokenizer, state.omni.thinker, parse_messages(MESSAGES, None, None), tools=tools.prompt_tools)
     opts = ChatOptions(audio_out=False, voice="", audio_format="pcm16", stream=stream, include_usage=False,
                        params=GenerationParams(), tools=tools)
@@ -212,7 +241,8 @@ def given_reply(state, text: str, tools: ToolOptions, stream: bool):
         if not stream:
             return ChatCompletion.model_validate(await reply.completion())
         chunks = []
-        async for line in reply.sse(run_pipeline(state, reply.req, reply.arrived)):
+        events = run_pipeline(state, reply.req, reply.arrived)
+        async for line in reply.sse(events if split is None else in_pieces(events, split)):
             data = line.removeprefix("data: ").strip()
             if data != "[DONE]":
                 chunks.append(ChatCompletionChunk.model_validate(json.loads(data)))
@@ -224,6 +254,9 @@ def given_reply(state, text: str, tools: ToolOptions, stream: bool):
 
 
 def test_given_calls_come_back_as_tool_calls_whole_and_streamed(state):
+    """tool_choice 'auto': whole, and streamed as the calls are written (the reply's text in pieces
+    of 3 characters, as tokens come): each call's head as soon as its name is written, then its
+    arguments in pieces; the SDK's accumulation of the stream is the completion (but the ids)."""
     tools = ToolOptions(tools=tools_of(TOOLS))
     text = f"One moment.\n{CALL}\n{CALL2}"
     done = given_reply(state, text, tools, stream=False)
@@ -233,14 +266,20 @@ def test_given_calls_come_back_as_tool_calls_whole_and_streamed(state):
     assert [(c.type, c.function.name) for c in calls] == [("function", "get_weather"), ("function", "set_light")]
     assert json.loads(calls[0].function.arguments) == {"city": "Paris"} and calls[0].id.startswith("call_")
 
-    chunks, final = given_reply(state, text, tools, stream=True)
+    chunks, final = given_reply(state, text, tools, stream=True, split=3)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == "One moment."
     heads = [d.tool_calls[0] for d in deltas if d.tool_calls and d.tool_calls[0].id]
     assert [(h.index, h.type, h.function.name, h.function.arguments) for h in heads] == \
         [(0, "function", "get_weather", ""), (1, "function", "set_light", "")]
+    pieces = [d.tool_calls[0] for d in deltas if d.tool_calls and not d.tool_calls[0].id]
+    assert all(p.function.name is None for p in pieces) and all(len(p.function.arguments) <= 3 for p in pieces)
+    first = [i for i, d in enumerate(deltas) if d.tool_calls and d.tool_calls[0].index == 0]
+    assert deltas[first[0]].tool_calls[0].id and len(first) > 5      # the head, then its arguments in pieces
     msg = final.choices[0].message
     assert final.choices[0].finish_reason == "tool_calls" and msg.content == "One moment."
+    assert [(c.type, c.function.name, c.function.arguments) for c in msg.tool_calls] == \
+        [(c.type, c.function.name, c.function.arguments) for c in calls]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == \
         [("get_weather", {"city": "Paris"}), ("set_light", {"on": True, "room": {"name": "hall"}})]
 
@@ -251,11 +290,24 @@ def test_given_replies_one_call_invalid_json_and_no_tools(state):
     assert done.message.content is None and [c.function.name for c in done.message.tool_calls] == ["get_weather"]
     chunks, final = given_reply(state, f"{CALL}\n{CALL2}", tools, stream=True)
     assert [c.function.name for c in final.choices[0].message.tool_calls] == ["get_weather"]
-    bad = 'Hm <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa</tool_call>'
+    # not a call by its head: content, whole and streamed (nothing of the block went out before its end)
+    bad = 'Hm <tool_call>\n{"location": "Paris"}\n</tool_call>'
     for stream in (False, True):
-        got = given_reply(state, bad, ToolOptions(tools=tools_of(TOOLS)), stream)
+        got = given_reply(state, bad, ToolOptions(tools=tools_of(TOOLS)), stream, split=2)
         choice = (got[1] if stream else got).choices[0]
         assert choice.finish_reason == "stop" and choice.message.content == bad and not choice.message.tool_calls
+    # a call by its head whose JSON then goes wrong: the stream sent its head and arguments as they
+    # came; the completion says the same, the arguments as written, no markup in them or the content
+    broken = 'Hm <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa</tool_call>'
+    whole = given_reply(state, broken, ToolOptions(tools=tools_of(TOOLS)), stream=False).choices[0]
+    chunks, final = given_reply(state, broken, ToolOptions(tools=tools_of(TOOLS)), stream=True, split=2)
+    fragments = [c.choices[0].delta.tool_calls[0].function.arguments for c in chunks
+                 if c.choices and c.choices[0].delta.tool_calls]
+    assert len(fragments) > 3 and not any("<" in f for f in fragments)
+    for choice in (whole, final.choices[0]):
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Hm "
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+            [("get_weather", '{"city": "Pa')]
     # tool_choice 'none': the markup is plain content
     none = ToolOptions(tools=tools_of(TOOLS), choice="none")
     choice = given_reply(state, CALL, none, stream=False).choices[0]
@@ -518,6 +570,17 @@ def test_the_constrained_check_passes_on_a_few_requests(gateway):
 
     result = asyncio.run(check(gateway.base_url, n=3, concurrency=3, max_tokens=512))
     assert result["valid"] == result["requests"] == 3, result
+
+
+def test_the_first_delta_bench_times_every_kind(gateway):
+    """bench/constrained_check --first-delta at one round (its runs are a bench: bench/RESULTS.md):
+    plain, auto, required and named streamed replies each give a first delta (named and required: a
+    `delta.tool_calls` head) and the ratios to plain."""
+    from voxpipe.bench.constrained_check import FIRST_DELTA_KINDS, first_deltas
+
+    result = asyncio.run(first_deltas(gateway.base_url, rounds=1))
+    assert all(result["first_delta"][k]["n"] == 1 for k in FIRST_DELTA_KINDS), result
+    assert set(result["ratios"]) == {"required/plain", "required/auto", "named/plain", "named/auto"}
 
 
 def test_a_spoken_stream_that_is_only_a_call_is_admitted_without_the_talker(state, stack):

@@ -8,7 +8,11 @@ matcher per constrained row.
   only once the reply is complete.
 - `Grammars.compile`: thread-safe, for the server's compile pool (never the engine thread); a
   bounded LRU keyed by `Constraint.key()` (the hash of the canonical constraint). A constraint that
-  does not compile raises GrammarError (a ValueError) naming it.
+  does not compile raises GrammarError (a ValueError) naming it. A compile's cost is the library's
+  pass over the vocabulary for each grammar position; its compiler keeps the token masks of rules it
+  has seen (bounded: RULE_CACHE_BYTES), so the rules every JSON grammar shares (strings, numbers,
+  objects, the tool-call markup) are computed once a process, by `warm` at start-up, and a new
+  constraint pays only for its own positions (bench/grammar_compile.py).
 - `Matcher`: one request's state; `fill` writes its row of a step's bitmask [n, words] int32 (bit t
   of word t // 32: token t allowed), `accept` advances by the sampled token, `done` once it accepted
   a stop token. Whitespace in JSON is bounded, so that a weak model cannot loop on spaces or newlines
@@ -27,11 +31,12 @@ from concurrent.futures import Future
 import torch
 import xgrammar as xgr
 
-from .constraint import Constraint, ConstraintKind
+from .constraint import Constraint, ConstraintKind, tool_calls
 from .output import TokenBytes
 
 CACHE_SIZE = 256           # compiled grammars kept (LRU)
 COMPILE_THREADS = min(8, os.cpu_count() or 1)    # the library's own threads per compile
+RULE_CACHE_BYTES = 256 << 20   # the library compiler's cache (its rules' token masks and grammars)
 MAX_TAG_WHITESPACE = 1     # consecutive whitespace characters in a structural tag's JSON
 
 
@@ -54,13 +59,19 @@ class Grammars:
     """The thinker's grammar compiler over its vocabulary, with a bounded cache of compiled grammars."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: tuple[int, ...], cache_size: int = CACHE_SIZE,
-                 threads: int = COMPILE_THREADS, info: xgr.TokenizerInfo | None = None) -> None:
+                 threads: int = COMPILE_THREADS, info: xgr.TokenizerInfo | None = None,
+                 rule_cache_bytes: int | None = None) -> None:
         """`threads`: the library's threads per compile. `info`: the vocabulary as the library sees
-        it, when already made for this tokenizer (`self.info` of another Grammars: it takes seconds)."""
+        it, when already made for this tokenizer (`self.info` of another Grammars: it takes seconds).
+        `rule_cache_bytes`: the library compiler's cache bound (None: RULE_CACHE_BYTES; 0: no
+        cache, every rule computed anew)."""
+        if rule_cache_bytes is None:
+            rule_cache_bytes = RULE_CACHE_BYTES
         self.vocab_size, self.stop_ids = vocab_size, stop_ids
         self.info = info or xgr.TokenizerInfo(vocabulary_bytes(tokenizer, vocab_size), xgr.VocabType.RAW,
                                               vocab_size=vocab_size, stop_token_ids=list(stop_ids))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=rule_cache_bytes > 0,
+                                            cache_limit_bytes=rule_cache_bytes if rule_cache_bytes > 0 else -1)
         self.cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self.cache_size = cache_size
         self.lock = threading.Lock()
@@ -112,6 +123,13 @@ class Grammars:
         except (RuntimeError, ValueError) as e:
             raise GrammarError(f"constraint.{c.kind.value} does not compile: {_first_line(e)}") from None
 
+    def warm(self) -> None:
+        """Compile what every JSON constraint shares, so that its rules' masks are in the library's
+        cache before a first request (start-up, in the compile pool): JSON of every type, and a
+        tool-call block over it. Not put in the LRU (no request's constraint)."""
+        for c in WARM_CONSTRAINTS:
+            self.compiler.compile_grammar(check(c))
+
     def matcher(self, compiled: xgr.CompiledGrammar) -> "Matcher":
         return Matcher(xgr.GrammarMatcher(compiled))
 
@@ -157,6 +175,13 @@ def check(c: Constraint) -> xgr.Grammar:
         raise GrammarError(f"{name} is not valid JSON: {_first_line(e)}") from None
     except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as e:
         raise GrammarError(f"{name} does not compile: {_first_line(e)}") from None
+
+
+_ANY_JSON = {"type": "object", "properties": {
+    "s": {"type": "string"}, "n": {"type": "number"}, "i": {"type": "integer"}, "b": {"type": "boolean"},
+    "z": {"type": "null"}, "a": {"type": "array", "items": {"type": "string"}}, "o": {"type": "object"}}}
+WARM_CONSTRAINTS = (Constraint(ConstraintKind.JSON_OBJECT), Constraint.json_schema(_ANY_JSON),
+                    tool_calls([{"name": "f", "parameters": _ANY_JSON}]))
 
 
 _BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()    # [256, 8]: a byte's bits, lowest first

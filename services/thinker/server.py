@@ -59,7 +59,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
         self.talker = talker      # the talker replicas spoken replies go to (--talker); None: text only
         # constraints compile here (grammar.py), off the engine thread and the event loop
         self.compile_pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="thinker-grammar")
-        self.compile_pool.submit(lambda: engine.grammars)     # the vocabulary's bytes, ready before a first constraint
+        # the vocabulary's bytes and the rules every JSON constraint shares, ready before a first constraint
+        self.compile_pool.submit(lambda: engine.grammars.warm())
         self.turns = StreamedTurns(self)      # ThinkerStart.stream_audio (turns.py)
 
     def merge(self, first: object, then: object) -> TextOut | None:

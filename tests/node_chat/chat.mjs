@@ -1,10 +1,12 @@
 // Chat completions through the OpenAI Node SDK, unchanged: stop and logprobs whole and streamed,
-// then parameters the gateway refuses (each must be a 400 naming the parameter).
+// tools streamed (auto, and a required call accumulated by the SDK's stream helper), then
+// parameters the gateway refuses (each must be a 400 naming the parameter).
 //
 //   node chat.mjs http://127.0.0.1:8000/v1 MODEL "prompt" MAX_TOKENS STOP
 //
 // Prints one JSON line: {text, finish, text_tokens, logprobs, top, sorted, stream_text,
-// stream_finish, stream_logprobs, refused: [{status, param}]}; exits 1 on an unexpected error.
+// stream_finish, stream_logprobs, tools_stream_finish, call: {whole, streamed, ...}, refused: [{status, param}]};
+// exits 1 on an unexpected error.
 import OpenAI from 'openai';
 
 const [baseURL, model, prompt, maxTokens, stop] = process.argv.slice(2);
@@ -44,6 +46,22 @@ for await (const chunk of toolStream) {
     if (c.finish_reason) out.tools_stream_finish = c.finish_reason;
   }
 }
+// a required call (sampling constrained to it), whole and streamed: the stream helper's accumulated
+// tool_calls equal the completion's (same seed: the same tokens), the head first, then argument pieces
+const city = { type: 'function', function: { name: 'city', parameters: { type: 'object', properties: {
+  name: { enum: ['Oslo', 'Rome'] } }, required: ['name'], additionalProperties: false } } };
+const callParams = { ...base, tools: [city], tool_choice: 'required', parallel_tool_calls: false, temperature: 1,
+                     seed: 3, max_tokens: 120 };
+const calls = (c) => c.choices[0].message.tool_calls.map((t) => [t.function.name, t.function.arguments]);
+const wholeCall = await client.chat.completions.create(callParams);
+const callStream = client.chat.completions.stream(callParams);
+const deltas = [];
+callStream.on('chunk', (chunk) => { for (const c of chunk.choices) for (const t of c.delta.tool_calls ?? []) deltas.push(t); });
+const streamedCall = await callStream.finalChatCompletion();
+out.call = { whole: calls(wholeCall), streamed: calls(streamedCall), whole_finish: wholeCall.choices[0].finish_reason,
+             streamed_finish: streamedCall.choices[0].finish_reason, heads: deltas.filter((t) => t.id).length,
+             pieces: deltas.filter((t) => !t.id).length, first_has_name: Boolean(deltas[0]?.function?.name) };
+
 for (const extra of [{ tools, tool_choice: { type: 'function', function: { name: 'g' } } },
                      { response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'nope' } } } },
                      { stop: ['a', 'b', 'c', 'd', 'e'] }]) {
