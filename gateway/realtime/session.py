@@ -430,6 +430,13 @@ class InputAudioBuffer:
         self.start = end
         return clip
 
+    def peek(self, start: int, end: int) -> np.ndarray:
+        """The samples in [start, end) of the timeline (clamped to what is buffered), left in the buffer."""
+        start, end = min(max(start, self.start), self.end), min(max(end, self.start), self.end)
+        if end <= start:
+            return np.zeros(0, np.float32)
+        return self._all()[start - self.start:end - self.start]
+
     def drop_before(self, position: int) -> None:
         """Forget audio older than `position` (while no speech is going on)."""
         if position > self.start:

