@@ -149,3 +149,126 @@ def test_a_server_vad_turn_streamed_equals_the_whole_in_the_beta_dialect(gateway
     assert streamed(gateway, "streamed") == before[0] + 1
     assert metric(gateway, "voxpipe_gateway_realtime_ttfp_seconds_count", since="speech_stopped") == before[1] + 1
     assert_stages_idle(stack)
+
+
+def wait_for(predicate, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_cleared_buffer_and_a_session_closed_mid_utterance_free_the_thinker(gateway, stack, tokenizer, omni_config,
+                                                                              model, features):
+    """The stream opens with the first append; `input_audio_buffer.clear` cancels it (the next audio
+    is a new turn, answered as the whole clip is), and so does closing the session mid-utterance."""
+    first, second = noise(2.0, seed=1), noise(1.2, seed=2)
+    cancelled = streamed(gateway, "cancelled")
+
+    async def go():
+        events = []
+        async with sdk(gateway).realtime.connect(model=model) as conn:
+            await conn.session.update(session={**MANUAL, "max_audio_frames": FRAMES})
+            await collect(conn, "session.updated", events)
+            await append(conn, first, 100)
+            await asyncio.to_thread(wait_for, lambda: active_streams(stack)["thinker"] == 1)   # the pending turn
+            await conn.input_audio_buffer.clear()
+            await collect(conn, "input_audio_buffer.cleared", events)
+            await asyncio.to_thread(wait_for, lambda: active_streams(stack)["thinker"] == 0)
+            await append(conn, second, 100)
+            await conn.input_audio_buffer.commit()
+            await conn.response.create(response=REPLY)
+            await collect(conn, "response.done", events)
+        async with sdk(gateway).realtime.connect(model=model) as conn:     # closed mid-utterance
+            await conn.session.update(session=MANUAL)
+            await append(conn, first, 500)
+            await asyncio.to_thread(wait_for, lambda: active_streams(stack)["thinker"] == 1)
+        return events
+
+    events = asyncio.run(go())
+    assert_reply(events, stack, tokenizer, omni_config, [ChatMessage("user", [ChatPart(features=features(pcm16(second)))])])
+    assert_stages_idle(stack)
+    wait_for(lambda: streamed(gateway, "cancelled") == cancelled + 2)
+
+
+def test_a_barge_in_cancels_the_reply_and_the_new_turn_is_streamed(gateway, stack, tokenizer, omni_config, model,
+                                                                   features):
+    words = speech("Wait, stop, I have a question.")
+    audio = np.concatenate([words, np.zeros(RATE, np.float32)])
+    before = streamed(gateway, "streamed")
+
+    async def go():
+        events = []
+        async with sdk(gateway).realtime.connect(model=model) as conn:
+            await conn.session.update(session={"type": "realtime", "temperature": 0, "max_audio_frames": FRAMES,
+                                               "max_output_tokens": 3,
+                                               "audio": {"input": {"turn_detection": {"type": "server_vad"}}}})
+            await collect(conn, "session.updated", events)
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Talk a while."}]})
+            await conn.response.create(response={"max_output_tokens": 8, "ignore_eos": True, "max_audio_frames": 60})
+            await collect(conn, "response.output_audio.delta", events)
+            await append(conn, audio, 20)
+            await collect(conn, "conversation.item.truncated", events)     # after the cancelled reply's done
+            await collect(conn, "response.done", events)      # the reply to the interruption
+            reply_id = next(e for e in events if e.type == "response.created").response.id
+            first = next(e for e in events if e.type == "response.output_item.added" and e.response_id == reply_id)
+            await conn.conversation.item.retrieve(item_id=first.item.id)
+            await collect(conn, "conversation.item.retrieved", events)
+            return events
+
+    events = asyncio.run(go())
+    done = [e.response for e in events if e.type == "response.done"]
+    assert done[0].status == "cancelled" and done[0].status_details.reason == "turn_detected"
+    kept = events[-1].item.content[0].transcript
+    started = next(e for e in events if e.type == "input_audio_buffer.speech_started")
+    stopped = next(e for e in events if e.type == "input_audio_buffer.speech_stopped")
+    clip = pcm16(audio)[started.audio_start_ms * RATE // 1000:stopped.audio_end_ms * RATE // 1000]
+    messages = [ChatMessage.text("user", "Talk a while."), *([ChatMessage.text("assistant", kept)] if kept else []),
+                ChatMessage("user", [ChatPart(features=features(clip))])]
+    assert_reply(events[:-1], stack, tokenizer, omni_config, messages)
+    assert streamed(gateway, "streamed") == before + 1
+    assert_stages_idle(stack)
+
+
+def test_a_conversation_changed_mid_utterance_is_streamed_again_or_sent_whole(gateway, stack, tokenizer, omni_config,
+                                                                             model, features):
+    """An item created while the user speaks: the stream is opened again after it at the next append
+    (streamed); one created after the last append: the turn is sent whole (redone). Both replies are
+    the whole prompt's."""
+    one, two = noise(1.6, seed=3), noise(1.4, seed=4)
+    before = streamed(gateway, "streamed"), streamed(gateway, "redone")
+
+    def text_item(text: str) -> dict:
+        return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+    async def go():
+        events = []
+        async with sdk(gateway).realtime.connect(model=model) as conn:
+            await conn.session.update(session={**MANUAL, "max_audio_frames": FRAMES})
+            await collect(conn, "session.updated", events)
+            await append(conn, one[:RATE // 2], 100)
+            await conn.conversation.item.create(item=text_item("Listen."))
+            await collect(conn, "conversation.item.done", events)
+            await append(conn, one[RATE // 2:], 100)
+            await conn.input_audio_buffer.commit()
+            await conn.response.create(response=REPLY)
+            await collect(conn, "response.done", events)
+            first = reply(events)
+            await append(conn, two, 200)
+            await conn.conversation.item.create(item=text_item("And this?"))
+            await collect(conn, "conversation.item.done", events)
+            await conn.input_audio_buffer.commit()
+            await conn.response.create(response=REPLY)
+            await collect(conn, "response.done", events)
+            return first, events
+
+    first, events = asyncio.run(go())
+    turn1 = [ChatMessage.text("user", "Listen."), ChatMessage("user", [ChatPart(features=features(pcm16(one)))])]
+    ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, turn1, max_tokens=3, max_frames=FRAMES)
+    assert first[0] == ref_text and np.array_equal(first[1], ref_pcm)
+    turn2 = turn1 + [*([ChatMessage.text("assistant", first[0])] if first[0] else []), ChatMessage.text("user", "And this?"),
+                     ChatMessage("user", [ChatPart(features=features(pcm16(two)))])]
+    assert_reply(events, stack, tokenizer, omni_config, turn2)
+    assert (streamed(gateway, "streamed"), streamed(gateway, "redone")) == (before[0] + 1, before[1] + 1)
+    assert_stages_idle(stack)
