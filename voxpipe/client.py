@@ -32,7 +32,7 @@ from opentelemetry.trace import SpanKind
 from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.affinity import RouteKey, content_digest, prompt_key
 from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica
-from voxpipe.services.runtime.calls import context_exceeded, failed_stage
+from voxpipe.services.runtime.calls import SESSION_METADATA, context_exceeded, failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
 from voxpipe.services.runtime.tls import ClientTLS
@@ -78,7 +78,8 @@ class SpeechRequest:
     echo_frames: bool = False                 # debug: also the codec frames code2wav received (FramesEvent)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # routing only: the requests of one session (a realtime conversation) prefer the thinker replica
-    # of its previous one (services.runtime.affinity); None: by the prompt's prefix alone
+    # of its previous one, and that thinker the talker replica of its previous one (services.runtime
+    # .affinity; sent as calls.SESSION_METADATA, at most 128 characters); None: by the prompt's prefix alone
     session: str | None = None
 
     def sampling(self) -> pb.Sampling:
@@ -175,6 +176,11 @@ class PipelineError(RuntimeError):
         self.context = context
 
 
+def session_metadata(session: str | None) -> tuple[tuple[str, str], ...]:
+    """A thinker call's session header: the thinker then picks the session's talker replica too."""
+    return () if session is None else ((SESSION_METADATA, session),)
+
+
 def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
     if chunk.encoding == pb.AUDIO_FLOAT32:
         return np.frombuffer(chunk.data, dtype="<f4").astype(np.float32)
@@ -220,8 +226,9 @@ class AudioTurn:
         def on_replica(replica: Replica) -> None:
             self.replica = replica.address
 
+        md = tuple(client.metadata) + session_metadata(self.session)
         self.stream = BalancedStream(client.thinker, lambda channel: pb_grpc.ThinkerStub(channel).Generate(
-            metadata=tuple(client.metadata)), on_replica, key)
+            metadata=md), on_replica, key)
         try:
             await self.stream.open()
         except BaseException as e:
@@ -420,6 +427,7 @@ class PipelineClient:
 
         async def open_thinker() -> BalancedStream:
             span, md = client_span("thinker", "Generate")
+            md += session_metadata(req.session)
             key = await self.route_key(req)
 
             def on_replica(replica: Replica) -> None:       # each attempt's (a refused stream moves)
