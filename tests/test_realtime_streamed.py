@@ -272,3 +272,18 @@ def test_a_conversation_changed_mid_utterance_is_streamed_again_or_sent_whole(ga
     assert_reply(events, stack, tokenizer, omni_config, turn2)
     assert (streamed(gateway, "streamed"), streamed(gateway, "redone")) == (before[0] + 1, before[1] + 1)
     assert_stages_idle(stack)
+
+
+def test_the_buffer_peeks_any_span_of_its_chunks_without_taking_it():
+    from voxpipe.gateway.realtime.session import InputAudioBuffer
+
+    buf, parts = InputAudioBuffer(), [noise(n / RATE, seed=n) for n in (5, 0, 7, 3, 11)]
+    for p in parts:
+        buf.append(p)
+    whole = np.concatenate(parts)
+    buf.take(end=4)
+    for start in range(-2, 29):
+        for end in range(-2, 29):
+            lo, hi = min(max(start, 4), 26), min(max(end, 4), 26)
+            assert np.array_equal(buf.peek(start, end), whole[lo:max(lo, hi)]), (start, end)
+    assert buf.size == 22

@@ -311,7 +311,7 @@ class RealtimeConnection:
         if heard.stale and not last:
             await self._open_turn(heard)
         if upto > heard.fed or last:
-            await heard.feed(self.buffer.peek(heard.fed, upto).copy(), last)
+            await heard.feed(self.buffer.peek(heard.fed, upto), last)
 
     def _conversation_changed(self) -> None:
         if self.heard is not None and self.heard.features is None:
