@@ -287,3 +287,38 @@ def test_the_buffer_peeks_any_span_of_its_chunks_without_taking_it():
             lo, hi = min(max(start, 4), 26), min(max(end, 4), 26)
             assert np.array_equal(buf.peek(start, end), whole[lo:max(lo, hi)]), (start, end)
     assert buf.size == 22
+
+
+def test_a_commit_whose_prompt_does_not_continue_the_turn_is_refused_and_frees_it(stack, tokenizer, omni_config,
+                                                                                  tiny_model_dir, features):
+    """PipelineClient.stream(req, turn=...) with a prompt that does not begin with the turn's
+    conversation fails that request (nothing is generated) and the thinker frees the turn."""
+    from voxpipe.client import PipelineClient, PipelineError, SpeechRequest
+    from voxpipe.services.thinker.log_mel import LogMelStream
+    from voxpipe.services.thinker.prompt import render
+    from voxpipe.services.thinker.streamed import around_last_clip
+
+    clip = features(noise(1.0, seed=9))
+    prompt = render(tokenizer, omni_config.thinker, [ChatMessage("user", [ChatPart(features=clip)])])
+    head, _ = around_last_clip(prompt.token_ids, omni_config.thinker.tokens.audio_token)
+    other = render(tokenizer, omni_config.thinker, [ChatMessage.text("system", "Other."),
+                                                    ChatMessage("user", [ChatPart(features=clip)])])
+    mel = LogMelStream(FeatureExtractor.for_model(tiny_model_dir).fe.mel_filters)
+
+    async def go():
+        async with PipelineClient(stack.address("thinker"), stack.address("code2wav"),
+                                  audio_token=omni_config.thinker.tokens.audio_token) as pc:
+            turn = pc.open_turn(head, [])
+            turn.hear(mel.push(noise(1.0, seed=9)[:16000]))
+            await asyncio.to_thread(wait_for, lambda: active_streams(stack)["thinker"] == 1)
+            req = SpeechRequest(token_ids=other.token_ids, audio_features=other.audio_features, audio=False,
+                                max_tokens=2)
+            with pytest.raises(PipelineError) as e:
+                async for _ in pc.stream(req, turn=turn):
+                    pass
+            await turn.close()
+            return e.value
+
+    error = asyncio.run(go())
+    assert error.stage == "thinker" and "does not continue the streamed turn's conversation" in error.details
+    assert_stages_idle(stack)

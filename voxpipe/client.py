@@ -353,9 +353,11 @@ class PipelineClient:
         """`metadata`: extra gRPC metadata for the calls. `context`: the OpenTelemetry context to trace
         under (default: the current one): the thinker call and the code2wav Listen call are CLIENT
         spans of it, carried on as W3C `traceparent` (the stages chain their own calls under them).
-        `turn`: `req` commits that streamed turn (all of its clip heard) instead of opening a thinker call: req.token_ids must be the turn's token ids, the clip's placeholders,
-        then the rest of the prompt, and req.audio_features the turn's clips then the clip's features
-        (the caller checked; the thinker checks the placeholders' count)."""
+        `turn`: `req` commits that streamed turn (all of its clip heard) instead of opening a thinker
+        call: req.token_ids must be the turn's token ids, the clip's placeholders, then the rest of the
+        prompt, and req.audio_features the turn's clips then the clip's features (the caller checked;
+        the thinker checks the placeholders' count). A turn that failed before its commit (its
+        replica went away, say) is not used: `req` goes whole."""
         parent = context if context is not None else otel_context.get_current()
         if req.audio and self.code2wav is None:
             raise ValueError("audio output needs code2wav addresses")
@@ -426,6 +428,8 @@ class PipelineClient:
                     span.end()
 
         async def open_thinker() -> BalancedStream:
+            if turn is not None:        # the turn failed before its commit: the request goes whole
+                start.audio_features.extend(to_proto(f.float()) for f in req.audio_features)
             span, md = client_span("thinker", "Generate")
             md += session_metadata(req.session)
             key = await self.route_key(req)
@@ -472,7 +476,7 @@ class PipelineClient:
             return stream
 
         async def run_thinker() -> None:
-            stream = await (open_thinker() if turn is None else commit_turn())
+            stream = await (commit_turn() if turn is not None and turn.usable else open_thinker())
             async for resp in stream:
                 kind = resp.WhichOneof("kind")
                 self.received["thinker", kind] += 1
