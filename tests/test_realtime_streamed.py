@@ -322,3 +322,27 @@ def test_a_commit_whose_prompt_does_not_continue_the_turn_is_refused_and_frees_i
     error = asyncio.run(go())
     assert error.stage == "thinker" and "does not continue the streamed turn's conversation" in error.details
     assert_stages_idle(stack)
+
+
+def test_a_turn_the_thinker_refused_before_its_commit_is_sent_whole(stack, tokenizer, omni_config, features):
+    """A turn whose call ended before its commit (here: its start refused) is not committed: the
+    request goes whole and answers as it would have without the turn."""
+    from voxpipe.client import PipelineClient, SpeechRequest
+    from voxpipe.services.thinker.prompt import render
+
+    prompt = render(tokenizer, omni_config.thinker, [ChatMessage("user", [ChatPart(features=features(noise(1.0, 8)))])])
+    req = SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, audio=False, max_tokens=2)
+
+    async def go():
+        async with PipelineClient(stack.address("thinker"), stack.address("code2wav"),
+                                  audio_token=omni_config.thinker.tokens.audio_token) as pc:
+            turn = pc.open_turn([omni_config.thinker.text.vocab_size + 5], [])     # refused: not a token id
+            await asyncio.to_thread(wait_for, lambda: not turn.usable)
+            plain = await pc.collect(req)
+            got = [ev async for ev in pc.stream(req, turn=turn)]
+            await turn.close()
+            return plain, got
+
+    plain, got = asyncio.run(go())
+    assert [i for ev in got if hasattr(ev, "token_ids") for i in ev.token_ids] == plain.text_ids
+    assert_stages_idle(stack)

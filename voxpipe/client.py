@@ -209,8 +209,9 @@ class AudioTurn:
 
     @property
     def usable(self) -> bool:
-        """Not closed, not committed, and nothing failed so far on the caller's side."""
-        return not (self._closed or self._committed or self._task.done())
+        """Not closed, not committed, and nothing failed so far (the writer runs, the call is open)."""
+        return not (self._closed or self._committed or self._task.done()
+                    or (self.stream is not None and self.stream.ended))
 
     def hear(self, raw: torch.Tensor) -> None:
         """More raw log-mel frames [num_mel_bins, k] float32 of the clip, in order."""
