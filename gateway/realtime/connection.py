@@ -2,7 +2,8 @@
 Realtime protocol (GA event names; the beta names with the `OpenAI-Beta: realtime=v1` header).
 
 One connection is one session: its settings, its conversation, its input audio buffer with
-server VAD, at most one response at a time, and a bounded send queue drained by its own task.
+server VAD, the utterance being heard (streamed to a thinker while it is spoken: heard.py), at most
+one response at a time, and a bounded send queue drained by its own task.
 Each concurrent session holds a slot of the gateway's SessionLimiter while it is open. A response
 run (response.py) and the transcriber (transcription.py) are given what they may use of the
 session, a ResponseContext / TranscriptionContext, not the connection."""
@@ -287,7 +288,8 @@ class RealtimeConnection:
             prefix = await self._turn_prefix()
         except (APIError, ProtocolError) as e:       # not streamed: the response says what is wrong
             log.debug("realtime session %s: the turn is not streamed (%s)", self.session.id, e)
-            heard.prefix = None
+            heard.prefix, heard.stale = None, False
+            await heard.close()
             return
         if heard is self.heard and not same_prefix(heard.prefix, prefix):
             await heard.close()
