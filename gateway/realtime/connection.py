@@ -313,7 +313,11 @@ class RealtimeConnection:
         if heard.stale and not last:
             await self._open_turn(heard)
         if upto > heard.fed or last:
-            await heard.feed(self.buffer.peek(heard.fed, upto), last)
+            try:
+                await heard.feed(self.buffer.peek(heard.fed, upto), last)
+            except Exception:     # a bug here must not fail the turn: it is featurized whole at the commit
+                log.exception("realtime session %s: hearing the utterance failed; it goes whole", self.session.id)
+                await self._drop_turn()
 
     def _conversation_changed(self) -> None:
         if self.heard is not None and self.heard.features is None:
@@ -346,7 +350,7 @@ class RealtimeConnection:
             await self._drop_turn()
             return None
         await self._hear(end, last=True)
-        return heard.features
+        return heard.features if heard is self.heard else None
 
     async def _speech_started(self, ev: SpeechStarted) -> None:
         params = self.vad.params
