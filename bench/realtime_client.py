@@ -88,16 +88,21 @@ class RealtimeStream:
 
 
     async def _speak(self, ws, pcm16: bytes) -> None:
-        """Append the clip: each piece once it has been spoken (at `pace` times real time)."""
-        seconds = PACED_APPEND_SECONDS if self.pace else APPEND_SECONDS
-        step = int(seconds * REALTIME_RATE) * 2
-        began = time.perf_counter()
-        for at in range(0, len(pcm16), step):
-            chunk = pcm16[at:at + step]
-            if self.pace:
-                spoken = (at + len(chunk)) / 2 / REALTIME_RATE / self.pace
-                await asyncio.sleep(max(0.0, began + spoken - time.perf_counter()))
-            await _send(ws, "input_audio_buffer.append", audio=base64.b64encode(chunk).decode("ascii"))
+        await speak(ws, pcm16, self.pace)
+
+
+async def speak(ws, pcm16: bytes, pace: float) -> None:
+    """Append a clip (24 kHz pcm16): each piece once it has been spoken at `pace` times real time
+    (0: a second at a time, at once)."""
+    seconds = PACED_APPEND_SECONDS if pace else APPEND_SECONDS
+    step = int(seconds * REALTIME_RATE) * 2
+    began = time.perf_counter()
+    for at in range(0, len(pcm16), step):
+        chunk = pcm16[at:at + step]
+        if pace:
+            spoken = (at + len(chunk)) / 2 / REALTIME_RATE / pace
+            await asyncio.sleep(max(0.0, began + spoken - time.perf_counter()))
+        await _send(ws, "input_audio_buffer.append", audio=base64.b64encode(chunk).decode("ascii"))
 
 
 async def _send(ws, kind: str, **body: Any) -> None:

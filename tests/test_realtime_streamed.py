@@ -8,6 +8,7 @@ buffer and a session closed mid-utterance free everything in the stages."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.request
@@ -346,3 +347,16 @@ def test_a_turn_the_thinker_refused_before_its_commit_is_sent_whole(stack, token
     plain, got = asyncio.run(go())
     assert [i for ev in got if hasattr(ev, "token_ids") for i in ev.token_ids] == plain.text_ids
     assert_stages_idle(stack)
+
+
+def test_the_realtime_session_bench_times_each_turn_from_the_commit(gateway, capsys):
+    """bench/realtime_session.py (the 40-turn voice goal's measurement) at small size."""
+    from voxpipe.bench import realtime_session
+
+    args = realtime_session.parse_args(["--gateway", gateway.base_url, "--turns", "2", "--pace", "0",
+                                        "--text-tokens", "2", "--frames", "4"])
+    summary = asyncio.run(realtime_session.main(args))
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["turn"] for r in rows] == [0, 1] and rows[1]["input_tokens"] > rows[0]["input_tokens"]
+    assert summary["streamed_turns"] == 2 and 0 < summary["prefilled_before_commit"] <= 1
+    assert summary["without_audio"] == 0 and 0 < summary["ttfp_ms"]["p50"] <= summary["ttfp_ms"]["max"]
