@@ -100,7 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "(default: bench/data/voice-in.wav, 5.7 s of espeak-ng speech at 16 kHz)")
     p.add_argument("--realtime-audio", action="store_true",
                    help="realtime: the user turn is the voice clip (input_audio_buffer.append + commit) instead "
-                        "of the text prompt")
+                        "of the text prompt; TTFP is then timed from the commit (the end of speech)")
+    p.add_argument("--realtime-pace", type=live._non_negative, default=1.0,
+                   help="--realtime-audio: append the clip at this many times real time, as it is spoken "
+                        "(default 1; 0: all at once)")
     p.add_argument("--prompt-tokens", type=int, default=0, help="override the workloads' text prompt length")
     p.add_argument("--text-tokens", type=int, default=0, help="override the workloads' forced text tokens")
     p.add_argument("--frames", type=int, default=0, help="override the workloads' forced codec frames")

@@ -33,7 +33,7 @@ STAGES = ("thinker", "talker", "code2wav")
 def workloads_from(args) -> list[Workload]:
     """The named workloads with any of --prompt-tokens / --text-tokens / --frames / --realtime-audio applied."""
     return [WORKLOADS[n].with_overrides(args.prompt_tokens, args.text_tokens, args.frames, args.realtime_audio,
-                                        args.temperature) for n in args.workload]
+                                        args.temperature, realtime_pace=args.realtime_pace) for n in args.workload]
 
 
 def levels_of(args, wl: Workload) -> list[int]:
@@ -324,7 +324,7 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
                     if wl.live:
                         info["live"] = await run_live(args, wl, maker, base_url, _served_model(http_port), plan)
                     elif mode == "gateway" and wl.realtime:
-                        client = RealtimeStream(base_url, _served_model(http_port))
+                        client = RealtimeStream(base_url, _served_model(http_port), pace=wl.realtime_pace)
                         out += await _levels(client, maker.realtime, args, wl, mode, scrape, spans)
                     elif mode == "gateway":
                         client = GatewayStream(base_url + "/v1", _served_model(http_port))
@@ -361,7 +361,8 @@ async def run_live(args, wl: Workload, maker: RequestMaker, base_url: str, model
     runs = []
     for client in settings.clients:
         if client == "realtime":
-            runs.append(await live.run_client(client, RealtimeStream(base_url, model), maker.realtime, settings))
+            runs.append(await live.run_client(client, RealtimeStream(base_url, model, pace=wl.realtime_pace),
+                                              maker.realtime, settings))
             continue
         sse = GatewayStream(base_url + "/v1", model)
         try:

@@ -1,11 +1,16 @@
 """The benchmark's realtime client: one WebSocket session per request against the gateway's OpenAI
-Realtime API (GA event names), turned into the events the other clients yield. The request's clock
-starts at response.create (RequestSent), after the session is set up and the user item exists."""
+Realtime API (GA event names), turned into the events the other clients yield. A text turn's clock
+starts at response.create (RequestSent), after the session is set up and the user item exists; a
+spoken turn's is appended as it is spoken (`pace`: times real time), and its clock starts at its
+input_audio_buffer.commit -- the end of speech, what a person waits from -- with response.create
+right behind it (the gateway streams the audio to the thinker as it comes: gateway/realtime/heard.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +21,8 @@ from voxpipe.client import AudioEvent, DoneEvent, TextEvent
 from .requests import REALTIME_RATE, RealtimeRequest
 from .workload import RequestSent
 
-APPEND_SECONDS = 1.0          # input audio sent in appends of this much audio
+APPEND_SECONDS = 1.0          # input audio sent in appends of this much audio (all at once: pace 0)
+PACED_APPEND_SECONDS = 0.1    # paced: appends of this much audio, each when it has been spoken
 
 
 class RealtimeError(RuntimeError):
@@ -28,9 +34,11 @@ class RealtimeError(RuntimeError):
 
 
 class RealtimeStream:
-    def __init__(self, base_url: str, model: str) -> None:
-        """`base_url`: the gateway's http://HOST:PORT."""
+    def __init__(self, base_url: str, model: str, pace: float = 0.0) -> None:
+        """`base_url`: the gateway's http://HOST:PORT. `pace`: a spoken turn's audio is appended at
+        this many times real time (0: all at once)."""
         self.url = base_url.replace("http://", "ws://", 1).rstrip("/") + f"/v1/realtime?model={model}"
+        self.pace = pace
 
     async def __call__(self, req: RealtimeRequest) -> AsyncIterator:
         from websockets.asyncio.client import connect
@@ -46,14 +54,12 @@ class RealtimeStream:
             if req.text is not None:
                 await _send(ws, "conversation.item.create", item={
                     "type": "message", "role": "user", "content": [{"type": "input_text", "text": req.text}]})
+                await _expect(ws, "conversation.item.done")
+                yield RequestSent()
             else:
-                step = int(APPEND_SECONDS * REALTIME_RATE) * 2
-                for at in range(0, len(req.audio_pcm16), step):
-                    chunk = req.audio_pcm16[at:at + step]
-                    await _send(ws, "input_audio_buffer.append", audio=base64.b64encode(chunk).decode("ascii"))
+                await self._speak(ws, req.audio_pcm16)
                 await _send(ws, "input_audio_buffer.commit")
-            await _expect(ws, "conversation.item.done")
-            yield RequestSent()
+                yield RequestSent()            # the end of speech
             await _send(ws, "response.create", response={})
             samples = index = 0
             while True:
@@ -79,6 +85,24 @@ class RealtimeStream:
                     yield DoneEvent(0, 0, usage.get("input_tokens", 0), details.get("text_tokens", 0),
                                     details.get("audio_tokens", 0), samples)
                     return
+
+
+    async def _speak(self, ws, pcm16: bytes) -> None:
+        await speak(ws, pcm16, self.pace)
+
+
+async def speak(ws, pcm16: bytes, pace: float) -> None:
+    """Append a clip (24 kHz pcm16): each piece once it has been spoken at `pace` times real time
+    (0: a second at a time, at once)."""
+    seconds = PACED_APPEND_SECONDS if pace else APPEND_SECONDS
+    step = int(seconds * REALTIME_RATE) * 2
+    began = time.perf_counter()
+    for at in range(0, len(pcm16), step):
+        chunk = pcm16[at:at + step]
+        if pace:
+            spoken = (at + len(chunk)) / 2 / REALTIME_RATE / pace
+            await asyncio.sleep(max(0.0, began + spoken - time.perf_counter()))
+        await _send(ws, "input_audio_buffer.append", audio=base64.b64encode(chunk).decode("ascii"))
 
 
 async def _send(ws, kind: str, **body: Any) -> None:

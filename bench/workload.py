@@ -32,6 +32,7 @@ class Workload:
     voice: bool = False               # the user turn is the speech clip followed by `voice_text`
     voice_text: str = ""
     realtime: bool = False            # driven through the gateway's realtime WebSocket (gateway mode only)
+    realtime_pace: float = 1.0        # a spoken realtime turn is appended at this many times real time (0: at once)
     temperature: float = 0.0          # > 0: thinker and talker sample (each request seeded by its index)
     live: bool = False                # sessions paced at 1x playback, the capacity searched (bench/live.py)
     conversation: bool = False        # sessions that re-send their history turn by turn (bench/conversation.py)
@@ -57,12 +58,14 @@ class Workload:
         return [m for m in asked if m == "gateway"] if self.realtime or self.live else list(asked)
 
     def with_overrides(self, prompt_tokens: int = 0, text_tokens: int = 0, frames: int = 0,
-                       realtime_audio: bool = False, temperature: float = 0.0) -> "Workload":
+                       realtime_audio: bool = False, temperature: float = 0.0,
+                       realtime_pace: float | None = None) -> "Workload":
         """Non-zero lengths (and temperature) replace the workload's; `realtime_audio` makes a realtime
         workload's user turn the voice clip (input_audio_buffer.append + commit, no text) instead of a
         text prompt."""
         wl = replace(self, prompt_tokens=prompt_tokens or self.prompt_tokens, text_tokens=text_tokens or self.text_tokens,
-                     frames=frames or self.frames, temperature=temperature or self.temperature)
+                     frames=frames or self.frames, temperature=temperature or self.temperature,
+                     realtime_pace=self.realtime_pace if realtime_pace is None else realtime_pace)
         return replace(wl, voice=True, voice_text="") if realtime_audio and self.realtime else wl
 
     def describe(self) -> str:
@@ -73,6 +76,9 @@ class Workload:
         else:
             user = f"a {self.prompt_tokens}-token text prompt"
         via = " over the realtime WebSocket (TTFP from response.create)" if self.realtime else ""
+        if self.realtime and self.voice:
+            pace = f"at {self.realtime_pace:g}x real time" if self.realtime_pace else "all at once"
+            via = f" over the realtime WebSocket, appended {pace} (TTFP from the commit: the end of speech)"
         via = " per turn of each live session (realtime WebSocket and chat SSE)" if self.live else via
         how = (f"sampled at temperature {self.temperature:g} (seed: the request's index)" if self.temperature
                else "greedy")

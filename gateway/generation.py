@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from voxpipe.client import AudioEvent, DoneEvent, SpeechRequest, StageEvent, TextEvent
+from voxpipe.client import AudioEvent, AudioTurn, DoneEvent, SpeechRequest, StageEvent, TextEvent
 from voxpipe.services.runtime import tracing
 from voxpipe.services.thinker.prompt import ChatMessage, RenderedPrompt, Tool, render, with_features
 from voxpipe.services.thinker.tool_template import TemplateToolError
@@ -103,8 +103,9 @@ async def read_until_admitted(events: AsyncIterator[PipelineEvent], audio: bool)
     return head
 
 
-async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterator[PipelineEvent]:
-    """`state.pipeline.stream(req)` with the active-streams gauge, each stage's first-output
+async def run_pipeline(state, req: SpeechRequest, arrived: float,
+                       turn: AudioTurn | None = None) -> AsyncIterator[PipelineEvent]:
+    """`state.pipeline.stream(req, turn=turn)` with the active-streams gauge, each stage's first-output
     latency, time to first audio and the real-time factor recorded (`arrived`: perf_counter at
     the request's arrival). A spoken one first waits for capacity (admission.py: AtCapacity, a 429,
     when it does not come in time) and is then tracked by its listener's playback clock. Raises
@@ -115,7 +116,7 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterat
     stream = await state.capacity.admit() if req.audio else None
     m.active_streams.inc()
     try:
-        async with aclosing(state.pipeline.stream(req)) as events:
+        async with aclosing(state.pipeline.stream(req, turn=turn)) as events:
             async for ev in events:
                 stage = first_output_stage(ev)
                 if stage is not None and stage not in seen:
@@ -145,17 +146,20 @@ async def run_pipeline(state, req: SpeechRequest, arrived: float) -> AsyncIterat
 class Generation:
     """`render_prompt` and `run_pipeline` bound to one GatewayState: `render(messages, tools=...,
     tools_param=...)` (a refusal is a 400 APIError naming `messages`, or `tools_param` for the
-    tools), `run(req, arrived)`, the prompt's audio placeholder id (`audio_token`: usage counts
-    the prompt's audio tokens) and the id that begins each turn (`turn_start`, <|im_start|>)."""
+    tools), `run(req, arrived, turn=None)`, the prompt's audio placeholder id (`audio_token`: usage
+    counts the prompt's audio tokens), the id that begins each turn (`turn_start`, <|im_start|>)
+    and `open_turn(token_ids, audio_features, session)`: a streamed turn (PipelineClient.open_turn)."""
 
     render: Callable[..., Awaitable[RenderedPrompt]]
-    run: Callable[[SpeechRequest, float], AsyncIterator[PipelineEvent]]
+    run: Callable[..., AsyncIterator[PipelineEvent]]
     audio_token: int
     turn_start: int
+    open_turn: Callable[..., AudioTurn] | None = None     # None: turns are not streamed
 
     @classmethod
     def of(cls, state, param: str = "messages") -> "Generation":
         """`param`: the request parameter a refusal to render names."""
         return cls(render=functools.partial(render_prompt, state, param=param),
                    run=functools.partial(run_pipeline, state), audio_token=state.omni.thinker.tokens.audio_token,
-                   turn_start=state.omni.thinker.tokens.im_start)
+                   turn_start=state.omni.thinker.tokens.im_start,
+                   open_turn=lambda *a, **kw: state.pipeline.open_turn(*a, **kw))

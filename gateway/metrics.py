@@ -45,6 +45,7 @@ from voxpipe.services.runtime.playback import BANDS
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 SESSION_APIS = ("http", "realtime", "converse")
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
+SHARE_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
 class GatewayMetrics:
@@ -76,6 +77,16 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS, registry=self.registry)
         for since in ("speech_stopped", "committed"):
             self.speech_end_ttfp.labels(since)
+        self.streamed_turns = Counter(
+            "voxpipe_gateway_realtime_streamed_turns", "Realtime user audio turns streamed to the thinker while "
+            "spoken, by outcome: streamed (answered over the stream), redone (the prompt changed before the "
+            "response: sent whole), cancelled (cleared, too short, never answered, or the session closed)",
+            ["outcome"], registry=self.registry)
+        for outcome in ("streamed", "redone", "cancelled"):
+            self.streamed_turns.labels(outcome)
+        self.prefilled_before_commit = Histogram(
+            "voxpipe_gateway_realtime_prefilled_before_commit", "Realtime streamed turns: the share of the prompt's "
+            "tokens prefilled (or found cached) before the commit", buckets=SHARE_BUCKETS, registry=self.registry)
         self.rtf = Histogram("voxpipe_gateway_audio_rtf", "Generation time / audio duration", buckets=RTF_BUCKETS,
                              registry=self.registry)
         self.stage_first_output = Histogram("voxpipe_gateway_stage_first_output_seconds",

@@ -232,12 +232,16 @@ def test_bench_realtime_with_the_voice_clip(tiny_model_dir, tmp_path):
     """realtime with the user turn spoken (input_audio_buffer.append + commit), on the tiny checkpoint
     with its preprocessor_config.json."""
     _, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "realtime", "--realtime-audio", "--modes", "gateway",
-                        "--no-reference", "--concurrency", "2", "--base-port", "53451")
+                        "--no-reference", "--concurrency", "2", "--base-port", "53451", "--realtime-pace", "8")
     levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
     _check_levels(levels, {("realtime", "gateway", 2)})
     assert levels["realtime", "gateway", 2]["prompt_tokens"] > 570 // 8
     assert res["references"] == {} and "transformers reference: not run (--no-reference)" in md
-    assert "realtime: the voice clip appended to the input audio buffer and committed" in md
+    assert ("realtime: the voice clip appended to the input audio buffer and committed over the realtime WebSocket, "
+            "appended at 8x real time (TTFP from the commit: the end of speech)") in md
+    # the clip streamed to the thinker as it was appended: some of each prompt prefilled before its commit
+    assert 0 < levels["realtime", "gateway", 2]["server"]["thinker"]["prefilled_before_commit"] <= 1
+    assert "Streamed realtime turns, share of the prompt prefilled before the commit: gateway c=2 " in md
 
 
 def test_bench_refuses_bad_workload_flags(tmp_path, capsys):
@@ -254,6 +258,7 @@ def test_bench_refuses_bad_workload_flags(tmp_path, capsys):
         (["--workload", ""], "unknown workload"),
         (["--temperature", "warm"], "--temperature: not a number: 'warm'"),
         (["--temperature", "-0.5"], "--temperature: temperature must be in [0, 100], got -0.5"),
+        (["--realtime-pace", "-1"], "--realtime-pace: must be >= 0, got -1"),
         (["--concurrency", "1,x"], "--concurrency: expected positive integers"),
         (["--modes", "gateway,grpc"], "--modes: expected a comma list of gateway, split, inprocess"),
         (["--workload", "realtime", "--modes", "split,inprocess"], "--workload realtime runs only in gateway mode"),

@@ -25,7 +25,7 @@ from openai.types.realtime import RealtimeServerEvent
 from websockets.asyncio.client import connect
 
 from conftest import STAGES, GatewayProcess
-from voxpipe.audio import read_wav, resample
+from voxpipe.audio import read_wav, resample, resample_clip
 from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, SpeechRequest, TextEvent
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, render
 from voxpipe.v1 import stages_pb2 as pb
@@ -282,7 +282,7 @@ def test_spoken_turn_with_server_vad(gateway, stack, tokenizer, omni_config, tin
 
     # the thinker heard exactly the utterance: the same reply as the pipeline for those samples
     clip = stream[started["audio_start_ms"] * RATE // 1000:stopped["audio_end_ms"] * RATE // 1000]
-    features = FeatureExtractor.for_model(tiny_model_dir)(resample(clip, RATE, 16000))
+    features = FeatureExtractor.for_model(tiny_model_dir)(resample_clip(clip, RATE, 16000))
     heard = [ChatMessage("user", [ChatPart(features=features)])]
     ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, heard, max_tokens=4, max_frames=8)
     assert "".join(d["delta"] for d in of(events, "response.output_audio_transcript.delta")) == ref_text
@@ -319,7 +319,7 @@ def test_manual_commit_then_multi_turn(gateway, stack, tokenizer, omni_config, t
 
     first, second = run(go())
     first_text = first[-1]["response"]["output"][0]["content"][0]["transcript"]
-    features = FeatureExtractor.for_model(tiny_model_dir)(resample(words, RATE, 16000))
+    features = FeatureExtractor.for_model(tiny_model_dir)(resample_clip(words, RATE, 16000))
     messages = [ChatMessage("user", [ChatPart(features=features)]), ChatMessage.text("assistant", first_text),
                 ChatMessage.text("user", "And then?")]
     if not first_text:
@@ -366,7 +366,7 @@ def test_created_items_build_the_prompt(gateway, stack, tokenizer, omni_config, 
     assert added["a1"]["previous_item_id"] == "u1" and added["u2"]["previous_item_id"] == "gone"
     assert added["u1"]["item"]["content"] == [{"type": "input_audio", "transcript": None},
                                               {"type": "input_text", "text": "What did I say?"}]
-    features = FeatureExtractor.for_model(tiny_model_dir)(resample(hello, RATE, 16000))
+    features = FeatureExtractor.for_model(tiny_model_dir)(resample_clip(hello, RATE, 16000))
     ref_text, ref_pcm, _ = reference(stack, tokenizer, omni_config, [
         ChatMessage.text("system", "You are terse."),
         ChatMessage("user", [ChatPart(features=features), ChatPart(text="What did I say?")]),

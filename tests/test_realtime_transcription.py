@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 from conftest import GatewayProcess, free_port
 from test_realtime import (MANUAL, RATE, decoded, of, pcm16_base64, realtime, run, speech, stream_audio,
                            text_turn, user_text)
-from voxpipe.audio import resample
+from voxpipe.audio import resample, resample_clip
 from voxpipe.client import DoneEvent, PipelineClient, SpeechRequest, TextEvent
 from voxpipe.gateway.realtime.session import DEFAULT_SAMPLES_PER_TOKEN, ItemContent, TranscriptionSettings
 from voxpipe.gateway.realtime.transcription import TranscriptionJob, max_tokens, transcription_messages
@@ -47,7 +47,7 @@ def pipeline_text(stack, prompt, max_new: int, min_new: int = 0) -> tuple[str, l
 def reference_transcript(stack, tokenizer, omni_config, tiny_model_dir, clip_24k: np.ndarray,
                          settings: TranscriptionSettings) -> tuple[str, int, int]:
     """(transcript, prompt tokens, completion tokens) the pipeline makes for the transcription request."""
-    features = FeatureExtractor.for_model(tiny_model_dir)(resample(clip_24k, RATE, 16000))
+    features = FeatureExtractor.for_model(tiny_model_dir)(resample_clip(clip_24k, RATE, 16000))
     job = TranscriptionJob("item", 0, features, len(clip_24k), settings)
     prompt = render(tokenizer, omni_config.thinker, transcription_messages(job))
     text, ids, done = pipeline_text(stack, prompt, max_tokens(len(clip_24k)))

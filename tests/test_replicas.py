@@ -19,6 +19,7 @@ What a stage's balancer sees of the next stage is read from voxpipe_next_stage_r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -439,6 +440,30 @@ def test_many_sessions_spread_within_the_bound_and_hit_as_on_one_replica(replica
     assert two.cached_fraction >= one.cached_fraction - 0.05, (two.cached_fraction, one.cached_fraction)
     assert sorted(d["turns"] for d in two.replicas.values()) == [12, 12] and two.load_spread == 0, two.replicas
     assert len(one.replicas) == 1 and one.load_spread == 0
+
+
+def test_a_sessions_talker_streams_stay_on_its_talker_replica(replicas, prompt_ids):
+    """Through one thinker, one after another: a session's spoken turns (its SpeechRequest.session,
+    sent to the thinker as the voxpipe-session header) all go to one talker replica, which holds its
+    talker prefix; requests without a session spread over both. An over-long session is refused."""
+    replicas.revive()
+
+    async def go():
+        async with replicas.client(replicas.thinkers[:1]) as client:
+            keyed = [await client.collect(dataclasses.replace(request(prompt_ids), session="conv-talker"))
+                     for _ in range(3)]
+            plain = [await client.collect(request(prompt_ids)) for _ in range(4)]
+            with pytest.raises(PipelineError) as e:
+                await client.collect(dataclasses.replace(request(prompt_ids), session="s" * 129))
+            return keyed, plain, e.value
+
+    keyed, plain, refused = run(go())
+    assert len({r.done.routes["talker"] for r in keyed}) == 1, [r.done.routes for r in keyed]
+    assert all(per_process(replicas, "talker", [r.done.routes for r in plain])), [r.done.routes for r in plain]
+    assert all(r.text_ids == keyed[0].text_ids and (r.codes == keyed[0].codes).all() for r in keyed + plain)
+    assert refused.stage == "thinker" and refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "voxpipe-session metadata: expected one value of 1 to 128 characters" in refused.details
+    replicas.wait_idle()
 
 
 def test_a_killed_replicas_sessions_continue_on_the_other_with_the_same_output(replicas, omni_config):

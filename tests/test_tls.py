@@ -315,7 +315,7 @@ def test_node_sdk_realtime_client_gets_the_transcription(tls_gateway, mtls_stack
     model: the committed clip's transcript is the pipeline's text for the transcription prompt."""
     import numpy as np
 
-    from voxpipe.audio import resample
+    from voxpipe.audio import resample_clip
     from voxpipe.gateway.realtime.session import TranscriptionSettings
     from voxpipe.gateway.realtime.transcription import TranscriptionJob, max_tokens, transcription_messages
     from voxpipe.services.thinker.prompt import FeatureExtractor, render
@@ -329,7 +329,7 @@ def test_node_sdk_realtime_client_gets_the_transcription(tls_gateway, mtls_stack
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["events"][0] == "session.created" and "input_audio_buffer.committed" in out["events"]
-    features = FeatureExtractor.for_model(tiny_model_dir)(resample(pcm.astype(np.float32) / 32768.0, 24000, 16000))
+    features = FeatureExtractor.for_model(tiny_model_dir)(resample_clip(pcm.astype(np.float32) / 32768.0, 24000, 16000))
     prompt = render(tokenizer, omni_config.thinker, transcription_messages(
         TranscriptionJob("item", 0, features, len(pcm), TranscriptionSettings())))
     text, _, done = collect(mtls_stack, certs.client_tls(), token_ids=prompt.token_ids,

@@ -32,11 +32,12 @@ from opentelemetry.trace import SpanKind
 from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.affinity import RouteKey, content_digest, prompt_key
 from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica
-from voxpipe.services.runtime.calls import context_exceeded, failed_stage
+from voxpipe.services.runtime.calls import SESSION_METADATA, context_exceeded, failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
 from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
 from voxpipe.services.runtime.tls import ClientTLS
 from voxpipe.services.thinker.constraint import Constraint
+from voxpipe.services.thinker.streamed import around_last_clip
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
@@ -77,7 +78,8 @@ class SpeechRequest:
     echo_frames: bool = False                 # debug: also the codec frames code2wav received (FramesEvent)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # routing only: the requests of one session (a realtime conversation) prefer the thinker replica
-    # of its previous one (services.runtime.affinity); None: by the prompt's prefix alone
+    # of its previous one, and that thinker the talker replica of its previous one (services.runtime
+    # .affinity; sent as calls.SESSION_METADATA, at most 128 characters); None: by the prompt's prefix alone
     session: str | None = None
 
     def sampling(self) -> pb.Sampling:
@@ -158,6 +160,7 @@ class DoneEvent:
     samples: int
     routes: dict[str, str] = field(default_factory=dict)   # stage -> the replica that served it
     cached_tokens: int = 0         # of prompt_tokens, those the thinker's prefix cache held (prefill skipped)
+    streamed_tokens: int = 0       # a streamed turn (AudioTurn): of prompt_tokens, those prefilled before its commit
 
 
 class PipelineError(RuntimeError):
@@ -173,10 +176,102 @@ class PipelineError(RuntimeError):
         self.context = context
 
 
+def session_metadata(session: str | None) -> tuple[tuple[str, str], ...]:
+    """A thinker call's session header: the thinker then picks the session's talker replica too."""
+    return () if session is None else ((SESSION_METADATA, session),)
+
+
 def _decode_audio(chunk: pb.AudioChunk) -> np.ndarray:
     if chunk.encoding == pb.AUDIO_FLOAT32:
         return np.frombuffer(chunk.data, dtype="<f4").astype(np.float32)
     return np.frombuffer(chunk.data, dtype="<i2").astype(np.float32) / 32767.0
+
+
+class AudioTurn:
+    """A thinker request whose last clip is heard while it is spoken (ThinkerStart.stream_audio):
+    opened with the conversation before the clip (`token_ids`, its earlier `audio_features`), then
+    `hear(raw)` for each piece of the clip's raw log-mel frames (services/thinker/log_mel.py), and
+    either `PipelineClient.stream(req, turn=this)`, whose request the commit carries, or `close()`,
+    which cancels it (the thinker frees what it held). Its messages are written in order by its own
+    task; a failure before the commit is read at the commit (the stream's status)."""
+
+    def __init__(self, client: "PipelineClient", token_ids: list[int], audio_features: list[torch.Tensor],
+                 session: str | None, request_id: str) -> None:
+        self.client, self.token_ids, self.audio_features = client, list(token_ids), list(audio_features)
+        self.session, self.request_id = session, request_id
+        self.stream: BalancedStream | None = None
+        self.replica: str | None = None
+        self.frames = 0                            # raw frames heard so far
+        self._queue: asyncio.Queue[pb.ThinkerRequest | None] = asyncio.Queue()
+        self._opened: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._closed = self._committed = False
+        self._task = asyncio.ensure_future(self._write())
+
+    @property
+    def usable(self) -> bool:
+        """Not closed, not committed, and nothing failed so far (the writer runs, the call is open)."""
+        return not (self._closed or self._committed or self._task.done()
+                    or (self.stream is not None and self.stream.ended))
+
+    def hear(self, raw: torch.Tensor) -> None:
+        """More raw log-mel frames [num_mel_bins, k] float32 of the clip, in order."""
+        if raw.shape[1] and self.usable:
+            self.frames += raw.shape[1]
+            self._queue.put_nowait(pb.ThinkerRequest(audio=pb.AudioFrames(log_mel=to_proto(raw.contiguous()))))
+
+    async def _write(self) -> None:
+        client = self.client
+        key = await client.route_key(SpeechRequest(token_ids=self.token_ids, audio_features=self.audio_features,
+                                                   session=self.session))
+
+        def on_replica(replica: Replica) -> None:
+            self.replica = replica.address
+
+        md = tuple(client.metadata) + session_metadata(self.session)
+        self.stream = BalancedStream(client.thinker, lambda channel: pb_grpc.ThinkerStub(channel).Generate(
+            metadata=md), on_replica, key)
+        try:
+            await self.stream.open()
+        except BaseException as e:
+            self._opened.set_exception(e)
+            raise
+        self._opened.set_result(self.stream)
+        start = pb.ThinkerStart(request_id=self.request_id, stream_audio=True, token_ids=pb.TokenIds(ids=self.token_ids),
+                                audio_features=[to_proto(f.float()) for f in self.audio_features])
+        head, chunks = split_message(start, client.max_message_bytes - 1024)
+        await self.stream.write(pb.ThinkerRequest(start=head))
+        for data in chunks:
+            await self.stream.write(pb.ThinkerRequest(chunk=pb.PayloadChunk(data=data)))
+        while (msg := await self._queue.get()) is not None:
+            await self.stream.write(msg)
+            if msg.WhichOneof("kind") == "commit":
+                await self.stream.done_writing()
+                return
+
+    async def commit(self, start: pb.ThinkerStart) -> BalancedStream:
+        """The clip is complete (every frame heard): the turn's start (its token ids: the prompt after
+        the clip's placeholders) goes; the stream to read the turn's responses from (the caller closes it)."""
+        if not self.usable:
+            raise ValueError("the turn is closed, committed or failed")
+        self._committed = True
+        self._queue.put_nowait(pb.ThinkerRequest(commit=pb.StreamCommit(start=start)))
+        self._queue.put_nowait(None)
+        return await asyncio.shield(self._opened)
+
+    async def close(self) -> None:
+        """Cancel the turn (idempotent): the thinker call ends, the replica is given back."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._committed:
+            self._task.cancel()
+        if self.stream is not None and not self._committed:
+            self.stream.close()
+        await asyncio.gather(self._task, return_exceptions=True)
+        if not self._opened.done():
+            self._opened.cancel()
+        elif not self._opened.cancelled():
+            self._opened.exception()        # read: an open that failed is not an unretrieved error
 
 
 class PipelineClient:
@@ -231,6 +326,12 @@ class PipelineClient:
             return await asyncio.to_thread(key)
         return key()
 
+    def open_turn(self, token_ids: list[int], audio_features: list[torch.Tensor], session: str | None = None,
+                  request_id: str | None = None) -> AudioTurn:
+        """A streamed turn (AudioTurn) after the conversation `token_ids` (rendered, ending before the
+        clip's placeholders) with its clips `audio_features`; call on the event loop."""
+        return AudioTurn(self, token_ids, audio_features, session, request_id or uuid.uuid4().hex)
+
     async def _code2wav_replica(self, address: str) -> Replica:
         """The caller's own channel to the code2wav replica a talker reported (it never dials an
         address it was not configured with: a reported one must be among its replicas)."""
@@ -248,17 +349,22 @@ class PipelineClient:
                             "the caller and the talkers with the same code2wav addresses")
 
     async def stream(self, req: SpeechRequest, *, metadata: tuple[tuple[str, str], ...] = (),
-                     context: otel_context.Context | None = None,
+                     context: otel_context.Context | None = None, turn: AudioTurn | None = None,
                      ) -> AsyncIterator[TextEvent | AudioEvent | StageEvent | FramesEvent | DoneEvent]:
         """`metadata`: extra gRPC metadata for the calls. `context`: the OpenTelemetry context to trace
         under (default: the current one): the thinker call and the code2wav Listen call are CLIENT
-        spans of it, carried on as W3C `traceparent` (the stages chain their own calls under them)."""
+        spans of it, carried on as W3C `traceparent` (the stages chain their own calls under them).
+        `turn`: `req` commits that streamed turn (all of its clip heard) instead of opening a thinker
+        call: req.token_ids must be the turn's token ids, the clip's placeholders, then the rest of the
+        prompt, and req.audio_features the turn's clips then the clip's features (the caller checked;
+        the thinker checks the placeholders' count). A turn that failed before its commit (its
+        replica went away, say) is not used: `req` goes whole."""
         parent = context if context is not None else otel_context.get_current()
         if req.audio and self.code2wav is None:
             raise ValueError("audio output needs code2wav addresses")
         start = pb.ThinkerStart(request_id=req.request_id, max_tokens=req.max_tokens, min_tokens=req.min_tokens,
                                 stop=req.stop, logprobs=req.top_logprobs is not None, top_logprobs=req.top_logprobs or 0,
-                                audio_features=[to_proto(f.float()) for f in req.audio_features],
+                                audio_features=[] if turn is not None else [to_proto(f.float()) for f in req.audio_features],
                                 unspoken_tool_calls=req.unspoken_tool_calls)
         if req.constraint is not None:
             start.constraint.CopyFrom(req.constraint.to_proto())
@@ -283,7 +389,7 @@ class PipelineClient:
         calls: list = []        # what to cancel when the iteration ends
         tasks: list[asyncio.Task] = []
         done = {"text": None, "audio": None}
-        usage = {"prompt": 0, "completion": 0, "frames": 0, "samples": 0, "cached": 0}
+        usage = {"prompt": 0, "completion": 0, "frames": 0, "samples": 0, "cached": 0, "streamed": 0}
         routes: dict[str, str] = {}
 
         def client_span(stage: str, method: str) -> tuple[trace.Span, tuple[tuple[str, str], ...]]:
@@ -322,8 +428,11 @@ class PipelineClient:
                 if span is not None:
                     span.end()
 
-        async def run_thinker() -> None:
+        async def open_thinker() -> BalancedStream:
+            if turn is not None:        # the turn failed before its commit: the request goes whole
+                start.audio_features.extend(to_proto(f.float()) for f in req.audio_features)
             span, md = client_span("thinker", "Generate")
+            md += session_metadata(req.session)
             key = await self.route_key(req)
 
             def on_replica(replica: Replica) -> None:       # each attempt's (a refused stream moves)
@@ -342,6 +451,33 @@ class PipelineClient:
             for data in chunks:
                 await stream.write(pb.ThinkerRequest(chunk=pb.PayloadChunk(data=data)))
             await stream.done_writing()
+            return stream
+
+        async def commit_turn() -> BalancedStream:
+            """The streamed turn's commit: `start` with the prompt after the clip, what the turn has not."""
+            client_span("thinker", "Generate")
+            if self.audio_token is None or req.token_ids is None:
+                raise ValueError("a streamed turn's commit needs token_ids and the client's audio_token")
+            head, tail = around_last_clip(req.token_ids, self.audio_token)
+            if head != turn.token_ids:
+                raise ValueError("the request's prompt does not continue the streamed turn's conversation")
+            commit = pb.ThinkerStart()
+            commit.CopyFrom(start)
+            commit.ClearField("request_id")
+            commit.ClearField("audio_features")
+            commit.token_ids.ids[:] = tail
+            try:
+                stream = await turn.commit(commit)
+            except NoReplicaError as e:
+                raise PipelineError("thinker", grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            calls.append(stream)
+            if turn.replica is not None:
+                routes["thinker"] = turn.replica
+                spans["thinker"].set_attribute("server.address", turn.replica)
+            return stream
+
+        async def run_thinker() -> None:
+            stream = await (commit_turn() if turn is not None and turn.usable else open_thinker())
             async for resp in stream:
                 kind = resp.WhichOneof("kind")
                 self.received["thinker", kind] += 1
@@ -362,6 +498,7 @@ class PipelineClient:
                 elif kind == "finished":
                     usage["prompt"], usage["completion"] = resp.finished.prompt_tokens, resp.finished.completion_tokens
                     usage["cached"] = resp.finished.cached_tokens
+                    usage["streamed"] = resp.finished.streamed_tokens
                     done["text"] = resp.finished.reason
                 elif kind == "talker_finished":
                     done["audio"] = resp.talker_finished.reason
@@ -425,7 +562,7 @@ class PipelineClient:
                     continue
                 yield ev
             yield DoneEvent(done["text"], done["audio"], usage["prompt"], usage["completion"], usage["frames"],
-                            usage["samples"], dict(routes), usage["cached"])
+                            usage["samples"], dict(routes), usage["cached"], usage["streamed"])
         finally:
             for call in calls:
                 if isinstance(call, BalancedStream):

@@ -2,7 +2,8 @@
 Realtime protocol (GA event names; the beta names with the `OpenAI-Beta: realtime=v1` header).
 
 One connection is one session: its settings, its conversation, its input audio buffer with
-server VAD, at most one response at a time, and a bounded send queue drained by its own task.
+server VAD, the utterance being heard (streamed to a thinker while it is spoken: heard.py), at most
+one response at a time, and a bounded send queue drained by its own task.
 Each concurrent session holds a slot of the gateway's SessionLimiter while it is open. A response
 run (response.py) and the transcriber (transcription.py) are given what they may use of the
 session, a ResponseContext / TranscriptionContext, not the connection."""
@@ -18,9 +19,10 @@ from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
-from voxpipe.audio import resample
+from voxpipe.audio import resample_clip
 from voxpipe.services.runtime.echo import quoted
-from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, with_instructions
+from voxpipe.client import AudioTurn
+from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, RenderedPrompt, with_instructions
 
 from ..errors import APIError
 from ..generation import Generation
@@ -28,13 +30,15 @@ from ..state import GatewayState, authorized
 from .events import (INPUT_SAMPLE_RATE, ClientEvent, Dialect, InputAudioAppend, InputAudioClear, InputAudioCommit,
                      ItemCreate, ItemDelete, ItemRetrieve, ItemTruncate, ProtocolError, ResponseCancel, ResponseCreate,
                      ResponseOverrides, SessionUpdate, parse_client_event)
+from .heard import HeardTurn, TurnPrefix, render_prefix, same_prefix
 from .outbox import Outbox, Outgoing
 from .response import ResponseContext, ResponseRun
 from .server_events import (Error, InputAudioCleared, InputAudioCommitted, ItemAdded, ItemDeleted, ItemDone,
                             ItemRetrieved, ItemTruncated, ServerEvent, SessionCreated, SessionUpdated,
                             SpeechStartedEvent, SpeechStoppedEvent, new_id)
 from .session import (MIN_COMMIT_MS, Conversation, ConversationItem, InputAudioBuffer, ItemContent, ResponseSettings,
-                      FunctionCall, SessionConfig, default_voice, ms_to_samples, new_item_content, samples_to_ms)
+                      FunctionCall, SessionConfig, default_voice, ms_to_samples, new_item_content, prompt_messages,
+                      samples_to_ms)
 from .transcription import Transcriber, TranscriptionContext, TranscriptionJob
 from .truncation import ContextRoom, PromptWindow
 from .vad import FRAME_MS, ServerVad, SpeechStarted, SpeechStopped
@@ -112,7 +116,9 @@ class RealtimeConnection:
             generation=generation, conversation_id=self.conversation_id, emit=self.emit,
             insert_item=self.conversation.insert, has_item=self.conversation.has,
             withdraw_audio=self.outbox.withdraw_audio, room=ContextRoom(),
-            heard_to_audio=lambda since, s: state.metrics.speech_end_ttfp.labels(since).observe(s))
+            heard_to_audio=lambda since, s: state.metrics.speech_end_ttfp.labels(since).observe(s),
+            take_turn=self._take_turn, prefilled_before_commit=state.metrics.prefilled_before_commit.observe)
+        self.heard: HeardTurn | None = None        # the utterance streamed to a thinker while it is spoken
         self.speech_end: tuple[str, float] | None = None    # the last end of speech, until a response answers it
         self.transcriber = Transcriber(TranscriptionContext(
             generation=generation, emit=self.emit, set_transcript=self.conversation.set_transcript,
@@ -163,6 +169,7 @@ class RealtimeConnection:
             if self.response is not None and self.response.active:
                 self.response.task.cancel()                 # frees the request in all three stages
                 await asyncio.gather(self.response.task, return_exceptions=True)
+            await self._drop_turn()
             await self.transcriber.close()
             await self.outbox.close()
             sender.cancel()
@@ -194,14 +201,18 @@ class RealtimeConnection:
         elif isinstance(event, InputAudioClear):
             self.buffer.clear()
             self._forget_speech()
+            await self._drop_turn()
             await self.emit(InputAudioCleared())
         elif isinstance(event, ItemCreate):
             await self.create_item(event)
+            self._conversation_changed()
         elif isinstance(event, ItemTruncate):
             await self.truncate_item(event)
+            self._conversation_changed()
         elif isinstance(event, ItemDelete):
             self._check_not_generating(event.item_id)
             self.conversation.delete(event.item_id)
+            self._conversation_changed()
             await self.emit(ItemDeleted(event.item_id))
         elif isinstance(event, ItemRetrieve):
             await self.emit(ItemRetrieved(self.conversation.find(event.item_id)))
@@ -231,14 +242,19 @@ class RealtimeConnection:
             except APIError as e:
                 raise ProtocolError(f"'session.instructions': {e.message}", param="session.instructions") from None
         self.session = session
+        self._conversation_changed()                # the instructions or tools may be others
         if self.session.turn_detection != old:
             self.speech_item_id = None
+            await self._drop_turn()
             self.vad = await asyncio.to_thread(self._new_vad)
         await self.emit(SessionUpdated(self.session))
 
     async def append_audio(self, event: InputAudioAppend) -> None:
         self.buffer.append(event.audio)
-        if self.vad is None:
+        if self.vad is None:            # no VAD: the turn is all the buffer holds, until the commit
+            if self.heard is None or self.heard.features is not None:
+                await self._begin_turn(self.buffer.start)
+            await self._hear(self.buffer.end)
             return
         for vad_event in await asyncio.to_thread(self.vad.feed, event.audio):
             if isinstance(vad_event, SpeechStarted):
@@ -248,6 +264,93 @@ class RealtimeConnection:
         if self.speech_item_id is None and self.vad is not None:      # idle: keep only the prefix padding
             keep_ms = self.vad.params.prefix_padding_ms + 2 * FRAME_MS
             self.buffer.drop_before(self.buffer.end - ms_to_samples(keep_ms))
+        elif self.vad is not None:
+            # a later speech_stopped ends its utterance at the end of a frame the VAD has not finished
+            # (SpeechStopped.end_ms), so the audio before the VAD's next frame is the utterance's
+            vad = self.vad
+            await self._hear(ms_to_samples(vad.origin_ms + vad.frames * FRAME_MS))
+
+    # ------------------------------------------------------------------------- the utterance, streamed
+
+    async def _turn_prefix(self) -> TurnPrefix:
+        """The conversation before a new user turn, rendered as a response with the session's settings
+        renders it (a ProtocolError or APIError when it cannot be)."""
+        gen = self.response_context.generation
+        settings = ResponseSettings.resolve(self.session, ResponseOverrides(), self.state.speakers)
+        tools = settings.tools.prompt_tools
+        turns = self.conversation.turns()
+        return await render_prefix(lambda m: gen.render(m, tools=tools, tools_param="session.tools"),
+                                   lambda user: prompt_messages(settings.instructions, [*turns, ("", user)]),
+                                   gen.audio_token, self.state.features.num_mel_bins)
+
+    async def _open_turn(self, heard: HeardTurn) -> None:
+        try:
+            prefix = await self._turn_prefix()
+        except (APIError, ProtocolError) as e:       # not streamed: the response says what is wrong
+            log.debug("realtime session %s: the turn is not streamed (%s)", self.session.id, e)
+            heard.prefix, heard.stale = None, False
+            await heard.close()
+            return
+        if heard is self.heard and not same_prefix(heard.prefix, prefix):
+            await heard.close()
+            heard.open(self.response_context.generation.open_turn, prefix, self.conversation_id)
+        heard.stale = False
+
+    async def _begin_turn(self, start: int) -> None:
+        """A new utterance from timeline sample `start`: streamed to a thinker as it comes."""
+        await self._drop_turn()
+        if self.response_context.generation.open_turn is None:
+            return
+        self.heard = HeardTurn(start, self.state.features.fe.mel_filters)
+        await self._open_turn(self.heard)
+
+    async def _hear(self, upto: int, last: bool = False) -> None:
+        """The buffered audio up to timeline sample `upto` into the utterance being heard (`last`: it
+        ends there); a conversation changed since it began is rendered again first."""
+        heard = self.heard
+        if heard is None or heard.features is not None:
+            return
+        if heard.stale and not last:
+            await self._open_turn(heard)
+        if upto > heard.fed or last:
+            try:
+                await heard.feed(self.buffer.peek(heard.fed, upto), last)
+            except Exception:     # a bug here must not fail the turn: it is featurized whole at the commit
+                log.exception("realtime session %s: hearing the utterance failed; it goes whole", self.session.id)
+                await self._drop_turn()
+
+    def _conversation_changed(self) -> None:
+        if self.heard is not None and self.heard.features is None:
+            self.heard.stale = True
+
+    async def _drop_turn(self) -> None:
+        """Cancel the utterance being heard (or heard and not yet answered): the thinker frees it."""
+        heard, self.heard = self.heard, None
+        if heard is not None:
+            if heard.turn is not None:
+                self.state.metrics.streamed_turns.labels("cancelled").inc()
+            await heard.close()
+
+    async def _take_turn(self, prompt: RenderedPrompt) -> AudioTurn | None:
+        """The response's: the committed utterance's stream when `prompt` is what it was opened for."""
+        heard = self.heard
+        if heard is None or heard.features is None or heard.turn is None:
+            return None
+        self.heard = None
+        turn = heard.take(prompt, self.response_context.generation.audio_token)
+        self.state.metrics.streamed_turns.labels("redone" if turn is None else "streamed").inc()
+        await heard.close()
+        return turn
+
+    async def _finish_turn(self, start: int, end: int):
+        """The utterance heard, completed, when it is the clip [start, end) of the buffer being
+        committed: its features (its stream waits for the response); else None (it is dropped)."""
+        heard = self.heard
+        if heard is None or heard.features is not None or heard.start != start or heard.fed > end:
+            await self._drop_turn()
+            return None
+        await self._hear(end, last=True)
+        return heard.features if heard is self.heard else None
 
     async def _speech_started(self, ev: SpeechStarted) -> None:
         params = self.vad.params
@@ -256,6 +359,7 @@ class RealtimeConnection:
         await self.emit(SpeechStartedEvent(samples_to_ms(self.speech_start), self.speech_item_id))
         if params.interrupt_response and self.response is not None and self.response.active:
             await self.response.cancel("turn_detected")
+        await self._begin_turn(self.speech_start)       # after the cancel: its reply is final
 
     async def _speech_stopped(self, ev: SpeechStopped) -> None:
         params = self.vad.params
@@ -265,9 +369,11 @@ class RealtimeConnection:
         await self.emit(SpeechStoppedEvent(ev.end_ms, item_id))
         end = min(ms_to_samples(ev.end_ms), self.buffer.end)
         if end - max(self.speech_start, self.buffer.start) < ms_to_samples(MIN_COMMIT_MS):
+            await self._drop_turn()
             return
         self.speech_end = ("speech_stopped", stopped_at)
-        item = await self._commit(self.buffer.take(self.speech_start, end), item_id)
+        features = await self._finish_turn(max(self.speech_start, self.buffer.start), end)
+        item = await self._commit(self.buffer.take(self.speech_start, end), item_id, features)
         try:
             if not params.create_response:
                 return
@@ -288,14 +394,18 @@ class RealtimeConnection:
         item_id = self.speech_item_id or new_id("item")
         self.speech_item_id = None
         self.speech_end = ("committed", time.perf_counter())
-        self._transcribe(await self._commit(self.buffer.take(), item_id))
+        features = await self._finish_turn(self.buffer.start, self.buffer.end)
+        self._transcribe(await self._commit(self.buffer.take(), item_id, features))
 
     def _features(self, audio_24k):
-        return self.state.features(resample(audio_24k, INPUT_SAMPLE_RATE, FEATURE_SAMPLE_RATE))
+        """A clip's features (the resampling a streamed utterance gets: heard.py)."""
+        return self.state.features(resample_clip(audio_24k, INPUT_SAMPLE_RATE, FEATURE_SAMPLE_RATE))
 
-    async def _commit(self, clip, item_id: str) -> ConversationItem:
-        """The whole utterance, encoded once, becomes a user item."""
-        features = await asyncio.to_thread(self._features, clip)
+    async def _commit(self, clip, item_id: str, features=None) -> ConversationItem:
+        """The whole utterance becomes a user item: `features` those of the utterance heard while it
+        was spoken (`_finish_turn`), or made now."""
+        if features is None:
+            features = await asyncio.to_thread(self._features, clip)
         item = ConversationItem(item_id, "user", [ItemContent("input_audio", features=features,
                                                               audio_samples=len(clip))])
         previous = self.conversation.insert(item)
@@ -362,6 +472,7 @@ class RealtimeConnection:
         self.response = ResponseRun(self.response_context, settings, window, speech_end=self.speech_end)
         self.speech_end = None
         self.response.start()
+        self.response.task.add_done_callback(lambda _: self._conversation_changed())    # its items are in
 
     async def cancel_response(self, event: ResponseCancel) -> None:
         run = self.response

@@ -22,7 +22,10 @@ it): these values and callbacks, never the connection, its outbox or its convers
 - `withdraw_audio(response_id)`: drop the response's audio deltas still queued; returns the samples
   of its delta being written at that moment, which still reach the client;
 - `room`: what the session has learned of the thinker's context (truncation.ContextRoom), which a
-  run reads and adds to.
+  run reads and adds to;
+- `take_turn(prompt)`: the user's last turn, streamed to a thinker while it was spoken (heard.py),
+  when it is exactly this prompt's (None otherwise: the prompt goes whole);
+  `prefilled_before_commit(share)` reports how much of such a turn was prefilled before its commit.
 
 A run reads its prompt from the PromptWindow it is given and fits it to the context as the
 session's truncation says (truncation.py); a prompt that does not fit is a failed response with a
@@ -47,7 +50,7 @@ import grpc
 import numpy as np
 
 from voxpipe.audio import resample
-from voxpipe.client import AudioEvent, DoneEvent, PipelineError, TextEvent
+from voxpipe.client import AudioEvent, AudioTurn, DoneEvent, PipelineError, TextEvent
 from voxpipe.services.runtime.logs import REQUEST_ID
 from voxpipe.services.thinker.prompt import RenderedPrompt
 from voxpipe.v1 import stages_pb2 as pb
@@ -84,6 +87,14 @@ class ResponseContext:
     room: ContextRoom = field(default_factory=ContextRoom)
     # the reply's first audio after the end of the user's speech: (since which event, seconds)
     heard_to_audio: Callable[[str, float], None] = lambda since, seconds: None
+    # the session's streamed user turn for this prompt, handed over (heard.HeardTurn.take), or None
+    take_turn: Callable[[RenderedPrompt], Awaitable[AudioTurn | None]] = field(default=lambda prompt: _no_turn())
+    # a streamed turn's share of the prompt prefilled before its commit
+    prefilled_before_commit: Callable[[float], None] = lambda share: None
+
+
+async def _no_turn() -> None:
+    return None
 
 
 class ResponseRun:
@@ -251,18 +262,31 @@ class ResponseRun:
         req.request_id = self.id
         req.session = self.ctx.conversation_id     # the session's turns prefer one thinker replica
         finish = None
-        async with aclosing(gen.run(req, self.arrived)) as events:
-            async for ev in events:
-                if isinstance(ev, TextEvent):
-                    await self._on_text(ev)
-                elif isinstance(ev, AudioEvent):
-                    await self._on_audio(ev)
-                elif isinstance(ev, DoneEvent):
-                    await self._on_pieces(0, self.parser.finish() if self.parser is not None else [])
-                    finish = ev.text_finish
-                    self.frames = ev.frames     # the talker's own count
-                    self.cached_tokens = ev.cached_tokens
-                    self.audio_finish = ev.audio_finish
+        turn = await self.ctx.take_turn(self.prompt)
+        run = gen.run(req, self.arrived) if turn is None else gen.run(req, self.arrived, turn)
+        try:
+            async with aclosing(run) as events:
+                finish = await self._read(events, turn)
+        finally:
+            if turn is not None:
+                await turn.close()
+        return finish
+
+    async def _read(self, events, turn: AudioTurn | None) -> int | None:
+        finish = None
+        async for ev in events:
+            if isinstance(ev, TextEvent):
+                await self._on_text(ev)
+            elif isinstance(ev, AudioEvent):
+                await self._on_audio(ev)
+            elif isinstance(ev, DoneEvent):
+                await self._on_pieces(0, self.parser.finish() if self.parser is not None else [])
+                finish = ev.text_finish
+                self.frames = ev.frames     # the talker's own count
+                self.cached_tokens = ev.cached_tokens
+                self.audio_finish = ev.audio_finish
+                if turn is not None and ev.prompt_tokens:
+                    self.ctx.prefilled_before_commit(ev.streamed_tokens / ev.prompt_tokens)
         return finish
 
     async def _failed(self, e: APIError) -> tuple[str, dict[str, Any]]:

@@ -430,6 +430,20 @@ class InputAudioBuffer:
         self.start = end
         return clip
 
+    def peek(self, start: int, end: int) -> np.ndarray:
+        """A copy of the samples in [start, end) of the timeline (clamped to what is buffered), left in
+        the buffer; it reads only the chunks that hold them (an utterance reads its newest audio)."""
+        start, end = min(max(start, self.start), self.end), min(max(end, self.start), self.end)
+        pieces, hi = [], self.end            # hi: the timeline index after the chunk below
+        for chunk in reversed(self.chunks):
+            lo = hi - len(chunk)
+            if lo < end and hi > start:
+                pieces.append(chunk[max(start, lo) - lo:min(end, hi) - lo])
+            if lo <= start:
+                break
+            hi = lo
+        return np.concatenate(pieces[::-1]) if pieces else np.zeros(0, np.float32)
+
     def drop_before(self, position: int) -> None:
         """Forget audio older than `position` (while no speech is going on)."""
         if position > self.start:

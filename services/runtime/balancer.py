@@ -490,6 +490,11 @@ class BalancedStream:
     def committed(self) -> bool:
         return self._sent is None
 
+    @property
+    def ended(self) -> bool:
+        """The current call has ended (its status is in; a reader would see it)."""
+        return self._call is not None and self._call.done()
+
     def _may_retry(self) -> bool:
         return not self.committed and len(self._tried) <= self.balancer.options.retries and not self._closed
 

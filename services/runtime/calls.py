@@ -34,6 +34,21 @@ AWAITS_ADMISSION_METADATA = "voxpipe-awaits-admission"
 TAKES_ENDING_METADATA = "voxpipe-takes-ending"
 # trailing metadata of a call refused OUT_OF_RANGE: a serialized stages.proto ContextExceeded
 CONTEXT_METADATA = "voxpipe-context-bin"
+# request headers naming the session (a realtime conversation) a thinker request belongs to: the
+# thinker sends the session's talker streams to the talker replica of its previous one, which holds
+# its talker prefix cache (services.runtime.affinity); routing only, never part of an answer
+SESSION_METADATA = "voxpipe-session"
+MAX_SESSION_CHARS = 128
+
+
+def session_of(context) -> str | None:
+    """The call's SESSION_METADATA (None without one); ValueError for an empty or over-long one."""
+    values = [v for k, v in context.invocation_metadata() or () if k == SESSION_METADATA]
+    if not values:
+        return None
+    if len(values) > 1 or not 0 < len(values[0]) <= MAX_SESSION_CHARS:
+        raise ValueError(f"{SESSION_METADATA} metadata: expected one value of 1 to {MAX_SESSION_CHARS} characters")
+    return values[0]
 
 
 def is_admitted(initial_metadata) -> bool:

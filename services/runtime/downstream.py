@@ -32,6 +32,7 @@ from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 from . import metrics, tracing
 from .balancer import (BalancedStream, BalancerOptions, NoReplicaError, Replica, StageBalancer, is_lost_status,
                        parse_targets)
+from .affinity import RouteKey
 from .calls import AWAITS_ADMISSION_METADATA, TAKES_ENDING_METADATA, failed_stage
 from .tensors import split_message
 from .tls import ClientTLS
@@ -90,11 +91,12 @@ class NextStage:
         return self._balancer
 
     async def open(self, method: str, request_id: str, metadata: tuple[tuple[str, str], ...] = (),
-                   awaits_admission: bool = False) -> "Downstream":
+                   awaits_admission: bool = False, key: RouteKey | None = None) -> "Downstream":
         """A stream to one replica, as a CLIENT span child of the current context. Raises
         DownstreamFailed (UNAVAILABLE) when the stage has no replica at all. `awaits_admission`: the
         caller writes its start with `write_start` and nothing else before it (the server may then
-        refuse the start without waiting for writes; see calls.AWAITS_ADMISSION_METADATA)."""
+        refuse the start without waiting for writes; see calls.AWAITS_ADMISSION_METADATA). `key`: the
+        stream's affinity (its session: the replica of the session's previous stream, within its share)."""
         stub_cls = STUBS[self.stage]
         service = HEALTH_SERVICES[self.stage]
         span = tracing.tracer().start_span(
@@ -110,7 +112,7 @@ class NextStage:
             span.set_attribute("server.address", replica.address)
 
         stream = BalancedStream(self.balancer, lambda channel: getattr(stub_cls(channel), method)(
-            metadata=call_metadata), on_replica)
+            metadata=call_metadata), on_replica, key)
         metrics.NEXT_STAGE_STREAMS.labels(self.stage).inc()
         try:
             await stream.open()

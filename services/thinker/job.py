@@ -75,6 +75,7 @@ class ThinkerJob(EngineRequest):
     stream_start: int = 0                       # where the clip's placeholders begin in the prompt
     adopts: ThinkerJob | None = None            # a committed turn: the pending job whose KV and state it takes
     streamed_tokens: int = 0                    # of the prompt, positions with keys when the commit came
+    session: str | None = None                  # the caller's session (calls.SESSION_METADATA): its talker pick
 
     def __post_init__(self) -> None:
         if not self.prefill_target:

@@ -35,6 +35,7 @@ import grpc
 
 from voxpipe.v1 import stages_pb2 as pb
 
+from ..runtime.affinity import RouteKey
 from ..runtime.downstream import Downstream, DownstreamFailed, NextStage
 from ..runtime.engine import StageError
 from ..runtime.outputs import (Finished, FinishReason, FirstOutput, Routed, StageFinished, TalkerAudioRowsOut,
@@ -180,7 +181,8 @@ class TalkerRelay:
         drops writes after them."""
         job, speech = self.job, self.speech
         try:
-            down = await self.talker.open("Generate", job.request_id, awaits_admission=True)
+            down = await self.talker.open("Generate", job.request_id, awaits_admission=True,
+                                          key=None if job.session is None else RouteKey(session=job.session))
         except DownstreamFailed as e:
             job.outbox.put(StageError(e.code or grpc.StatusCode.UNAVAILABLE, e.details, e.stage))
             return

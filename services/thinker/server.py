@@ -14,7 +14,7 @@ from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
 
 from ..runtime import metrics
-from ..runtime.calls import context_metadata
+from ..runtime.calls import abort, context_metadata, session_of
 from ..runtime.config import OmniConfig
 from ..runtime.downstream import NextStage
 from ..runtime.echo import quoted
@@ -121,9 +121,15 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
     @traced_rpc("voxpipe.v1.Thinker", "Generate")
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
+        try:
+            session = session_of(context)
+        except ValueError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
         job = await self.open_stream(it, context)
         if job is None:
             return
+        job.session = session
 
         async def reader() -> None:
             async for msg in it:
@@ -139,6 +145,7 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             if job is None:
                 yield pb.ThinkerResponse(finished=finished_proto(self.cancelled()))
                 return
+            job.session = session
         relay = TalkerRelay(self.talker, job, job.speech) if job.speech is not None else None
         # aclosing: the request is freed the moment this handler ends, not when the generator is collected
         async with aclosing(self.serve_request(job, context, reader, relay)) as outputs:
