@@ -88,3 +88,16 @@ def test_probe_finds_talker_codes_and_audio_equal_alone_and_batched(capsys):
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines() if x.startswith("{")]
     assert [(r["stage"], r["greedy"]["equal"], r["greedy"]["repeatable"]) for r in lines] == [
         ("talker", True, True), ("code2wav", True, True)]
+
+
+def test_paged_views_give_a_query_row_one_computation():
+    """The CPU's path of every paged view in the mode (determinism.attention over the blocks): a
+    row's bits alike in a whole prefill, packed segments from a cached prefix, an extend and decode
+    steps (the kernel's path: tests/test_kernels.py `paged_views`)."""
+    from test_kernels import paged_views_rows
+
+    for dt in (torch.float32, torch.bfloat16):
+        rows = paged_views_rows("cpu", dt)
+        want = rows.pop("whole prefill")
+        for name, got in rows.items():
+            assert torch.equal(got, want), (dt, name)
