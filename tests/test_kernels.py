@@ -39,7 +39,7 @@ BUDGET_16_P = 2.0
 SAMPLE_MISMATCH = 0.02
 EPS = 1e-6
 KERNELS = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "normlinear", "attention", "experts",
-           "invariant", "layers", "paged_attention", "paged_views")
+           "invariant", "layers", "paged_attention", "paged_views", "invariant_convs")
 
 try:
     import triton  # noqa: F401  (imported only to know; no kernel runs in this process on the CPU)
@@ -878,6 +878,52 @@ def check_paged_attention(device: str) -> list[dict]:
     return out
 
 
+def invariant_convs() -> dict[str, torch.nn.Module]:
+    """code2wav's convolution shapes in the batch-invariant mode (determinism.apply): a dense causal
+    conv (kernel 7, dilation 3), a pointwise one, a depthwise one, the upsampler (kernel = stride) and
+    the decoder's transposed conv (kernel 2 * stride)."""
+    from torch import nn
+
+    from voxpipe.services.runtime import determinism
+
+    torch.manual_seed(5)
+    convs = {"conv k7 d3": nn.Conv1d(8, 12, 7, dilation=3), "conv k1": nn.Conv1d(8, 12, 1),
+             "depthwise k7": nn.Conv1d(8, 8, 7, groups=8), "transposed k=s=2": nn.ConvTranspose1d(8, 12, 2, stride=2),
+             "transposed k=2s=6": nn.ConvTranspose1d(8, 12, 6, stride=3)}
+    return {name: determinism.apply(c.requires_grad_(False)) for name, c in convs.items()}
+
+
+def check_invariant_convs(device: str) -> list[dict]:
+    """`invariant_convs` on the kernel path: close to the plain convolution, and each sample's bits
+    the same alone as inside a batch of 3 (and at another row)."""
+    from torch import nn
+
+    g = torch.Generator().manual_seed(6)
+    out = []
+    x32 = torch.randn(3, 8, 25, generator=g).to(device)
+    for name, conv in invariant_convs().items():
+        for dt in (torch.float32, torch.bfloat16):
+            c = conv.to(device, dt)
+            if isinstance(c, nn.ConvTranspose1d):
+                c.prepare()
+            x = x32.to(dt)
+            base = nn.ConvTranspose1d if isinstance(c, nn.ConvTranspose1d) else nn.Conv1d
+            want = base.forward(c, x)
+            got = c(x)
+            tag = f"invariant {name} {str(dt)[6:]}"
+            if dt == torch.float32:
+                out.append(_fp32_record(tag, got, want))
+            else:
+                w32 = conv.to(torch.float32)
+                want32 = base.forward(w32, x.float())
+                out.append(_budget_record(tag, got, want, want32))
+                conv.to(dt)
+            alone = torch.cat([c(x[i:i + 1]) for i in range(3)])
+            out.append(_exact_record(f"{tag}: samples alone = in a batch", alone, got))
+            out.append(_exact_record(f"{tag}: samples moved", c(x.flip(0)), got.flip(0)))
+    return out
+
+
 def paged_views_rows(device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """One sequence's 40 query rows [Hq, 40, D] through every paged view in the batch-invariant mode
     (inside determinism.scope()), each beside another sequence and into blocks of its own: a whole
@@ -943,7 +989,8 @@ CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": ch
           "rope": check_rope,
           "moe": check_moe, "glu": check_glu, "normlinear": check_normlinear, "attention": check_attention,
           "experts": check_experts, "invariant": check_invariant, "layers": check_layers,
-          "paged_attention": check_paged_attention, "paged_views": check_paged_views}
+          "paged_attention": check_paged_attention, "paged_views": check_paged_views,
+          "invariant_convs": check_invariant_convs}
 
 
 def assert_records(records: list[dict]) -> None:
