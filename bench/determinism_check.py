@@ -3,7 +3,7 @@ target requests (one greedy, one sampled with a seed) alone and inside a batch o
 lengths (a third of them sampled); the target's output bits (thinker: token ids, log probabilities,
 talker rows; talker: codes; code2wav: the float32 samples) must be the same every time. Per target:
     cold       alone, the prefix cache emptied first (a miss: the whole prompt prefilled from 0)
-    hit_miss   alone again, its prompt now in the prefix cache (thinker / talker) = cold
+    hit_miss   alone again, its prompt now in the prefix cache = cold (thinker, talker: a stage with one)
     repeatable alone, the cache emptied again = cold
     equal      inside the batch (the cache emptied first) = cold
 and where a run differs, `differs` names the part and its first differing index (a token, a row, a
@@ -96,11 +96,13 @@ def differs(got: Parts, want: Parts) -> dict[str, int]:
     return out
 
 
-def forget_prefixes(engine: StageEngine) -> None:
-    """Empty the stage's prefix cache (thinker, talker), so that the next request is a miss."""
+def forget_prefixes(engine: StageEngine) -> bool:
+    """Empty the stage's prefix cache, so that the next request is a miss; False: it has none (code2wav)."""
     blocks = getattr(getattr(engine, "runner", None), "blocks", None)
-    if blocks is not None:
-        blocks.pool.reset_cache()
+    if blocks is None:
+        return False
+    blocks.pool.reset_cache()
+    return True
 
 
 def thinker_probe(engine, tokens: int) -> Probe:
@@ -173,9 +175,10 @@ PROBES = {"thinker": thinker_probe, "talker": talker_probe, "code2wav": code2wav
 SAMPLED = SamplingParams(temperature=0.9, top_k=50, seed=11)
 
 
-async def check_stage(engine: StageEngine, probe: Probe, concurrency: int, targets: tuple[str, ...]) -> dict:
-    """The batch once untimed, then per target (greedy, sampled): cold, cached and cold again alone, and
-    inside `concurrency` requests (see the module docstring)."""
+async def check_stage(engine: StageEngine, probe: Probe, concurrency: int, targets: tuple[str, ...],
+                      warm: bool = True) -> dict:
+    """The batch once untimed (`warm`), then per target (greedy, sampled): cold, cached and cold again
+    alone, and inside `concurrency` requests (see the module docstring)."""
     loop = asyncio.get_running_loop()
 
     def request(k: int, params: SamplingParams) -> EngineRequest:
@@ -196,13 +199,15 @@ async def check_stage(engine: StageEngine, probe: Probe, concurrency: int, targe
         jobs.insert(len(jobs) // 2, target)
         return jobs, target
 
-    await run(batch(GREEDY)[0], cold=True)                          # warm: untimed
+    if warm:
+        await run(batch(GREEDY)[0], cold=True)                      # untimed
     out: dict = {}
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
         if name not in targets:
             continue
         runs = {}
-        for run_name, cold in (("cold", True), ("hit_miss", False), ("repeatable", True)):
+        cached = (("hit_miss", False),) if forget_prefixes(engine) else ()
+        for run_name, cold in (("cold", True), *cached, ("repeatable", True)):
             job = request(0, params)
             results, _ = await run([job], cold)
             runs[run_name] = probe.bits(job, results[job.request_id])
@@ -229,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--modes", default="default,deterministic")
     p.add_argument("--extra", default="", help="more flags for every stage")
+    p.add_argument("--no-warm", dest="warm", action="store_false",
+                   help="skip the untimed batch (a check of the bits only: batch_s then includes first-sight work)")
     p.add_argument("--targets", default="greedy,sampled",
                    help="which targets: greedy, sampled (code2wav, which does not sample: greedy only)")
     args = p.parse_args(argv)
@@ -250,10 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             engine = build_engine(stage, argv_stage)
             size = args.tokens if stage == "thinker" else args.frames
             targets = ("greedy",) if stage == "code2wav" else tuple(args.targets.split(","))
-            result = asyncio.run(check_stage(engine, PROBES[stage](engine, size), args.concurrency, targets))
+            result = asyncio.run(check_stage(engine, PROBES[stage](engine, size), args.concurrency, targets,
+                                                 args.warm))
             line = {"stage": stage, "mode": mode, "concurrency": args.concurrency, "device": args.device, **result}
             print(json.dumps(line), flush=True)
-            if mode == "deterministic" and not all(r["equal"] and r["repeatable"] and r["hit_miss"]
+            if mode == "deterministic" and not all(r["equal"] and r["repeatable"] and r.get("hit_miss", True)
                                                    for r in result.values()):
                 failed = True
             seconds[mode] = sum(r["batch_s"] for r in result.values())
