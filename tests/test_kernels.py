@@ -903,9 +903,7 @@ def check_invariant_convs(device: str) -> list[dict]:
     x32 = torch.randn(3, 8, 25, generator=g).to(device)
     for name, conv in invariant_convs().items():
         for dt in (torch.float32, torch.bfloat16):
-            c = conv.to(device, dt)
-            if isinstance(c, nn.ConvTranspose1d):
-                c.prepare()
+            c = conv.to(device, dt)           # the transposed convs' row weights are buffers: moved too
             x = x32.to(dt)
             base = nn.ConvTranspose1d if isinstance(c, nn.ConvTranspose1d) else nn.Conv1d
             want = base.forward(c, x)

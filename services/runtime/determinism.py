@@ -145,23 +145,27 @@ class InvariantConvTranspose1d(nn.ConvTranspose1d):
     columns t - m + 1 .. t (zero past the ends) against `rows_weight` [Cout * stride, Cin * m] (made
     by `apply`), all samples at once; else one sample at a time."""
 
-    rows_weight: torch.Tensor | None = None
-    rows_bias: torch.Tensor | None = None
-
     def prepare(self) -> None:
-        """`rows_weight` / `rows_bias` from the weight [Cin, Cout, K] (at `apply`: before graph capture)."""
+        """Buffers `rows_weight` / `rows_bias` (None: not of that form) from the weight [Cin, Cout, K]
+        (at `apply`: before any graph capture; buffers, so that `.to()` moves them)."""
         s, k = self.stride[0], self.kernel_size[0]
-        if not (_plain(self) and self.groups == 1 and self.dilation == (1,) and self.output_padding == (0,)
+        weight = bias = None
+        if (_plain(self) and self.groups == 1 and self.dilation == (1,) and self.output_padding == (0,)
                 and k % s == 0):
-            return
-        cin, cout, m = self.in_channels, self.out_channels, k // s
-        with torch.no_grad():
-            w = self.weight.view(cin, cout, m, s).flip(2)                                 # [ci, co, j, r]
-            self.rows_weight = w.permute(1, 3, 0, 2).reshape(cout * s, cin * m).contiguous()
-            self.rows_bias = None if self.bias is None else self.bias.repeat_interleave(s)
+            cin, cout, m = self.in_channels, self.out_channels, k // s
+            with torch.no_grad():
+                w = self.weight.view(cin, cout, m, s).flip(2)                             # [ci, co, j, r]
+                weight = w.permute(1, 3, 0, 2).reshape(cout * s, cin * m).contiguous()
+                bias = None if self.bias is None else self.bias.repeat_interleave(s)
+        for name, t in (("rows_weight", weight), ("rows_bias", bias)):
+            if name in self._buffers:
+                self._buffers[name] = t
+            else:
+                self.register_buffer(name, t, persistent=False)
 
     def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
-        if self.rows_weight is not None and output_size is None and x.ndim == 3 and kernels.active(x):
+        if (getattr(self, "rows_weight", None) is not None and output_size is None and x.ndim == 3
+                and kernels.active(x)):
             s, m = self.stride[0], self.kernel_size[0] // self.stride[0]
             cols = F.pad(x, (m - 1, m - 1)).unfold(2, m, 1) if m > 1 else x[..., None]    # [B, Cin, L + m - 1, m]
             b, cin, blocks = cols.shape[:3]
