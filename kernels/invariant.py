@@ -57,16 +57,19 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
             and x.stride(1) == 1 and weight.is_contiguous() and launchable(*tensors))
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton; assumes `eligible(...)`."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """Triton; assumes `eligible(...)`. `tiles`: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of
+    the constants (bench/invariant_tune.py; a serving path must keep one shape for every call)."""
     m, k = x.shape
     n = weight.shape[0]
+    bm, bn, bk, warps, stages = tiles or (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     with device_of(x):
-        _matmul[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+        _matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), HAS_BIAS=bias is not None,
-            DOT_F32=x.dtype == torch.float32 or INTERPRET, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            DOT_F32=x.dtype == torch.float32 or INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=warps, num_stages=stages)
     return out
 
 
