@@ -9,7 +9,7 @@ shape faster at every M and invariant is a candidate for kernels/invariant.py's 
 stay one shape for every call). Then one line per token count for the experts.
 
 Times are microseconds per call inside one CUDA graph of CALLS calls (as the decode graphs see them),
-median of ITERS replays; each call reads another copy of the weight (COPIES_MB in all) so that it
+median of normlinear_tune's replays; each call reads another copy of the weight (COPIES_MB in all) so that it
 comes from HBM as in a step.
 """
 
@@ -23,30 +23,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from voxpipe.bench.kernels_check import time_eager
+from voxpipe.bench.normlinear_tune import graphed
 from voxpipe.kernels import invariant
 
-CALLS, ITERS, COPIES_MB = 24, 30, 160
+CALLS, COPIES_MB = 24, 160
 
 # (name, K, N): the thinker's and talker's decode projections (released config)
 SHAPES = (("thinker q/k/v", 2048, 5120), ("thinker o_proj", 4096, 2048), ("thinker router", 2048, 128),
           ("talker q/k/v", 1024, 2560), ("talker o_proj", 2048, 1024))
 SERVING = (invariant.BLOCK_M, invariant.BLOCK_N, invariant.BLOCK_K, invariant.NUM_WARPS, invariant.NUM_STAGES)
-
-
-def graphed(fns) -> float:
-    """Per-call microseconds of the calls `fns` captured back to back in one graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return time_eager(graph.replay, ITERS) / len(fns)
 
 
 def invariant_rows(x: torch.Tensor, w: torch.Tensor, tiles) -> bool:
