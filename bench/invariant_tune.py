@@ -1,5 +1,6 @@
 """The batch-invariant mode's costs on the GPU, piece by piece, at the released config's decode shapes:
-kernels.invariant.matmul in its serving tiles and in other fixed tiles against F.linear (cuBLAS), and
+kernels.invariant.matmul in its serving tiles and in other fixed tiles (and fixed split-K) against
+F.linear (cuBLAS), and
 the routed experts (kernels.invariant.moe + the ordered sum) against the default grouped path.
 
 `python -m voxpipe.bench.invariant_tune` (device tool, ~2 min) prints one JSON line per (shape, rows):
@@ -29,8 +30,7 @@ from voxpipe.kernels import invariant
 CALLS, COPIES_MB = 24, 160
 
 # (name, K, N): the thinker's and talker's decode projections (released config)
-SHAPES = (("thinker q/k/v", 2048, 5120), ("thinker o_proj", 4096, 2048), ("thinker router", 2048, 128),
-          ("talker q/k/v", 1024, 2560), ("talker o_proj", 2048, 1024))
+SHAPES = (("thinker q/k/v", 2048, 5120), ("thinker o_proj", 4096, 2048), ("talker q/k/v", 1024, 2560))
 SERVING = (invariant.BLOCK_M, invariant.BLOCK_N, invariant.BLOCK_K, invariant.NUM_WARPS, invariant.NUM_STAGES)
 
 
@@ -74,7 +74,9 @@ def main() -> int:
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    grid = [t for t in itertools.product((16, 32, 64), (16, 32, 64), (64, 128), (4,), (3, 4)) if t != SERVING]
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, fixed K splits)
+    grid = [t for t in itertools.product((16, 64), (16, 32, 64), (64, 128), (4,), (3,), (1, 2, 4))
+            if t[:5] != SERVING or t[5] > 1]
     rows = [int(r) for r in args.rows.split(",")]
     for name, k, n in SHAPES:
         copies = max(2, math.ceil(COPIES_MB * 2**20 / (n * k * 2)))
