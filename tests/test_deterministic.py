@@ -130,11 +130,11 @@ def test_thinker_bits_alike_on_a_miss_a_hit_in_a_batch_and_after_preemption(tiny
     from voxpipe.services.thinker.prompt import ChatMessage, render
 
     roomy = _thinker(tiny_model_dir, graphs=True)
-    probe = dc.thinker_probe(roomy, 6)
+    probe = dc.thinker_probe(roomy, 4)
     result = asyncio.run(dc.check_stage(roomy, probe, 3, ("greedy",), warm=False))   # sampled: p1 below
     assert all(r["hit_miss"] and r["repeatable"] and r["equal"] for r in result.values()), result
 
-    tight = _thinker(tiny_model_dir, "--kv-cache-tokens", "96", "--max-len", "96", graphs=False)
+    tight = _thinker(tiny_model_dir, "--kv-cache-tokens", "96", "--max-len", "96", graphs=True)
     texts = ("Count to twenty.", "Name the planets.", "Sing a song.")
     params = (dc.GREEDY, SamplingParams(temperature=0.9, top_k=50, seed=5), dc.GREEDY)
 
@@ -142,7 +142,7 @@ def test_thinker_bits_alike_on_a_miss_a_hit_in_a_batch_and_after_preemption(tiny
         loop = asyncio.get_running_loop()
         jobs = [ThinkerJob(request_id=f"p{i}", outbox=Outbox(loop, limit=100000), params=params[i],
                            prompt=render(engine.tokenizer, engine.cfg, [ChatMessage.text("user", texts[i])]).token_ids,
-                           max_tokens=24, min_tokens=24, talker_rows=True, top_logprobs=3) for i in picks]
+                           max_tokens=20, min_tokens=20, talker_rows=True, top_logprobs=3) for i in picks]
         dc.forget_prefixes(engine)
         dc.run_together(engine, jobs)
         await asyncio.sleep(0)
