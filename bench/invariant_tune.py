@@ -97,7 +97,8 @@ def main() -> int:
             print(json.dumps({"case": name, "rows": m, "k": k, "n": n,
                               "cublas_us": round(graphed([lambda w=w: F.linear(x, w) for w in ws]), 2),
                               "serving": results[0], "best": timed[:args.top],
-                              "not_invariant": [r["tiles"] for r in results if r.get("invariant") is False]}), flush=True)
+                              "not_invariant": [r["tiles"] for r in results if r.get("invariant") is False]}),
+                  flush=True)
     for line in experts_lines(rows):
         print(json.dumps(line), flush=True)
     return 0

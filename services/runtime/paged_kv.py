@@ -218,8 +218,8 @@ class _PagedPrefill:
         self.mask = causal[None, None].expand(tables.shape[0], 1, s, s)
         # the batch-invariant mode's kernel reads positions 0 .. S - 1 through the tables: [B, >= S / bs]
         need = -(-s // bs)
-        self.tables = tables if width >= need else torch.cat(
-            (tables, torch.full((tables.shape[0], need - width), cache.null, dtype=tables.dtype, device=tables.device)), 1)
+        pad = torch.full((tables.shape[0], max(0, need - width)), cache.null, dtype=tables.dtype, device=tables.device)
+        self.tables = tables if width >= need else torch.cat((tables, pad), 1)
         self.start = torch.zeros(tables.shape[0], dtype=torch.long, device=tables.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
