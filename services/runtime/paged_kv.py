@@ -218,8 +218,8 @@ class _PagedPrefill:
         self.mask = causal[None, None].expand(tables.shape[0], 1, s, s)
         # the batch-invariant mode's kernel reads positions 0 .. S - 1 through the tables: [B, >= S / bs]
         need = -(-s // bs)
-        pad = torch.full((tables.shape[0], max(0, need - width)), cache.null, dtype=tables.dtype, device=tables.device)
-        self.tables = tables if width >= need else torch.cat((tables, pad), 1)
+        extra = need - width
+        self.tables = tables if extra <= 0 else torch.cat((tables, tables.new_full((tables.shape[0], extra), cache.null)), 1)
         self.start = torch.zeros(tables.shape[0], dtype=torch.long, device=tables.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
