@@ -41,13 +41,14 @@ GREEDY = SamplingParams()
 
 
 def build_engine(stage: str, argv: list[str]) -> StageEngine:
-    """The stage's engine as `voxpipe STAGE *argv` builds it (not started: callers step it)."""
+    """The stage's engine as `voxpipe STAGE *argv` builds it (not started: callers step it; it serves
+    nothing, so no port of its own is checked: --port 0 unless argv names one)."""
     from voxpipe.cli import build_parser
     from voxpipe.services.code2wav import server as code2wav_server
     from voxpipe.services.talker import server as talker_server
     from voxpipe.services.thinker import server as thinker_server
 
-    ns = build_parser().parse_args([stage, *argv])
+    ns = build_parser().parse_args([stage, "--port", "0", *argv])
     built = {"thinker": thinker_server, "talker": talker_server, "code2wav": code2wav_server}[stage].build(ns)
     return (built[0] if stage == "thinker" else built).engine
 
