@@ -1,10 +1,15 @@
 """Batch invariance (`--deterministic`): each stage's engine, built as its service builds it, runs two
-target requests (one greedy, one sampled with a seed) alone, then each inside a batch of c requests
-of other lengths (a third of them sampled); the target's output bits (thinker: token ids, log
-probabilities, talker rows; talker: codes; code2wav: the float32 samples) must be equal alone and
-batched. Per stage and mode it prints one JSON line: equal or not, repeatable (alone twice: the
-thinker's second run finds its prompt in the prefix cache), and the wall time of the batched runs;
-then per stage the mode's cost at c (deterministic over default batched wall time, minus 1).
+target requests (one greedy, one sampled with a seed) alone and inside a batch of c requests of other
+lengths (a third of them sampled); the target's output bits (thinker: token ids, log probabilities,
+talker rows; talker: codes; code2wav: the float32 samples) must be the same every time. Per target:
+    cold       alone, the prefix cache emptied first (a miss: the whole prompt prefilled from 0)
+    hit_miss   alone again, its prompt now in the prefix cache = cold (thinker, talker: a stage with one)
+    repeatable alone, the cache emptied again = cold
+    equal      inside the batch (the cache emptied first) = cold
+and where a run differs, `differs` names the part and its first differing index (a token, a row, a
+frame, a sample). Before any timing each engine runs the batch once untimed (first-sight kernel
+compiles, allocator growth), so `batch_s` is a warm batch in either mode; per stage the mode's cost
+at c is its batched wall time over the default mode's, minus 1. One JSON line per stage and mode.
 
     python -m voxpipe.bench.determinism_check --device cuda --load-format dummy --concurrency 64
     python -m voxpipe.bench.determinism_check --device cpu --concurrency 4      # the tiny checkpoint
@@ -36,13 +41,14 @@ GREEDY = SamplingParams()
 
 
 def build_engine(stage: str, argv: list[str]) -> StageEngine:
-    """The stage's engine as `voxpipe STAGE *argv` builds it (not started: callers step it)."""
+    """The stage's engine as `voxpipe STAGE *argv` builds it (not started: callers step it; it serves
+    nothing, so no port of its own is checked: --port 0 unless argv names one)."""
     from voxpipe.cli import build_parser
     from voxpipe.services.code2wav import server as code2wav_server
     from voxpipe.services.talker import server as talker_server
     from voxpipe.services.thinker import server as thinker_server
 
-    ns = build_parser().parse_args([stage, *argv])
+    ns = build_parser().parse_args([stage, "--port", "0", *argv])
     built = {"thinker": thinker_server, "talker": talker_server, "code2wav": code2wav_server}[stage].build(ns)
     return (built[0] if stage == "thinker" else built).engine
 
@@ -68,13 +74,36 @@ def drained(job: EngineRequest) -> list:
     return out
 
 
+Parts = dict[str, list[bytes]]   # an output's parts, each as its units' bytes (a token, a row, a frame, a sample)
+
+
 @dataclass
 class Probe:
     """How one stage's requests are made and their outputs read as bytes."""
 
     make: Callable[[asyncio.AbstractEventLoop, int, SamplingParams], EngineRequest]   # request k
-    bits: Callable[[EngineRequest, list], bytes]                                      # its outputs' bytes
+    bits: Callable[[EngineRequest, list], Parts]                                      # its outputs' parts
     feed: Callable[[StageEngine, EngineRequest], None] = lambda engine, job: None    # code2wav: its frames
+
+
+def differs(got: Parts, want: Parts) -> dict[str, int]:
+    """Per part that differs, the index of its first differing unit (or the shorter one's length)."""
+    out = {}
+    for name, units in want.items():
+        other = got.get(name, [])
+        first = next((i for i, (a, b) in enumerate(zip(other, units)) if a != b), min(len(other), len(units)))
+        if first < max(len(other), len(units)):
+            out[name] = first
+    return out
+
+
+def forget_prefixes(engine: StageEngine) -> bool:
+    """Empty the stage's prefix cache, so that the next request is a miss; False: it has none (code2wav)."""
+    blocks = getattr(getattr(engine, "runner", None), "blocks", None)
+    if blocks is None:
+        return False
+    blocks.pool.reset_cache()
+    return True
 
 
 def thinker_probe(engine, tokens: int) -> Probe:
@@ -88,12 +117,13 @@ def thinker_probe(engine, tokens: int) -> Probe:
         return ThinkerJob(request_id=f"r{k}", outbox=Outbox(loop, limit=100000), prompt=rendered.token_ids,
                           params=params, max_tokens=n, min_tokens=n, talker_rows=True, top_logprobs=3)
 
-    def bits(job, items) -> bytes:
+    def bits(job, items) -> Parts:
         outs = [i for i in items if isinstance(i, TextOut)]
-        ids = [t for o in outs for t in o.token_ids]
-        lps = [(e.token_id, e.logprob, *[x for alt in e.top for x in alt]) for o in outs for e in (o.logprobs or ())]
-        rows = b"".join(to_proto(o.rows).data for o in outs if o.rows is not None)
-        return struct.pack(f"{len(ids)}q", *ids) + json.dumps(lps).encode() + rows
+        ids = [struct.pack("q", t) for o in outs for t in o.token_ids]
+        lps = [json.dumps((e.token_id, e.logprob, *[x for alt in e.top for x in alt])).encode()
+               for o in outs for e in (o.logprobs or ())]
+        rows = [to_proto(r).data for o in outs if o.rows is not None for r in o.rows.unbind(0)]
+        return {"token_ids": ids, "logprobs": lps, "talker_rows": rows}
 
     return Probe(make, bits)
 
@@ -113,8 +143,8 @@ def talker_probe(engine, frames: int) -> Probe:
                          max_frames=n, min_frames=n, rows=list(torch.randn(3 + k % 5, h, generator=g).unbind(0)),
                          text_done=True)
 
-    def bits(job, items) -> bytes:
-        return b"".join(to_proto(i.codes).data for i in items if isinstance(i, FramesOut))
+    def bits(job, items) -> Parts:
+        return {"codes": [to_proto(f).data for i in items if isinstance(i, FramesOut) for f in i.codes.unbind(0)]}
 
     return Probe(make, bits)
 
@@ -133,8 +163,9 @@ def code2wav_probe(engine, frames: int) -> Probe:
         engine.add_frames(job, torch.randint(0, size, (n, q), generator=torch.Generator().manual_seed(k)))
         engine.end_frames(job)
 
-    def bits(job, items) -> bytes:
-        return b"".join(i.samples.tobytes() for i in items if isinstance(i, AudioOut))
+    def bits(job, items) -> Parts:
+        samples = b"".join(i.samples.tobytes() for i in items if isinstance(i, AudioOut))
+        return {"samples": [samples[i:i + 4] for i in range(0, len(samples), 4)]}
 
     return Probe(make, bits, feed)
 
@@ -145,35 +176,50 @@ PROBES = {"thinker": thinker_probe, "talker": talker_probe, "code2wav": code2wav
 SAMPLED = SamplingParams(temperature=0.9, top_k=50, seed=11)
 
 
-async def check_stage(engine: StageEngine, probe: Probe, concurrency: int, targets: tuple[str, ...]) -> dict:
-    """Each target (greedy, sampled) alone (twice), then inside `concurrency` requests."""
+async def check_stage(engine: StageEngine, probe: Probe, concurrency: int, targets: tuple[str, ...],
+                      warm: bool = True) -> dict:
+    """The batch once untimed (`warm`), then per target (greedy, sampled): cold, cached and cold again
+    alone, and inside `concurrency` requests (see the module docstring)."""
     loop = asyncio.get_running_loop()
-    sampled = SAMPLED
 
     def request(k: int, params: SamplingParams) -> EngineRequest:
         job = probe.make(loop, k, params)
         probe.feed(engine, job)
         return job
 
-    async def alone(params: SamplingParams) -> bytes:
-        job = request(0, params)
-        run_together(engine, [job])
-        await asyncio.sleep(0)
-        return probe.bits(job, drained(job))
-
-    out: dict = {}
-    for name, params in (("greedy", GREEDY), ("sampled", sampled)):
-        if name not in targets:
-            continue
-        solo, again = await alone(params), await alone(params)
-        jobs = [request(k, GREEDY if k % 3 else sampled) for k in range(1, concurrency)]
-        target = request(0, params)
-        jobs.insert(len(jobs) // 2, target)
+    async def run(jobs: list[EngineRequest], cold: bool) -> tuple[dict[str, list], float]:
+        if cold:
+            forget_prefixes(engine)
         seconds = run_together(engine, jobs)
         await asyncio.sleep(0)
-        results = {j.request_id: drained(j) for j in jobs}
-        out[name] = {"equal": probe.bits(target, results[target.request_id]) == solo, "repeatable": again == solo,
-                     "bytes": len(solo), "batch_s": round(seconds, 3)}
+        return {j.request_id: drained(j) for j in jobs}, seconds
+
+    def batch(params: SamplingParams) -> tuple[list[EngineRequest], EngineRequest]:
+        jobs = [request(k, GREEDY if k % 3 else SAMPLED) for k in range(1, concurrency)]
+        target = request(0, params)
+        jobs.insert(len(jobs) // 2, target)
+        return jobs, target
+
+    if warm:
+        await run(batch(GREEDY)[0], cold=True)                      # untimed
+    out: dict = {}
+    for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        if name not in targets:
+            continue
+        runs = {}
+        cached = (("hit_miss", False),) if forget_prefixes(engine) else ()
+        for run_name, cold in (("cold", True), *cached, ("repeatable", True)):
+            job = request(0, params)
+            results, _ = await run([job], cold)
+            runs[run_name] = probe.bits(job, results[job.request_id])
+        jobs, target = batch(params)
+        results, seconds = await run(jobs, cold=True)
+        runs["equal"] = probe.bits(target, results[target.request_id])
+        cold = runs.pop("cold")
+        diff = {run_name: differs(parts, cold) for run_name, parts in runs.items()}
+        out[name] = {**{run_name: not d for run_name, d in diff.items()},
+                     "differs": {run_name: d for run_name, d in diff.items() if d},
+                     "units": {part: len(units) for part, units in cold.items()}, "batch_s": round(seconds, 3)}
     return out
 
 
@@ -189,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--modes", default="default,deterministic")
     p.add_argument("--extra", default="", help="more flags for every stage")
+    p.add_argument("--no-warm", dest="warm", action="store_false",
+                   help="skip the untimed batch (a check of the bits only: batch_s then includes first-sight work)")
     p.add_argument("--targets", default="greedy,sampled",
                    help="which targets: greedy, sampled (code2wav, which does not sample: greedy only)")
     args = p.parse_args(argv)
@@ -210,10 +258,12 @@ def main(argv: list[str] | None = None) -> int:
             engine = build_engine(stage, argv_stage)
             size = args.tokens if stage == "thinker" else args.frames
             targets = ("greedy",) if stage == "code2wav" else tuple(args.targets.split(","))
-            result = asyncio.run(check_stage(engine, PROBES[stage](engine, size), args.concurrency, targets))
+            result = asyncio.run(check_stage(engine, PROBES[stage](engine, size), args.concurrency, targets,
+                                                 args.warm))
             line = {"stage": stage, "mode": mode, "concurrency": args.concurrency, "device": args.device, **result}
             print(json.dumps(line), flush=True)
-            if mode == "deterministic" and not all(r["equal"] and r["repeatable"] for r in result.values()):
+            if mode == "deterministic" and not all(r["equal"] and r["repeatable"] and r.get("hit_miss", True)
+                                                   for r in result.values()):
                 failed = True
             seconds[mode] = sum(r["batch_s"] for r in result.values())
             del engine

@@ -57,17 +57,34 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
             and x.stride(1) == 1 and weight.is_contiguous() and launchable(*tensors))
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton; assumes `eligible(...)`."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Triton; assumes `eligible(...)`. `tiles`: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, splits])
+    instead of the constants (bench/invariant_tune.py; a serving path must keep one shape for every
+    call). `splits` > 1: K cut into that many fixed chunks (a fixed split-K: each chunk's float32
+    partial in its own program, the partials then added in chunk order, the bias last, one rounding),
+    still a row's arithmetic alone: more programs for few rows."""
     m, k = x.shape
     n = weight.shape[0]
+    bm, bn, bk, warps, stages, splits = (*(tiles or (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)), 1)[:6]
+    chunk = -(-k // (splits * bk)) * bk
+    splits = -(-k // chunk)
+    partial = splits > 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else out
     with device_of(x):
-        _matmul[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
-            x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), HAS_BIAS=bias is not None,
-            DOT_F32=x.dtype == torch.float32 or INTERPRET, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return out
+        _matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
+            x, weight, weight if bias is None else bias, parts, m, n, k, x.stride(0), chunk,
+            HAS_BIAS=bias is not None and not partial, PARTIAL=partial, DOT_F32=x.dtype == torch.float32 or INTERPRET,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    if not partial:
+        return out
+    acc = parts[0]
+    for part in parts[1:]:
+        acc = acc + part
+    if bias is not None:
+        acc = acc + bias.float()
+    return out.copy_(acc)
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,13 +231,15 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit(do_not_specialize=["m"])
-    def _matmul(x_ptr, w_ptr, b_ptr, out_ptr, m, n, k, x_stride, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _matmul(x_ptr, w_ptr, b_ptr, out_ptr, m, n, k, x_stride, chunk, HAS_BIAS: tl.constexpr,
+                PARTIAL: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < m, cols < n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, k, BLOCK_K):
+        lo = tl.program_id(2) * chunk
+        for start in range(lo, tl.minimum(lo + chunk, k), BLOCK_K):
             kk = start + tl.arange(0, BLOCK_K)
             k_ok = kk < k
             a = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + kk[None, :],
@@ -230,8 +249,11 @@ if triton is not None:
             acc += _dot(a, w, DOT_F32)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], round_to(acc, out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        at = rows[:, None].to(tl.int64) * n + cols[None, :]
+        if PARTIAL:     # chunk program_id(2)'s float32 partial: out_ptr is [splits, m, n]
+            tl.store(out_ptr + tl.program_id(2).to(tl.int64) * m * n + at, acc, mask=row_ok[:, None] & col_ok[None, :])
+        else:
+            tl.store(out_ptr + at, round_to(acc, out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _experts(a_ptr, order_ptr, expert_ptr, start_ptr, end_ptr, w_ptr, out_ptr, n, k, K: tl.constexpr,

@@ -15,14 +15,22 @@ Contract (`reference`):
 The kernel computes scores, softmax and the weighted sum in float32 (q.k as a 16-bit dot with a
 float32 accumulator; p.v with float32 inputs up to PV_FP32_MAX_S new tokens, past that with p
 rounded to 16 bits for the tensor cores, as flash attention does) and rounds once. Triton's CPU
-interpreter gets 16-bit dots wrong, so there (EMULATE) the 16-bit operands are widened to float32
-first: the products are the same (a 16-bit product is exact in float32), the sums' order may differ.
+interpreter gets 16-bit dots wrong and its tl.dot (numpy's BLAS) rounds a row by the other rows of
+its tile, so there (EMULATE) each output is a float32 sum of products in one fixed order: the
+products are the same (a 16-bit product is exact in float32), the sums' order may differ.
 
 Splits (flash decoding): a row's positions are cut into splits of `split` positions (a multiple of
 BLOCK_N), each a program computing a partial softmax; a second launch merges a row's splits in
 order. A split past a row's length does nothing. With a fixed `split` the arithmetic of a row does
 not depend on the other rows, on N or on kv_bound (programs only skip work they do not have):
 the result is batch-invariant. `split=None` picks one for parallelism (then it may depend on N).
+
+One computation per query row (the batch-invariant mode: one split, `pv_fp32=True` and a fixed
+`block_r`): a row's program walks the key tiles 0, BLOCK_N, ... up to the last position any row of
+its tile sees; a tile past the row's own position adds exact zeros (every score -inf: scale 1, p 0)
+and a position masked inside a tile an exact 0 to its sums, and with BLOCK_R fixed the row goes
+through the same compiled dot whether it is a decode step (S=1), a token of an extend / packed
+segment or of a whole prompt from position 0: the same bits in each (tests/test_kernels.py).
 
 `run` launches the kernel when `common.launchable` holds and: D a power of two in 16 .. MAX_D; Hq a
 multiple of Hkv; caches contiguous; one float dtype; tables / start int64. Otherwise the reference.
@@ -102,14 +110,16 @@ def _split_len(programs: int, partial_row_bytes: int, kv_bound: int, split: int 
 
 
 def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
-           kv_bound: int, scale: float, split: int | None = None, pv_fp32: bool | None = None) -> torch.Tensor:
+           kv_bound: int, scale: float, split: int | None = None, pv_fp32: bool | None = None,
+           block_r: int | None = None) -> torch.Tensor:
     """Triton; assumes `eligible(...)`. `pv_fp32`: p.v with float32 inputs whatever S (None: up to
-    PV_FP32_MAX_S new tokens)."""
+    PV_FP32_MAX_S new tokens). `block_r`: query rows per program (16, 32 or 64; None: by Hq / Hkv * S)."""
     n, hq, s, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     rep = hq // hkv
     rows = rep * s
-    block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    if block_r is None:
+        block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     row_tiles = -(-rows // block_r)
     split_len = _split_len(n * hkv * row_tiles, n * hq * s * (d + 2) * 4, kv_bound, split)
     splits = -(-kv_bound // split_len)
@@ -171,8 +181,10 @@ if triton is not None:
             at = ((blk * HKV + g) * BS + pos % BS)[:, None] * D + d[None, :]  # [N, D]
             keys = tl.load(kc_ptr + at, mask=ok[:, None], other=0.0)
             vals = tl.load(vc_ptr + at, mask=ok[:, None], other=0.0)
-            if dtype == tl.float32 or EMULATE:
-                sc = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+            if EMULATE:     # per output a fixed-order sum: the interpreter's tl.dot rounds a row by its tile
+                sc = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2)
+            elif dtype == tl.float32:
+                sc = tl.dot(q, tl.trans(keys), input_precision="ieee")
             else:
                 sc = tl.dot(q, tl.trans(keys))
             sc = sc * scale
@@ -184,10 +196,11 @@ if triton is not None:
             alpha = tl.exp(m - shift)
             p = tl.exp(sc - shift[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            if PV_FP32:
+            if EMULATE:
+                pe = p if PV_FP32 else round_to(p, dtype).to(tl.float32)
+                pv = tl.sum(pe[:, :, None] * vals.to(tl.float32)[None, :, :], axis=1)
+            elif PV_FP32:
                 pv = tl.dot(p, vals.to(tl.float32), input_precision="ieee")
-            elif EMULATE:
-                pv = tl.dot(round_to(p, dtype).to(tl.float32), vals.to(tl.float32), input_precision="ieee")
             else:   # a long prefill: p rounded to 16 bits for the tensor cores, as flash attention does
                 pv = tl.dot(p.to(dtype), vals)
             acc = acc * alpha[:, None] + pv

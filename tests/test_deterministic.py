@@ -84,7 +84,72 @@ def test_probe_finds_talker_codes_and_audio_equal_alone_and_batched(capsys):
     from voxpipe.bench import determinism_check
 
     assert determinism_check.main(["--stages", "talker,code2wav", "--modes", "deterministic", "--concurrency", "2",
-                                   "--frames", "2", "--targets", "greedy"]) == 0
+                                   "--frames", "2", "--targets", "greedy", "--no-warm"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines() if x.startswith("{")]
     assert [(r["stage"], r["greedy"]["equal"], r["greedy"]["repeatable"]) for r in lines] == [
         ("talker", True, True), ("code2wav", True, True)]
+
+
+def test_paged_views_give_a_query_row_one_computation():
+    """The CPU's path of every paged view in the mode (determinism.attention over the blocks): a
+    row's bits alike in a whole prefill, packed segments from a cached prefix, an extend and decode
+    steps (the kernel's path: tests/test_kernels.py `paged_views`)."""
+    from test_kernels import paged_views_rows
+
+    for dt in (torch.float32, torch.bfloat16):
+        rows = paged_views_rows("cpu", dt)
+        want = rows.pop("whole prefill")
+        for name, got in rows.items():
+            assert torch.equal(got, want), (dt, name)
+
+
+def _thinker(model_dir, *extra: str, graphs: bool):
+    """A deterministic thinker engine as its service builds it; `graphs`: its CUDA-graph step plans
+    (whole-prompt prefill, extend, decode views) emulated on the CPU."""
+    from voxpipe.bench import determinism_check
+    from voxpipe.services.runtime import cuda_graphs
+
+    emulate, cuda_graphs.EMULATE = cuda_graphs.EMULATE, graphs
+    try:
+        return determinism_check.build_engine("thinker", ["--model", str(model_dir), "--device", "cpu", "--max-batch",
+                                                          "3", "--deterministic", *extra])
+    finally:
+        cuda_graphs.EMULATE = emulate
+
+
+def test_thinker_bits_alike_on_a_miss_a_hit_in_a_batch_and_after_preemption(tiny_model_dir):
+    """A request's token ids, log probabilities and talker rows: the same on a prefix-cache miss, a
+    hit, inside a batch (graph plans), and when a pool too small for the batch preempts and recomputes."""
+    import asyncio
+
+    from voxpipe.bench import determinism_check as dc
+    from voxpipe.services.runtime import metrics
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.runtime.sampling import SamplingParams
+    from voxpipe.services.thinker.job import ThinkerJob
+    from voxpipe.services.thinker.prompt import ChatMessage, render
+
+    roomy = _thinker(tiny_model_dir, graphs=True)
+    probe = dc.thinker_probe(roomy, 4)
+    result = asyncio.run(dc.check_stage(roomy, probe, 3, ("greedy",), warm=False))   # sampled: p1 below
+    assert all(r["hit_miss"] and r["repeatable"] and r["equal"] for r in result.values()), result
+
+    tight = _thinker(tiny_model_dir, "--kv-cache-tokens", "96", "--max-len", "96", graphs=True)
+    texts = ("Count to twenty.", "Name the planets.", "Sing a song.")
+    params = (dc.GREEDY, SamplingParams(temperature=0.9, top_k=50, seed=5), dc.GREEDY)
+
+    async def bits(engine, picks: list[int]) -> dict[int, dict]:
+        loop = asyncio.get_running_loop()
+        jobs = [ThinkerJob(request_id=f"p{i}", outbox=Outbox(loop, limit=100000), params=params[i],
+                           prompt=render(engine.tokenizer, engine.cfg, [ChatMessage.text("user", texts[i])]).token_ids,
+                           max_tokens=20, min_tokens=20, talker_rows=True, top_logprobs=3) for i in picks]
+        dc.forget_prefixes(engine)
+        dc.run_together(engine, jobs)
+        await asyncio.sleep(0)
+        return {i: probe.bits(j, dc.drained(j)) for i, j in zip(picks, jobs)}
+
+    before = metrics.REGISTRY.get_sample_value("voxpipe_preemptions_total", {"stage": "thinker"}) or 0
+    together = asyncio.run(bits(tight, [0, 1, 2]))
+    assert metrics.REGISTRY.get_sample_value("voxpipe_preemptions_total", {"stage": "thinker"}) > before
+    for i in range(3):
+        assert dc.differs(together[i], asyncio.run(bits(roomy, [i]))[i]) == {}, texts[i]

@@ -39,7 +39,7 @@ BUDGET_16_P = 2.0
 SAMPLE_MISMATCH = 0.02
 EPS = 1e-6
 KERNELS = ("rmsnorm", "snakebeta", "sampling", "sample", "rope", "moe", "glu", "normlinear", "attention", "experts",
-           "invariant", "layers", "paged_attention")
+           "invariant", "layers", "paged_attention", "paged_views", "invariant_convs")
 
 try:
     import triton  # noqa: F401  (imported only to know; no kernel runs in this process on the CPU)
@@ -878,11 +878,117 @@ def check_paged_attention(device: str) -> list[dict]:
     return out
 
 
+def invariant_convs() -> dict[str, torch.nn.Module]:
+    """code2wav's convolution shapes in the batch-invariant mode (determinism.apply): a dense causal
+    conv (kernel 7, dilation 3), a pointwise one, a depthwise one, the upsampler (kernel = stride) and
+    the decoder's transposed conv (kernel 2 * stride)."""
+    from torch import nn
+
+    from voxpipe.services.runtime import determinism
+
+    torch.manual_seed(5)
+    convs = {"conv k7 d3": nn.Conv1d(8, 12, 7, dilation=3), "conv k1": nn.Conv1d(8, 12, 1),
+             "depthwise k7": nn.Conv1d(8, 8, 7, groups=8), "transposed k=s=2": nn.ConvTranspose1d(8, 12, 2, stride=2),
+             "transposed k=2s=6": nn.ConvTranspose1d(8, 12, 6, stride=3)}
+    return {name: determinism.apply(c.requires_grad_(False)) for name, c in convs.items()}
+
+
+def check_invariant_convs(device: str) -> list[dict]:
+    """`invariant_convs` on the kernel path: close to the plain convolution, and each sample's bits
+    the same alone as inside a batch of 3 (and at another row)."""
+    from torch import nn
+
+    g = torch.Generator().manual_seed(6)
+    out = []
+    x32 = torch.randn(3, 8, 25, generator=g).to(device)
+    for name, conv in invariant_convs().items():
+        for dt in (torch.float32, torch.bfloat16):
+            c = conv.to(device, dt)           # the transposed convs' row weights are buffers: moved too
+            x = x32.to(dt)
+            base = nn.ConvTranspose1d if isinstance(c, nn.ConvTranspose1d) else nn.Conv1d
+            want = base.forward(c, x)
+            got = c(x)
+            tag = f"invariant {name} {str(dt)[6:]}"
+            if dt == torch.float32:
+                out.append(_fp32_record(tag, got, want))
+            else:
+                w32 = conv.to(torch.float32)
+                want32 = base.forward(w32, x.float())
+                out.append(_budget_record(tag, got, want, want32))
+                conv.to(dt)
+            alone = torch.cat([c(x[i:i + 1]) for i in range(3)])
+            out.append(_exact_record(f"{tag}: samples alone = in a batch", alone, got))
+            out.append(_exact_record(f"{tag}: samples moved", c(x.flip(0)), got.flip(0)))
+    return out
+
+
+def paged_views_rows(device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One sequence's 40 query rows [Hq, 40, D] through every paged view in the batch-invariant mode
+    (inside determinism.scope()), each beside another sequence and into blocks of its own: a whole
+    prefill from position 0 (right-padded to 64 rows, tables narrower than 64 positions), packed
+    segments (0-17, then 18-39 from the cached prefix), an extend from 0 (30 rows padded to 32 in a
+    graph-wide kv bound) and then decode steps 30-39 (kv bound 64). On the kernel (CUDA or the
+    interpreter) and on the CPU's reference path alike, every view must give the same bits."""
+    from voxpipe.services.runtime import determinism
+    from voxpipe.services.runtime.paged_kv import PagedKVCache, PagedPackedStep
+
+    g = torch.Generator().manual_seed(21)
+    hq, hkv, d, bs, length = 8, 2, 32, 16, 40
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    q, k, v = rand(1, hq, length, d), rand(1, hkv, length, d), rand(1, hkv, length, d)
+    oq, ok, ov = rand(1, hq, 64, d), rand(1, hkv, 64, d), rand(1, hkv, 64, d)       # the other sequence
+    cache = PagedKVCache(1, 24, bs, hkv, d, dtype, device)
+    scale = d ** -0.5
+    rows = {}
+
+    def pad(t, n):
+        return torch.cat((t, rand(1, t.shape[1], n - t.shape[2], d)), 2)
+
+    with torch.no_grad(), determinism.scope():
+        tables = cache.table_tensor([[3, 7, 1], [5, 0, 9]], 3, device)
+        view = cache.prefill_view(tables, 64)
+        both = [torch.cat((pad(t, 64), o[:, :, :64]), 0) for t, o in ((q, oq), (k, ok), (v, ov))]
+        rows["whole prefill"] = view.attend(0, *both, scale)[0, :, :length]
+        parts = []
+        for lo, hi in ((0, 18), (18, length)):
+            step = PagedPackedStep.pack([([10, 2, 8], 0, 7), ([4, 12, 6], lo, hi - lo)])
+            qs, ks, vs = (torch.cat((o[:, :, :7], t[:, :, lo:hi]), 2) for t, o in ((q, oq), (k, ok), (v, ov)))
+            parts.append(cache.packed(step).attend(0, qs, ks, vs, scale)[0, :, 7:])
+        rows["packed segments"] = torch.cat(parts, 1)
+        tables = cache.table_tensor([[11, 13, 14, 15], [16, 17]], 4, device)
+        start, n = torch.tensor([0, 0], device=device), torch.tensor([30, 20], device=device)
+        view = cache.extend_view(tables, start, n, 32, 64)
+        both = [torch.cat((pad(t[:, :, :30], 32), o[:, :, :32]), 0) for t, o in ((q, oq), (k, ok), (v, ov))]
+        parts = [view.attend(0, *both, scale)[0, :, :30]]
+        for p in range(30, length):
+            start = torch.tensor([p, 20 + p - 30], device=device)
+            view = cache.decode_view(2, 64, tables, start)
+            parts.append(view.attend(0, *(torch.cat((t[:, :, p:p + 1], o[:, :, p:p + 1]), 0)
+                                         for t, o in ((q, oq), (k, ok), (v, ov))), scale)[0])
+        rows["extend, then decode"] = torch.cat(parts, 1)
+    return rows
+
+
+def check_paged_views(device: str) -> list[dict]:
+    """`paged_views_rows` on the kernel: one computation per query row, whatever the view."""
+    out = []
+    for dt in (torch.float32, torch.bfloat16):
+        rows = paged_views_rows(device, dt)
+        want = rows.pop("whole prefill")
+        for name, got in rows.items():
+            out.append(_exact_record(f"paged views {str(dt)[6:]}: {name} = whole prefill", got, want))
+    return out
+
+
 CHECKS = {"rmsnorm": check_rmsnorm, "snakebeta": check_snakebeta, "sampling": check_sampling, "sample": check_sample,
           "rope": check_rope,
           "moe": check_moe, "glu": check_glu, "normlinear": check_normlinear, "attention": check_attention,
           "experts": check_experts, "invariant": check_invariant, "layers": check_layers,
-          "paged_attention": check_paged_attention}
+          "paged_attention": check_paged_attention, "paged_views": check_paged_views,
+          "invariant_convs": check_invariant_convs}
 
 
 def assert_records(records: list[dict]) -> None:

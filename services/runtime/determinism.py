@@ -14,7 +14,9 @@ process keeps the default path, exactly as fast as before):
 - every nn.Linear becomes an `InvariantLinear`: on the CPU the rows go through F.linear in blocks
   of exactly ROWS rows (the last one zero-padded), so each row sees one fixed GEMM shape; on CUDA
   `kernels.invariant.matmul`, one fixed tile shape and a fixed K order (no split-K);
-- convolutions run one sample at a time (`InvariantConv1d` / `InvariantConvTranspose1d`);
+- convolutions (`InvariantConv1d` / `InvariantConvTranspose1d`): depthwise ones as ordered taps, the
+  others on CUDA as im2col rows through the invariant matmul, all samples at once; elsewhere one
+  sample at a time;
 - silu and sigmoid take `silu` / `sigmoid` below (one formula for every element);
 - attention layers and MoE layers get `invariant = True`: attention runs inside `scope()`, where the
   KV caches call `attention` below instead of SDPA; the MoE experts take `experts` below.
@@ -67,6 +69,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias) [..., N] whose every row's bits depend only on that row."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
+    if kernels.active(rows) and rows.stride(-1) != 1:      # a transposed view: the kernel reads rows
+        rows = rows.contiguous()
     if kernels.active(rows) and kernels.invariant.eligible(rows, weight, bias):
         out = kernels.invariant.matmul(rows, weight, bias)
     else:
@@ -91,15 +95,83 @@ class InvariantLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def _plain(conv: nn.Module) -> bool:
+    """No padding, stride (transposed: output padding, dilation) and no groups beyond what the rows
+    forms below take."""
+    return conv.padding_mode == "zeros" and all(p == 0 for p in conv.padding)
+
+
 class InvariantConv1d(nn.Conv1d):
-    """nn.Conv1d one sample at a time: each sample's bits independent of the batch."""
+    """nn.Conv1d [B, Cin, L] -> [B, Cout, L'] with each sample's bits independent of the batch:
+    - depthwise (groups == Cin == Cout): the taps summed in order in float32, elementwise (a product
+      of two 16-bit numbers is exact in float32; each add rounds alike at any shape);
+    - groups 1, stride 1, where the Triton kernels launch (CUDA): im2col rows [B * L', Cin * K]
+      through `linear` (kernels.invariant.matmul: fixed tiles, fixed K order), all samples at once;
+    - else (the CPU, whose GEMMs round a row by the call's shape) one sample at a time."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, (d,) = self.kernel_size[0], self.dilation
+        if _plain(self) and self.stride == (1,) and x.ndim == 3:
+            if self.groups == self.in_channels == self.out_channels:
+                return _depthwise(x, self.weight, self.bias, d)
+            if self.groups == 1 and kernels.active(x):
+                span = (k - 1) * d + 1
+                cols = x.unfold(2, span, 1)[..., ::d] if k > 1 else x[..., None]             # [B, Cin, L', K]
+                b, cin, length = cols.shape[:3]
+                rows = cols.permute(0, 2, 1, 3).reshape(b * length, cin * k)
+                out = linear(rows, self.weight.reshape(self.out_channels, cin * k), self.bias)  # [B * L', Cout]
+                return out.view(b, length, -1).transpose(1, 2).contiguous()
         return torch.cat([super(InvariantConv1d, self).forward(s) for s in x.split(1)])
 
 
+def _depthwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int) -> torch.Tensor:
+    """Depthwise conv1d x [B, C, L], weight [C, 1, K]: bias + sum_k w[:, k] * x[:, t + k * dilation],
+    left to right in float32."""
+    k = weight.shape[-1]
+    length = x.shape[-1] - (k - 1) * dilation
+    w = weight[:, 0].float()
+    acc = x[..., :length].float() * w[:, :1]
+    for j in range(1, k):
+        acc = acc + x[..., j * dilation: j * dilation + length].float() * w[:, j:j + 1]
+    if bias is not None:
+        acc = acc + bias.float()[:, None]
+    return acc.to(x.dtype)
+
+
 class InvariantConvTranspose1d(nn.ConvTranspose1d):
+    """nn.ConvTranspose1d with each sample's bits independent of the batch. With kernel K = m * stride
+    (groups 1, no dilation / padding), where the Triton kernels launch: output block t (stride
+    positions) is sum_i x[t - i] @ W[:, :, i * stride: (i + 1) * stride], one matmul row of the m input
+    columns t - m + 1 .. t (zero past the ends) against `rows_weight` [Cout * stride, Cin * m] (made
+    by `apply`), all samples at once; else one sample at a time."""
+
+    def prepare(self) -> None:
+        """Buffers `rows_weight` / `rows_bias` (None: not of that form) from the weight [Cin, Cout, K]
+        (at `apply`: before any graph capture; buffers, so that `.to()` moves them)."""
+        s, k = self.stride[0], self.kernel_size[0]
+        weight = bias = None
+        if (_plain(self) and self.groups == 1 and self.dilation == (1,) and self.output_padding == (0,)
+                and k % s == 0):
+            cin, cout, m = self.in_channels, self.out_channels, k // s
+            with torch.no_grad():
+                w = self.weight.view(cin, cout, m, s).flip(2)                             # [ci, co, j, r]
+                weight = w.permute(1, 3, 0, 2).reshape(cout * s, cin * m).contiguous()
+                bias = None if self.bias is None else self.bias.repeat_interleave(s)
+        for name, t in (("rows_weight", weight), ("rows_bias", bias)):
+            if name in self._buffers:
+                self._buffers[name] = t
+            else:
+                self.register_buffer(name, t, persistent=False)
+
     def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
+        if (getattr(self, "rows_weight", None) is not None and output_size is None and x.ndim == 3
+                and kernels.active(x)):
+            s, m = self.stride[0], self.kernel_size[0] // self.stride[0]
+            cols = F.pad(x, (m - 1, m - 1)).unfold(2, m, 1) if m > 1 else x[..., None]    # [B, Cin, L + m - 1, m]
+            b, cin, blocks = cols.shape[:3]
+            rows = cols.permute(0, 2, 1, 3).reshape(b * blocks, cin * m)
+            out = linear(rows, self.rows_weight, self.rows_bias)                           # [B * blocks, Cout * s]
+            return out.view(b, blocks, self.out_channels, s).permute(0, 2, 1, 3).reshape(b, self.out_channels, -1)
         return torch.cat([super(InvariantConvTranspose1d, self).forward(s) for s in x.split(1)])
 
 
@@ -186,6 +258,8 @@ def apply(model: nn.Module) -> nn.Module:
         swap = _CLASSES.get(type(m))
         if swap is not None:
             m.__class__ = swap
+            if swap is InvariantConvTranspose1d:
+                m.prepare()
         if hasattr(m, "invariant"):
             m.invariant = True
         if getattr(m, "act", None) is F.silu:       # GatedMLP, the talker's ResizeMLP

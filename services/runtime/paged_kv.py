@@ -33,16 +33,22 @@ from . import determinism
 from .kv_cache import _causal_flash, _sdpa
 
 PACKED_KERNEL_MAX = 512    # packed segments up to this many new tokens attend with the paged kernel
-# the batch-invariant mode (runtime/determinism.py, inside its scope): one split a row (its arithmetic
-# alone, no partial results), p.v in float32 for any number of new tokens, every packed segment on the
-# kernel; on the CPU the gathered attention goes through determinism.attention (`_sdpa`)
+# the batch-invariant mode (runtime/determinism.py, inside its scope): every view -- decode, extend,
+# packed segments, whole prompts from position 0 -- writes its keys into the blocks and attends from
+# them with the paged kernel where it launches, with one split a row (its arithmetic alone, no partial
+# results), p.v in float32 for any number of new tokens and INVARIANT_BLOCK_R query rows a program: a
+# query row's bits are the same on every path (a prefix-cache hit, a miss, a recompute after
+# preemption, any batch). Where the kernel does not launch, every view attends through
+# determinism.attention (`_sdpa`), keys in fixed blocks from position 0: one computation there too.
 INVARIANT_SPLIT = 1 << 30
+INVARIANT_BLOCK_R = 16
 
 
 def _kernel(cache: "PagedKVCache", q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
             start: torch.Tensor, bound: int, scale: float) -> torch.Tensor:
     if determinism.in_scope():
-        return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, INVARIANT_SPLIT, pv_fp32=True)
+        return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, INVARIANT_SPLIT, pv_fp32=True,
+                                              block_r=INVARIANT_BLOCK_R)
     return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, cache.split)
 
 
@@ -214,13 +220,24 @@ class _PagedPrefill:
         self.offsets = (pos % bs)[None].expand_as(self.blocks)
         causal = pos[None, :] <= pos[:, None]                                             # [S, S]
         self.mask = causal[None, None].expand(tables.shape[0], 1, s, s)
+        # the batch-invariant mode's kernel reads positions 0 .. S - 1 through the tables: [B, >= S / bs]
+        need = -(-s // bs)
+        extra = need - width
+        self.tables = tables if extra <= 0 else torch.cat((tables, tables.new_full((tables.shape[0], extra), cache.null)), 1)
+        self.start = torch.zeros(tables.shape[0], dtype=torch.long, device=tables.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal over the right-padded rows (a real query never sees a padded key): on CUDA in 16
         bits flash attention with no mask at all -- the [B, 1, rep * S, S] mask `_sdpa` builds is
         8 GiB for a 32k-row prompt (the talker prefills a whole prompt in one forward) --, elsewhere
-        the same causal mask as before."""
+        the same causal mask as before; in the batch-invariant mode the paged kernel from the blocks
+        just written (a padded row's keys beyond its table went to the scratch block, and a real
+        query never reaches them)."""
         self.cache.write(layer, self.blocks, self.offsets, k.transpose(1, 2), v.transpose(1, 2))
+        if determinism.in_scope():
+            kc, vc = self.cache.k[layer], self.cache.v[layer]
+            if kernels.paged_attention.eligible(q, kc, vc, self.tables, self.start):
+                return _kernel(self.cache, q, kc, vc, self.tables, self.start, q.shape[2], scale)
         if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
             return _causal_flash(q, k, v, scale)
         return _sdpa(q, k, v, self.mask, scale)
