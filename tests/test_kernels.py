@@ -1,9 +1,9 @@
 """The Triton kernels in voxpipe.kernels against their plain-PyTorch `reference()`.
 
-On the CPU every kernel runs through Triton's interpreter, in a subprocess per kernel: the interpreter
-is chosen when `triton.jit` decorates (TRITON_INTERPRET=1 before Triton is imported), so it must not
-leak into this pytest process. The subprocess runs this file as a script and prints one JSON record
-per check; the test asserts them. On CUDA the same checks run in-process on the compiled kernels.
+On the CPU every kernel runs through Triton's interpreter, in one subprocess for them all: the
+interpreter is chosen when `triton.jit` decorates (TRITON_INTERPRET=1 before Triton is imported), so
+it must not leak into this pytest process. The subprocess runs this file as a script and prints one
+JSON record per check, tagged with its kernel; each kernel's test asserts its records. On CUDA the same checks run in-process on the compiled kernels.
 
 Error budgets (the same on CPU and CUDA):
 - float32 (and SnakeBeta on 16-bit x with float32 parameters, whose output is float32):
@@ -150,7 +150,10 @@ def check_snakebeta(device: str) -> list[dict]:
     from voxpipe.kernels import snakebeta
     g = torch.Generator().manual_seed(1)
     out = []
-    for shape in [(2, 96, 200), (2, 24, 1920), (3, 64, 1)]:
+    # a program per 1,024 elements: on the CPU a shorter T than a real chunk's 1,920, still many programs
+    # with a masked last one
+    shapes = [(2, 96, 200), (2, 24, 1920), (3, 64, 1)] if device == "cuda" else [(2, 96, 200), (2, 24, 480), (3, 64, 1)]
+    for shape in shapes:
         c = shape[1]
         x32 = (torch.randn(shape, generator=g) * 3).to(device)
         a32 = (0.5 * torch.randn(c, generator=g)).to(device)
@@ -305,7 +308,11 @@ def check_rope(device: str) -> list[dict]:
     from voxpipe.kernels import rope
     g = torch.Generator().manual_seed(5)
     out = []
-    for b, s, hq, hkv, d in [(2, 3, 4, 2, 32), (1, 1, 32, 4, 128), (3, 5, 8, 8, 64)]:
+    # the interpreter runs a program per (token, head): fewer of them on the CPU, of the same classes
+    # (grouped / not, one token / several, D 32 / 64 / 128)
+    cases = [(2, 3, 4, 2, 32), (1, 1, 32, 4, 128), (3, 5, 8, 8, 64)] if device == "cuda" else \
+        [(2, 3, 4, 2, 32), (1, 1, 16, 2, 128), (2, 3, 2, 2, 64)]
+    for b, s, hq, hkv, d in cases:
         q32 = (torch.randn(b, s, hq, d, generator=g) * 2).to(device)
         k32 = (torch.randn(b, s, hkv, d, generator=g) * 2).to(device)
         ang = torch.randn(b, s, d // 2, generator=g) * 3
@@ -373,7 +380,9 @@ def check_moe(device: str) -> list[dict]:
     from voxpipe.kernels import moe
     g = torch.Generator().manual_seed(6)
     out = []
-    for t, e, k in [(1, 128, 8), (16, 128, 6), (5, 60, 4), (3, 8, 8)]:   # one interpreted program a token
+    routes = [(1, 128, 8), (16, 128, 6), (5, 60, 4), (3, 8, 8)] if device == "cuda" else \
+        [(1, 128, 8), (6, 128, 6), (5, 60, 4), (3, 8, 8)]       # one interpreted program a token
+    for t, e, k in routes:
         logits32 = (torch.randn(t, e, generator=g) * 2).to(device)
         for dt in (torch.float32, torch.bfloat16):
             logits = logits32.to(dt)
@@ -407,7 +416,11 @@ def check_moe(device: str) -> list[dict]:
     with _disabled():
         out.append(_fallback_record("moe route fallback ENABLED=False", moe.eligible(logits, 2),
                                     moe.run(logits, 2, True), moe.reference(logits, 2, True)))
-    for t, k, e in [(1, 8, 128), (64, 6, 128), (64, 8, 128), (5, 4, 60), (3, 8, 8)]:
+    # the interpreter's sort costs grow with the padded pairs: on the CPU 120 (padded to 128) and 128
+    # pairs stand for a decode batch's 384 and 512
+    aligns = [(1, 8, 128), (64, 6, 128), (64, 8, 128), (5, 4, 60), (3, 8, 8)] if device == "cuda" else \
+        [(1, 8, 128), (20, 6, 128), (16, 8, 128), (5, 4, 60), (3, 8, 8)]
+    for t, k, e in aligns:
         # distinct experts per token (as routed), and repeats within a token with experts 0 and E-1 unused
         for kind, top_idx in (("routed", torch.rand(t, e, generator=g).topk(k).indices),
                               ("repeats", torch.randint(1, e - 1, (t, k), generator=g))):
@@ -416,7 +429,9 @@ def check_moe(device: str) -> list[dict]:
             got, want = moe.run_align(top_idx, e), moe.reference_align(top_idx, e)
             for what, a, b in zip(("order", "src", "inv", "offs"), got, want):
                 out.append(_exact_record(f"moe align {what} {kind} {t}x{k} E={e}", a, b))
-    for t, k, h in [(1, 8, 2048), (16, 6, 1024), (5, 4, 96)]:
+    combines = [(1, 8, 2048), (16, 6, 1024), (5, 4, 96)] if device == "cuda" else \
+        [(1, 8, 2048), (4, 6, 1024), (5, 4, 96)]                 # H over 512: several column blocks
+    for t, k, h in combines:
         y32 = torch.randn(t * k, h, generator=g).to(device)
         inv = moe.reference_align(torch.rand(t, 128, generator=g).topk(k).indices, 128)[2].to(device)
         w32 = torch.softmax(torch.randn(t, k, generator=g), -1).to(device)
@@ -523,7 +538,11 @@ def check_attention(device: str) -> list[dict]:
     from voxpipe.kernels import attention
     g = torch.Generator().manual_seed(8)
     out = []
-    for b, first, hq, hkv, d, length in [(3, 2, 16, 8, 128, 16), (2, 3, 4, 2, 32, 8), (1, 1, 8, 8, 64, 5)]:
+    # on the CPU (the interpreter runs every program) fewer heads and shorter frames of the same classes:
+    # grouped and not, D 128 / 64 / 32, a first call of 1-3 tokens, padded rows and positions, a full cache
+    cases = [(3, 2, 16, 8, 128, 16), (2, 3, 4, 2, 32, 8), (1, 1, 8, 8, 64, 5)] if device == "cuda" else \
+        [(2, 2, 4, 2, 128, 7), (2, 3, 4, 2, 32, 8), (1, 1, 4, 4, 64, 5)]
+    for b, first, hq, hkv, d, length in cases:
         width = (hq + 2 * hkv) * d
         for dt in (torch.float32, torch.bfloat16):
             caches = [torch.zeros(b, hkv, length, d, dtype=dt, device=device) for _ in range(2)]
@@ -582,8 +601,13 @@ def check_experts(device: str) -> list[dict]:
     from voxpipe.kernels import experts
     g = torch.Generator().manual_seed(10)
     out = []
-    # few program instances per case: Triton's CPU interpreter runs each one (the costs grow with pairs x rows)
-    for t, k, e, h, inter, with_shared in [(1, 8, 16, 128, 48, False), (3, 6, 12, 160, 48, True), (4, 4, 9, 64, 24, True)]:
+    # few program instances per case: Triton's CPU interpreter runs each one (the costs grow with pairs x rows),
+    # so smaller widths there, of the same classes: H and I powers of two or not (masked columns), I / H
+    # not multiples of the blocks (masked rows: CPU), one token with K = 8 and no shared expert, several
+    # with one; the last case's H and I span 2 and 3 pieces of 16 below
+    cases = [(1, 8, 16, 128, 48, False), (3, 6, 12, 160, 48, True), (4, 4, 9, 64, 24, True)] if device == "cuda" \
+        else [(1, 8, 16, 32, 8, False), (2, 6, 12, 36, 10, True), (3, 4, 9, 24, 20, True)]
+    for t, k, e, h, inter, with_shared in cases:
         x32 = torch.randn(t, h, generator=g).to(device)
         idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
         w32 = torch.softmax(torch.randn(t, k, generator=g), -1).to(device)
@@ -666,7 +690,7 @@ def check_layers(device: str) -> list[dict]:
     torch.manual_seed(9)
     moe_cfg = DecoderConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                             rms_norm_eps=1e-6, rope=RopeConfig(1e4, (2, 3, 3)), num_experts=8, experts_per_token=2,
-                            moe_intermediate_size=32, shared_expert_size=48)
+                            moe_intermediate_size=16, shared_expert_size=48)
     dense_cfg = DecoderConfig(vocab_size=50, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                               rms_norm_eps=1e-6, rope=RopeConfig(1e4), intermediate_size=96)
     out = []
@@ -686,12 +710,12 @@ def check_layers(device: str) -> list[dict]:
 
     stack = init(DecoderStack(moe_cfg))
     fuse_projections(stack)
-    x = torch.randn(2, 5, 64).to(device)
+    x = torch.randn(2, 3, 64).to(device)     # few tokens: the interpreter runs each expert pair's programs
 
     def run_stack():
         cache = ShortCache(2, 2, 8, 2, 16, torch.float32, device)
-        outs = [stack(x, torch.arange(5).expand(2, 5).to(device), cache, keep_hidden=1)]
-        for pos in (5, 6):
+        outs = [stack(x, torch.arange(3).expand(2, 3).to(device), cache, keep_hidden=1)]
+        for pos in (3, 4):
             outs.append(stack(x[:, :1] * 0.5, torch.full((2, 1), pos).to(device), cache, keep_hidden=2))
         return outs
 
@@ -701,7 +725,7 @@ def check_layers(device: str) -> list[dict]:
         out.append(_fp32_record(f"layers MoE stack call {i} kept hidden", kept_on, kept_off))
     predictor = init(CodePredictor(dense_cfg, num_code_groups=5))
     fuse_projections(predictor)
-    hidden, code0 = torch.randn(3, 64).to(device), torch.randn(3, 64).to(device)
+    hidden, code0 = torch.randn(2, 64).to(device), torch.randn(2, 64).to(device)
     (codes_on, emb_on), (codes_off, emb_off) = both(
         lambda: predictor.predict(hidden, code0, lambda logits, group: logits.argmax(-1)))
     out.append(_exact_record("layers code predictor codes", codes_on, codes_off))
@@ -999,15 +1023,43 @@ def assert_records(records: list[dict]) -> None:
 
 # ---------------------------------------------------------------- tests
 
+# the interpreter checks in two processes at once (one core each: the interpreter is single-threaded),
+# of about equal CPU time
+INTERPRETER_GROUPS = (("layers", "attention", "rope", "sampling", "rmsnorm", "glu", "normlinear"),
+                      ("experts", "paged_attention", "moe", "sample", "invariant", "snakebeta"))
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, tuple[subprocess.CompletedProcess, list[dict]]]:
+    """Every kernel's checks under Triton's interpreter, in INTERPRETER_GROUPS' subprocesses (torch and
+    Triton imported once a process, not once a kernel): each kernel's records and its process; a
+    check that raises is a failed record."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert sorted(k for group in INTERPRETER_GROUPS for k in group) == sorted(KERNELS)
+    env = dict(os.environ, TRITON_INTERPRET="1", VOXPIPE_KERNELS="1")
+
+    def run(group: tuple[str, ...]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(Path(__file__).resolve()), *group], env=env,
+                              capture_output=True, text=True, timeout=900)
+
+    with ThreadPoolExecutor(len(INTERPRETER_GROUPS)) as pool:
+        procs = list(pool.map(run, INTERPRETER_GROUPS))
+    out = {k: (proc, []) for group, proc in zip(INTERPRETER_GROUPS, procs) for k in group}
+    for proc in procs:
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                out[record.pop("kernel")][1].append(record)
+    return out
+
+
 @pytest.mark.skipif(not TRITON, reason="triton is not installed (it is in the `test` extras): "
                                        "the interpreter checks need it")
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_kernel_in_triton_interpreter(kernel: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", VOXPIPE_KERNELS="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), kernel], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+def test_kernel_in_triton_interpreter(kernel: str, interpreted) -> None:
+    proc, records = interpreted[kernel]
+    assert records, f"no records for {kernel} (exit code {proc.returncode}):\n{proc.stderr[-4000:]}"
     assert_records(records)
     assert any(r["kind"] != "fallback" for r in records)
 
@@ -1102,7 +1154,14 @@ def test_decoder_stack_fused_norms_on_cuda(omni_config, monkeypatch) -> None:
     assert_records([rec])
 
 
-if __name__ == "__main__":   # the interpreter subprocess: python tests/test_kernels.py KERNEL
+if __name__ == "__main__":   # the interpreter subprocess: python tests/test_kernels.py KERNEL...
+    import traceback
+
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    for record in CHECKS[sys.argv[1]](device):
-        print(json.dumps(record), flush=True)
+    for kernel in sys.argv[1:]:
+        try:
+            for record in CHECKS[kernel](device):
+                print(json.dumps({"kernel": kernel, **record}), flush=True)
+        except Exception:   # this kernel fails; the others still run
+            print(json.dumps({"kernel": kernel, "check": f"{kernel} raised", "kind": "error", "ok": False,
+                              "traceback": traceback.format_exc()[-4000:]}), flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import logging
 import os
 import signal
@@ -41,6 +42,7 @@ def default_model_dir() -> Path:
 
 def _stage_main(stage: str):
     def run(args) -> None:
+        gc.disable()       # the imports and the build make long-lived objects only; serve_stage freezes them
         if args.model is None:
             if args.load_format == "dummy":
                 from voxpipe.services.runtime.config import released_config_path

@@ -18,7 +18,9 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+
+if torch.cuda.is_available():   # torch.nn.attention.bias imports torch._dynamo (seconds of CPU at every stage's
+    from torch.nn.attention.bias import causal_lower_right   # start); only _causal_flash's CUDA path uses it
 
 from voxpipe import kernels
 

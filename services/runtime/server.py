@@ -14,6 +14,7 @@ start messages not yet complete (unadmitted uploads) share one byte budget acros
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -525,5 +526,10 @@ def serve_stage(args, stage: str, build: Callable[[Any], StageServicer],
     "STAGE ready on port N" is printed once it serves."""
     tracing.setup_tracing(f"voxpipe-{stage}")
     servicer = build(args)
+    # what the imports and the build made lives as long as the process (`voxpipe STAGE` starts with the
+    # collector off: ~1 s less CPU at start): out of the collector's generations, full collections
+    # while serving skip it, and so does the one at exit (seconds)
+    gc.freeze()
+    gc.enable()
     run_async(run_server(servicer, add_to_server, service_name, servicer.opts,
                          ready=lambda port: print(f"{stage} ready on port {port}", flush=True)))
