@@ -1025,8 +1025,8 @@ def assert_records(records: list[dict]) -> None:
 
 # the interpreter checks in two processes at once (one core each: the interpreter is single-threaded),
 # of about equal CPU time
-INTERPRETER_GROUPS = (("layers", "attention", "rope", "sampling", "rmsnorm", "glu", "normlinear"),
-                      ("experts", "paged_attention", "moe", "sample", "invariant", "snakebeta"))
+INTERPRETER_GROUPS = (("layers", "attention", "rope", "sampling", "rmsnorm", "glu", "normlinear", "paged_views"),
+                      ("experts", "paged_attention", "moe", "sample", "invariant", "snakebeta", "invariant_convs"))
 
 
 @pytest.fixture(scope="module")
