@@ -39,7 +39,7 @@ def _build(stage: str, model_dir, graphs: bool):
     from voxpipe.services.thinker import server as thinker_server
 
     ns = build_parser().parse_args([stage, "--model", str(model_dir), "--device", "cpu", "--max-batch", "4",
-                                    "--deterministic"])
+                                    "--deterministic", "--port", "0"])   # it serves nothing: no default port checked
     emulate, cuda_graphs.EMULATE = cuda_graphs.EMULATE, graphs
     try:
         built = {"thinker": thinker_server, "talker": talker_server, "code2wav": code2wav_server}[stage].build(ns)
