@@ -244,6 +244,19 @@ def install_node_package(tmp_path_factory, folder: str, *files: str):
     return workdir
 
 
+# ---------------------------------------------------------------- engines stepped in the test's thread
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop for a module's engine outboxes (set as the thread's current loop)."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    loop.close()
+
+
 # ---------------------------------------------------------------- the openai SDK against the session's gateway
 
 @pytest.fixture(scope="module")

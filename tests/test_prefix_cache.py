@@ -219,14 +219,6 @@ def _output(job) -> tuple[list[int], list[bytes], Finished, list[bytes]]:
             items[-1], prompts)
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    yield loop
-    loop.close()
-
-
 _UNCACHED: dict[tuple[int, ...], tuple] = {}   # prompt -> the uncached engine's (ids, rows)
 
 

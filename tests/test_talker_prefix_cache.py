@@ -44,14 +44,6 @@ def _build(stage: str, model_dir, *flags: str, graphs: bool = False):
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def thinker(tiny_model_dir):
     return _build("thinker", tiny_model_dir).engine
 
