@@ -94,26 +94,30 @@ def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: t
     return reference(q, k_cache, v_cache, tables, start, kv_bound, scale)
 
 
-def _split_len(programs: int, partial_row_bytes: int, kv_bound: int, split: int | None) -> int:
+def _split_len(programs: int, partial_row_bytes: int, kv_bound: int, split: int | None,
+               block_n: int = BLOCK_N) -> int:
     """Positions per split. Given: `split` (rounded up to BLOCK_N). Else one split when the rows
     alone fill the GPU (TARGET_PROGRAMS), or SPLIT positions -- fewer, longer splits where the
     partial results would pass PARTIAL_BYTES. So for a given batch shape the split does not depend on
     kv_bound below SPLIT * PARTIAL_BYTES / partial_row_bytes positions: a decode graph's bucket and
     the same step run eagerly at its exact length do the same arithmetic."""
     if split is not None:
-        return max(BLOCK_N, -(-split // BLOCK_N) * BLOCK_N)
+        return max(block_n, -(-split // block_n) * block_n)
     if programs >= TARGET_PROGRAMS:
-        return max(BLOCK_N, -(-kv_bound // BLOCK_N) * BLOCK_N)
+        return max(block_n, -(-kv_bound // block_n) * block_n)
     most = max(1, PARTIAL_BYTES // max(partial_row_bytes, 1))
     per = max(SPLIT, -(-kv_bound // most))
-    return -(-per // BLOCK_N) * BLOCK_N
+    return -(-per // block_n) * block_n
 
 
 def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
            kv_bound: int, scale: float, split: int | None = None, pv_fp32: bool | None = None,
-           block_r: int | None = None) -> torch.Tensor:
+           block_r: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4,
+           num_stages: int | None = None) -> torch.Tensor:
     """Triton; assumes `eligible(...)`. `pv_fp32`: p.v with float32 inputs whatever S (None: up to
-    PV_FP32_MAX_S new tokens). `block_r`: query rows per program (16, 32 or 64; None: by Hq / Hkv * S)."""
+    PV_FP32_MAX_S new tokens). `block_r`: query rows per program (16, 32, 64 or 128; None: by Hq / Hkv
+    * S). `block_n` (key positions per inner tile), `num_warps`, `num_stages`: the launch's tiling
+    (bench/paged_tune.py sweeps them); none changes what a row computes beyond its sums' tiling."""
     n, hq, s, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     rep = hq // hkv
@@ -121,7 +125,7 @@ def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
     if block_r is None:
         block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     row_tiles = -(-rows // block_r)
-    split_len = _split_len(n * hkv * row_tiles, n * hq * s * (d + 2) * 4, kv_bound, split)
+    split_len = _split_len(n * hkv * row_tiles, n * hq * s * (d + 2) * 4, kv_bound, split, block_n)
     splits = -(-kv_bound // split_len)
     out = torch.empty(n, hq, s, d, dtype=q.dtype, device=q.device)
     m_part = l_part = acc = out
@@ -133,9 +137,9 @@ def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
         _partial[(n * row_tiles, hkv, splits)](
             q, k_cache, v_cache, tables, start, out, m_part, l_part, acc,
             q.stride(0), q.stride(1), q.stride(2), tables.stride(0), splits, split_len, row_tiles, scale,
-            S=s, HQ=hq, HKV=hkv, BS=bs, D=d, BLOCK_R=block_r, BLOCK_N=BLOCK_N, DIRECT=splits == 1,
+            S=s, HQ=hq, HKV=hkv, BS=bs, D=d, BLOCK_R=block_r, BLOCK_N=block_n, DIRECT=splits == 1,
             PV_FP32=q.dtype == torch.float32 or (s <= PV_FP32_MAX_S if pv_fp32 is None else pv_fp32),
-            EMULATE=INTERPRET, num_warps=4)
+            EMULATE=INTERPRET, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
         if splits > 1:
             _merge[(n, hq * s)](m_part, l_part, acc, out, start, splits, split_len, S=s, D=d, num_warps=4)
     return out
