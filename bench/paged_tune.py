@@ -38,12 +38,50 @@ def inputs(n: int, s: int, ctx: int):
     return q, kc, vc, tables, start
 
 
+def prefill_backends(iters: int) -> None:
+    """A long prompt's chunks (the path `_causal_flash` serves): a chunk of S new tokens at the end of
+    `total` positions, one layer, for each SDPA backend torch offers here, with the key heads repeated
+    (today's path) and with `enable_gqa` (no copy); one JSON line per (S, total)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    import torch.nn.functional as F
+    dev = torch.device("cuda")
+    for s, total in ((4096, 4096), (4096, 32768), (8192, 8192), (8192, 32768), (512, 32768)):
+        q = torch.randn(1, HQ, s, D, device=dev, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, HKV, total, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        flops = 4 * HQ * D * s * (total - s / 2)
+        mask = None if s == total else causal_lower_right(s, total)
+        line = {"prefill_chunk": s, "total": total, "today_us": round(time_eager(
+            lambda: _causal_flash(q, k, v, D ** -0.5), iters), 1)}
+        line["today_tflops"] = round(flops / line["today_us"] / 1e6, 1)
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            for gqa in (False, True):
+                kk, vv = (k, v) if gqa else (k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1))
+                kw = {"is_causal": True} if mask is None else {"attn_mask": mask}
+
+                def call():
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q, kk, vv, scale=D ** -0.5, enable_gqa=gqa, **kw)
+                key = f"{name}{'_gqa' if gqa else '_repeated'}"
+                try:
+                    us = time_eager(call, iters)
+                    line[key + "_us"], line[key + "_tflops"] = round(us, 1), round(flops / us / 1e6, 1)
+                except Exception as e:   # noqa: BLE001 -- a backend that does not take this shape / mask
+                    line[key + "_us"] = type(e).__name__
+        print(json.dumps(line), flush=True)
+        del q, k, v
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help="n:s:ctx,... (default: the thinker's serving classes)")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--prefill", action="store_true", help="also the long prompts' chunk attention by SDPA backend")
     args = ap.parse_args()
+    if args.prefill:
+        prefill_backends(args.iters)
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in x.split(":")) for x in args.shapes.split(",")]
     torch.manual_seed(0)
     scale = D ** -0.5
