@@ -71,6 +71,24 @@ def prefill_backends(iters: int) -> None:
                     line[key + "_us"] = type(e).__name__
         print(json.dumps(line), flush=True)
         del q, k, v
+    # first sight of a new length: cuDNN builds an execution plan per shape, flash attention has none
+    import time
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        times = []
+        for s, total in ((611, 711), (611, 711), (1377, 1577), (1377, 1577)):
+            q = torch.randn(1, HQ, s, D, device=dev, dtype=torch.bfloat16)
+            k, v = (torch.randn(1, HQ, total, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                with sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, total))
+                torch.cuda.synchronize()
+                times.append(round((time.perf_counter() - t0) * 1e3, 2))
+            except Exception as e:   # noqa: BLE001
+                times.append(type(e).__name__)
+        print(json.dumps({"first_sight": name, "ms_new_then_repeat_shapes": times}), flush=True)
 
 
 @torch.inference_mode()
