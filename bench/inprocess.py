@@ -15,7 +15,7 @@ from voxpipe.services.runtime import metrics
 from voxpipe.services.runtime.engine import StageError
 from voxpipe.services.runtime.outputs import AudioOut, Finished, FramesOut, TalkerPromptOut, TextOut
 from voxpipe.services.runtime.server import talker_prompt_proto
-from voxpipe.services.runtime.tensors import to_proto
+from voxpipe.services.runtime.tensors import ids_proto, to_proto
 from voxpipe.services.talker import server as talker_server
 from voxpipe.services.thinker import server as thinker_server
 from voxpipe.v1 import stages_pb2 as pb
@@ -58,7 +58,7 @@ class InProcessPipeline:
             start.sampling.CopyFrom(req.sampling())
         else:       # as the pipeline client: the reply is given, the sampling values are the talker's
             start.assistant_text = req.assistant_text
-        start.token_ids.ids.extend(req.token_ids)
+        ids_proto(req.token_ids, start.token_ids)
         tj = self.thinker.make_job(start)
         self.thinker.engine.submit(tj)
         ta_job = cw_job = None

@@ -234,6 +234,13 @@ CASES = [
          rf"token id {VOCAB} out of range \[0, {VOCAB}\)"),
     Case("thinker", "huge-token-id", lambda: [thinker_start(token_ids=pb.TokenIds(ids=[2**32 - 1]))],
          r"token id 4294967295 out of range"),
+    Case("thinker", "packed-and-ids", lambda: [thinker_start(token_ids=pb.TokenIds(ids=[IM_START], packed=bytes(8)))],
+         r"token_ids: set ids or packed, not both"),
+    Case("thinker", "packed-odd-bytes", lambda: [thinker_start(token_ids=pb.TokenIds(packed=bytes(10)))],
+         r"token_ids.packed: 10 bytes is not a whole number of uint32 ids"),
+    Case("thinker", "packed-token-out-of-range",
+         lambda: [thinker_start(token_ids=pb.TokenIds(packed=np.array([IM_START, VOCAB], "<u4").tobytes()))],
+         rf"token id {VOCAB} out of range \[0, {VOCAB}\)"),
     Case("thinker", "image-token", lambda: [thinker_start(token_ids=pb.TokenIds(ids=prompt_ids() + [IMAGE_PAD]))],
          r"image and video input are not supported"),
     Case("thinker", "video-token", lambda: [thinker_start(token_ids=pb.TokenIds(ids=[VIDEO_PAD] + prompt_ids()))],
@@ -562,6 +569,18 @@ def test_a_request_past_the_thinker_context_carries_its_numbers(stack, channels)
     assert err.code() == PAST_CONTEXT and detail.prompt_tokens == THINKER_CONTEXT - 1
     assert detail.context_tokens == THINKER_CONTEXT and detail.reply_tokens >= 2     # "Hi." and <|im_end|>
     assert_still_serving(stack, channels, "thinker")
+
+
+def test_packed_token_ids_give_the_reply_of_repeated_ids(stack, channels):
+    """TokenIds.packed (little-endian uint32, what PipelineClient sends from PACKED_IDS_MIN ids on) is
+    the same prompt as TokenIds.ids: the same tokens back, greedy."""
+    ids = [IM_START, USER] + [NL + i % 50 for i in range(300)] + [IM_END, IM_START, ASSISTANT, NL]
+    replies = []
+    for form in (pb.TokenIds(ids=ids), pb.TokenIds(packed=np.array(ids, "<u4").tobytes())):
+        responses, err = call(channels, "thinker", [thinker_start(token_ids=form, max_tokens=6, min_tokens=6)])
+        assert err is None
+        replies.append([t for r in responses if r.WhichOneof("kind") == "text" for t in r.text.token_ids])
+    assert len(replies[0]) == 6 and replies[0] == replies[1]
 
 
 # ---------------------------------------------------------------------------------------------- large, chunked

@@ -34,7 +34,7 @@ from voxpipe.services.runtime.affinity import RouteKey, content_digest, prompt_k
 from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica
 from voxpipe.services.runtime.calls import SESSION_METADATA, context_exceeded, failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
-from voxpipe.services.runtime.tensors import from_proto, split_message, to_proto
+from voxpipe.services.runtime.tensors import from_proto, ids_proto, split_message, to_proto
 from voxpipe.services.runtime.tls import ClientTLS
 from voxpipe.services.thinker.constraint import Constraint
 from voxpipe.services.thinker.streamed import around_last_clip
@@ -236,7 +236,7 @@ class AudioTurn:
             self._opened.set_exception(e)
             raise
         self._opened.set_result(self.stream)
-        start = pb.ThinkerStart(request_id=self.request_id, stream_audio=True, token_ids=pb.TokenIds(ids=self.token_ids),
+        start = pb.ThinkerStart(request_id=self.request_id, stream_audio=True, token_ids=ids_proto(self.token_ids),
                                 audio_features=[to_proto(f.float()) for f in self.audio_features])
         head, chunks = split_message(start, client.max_message_bytes - 1024)
         await self.stream.write(pb.ThinkerRequest(start=head))
@@ -380,7 +380,7 @@ class PipelineClient:
                 start.speech.text_cap.CopyFrom(pb.TextFrameCap(frames_per_token=req.text_cap[0],
                                                                base_frames=req.text_cap[1]))
         if req.token_ids is not None:
-            start.token_ids.ids.extend(req.token_ids)
+            ids_proto(req.token_ids, start.token_ids)
         else:
             start.text = req.text or ""
         events: asyncio.Queue = asyncio.Queue()
@@ -465,7 +465,7 @@ class PipelineClient:
             commit.CopyFrom(start)
             commit.ClearField("request_id")
             commit.ClearField("audio_features")
-            commit.token_ids.ids[:] = tail
+            ids_proto(tail, commit.token_ids)
             try:
                 stream = await turn.commit(commit)
             except NoReplicaError as e:

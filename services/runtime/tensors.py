@@ -33,6 +33,39 @@ def to_proto(t: torch.Tensor) -> pb.Tensor:
     return pb.Tensor(dtype=_FROM_TORCH[t.dtype], shape=list(t.shape), data=raw)
 
 
+PACKED_IDS_MIN = 256    # token ids from this many on travel as TokenIds.packed
+
+
+def ids_proto(ids, out: pb.TokenIds | None = None) -> pb.TokenIds:
+    """`ids` (a sequence of ints in [0, 2^32)) into `out` (or a new TokenIds): as `packed` from
+    PACKED_IDS_MIN ids on, else as `ids`."""
+    out = pb.TokenIds() if out is None else out
+    out.Clear()
+    if len(ids) >= PACKED_IDS_MIN:
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"token ids must be integers in [0, 2^32): {e}") from None
+        if arr.ndim != 1 or arr.min() < 0 or arr.max() >= 1 << 32:
+            raise ValueError("token ids must be integers in [0, 2^32)")
+        out.packed = arr.astype("<u4").tobytes()
+    else:
+        out.ids.extend(ids)
+    return out
+
+
+def ids_of(msg: pb.TokenIds, name: str = "token_ids") -> list[int]:
+    """The ids of a TokenIds in either form; ValueError naming `name` when both forms are set or
+    `packed` is not a whole number of uint32."""
+    if msg.packed:
+        if len(msg.ids):
+            raise ValueError(f"{name}: set ids or packed, not both")
+        if len(msg.packed) % 4:
+            raise ValueError(f"{name}.packed: {len(msg.packed)} bytes is not a whole number of uint32 ids")
+        return np.frombuffer(msg.packed, dtype="<u4").tolist()
+    return list(msg.ids)
+
+
 def concat_rows(a: pb.Tensor, b: pb.Tensor) -> pb.Tensor | None:
     """a and b stacked along dim 0 without decoding (C order: the bytes concatenate), or None if
     their dtypes or trailing shapes differ."""

@@ -26,7 +26,7 @@ from voxpipe.errors import ConfigError
 
 from ..runtime.server import (Abort, StageServicer, finished_proto, load_stage_model,
                               routed_proto, serve_stage, stage_setup, talker_prompt_proto)
-from ..runtime.tensors import TensorError, from_proto, to_proto
+from ..runtime.tensors import TensorError, from_proto, ids_of, to_proto
 from ..runtime.tracing import traced_rpc
 from ..runtime.kv_plan import KVPlan, kv_plan as stage_kv_plan
 from .engine import ThinkerEngine, assistant_head_index
@@ -164,7 +164,10 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             except ValueError as e:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         elif kind == "token_ids":
-            ids = list(start.token_ids.ids)
+            try:
+                ids = ids_of(start.token_ids)
+            except ValueError as e:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         else:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "start needs a prompt: token_ids or text")
         return self.job_of(start, ids, audio)

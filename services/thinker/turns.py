@@ -19,7 +19,7 @@ from ..runtime.calls import abort, when_done
 from ..runtime.engine import Outbox
 from ..runtime.sampling import MAX_AUDIO_FEATURE, check_features
 from ..runtime.server import Abort
-from ..runtime.tensors import TensorError, from_proto
+from ..runtime.tensors import TensorError, from_proto, ids_of
 from .job import ThinkerJob
 from .model import audio_output_length
 from .streamed import StreamedClip
@@ -47,7 +47,10 @@ class StreamedTurns:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"stream_audio: the start gives the conversation before the streamed clip only; "
                         f"{', '.join(given)}: in the commit (StreamCommit.start)")
-        ids = list(start.token_ids.ids)
+        try:
+            ids = ids_of(start.token_ids)
+        except ValueError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.servicer.check_prompt(ids, audio)
         self._check_length(len(ids), 0)
         return ThinkerJob(request_id=start.request_id or uuid.uuid4().hex, outbox=Outbox(asyncio.get_running_loop()),
@@ -122,7 +125,11 @@ class StreamedTurns:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the streamed clip has no frames")
         self._check_length(pending.stream_start, frames)
         tokens = audio_output_length(frames, self.cfg.audio.n_window)
-        ids = pending.prompt[:pending.stream_start] + [self.cfg.tokens.audio_token] * tokens + list(start.token_ids.ids)
+        try:
+            tail = ids_of(start.token_ids, "commit.start.token_ids")
+        except ValueError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ids = pending.prompt[:pending.stream_start] + [self.cfg.tokens.audio_token] * tokens + tail
         job = self.servicer.job_of(start, ids, list(pending.audio), streamed_tokens=tokens)
         job.request_id, job.adopts = pending.request_id, pending
         return job

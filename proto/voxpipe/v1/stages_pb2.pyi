@@ -97,10 +97,12 @@ class Cancel(_message.Message):
     def __init__(self) -> None: ...
 
 class TokenIds(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "packed")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed: bytes
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class ContextExceeded(_message.Message):
     __slots__ = ("prompt_tokens", "reply_tokens", "context_tokens")
