@@ -23,7 +23,7 @@ from voxpipe.kernels import paged_attention
 from voxpipe.services.runtime.kv_cache import _causal_flash
 
 HQ, HKV, D, BS = 32, 4, 128, 16
-SHAPES = ( (1, 256, 4096), (1, 256, 16384), (1, 256, 32768),
+SHAPES = ((1, 256, 4096), (1, 256, 16384), (1, 256, 32768),
           (1, 512, 32768), (8, 256, 8192))
 GRID = {"block_r": (16, 32, 64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (None, 3)}
 
