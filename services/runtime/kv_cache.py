@@ -20,7 +20,14 @@ import torch
 import torch.nn.functional as F
 
 if torch.cuda.is_available():   # torch.nn.attention.bias imports torch._dynamo (seconds of CPU at every stage's
-    from torch.nn.attention.bias import causal_lower_right   # start); only _causal_flash's CUDA path uses it
+    from torch.nn.attention import SDPBackend, sdpa_kernel    # start); only _causal_flash's CUDA path uses them
+    from torch.nn.attention.bias import causal_lower_right
+
+    # flash attention first: cuDNN's kernel builds an execution plan for every new shape (45 ms on the
+    # H200, a first-sight stall for each new prompt length) and is slower past ~8k positions; flash
+    # has no plan and reads the grouped key heads in place (enable_gqa); bench/RESULTS.md, paged_tune
+    _FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH]
 
 from voxpipe import kernels
 
@@ -61,21 +68,21 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """`_causal_sdpa` for long prompts' chunks: on CUDA in bf16 / fp16 the key heads are repeated
-    for the query heads and flash attention runs with the causal mask aligned to the last key
-    (`causal_lower_right`), so no mask is built: `_sdpa`'s grouped-query regrouping would make it
-    [Hq / Hkv * S, L] (268 MB a layer for a 4,096-token chunk as an additive bias); elsewhere
-    `_causal_sdpa` itself. On the H200 a 512-token chunk over 2,500 positions takes 0.14 ms a layer
-    this way and 0.12 ms masked (bench/RESULTS.md): the choice is for the mask's memory, not speed."""
+    """`_causal_sdpa` for long prompts' chunks: on CUDA in bf16 / fp16 flash attention with the
+    causal mask aligned to the last key (`causal_lower_right`) and the grouped key heads read in
+    place (`enable_gqa`), so no mask is built -- `_sdpa`'s grouped-query regrouping would make it
+    [Hq / Hkv * S, L], 268 MB a layer for a 4,096-token chunk -- and no key head is copied;
+    elsewhere `_causal_sdpa` itself. On the H200 a 4,096-token chunk at the end of 32,768 positions
+    takes 6.0 ms a layer this way, 6.6 ms with repeated heads through cuDNN (bench/RESULTS.md)."""
     s, total = q.shape[2], k.shape[2]
     if s == 1 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or determinism.in_scope():
         return _causal_sdpa(q, k, v, scale)
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    if s == total:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, total), scale=scale)
+    gqa = q.shape[1] != k.shape[1]
+    with sdpa_kernel(_FLASH_FIRST, set_priority=True):
+        if s == total:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, total), scale=scale,
+                                              enable_gqa=gqa)
 
 
 @dataclass
