@@ -152,6 +152,51 @@ def test_a_server_vad_turn_streamed_equals_the_whole_in_the_beta_dialect(gateway
     assert_stages_idle(stack)
 
 
+def test_a_streamed_third_turn_takes_the_cached_conversation_with_its_audio(gateway, stack, tokenizer, omni_config,
+                                                                            model, features, tiny_model_dir):
+    """Three voice turns streamed in one session: turn 3's streamed request takes the prefix cache
+    past the earlier turns' clips (as the whole-clip path would: their talker rows from the
+    AudioRowCache), and its reply is the whole prompt's -- the pipeline's sent whole, and
+    transformers' (uncached) text."""
+    from oracle import reference_thinker
+    from voxpipe.services.runtime.affinity import placeholder_spans
+    from voxpipe.services.runtime.flags import KV_BLOCK_SIZE
+    from voxpipe.services.thinker.prompt import render
+
+    clips = [noise(1.2, seed=30 + i) for i in range(3)]
+
+    async def go():
+        events, replies = [], []
+        async with sdk(gateway).realtime.connect(model=model) as conn:
+            await conn.session.update(session={**MANUAL, "max_audio_frames": FRAMES})
+            await collect(conn, "session.updated", events)
+            for clip in clips:
+                await append(conn, clip, 200)
+                await conn.input_audio_buffer.commit()
+                await conn.response.create(response=REPLY)
+                await collect(conn, "response.done", events)
+                replies.append(reply(events))
+            return events, replies
+
+    events, replies = asyncio.run(go())
+    messages = []
+    for clip, (text, _) in zip(clips, replies):
+        messages += [ChatMessage("user", [ChatPart(features=features(pcm16(clip)))]),
+                     *([ChatMessage.text("assistant", text)] if text else [])]
+    if replies[-1][0]:
+        messages.pop()
+    assert_reply(events, stack, tokenizer, omni_config, messages)
+    prompt = render(tokenizer, omni_config.thinker, messages)
+    ref = reference_thinker(tiny_model_dir, prompt.token_ids, prompt.audio_features, max_tokens=3)
+    assert replies[-1][0] == tokenizer.decode(ref.text_ids)
+    # the earlier clips' blocks are hits: up to the last full block of the second clip at least (the
+    # blocks after it hold turn 2's tail, published only up to its reply's last full block)
+    second = placeholder_spans(prompt.token_ids, omni_config.thinker.tokens.audio_token, [b""] * 3)[1]
+    cached = events[-1].response.usage.input_token_details.cached_tokens
+    assert cached >= second.end // KV_BLOCK_SIZE * KV_BLOCK_SIZE > second.start, (cached, second)
+    assert_stages_idle(stack)
+
+
 def wait_for(predicate, timeout: float = 15) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

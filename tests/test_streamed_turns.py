@@ -163,8 +163,9 @@ def test_a_streamed_turn_equals_the_whole_turn(thinker, kit, tiny_model_dir, sec
 
 def test_a_streamed_second_turn_after_a_cached_first_equals_the_whole(thinker, kit):
     """Turn 1 sent whole (its blocks published), a later turn's clip streamed after an earlier clip:
-    the conversation's text prefix comes from the cache (a streamed turn may be spoken: not past its
-    first clip), the outputs are the whole turn's."""
+    the conversation's text prefix comes from the cache (a streamed turn may be spoken: not past the
+    earlier clip, whose talker rows no spoken turn left in the AudioRowCache), the outputs are the
+    whole turn's."""
     first = scale(torch.cat(raw_frames(kit[2], speech(2.5, seed=5)), dim=1))
     turn1 = [ChatMessage.text("system", "You listen carefully and answer every recording in one short line."),
              ChatMessage.text("user", "I will send you recordings; are you ready?")]
