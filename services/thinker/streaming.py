@@ -39,6 +39,10 @@ STREAMED_TOKENS = metrics.Counter(
     "voxpipe_streamed_prompt_tokens", "Prompt tokens of streamed turns (ThinkerStart.stream_audio), by when their "
     "keys were computed: before the commit (prefix-cache hits included) or after it", ["stage", "when"],
     registry=metrics.REGISTRY)
+STREAMED_AUDIO_TOKENS = metrics.Counter(
+    "voxpipe_streamed_audio_tokens", "The streamed clips' audio placeholder tokens (ThinkerStart.stream_audio), by "
+    "when their keys were computed: before the commit (its complete encoder windows, prefilled) or after it",
+    ["stage", "when"], registry=metrics.REGISTRY)
 
 
 class TurnStreams:
@@ -166,6 +170,10 @@ class TurnStreams:
         job.streamed_tokens = job.prefilled
         STREAMED_TOKENS.labels(engine.name, "before_commit").inc(job.prefilled)
         STREAMED_TOKENS.labels(engine.name, "after_commit").inc(len(job.prompt) - job.prefilled)
+        audio = clip.rows.shape[0]
+        heard = min(max(job.prefilled - pending.stream_start, 0), audio)
+        STREAMED_AUDIO_TOKENS.labels(engine.name, "before_commit").inc(heard)
+        STREAMED_AUDIO_TOKENS.labels(engine.name, "after_commit").inc(audio - heard)
         log.debug("request %s committed: %d of %d prompt tokens prefilled before (%d windows of %d kept)",
                   job.request_id, job.prefilled, len(job.prompt), kept, len(clip.windows))
 
