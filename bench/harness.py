@@ -206,9 +206,18 @@ async def _level(stream_fn, make_request, args, wl: Workload, mode: str, scrape,
         res.path = trace_path.path(spans.snapshot(), marks["since_ns"], until_ns)
     print(f"[{wl.name} / {mode}] c={c}: {res.req_per_s:.2f} req/s, TTFP p50 / p90 / p99 {res.ttfp_ms['p50']:.1f} / "
           f"{res.ttfp_ms['p90']:.1f} / {res.ttfp_ms['p99']:.1f} ms, RTF p50 {res.rtf['p50']:.3f}, "
-          f"prompt {res.prompt_tokens:.0f} tokens, failed {res.failed}" +
+          f"prompt {res.prompt_tokens:.0f} tokens, failed {res.failed}" + _streamed(res.server.get("thinker", {})) +
           (f" ({res.errors[0]})" if res.errors else ""), flush=True)
     return res
+
+
+def _streamed(thinker: dict) -> str:
+    """Streamed realtime turns: the share of their prompts, and of their clips' audio tokens, prefilled
+    before the commit (server_stats.STREAMED)."""
+    if "prefilled_before_commit" not in thinker:
+        return ""
+    return (f", prefilled before the commit {thinker['prefilled_before_commit']:.1%} of the prompt, "
+            f"{thinker.get('audio_prefilled_before_commit', 0.0):.1%} of the clip's audio tokens")
 
 
 def run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: str) -> tuple[list[LevelResult], dict]:

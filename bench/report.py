@@ -79,10 +79,12 @@ def server_table(results: list[LevelResult]) -> str:
                         f"{f('at_gateway_ms')} | "
                         f"{f('step_ms', '{:.2f}')} | {f('steps', '{:.0f}')} | {f('prefill_batch', '{:.2f}')} | "
                         f"{f('outbox_wait_ms', '{:.2f}')} | {f('loop_lag_ms', '{:.2f}')} |")
-    streamed = [f"{r.mode} c={r.concurrency} {st['prefilled_before_commit']:.0%}" for r in results
-                for st in (r.server or {}).values() if "prefilled_before_commit" in st]
+    streamed = [f"{r.mode} c={r.concurrency} {st['prefilled_before_commit']:.0%} "
+                f"(of the clip's audio tokens {st.get('audio_prefilled_before_commit', 0.0):.0%})"
+                for r in results for st in (r.server or {}).values() if "prefilled_before_commit" in st]
     if streamed:
-        rows += ["", "Streamed realtime turns, share of the prompt prefilled before the commit: " + ", ".join(streamed)]
+        rows += ["", "Streamed realtime turns, share of the prompt prefilled before the commit (of the streamed "
+                 "clip's audio tokens: its complete encoder windows): " + ", ".join(streamed)]
     return "\n".join(rows)
 
 

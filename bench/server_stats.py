@@ -22,8 +22,10 @@ COLUMNS = {
 }
 
 
-# streamed turns' prompt tokens by when their keys were made (services/thinker/streaming.py)
-STREAMED = "voxpipe_streamed_prompt_tokens"
+# streamed turns' prompt tokens, and of them their streamed clips' audio tokens, by when their keys
+# were made (services/thinker/streaming.py) -> the column of the share made before the commit
+STREAMED = {"voxpipe_streamed_prompt_tokens": "prefilled_before_commit",
+            "voxpipe_streamed_audio_tokens": "audio_prefilled_before_commit"}
 
 
 def parse(text: str) -> dict[tuple[str, str, str], float]:
@@ -37,8 +39,8 @@ def parse(text: str) -> dict[tuple[str, str, str], float]:
             elif s.name in COUNTED and "stage" in s.labels:      # counters: (name, stage, kind, "total")
                 key = (s.name, s.labels["stage"], s.labels.get("kind", ""), "total")
                 out[key] = out.get(key, 0.0) + s.value
-            elif s.name == STREAMED + "_total" and "stage" in s.labels:     # (stage, when: before/after_commit)
-                key = (STREAMED, s.labels["stage"], s.labels.get("when", ""), "total")
+            elif s.name.removesuffix("_total") in STREAMED and "stage" in s.labels:   # (stage, when: before/after_commit)
+                key = (s.name.removesuffix("_total"), s.labels["stage"], s.labels.get("when", ""), "total")
                 out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -98,10 +100,11 @@ def level_stats(before: dict, after: dict, stages: tuple[str, ...]) -> dict[str,
             grew = after.get((name, stage, kind, "total"), 0.0) - before.get((name, stage, kind, "total"), 0.0)
             if grew:
                 row[col] = grew
-        made = {when: after.get((STREAMED, stage, when, "total"), 0.0) - before.get((STREAMED, stage, when, "total"), 0.0)
-                for when in ("before_commit", "after_commit")}
-        if sum(made.values()):     # streamed realtime turns: the share of their prompts prefilled before the commit
-            row["prefilled_before_commit"] = made["before_commit"] / sum(made.values())
+        for name, col in STREAMED.items():     # streamed realtime turns: the share prefilled before the commit
+            made = {when: after.get((name, stage, when, "total"), 0.0) - before.get((name, stage, when, "total"), 0.0)
+                    for when in ("before_commit", "after_commit")}
+            if sum(made.values()):
+                row[col] = made["before_commit"] / sum(made.values())
         key = ("voxpipe_stage_latency_seconds", stage, "queue_wait", "count")
         if after.get(key, 0.0) - before.get(key, 0.0):
             row["requests"] = after[key] - before.get(key, 0.0)     # requests that ended between the scrapes

@@ -9,7 +9,7 @@ from pathlib import Path
 from voxpipe.services.runtime.tls import ClientTLS, ServerTLS, client_tls_from_args
 
 from .cors import AllowedOrigins, origins_from_env
-from .limits import DEFAULT_ADMISSION_WAIT_S, DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
+from .limits import DEFAULT_ADMISSION_WAIT_S, DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS, REALTIME_TURN_HOLD_S
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class GatewayConfig:
     audio_expiry_s: int = 3600         # how long an assistant audio id stays usable in later turns
     max_stored_audio: int = 10000      # transcripts kept for multi-turn audio references
     audio_cache_bytes: int = int(DEFAULT_AUDIO_CACHE_MB * 2**20)   # chat clips' features kept by content (0: off)
+    realtime_turn_hold_s: float = REALTIME_TURN_HOLD_S   # a committed realtime turn's stream waits for response.create
     ssl_certfile: str | None = None    # serve HTTPS / WSS and TLS on Converse with this PEM chain ...
     ssl_keyfile: str | None = None     # ... and key (both or neither)
     tls: ServerTLS | None = None       # the same pair, read (for the Converse gRPC port)
@@ -56,6 +57,7 @@ class GatewayConfig:
                    body_timeout_s=args.body_timeout, max_prompt_chars=args.max_prompt_chars,
                    reflection=args.reflection, audio_expiry_s=args.audio_expiry,
                    audio_cache_bytes=int(args.audio_cache_mb * 2**20),
+                   realtime_turn_hold_s=args.realtime_turn_hold,
                    ssl_certfile=certfile if tls else None, ssl_keyfile=keyfile if tls else None, tls=tls,
                    stage_tls=client_tls_from_args(args),
                    cors_allow_origins=getattr(args, "cors_allow_origins", None) or origins_from_env())

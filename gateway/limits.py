@@ -34,3 +34,4 @@ def audio_problem(frames: int, rate: int, channels: int = 1) -> str | None:
     return None
 
 DEFAULT_ADMISSION_WAIT_S = 1.0     # --admission-wait: how long a spoken request may wait for capacity (0: no waiting)
+REALTIME_TURN_HOLD_S = 10.0        # --realtime-turn-hold: a committed realtime turn's thinker stream waits this long for response.create

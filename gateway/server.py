@@ -16,7 +16,7 @@ from voxpipe.services.runtime.listen import HOST_HELP, bind_http, check_free, de
 from voxpipe.services.runtime.tls import TLSConfigError, add_client_tls_arguments
 
 from .cors import ENV as CORS_ENV, OriginsError, origins_flag
-from .limits import DEFAULT_ADMISSION_WAIT_S, DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS
+from .limits import DEFAULT_ADMISSION_WAIT_S, DEFAULT_AUDIO_CACHE_MB, MAX_PROMPT_CHARS, REALTIME_TURN_HOLD_S
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log-mel features of chat input_audio clips kept by the clip's content (SHA-256 of "
                              "its bytes), least recently used dropped first: a conversation re-sending a clip is "
                              f"not decoded again (default {DEFAULT_AUDIO_CACHE_MB:g}; 0: off)")
+    parser.add_argument("--realtime-turn-hold", type=non_negative_seconds, default=REALTIME_TURN_HOLD_S,
+                        help="seconds a committed realtime user turn keeps the thinker request it was streamed to "
+                             "(and the KV blocks it prefilled) waiting for response.create; released after, or as "
+                             "soon as the conversation changes under it, the turn is sent whole when answered "
+                             f"(default {REALTIME_TURN_HOLD_S:g}; 0: released at the commit)")
     add_cors_argument(parser)
     g = parser.add_argument_group("TLS (serving)")
     g.add_argument("--ssl-certfile", default=os.environ.get("VOXPIPE_SSL_CERTFILE") or None,

@@ -230,18 +230,26 @@ def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_di
 
 def test_bench_realtime_with_the_voice_clip(tiny_model_dir, tmp_path):
     """realtime with the user turn spoken (input_audio_buffer.append + commit), on the tiny checkpoint
-    with its preprocessor_config.json."""
-    _, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "realtime", "--realtime-audio", "--modes", "gateway",
-                        "--no-reference", "--concurrency", "2", "--base-port", "53451", "--realtime-pace", "8")
+    with its preprocessor_config.json, the shipped 10 s utterance (bench/voice_clip.py: LONG_CLIP)."""
+    from voxpipe.bench.voice_clip import LONG_CLIP
+
+    proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "realtime", "--realtime-audio", "--modes", "gateway",
+                           "--no-reference", "--concurrency", "2", "--base-port", "53451", "--realtime-pace", "8",
+                           "--audio", str(LONG_CLIP))
     levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
     _check_levels(levels, {("realtime", "gateway", 2)})
-    assert levels["realtime", "gateway", 2]["prompt_tokens"] > 570 // 8
+    assert levels["realtime", "gateway", 2]["prompt_tokens"] > 130
     assert res["references"] == {} and "transformers reference: not run (--no-reference)" in md
     assert ("realtime: the voice clip appended to the input audio buffer and committed over the realtime WebSocket, "
             "appended at 8x real time (TTFP from the commit: the end of speech)") in md
-    # the clip streamed to the thinker as it was appended: some of each prompt prefilled before its commit
-    assert 0 < levels["realtime", "gateway", 2]["server"]["thinker"]["prefilled_before_commit"] <= 1
-    assert "Streamed realtime turns, share of the prompt prefilled before the commit: gateway c=2 " in md
+    # the clip streamed to the thinker as it was appended: some of each prompt prefilled before its commit;
+    # of its 130 audio tokens (1,000 frames), at most its one complete 8 s window's 104
+    thinker = levels["realtime", "gateway", 2]["server"]["thinker"]
+    assert 0 < thinker["prefilled_before_commit"] <= 1
+    assert 0 < thinker["audio_prefilled_before_commit"] <= 104 / 130 + 1e-9
+    assert "Streamed realtime turns, share of the prompt prefilled before the commit (of the streamed clip's audio " \
+           "tokens: its complete encoder windows): gateway c=2 " in md
+    assert "% of the clip's audio tokens" in proc.stdout
 
 
 def test_bench_refuses_bad_workload_flags(tmp_path, capsys):

@@ -152,6 +152,51 @@ def test_a_server_vad_turn_streamed_equals_the_whole_in_the_beta_dialect(gateway
     assert_stages_idle(stack)
 
 
+def test_a_streamed_third_turn_takes_the_cached_conversation_with_its_audio(gateway, stack, tokenizer, omni_config,
+                                                                            model, features, tiny_model_dir):
+    """Three voice turns streamed in one session: turn 3's streamed request takes the prefix cache
+    past the earlier turns' clips (as the whole-clip path would: their talker rows from the
+    AudioRowCache), and its reply is the whole prompt's -- the pipeline's sent whole, and
+    transformers' (uncached) text."""
+    from oracle import reference_thinker
+    from voxpipe.services.runtime.affinity import placeholder_spans
+    from voxpipe.services.runtime.flags import KV_BLOCK_SIZE
+    from voxpipe.services.thinker.prompt import render
+
+    clips = [noise(1.2, seed=30 + i) for i in range(3)]
+
+    async def go():
+        events, replies = [], []
+        async with sdk(gateway).realtime.connect(model=model) as conn:
+            await conn.session.update(session={**MANUAL, "max_audio_frames": FRAMES})
+            await collect(conn, "session.updated", events)
+            for clip in clips:
+                await append(conn, clip, 200)
+                await conn.input_audio_buffer.commit()
+                await conn.response.create(response=REPLY)
+                await collect(conn, "response.done", events)
+                replies.append(reply(events))
+            return events, replies
+
+    events, replies = asyncio.run(go())
+    messages = []
+    for clip, (text, _) in zip(clips, replies):
+        messages += [ChatMessage("user", [ChatPart(features=features(pcm16(clip)))]),
+                     *([ChatMessage.text("assistant", text)] if text else [])]
+    if replies[-1][0]:
+        messages.pop()
+    assert_reply(events, stack, tokenizer, omni_config, messages)
+    prompt = render(tokenizer, omni_config.thinker, messages)
+    ref = reference_thinker(tiny_model_dir, prompt.token_ids, prompt.audio_features, max_tokens=3)
+    assert replies[-1][0] == tokenizer.decode(ref.text_ids)
+    # the earlier clips' blocks are hits: up to the last full block of the second clip at least (the
+    # blocks after it hold turn 2's tail, published only up to its reply's last full block)
+    second = placeholder_spans(prompt.token_ids, omni_config.thinker.tokens.audio_token, [b""] * 3)[1]
+    cached = events[-1].response.usage.input_token_details.cached_tokens
+    assert cached >= second.end // KV_BLOCK_SIZE * KV_BLOCK_SIZE > second.start, (cached, second)
+    assert_stages_idle(stack)
+
+
 def wait_for(predicate, timeout: float = 15) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -273,6 +318,86 @@ def test_a_conversation_changed_mid_utterance_is_streamed_again_or_sent_whole(ga
     assert_reply(events, stack, tokenizer, omni_config, turn2)
     assert (streamed(gateway, "streamed"), streamed(gateway, "redone")) == (before[0] + 1, before[1] + 1)
     assert_stages_idle(stack)
+
+
+def thinker_kv_used(stack) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports['thinker']}/metrics", timeout=5).read()
+    m = re.search(r'^voxpipe_kv_blocks\{stage="thinker",state="used"\} (\S+)$', body.decode(), re.M)
+    return float(m.group(1))
+
+
+def thinker_idle(stack) -> bool:
+    return active_streams(stack)["thinker"] == 0 and thinker_kv_used(stack) == 0
+
+
+async def committed_unanswered(gateway, stack, model, clip, then=None) -> list:
+    """A manual turn streamed, committed, and left without response.create until the thinker is idle
+    (after `then(conn)`, if given); then answered."""
+    events = []
+    async with sdk(gateway).realtime.connect(model=model) as conn:
+        await conn.session.update(session={**MANUAL, "max_audio_frames": FRAMES})
+        await collect(conn, "session.updated", events)
+        await append(conn, clip, 200)
+        await asyncio.to_thread(wait_for, lambda: active_streams(stack)["thinker"] == 1)     # the pending turn
+        await conn.input_audio_buffer.commit()
+        await collect(conn, "conversation.item.done", events)
+        if then is not None:
+            await then(conn, events)
+        await asyncio.to_thread(wait_for, lambda: thinker_idle(stack), 5)
+        await conn.response.create(response=REPLY)
+        return await collect(conn, "response.done", events)
+
+
+def test_a_committed_turn_whose_conversation_changed_releases_its_stream(gateway, stack, tokenizer, omni_config,
+                                                                          model, features):
+    """An item created after the commit: the streamed request is released at once (well before the
+    hold, 10 s by default), and the response sends the turn whole with the item."""
+    clip = noise(1.5, seed=40)
+    before = streamed(gateway, "streamed"), streamed(gateway, "cancelled")
+
+    async def then(conn, events):
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Then this."}]})
+        await collect(conn, "conversation.item.done", events)
+
+    events = asyncio.run(committed_unanswered(gateway, stack, model, clip, then))
+    assert_reply(events, stack, tokenizer, omni_config, [ChatMessage("user", [ChatPart(features=features(pcm16(clip)))]),
+                                                         ChatMessage.text("user", "Then this.")])
+    assert (streamed(gateway, "streamed"), streamed(gateway, "cancelled")) == (before[0], before[1] + 1)
+    assert_stages_idle(stack)
+
+
+@pytest.fixture(scope="module")
+def held_gateway(stack, tiny_model_dir):
+    from conftest import GatewayProcess
+
+    gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"),
+                        "--realtime-turn-hold", "0.5")
+    yield gw
+    gw.stop()
+
+
+def test_a_committed_turn_left_unanswered_is_released_after_its_hold(held_gateway, stack, tokenizer, omni_config,
+                                                                     model, features):
+    """--realtime-turn-hold 0.5: the thinker request, its KV blocks and streams are freed half a
+    second after the commit; the response.create that comes later sends the turn whole, exactly."""
+    clip = noise(2.0, seed=41)
+    events = asyncio.run(committed_unanswered(held_gateway, stack, model, clip))
+    assert_reply(events, stack, tokenizer, omni_config, [ChatMessage("user", [ChatPart(features=features(pcm16(clip)))])])
+    assert streamed(held_gateway, "streamed") == 0 and streamed(held_gateway, "cancelled") == 1
+    assert_stages_idle(stack)
+
+
+def test_the_realtime_turn_hold_flag_refuses_bad_values(capsys):
+    from voxpipe.cli import build_parser
+
+    assert build_parser().parse_args(["gateway", "--realtime-turn-hold", "2.5"]).realtime_turn_hold == 2.5
+    for bad in ("-1", "later", "nan", "x" * 10_000):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["gateway", "--realtime-turn-hold", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--realtime-turn-hold: must be a number of seconds, at least 0" in err, err
+        assert len(err) < 2000
 
 
 def test_the_buffer_peeks_any_span_of_its_chunks_without_taking_it():

@@ -7,6 +7,7 @@ refused."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import grpc
 import numpy as np
@@ -17,6 +18,7 @@ from conftest import StageProcesses
 from oracle import reference_thinker
 from voxpipe.services.runtime.tensors import from_proto, to_proto
 from voxpipe.services.thinker.log_mel import LogMelStream, scale
+from voxpipe.services.thinker.model import audio_output_length
 from voxpipe.services.thinker.streamed import around_last_clip
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, FeatureExtractor, load_tokenizer, render
 from voxpipe.services.runtime.config import OmniConfig
@@ -78,6 +80,16 @@ async def collect(call) -> tuple[list[int], bytes, pb.Finished, pb.TalkerPrompt 
         elif kind == "finished":
             finished = msg.finished
     return ids, b"".join(rows), finished, prompt       # rows joined: how deltas merge into messages varies
+
+
+def streamed_audio(thinker) -> tuple[float, float]:
+    """voxpipe_streamed_audio_tokens_total: (before the commit, after it)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{thinker.metrics_ports['thinker']}/metrics").text
+    found = [re.search(rf'^voxpipe_streamed_audio_tokens_total{{stage="thinker",when="{when}"}} (\S+)$', text, re.M)
+             for when in ("before_commit", "after_commit")]
+    return tuple(float(m.group(1)) if m else 0.0 for m in found)     # none before the first streamed turn
 
 
 def same_outputs(got, want) -> None:
@@ -150,10 +162,16 @@ def test_a_streamed_turn_equals_the_whole_turn(thinker, kit, tiny_model_dir, sec
         got = await streamed(stub, prefix, [], frames, suffix, per_message)
         return want, got
 
+    audio_before = streamed_audio(thinker)
     want, got = run(go())
     same_outputs(got, want)
     assert got[2].reason == want[2].reason and got[2].prompt_tokens == want[2].prompt_tokens
     windows = clip.shape[1] // 800
+    # the clip's audio tokens by when their keys were made: only complete windows' before the commit,
+    # none once the clip's maximum came late (its windows encoded again at the commit)
+    heard, rest = (a - b for a, b in zip(streamed_audio(thinker), audio_before))
+    assert heard + rest == audio_output_length(clip.shape[1], 50)
+    assert heard % 104 == 0 and (heard == windows * 104 if levels == (0.1,) else heard == 0), (heard, rest)
     if levels == (0.1,):
         assert got[2].streamed_tokens >= len(prefix) // 16 * 16 + windows * 104 - 16
     if seconds > 10 and levels == (0.1,):
@@ -163,8 +181,9 @@ def test_a_streamed_turn_equals_the_whole_turn(thinker, kit, tiny_model_dir, sec
 
 def test_a_streamed_second_turn_after_a_cached_first_equals_the_whole(thinker, kit):
     """Turn 1 sent whole (its blocks published), a later turn's clip streamed after an earlier clip:
-    the conversation's text prefix comes from the cache (a streamed turn may be spoken: not past its
-    first clip), the outputs are the whole turn's."""
+    the conversation's text prefix comes from the cache (a streamed turn may be spoken: not past the
+    earlier clip, whose talker rows no spoken turn left in the AudioRowCache), the outputs are the
+    whole turn's."""
     first = scale(torch.cat(raw_frames(kit[2], speech(2.5, seed=5)), dim=1))
     turn1 = [ChatMessage.text("system", "You listen carefully and answer every recording in one short line."),
              ChatMessage.text("user", "I will send you recordings; are you ready?")]

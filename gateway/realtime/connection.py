@@ -119,6 +119,7 @@ class RealtimeConnection:
             heard_to_audio=lambda since, s: state.metrics.speech_end_ttfp.labels(since).observe(s),
             take_turn=self._take_turn, prefilled_before_commit=state.metrics.prefilled_before_commit.observe)
         self.heard: HeardTurn | None = None        # the utterance streamed to a thinker while it is spoken
+        self.checks: set[asyncio.Task] = set()     # committed turns' streams being checked against the conversation
         self.speech_end: tuple[str, float] | None = None    # the last end of speech, until a response answers it
         self.transcriber = Transcriber(TranscriptionContext(
             generation=generation, emit=self.emit, set_transcript=self.conversation.set_transcript,
@@ -170,6 +171,9 @@ class RealtimeConnection:
                 self.response.task.cancel()                 # frees the request in all three stages
                 await asyncio.gather(self.response.task, return_exceptions=True)
             await self._drop_turn()
+            for task in self.checks:
+                task.cancel()
+            await asyncio.gather(*self.checks, return_exceptions=True)
             await self.transcriber.close()
             await self.outbox.close()
             sender.cancel()
@@ -272,13 +276,13 @@ class RealtimeConnection:
 
     # ------------------------------------------------------------------------- the utterance, streamed
 
-    async def _turn_prefix(self) -> TurnPrefix:
-        """The conversation before a new user turn, rendered as a response with the session's settings
-        renders it (a ProtocolError or APIError when it cannot be)."""
+    async def _turn_prefix(self, turns=None) -> TurnPrefix:
+        """The conversation before a new user turn (`turns`; default: the conversation's), rendered as
+        a response with the session's settings renders it (a ProtocolError or APIError when it cannot be)."""
         gen = self.response_context.generation
         settings = ResponseSettings.resolve(self.session, ResponseOverrides(), self.state.speakers)
         tools = settings.tools.prompt_tools
-        turns = self.conversation.turns()
+        turns = self.conversation.turns() if turns is None else turns
         return await render_prefix(lambda m: gen.render(m, tools=tools, tools_param="session.tools"),
                                    lambda user: prompt_messages(settings.instructions, [*turns, ("", user)]),
                                    gen.audio_token, self.state.features.num_mel_bins)
@@ -320,8 +324,42 @@ class RealtimeConnection:
                 await self._drop_turn()
 
     def _conversation_changed(self) -> None:
-        if self.heard is not None and self.heard.features is None:
-            self.heard.stale = True
+        heard = self.heard
+        if heard is None:
+            return
+        if heard.features is None:
+            heard.stale = True
+        elif heard.turn is not None:         # committed, waiting for its response: still the turn it would answer?
+            self._later(self._check_committed(heard))
+
+    def _later(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.checks.add(task)
+        task.add_done_callback(self.checks.discard)
+
+    def _hold(self, heard: HeardTurn, item_id: str) -> None:
+        """The committed `heard` (item `item_id`) keeps its stream for its response until the hold ends."""
+        heard.item_id = item_id
+        hold = self.state.config.realtime_turn_hold_s
+        heard.hold = asyncio.get_running_loop().call_later(hold, lambda: self._later(self._release(heard, "held")))
+
+    async def _release(self, heard: HeardTurn, why: str) -> None:
+        """Cancel the committed `heard`'s stream if it is still the turn waiting for a response."""
+        if heard is self.heard and heard.features is not None:
+            log.debug("realtime session %s: the committed turn's stream is released (%s)", self.session.id, why)
+            await self._drop_turn()
+
+    async def _check_committed(self, heard: HeardTurn) -> None:
+        """Release a committed turn's stream unless its item is still the conversation's last and what
+        comes before it renders as the stream's prefix (a response would take it)."""
+        turns = self.conversation.turns()
+        if turns and turns[-1][0] == heard.item_id:
+            try:
+                if same_prefix(heard.prefix, await self._turn_prefix(turns[:-1])):
+                    return
+            except (APIError, ProtocolError):
+                pass
+        await self._release(heard, "the conversation changed")
 
     async def _drop_turn(self) -> None:
         """Cancel the utterance being heard (or heard and not yet answered): the thinker frees it."""
@@ -409,6 +447,8 @@ class RealtimeConnection:
         item = ConversationItem(item_id, "user", [ItemContent("input_audio", features=features,
                                                               audio_samples=len(clip))])
         previous = self.conversation.insert(item)
+        if self.heard is not None and self.heard.features is features and self.heard.turn is not None:
+            self._hold(self.heard, item_id)
         await self.emit(InputAudioCommitted(previous, item_id))
         await self.emit(ItemAdded(previous, item))
         await self.emit(ItemDone(previous, item))

@@ -10,7 +10,9 @@ the same earlier clips, and this clip last. Otherwise (the conversation or the s
 since: an item created, deleted or truncated, other instructions or tools, truncation) the stream
 is cancelled and the turn is sent whole -- a streamed turn never answers another prompt. The
 connection re-opens the stream with the new conversation when it learns of a change while the user
-still speaks (`stale`)."""
+still speaks (`stale`). A committed turn waits for its response a bounded time (`hold`, the
+gateway's --realtime-turn-hold) and no longer once the conversation before it changed: then its
+stream is cancelled (the thinker frees what it held) and a later response sends the turn whole."""
 
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ class HeardTurn:
         self.turn: AudioTurn | None = None
         self.features: torch.Tensor | None = None     # once finished: the clip's features [mel, frames]
         self.stale = False                 # the conversation may have changed since `prefix` was rendered
+        self.item_id: str | None = None    # once committed: its conversation item
+        self.hold: asyncio.TimerHandle | None = None    # once committed: when its stream is released unanswered
 
     def open(self, open_turn: Callable[..., AudioTurn], prefix: TurnPrefix, session: str | None) -> None:
         """(Re)open the thinker stream after `prefix`; the frames heard so far go first."""
@@ -111,6 +115,9 @@ class HeardTurn:
 
     async def close(self) -> None:
         """Cancel the stream, if it still holds one."""
+        if self.hold is not None:
+            self.hold.cancel()
+            self.hold = None
         turn, self.turn = self.turn, None
         if turn is not None:
             await turn.close()

@@ -124,6 +124,7 @@ class ThinkerEngine(StageEngine):
     def release(self, req: ThinkerJob) -> None:
         self.runner.release(req)
         req.matcher = None      # its grammar state goes with the request (finished, failed or cancelled)
+        self.runner.observe_kv()    # a request cancelled while nothing else runs: no step follows to say so
 
     @torch.inference_mode()
     def step(self) -> None:

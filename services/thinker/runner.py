@@ -280,16 +280,16 @@ class ThinkerRunner:
     def allocate(self, job: ThinkerJob) -> bool:
         """The job's blocks: its cached prefix (`prefilled` starts there) and new blocks for the rest of
         its context and its first decode position. False (nothing taken) when the pool lacks them.
-        A prompt whose talker needs hidden states of its audio rows takes no cached prefix past its
-        first block with audio whose rows the AudioRowCache lacks (a cached block keeps keys, not
-        the hidden layer); without extend graphs, a prompt short enough for the prefill graphs takes
+        A prompt whose talker needs hidden states of its audio rows (a pending turn among them: it may
+        be spoken) takes no cached prefix past its first block with audio whose rows the AudioRowCache
+        lacks (a cached block keeps keys, not the hidden layer); a pending turn none past its
+        conversation (streaming.py); without extend graphs, a prompt short enough for the prefill graphs takes
         none (graphed from position 0, it is faster)."""
         if not job.spans and job.audio and self.blocks.enable_caching:
             job.spans = audio_spans(self.cfg, job.prompt, self._digests(job))
         limit, rows = None, {}
-        if job.pending and job.spans:   # a pending turn may be spoken: its rows are kept too (from position 0)
-            limit = job.spans[0].start
-        elif job.talker_rows and job.spans and not job.prompt_sent and not job.generated:
+        # a pending turn may be spoken: as a spoken prompt, it needs the talker's rows of its cached audio
+        if (job.pending or job.talker_rows and not job.prompt_sent and not job.generated) and job.spans:
             limit, rows = self.audio_rows.rows_for(job, self.blocks.block_size)
         if job.pending:         # found by its conversation alone (the streamed clip's digest comes at the commit)
             limit = min(limit, job.stream_start) if limit is not None else job.stream_start

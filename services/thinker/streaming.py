@@ -5,8 +5,9 @@ A *pending* turn is a ThinkerJob with `pending` set: its prompt is the conversat
 (the servicer's start), then the placeholders of every encoder window encoded so far. It waits in
 `held` until its chunk padding is decided (model.chunk_pad: a full chunk once any of its clips, the
 streamed one included, reaches one; a prompt without earlier audio needs none), then is admitted as
-any request (it takes its conversation's cached prefix; a pending turn may be spoken, so, as for a
-spoken audio prompt, not past its first clip) and is prefilled in chunks as windows complete; it
+any request (it takes its conversation's cached prefix, earlier clips included; a pending turn may
+be spoken, so, as for a spoken audio prompt, not past a cached audio block whose talker rows the
+AudioRowCache lacks -- the rows it holds go to the committed job) and is prefilled in chunks as windows complete; it
 never decodes and publishes no block (the clip's digest, part of the prefix hashes, is known only at
 the commit). At the commit the servicer submits the committed job (`adopts`: the pending one); the
 next step hands it the pending job's blocks, the positions whose keys stay valid (the conversation
@@ -38,6 +39,10 @@ STREAMED_TOKENS = metrics.Counter(
     "voxpipe_streamed_prompt_tokens", "Prompt tokens of streamed turns (ThinkerStart.stream_audio), by when their "
     "keys were computed: before the commit (prefix-cache hits included) or after it", ["stage", "when"],
     registry=metrics.REGISTRY)
+STREAMED_AUDIO_TOKENS = metrics.Counter(
+    "voxpipe_streamed_audio_tokens", "The streamed clips' audio placeholder tokens (ThinkerStart.stream_audio), by "
+    "when their keys were computed: before the commit (its complete encoder windows, prefilled) or after it",
+    ["stage", "when"], registry=metrics.REGISTRY)
 
 
 class TurnStreams:
@@ -165,6 +170,10 @@ class TurnStreams:
         job.streamed_tokens = job.prefilled
         STREAMED_TOKENS.labels(engine.name, "before_commit").inc(job.prefilled)
         STREAMED_TOKENS.labels(engine.name, "after_commit").inc(len(job.prompt) - job.prefilled)
+        audio = clip.rows.shape[0]
+        heard = min(max(job.prefilled - pending.stream_start, 0), audio)
+        STREAMED_AUDIO_TOKENS.labels(engine.name, "before_commit").inc(heard)
+        STREAMED_AUDIO_TOKENS.labels(engine.name, "after_commit").inc(audio - heard)
         log.debug("request %s committed: %d of %d prompt tokens prefilled before (%d windows of %d kept)",
                   job.request_id, job.prefilled, len(job.prompt), kept, len(clip.windows))
 
@@ -183,6 +192,7 @@ class TurnStreams:
             self.engine.waiting.insert(0, job)
             return
         job.table, job.cached_tokens, job.prefilled = table, pending.cached_tokens, valid
+        job.cached_rows, pending.cached_rows = pending.cached_rows, {}    # the talker rows of its cached audio blocks
         if job.spans == () and runner.blocks.enable_caching:
             job.spans = audio_spans(runner.cfg, job.prompt, job.audio_digests)
         if pending.kept:
