@@ -21,6 +21,9 @@ _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _ITEMSIZE = {k: torch.tensor([], dtype=v).element_size() for k, v in _TO_TORCH.items()}
 assert sys.byteorder == "little", "voxpipe assumes a little-endian host"
 _PYTHON_PROTOBUF = api_implementation.Type() == "python"
+# view_proto's tensors are views of bytes objects of their own (read-only to Python): torch's one
+# warning about such buffers says nothing here. Set once at import (catch_warnings is not thread-safe).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 class TensorError(ValueError):
@@ -100,9 +103,7 @@ def view_proto(msg: pb.Tensor, *, dtype: torch.dtype | None = None, shape: tuple
     if want == 1 or _PYTHON_PROTOBUF:
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     else:
-        with warnings.catch_warnings():     # "not writable": bytes are read-only to Python
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(data, dtype=torch.uint8)
+        raw = torch.frombuffer(data, dtype=torch.uint8)
     return raw.view(got).reshape(tuple(msg.shape))
 
 
