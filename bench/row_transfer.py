@@ -15,7 +15,8 @@ answer. Two paths, one stream each, alternating:
   `add_audio_rows` even when nothing is held);
 - `now`: this tree's (`thinker.relay.audio_rows_request`: the bytes copied once into the message;
   `talker.server._rows`: a view of the received bytes, checked, whose device copy is its only copy).
-`floor` is the same round trip with zero rows (the stream's own latency). Each line of output is JSON.
+`floor` is the same round trip with zero rows (the stream's own latency). `host_costs`: each path's
+writer and reader parts alone, in this process (no transport). The report is one JSON line.
 """
 
 from __future__ import annotations
@@ -149,6 +150,30 @@ def exact(rows: int, hidden: int, dtype: torch.dtype) -> bool:
     return all(torch.equal(g.view(bits.dtype), bits) for g in got)
 
 
+def host_costs(rows: int, hidden: int, dtype: torch.dtype, device: torch.device, iters: int) -> dict[str, dict]:
+    """Per path, in one process (no transport): the writer's part (device-to-host copy, the message
+    built and serialized) and the reader's (parsed, decoded, checked, copied to the device), median us."""
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    out = {}
+    for path in ("head", "now"):
+        write_us, read_us = [], []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            host = x.cpu()
+            wire = (head_request(host) if path == "head" else audio_rows_request(host, 0)).SerializeToString()
+            t1 = time.perf_counter()
+            t = pb.TalkerRequest.FromString(wire).audio_rows.rows
+            got = head_rows(t, hidden, rows) if path == "head" else all_audio_rows(0, talker_rows(t, hidden, "r", rows))
+            got.to(device)
+            sync()
+            t2 = time.perf_counter()
+            write_us.append((t1 - t0) * 1e6)
+            read_us.append((t2 - t1) * 1e6)
+        out[path] = {"write_us": round(statistics.median(write_us), 1), "read_us": round(statistics.median(read_us), 1)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (both processes)")
@@ -181,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     size = rows * hidden * torch.tensor([], dtype=dtype).element_size()
     report = {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "dtype": str(dtype).removeprefix("torch."), "seconds": args.seconds, "rows": rows, "hidden": hidden,
-              "bytes": size, "iters": iters, "bits_equal": exact(rows, hidden, dtype)}
+              "bytes": size, "iters": iters, "bits_equal": exact(rows, hidden, dtype),
+              "host_costs": host_costs(rows, hidden, dtype, device, iters)}
     for path, ts in times.items():
         report[path] = {"p50_ms": round(statistics.median(ts), 3), "p90_ms": round(percentile(ts, 90), 3),
                         "min_ms": round(min(ts), 3)}
