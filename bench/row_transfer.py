@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=5.7, help="the clip's length (5.7: the voice-in clip)")
     p.add_argument("--rows", type=int, default=0, help="rows to send instead of the clip's (0: from --seconds)")
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20, help="transfers a path makes before the timed ones")
     p.add_argument("--quick", action="store_true", help="30 iterations after 5 warm-ups")
     p.add_argument("--out", default=None, help="also write the JSON report here")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)    # the talker side's process
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = OmniConfig.load(args.config or released_config_path())
     hidden = cfg.talker.thinker_hidden_size
     rows = args.rows or audio_output_length(frames_of(round(args.seconds * SAMPLE_RATE)), cfg.thinker.audio.n_window)
-    iters, warmup = (30, 5) if args.quick else (args.iters, 20)
+    iters, warmup = (30, 5) if args.quick else (args.iters, args.warmup)
     sink = subprocess.Popen([sys.executable, "-m", "voxpipe.bench.row_transfer", "--serve", "--device", str(device)],
                             stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:

@@ -5,12 +5,14 @@ would have been sent (the same frames). The malformed ones are refused in tests/
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
 import torch
 from safetensors import safe_open
 
+from voxpipe.bench import row_transfer
 from voxpipe.cli import build_parser
 from voxpipe.services.runtime.outputs import Finished, FramesOut
 from voxpipe.services.talker import server as talker_server
@@ -184,3 +186,15 @@ def test_text_rows_as_token_ids_reach_a_real_talker(stack, table):
         mixed = _frames(channel, prompt, [_rows_msg(table, reply[:1], True), _rows_msg(table, reply[1:3], False),
                                           _rows_msg(table, reply[3:], True, False)])
     assert len(sent) >= 2 and looked_up == sent and mixed == sent
+
+
+def test_the_transfer_bench_runs_on_the_cpu(tiny_model_dir, tmp_path):
+    """bench/row_transfer.py at the tiny checkpoint's width: both paths deliver the rows (the talker
+    side's Held says how many it decoded) with the same bits, and the report has their times."""
+    out = tmp_path / "rows.json"
+    assert row_transfer.main(["--device", "cpu", "--config", str(tiny_model_dir), "--seconds", "2.5", "--iters", "3",
+                              "--warmup", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["rows"], report["hidden"], report["bits_equal"]) == (33, HIDDEN, True)
+    assert all(report[p]["p50_ms"] > 0 for p in ("head", "now", "floor"))
+    assert set(report["host_costs"]) == {"head", "now"}
