@@ -7,6 +7,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from google.protobuf.internal import api_implementation
 from google.protobuf.message import Message
