@@ -160,6 +160,14 @@ def with_dtype(t: pb.Tensor, dtype: int) -> pb.Tensor:
     return out
 
 
+def with_shape(t: pb.Tensor, shape: list[int]) -> pb.Tensor:
+    out = pb.Tensor()
+    out.CopyFrom(t)
+    del out.shape[:]
+    out.shape.extend(shape)
+    return out
+
+
 def good_request(stage: str) -> list:
     if stage == "thinker":
         return [thinker_start(max_tokens=2)]
@@ -365,6 +373,32 @@ CASES = [
         pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))),
         pb.TalkerRequest(audio_rows=pb.AudioRows(rows=rows(2))), TEXT_END],
          r"audio_rows only once"),
+    # the rows as raw bytes: each malformed tensor is refused naming its field
+    Case("talker", "audio-rows-message-wrong-bytes", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=bad_bytes(rows(2, dtype=torch.bfloat16), -2))), TEXT_END],
+         r"audio_rows\.rows: 254 bytes for shape \[2, 64\] BFLOAT16 \(expected 256\)"),
+    Case("talker", "audio-rows-message-unknown-dtype", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=with_dtype(rows(2), 42))), TEXT_END],
+         r"audio_rows\.rows: unknown dtype 42"),
+    Case("talker", "audio-rows-message-negative-dim", lambda: [
+        talker_start(audio_prompt(audio_rows=None, follow=True)),
+        pb.TalkerRequest(audio_rows=pb.AudioRows(rows=with_shape(rows(2), [-2, HIDDEN]))), TEXT_END],
+         r"audio_rows\.rows: negative dimension in shape \[-2, 64\]"),
+    Case("talker", "rows-negative-dim",
+         lambda: [talker_start(), pb.TalkerRequest(rows=pb.TextRows(rows=with_shape(rows(2), [2, -HIDDEN]))), TEXT_END],
+         r"^rows: negative dimension in shape \[2, -64\]"),
+    Case("talker", "rows-many-dims",     # the error quotes 8 of them
+         lambda: [talker_start(), pb.TalkerRequest(rows=pb.TextRows(rows=with_shape(rows(1, 1), [1] * 10_000))), TEXT_END],
+         r"^rows: shape \[1, 1, 1, 1, 1, 1, 1, 1, \.\.\. \(10000 dims\)\], expected \[\*, 64\]$"),
+    # rows as token ids (TextRows.rows unset)
+    Case("talker", "rows-neither-rows-nor-ids",
+         lambda: [talker_start(), pb.TalkerRequest(rows=pb.TextRows(more=True)), TEXT_END],
+         r"rows: TextRows needs rows or token_ids"),
+    Case("talker", "rows-ids-past-vocab",
+         lambda: [talker_start(), pb.TalkerRequest(rows=pb.TextRows(token_ids=[NL, VOCAB])), TEXT_END],
+         r"rows\.token_ids: ids must be in \[0, 448\) without rows, got up to 448"),
     Case("talker", "ids-only-out-of-vocab", lambda: [talker_start(talker_prompt(
         user_rows=None, user_token_ids=to_proto(torch.tensor([1, 2, 3, 4, 10**9]))))],
          r"prompt\.user_token_ids: ids must be in \[0, \d+\) without prompt\.user_rows, got 1\.\.1000000000"),

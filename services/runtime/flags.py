@@ -124,9 +124,9 @@ def add_thinker_arguments(parser: argparse.ArgumentParser) -> None:
                              "packs at most this many of their tokens into one forward, so running requests keep "
                              "decoding between steps")
     parser.add_argument("--talker-prompt-rows", action="store_true",
-                        help="send a text prompt's user turns to the talker as embedding rows (a 2,500-token "
-                             "conversation: 10 MB), as before talkers looked them up from their token ids; for "
-                             "talkers of an older voxpipe during a rolling upgrade")
+                        help="send a text prompt's user turns and the reply's text rows to the talker as embedding "
+                             "rows (a 2,500-token conversation: 10 MB), as before talkers looked them up from their "
+                             "token ids; for talkers of an older voxpipe during a rolling upgrade")
 
 
 def add_talker_arguments(parser: argparse.ArgumentParser) -> None:

@@ -95,7 +95,8 @@ def check_features(x: torch.Tensor, name: str, bound: float) -> None:
     finite with |value| <= bound."""
     if x.numel() == 0:
         return
-    top = float(x.detach().abs().max().float())   # NaN if any value is
+    lo, hi = torch.aminmax(x.detach())             # one pass, no |x| copy; NaN if any value is
+    top = float(torch.maximum(-lo, hi))            # max |value| (maximum keeps a NaN)
     if not math.isfinite(top):
         raise TensorError(f"{name} contains NaN or infinity")
     if top > bound:

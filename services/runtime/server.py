@@ -332,15 +332,18 @@ def frames_proto(frames: FramesOut) -> pb.CodecFrames:
     return pb.CodecFrames(index=frames.index, codes=tensor_proto(frames.codes))
 
 
-def talker_prompt_proto(prompt: TalkerPromptOut) -> pb.TalkerPrompt:
-    rows = None if prompt.user_rows is None else tensor_proto(prompt.user_rows)
-    return pb.TalkerPrompt(user_rows=rows, user_mm_mask=tensor_proto(prompt.user_mm_mask),
-                           user_token_ids=tensor_proto(prompt.user_token_ids),
-                           assistant_head=tensor_proto(prompt.assistant_head),
-                           assistant_prefix=tensor_proto(prompt.assistant_prefix),
-                           tts_special=tensor_proto(prompt.tts_special),
-                           audio_rows=None if prompt.audio_rows is None else tensor_proto(prompt.audio_rows),
-                           audio_keys=prompt.audio_keys, audio_rows_follow=prompt.audio_rows_follow)
+def talker_prompt_proto(prompt: TalkerPromptOut, out: pb.TalkerPrompt | None = None) -> pb.TalkerPrompt:
+    """The TalkerPrompt message of `prompt`, filled into `out` (a message's field) when given; its
+    tensors are written in place (each tensor's bytes copied into the message once)."""
+    msg = pb.TalkerPrompt() if out is None else out
+    for field in ("user_rows", "audio_rows"):
+        if getattr(prompt, field) is not None:
+            tensor_proto(getattr(prompt, field), getattr(msg, field))
+    for field in ("user_mm_mask", "user_token_ids", "assistant_head", "assistant_prefix", "tts_special"):
+        tensor_proto(getattr(prompt, field), getattr(msg, field))
+    msg.audio_keys.extend(prompt.audio_keys)
+    msg.audio_rows_follow = prompt.audio_rows_follow
+    return msg
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_name: str,

@@ -4,10 +4,12 @@ messages into a head message plus PayloadChunk continuations (see proto/voxpipe/
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
 import torch
+from google.protobuf.internal import api_implementation
 from google.protobuf.message import Message
 
 from voxpipe.v1 import stages_pb2 as pb
@@ -19,18 +21,30 @@ _TO_TORCH = {
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _ITEMSIZE = {k: torch.tensor([], dtype=v).element_size() for k, v in _TO_TORCH.items()}
 assert sys.byteorder == "little", "voxpipe assumes a little-endian host"
+_PYTHON_PROTOBUF = api_implementation.Type() == "python"
+# view_proto's tensors are views of bytes objects of their own (read-only to Python): torch's one
+# warning about such buffers says nothing here. Set once at import (catch_warnings is not thread-safe).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 class TensorError(ValueError):
     """A tensor on the wire is malformed (unknown dtype, byte count not matching its shape...)."""
 
 
-def to_proto(t: torch.Tensor) -> pb.Tensor:
+def to_proto(t: torch.Tensor, out: pb.Tensor | None = None) -> pb.Tensor:
+    """`t` as a Tensor message, its bytes those of `t` in its own dtype (never upcast). `out`: a
+    Tensor field of the message being built, filled in place -- a message built around a finished
+    Tensor (`pb.AudioRows(rows=to_proto(x))`) copies the bytes once more per level of nesting. A
+    host tensor's bytes are copied once from its memory, then once into the message."""
     t = t.detach()
     if t.dtype not in _FROM_TORCH:
         raise TensorError(f"dtype {t.dtype} cannot travel")
-    raw = t.contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return pb.Tensor(dtype=_FROM_TORCH[t.dtype], shape=list(t.shape), data=raw)
+    msg = pb.Tensor() if out is None else out
+    msg.dtype = _FROM_TORCH[t.dtype]
+    del msg.shape[:]
+    msg.shape.extend(t.shape)
+    msg.data = t.contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return msg
 
 
 PACKED_IDS_MIN = 256    # token ids from this many on travel as TokenIds.packed
@@ -74,25 +88,42 @@ def concat_rows(a: pb.Tensor, b: pb.Tensor) -> pb.Tensor | None:
     return pb.Tensor(dtype=a.dtype, shape=[a.shape[0] + b.shape[0], *a.shape[1:]], data=a.data + b.data)
 
 
+MAX_SHAPE_SHOWN = 8     # dimensions an error message quotes (errors never echo unbounded input)
+
+
+def shape_text(msg: pb.Tensor) -> str:
+    dims = list(msg.shape[:MAX_SHAPE_SHOWN])
+    return str(dims) if len(msg.shape) <= MAX_SHAPE_SHOWN else f"{str(dims)[:-1]}, ... ({len(msg.shape)} dims)]"
+
+
 def nbytes(msg: pb.Tensor) -> int:
     if msg.dtype not in _ITEMSIZE:
         raise TensorError(f"unknown tensor dtype {msg.dtype}")
     n = 1
     for d in msg.shape:
         if d < 0:
-            raise TensorError(f"negative dimension in shape {list(msg.shape)}")
+            raise TensorError(f"negative dimension in shape {shape_text(msg)}")
         n *= d
     return n * _ITEMSIZE[msg.dtype]
 
 
-def from_proto(msg: pb.Tensor, *, dtype: torch.dtype | None = None, shape: tuple[int | None, ...] | None = None,
+def view_proto(msg: pb.Tensor, *, dtype: torch.dtype | None = None, shape: tuple[int | None, ...] | None = None,
                name: str = "tensor") -> torch.Tensor:
-    """Decode and validate: `dtype` (if given) must match; `shape` entries that are not None must match."""
+    """Decode and validate without a copy: the tensor is a view of the bytes object that reading
+    `msg.data` makes. upb and the C++ runtime make a new one per read, nobody's but ours; the
+    pure-Python runtime hands out the message's own, and a 1-byte bytes object may be CPython's
+    shared one: those are copied. `dtype` (if given) must match; `shape` entries that are not None
+    must match. The view is for reading (the received rows, read once by their device copy); a
+    write would change only that private bytes object."""
     if msg.dtype not in _TO_TORCH:
         raise TensorError(f"{name}: unknown dtype {msg.dtype}")
-    want = nbytes(msg)
-    if len(msg.data) != want:
-        raise TensorError(f"{name}: {len(msg.data)} bytes for shape {list(msg.shape)} "
+    try:
+        want = nbytes(msg)
+    except TensorError as e:
+        raise TensorError(f"{name}: {e}") from None
+    data = msg.data         # read once: each read of a bytes field copies it out of the message
+    if len(data) != want:
+        raise TensorError(f"{name}: {len(data)} bytes for shape {shape_text(msg)} "
                           f"{pb.DType.Name(msg.dtype)} (expected {want})")
     got = _TO_TORCH[msg.dtype]
     if dtype is not None and got != dtype:
@@ -100,11 +131,20 @@ def from_proto(msg: pb.Tensor, *, dtype: torch.dtype | None = None, shape: tuple
     if shape is not None:
         if len(shape) != len(msg.shape) or any(s is not None and s != d for s, d in zip(shape, msg.shape)):
             pretty = ", ".join("*" if s is None else str(s) for s in shape)
-            raise TensorError(f"{name}: shape {list(msg.shape)}, expected [{pretty}]")
+            raise TensorError(f"{name}: shape {shape_text(msg)}, expected [{pretty}]")
     if want == 0:
         return torch.empty(tuple(msg.shape), dtype=got)
-    buf = np.frombuffer(msg.data, dtype=np.uint8).copy()
-    return torch.from_numpy(buf).view(got).reshape(tuple(msg.shape))
+    if want == 1 or _PYTHON_PROTOBUF:
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+    return raw.view(got).reshape(tuple(msg.shape))
+
+
+def from_proto(msg: pb.Tensor, *, dtype: torch.dtype | None = None, shape: tuple[int | None, ...] | None = None,
+               name: str = "tensor") -> torch.Tensor:
+    """As `view_proto`, in memory of its own: one copy of the received bytes."""
+    return view_proto(msg, dtype=dtype, shape=shape, name=name).clone()
 
 
 def _is_repeated(fd) -> bool:
@@ -170,7 +210,7 @@ class Reassembler:
             raise TensorError(f"payload of {total} bytes exceeds the limit of {max_bytes}")
         for (name, t), need in zip(named, self._need):
             if len(t.data) > need:
-                raise TensorError(f"{name}: {len(t.data)} bytes, its shape {list(t.shape)} "
+                raise TensorError(f"{name}: {len(t.data)} bytes, its shape {shape_text(t)} "
                                   f"{pb.DType.Name(t.dtype)} needs {need}")
         self.missing_bytes = total - sum(len(t.data) for t in self._tensors)   # still to come as chunks
         self._i = 0

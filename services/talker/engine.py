@@ -28,6 +28,16 @@ __all__ = ["DEFAULT_TEXT_CAP", "TalkerEngine", "TalkerJob"]   # the job and its 
 log = logging.getLogger(__name__)
 
 
+def all_audio_rows(first: int, rows: torch.Tensor) -> torch.Tensor:
+    """A prompt's multimodal rows [first + n, H] from those past its held prefix (`rows` [n, H]):
+    `rows` itself when nothing is held (no copy), else zeros before them (rows never read)."""
+    if not first:
+        return rows
+    full = rows.new_zeros(first + rows.shape[0], rows.shape[1])
+    full[first:] = rows
+    return full
+
+
 class TalkerEngine(StageEngine):
     name = "talker"
 
@@ -67,14 +77,15 @@ class TalkerEngine(StageEngine):
     def add_audio_rows(self, job: TalkerJob, first: int, rows: torch.Tensor) -> None:
         """The multimodal user rows from index `first` (= job.held_audio) on; those before are in the
         blocks it holds (their rows are never read: zeros)."""
-        full = rows.new_zeros(first + rows.shape[0], rows.shape[1])
-        full[first:] = rows
+        full = all_audio_rows(first, rows)
         with self.lock:
             job.audio_rows = full
             self.lock.notify_all()
 
     def add_rows(self, job: TalkerJob, rows: torch.Tensor, more: bool = False) -> None:
-        """`more`: the reply surely goes on after these rows (TextRows.more): all of them are spoken."""
+        """`rows`: [n, H] thinker-space rows, or [n] int64 token ids (TextRows without rows: the runner
+        looks them up). `more`: the reply surely goes on after these rows (TextRows.more): all of them
+        are spoken."""
         with self.lock:
             job.rows.extend(rows.unbind(0))
             if more:

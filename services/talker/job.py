@@ -41,7 +41,9 @@ class TalkerJob(EngineRequest):
     min_frames: int = 0
     text_cap: tuple[int, int] = DEFAULT_TEXT_CAP   # (frames per text row, base frames): see frame_cap
     code2wav: pb.Code2WavParams | None = None   # frames continue in a code2wav (see relay.py)
-    rows: list[torch.Tensor] = field(default_factory=list)   # thinker-space text rows [H] in order
+    # thinker-space text rows in order: [H], or a 0-dim int64 token id whose row the runner looks up
+    # in the thinker's embedding table (TextRows sent as ids)
+    rows: list[torch.Tensor] = field(default_factory=list)
     text_done: bool = False
     spoken: int = 0     # rows known to be spoken (TextRows.more): the reply went on after them
     slot: int | None = None     # its row of the runner's per-request state (the codec-0 ids it has made)

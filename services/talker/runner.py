@@ -488,8 +488,23 @@ class TalkerRunner:
         return [(j, logits[i], hidden[i]) for i, j in enumerate(jobs)]
 
     def _project(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        x = torch.stack(rows).to(self.device, self.dtype)
-        return self.model.text_projection(x)
+        return self.model.text_projection(self._thinker_rows(rows))
+
+    def _thinker_rows(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Text rows [n, H] on the device in the talker's dtype from a job's rows: [H] rows as they came,
+        0-dim int64 token ids looked up in the thinker's embedding table (the values the thinker sends)."""
+        dev, dt = self.device, self.dtype
+        ids = [i for i, r in enumerate(rows) if r.dim() == 0]
+        if not ids:
+            return torch.stack(rows).to(dev, dt)
+        looked = self.text_table(torch.stack([rows[i] for i in ids]).to(dev)).to(dt)
+        if len(ids) == len(rows):
+            return looked
+        sent = [i for i, r in enumerate(rows) if r.dim()]
+        x = torch.empty(len(rows), looked.shape[1], device=dev, dtype=dt)
+        x[torch.tensor(ids, device=dev)] = looked
+        x[torch.tensor(sent, device=dev)] = torch.stack([rows[i] for i in sent]).to(dev, dt)
+        return x
 
     def _prompt(self, job: TalkerJob, last_row: bool = True) -> torch.Tensor:
         """The talker's prompt rows [L, Hk]: the user turns (text rows projected, audio rows through
@@ -515,7 +530,7 @@ class TalkerRunner:
         text_side = [head, pad.expand(4, -1), bos[None]]
         codec_ids = [c.nothink, c.think_bos, c.think_eos, job.speaker_id, c.pad]
         if last_row:
-            text_side.append(m.text_projection(job.rows[0].to(dev, dt)[None]))
+            text_side.append(m.text_projection(self._thinker_rows(job.rows[:1])))
             codec_ids.append(c.bos)
         text_side = torch.cat(text_side)                                           # [PROMPT_TAIL (- 1), Hk]
         codec_side = torch.cat((torch.zeros(3, text_side.shape[1], device=dev, dtype=dt),

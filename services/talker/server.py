@@ -24,7 +24,7 @@ from ..runtime.kv_plan import kv_plan
 from ..runtime.row_keys import mm_runs
 from ..runtime.server import (Abort, StageServicer, finished_proto, frames_proto, load_stage_model,
                               routed_proto, serve_stage, stage_setup)
-from ..runtime.tensors import TensorError, from_proto
+from ..runtime.tensors import TensorError, from_proto, view_proto
 from ..runtime.tracing import annotate, traced_rpc
 from .engine import TalkerEngine
 from .job import DEFAULT_TEXT_CAP, TalkerJob
@@ -42,7 +42,9 @@ ACTIVATION_RESERVE_BYTES = 2 << 30
 
 
 def _rows(t: pb.Tensor, hidden: int, name: str, count: int | None = None) -> torch.Tensor:
-    x = from_proto(t, shape=(count, hidden), name=name)
+    """Rows [count, hidden] checked, as they came (their dtype; a view of the received bytes: the
+    runner's device copy is their only copy)."""
+    x = view_proto(t, shape=(count, hidden), name=name)
     if x.dtype not in ROW_DTYPES:
         raise TensorError(f"{name}: rows must be float32, bfloat16 or float16")
     check_features(x, name, MAX_ROW_VALUE)
@@ -107,11 +109,7 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
                 if kind == "rows":
                     if job.text_done:
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "rows after text_end")
-                    rows = _rows(msg.rows.rows, hidden, "rows")
-                    if len(msg.rows.token_ids) not in (0, rows.shape[0]):
-                        raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"{len(msg.rows.token_ids)} token ids for {rows.shape[0]} rows")
-                    self.engine.add_rows(job, rows, more=msg.rows.more)
+                    self.engine.add_rows(job, self._text_rows(msg.rows, hidden), more=msg.rows.more)
                 elif kind == "audio_rows":
                     self._audio_rows(job, msg.audio_rows, hidden)
                 elif kind == "text_end":
@@ -135,6 +133,23 @@ class TalkerServicer(StageServicer, pb_grpc.TalkerServicer):
         async with aclosing(self.serve_request(job, context, reader, relay)) as outputs:
             async for item in outputs:
                 yield item
+
+    def _text_rows(self, msg: pb.TextRows, hidden: int) -> torch.Tensor:
+        """A TextRows message's rows, checked: [n, hidden] as sent, or (rows unset) its token ids [n]
+        int64, which the runner looks up in the thinker's embedding table."""
+        if not msg.HasField("rows"):
+            if not msg.token_ids:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "rows: TextRows needs rows or token_ids")
+            ids = torch.tensor(list(msg.token_ids), dtype=torch.int64)
+            vocab = self.engine.runner.text_table.weight.shape[0]
+            if int(ids.max()) >= vocab:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"rows.token_ids: ids must be in [0, {vocab}) without rows, got up to {int(ids.max())}")
+            return ids
+        rows = _rows(msg.rows, hidden, "rows")
+        if len(msg.token_ids) not in (0, rows.shape[0]):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(msg.token_ids)} token ids for {rows.shape[0]} rows")
+        return rows
 
     def _audio_rows(self, job: TalkerJob, msg: pb.AudioRows, hidden: int) -> None:
         """An AudioRows message, checked: once, for a prompt with audio_rows_follow, from the Held

@@ -32,6 +32,7 @@ import dataclasses
 import logging
 
 import grpc
+import torch
 
 from voxpipe.v1 import stages_pb2 as pb
 
@@ -51,9 +52,20 @@ SENDS_LIMIT = 64    # talker messages queued for the writer task (as many as a r
 log = logging.getLogger(__name__)
 
 
+def audio_rows_request(rows: torch.Tensor, first: int) -> pb.TalkerRequest:
+    """The AudioRows message of `rows` [M, H] (on the host, in the thinker's dtype) from index `first`
+    on, built in place: the rows' bytes are copied once, into the message, and serialized once."""
+    msg = pb.TalkerRequest()
+    msg.audio_rows.first = first
+    to_proto(rows[first:], msg.audio_rows.rows)
+    return msg
+
+
 class TalkerRelay:
-    def __init__(self, talker: NextStage, job: ThinkerJob, speech: pb.SpeechParams) -> None:
+    def __init__(self, talker: NextStage, job: ThinkerJob, speech: pb.SpeechParams, rows_as_ids: bool = True) -> None:
+        """`rows_as_ids`: text rows go as their token ids (TextRows without rows: the talker looks them up)."""
         self.talker, self.job, self.speech = talker, job, speech
+        self.rows_as_ids = rows_as_ids
         self.down: Downstream | None = None
         # to the writer task; None: half-close. Bounded: a talker that stops taking rows holds this
         # handler, and the request's outbox then holds the engine, as when forward wrote itself
@@ -148,8 +160,12 @@ class TalkerRelay:
         if self._sends is None or self.talker_text_ended:
             return
         if item.rows is not None:
-            await self._send(pb.TalkerRequest(rows=pb.TextRows(token_ids=item.token_ids,
-                                                               rows=to_proto(item.rows), more=item.more)))
+            msg = pb.TalkerRequest()
+            msg.rows.token_ids.extend(item.token_ids)   # the rows are these tokens' input embeddings
+            msg.rows.more = item.more
+            if not self.rows_as_ids:
+                to_proto(item.rows, msg.rows.rows)      # in place: the bytes are copied into the message once
+            await self._send(msg)
         if item.talker_end:        # the talker's text ends here; the caller's goes on
             await self._end_talker_text()
 
@@ -216,8 +232,7 @@ class TalkerRelay:
         await asyncio.wait((self._held, self._reader), return_when=asyncio.FIRST_COMPLETED)
         if not self._held.done():
             return None
-        first = self._held.result().audio_rows
-        return pb.TalkerRequest(audio_rows=pb.AudioRows(first=first, rows=to_proto(rows.rows[first:])))
+        return audio_rows_request(rows.rows, self._held.result().audio_rows)
 
     async def _read(self, down: Downstream) -> None:
         """The talker's responses, into the request's outbox (the handler forwards them)."""

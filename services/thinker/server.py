@@ -85,11 +85,15 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
 
     def to_proto(self, req: ThinkerJob, item: object) -> pb.ThinkerResponse:
         if isinstance(item, TextOut):
-            return pb.ThinkerResponse(text=self.text_delta(req, item))
+            msg = pb.ThinkerResponse()
+            self.text_delta(req, item, msg.text)
+            return msg
         if isinstance(item, Finished):
             return pb.ThinkerResponse(finished=finished_proto(item))
         if isinstance(item, TalkerPromptOut):
-            return pb.ThinkerResponse(talker_prompt=talker_prompt_proto(item))
+            msg = pb.ThinkerResponse()
+            talker_prompt_proto(item, msg.talker_prompt)     # in place: no copy of its rows per nesting level
+            return msg
         if isinstance(item, Routed):
             return pb.ThinkerResponse(routed=routed_proto(item))
         if isinstance(item, FirstOutput):
@@ -107,10 +111,14 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             req.stream_text = StreamText(self.tokenizer)
         return req.stream_text(out)
 
-    def text_delta(self, req: ThinkerJob, out: TextOut) -> pb.TextDelta:
-        delta = pb.TextDelta(index=out.index, token_ids=out.token_ids, text=self.text(req, out))
+    def text_delta(self, req: ThinkerJob, out: TextOut, delta: pb.TextDelta | None = None) -> pb.TextDelta:
+        """`out` as a TextDelta, filled into `delta` (a message's field) when given."""
+        delta = pb.TextDelta() if delta is None else delta
+        delta.index = out.index
+        delta.token_ids.extend(out.token_ids)
+        delta.text = self.text(req, out)
         if out.rows is not None:
-            delta.embeddings.CopyFrom(to_proto(out.rows))
+            to_proto(out.rows, delta.embeddings)
             delta.more = out.more
         for lp in out.logprobs:
             entry = delta.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, token=self.token_bytes(lp.token_id))
@@ -146,7 +154,8 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                 yield pb.ThinkerResponse(finished=finished_proto(self.cancelled()))
                 return
             job.session = session
-        relay = TalkerRelay(self.talker, job, job.speech) if job.speech is not None else None
+        relay = (TalkerRelay(self.talker, job, job.speech, rows_as_ids=self.engine.talker_prompt_ids)
+                 if job.speech is not None else None)
         # aclosing: the request is freed the moment this handler ends, not when the generator is collected
         async with aclosing(self.serve_request(job, context, reader, relay)) as outputs:
             async for item in outputs:
