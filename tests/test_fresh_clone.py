@@ -66,7 +66,8 @@ def test_a_fresh_clone_follows_the_readme_to_a_wav(tmp_path):
     (bin_dir / "pip").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(env_dir),
            "VOXPIPE_HOME": str(tmp_path / "home"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    env.pop("PYTHONPATH", None)
+    for name in ("PYTHONPATH", "PYTHONSAFEPATH"):    # a newcomer's shell has neither (conftest sets the second)
+        env.pop(name, None)
 
     steps = [s.strip() for s in main.split("&&")]
     torch_pin = next((s for s in steps if s.startswith("pip install torch")), None)
