@@ -102,3 +102,17 @@ def test_the_files_the_readme_cites_exist():
     cited = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:md|py|proto|json|sh))`", readme))
     missing = sorted(c for c in cited if not (REPO / c).exists())
     assert "bench/BENCHMARK.md" in cited and not missing, missing
+
+
+def test_the_repo_roots_kernels_folder_shadows_nothing():
+    """The repo root's kernels/ (installed as voxpipe.kernels) is not the top-level `kernels` module, which
+    is Hugging Face's package (transformers imports it): not in this process (conftest takes the root off
+    sys.path) and not in a `python -m` child started in the root."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or not Path(spec.origin).is_relative_to(REPO), spec.origin
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else '')"
+    origin = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                            timeout=60).stdout.strip()
+    assert not origin or not Path(origin).is_relative_to(REPO), origin

@@ -153,6 +153,14 @@ def test_health_and_reflection(stack, stage):
         assert files.file_descriptor_response.file_descriptor_proto  # the stages.proto descriptor
 
 
+def test_the_stacks_stages_run_without_the_working_directory_on_sys_path(stack):
+    """`voxpipe up` starts each stage as `python -P -m voxpipe.cli` (voxpipe.module_command): started in a
+    checkout's root, a stage imports the installed packages, not the root's kernels/ folder."""
+    for stage in STAGES:
+        argv = open(f"/proc/{stack.procs[stage].pid}/cmdline", "rb").read().split(b"\0")
+        assert argv[1:4] == [b"-P", b"-m", b"voxpipe.cli"], argv[:4]
+
+
 # ---------------------------------------------------------------------------------------------- cancel, disconnect
 
 
