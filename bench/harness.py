@@ -25,6 +25,7 @@ from .flags import MODES, add_arguments  # noqa: F401  (add_arguments: `voxpipe 
 from .report import ReferenceRun, section
 from .requests import RequestMaker
 from .workload import WORKLOADS, LevelResult, Workload, run_level
+from voxpipe import module_command
 from voxpipe.layout import Layout, LayoutError, parse_sm_shares, sm_share_env
 
 STAGES = ("thinker", "talker", "code2wav")
@@ -456,7 +457,7 @@ def run_references(args, plan: Plan, model: str) -> dict[str, ReferenceRun]:
                                         if ref.result else ref.note)
             continue
         print(f"transformers reference ({wl.name}): starting", flush=True)
-        cmd = [sys.executable, "-m", "voxpipe.bench.reference", "--model", model, "--device", args.device,
+        cmd = [*module_command("voxpipe.bench.reference"), "--model", model, "--device", args.device,
                "--workload", wl.name, "--prompt-tokens", str(wl.prompt_tokens), "--text-tokens", str(wl.text_tokens),
                "--frames", str(wl.frames)]
         cmd += (["--audio", args.audio] if args.audio else []) + (["--realtime-audio"] if args.realtime_audio else [])

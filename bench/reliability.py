@@ -60,6 +60,7 @@ from typing import Any, Callable
 import grpc
 import numpy as np
 
+from voxpipe import module_command
 from voxpipe.v1 import gateway_pb2 as gw
 from voxpipe.v1 import gateway_pb2_grpc as gw_grpc
 from voxpipe.v1 import stages_pb2 as pb
@@ -112,7 +113,7 @@ class Service:
         self.name, self.args, self.log_dir = name, args, log_dir
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "a" if restarted else "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "voxpipe.cli", "--log-level", "WARNING", *args],
+        self.proc = subprocess.Popen([*module_command("voxpipe.cli"), "--log-level", "WARNING", *args],
                                      stdout=subprocess.PIPE, stderr=self._log, text=True)
 
     def wait_ready(self, deadline: float) -> None:

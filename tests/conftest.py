@@ -1,4 +1,16 @@
+import os
+import sys
+from pathlib import Path
+
 import pytest
+
+# The repository root must not be on sys.path (`python -m pytest` run from it puts it there): its
+# top-level kernels/ folder (installed as voxpipe.kernels) would shadow Hugging Face's `kernels`
+# package, which transformers imports. Off here for this process, and PYTHONSAFEPATH keeps the working
+# directory (and a script's folder) off the path of every Python process the tests start.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -10,66 +10,6 @@ import subprocess
 import sys
 
 
-def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
-    out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "voxpipe.cli", "--log-level", "WARNING", "bench", "--model", str(tiny_model_dir),
-           "--load-format", "auto", "--device", "cpu", "--modes", "gateway,split,inprocess", "--concurrency", "1,2",
-           "--requests", "3", "--warmup", "1", "--text-tokens", "4", "--frames", "6", "--base-port", "53151",
-           "--devices", "thinker=cpu,talker=cpu,code2wav=cpu", "--trace",
-           # the bench's requests share their system turn: with the prefix cache they would skip the
-           # batched prefill from position 0 that this checks (the thinker alone takes the flag)
-           "--thinker-arg=--no-prefix-cache", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((out / "results.json").read_text())
-    ref = res["reference"]
-    assert ref and ref["ttfp_s"] > 0 and ref["audio_s"] == (6 * 1920 - 555) / 24000
-    levels = {(lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
-    assert set(levels) == {(m, c) for m in ("gateway", "split", "inprocess") for c in (1, 2)}
-    for (mode, c), lv in levels.items():
-        assert lv["requests"] == 3 and lv["failed"] == 0, (mode, c)
-        assert len(lv["ttfp_each_ms"]) == 3 and min(lv["ttfp_each_ms"]) > 0, (mode, c)
-        assert abs(lv["audio_s"] - (6 * 1920 - 555) / 24000) < 1e-9, (mode, c)
-        assert 0 < lv["ttft_ms"]["p50"] <= lv["ttfp_ms"]["p50"] <= lv["e2el_s"]["p50"] * 1000
-        assert lv["thinker_tok_s"] > 0 and lv["talker_frames_s"] > 0
-        for stage in ("thinker", "talker", "code2wav"):
-            st = lv["server"][stage]
-            assert st["steps"] > 0 and st["step_ms"] > 0 and st["first_output_ms"] > 0, (mode, c, stage)
-            assert st["requests"] == 3, (mode, c, stage, st)   # the measured requests: the warm-up left out
-            assert st["outbox_wait_ms"] >= 0, (mode, c, stage)
-            if mode != "inprocess":   # each service's own event loop
-                assert st["loop_lag_ms"] >= 0, (mode, c, stage)
-        assert lv["server"]["thinker"]["prefill_batch"] >= 1
-        assert lv["server"]["client"]["loop_lag_ms"] >= 0     # the driver's loop (the relay in split mode)
-        if mode == "gateway":                                   # the gateway's loop (the relay in this mode)
-            assert lv["server"]["gateway"]["loop_lag_ms"] >= 0
-            # each stage's first output as the gateway saw it: in path order, and after the stage made it
-            seen = [lv["server"][s]["at_gateway_ms"] for s in ("thinker", "talker", "code2wav")]
-            assert 0 < seen[0] <= seen[1] <= seen[2] <= lv["ttfp_ms"]["p99"], seen
-            assert lv["server"]["thinker"]["first_output_ms"] <= seen[0]
-            # --trace: the measured requests' path through the services, from their spans
-            spans = {(r["service"], r["span"]): r for r in lv["path"]}
-            assert all(r["traces"] == 3 and r["requests"] >= 3 for r in lv["path"]), lv["path"]
-            call = spans[("gateway", "voxpipe.v1.Thinker/Generate")]
-            thinker = spans[("thinker", "voxpipe.v1.Thinker/Generate")]
-            prefill = spans[("thinker", "prefill")]
-            talker = spans[("talker", "voxpipe.v1.Talker/Generate")]
-            first_frame = spans[("talker", "first_frame")]
-            assert 0 <= call["start_ms"] <= thinker["start_ms"] <= prefill["start_ms"] <= prefill["end_ms"]
-            # the talker's stream opens during the thinker's prefill (the prompt leaves at admission)
-            assert talker["start_ms"] < prefill["end_ms"] < first_frame["end_ms"], lv["path"]
-            assert ("code2wav", "first_chunk_out") in spans and ("gateway", "voxpipe.v1.Code2Wav/Listen") in spans
-            seen = [spans[("gateway", f"event: {s} first output")]["start_ms"] for s in ("thinker", "talker", "code2wav")]
-            assert prefill["end_ms"] <= seen[0] <= seen[1] <= seen[2], lv["path"]
-        else:
-            assert all("at_gateway_ms" not in lv["server"][s] for s in ("thinker", "talker", "code2wav"))
-            assert lv["path"] == []
-    md = (out / "results.md").read_text()
-    assert "| transformers | 1 |" in md and "Server side" in md and "| loop lag ms |" in md
-    assert "gateway vs transformers at c=1" in md and "c=2: gateway / in-process TTFP p50" in md
-    assert "Path of a request, gateway c=1 (--trace" in md and "| thinker | prefill | 3 |" in md
-
-
 def test_layouts_parse_and_bad_specs_are_refused():
     import pytest
 
@@ -174,24 +114,75 @@ def _check_levels(levels: dict, want: set, prompt_tokens: int | None = None) -> 
             assert lv["prompt_tokens"] == prompt_tokens, key
 
 
-def test_bench_voice_in_on_a_model_without_a_preprocessor_config(tiny_model_dir, tmp_path):
-    """voice-in in every mode, on the tiny checkpoint whose folder lacks preprocessor_config.json (the
-    features come from config.json, as for full-size dummy runs); the reference gets the same prompt."""
+def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
+    """seedtts-like and voice-in against one start of the services, in every mode, on the tiny
+    checkpoint without its preprocessor_config.json (voice-in's features then come from config.json,
+    as for full-size dummy runs); each workload's reference gets the same prompt as its levels."""
     model = tmp_path / "tiny-no-preprocessor"
     model.mkdir()
     for f in tiny_model_dir.iterdir():
         if f.name != "preprocessor_config.json":
             (model / f.name).symlink_to(f)
-    _, res, md = _bench(tmp_path, model, "--workload", "voice-in", "--modes", "gateway,split,inprocess",
-                        "--base-port", "53251")
-    ref = res["references"]["voice-in"]["result"]
-    assert ref["audio_frames_in"] == 570 and ref["audio_s"] == AUDIO_S   # the 5.7 s clip, 100 frames a second
-    levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
-    # gateway (wav decoded there) and split / in-process (features made by the driver): one prompt
+    _, res, md = _bench(tmp_path, model, "--workload", "seedtts-like,voice-in", "--modes", "gateway,split,inprocess",
+                        "--base-port", "53151", "--devices", "thinker=cpu,talker=cpu,code2wav=cpu", "--trace",
+                        # the bench's requests share their system turn: with the prefix cache they would skip
+                        # the batched prefill from position 0 that this checks (the thinker alone takes the flag)
+                        "--thinker-arg=--no-prefix-cache")
+    ref = res["reference"]
+    assert ref == res["references"]["seedtts-like"]["result"]
+    assert ref and ref["ttfp_s"] > 0 and ref["audio_s"] == AUDIO_S
+    levels = {(lv["mode"], lv["concurrency"]): lv for lv in res["levels"] if lv["workload"] == "seedtts-like"}
+    assert set(levels) == {(m, c) for m in ("gateway", "split", "inprocess") for c in (1, 2)}
+    for (mode, c), lv in levels.items():
+        assert lv["requests"] == 2 and lv["failed"] == 0, (mode, c)
+        assert len(lv["ttfp_each_ms"]) == 2 and min(lv["ttfp_each_ms"]) > 0, (mode, c)
+        assert abs(lv["audio_s"] - AUDIO_S) < 1e-9, (mode, c)
+        assert 0 < lv["ttft_ms"]["p50"] <= lv["ttfp_ms"]["p50"] <= lv["e2el_s"]["p50"] * 1000
+        assert lv["thinker_tok_s"] > 0 and lv["talker_frames_s"] > 0
+        for stage in ("thinker", "talker", "code2wav"):
+            st = lv["server"][stage]
+            assert st["steps"] > 0 and st["step_ms"] > 0 and st["first_output_ms"] > 0, (mode, c, stage)
+            assert st["requests"] == 2, (mode, c, stage, st)   # the measured requests: the warm-up left out
+            assert st["outbox_wait_ms"] >= 0, (mode, c, stage)
+            if mode != "inprocess":   # each service's own event loop
+                assert st["loop_lag_ms"] >= 0, (mode, c, stage)
+        assert lv["server"]["thinker"]["prefill_batch"] >= 1
+        assert lv["server"]["client"]["loop_lag_ms"] >= 0     # the driver's loop (the relay in split mode)
+        if mode == "gateway":                                   # the gateway's loop (the relay in this mode)
+            assert lv["server"]["gateway"]["loop_lag_ms"] >= 0
+            # each stage's first output as the gateway saw it: in path order, and after the stage made it
+            seen = [lv["server"][s]["at_gateway_ms"] for s in ("thinker", "talker", "code2wav")]
+            assert 0 < seen[0] <= seen[1] <= seen[2] <= lv["ttfp_ms"]["p99"], seen
+            assert lv["server"]["thinker"]["first_output_ms"] <= seen[0]
+            # --trace: the measured requests' path through the services, from their spans
+            spans = {(r["service"], r["span"]): r for r in lv["path"]}
+            assert all(r["traces"] == 2 and r["requests"] >= 2 for r in lv["path"]), lv["path"]
+            call = spans[("gateway", "voxpipe.v1.Thinker/Generate")]
+            thinker = spans[("thinker", "voxpipe.v1.Thinker/Generate")]
+            prefill = spans[("thinker", "prefill")]
+            talker = spans[("talker", "voxpipe.v1.Talker/Generate")]
+            first_frame = spans[("talker", "first_frame")]
+            assert 0 <= call["start_ms"] <= thinker["start_ms"] <= prefill["start_ms"] <= prefill["end_ms"]
+            # the talker's stream opens during the thinker's prefill (the prompt leaves at admission)
+            assert talker["start_ms"] < prefill["end_ms"] < first_frame["end_ms"], lv["path"]
+            assert ("code2wav", "first_chunk_out") in spans and ("gateway", "voxpipe.v1.Code2Wav/Listen") in spans
+            seen = [spans[("gateway", f"event: {s} first output")]["start_ms"] for s in ("thinker", "talker", "code2wav")]
+            assert prefill["end_ms"] <= seen[0] <= seen[1] <= seen[2], lv["path"]
+        else:
+            assert all("at_gateway_ms" not in lv["server"][s] for s in ("thinker", "talker", "code2wav"))
+            assert lv["path"] == []
+    assert "| transformers | 1 |" in md and "Server side" in md and "| loop lag ms |" in md
+    assert "gateway vs transformers at c=1" in md and "c=2: gateway / in-process TTFP p50" in md
+    assert "Path of a request, gateway c=1 (--trace" in md and "| thinker | prefill | 2 |" in md
+
+    # voice-in: gateway (wav decoded there) and split / in-process (features made by the driver): one prompt
+    voice = res["references"]["voice-in"]["result"]
+    assert voice["audio_frames_in"] == 570 and voice["audio_s"] == AUDIO_S   # the 5.7 s clip, 100 frames a second
+    levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"] if lv["workload"] == "voice-in"}
     _check_levels(levels, {("voice-in", m, c) for m in ("gateway", "split", "inprocess") for c in (1, 2)},
-                  prompt_tokens=ref["prompt_tokens"])
-    assert ref["prompt_tokens"] > 570 // 8                  # the clip's audio placeholders are in it
-    assert "#### voice-in: the voice clip + \"Please answer briefly.\"" in md and "| transformers | 1 |" in md
+                  prompt_tokens=voice["prompt_tokens"])
+    assert voice["prompt_tokens"] > 570 // 8                # the clip's audio placeholders are in it
+    assert "#### voice-in: the voice clip + \"Please answer briefly.\"" in md
     assert "| TTFP p50 / p90 / p99 ms | RTF p50 / p90 / p99 | E2EL p50 / p90 / p99 s | TTFT p50 / p90 / p99 ms |" in md
 
 

@@ -66,7 +66,8 @@ def test_a_fresh_clone_follows_the_readme_to_a_wav(tmp_path):
     (bin_dir / "pip").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(env_dir),
            "VOXPIPE_HOME": str(tmp_path / "home"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    env.pop("PYTHONPATH", None)
+    for name in ("PYTHONPATH", "PYTHONSAFEPATH"):    # a newcomer's shell has neither (conftest sets the second)
+        env.pop(name, None)
 
     steps = [s.strip() for s in main.split("&&")]
     torch_pin = next((s for s in steps if s.startswith("pip install torch")), None)
@@ -101,3 +102,17 @@ def test_the_files_the_readme_cites_exist():
     cited = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:md|py|proto|json|sh))`", readme))
     missing = sorted(c for c in cited if not (REPO / c).exists())
     assert "bench/BENCHMARK.md" in cited and not missing, missing
+
+
+def test_the_repo_roots_kernels_folder_shadows_nothing():
+    """The repo root's kernels/ (installed as voxpipe.kernels) is not the top-level `kernels` module, which
+    is Hugging Face's package (transformers imports it): not in this process (conftest takes the root off
+    sys.path) and not in a `python -m` child started in the root."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or not Path(spec.origin).is_relative_to(REPO), spec.origin
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else '')"
+    origin = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                            timeout=60).stdout.strip()
+    assert not origin or not Path(origin).is_relative_to(REPO), origin

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from voxpipe import version
+from voxpipe import module_command, version
 from voxpipe.errors import ConfigError
 from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, memory_shares, parse_sm_shares, sm_share_env
 from voxpipe.services.runtime.listen import HOST_HELP, default_host, port_number
@@ -178,7 +178,7 @@ class LocalStack:
         given = any(f.startswith("--gpu-memory-fraction") for f in self.extra)
         shares = {} if given else memory_shares(self.layout)
         for name, stage, device in self.layout.processes():
-            cmd = [sys.executable, "-m", "voxpipe.cli", *self.global_flags, stage, "--model", str(self.model),
+            cmd = [*module_command("voxpipe.cli"), *self.global_flags, stage, "--model", str(self.model),
                    "--host", self.host, "--port", str(self.ports[name]), "--device", device] + self.reflection + self.extra
             if name in shares:      # a GPU shared with other stages: the thinker's KV pool is sized from it
                 cmd.append(f"--gpu-memory-fraction={shares[name]}")
@@ -192,7 +192,7 @@ class LocalStack:
         for name, proc in list(self.procs.items()):
             self._wait_ready(name, proc, deadline, timeout)
         if self.http_port:
-            cmd = [sys.executable, "-m", "voxpipe.cli", *self.global_flags, "gateway", "--model", str(self.model),
+            cmd = [*module_command("voxpipe.cli"), *self.global_flags, "gateway", "--model", str(self.model),
                    "--host", self.host, "--http-port", str(self.http_port)] + self.reflection
             cmd += [f"--{s}={self.address(s)}" for s in ("thinker", "code2wav")] + self.gateway_extra
             env = {**os.environ, **self.gateway_env} if self.gateway_env else None
