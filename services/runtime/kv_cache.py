@@ -13,6 +13,7 @@ rotated) and get [B, Hq, S, D] back.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +29,12 @@ if torch.cuda.is_available():   # torch.nn.attention.bias imports torch._dynamo 
     # has no plan and reads the grouped key heads in place (enable_gqa); bench/RESULTS.md, paged_tune
     _FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH]
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+        def _flash_first():
+            return sdpa_kernel(_FLASH_FIRST, set_priority=True)
+    else:   # a torch without backend priorities: flash, else cuDNN (never the math path's [S, L] scores)
+        def _flash_first():
+            return sdpa_kernel(_FLASH_FIRST[:2])
 
 from voxpipe import kernels
 
@@ -78,7 +85,7 @@ def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if s == 1 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or determinism.in_scope():
         return _causal_sdpa(q, k, v, scale)
     gqa = q.shape[1] != k.shape[1]
-    with sdpa_kernel(_FLASH_FIRST, set_priority=True):
+    with _flash_first():
         if s == total:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, total), scale=scale,
