@@ -39,6 +39,7 @@ __all__ = ["ThinkerEngine", "ThinkerJob", "ForcedReply", "IncrementalDetokenizer
 log = logging.getLogger(__name__)
 
 FORCED_DELTA_TOKENS = 64     # a forced reply's tokens per TextOut (its rows: a bounded message each)
+JUMP_TOKENS = 64             # a grammar's forced tokens taken at once at most (one extend forward feeds them)
 
 
 def assistant_head_index(cfg: ThinkerConfig, ids: list[int]) -> int | None:
@@ -166,8 +167,14 @@ class ThinkerEngine(StageEngine):
             deliver_now()     # first tokens (and their talker rows) leave now, not after this step's decode forward
         decode = self._with_blocks([job for job in plan.decode if not job.done])   # a first token may have finished it
         if decode:
-            jobs, logits = self.runner.decode(decode)
-            self._output(jobs, logits, f"decode of {len(decode)} rows")
+            runs = [job for job in decode if job.ahead]      # forced runs: fed at once (runner.feed)
+            steps = [job for job in decode if not job.ahead]
+            outs = [self.runner.decode(steps)] if steps else []
+            if runs:
+                outs.append(self.runner.feed(runs))
+            jobs = [job for part, _ in outs for job in part]
+            logits = outs[0][1] if len(outs) == 1 else torch.cat([lg for _, lg in outs])
+            self._output(jobs, logits, f"decode of {len(steps)} rows and {len(runs)} forced runs")
         for job in self.running:      # this step's outputs were finite: its full blocks can be found
             self.runner.publish(job)
         self.runner.observe_kv()
@@ -256,9 +263,47 @@ class ThinkerEngine(StageEngine):
                 job.outbox.put(delta)
             if stopped:
                 reason = FinishReason.STOP
+            if reason is None and job.matcher is not None and job.top_logprobs is None:
+                reason = self._jump(job, logits.shape[1])
             if reason is not None:
                 self.finish(job, Finished(reason, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
                                           cached_tokens=job.cached_tokens, streamed_tokens=job.streamed_tokens))
+
+    def _jump(self, job: ThinkerJob, width: int) -> FinishReason | None:
+        """Jump-forward decoding: while its grammar allows one token only (Matcher.forced), the
+        reply takes it now, without a decode step -- the token any choice would make, so the reply
+        is the one decoding gives, token for token -- out with the token just sampled, up to
+        max_tokens (LENGTH) or a stop string (STOP); the next step feeds the run to the model at
+        once (runner.feed) for the logits after it. A sampled row's generator draws the noise each
+        skipped step would have drawn (`width`: the logits' width), so its later tokens are the same
+        too. Not for rows that asked for log probabilities (each token's needs its own logits)."""
+        run: list[int] = []
+        while len(run) < JUMP_TOKENS and len(job.generated) + len(run) < job.max_tokens:
+            tok = job.matcher.forced()
+            if tok is None or not job.matcher.accept(tok):
+                break
+            run.append(tok)
+        if not run:
+            return None
+        if job.generator is not None:
+            noise = torch.empty(width, device=self.device)
+            for _ in run:
+                noise.exponential_(1, generator=job.generator)
+        rows = self.runner.forced_rows(run) if job.talker_rows else None
+        reason = None
+        for i, tok in enumerate(run):
+            job.generated.append(tok)
+            job.ahead += 1
+            if len(job.generated) >= job.max_tokens:
+                reason = FinishReason.LENGTH
+            deltas, stopped = job.text.push(tok, None if rows is None else rows[i], None, last=reason is not None)
+            if deltas:
+                job.mark_output()
+            for delta in deltas:
+                job.outbox.put(delta)
+            if stopped:
+                return FinishReason.STOP
+        return reason
 
     def _fail_nonfinite(self, job: ThinkerJob, what: str) -> None:
         """Finish `job` alone with a clear error; nothing it left on the device reaches a later
