@@ -76,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log-mel features of chat input_audio clips kept by the clip's content (SHA-256 of "
                              "its bytes), least recently used dropped first: a conversation re-sending a clip is "
                              f"not decoded again (default {DEFAULT_AUDIO_CACHE_MB:g}; 0: off)")
+    parser.add_argument("--constrain-tool-calls", action=argparse.BooleanOptionalAction, default=False,
+                        help="with tools and tool_choice 'auto' (chat, realtime, Converse), constrain the thinker's "
+                             "sampling inside each <tool_call> block the model opens to a valid call of one of the "
+                             "tools (free text outside them); default off: 'auto' is unconstrained")
     add_cors_argument(parser)
     g = parser.add_argument_group("TLS (serving)")
     g.add_argument("--ssl-certfile", default=os.environ.get("VOXPIPE_SSL_CERTFILE") or None,
