@@ -432,10 +432,11 @@ def engine(tiny_model_dir, tokenizer, omni_config):
                          eos_ids=(th.tokens.im_end,), cuda_graphs=False)
 
 
-def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: int | None = None) -> list:
+def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: int | None = None,
+             feed_rows: int = 8) -> list:
     """Each spec's job (prompt, constraint, opened: text its reply already began with, ...) run to
-    its end, jump-forward on or off: per job (generated ids, finish reason or None), and the steps
-    taken. `cancel_after`:
+    its end, jump-forward on or off (`feed_rows`: engine.JUMP_FEED_ROWS): per job (generated ids,
+    finish reason or None), and the steps taken. `cancel_after`:
     the first job is cancelled after that many steps."""
     from voxpipe.services.runtime.engine import Outbox
     from voxpipe.services.runtime.outputs import Finished
@@ -445,6 +446,7 @@ def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: i
     from voxpipe.services.thinker.prompt import encode_text
 
     monkeypatch.setattr(thinker_engine, "JUMP_TOKENS", 64 if jump else 0)
+    monkeypatch.setattr(thinker_engine, "JUMP_FEED_ROWS", feed_rows)
     loop = asyncio.new_event_loop()
     jobs = []
     for i, s in enumerate(specs):
@@ -485,8 +487,8 @@ def _prompt(tokenizer, omni_config, text: str) -> list[int]:
 def test_jump_forward_gives_the_tokens_of_decoding_in_fewer_steps(engine, tokenizer, omni_config, monkeypatch):
     """Forced tokens taken without a decode step: the same ids as decoding them one by one (greedy
     and sampled rows: a sampled row's noise advances as if each were drawn), in a mixed batch with a
-    free row, in fewer steps; max_tokens and a stop string that land inside a forced run end the
-    reply where decoding ends it."""
+    free row, in fewer steps (or, with the runs caught up in the decode forward, in as many); max_tokens
+    and a stop string that land inside a forced run end the reply where decoding ends it."""
     from voxpipe.services.runtime.outputs import FinishReason
 
     p = _prompt(tokenizer, omni_config, "Book a table.")
@@ -498,6 +500,8 @@ def test_jump_forward_gives_the_tokens_of_decoding_in_fewer_steps(engine, tokeni
     decoded, decode_steps = run_jobs(engine, specs, False, monkeypatch)
     jumped, jump_steps = run_jobs(engine, specs, True, monkeypatch)
     assert jumped == decoded and jump_steps < decode_steps / 2, (jump_steps, decode_steps)
+    # a step of more rows than JUMP_FEED_ROWS: each run catches up a token a step in the decode forward
+    assert run_jobs(engine, specs, True, monkeypatch, feed_rows=0) == (decoded, decode_steps)
     (ids, reason), (cut, cut_reason), (stopped, stop_reason) = decoded[0], decoded[2], decoded[3]
     assert reason == FinishReason.STOP and _calls(tokenizer.decode(ids[:-1]))
     assert cut_reason == FinishReason.LENGTH and len(cut) == 5 and tokenizer.decode(cut) == "<tool"

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 FORCED_DELTA_TOKENS = 64     # a forced reply's tokens per TextOut (its rows: a bounded message each)
 JUMP_TOKENS = 64             # a grammar's forced tokens taken at once at most (one extend forward feeds them)
+JUMP_FEED_ROWS = 8           # decode rows of a step up to which forced runs are fed by a forward of their own
 
 
 def assistant_head_index(cfg: ThinkerConfig, ids: list[int]) -> int | None:
@@ -167,17 +168,38 @@ class ThinkerEngine(StageEngine):
             deliver_now()     # first tokens (and their talker rows) leave now, not after this step's decode forward
         decode = self._with_blocks([job for job in plan.decode if not job.done])   # a first token may have finished it
         if decode:
-            runs = [job for job in decode if job.ahead]      # forced runs: fed at once (runner.feed)
-            steps = [job for job in decode if not job.ahead]
-            outs = [self.runner.decode(steps)] if steps else []
-            if runs:
-                outs.append(self.runner.feed(runs))
-            jobs = [job for part, _ in outs for job in part]
-            logits = outs[0][1] if len(outs) == 1 else torch.cat([lg for _, lg in outs])
-            self._output(jobs, logits, f"decode of {len(steps)} rows and {len(runs)} forced runs")
+            self._decode(decode)
         for job in self.running:      # this step's outputs were finite: its full blocks can be found
             self.runner.publish(job)
         self.runner.observe_kv()
+
+    def _decode(self, decode: list[ThinkerJob]) -> None:
+        """The step's decode forward and its outputs. Forced runs (`ahead`, engine._jump): in a
+        step of at most JUMP_FEED_ROWS rows, fed at once by one extend forward beside the decode
+        forward (runner.feed), their logits those after the run; in a larger step (where a second
+        forward would cost every row) each catches up one token a step in the decode forward, its
+        logits -- of a token already known -- not sampled, as decoding the run would go."""
+        feed = len(decode) <= JUMP_FEED_ROWS
+        runs = [job for job in decode if job.ahead] if feed else []
+        steps = [job for job in decode if not (feed and job.ahead)]
+        outs = []
+        if steps:
+            jobs, logits = self.runner.decode(steps)
+            catching = [i for i, job in enumerate(jobs) if job.ahead]
+            for i in catching:
+                jobs[i].ahead -= 1
+            if catching:
+                kept = [i for i, job in enumerate(jobs) if i not in set(catching)]
+                jobs, logits = [jobs[i] for i in kept], logits[torch.tensor(kept, dtype=torch.long, device=logits.device)]
+            if jobs:
+                outs.append((jobs, logits))
+        if runs:
+            outs.append(self.runner.feed(runs))
+        if not outs:
+            return
+        jobs = [job for part, _ in outs for job in part]
+        logits = outs[0][1] if len(outs) == 1 else torch.cat([lg for _, lg in outs])
+        self._output(jobs, logits, f"decode of {len(steps)} rows and {len(runs)} forced runs")
 
     def _progress(self, req: ThinkerJob) -> str:
         return f"{len(req.generated)} generated"

@@ -536,10 +536,11 @@ class ThinkerRunner:
         return jobs, logits
 
     def decode(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
-        """One decode forward over `jobs` (each with a token to feed and a block for its position):
-        the jobs and their logits [len(jobs), V]."""
+        """One decode forward over `jobs` (each with a token to feed and a block for its position:
+        its last, or with a forced run catching up (`ahead`) the run's first without keys): the
+        jobs and their logits [len(jobs), V]."""
         n = len(jobs)
-        ids = torch.tensor([[j.generated[-1]] for j in jobs]).to(self.device, non_blocking=True)
+        ids = torch.tensor([[j.generated[-1 - j.ahead]] for j in jobs]).to(self.device, non_blocking=True)
         start_list = [j.kv_tokens for j in jobs]
         start = torch.tensor(start_list).to(self.device, non_blocking=True)
         kv_len = max(start_list) + 1
