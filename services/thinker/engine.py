@@ -174,12 +174,13 @@ class ThinkerEngine(StageEngine):
         self.runner.observe_kv()
 
     def _decode(self, decode: list[ThinkerJob]) -> None:
-        """The step's decode forward and its outputs. Forced runs (`ahead`, engine._jump): in a
-        step of at most JUMP_FEED_ROWS rows, fed at once by one extend forward beside the decode
-        forward (runner.feed), their logits those after the run; in a larger step (where a second
-        forward would cost every row) each catches up one token a step in the decode forward, its
-        logits -- of a token already known -- not sampled, as decoding the run would go."""
-        feed = len(decode) <= JUMP_FEED_ROWS
+        """The step's decode forward and its outputs. Forced runs (`ahead`, engine._jump, which
+        makes them while at most JUMP_FEED_ROWS requests run): in a step of at most that many rows,
+        fed at once by one extend forward beside the decode forward (runner.feed), their logits
+        those after the run; a run that meets a larger step (where a second forward would cost
+        every row) catches up one token a step in the decode forward, its logits -- of a token
+        already known -- not sampled, as decoding the run would go."""
+        feed = len(decode) <= JUMP_FEED_ROWS     # (a run made in a smaller step may meet a larger one)
         runs = [job for job in decode if job.ahead] if feed else []
         steps = [job for job in decode if not (feed and job.ahead)]
         outs = []
@@ -257,6 +258,8 @@ class ThinkerEngine(StageEngine):
         """Each job's next token from its logits row [n, V]: stop checks, its outputs, finishing.
         `step`: what made the logits, for the log of a row that is not finite."""
         sampled = self.runner.sample(jobs, logits)
+        # forced runs only where the next step feeds them at once (in a larger one decoding them costs the same)
+        jump = len(self.running) <= JUMP_FEED_ROWS
         for job, tok in zip(jobs, sampled.tokens):
             if tok < 0:
                 log.warning("request %s: logits not finite in a %s (prompt %d tokens, %d generated)",
@@ -285,7 +288,7 @@ class ThinkerEngine(StageEngine):
                 job.outbox.put(delta)
             if stopped:
                 reason = FinishReason.STOP
-            if reason is None and job.matcher is not None and job.top_logprobs is None:
+            if reason is None and jump and job.matcher is not None and job.top_logprobs is None:
                 reason = self._jump(job, logits.shape[1])
             if reason is not None:
                 self.finish(job, Finished(reason, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
