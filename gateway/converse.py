@@ -176,7 +176,8 @@ def _audio_part(a: gw.AudioInput, name: str) -> np.ndarray:
 
 
 def parse_start(start: gw.ConverseStart, cfg: OmniConfig, constrain_tool_calls: bool = False) -> ConverseTurn:
-    """Check a ConverseStart and turn it into chat messages and a SpeechRequest (not yet rendered)."""
+    """Check a ConverseStart and turn it into chat messages and a SpeechRequest (not yet rendered).
+    `constrain_tool_calls`: the gateway's --constrain-tool-calls (tool_params.tool_call_constraint)."""
     modalities = set(start.output_modalities) or {gw.MODALITY_TEXT, gw.MODALITY_AUDIO}
     unknown = modalities - {gw.MODALITY_TEXT, gw.MODALITY_AUDIO}
     if unknown:
