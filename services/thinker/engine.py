@@ -123,6 +123,26 @@ class ThinkerEngine(StageEngine):
         req.outbox.on_drain = self.notify
         self.streams.commit(req)
 
+    def open_reply(self, job: ThinkerJob) -> None:
+        """Jump-forward decoding of the reply's opening (a constrained job before its admission, off
+        the engine thread: the server's compile pool): the tokens its grammar forces before any
+        choice (a call's `<tool_call>\n{"name": "`) are taken now and prefilled with the prompt
+        (`prefill_target`), so that its first sampled token comes from the prefill's logits; they
+        go out with that token (`_first_outputs`). Not for replies with stop strings, talker rows
+        or log probabilities (their first outputs are the prompt's)."""
+        if (job.matcher is None or job.generated or job.forced is not None or job.pending or job.adopts is not None
+                or job.stops or job.talker_rows or job.top_logprobs is not None):
+            return
+        run: list[int] = []
+        while len(run) < min(JUMP_TOKENS, job.max_tokens - 1):
+            tok = job.matcher.forced()
+            if tok is None or not job.matcher.accept(tok):
+                break
+            run.append(tok)
+        if run:
+            job.generated, job.opened = run, len(run)
+            job.prefill_target = len(job.prompt) + len(run)
+
     def release(self, req: ThinkerJob) -> None:
         self.runner.release(req)
         req.matcher = None      # its grammar state goes with the request (finished, failed or cancelled)
@@ -213,6 +233,8 @@ class ThinkerEngine(StageEngine):
             job.text = ReplyText(self.tokenizer, job.stops, job.min_tokens, job.unspoken)
             if prompt is not None:
                 job.outbox.put(prompt)
+            if job.opened:
+                self._emit_opened(job, prefilled.logits.shape[1])
         sampled = [i for i, j in enumerate(jobs) if j.forced is None]
         for job in jobs:
             if job.forced is not None:
@@ -223,6 +245,18 @@ class ThinkerEngine(StageEngine):
                 return
             jobs, logits = [jobs[i] for i in sampled], logits[torch.tensor(sampled, device=logits.device)]
         self._output(jobs, logits, step)
+
+    def _emit_opened(self, job: ThinkerJob, width: int) -> None:
+        """The reply's forced opening (open_reply) out, as if each token were decoded (a sampled
+        row's generator draws each one's noise, as in `_jump`)."""
+        if job.generator is not None:
+            noise = torch.empty(width, device=self.device)
+            for _ in range(job.opened):
+                noise.exponential_(1, generator=job.generator)
+        job.mark_output()
+        for tok in job.generated[:job.opened]:
+            for delta in job.text.push(tok, None, None, last=False)[0]:
+                job.outbox.put(delta)
 
     def _emit_forced(self, job: ThinkerJob) -> None:
         """The given reply as if generated: its tokens (end of turn included) in deltas of

@@ -300,10 +300,10 @@ class ThinkerRunner:
             return False
         job.table, job.prefilled, job.kv_trusted = table, table.cached_tokens, True
         job.cached_rows = {b: r for b, r in rows.items() if b < table.cached_tokens // self.blocks.block_size}
-        if not job.generated:
-            job.cached_tokens = table.cached_tokens
+        if job.text is None:        # not resumed: its first prefill (a forced opening of the reply is not prompt)
+            job.cached_tokens = min(table.cached_tokens, len(job.prompt))
             metrics.PREFIX_TOKENS.labels("thinker", "queried").inc(len(job.prompt))
-            metrics.PREFIX_TOKENS.labels("thinker", "hit").inc(table.cached_tokens)
+            metrics.PREFIX_TOKENS.labels("thinker", "hit").inc(job.cached_tokens)
         return True
 
     def grow(self, job: ThinkerJob) -> bool:
@@ -338,7 +338,8 @@ class ThinkerRunner:
         prompt and its reply but the last token) before decoding on, its output unchanged."""
         self.release(job)
         job.prefilled, job.ahead = 0, 0      # a forced run is part of the context prefilled again
-        job.prefill_target = len(job.prompt) + max(len(job.generated) - 1, 0)
+        # the reply but its last token (decoded again); before its first outputs, all of a forced opening
+        job.prefill_target = len(job.prompt) + max(len(job.generated) - (job.text is not None), 0)
         self.blocks.stats.preempted += 1
         metrics.PREEMPTIONS.labels("thinker").inc()
 
@@ -476,7 +477,7 @@ class ThinkerRunner:
                 job.kept.append(hidden[row, part].clone())
             if start + length < job.prefill_target or job.pending:   # more to come (a pending turn: its audio)
                 continue
-            if job.generated:
+            if job.text is not None:       # resumed after a preemption: its outputs were made before
                 job.embeds, job.kept = None, []
                 resumed.append(job)
                 continue
