@@ -548,3 +548,23 @@ def test_a_cancel_during_a_forced_run_frees_the_request(engine, tokenizer, omni_
     out, _ = run_jobs(engine, specs, True, monkeypatch, cancel_after=1)
     assert out[0][1] is None and len(out[0][0]) < 40 and out[1] == alone[0]
     assert engine.runner.blocks.pool.free == free_before and not engine.running
+
+
+def test_a_deferred_accept_advances_the_matcher_at_its_next_use(tokenizer, omni_config):
+    """Matcher.defer (large batches: the library's accept moves to the next step's fill, beside the
+    forward): the masks along a walk are those of accepting at once; a token the state does not
+    allow shows as `refused` at the next fill."""
+    th = omni_config.thinker
+    grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,))
+    compiled = grammars.compile(Constraint.json_schema(PROFILE))
+    now, later = grammars.matcher(compiled), grammars.matcher(compiled)
+    a, b = (torch.empty(1, grammars.words, dtype=torch.int32) for _ in range(2))
+    for _ in range(12):
+        now.fill(a, 0)
+        assert later.fill(b, 0) and torch.equal(a, b)
+        tok = allowed(a, grammars.vocab_size)[0].nonzero().flatten().tolist()[-1]
+        assert now.accept(tok)
+        later.defer(tok)
+    banned = (~allowed(b, grammars.vocab_size)[0]).nonzero().flatten().tolist()[0]
+    later.defer(banned)
+    assert not later.fill(b, 0) and later.refused and not later.accept(tok)

@@ -302,14 +302,19 @@ class ThinkerEngine(StageEngine):
         for i, (job, tok) in enumerate(zip(jobs, sampled.tokens)):
             if tok < 0:
                 continue
-            job.generated.append(tok)
-            if job.matcher is not None and not job.matcher.accept(tok):
-                log.warning("request %s: its grammar refused the sampled token %d", job.request_id, tok)
+            # with jump-forward the grammar's state is needed now; without, its accept is deferred to
+            # the next step's fill, which runs beside the forward (Matcher.defer): a refusal shows then
+            refused = job.matcher is not None and (job.matcher.refused or jump and not job.matcher.accept(tok))
+            if refused:
+                log.warning("request %s: its grammar refused a sampled token", job.request_id)
                 self.finish(job, StageError(grpc.StatusCode.INTERNAL, f"thinker: request {job.request_id}: "
-                                                                      f"the constraint refused token {tok}"))
+                                                                      "the constraint refused a sampled token"))
                 continue
-            if (tok in self.eos_ids and len(job.generated) >= job.min_tokens
-                    or job.matcher is not None and job.matcher.done):    # the constrained reply is complete
+            if job.matcher is not None and not jump:
+                job.matcher.defer(tok)
+            job.generated.append(tok)
+            # a constrained reply's grammar allows an end-of-turn token only once it is complete
+            if tok in self.eos_ids and len(job.generated) >= job.min_tokens:
                 reason = FinishReason.STOP
             elif len(job.generated) >= job.max_tokens:
                 reason = FinishReason.LENGTH

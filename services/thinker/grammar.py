@@ -142,27 +142,50 @@ class Matcher:
         self.m = matcher
         self.words = words
         self._next: torch.Tensor | None = None   # [1, words]: the mask of the current state, once `forced` filled it
+        self._deferred: int | None = None        # a token to accept before the next use (`defer`)
+        self.refused = False                     # a deferred token was not allowed: the reply is broken
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row `row` of bitmask [n, words] int32 (host): the tokens allowed next."""
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Row `row` of bitmask [n, words] int32 (host): the tokens allowed next; False when a
+        deferred token was refused (the row is then the state before it)."""
+        self._settle()
         if self._next is not None:
             bitmask[row] = self._next[0]
         else:
             self.m.fill_next_token_bitmask(bitmask, row)
+        return not self.refused
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False when the grammar does not allow it (the state is unchanged)."""
-        ok = self.m.accept_token(token)
+        self._settle()
+        ok = not self.refused and self.m.accept_token(token)
         if ok:
             self._next = None
         return ok
+
+    def defer(self, token: int) -> None:
+        """Advance by `token` at the next fill (or accept, forced): in a step, the fill runs while the
+        device computes the forward, so the library's accept leaves the step's critical path. A
+        sampled token came from this state's mask: it is allowed unless the state is broken (a
+        refusal shows as `refused`, and fill's False)."""
+        self._settle()
+        self._deferred = token
+
+    def _settle(self) -> None:
+        if self._deferred is not None:
+            token, self._deferred = self._deferred, None
+            if self.m.accept_token(token):
+                self._next = None
+            else:
+                self.refused = True
 
     def forced(self) -> int | None:
         """The one token the grammar allows next, or None (more than one; or none that is text: a
         stop token, or a forced part of a character). Any choice among the allowed tokens takes
         it, whatever the logits. The library's forced string (cheap) rules most states out before
         the mask is filled; a filled mask is kept for the next `fill` of this state."""
-        if not self.m.find_jump_forward_string():
+        self._settle()
+        if self.refused or not self.m.find_jump_forward_string():
             return None
         if self._next is None:
             self._next = torch.empty(1, self.words, dtype=torch.int32)
@@ -179,6 +202,7 @@ class Matcher:
     @property
     def done(self) -> bool:
         """A stop token was accepted: the reply is complete."""
+        self._settle()
         return self.m.is_terminated()
 
 
