@@ -50,9 +50,14 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+TOKENS_PER_STEP: dict[tuple[int, int], float] = {}   # the last measure's tokens a step, all rows, by (b, k)
+
+
 def measure(eng: ThinkerEngine, cfg: OmniConfig, dev: torch.device, b: int, k: int, steps: int,
             temperature: float) -> float:
-    """Mean decode step ms of b requests, the first k constrained."""
+    """Mean decode step ms of b requests, the first k constrained (jump-forward decoding takes a
+    constrained row's forced tokens several a step while at most engine.JUMP_FEED_ROWS run:
+    TOKENS_PER_STEP says how many)."""
     compiled = eng.grammars.compile(Constraint.json_schema(ENDLESS))
     tok = cfg.thinker.tokens
     gen = torch.Generator().manual_seed(0)
@@ -71,11 +76,13 @@ def measure(eng: ThinkerEngine, cfg: OmniConfig, dev: torch.device, b: int, k: i
     for _ in range(3):
         eng.step()
     sync(dev)
+    made = sum(len(j.generated) for j in jobs)
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
     sync(dev)
     ms = (time.perf_counter() - t0) / steps * 1e3
+    TOKENS_PER_STEP[(b, k)] = (sum(len(j.generated) for j in jobs) - made) / steps
     with eng.lock:
         for j in eng.running + eng.waiting:
             j.cancelled = True
@@ -165,6 +172,7 @@ def main(argv=None) -> None:
         ratios[(b, k)] = constrained / free
         print(json.dumps({"batch": b, "constrained": k, "repeats": args.repeats, "free_step_ms": round(free, 3),
                           "constrained_step_ms": round(constrained, 3), "ratio": round(constrained / free, 4),
+                          "tokens_per_step": {"free": TOKENS_PER_STEP[(b, 0)], "constrained": TOKENS_PER_STEP[(b, k)]},
                           "device": str(dev), "vocab": cfg.thinker.text.vocab_size}), flush=True)
     if (1, 1) in ratios and (64, 8) in ratios:
         print(json.dumps({"goal": "a constrained row <= 5 % more per step (1:1); 64 rows with 8 constrained within 3 % "

@@ -38,6 +38,7 @@ class GatewayConfig:
     tls: ServerTLS | None = None       # the same pair, read (for the Converse gRPC port)
     stage_tls: ClientTLS | None = None # how the thinker and code2wav replicas are dialled (None: plaintext)
     cors_allow_origins: AllowedOrigins = AllowedOrigins()   # browser pages elsewhere that may call the API
+    constrain_tool_calls: bool = False # tool_choice 'auto': each <tool_call> block constrained to a valid call
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -60,4 +61,5 @@ class GatewayConfig:
                    realtime_turn_hold_s=args.realtime_turn_hold,
                    ssl_certfile=certfile if tls else None, ssl_keyfile=keyfile if tls else None, tls=tls,
                    stage_tls=client_tls_from_args(args),
-                   cors_allow_origins=getattr(args, "cors_allow_origins", None) or origins_from_env())
+                   cors_allow_origins=getattr(args, "cors_allow_origins", None) or origins_from_env(),
+                   constrain_tool_calls=bool(getattr(args, "constrain_tool_calls", False)))

@@ -53,7 +53,7 @@ from .generation import render_now, run_pipeline
 from .health import readiness
 from .limits import AUDIO_RATES, audio_problem
 from .state import authorized
-from .tool_params import ToolOptions, check_schema, function_tool, required_call_constraint
+from .tool_params import ToolOptions, check_schema, function_tool, tool_call_constraint
 from .tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece
 
 log = logging.getLogger(__name__)
@@ -175,8 +175,9 @@ def _audio_part(a: gw.AudioInput, name: str) -> np.ndarray:
     return wav
 
 
-def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
-    """Check a ConverseStart and turn it into chat messages and a SpeechRequest (not yet rendered)."""
+def parse_start(start: gw.ConverseStart, cfg: OmniConfig, constrain_tool_calls: bool = False) -> ConverseTurn:
+    """Check a ConverseStart and turn it into chat messages and a SpeechRequest (not yet rendered).
+    `constrain_tool_calls`: the gateway's --constrain-tool-calls (tool_params.tool_call_constraint)."""
     modalities = set(start.output_modalities) or {gw.MODALITY_TEXT, gw.MODALITY_AUDIO}
     unknown = modalities - {gw.MODALITY_TEXT, gw.MODALITY_AUDIO}
     if unknown:
@@ -227,12 +228,13 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig) -> ConverseTurn:
         stop=tuple(dict.fromkeys(start.stop)), top_logprobs=start.top_logprobs if start.logprobs else None,
         request_id=start.request_id or uuid.uuid4().hex)
     speech.unspoken_tool_calls = tools.parses_calls and want_audio
-    speech.constraint = required_call_constraint(tools)
+    speech.constraint = tool_call_constraint(tools, constrain_tool_calls)
+    if speech.constraint is not None and (start.min_tokens or start.ignore_eos):
+        why = "a tool_choice that requires a call" if tools.calls_only else \
+            "tools on this server, which constrains the calls of TOOL_CHOICE_AUTO (--constrain-tool-calls)"
+        raise InvalidInput(f"{why} excludes min_tokens / ignore_eos: a constrained reply ends when it is complete")
     if tools.calls_only:        # only calls: nothing to speak (no talker, no code2wav)
         speech.audio = speech.unspoken_tool_calls = False
-        if start.min_tokens or start.ignore_eos:
-            raise InvalidInput("a tool_choice that requires a call excludes min_tokens / ignore_eos: a constrained "
-                               "reply ends when it is complete")
     return ConverseTurn(messages, speech, tools)
 
 
@@ -332,7 +334,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
             return
         arrived = time.perf_counter()
         try:
-            turn = parse_start(first.start, self.state.omni)
+            turn = parse_start(first.start, self.state.omni, self.state.config.constrain_tool_calls)
             await asyncio.to_thread(self._render, turn)
         except InvalidInput as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))

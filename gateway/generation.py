@@ -155,6 +155,7 @@ class Generation:
     audio_token: int
     turn_start: int
     open_turn: Callable[..., AudioTurn] | None = None     # None: turns are not streamed
+    constrain_tool_calls: bool = False     # GatewayConfig.constrain_tool_calls (tool_params.tool_call_constraint)
 
     @classmethod
     def of(cls, state, param: str = "messages") -> "Generation":
@@ -162,4 +163,5 @@ class Generation:
         return cls(render=functools.partial(render_prompt, state, param=param),
                    run=functools.partial(run_pipeline, state), audio_token=state.omni.thinker.tokens.audio_token,
                    turn_start=state.omni.thinker.tokens.im_start,
-                   open_turn=lambda *a, **kw: state.pipeline.open_turn(*a, **kw))
+                   open_turn=lambda *a, **kw: state.pipeline.open_turn(*a, **kw),
+                   constrain_tool_calls=state.config.constrain_tool_calls)

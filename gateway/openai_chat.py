@@ -43,7 +43,7 @@ from .generation import PipelineEvent, read_until_admitted, render_prompt, run_p
 from .response_format import check_response_format, response_format
 from .params import GenerationParams, check_model, generation_params, optional, read_json, resolve_voice
 from .streaming import CancellableStream, prepended, read_ahead, sse, until_disconnect
-from .tool_params import ToolOptions, required_call_constraint, tool_options
+from .tool_params import ToolOptions, check_tool_constraint, tool_call_constraint, tool_options
 from .tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece, ReplyPiece
 
 router = APIRouter()
@@ -60,6 +60,7 @@ class ChatOptions:
     include_usage: bool
     params: GenerationParams
     tools: ToolOptions = ToolOptions()
+    calls_constrained: bool = False     # params.constraint is the tools' (tool_params.tool_call_constraint)
 
 
 def chat_options(body: dict, st: GatewayState) -> ChatOptions:
@@ -87,18 +88,23 @@ def chat_options(body: dict, st: GatewayState) -> ChatOptions:
                               param="audio.format", code="unsupported_value")
     include_usage = stream_options(body, stream)
     tools = tool_options(body)
-    structured, required = response_format(body), required_call_constraint(tools)
-    if structured is not None and required is not None:
+    structured = response_format(body)
+    if structured is not None and tools.calls_only:
         raise bad_request("'response_format' excludes a 'tool_choice' that requires a call: the reply is one or the "
                           "other", param="response_format", code="invalid_value")
+    # a JSON response format leaves no room for a call: it is the reply's constraint, even with
+    # --constrain-tool-calls (which constrains the calls of an 'auto' reply otherwise)
+    calls = tool_call_constraint(tools, st.config.constrain_tool_calls) if structured is None else None
     params = replace(generation_params(body), stop=stop_strings(body), top_logprobs=top_logprobs(body),
-                     constraint=structured or required)
+                     constraint=structured or calls)
     if params.constraint is not None and params.min_tokens:
-        what = "response_format" if structured is not None else "tool_choice"
+        what = "response_format" if structured is not None else "tool_choice" if tools.calls_only else "tools"
+        why = "" if structured is not None or tools.calls_only else \
+            " (this server constrains the calls of tool_choice 'auto': --constrain-tool-calls)"
         raise bad_request(f"'{what}' excludes 'min_tokens' / 'ignore_eos': a constrained reply ends when "
-                          "it is complete", param=what, code="invalid_value")
+                          f"it is complete{why}", param=what, code="invalid_value")
     return ChatOptions(audio_out=audio_out, voice=voice, audio_format=fmt, stream=stream,
-                       include_usage=include_usage, params=params, tools=tools)
+                       include_usage=include_usage, params=params, tools=tools, calls_constrained=calls is not None)
 
 
 @router.post("/v1/chat/completions")
@@ -107,7 +113,10 @@ async def chat_completions(request: Request) -> Response:
     st = gateway_state(request)
     body = await read_json(request, st.config.max_body_bytes)
     opts = chat_options(body, st)
-    await check_response_format(opts.params.constraint)
+    if opts.calls_constrained:
+        await check_tool_constraint(opts.tools, opts.params.constraint)
+    else:
+        await check_response_format(opts.params.constraint)
     session, handed_over = st.sessions.acquire("http"), False
     try:
         messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts, st.clips)

@@ -81,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(and the KV blocks it prefilled) waiting for response.create; released after, or as "
                              "soon as the conversation changes under it, the turn is sent whole when answered "
                              f"(default {REALTIME_TURN_HOLD_S:g}; 0: released at the commit)")
+    parser.add_argument("--constrain-tool-calls", action=argparse.BooleanOptionalAction, default=False,
+                        help="with tools and tool_choice 'auto' (chat, realtime, Converse), constrain the thinker's "
+                             "sampling inside each <tool_call> block the model opens to a valid call of one of the "
+                             "tools (free text outside them); default off: 'auto' is unconstrained")
     add_cors_argument(parser)
     g = parser.add_argument_group("TLS (serving)")
     g.add_argument("--ssl-certfile", default=os.environ.get("VOXPIPE_SSL_CERTFILE") or None,

@@ -4,19 +4,22 @@
 never echoes more than a bounded piece of the input.
 
 `tool_choice`: "none" (the tools are left out of the prompt and the reply is plain text), "auto"
-(the default with tools: the model may call), "required" or a named function (a call must come:
-the thinker's grammar constraint, `required_call_constraint`, makes the reply only valid calls, on
-every API: chat completions, realtime, Converse)."""
+(the default with tools: the model may call; with the gateway's --constrain-tool-calls each call it
+opens is constrained to a valid one), "required" or a named function (a call must come: the
+thinker's grammar constraint, `tool_call_constraint`, makes the reply only valid calls, on every
+API: chat completions, realtime, Converse)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
 
-from voxpipe.services.thinker.constraint import Constraint, tool_calls
+from voxpipe.services.thinker.constraint import Constraint, tool_calls, tool_calls_in_text
+from voxpipe.services.thinker.grammar import check
 from voxpipe.services.thinker.prompt import Tool
 
 from .errors import bad_request
@@ -183,11 +186,42 @@ def tool_options(body: dict) -> ToolOptions:
     return ToolOptions(tools=tools, choice=choice, function=function, parallel=parallel is not False)
 
 
-def required_call_constraint(opts: ToolOptions) -> Constraint | None:
-    """The thinker's grammar constraint for a call that must come (`tool_choice` 'required' or a
-    named function): `<tool_call>` blocks of one of `opts.tools` (or of the named function alone), one
-    or, with parallel calls, more (services/thinker/constraint.tool_calls); None for 'auto' / 'none'."""
-    if not opts.calls_only:
-        return None
-    tools = [t for t in opts.tools if opts.choice == "required" or t.name == opts.function]
-    return tool_calls([{"name": t.name, "parameters": t.parameters} for t in tools], parallel=opts.parallel)
+def tool_call_constraint(opts: ToolOptions, constrain_auto: bool = False) -> Constraint | None:
+    """The thinker's grammar constraint of a reply read for calls: with a call that must come
+    (`tool_choice` 'required' or a named function), `<tool_call>` blocks of one of `opts.tools` (or
+    of the named function alone), one or, with parallel calls, more (constraint.tool_calls); with
+    'auto' and `constrain_auto` (the gateway's --constrain-tool-calls), free text in which each
+    block the model opens is a valid call of one of them (constraint.tool_calls_in_text); else None."""
+    if opts.calls_only:
+        return tool_calls(_functions(opts), parallel=opts.parallel)
+    if constrain_auto and opts.parses_calls:
+        return tool_calls_in_text(_functions(opts))
+    return None
+
+
+def _functions(opts: ToolOptions) -> list[dict]:
+    """The functions a call may name: `tools[].function`'s name and parameters (a named choice: that one)."""
+    return [{"name": t.name, "parameters": t.parameters} for t in opts.tools
+            if opts.choice != "function" or t.name == opts.function]
+
+
+async def check_tool_constraint(opts: ToolOptions, constraint: Constraint, param: str = "tools",
+                                schema_field: str = "function.parameters") -> None:
+    """A 400 naming the function (`{param}[i].{schema_field}`) whose parameters the grammar library
+    cannot enforce, when the calls' constraint does not compile (checked in a worker thread)."""
+    try:
+        await asyncio.to_thread(check, constraint)
+        return
+    except ValueError as e:
+        problem = str(e)
+    for i, t in enumerate(opts.tools):
+        if opts.choice == "function" and t.name != opts.function:
+            continue
+        try:
+            await asyncio.to_thread(check, Constraint.json_schema(t.parameters or {"type": "object"}))
+        except ValueError as e:
+            where = f"{param}[{i}].{schema_field}"
+            raise bad_request(f"'{where}' is not a schema this server can enforce in a call: {e}", param=where,
+                              code="invalid_value") from None
+    raise bad_request(f"'{param}': the calls' constraint does not compile: {problem}", param=param,
+                      code="invalid_value")

@@ -414,3 +414,157 @@ def test_sdk_gets_a_400_naming_an_invalid_schema(client, model):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], response_format=fmt,
                                        max_tokens=4)
     assert e.value.param == "response_format.json_schema.schema" and "#/no" in e.value.message
+
+
+# ---------------------------------------------------------------- jump-forward decoding, in process
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tokenizer, omni_config):
+    """A thinker engine in this process on the tiny checkpoint (its steps driven by the test)."""
+    from voxpipe.services.runtime.weights import load_module
+    from voxpipe.services.thinker.engine import ThinkerEngine
+    from voxpipe.services.thinker.model import ThinkerModel
+
+    th = omni_config.thinker
+    model = load_module(lambda: ThinkerModel(th), str(tiny_model_dir), "thinker.", device=torch.device("cpu"),
+                        dtype=torch.float32, load_format="auto", ignore=("visual.",))
+    return ThinkerEngine(model, th, tokenizer, device=torch.device("cpu"), max_active=8, max_len=1024,
+                         eos_ids=(th.tokens.im_end,), cuda_graphs=False)
+
+
+def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: int | None = None,
+             catch_up: bool = False) -> list:
+    """Each spec's job (prompt, constraint, opened: text its reply already began with, ...) run to
+    its end, jump-forward on or off (`catch_up`: engine.JUMP_FEED_ROWS 0 after the first step): per
+    job (generated ids, finish reason or None), and the steps taken. `cancel_after`:
+    the first job is cancelled after that many steps."""
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.runtime.outputs import Finished
+    from voxpipe.services.runtime.sampling import SamplingParams
+    from voxpipe.services.thinker import engine as thinker_engine
+    from voxpipe.services.thinker.engine import ThinkerJob
+    from voxpipe.services.thinker.prompt import encode_text
+
+    monkeypatch.setattr(thinker_engine, "JUMP_TOKENS", 64 if jump else 0)
+    monkeypatch.setattr(thinker_engine, "JUMP_FEED_ROWS", 8)
+    loop = asyncio.new_event_loop()
+    jobs = []
+    for i, s in enumerate(specs):
+        opened = encode_text(engine.tokenizer, s.get("opened", ""))
+        job = ThinkerJob(request_id=f"j{i}", outbox=Outbox(loop, limit=10 ** 6), prompt=s["prompt"] + opened,
+                         max_tokens=s.get("max_tokens", 120), stops=s.get("stops", ()),
+                         params=SamplingParams(temperature=s.get("temperature", 1.0), seed=i))
+        job.matcher = engine.grammars.matcher(engine.grammars.compile(s["constraint"]))
+        for t in opened:         # the reply began with `opened` (a prompt that ends inside it)
+            assert job.matcher.accept(t)
+        engine.open_reply(job)   # as the server does once the grammar is compiled
+        jobs.append(job)
+        engine.submit(job)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if catch_up:       # the runs of the first step meet steps "too large" to feed them at once
+            monkeypatch.setattr(thinker_engine, "JUMP_FEED_ROWS", 0)
+        if steps == cancel_after:
+            jobs[0].cancelled = True
+            assert jobs[0].ahead or jobs[0].done, "no forced run in flight to cancel"
+        with engine.lock:
+            engine._reap_and_check()
+    loop.run_until_complete(asyncio.sleep(0))      # the outboxes' deliveries
+    out = []
+    for job in jobs:
+        items = []
+        while (got := job.outbox.poll_timed()) is not None:
+            items.append(got[0])
+        finals = [x.reason for x in items if isinstance(x, Finished)]
+        out.append((list(job.generated), finals[0] if finals else None))
+    loop.close()
+    return out, steps
+
+
+def _prompt(tokenizer, omni_config, text: str) -> list[int]:
+    return render(tokenizer, omni_config.thinker, user_turn(text)).token_ids
+
+
+def test_jump_forward_gives_the_tokens_of_decoding_in_fewer_steps(engine, tokenizer, omni_config, monkeypatch):
+    """Forced tokens taken without a decode step: the same ids as decoding them one by one (greedy
+    and sampled rows: a sampled row's noise advances as if each were drawn), in a mixed batch with a
+    free row, in fewer steps (or, runs caught up in the decode forward, in about as many); max_tokens
+    and a stop string that land inside a forced run end the reply where decoding ends it."""
+    from voxpipe.services.runtime.outputs import FinishReason
+
+    p = _prompt(tokenizer, omni_config, "Book a table.")
+    specs = [dict(prompt=p, constraint=tool_calls(FUNCTIONS, parallel=False), temperature=0.0, max_tokens=100),
+             dict(prompt=p, constraint=Constraint.json_schema(PROFILE), max_tokens=40),
+             dict(prompt=p, constraint=tool_calls(FUNCTIONS), max_tokens=5),          # '<' then 'tool' of a run
+             dict(prompt=p, constraint=tool_calls(FUNCTIONS), stops=("call>",)),
+             dict(prompt=p, constraint=Constraint(ConstraintKind.REGEX, r"[a-z]{1,30}"), max_tokens=12)]
+    decoded, decode_steps = run_jobs(engine, specs, False, monkeypatch)
+    jumped, jump_steps = run_jobs(engine, specs, True, monkeypatch)
+    assert jumped == decoded and jump_steps < decode_steps / 2, (jump_steps, decode_steps)
+    # runs met by steps of more rows than JUMP_FEED_ROWS: each catches up a token a step in the decode forward
+    caught_up, steps = run_jobs(engine, specs, True, monkeypatch, catch_up=True)
+    assert caught_up == decoded and jump_steps < steps <= decode_steps
+    (ids, reason), (cut, cut_reason), (stopped, stop_reason) = decoded[0], decoded[2], decoded[3]
+    assert reason == FinishReason.STOP and _calls(tokenizer.decode(ids[:-1]))
+    assert cut_reason == FinishReason.LENGTH and len(cut) == 5 and tokenizer.decode(cut) == "<tool"
+    assert stop_reason == FinishReason.STOP and tokenizer.decode(stopped).endswith("<tool_call>")
+
+
+def test_a_call_the_model_opens_in_auto_mode_is_valid(engine, tokenizer, omni_config, monkeypatch):
+    """The constraint of `tool_choice: "auto"` with --constrain-tool-calls (tool_calls_in_text): a
+    reply that has opened `<tool_call>` (the random model rarely does: its prompt ends inside the
+    reply) goes on as a valid call of one of the functions, closes it, then is free again; greedy
+    and sampled."""
+    import jsonschema
+
+    by_name = {f["name"]: f["parameters"] for f in FUNCTIONS}
+    p = _prompt(tokenizer, omni_config, "Turn on the light.")
+    specs = [dict(prompt=p, constraint=tool_calls_in_text(FUNCTIONS), opened="Sure. <tool_call>\n",
+                  temperature=0.0 if i == 0 else 1.0, max_tokens=90) for i in range(3)]
+    replies, _ = run_jobs(engine, specs, True, monkeypatch)
+    closed = 0
+    for ids, _ in replies:
+        text = tokenizer.decode(ids)
+        body, sep, _ = text.partition("\n</tool_call>")
+        if not sep:      # cut by max_tokens inside a long argument
+            continue
+        call = json.loads(body)
+        assert set(call) == {"name", "arguments"} and call["name"] in by_name
+        jsonschema.validate(call["arguments"], by_name[call["name"]])
+        closed += 1
+    assert closed, [tokenizer.decode(ids) for ids, _ in replies]
+
+
+def test_a_cancel_during_a_forced_run_frees_the_request(engine, tokenizer, omni_config, monkeypatch):
+    """A request cancelled while its forced run waits to be fed is dropped at the next step, its
+    blocks given back; the request beside it ends as it would alone."""
+    p = _prompt(tokenizer, omni_config, "Book a table.")
+    specs = [dict(prompt=p, constraint=tool_calls(FUNCTIONS), temperature=0.0),
+             dict(prompt=p, constraint=Constraint.json_schema(PROFILE), temperature=0.0)]
+    alone, _ = run_jobs(engine, specs[1:], True, monkeypatch)
+    free_before = engine.runner.blocks.pool.free
+    out, _ = run_jobs(engine, specs, True, monkeypatch, cancel_after=1)
+    assert out[0][1] is None and len(out[0][0]) < 40 and out[1] == alone[0]
+    assert engine.runner.blocks.pool.free == free_before and not engine.running
+
+
+def test_a_deferred_accept_advances_the_matcher_at_its_next_use(tokenizer, omni_config):
+    """Matcher.defer (large batches: the library's accept moves to the next step's fill, beside the
+    forward): the masks along a walk are those of accepting at once; a token the state does not
+    allow shows as `refused` at the next fill."""
+    th = omni_config.thinker
+    grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,))
+    compiled = grammars.compile(Constraint.json_schema(PROFILE))
+    now, later = grammars.matcher(compiled), grammars.matcher(compiled)
+    a, b = (torch.empty(1, grammars.words, dtype=torch.int32) for _ in range(2))
+    for _ in range(12):
+        now.fill(a, 0)
+        assert later.fill(b, 0) and torch.equal(a, b)
+        tok = allowed(a, grammars.vocab_size)[0].nonzero().flatten().tolist()[-1]
+        assert now.accept(tok)
+        later.defer(tok)
+    banned = (~allowed(b, grammars.vocab_size)[0]).nonzero().flatten().tolist()[0]
+    later.defer(banned)
+    assert not later.fill(b, 0) and later.refused and not later.accept(tok)

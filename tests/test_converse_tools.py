@@ -100,3 +100,18 @@ def test_a_required_call_streams_as_deltas_and_is_never_spoken(channel, named):
     assert deltas[0].call_id == call.call.call_id and deltas[0].name == "get_weather" == call.call.name
     assert len(deltas) > 2 and "".join(d.arguments_delta for d in deltas) == call.call.arguments_json
     jsonschema.validate(json.loads(call.call.arguments_json), BOUNDED)
+
+
+def test_the_gateway_flag_constrains_auto_calls_on_converse(omni_config):
+    """--constrain-tool-calls (GatewayConfig.constrain_tool_calls, as on chat): TOOL_CHOICE_AUTO's
+    reply carries the thinker's tool_calls_in_text constraint of the tools; without the flag none;
+    with it, min_tokens / ignore_eos are refused naming the flag."""
+    from voxpipe.gateway.converse import InvalidInput, parse_start
+    from voxpipe.services.thinker.constraint import tool_calls_in_text
+
+    fields = dict(text="hi", tools=[SHORT], output_modalities=[gw.MODALITY_TEXT], max_tokens=4)
+    assert parse_start(start(**fields).start, omni_config).speech.constraint is None
+    turn = parse_start(start(**fields).start, omni_config, constrain_tool_calls=True)
+    assert turn.speech.constraint == tool_calls_in_text([{"name": "get_weather", "parameters": BOUNDED}])
+    with pytest.raises(InvalidInput, match="--constrain-tool-calls"):
+        parse_start(start(**fields, ignore_eos=True).start, omni_config, constrain_tool_calls=True)

@@ -185,3 +185,45 @@ def test_a_required_call_is_constrained_streamed_and_never_spoken(gateway):
     assert checked
     details = forced[-1]["response"]["status_details"]
     assert forced[-1]["response"]["status"] == "failed" and "ignore_eos" in details["error"]["message"]
+
+
+def test_the_gateway_flag_constrains_auto_calls_on_realtime(stack, tiny_model_dir):
+    """--constrain-tool-calls (GatewayConfig.constrain_tool_calls, as on chat): a tool_choice 'auto'
+    response is sampled under the thinker's tool_calls_in_text constraint of the session's tools,
+    through the real stack; with ignore_eos the response fails naming 'tools'."""
+    from voxpipe.services.thinker.constraint import tool_calls_in_text
+
+    state = GatewayState.load(GatewayConfig(thinker=stack.address("thinker"), code2wav=stack.address("code2wav"),
+                                            model_dir=str(tiny_model_dir), constrain_tool_calls=True))
+    sent, events = [], []
+
+    async def emit(event, **_):
+        events.append(event.wire(Dialect.GA))
+
+    async def withdraw(_):
+        return 0
+
+    def sending(req, arrived):
+        sent.append(req.constraint)
+        return run_pipeline(state, req, arrived)
+
+    async def go(ignore_eos: bool):
+        async with PipelineClient(state.config.thinker, state.config.code2wav) as state.pipeline:
+            gen = dataclasses.replace(Generation.of(state), run=sending)
+            ctx = ResponseContext(generation=gen, conversation_id="conv_1", emit=emit,
+                                  insert_item=lambda item: Conversation().insert(item), has_item=lambda _: False,
+                                  withdraw_audio=withdraw)
+            session = SessionConfig(id="sess_1", model="m", voice="", audio_out=False, max_output_tokens=6,
+                                    temperature=1.0, ignore_eos=ignore_eos,
+                                    tools=ToolOptions(tools=tool_list([SHORT], "tools", nested=False)))
+            r = ResponseRun(ctx, ResponseSettings.resolve(session, ResponseOverrides(), {}),
+                            PromptWindow("", (("item_1", ChatMessage.text("user", "Weather?")),)))
+            r.start()
+            await r.task
+    asyncio.run(go(False))
+    assert sent == [tool_calls_in_text([{"name": "get_weather", "parameters": SHORT["parameters"]}])]
+    assert events[-1]["type"] == "response.done" and events[-1]["response"]["status"] in ("completed", "incomplete")
+    events.clear()
+    asyncio.run(go(True))
+    done = events[-1]["response"]
+    assert done["status"] == "failed" and "--constrain-tool-calls" in done["status_details"]["error"]["message"]

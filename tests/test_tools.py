@@ -376,6 +376,9 @@ BAD = [   # (body changes, param, message pattern)
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
      "only allowed in assistant"),
     ({"functions": [{"name": "f"}]}, "functions", "use 'tools'"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}], "tool_choice": "required"},
+     "tools[1].function.parameters", "not a schema this server can enforce"),
 ]
 
 
@@ -608,3 +611,70 @@ def test_a_spoken_stream_that_is_only_a_call_is_admitted_without_the_talker(stat
     [done] = [e for e in rest if isinstance(e, DoneEvent)]
     assert done.text_finish == pb.STOP and done.audio_finish == pb.STOP and done.frames == 0
     assert talker_streams(stack) == before
+
+
+# ---------------------------------------------------------------- --constrain-tool-calls (tool_choice auto)
+
+@pytest.fixture(scope="module")
+def constrained_gateway(stack, tiny_model_dir):
+    """A second gateway in front of the same stack, with --constrain-tool-calls."""
+    from conftest import GatewayProcess
+
+    gw = GatewayProcess(tiny_model_dir, stack.address("thinker"), stack.address("code2wav"), "--constrain-tool-calls")
+    yield gw
+    gw.stop()
+
+
+def thinker_text(state, constraint, seed: int, max_tokens: int) -> str:
+    """The thinker's reply to MESSAGES with TOOLS in the prompt, sampled at temperature 1 with `seed`,
+    under `constraint` (None: free), straight from the pipeline client."""
+    from voxpipe.gateway.params import GenerationParams
+
+    prompt = render(state.tokenizer, state.omni.thinker, parse_messages(MESSAGES, None, None), tools=tools_of(TOOLS))
+    req = speech_request(prompt, GenerationParams(max_tokens=max_tokens, temperature=1.0, seed=seed,
+                                                  constraint=constraint), "", False, tool_calls=True)
+
+    async def run():
+        async with PipelineClient(state.config.thinker, state.config.code2wav) as pc:
+            return "".join([ev.text async for ev in pc.stream(req) if isinstance(ev, TextEvent)])
+    return asyncio.run(run())
+
+
+def test_the_flag_constrains_the_calls_of_auto_replies(state, gateway, constrained_gateway, model):
+    """With --constrain-tool-calls a tool_choice 'auto' reply is sampled under the thinker's
+    `tool_calls_in_text` constraint of the offered functions (free text; each `<tool_call>` the
+    model opens held to a valid call: tests/test_constrained.py runs one), on the same tokens as
+    the thinker gives that constraint; without it, unconstrained as before. The random model's
+    free text is not always allowed text (it samples special tokens): the two differ."""
+    from voxpipe.services.thinker.constraint import tool_calls_in_text
+
+    functions = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")} for t in TOOLS]
+    differ = 0
+    for seed in (1, 2):
+        kw = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=24, temperature=1.0, seed=seed)
+        got = {name: post(gw, kw).json()["choices"][0]["message"]["content"]
+               for name, gw in (("free", gateway), ("constrained", constrained_gateway))}
+        constrained = thinker_text(state, tool_calls_in_text(functions), seed, 24)
+        assert got["constrained"] == constrained and got["free"] == thinker_text(state, None, seed, 24)
+        differ += got["free"] != got["constrained"]
+    assert differ, "the tiny model's free and constrained replies were the same: nothing told them apart"
+
+
+@pytest.mark.parametrize("extra,param,pattern", [
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}]},
+     "tools[1].function.parameters", "not a schema this server can enforce"),
+    ({"tools": TOOLS, "ignore_eos": True}, "tools", "--constrain-tool-calls"),
+    ({"tools": TOOLS, "min_tokens": 2}, "tools", "excludes 'min_tokens'"),
+], ids=["uncompilable-schema", "ignore_eos", "min_tokens"])
+def test_bad_inputs_for_constrained_auto_calls_are_400_naming_them(gateway, constrained_gateway, model, extra,
+                                                                   param, pattern):
+    """What --constrain-tool-calls cannot serve with tool_choice 'auto' (a function whose
+    parameters the grammar library cannot enforce; a reply that must not end): a 400 naming it;
+    the gateway without the flag serves the same request (its 'auto' compiles nothing)."""
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 2, **extra}
+    resp = post(constrained_gateway, body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and pattern in err["message"] and len(err["message"]) < 600, err
+    assert post(gateway, body).status_code == 200

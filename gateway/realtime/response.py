@@ -60,7 +60,7 @@ from ..generation import Generation, speech_request
 from ..params import GenerationParams
 from .events import INPUT_SAMPLE_RATE, Dialect, ProtocolError
 from .session import tools_wire
-from ..tool_params import required_call_constraint
+from ..tool_params import tool_call_constraint
 from ..tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece, ReplyPiece
 from .server_events import (AudioDelta, AudioDone, ContentPart, ContentPartAdded, ContentPartDone, Emit, Error,
                             FunctionCallArgumentsDelta, FunctionCallArgumentsDone, ItemAdded, ItemDone, ItemTruncated,
@@ -251,12 +251,15 @@ class ResponseRun:
         """Run self.prompt through the pipeline, sending the reply's events; the text's finish reason."""
         gen, s = self.ctx.generation, self.settings
         forced = s.ignore_eos
-        if forced and s.tools.calls_only:
-            raise bad_request("ignore_eos excludes a tool_choice that requires a call: a constrained reply ends "
-                              "when it is complete", param="tool_choice", code="invalid_value")
+        constraint = tool_call_constraint(s.tools, gen.constrain_tool_calls)
+        if forced and constraint is not None:
+            why = "a tool_choice that requires a call" if s.tools.calls_only else \
+                "tools on this server, which constrains the calls of tool_choice 'auto' (--constrain-tool-calls)"
+            raise bad_request(f"ignore_eos excludes {why}: a constrained reply ends when it is complete",
+                              param="tool_choice" if s.tools.calls_only else "tools", code="invalid_value")
         params = GenerationParams(max_tokens=s.max_output_tokens, min_tokens=s.max_output_tokens if forced else 0,
                                   max_frames=s.max_audio_frames, min_frames=s.max_audio_frames if forced else 0,
-                                  temperature=s.temperature, constraint=required_call_constraint(s.tools))
+                                  temperature=s.temperature, constraint=constraint)
         req = speech_request(self.prompt, params, s.voice, s.audio_out, tool_calls=s.tools.parses_calls,
                              calls_only=s.tools.calls_only)
         req.request_id = self.id

@@ -39,6 +39,8 @@ __all__ = ["ThinkerEngine", "ThinkerJob", "ForcedReply", "IncrementalDetokenizer
 log = logging.getLogger(__name__)
 
 FORCED_DELTA_TOKENS = 64     # a forced reply's tokens per TextOut (its rows: a bounded message each)
+JUMP_TOKENS = 64             # a grammar's forced tokens taken at once at most (one extend forward feeds them)
+JUMP_FEED_ROWS = 8           # decode rows of a step up to which forced runs are fed by a forward of their own
 
 
 def assistant_head_index(cfg: ThinkerConfig, ids: list[int]) -> int | None:
@@ -121,6 +123,26 @@ class ThinkerEngine(StageEngine):
         req.outbox.on_drain = self.notify
         self.streams.commit(req)
 
+    def open_reply(self, job: ThinkerJob) -> None:
+        """Jump-forward decoding of the reply's opening (a constrained job before its admission, off
+        the engine thread: the server's compile pool): the tokens its grammar forces before any
+        choice (a call's `<tool_call>\n{"name": "`) are taken now and prefilled with the prompt
+        (`prefill_target`), so that its first sampled token comes from the prefill's logits; they
+        go out with that token (`_first_outputs`). Not for replies with stop strings, talker rows
+        or log probabilities (their first outputs are the prompt's)."""
+        if (job.matcher is None or job.generated or job.forced is not None or job.pending or job.adopts is not None
+                or job.stops or job.talker_rows or job.top_logprobs is not None):
+            return
+        run: list[int] = []
+        while len(run) < min(JUMP_TOKENS, job.max_tokens - 1):
+            tok = job.matcher.forced()
+            if tok is None or not job.matcher.accept(tok):
+                break
+            run.append(tok)
+        if run:
+            job.generated, job.opened = run, len(run)
+            job.prefill_target = len(job.prompt) + len(run)
+
     def release(self, req: ThinkerJob) -> None:
         self.runner.release(req)
         req.matcher = None      # its grammar state goes with the request (finished, failed or cancelled)
@@ -167,11 +189,39 @@ class ThinkerEngine(StageEngine):
             deliver_now()     # first tokens (and their talker rows) leave now, not after this step's decode forward
         decode = self._with_blocks([job for job in plan.decode if not job.done])   # a first token may have finished it
         if decode:
-            jobs, logits = self.runner.decode(decode)
-            self._output(jobs, logits, f"decode of {len(decode)} rows")
+            self._decode(decode)
         for job in self.running:      # this step's outputs were finite: its full blocks can be found
             self.runner.publish(job)
         self.runner.observe_kv()
+
+    def _decode(self, decode: list[ThinkerJob]) -> None:
+        """The step's decode forward and its outputs. Forced runs (`ahead`, engine._jump, which
+        makes them while at most JUMP_FEED_ROWS requests run): in a step of at most that many rows,
+        fed at once by one extend forward beside the decode forward (runner.feed), their logits
+        those after the run; a run that meets a larger step (where a second forward would cost
+        every row) catches up one token a step in the decode forward, its logits -- of a token
+        already known -- not sampled, as decoding the run would go."""
+        feed = len(decode) <= JUMP_FEED_ROWS     # (a run made in a smaller step may meet a larger one)
+        runs = [job for job in decode if job.ahead] if feed else []
+        steps = [job for job in decode if not (feed and job.ahead)]
+        outs = []
+        if steps:
+            jobs, logits = self.runner.decode(steps)
+            catching = [i for i, job in enumerate(jobs) if job.ahead]
+            for i in catching:
+                jobs[i].ahead -= 1
+            if catching:
+                kept = [i for i, job in enumerate(jobs) if i not in set(catching)]
+                jobs, logits = [jobs[i] for i in kept], logits[torch.tensor(kept, dtype=torch.long, device=logits.device)]
+            if jobs:
+                outs.append((jobs, logits))
+        if runs:
+            outs.append(self.runner.feed(runs))
+        if not outs:
+            return
+        jobs = [job for part, _ in outs for job in part]
+        logits = outs[0][1] if len(outs) == 1 else torch.cat([lg for _, lg in outs])
+        self._output(jobs, logits, f"decode of {len(steps)} rows and {len(runs)} forced runs")
 
     def _progress(self, req: ThinkerJob) -> str:
         return f"{len(req.generated)} generated"
@@ -184,6 +234,8 @@ class ThinkerEngine(StageEngine):
             job.text = ReplyText(self.tokenizer, job.stops, job.min_tokens, job.unspoken)
             if prompt is not None:
                 job.outbox.put(prompt)
+            if job.opened:
+                self._emit_opened(job, prefilled.logits.shape[1])
         sampled = [i for i, j in enumerate(jobs) if j.forced is None]
         for job in jobs:
             if job.forced is not None:
@@ -194,6 +246,18 @@ class ThinkerEngine(StageEngine):
                 return
             jobs, logits = [jobs[i] for i in sampled], logits[torch.tensor(sampled, device=logits.device)]
         self._output(jobs, logits, step)
+
+    def _emit_opened(self, job: ThinkerJob, width: int) -> None:
+        """The reply's forced opening (open_reply) out, as if each token were decoded (a sampled
+        row's generator draws each one's noise, as in `_jump`)."""
+        if job.generator is not None:
+            noise = torch.empty(width, device=self.device)
+            for _ in range(job.opened):
+                noise.exponential_(1, generator=job.generator)
+        job.mark_output()
+        for tok in job.generated[:job.opened]:
+            for delta in job.text.push(tok, None, None, last=False)[0]:
+                job.outbox.put(delta)
 
     def _emit_forced(self, job: ThinkerJob) -> None:
         """The given reply as if generated: its tokens (end of turn included) in deltas of
@@ -229,6 +293,8 @@ class ThinkerEngine(StageEngine):
         """Each job's next token from its logits row [n, V]: stop checks, its outputs, finishing.
         `step`: what made the logits, for the log of a row that is not finite."""
         sampled = self.runner.sample(jobs, logits)
+        # forced runs only where the next step feeds them at once (in a larger one decoding them costs the same)
+        jump = len(self.running) <= JUMP_FEED_ROWS
         for job, tok in zip(jobs, sampled.tokens):
             if tok < 0:
                 log.warning("request %s: logits not finite in a %s (prompt %d tokens, %d generated)",
@@ -237,14 +303,19 @@ class ThinkerEngine(StageEngine):
         for i, (job, tok) in enumerate(zip(jobs, sampled.tokens)):
             if tok < 0:
                 continue
-            job.generated.append(tok)
-            if job.matcher is not None and not job.matcher.accept(tok):
-                log.warning("request %s: its grammar refused the sampled token %d", job.request_id, tok)
+            # with jump-forward the grammar's state is needed now; without, its accept is deferred to
+            # the next step's fill, which runs beside the forward (Matcher.defer): a refusal shows then
+            refused = job.matcher is not None and (job.matcher.refused or jump and not job.matcher.accept(tok))
+            if refused:
+                log.warning("request %s: its grammar refused a sampled token", job.request_id)
                 self.finish(job, StageError(grpc.StatusCode.INTERNAL, f"thinker: request {job.request_id}: "
-                                                                      f"the constraint refused token {tok}"))
+                                                                      "the constraint refused a sampled token"))
                 continue
-            if (tok in self.eos_ids and len(job.generated) >= job.min_tokens
-                    or job.matcher is not None and job.matcher.done):    # the constrained reply is complete
+            if job.matcher is not None and not jump:
+                job.matcher.defer(tok)
+            job.generated.append(tok)
+            # a constrained reply's grammar allows an end-of-turn token only once it is complete
+            if tok in self.eos_ids and len(job.generated) >= job.min_tokens:
                 reason = FinishReason.STOP
             elif len(job.generated) >= job.max_tokens:
                 reason = FinishReason.LENGTH
@@ -257,9 +328,47 @@ class ThinkerEngine(StageEngine):
                 job.outbox.put(delta)
             if stopped:
                 reason = FinishReason.STOP
+            if reason is None and jump and job.matcher is not None and job.top_logprobs is None:
+                reason = self._jump(job, logits.shape[1])
             if reason is not None:
                 self.finish(job, Finished(reason, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
                                           cached_tokens=job.cached_tokens, streamed_tokens=job.streamed_tokens))
+
+    def _jump(self, job: ThinkerJob, width: int) -> FinishReason | None:
+        """Jump-forward decoding: while its grammar allows one token only (Matcher.forced), the
+        reply takes it now, without a decode step -- the token any choice would make, so the reply
+        is the one decoding gives, token for token -- out with the token just sampled, up to
+        max_tokens (LENGTH) or a stop string (STOP); the next step feeds the run to the model at
+        once (runner.feed) for the logits after it. A sampled row's generator draws the noise each
+        skipped step would have drawn (`width`: the logits' width), so its later tokens are the same
+        too. Not for rows that asked for log probabilities (each token's needs its own logits)."""
+        run: list[int] = []
+        while len(run) < JUMP_TOKENS and len(job.generated) + len(run) < job.max_tokens:
+            tok = job.matcher.forced()
+            if tok is None or not job.matcher.accept(tok):
+                break
+            run.append(tok)
+        if not run:
+            return None
+        if job.generator is not None:
+            noise = torch.empty(width, device=self.device)
+            for _ in run:
+                noise.exponential_(1, generator=job.generator)
+        rows = self.runner.forced_rows(run) if job.talker_rows else None
+        reason = None
+        for i, tok in enumerate(run):
+            job.generated.append(tok)
+            job.ahead += 1
+            if len(job.generated) >= job.max_tokens:
+                reason = FinishReason.LENGTH
+            deltas, stopped = job.text.push(tok, None if rows is None else rows[i], None, last=reason is not None)
+            if deltas:
+                job.mark_output()
+            for delta in deltas:
+                job.outbox.put(delta)
+            if stopped:
+                return FinishReason.STOP
+        return reason
 
     def _fail_nonfinite(self, job: ThinkerJob, what: str) -> None:
         """Finish `job` alone with a clear error; nothing it left on the device reaches a later

@@ -15,7 +15,7 @@ matcher per constrained row.
   constraint pays only for its own positions (bench/grammar_compile.py).
 - `Matcher`: one request's state; `fill` writes its row of a step's bitmask [n, words] int32 (bit t
   of word t // 32: token t allowed), `accept` advances by the sampled token, `done` once it accepted
-  a stop token. Whitespace in JSON is bounded, so that a weak model cannot loop on spaces or newlines
+  a stop token, `forced` the one token the grammar allows next (jump-forward decoding: engine.py). Whitespace in JSON is bounded, so that a weak model cannot loop on spaces or newlines
   until max_tokens: JSON (a json_schema / json_object reply, a structural tag's json_schema parts)
   has none but one space after ':' and ',' (json.dumps' form); see `_compact` for the rest."""
 
@@ -28,6 +28,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -131,26 +132,77 @@ class Grammars:
             self.compiler.compile_grammar(check(c))
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> "Matcher":
-        return Matcher(xgr.GrammarMatcher(compiled))
+        return Matcher(xgr.GrammarMatcher(compiled), self.words)
 
 
 class Matcher:
     """One constrained request's grammar state (the engine thread's, once it runs)."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, words: int) -> None:
         self.m = matcher
+        self.words = words
+        self._next: torch.Tensor | None = None   # [1, words]: the mask of the current state, once `forced` filled it
+        self._deferred: int | None = None        # a token to accept before the next use (`defer`)
+        self.refused = False                     # a deferred token was not allowed: the reply is broken
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row `row` of bitmask [n, words] int32 (host): the tokens allowed next."""
-        self.m.fill_next_token_bitmask(bitmask, row)
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Row `row` of bitmask [n, words] int32 (host): the tokens allowed next; False when a
+        deferred token was refused (the row is then the state before it)."""
+        self._settle()
+        if self._next is not None:
+            bitmask[row] = self._next[0]
+        else:
+            self.m.fill_next_token_bitmask(bitmask, row)
+        return not self.refused
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False when the grammar does not allow it (the state is unchanged)."""
-        return self.m.accept_token(token)
+        self._settle()
+        ok = not self.refused and self.m.accept_token(token)
+        if ok:
+            self._next = None
+        return ok
+
+    def defer(self, token: int) -> None:
+        """Advance by `token` at the next fill (or accept, forced): in a step, the fill runs while the
+        device computes the forward, so the library's accept leaves the step's critical path. A
+        sampled token came from this state's mask: it is allowed unless the state is broken (a
+        refusal shows as `refused`, and fill's False)."""
+        self._settle()
+        self._deferred = token
+
+    def _settle(self) -> None:
+        if self._deferred is not None:
+            token, self._deferred = self._deferred, None
+            if self.m.accept_token(token):
+                self._next = None
+            else:
+                self.refused = True
+
+    def forced(self) -> int | None:
+        """The one token the grammar allows next, or None (more than one; or none that is text: a
+        stop token, or a forced part of a character). Any choice among the allowed tokens takes
+        it, whatever the logits. The library's forced string (cheap) rules most states out before
+        the mask is filled; a filled mask is kept for the next `fill` of this state."""
+        self._settle()
+        if self.refused or not self.m.find_jump_forward_string():
+            return None
+        if self._next is None:
+            self._next = torch.empty(1, self.words, dtype=torch.int32)
+            self.m.fill_next_token_bitmask(self._next, 0)
+        row = self._next[0].numpy()
+        words = np.flatnonzero(row)
+        if len(words) != 1:
+            return None
+        bits = int(row[words[0]]) & 0xFFFFFFFF
+        if bits & (bits - 1):
+            return None
+        return int(words[0]) * 32 + bits.bit_length() - 1
 
     @property
     def done(self) -> bool:
         """A stop token was accepted: the reply is complete."""
+        self._settle()
         return self.m.is_terminated()
 
 

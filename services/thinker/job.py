@@ -50,6 +50,12 @@ class ThinkerJob(EngineRequest):
     constraint: Constraint | None = None    # constrained decoding (ThinkerStart.constraint)
     matcher: Matcher | None = None          # its grammar state: set at admission (compiled off the engine thread)
     generated: list[int] = field(default_factory=list)
+    opened: int = 0                         # reply tokens its grammar forced before any was sampled
+                                            # (ThinkerEngine.open_reply): prefilled with the prompt, out
+                                            # with its first sampled token
+    ahead: int = 0                          # reply tokens forced by its grammar after the last one sampled
+                                            # (engine._jump): without keys, like that one, until the next
+                                            # step feeds them all (runner.feed)
     generator: torch.Generator | None = None
     text: ReplyText | None = None           # its tokens on their way out (the engine's; made at the first token)
     stream_text: StreamText | None = None   # the text the engine left out (the servicer's, on the event loop)
@@ -88,8 +94,9 @@ class ThinkerJob(EngineRequest):
 
     @property
     def kv_tokens(self) -> int:
-        """Positions whose keys are in its blocks: what its prefill wrote, then one per decode step (a
-        given reply is emitted whole after the prefill: none of its tokens has keys)."""
+        """Positions whose keys are in its blocks: what its prefill wrote, then one per decode step,
+        and a forced run's once fed (a given reply is emitted whole after the prefill: none of its
+        tokens has keys)."""
         if self.prefilled < self.prefill_target or self.forced is not None:
             return self.prefilled
-        return len(self.prompt) + max(len(self.generated) - 1, 0)
+        return len(self.prompt) + max(len(self.generated) - 1 - self.ahead, 0)

@@ -300,15 +300,16 @@ class ThinkerRunner:
             return False
         job.table, job.prefilled, job.kv_trusted = table, table.cached_tokens, True
         job.cached_rows = {b: r for b, r in rows.items() if b < table.cached_tokens // self.blocks.block_size}
-        if not job.generated:
-            job.cached_tokens = table.cached_tokens
+        if job.text is None:        # not resumed: its first prefill (a forced opening of the reply is not prompt)
+            job.cached_tokens = min(table.cached_tokens, len(job.prompt))
             metrics.PREFIX_TOKENS.labels("thinker", "queried").inc(len(job.prompt))
-            metrics.PREFIX_TOKENS.labels("thinker", "hit").inc(table.cached_tokens)
+            metrics.PREFIX_TOKENS.labels("thinker", "hit").inc(job.cached_tokens)
         return True
 
     def grow(self, job: ThinkerJob) -> bool:
-        """Blocks for the job's next decode position; False (nothing taken) when none is free."""
-        return self.blocks.grow(job.table, job.kv_tokens + 1)
+        """Blocks for the job's next decode position (a forced run: its positions); False (nothing
+        taken) when none is free."""
+        return self.blocks.grow(job.table, job.kv_tokens + job.ahead + 1)
 
     def publish(self, job: ThinkerJob) -> None:
         """Publish the job's full blocks whose keys are computed (after a step whose outputs were finite)."""
@@ -336,8 +337,9 @@ class ThinkerRunner:
         """Free a running job's blocks to make room: it waits again and prefills its context (the
         prompt and its reply but the last token) before decoding on, its output unchanged."""
         self.release(job)
-        job.prefilled = 0
-        job.prefill_target = len(job.prompt) + max(len(job.generated) - 1, 0)
+        job.prefilled, job.ahead = 0, 0      # a forced run is part of the context prefilled again
+        # the reply but its last token (decoded again); before its first outputs, all of a forced opening
+        job.prefill_target = len(job.prompt) + max(len(job.generated) - (job.text is not None), 0)
         self.blocks.stats.preempted += 1
         metrics.PREEMPTIONS.labels("thinker").inc()
 
@@ -463,20 +465,8 @@ class ThinkerRunner:
         kept_by = [bool((job.talker_rows or job.pending) and (job.audio or job.streamed) and not job.generated)
                    for job, _, _ in chunks]
         keep = self.cfg.accept_hidden_layer if any(kept_by) else None
-        n, longest = len(chunks), max(length for _, _, length in chunks)
-        g = self.extend_graphs
-        if g is not None and g.fits(n, longest):   # one right-padded row per chunk, graphed
-            rows = ExtendRows.of([(job.embeds[start:start + length], start) for job, start, length in chunks], dev)
-            # columns past the rows' reach: as for decode
-            logits, hidden = g(n, longest, rows.x, rows.start, rows.length, rows.last,
-                               self._tables([c[0] for c in chunks], self.blocks.blocks_for(rows.reach)))
-            rows_of = [(b, slice(0, length)) for b, (_, _, length) in enumerate(chunks)]
-        else:                                      # packed into one row, eager
-            step = PagedPackedStep.pack([(job.table.blocks, start, length) for job, start, length in chunks])
-            x = torch.cat([job.embeds[start:start + length] for job, start, length in chunks])[None]
-            logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
-                                        last=step.ends(dev))
-            rows_of = [(0, slice(sg.offset, sg.offset + sg.length)) for sg in step.segments]
+        logits, hidden, rows_of = self._extend([(job, job.embeds[start:start + length], start)
+                                                for job, start, length in chunks], keep)
         going_on = [i for i, (job, start, length) in enumerate(chunks)
                     if start + length < job.prefill_target or job.generated or job.pending]
         finite = torch.isfinite(logits[going_on]).all(dim=-1).tolist() if going_on else []
@@ -487,7 +477,7 @@ class ThinkerRunner:
                 job.kept.append(hidden[row, part].clone())
             if start + length < job.prefill_target or job.pending:   # more to come (a pending turn: its audio)
                 continue
-            if job.generated:
+            if job.text is not None:       # resumed after a preemption: its outputs were made before
                 job.embeds, job.kept = None, []
                 resumed.append(job)
                 continue
@@ -512,11 +502,46 @@ class ThinkerRunner:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         return Chunked(done, Prefilled(logits, prompts), broken, resumed)
 
+    def _extend(self, parts: list[tuple[ThinkerJob, torch.Tensor, int]], keep: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[int, slice]]]:
+        """One forward over each part's new rows [L, H] (on the device) at its positions start ...,
+        attending to its job's earlier positions: logits [n, V] at each part's last row, the `keep`
+        hidden layer if asked, and where each part's rows are in it ((batch row, slice)). Extend
+        graphs when they fit (a right-padded row per part), else packed into one row, eager."""
+        dev = self.device
+        n, longest = len(parts), max(x.shape[0] for _, x, _ in parts)
+        g = self.extend_graphs
+        if g is not None and g.fits(n, longest):
+            rows = ExtendRows.of([(x, start) for _, x, start in parts], dev)
+            # columns past the rows' reach: as for decode
+            logits, hidden = g(n, longest, rows.x, rows.start, rows.length, rows.last,
+                               self._tables([job for job, _, _ in parts], self.blocks.blocks_for(rows.reach)))
+            return logits, hidden, [(b, slice(0, x.shape[0])) for b, (_, x, _) in enumerate(parts)]
+        step = PagedPackedStep.pack([(job.table.blocks, start, x.shape[0]) for job, x, start in parts])
+        x = torch.cat([x for _, x, _ in parts])[None]
+        logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
+                                    last=step.ends(dev))
+        return logits, hidden, [(0, slice(sg.offset, sg.offset + sg.length)) for sg in step.segments]
+
+    def feed(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
+        """The decode forward of jobs with a forced run (`ahead` > 0: their last 1 + ahead reply
+        tokens have no keys): those tokens at once, one extend forward; the jobs (`ahead` 0 now) and
+        their logits [len(jobs), V] at their last token, as a decode step per token would end."""
+        parts = []
+        for job in jobs:
+            ids = torch.tensor(job.generated[-(job.ahead + 1):]).to(self.device, non_blocking=True)
+            parts.append((job, self.model.model.embed_tokens(ids), job.kv_tokens))
+        logits, _, _ = self._extend(parts, None)
+        for job in jobs:
+            job.ahead = 0
+        return jobs, logits
+
     def decode(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
-        """One decode forward over `jobs` (each with a token to feed and a block for its position):
-        the jobs and their logits [len(jobs), V]."""
+        """One decode forward over `jobs` (each with a token to feed and a block for its position:
+        its last, or with a forced run catching up (`ahead`) the run's first without keys): the
+        jobs and their logits [len(jobs), V]."""
         n = len(jobs)
-        ids = torch.tensor([[j.generated[-1]] for j in jobs]).to(self.device, non_blocking=True)
+        ids = torch.tensor([[j.generated[-1 - j.ahead]] for j in jobs]).to(self.device, non_blocking=True)
         start_list = [j.kv_tokens for j in jobs]
         start = torch.tensor(start_list).to(self.device, non_blocking=True)
         kv_len = max(start_list) + 1

@@ -271,9 +271,10 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
             return
         def compile_now():
             grammars = self.engine.grammars
-            return grammars.matcher(grammars.compile(job.constraint))
+            job.matcher = grammars.matcher(grammars.compile(job.constraint))
+            self.engine.open_reply(job)       # the tokens its grammar forces first, before its admission
         try:
-            job.matcher = await asyncio.get_running_loop().run_in_executor(self.compile_pool, compile_now)
+            await asyncio.get_running_loop().run_in_executor(self.compile_pool, compile_now)
         except ValueError as e:       # GrammarError, or JSON text that is not JSON
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
