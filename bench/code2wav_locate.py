@@ -5,7 +5,8 @@ the service builds it. Two passes:
           replays run no hooks): the first frame and module whose row differs between alone and
           batched, with its largest difference
   graphs  (CUDA, or VOXPIPE_EMULATE_GRAPHS=1) the same frames through the runner's graph step
-          (`Code2WavRunner.decode`): the first frame whose samples differ
+          (`Code2WavRunner.decode`): the frames whose samples differ (from the first one on: state;
+          one frame alone: its output)
 One JSON line per pass; exit status 1 if either differs.
 
     python -m voxpipe.bench.code2wav_locate --device cuda --load-format dummy --concurrency 64 --frames 8
@@ -119,11 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         batch = [_codes(engine, k, args.frames) for k in range(1, args.concurrency)]
         batch.insert(row, target)
         if name == "eager":
-            diff = first_module_difference(eager_rows(engine, [target], 0), eager_rows(engine, batch, row))
+            alone, got = eager_rows(engine, [target], 0), eager_rows(engine, batch, row)
+            diff = first_module_difference(alone, got)
+            if diff is not None:    # frames whose last module's row (the samples) differs
+                diff["frames_differing"] = [f for f, (a, g) in enumerate(zip(alone, got)) if a[-1][1] != g[-1][1]]
         else:
             alone, got = graph_samples(engine, [target], 0), graph_samples(engine, batch, row)
-            frame = next((f for f, (a, g) in enumerate(zip(alone, got)) if a != g), None)
-            diff = None if frame is None else {"frame": frame}
+            frames = [f for f, (a, g) in enumerate(zip(alone, got)) if a != g]
+            diff = {"frame": frames[0], "frames_differing": frames} if frames else None
         print(json.dumps({"pass": name, "device": args.device, "concurrency": args.concurrency, "frames": args.frames,
                           "graphs": getattr(engine.runner, "graphs", None) is not None, "equal": diff is None,
                           "first_difference": diff}), flush=True)
