@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from .determinism_check import build_engine
+from .determinism_check import build_engine, checkpoint_flags, resolve_model
 
 
 def _codes(engine, k: int, frames: int) -> torch.Tensor:
@@ -94,22 +94,13 @@ def graph_samples(engine, codes: list[torch.Tensor], row: int) -> list[bytes]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="checkpoint folder (default: the tiny checkpoint; with --load-format dummy: "
-                                   "the released config)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--device", default="cpu")
+    checkpoint_flags(p)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", type=int, default=4, help="utterances in the batch, the target among them")
     p.add_argument("--frames", type=int, default=6)
     p.add_argument("--passes", default="eager,graphs")
     args = p.parse_args(argv)
-    if args.model is None:
-        if args.load_format == "dummy":
-            from voxpipe.services.runtime.config import released_config_path
-            args.model = str(released_config_path())
-        else:
-            from voxpipe.cli import default_model_dir
-            args.model = str(default_model_dir())
+    resolve_model(args)
     base = ["--model", args.model, "--device", args.device, "--load-format", args.load_format, "--dtype", args.dtype,
             "--max-batch", str(args.concurrency), "--deterministic"]
     row = args.concurrency // 2
