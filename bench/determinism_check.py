@@ -223,12 +223,28 @@ async def check_stage(engine: StageEngine, probe: Probe, concurrency: int, targe
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --load-format, --device (see `resolve_model`)."""
     p.add_argument("--model", help="checkpoint folder (default: the tiny checkpoint; with --load-format dummy: "
                                    "the released config)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--device", default="cpu")
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """args.model when not given: the tiny checkpoint, or with --load-format dummy the released config."""
+    if args.model is None:
+        if args.load_format == "dummy":
+            from voxpipe.services.runtime.config import released_config_path
+            args.model = str(released_config_path())
+        else:
+            from voxpipe.cli import default_model_dir
+            args.model = str(default_model_dir())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    checkpoint_flags(p)
     p.add_argument("--concurrency", type=int, default=4, help="requests in the batch, the target among them")
     p.add_argument("--tokens", type=int, default=8, help="the target's thinker tokens (others: other counts)")
     p.add_argument("--frames", type=int, default=6, help="the target's talker / code2wav frames")
@@ -240,13 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default="greedy,sampled",
                    help="which targets: greedy, sampled (code2wav, which does not sample: greedy only)")
     args = p.parse_args(argv)
-    if args.model is None:
-        if args.load_format == "dummy":
-            from voxpipe.services.runtime.config import released_config_path
-            args.model = str(released_config_path())
-        else:
-            from voxpipe.cli import default_model_dir
-            args.model = str(default_model_dir())
+    resolve_model(args)
     failed = False
     for stage in args.stages.split(","):
         seconds = {}

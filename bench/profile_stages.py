@@ -1,6 +1,7 @@
 """Per-stage step profile on one GPU, each stage alone in this process (no gRPC, no other stage
 competing for the GPU): the real engine step paths (`step()` with real jobs and outboxes), full-size
-dummy weights. `python -m voxpipe.bench.profile_stages [--batches 1,16,64] [--temperatures 0,0.9]`.
+dummy weights. `python -m voxpipe.bench.profile_stages [--batches 1,16,64] [--temperatures 0,0.9]
+[--deterministic]` (--deterministic: every model in batch-invariant mode, as the stages run it).
 Prints JSON lines: mean step time per batch size per stage (and per temperature: 0 is greedy, else
 every request samples, seeded by its index), then a torch.profiler summary of one step at the first
 and the last batch size.
@@ -24,6 +25,7 @@ import torch
 
 from voxpipe.services.code2wav.engine import Code2WavEngine, Code2WavJob
 from voxpipe.services.code2wav.model import Code2WavModel
+from voxpipe.services.runtime import determinism
 from voxpipe.services.runtime.config import OmniConfig, released_config_path
 from voxpipe.services.runtime.engine import Outbox
 from voxpipe.services.runtime.sampling import SamplingParams
@@ -36,6 +38,16 @@ from voxpipe.services.thinker.model import ThinkerModel
 from voxpipe.services.thinker.tokenizer import ChatMLByteTokenizer
 
 LOOP = asyncio.new_event_loop()  # outboxes queue callbacks on it; nobody needs to read them here
+DETERMINISTIC = False            # --deterministic: every model in batch-invariant mode (determinism.apply)
+
+
+def laid_out(model, dev: torch.device):
+    """The model as a stage server lays it out: serving_layout, then batch-invariant mode with
+    --deterministic."""
+    serving_layout(model, dev)
+    if DETERMINISTIC:
+        determinism.apply(model)
+    return model
 
 
 def timed_ms(fn, reps: int = 20, warm: int = 0) -> float:
@@ -111,7 +123,7 @@ def label_of(what: str, temperature: float) -> str:
 def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device, temperatures: list[float]) -> None:
     model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
                         load_format="dummy")
-    serving_layout(model, dev)
+    laid_out(model, dev)
     eng = ThinkerEngine(model, cfg.thinker, ChatMLByteTokenizer(cfg.thinker, cfg.role_ids), device=dev,
                         max_active=max(batches), max_len=1024, eos_ids=(cfg.thinker.tokens.im_end,))
     gen = torch.Generator().manual_seed(0)
@@ -135,7 +147,7 @@ def thinker(cfg: OmniConfig, batches: list[int], dev: torch.device, temperatures
 def talker(cfg: OmniConfig, batches: list[int], dev: torch.device, temperatures: list[float]) -> None:
     model = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
                         load_format="dummy")
-    serving_layout(model, dev)
+    laid_out(model, dev)
     eng = TalkerEngine(model, cfg.talker, device=dev, max_active=max(batches), max_len=2048)
     h = cfg.talker.thinker_hidden_size
     for temperature, b in ((t, b) for t in temperatures for b in batches):
@@ -157,7 +169,7 @@ def talker(cfg: OmniConfig, batches: list[int], dev: torch.device, temperatures:
 def code2wav(cfg: OmniConfig, batches: list[int], dev: torch.device, temperatures: list[float]) -> None:
     model = load_module(lambda: Code2WavModel(cfg.code2wav), "", "code2wav.", device=dev, dtype=torch.float32,
                         load_format="dummy")
-    serving_layout(model, dev)
+    laid_out(model, dev)
     eng = Code2WavEngine(model, cfg.code2wav, device=dev, max_active=max(batches))
     q = cfg.code2wav.num_quantizers
     for b in batches:
@@ -198,7 +210,7 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
 
     model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
                         load_format="dummy")
-    serving_layout(model, dev)
+    laid_out(model, dev)
     eng = ThinkerEngine(model, cfg.thinker, ChatMLByteTokenizer(cfg.thinker, cfg.role_ids), device=dev,
                         max_active=8, max_len=max(4096, length + 64), eos_ids=(cfg.thinker.tokens.im_end,))
     gen = torch.Generator().manual_seed(0)
@@ -251,7 +263,7 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
     # the talker's prompt for such a request: the 2,500 user rows + its head, one eager prefill
     talker_model = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
                                load_format="dummy")
-    serving_layout(talker_model, dev)
+    laid_out(talker_model, dev)
     te = TalkerEngine(talker_model, cfg.talker, device=dev, max_active=8, max_len=4096).runner
     h = cfg.talker.text.hidden_size
     x = torch.randn(1, length + 9, h, device=dev, dtype=torch.bfloat16)
@@ -274,7 +286,7 @@ def voice_in(cfg: OmniConfig, dev: torch.device) -> None:
 
     model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
                         load_format="dummy")
-    serving_layout(model, dev)
+    laid_out(model, dev)
     tokenizer = ChatMLByteTokenizer(cfg.thinker, cfg.role_ids)
     eng = ThinkerEngine(model, cfg.thinker, tokenizer, device=dev, max_active=8, max_len=1024,
                         eos_ids=(cfg.thinker.tokens.im_end,))
@@ -330,7 +342,11 @@ def main() -> None:
     p.add_argument("--prefill-chunks", default="512,2048,4096",
                    help="long-prompt: the thinker's --prefill-chunk values to measure (comma list)")
     p.add_argument("--prompt-tokens", type=int, default=2500, help="long-prompt: each prompt's length")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every stage in batch-invariant mode, as `voxpipe STAGE --deterministic` runs it")
     args = p.parse_args()
+    global DETERMINISTIC
+    DETERMINISTIC = args.deterministic
     dev = torch.device("cuda")
     cfg = OmniConfig.load(released_config_path())
     batches = [int(x) for x in args.batches.split(",")]

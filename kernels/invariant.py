@@ -58,12 +58,14 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+           tiles: tuple[int, ...] | None = None, tf32: bool = False) -> torch.Tensor:
     """Triton; assumes `eligible(...)`. `tiles`: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, splits])
     instead of the constants (bench/invariant_tune.py; a serving path must keep one shape for every
     call). `splits` > 1: K cut into that many fixed chunks (a fixed split-K: each chunk's float32
     partial in its own program, the partials then added in chunk order, the bias last, one rounding),
-    still a row's arithmetic alone: more programs for few rows."""
+    still a row's arithmetic alone: more programs for few rows. `tf32` (bench/invariant_tune.py):
+    float32 operands through the tensor cores as TF32 instead of exact float32 products (still one
+    fixed computation per row; TF32's rounding, as cuDNN's default float32 convolutions)."""
     m, k = x.shape
     n = weight.shape[0]
     bm, bn, bk, warps, stages, splits = (*(tiles or (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)), 1)[:6]
@@ -75,7 +77,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     with device_of(x):
         _matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
             x, weight, weight if bias is None else bias, parts, m, n, k, x.stride(0), chunk,
-            HAS_BIAS=bias is not None and not partial, PARTIAL=partial, DOT_F32=x.dtype == torch.float32 or INTERPRET,
+            HAS_BIAS=bias is not None and not partial, PARTIAL=partial,
+            DOT_F32=(x.dtype == torch.float32 and not tf32) or INTERPRET,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     if not partial:
         return out

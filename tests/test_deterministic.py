@@ -90,6 +90,26 @@ def test_probe_finds_talker_codes_and_audio_equal_alone_and_batched(capsys):
         ("talker", True, True), ("code2wav", True, True)]
 
 
+def test_code2wav_locate_compares_every_module_row(capsys):
+    """bench/code2wav_locate at its smallest (2 utterances, 3 frames): both passes find the target's
+    rows equal in the mode; in the default mode the eager pass names the first frame and module
+    whose row moved."""
+    from voxpipe.bench import code2wav_locate
+    from voxpipe.bench.determinism_check import build_engine
+    from voxpipe.cli import default_model_dir
+
+    assert code2wav_locate.main(["--concurrency", "2", "--frames", "3"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines() if x.startswith("{")]
+    assert [(r["pass"], r["equal"]) for r in lines] == [("eager", True), ("graphs", True)]
+    engine = build_engine("code2wav", ["--model", str(default_model_dir()), "--device", "cpu", "--max-batch", "4"])
+    target = code2wav_locate._codes(engine, 0, 2)
+    batch = [code2wav_locate._codes(engine, k, 2) for k in (1, 2, 3)]
+    batch.insert(2, target)
+    diff = code2wav_locate.first_module_difference(code2wav_locate.eager_rows(engine, [target], 0),
+                                                   code2wav_locate.eager_rows(engine, batch, 2))
+    assert diff is not None and diff["frame"] == 0 and diff["module"].startswith("pre_transformer.")
+
+
 def test_paged_views_give_a_query_row_one_computation():
     """The CPU's path of every paged view in the mode (determinism.attention over the blocks): a
     row's bits alike in a whole prefill, packed segments from a cached prefix, an extend and decode

@@ -424,6 +424,62 @@ def test_code2wav_poisoned_state_fails_alone(code2wav_engine):
     asyncio.run(run())
 
 
+def _stream(engine, arrivals: dict[int, list[tuple]]) -> None:
+    """Tick by tick: arrivals[tick] as (job, codes [n, Q] or None, end, submit) -- submit the job, add
+    its codes, end its frames -- then one engine step if it has work; until the last tick has passed and
+    no work is left."""
+    tick, last = 0, max(arrivals)
+    while tick <= last or engine.has_work():
+        for job, codes, end, submit in arrivals.get(tick, ()):
+            if submit:
+                engine.submit(job)
+            if codes is not None:
+                engine.add_frames(job, codes)
+            if end:
+                engine.end_frames(job)
+        if engine.has_work():
+            engine.step()
+        tick += 1
+
+
+def test_code2wav_streamed_arrivals_do_not_change_an_utterance(code2wav_engine):
+    """In --deterministic a request's samples are a function of its codes alone: the target (9 frames,
+    chunks of 2 after a first chunk of 1) given at once and decoded alone equals, bit for bit, the
+    target streamed 1-4 frames at a time inside a batch of 4 whose others arrive at other ticks (one
+    at once, one 2 frames a tick, one joining late) and end at other times."""
+    engine = code2wav_engine
+    q, size = engine.cfg.num_quantizers, engine.cfg.codebook_size
+    codes = [torch.randint(0, size, (n, q), generator=torch.Generator().manual_seed(40 + s))
+             for s, n in enumerate((9, 6, 8, 5))]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+
+        def target(rid: str):
+            job = _code2wav_job(engine, loop, rid)
+            job.chunk_frames = 2
+            return job
+
+        alone = target("alone")
+        _stream(engine, {0: [(alone, codes[0], True, True)]})
+        t, a, b, c = target("target"), *(_code2wav_job(engine, loop, r) for r in ("a", "b", "c"))
+        _stream(engine, {0: [(t, codes[0][:1], False, True), (a, codes[1], True, True), (b, codes[2][:2], False, True)],
+                         1: [(b, codes[2][2:4], False, False)],
+                         2: [(t, codes[0][1:4], False, False), (b, codes[2][4:6], False, False)],
+                         3: [(t, codes[0][4:5], False, False), (b, codes[2][6:], True, False)],
+                         4: [(c, codes[3], True, True)],
+                         6: [(t, codes[0][5:], True, False)]})
+        want = await _audio(alone)
+        assert want.shape[0] == 1920 * 9 - 555
+        for job in (a, b, c):
+            await _audio(job)
+        got = await _audio(t)
+        assert got.shape == want.shape and got.tobytes() == want.tobytes()
+        assert engine.runner.store.free_slots == 4
+
+    asyncio.run(run())
+
+
 # ---------------------------------------------------------------------------------------------- real services
 
 
