@@ -11,8 +11,6 @@ Contract (`reference`):
     start: [N] int64, sequence n's new tokens sit at positions start[n] .. start[n] + S - 1 (their
         keys already written); query s attends to positions 0 .. start[n] + s (causal)
     kv_bound: int >= max(start) + S, static: how far any row may reach (sets the split grid)
-    length: optional [N] int64, row n's real new tokens (<= S): its queries past them are a
-        right-padded batch's padding, computed as nothing (their outputs are 0)
     returns out [N, Hq, S, D], dtype of q. Query head h reads KV head h // (Hq / Hkv).
 The kernel computes scores, softmax and the weighted sum in float32 (q.k as a 16-bit dot with a
 float32 accumulator; p.v with float32 inputs up to PV_FP32_MAX_S new tokens, past that with p
@@ -54,7 +52,7 @@ PV_FP32_MAX_S = 16    # up to this many new tokens p.v runs with float32 inputs;
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-              start: torch.Tensor, kv_bound: int, scale: float, length: torch.Tensor | None = None) -> torch.Tensor:
+              start: torch.Tensor, kv_bound: int, scale: float) -> torch.Tensor:
     n, hq, s, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     nb = -(-kv_bound // bs)
@@ -70,10 +68,8 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     rep = hq // hkv
     qg = q.reshape(n, hkv, rep * s, d)
     mask = mask[:, None, None].expand(n, 1, rep, s, kv_bound).reshape(n, 1, rep * s, kv_bound)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale).reshape(n, hq, s, d)
-    if length is not None:
-        out = out.masked_fill((torch.arange(s, device=q.device)[None, :] >= length[:, None])[:, None, :, None], 0)
-    return out
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(n, hq, s, d)
 
 
 def eligible(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -92,10 +88,10 @@ def eligible(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tabl
 
 
 def run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
-        kv_bound: int, scale: float, split: int | None = None, length: torch.Tensor | None = None) -> torch.Tensor:
-    if eligible(q, k_cache, v_cache, tables, start) and (length is None or length.dtype == torch.long):
-        return kernel(q, k_cache, v_cache, tables, start, kv_bound, scale, split, length=length)
-    return reference(q, k_cache, v_cache, tables, start, kv_bound, scale, length)
+        kv_bound: int, scale: float, split: int | None = None) -> torch.Tensor:
+    if eligible(q, k_cache, v_cache, tables, start):
+        return kernel(q, k_cache, v_cache, tables, start, kv_bound, scale, split)
+    return reference(q, k_cache, v_cache, tables, start, kv_bound, scale)
 
 
 def _split_len(programs: int, partial_row_bytes: int, kv_bound: int, split: int | None,
@@ -117,13 +113,11 @@ def _split_len(programs: int, partial_row_bytes: int, kv_bound: int, split: int 
 def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
            kv_bound: int, scale: float, split: int | None = None, pv_fp32: bool | None = None,
            block_r: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4,
-           num_stages: int | None = None, length: torch.Tensor | None = None) -> torch.Tensor:
+           num_stages: int | None = None) -> torch.Tensor:
     """Triton; assumes `eligible(...)`. `pv_fp32`: p.v with float32 inputs whatever S (None: up to
     PV_FP32_MAX_S new tokens). `block_r`: query rows per program (16, 32, 64 or 128; None: by Hq / Hkv
     * S). `block_n` (key positions per inner tile), `num_warps`, `num_stages`: the launch's tiling
-    (bench/paged_tune.py sweeps them); none changes what a row computes beyond its sums' tiling.
-    `length` [N] int64: the rows' real new tokens (the padding's queries are skipped, their outputs 0;
-    a real query's bits are those it gets without `length`)."""
+    (bench/paged_tune.py sweeps them); none changes what a row computes beyond its sums' tiling."""
     n, hq, s, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     rep = hq // hkv
@@ -139,18 +133,15 @@ def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
         m_part = torch.empty(n, hq * s, splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc = torch.empty(n, hq * s, splits, d, dtype=torch.float32, device=q.device)
-    has_len = length is not None
-    lens = length if has_len else start
     with device_of(q):
         _partial[(n * row_tiles, hkv, splits)](
-            q, k_cache, v_cache, tables, start, lens, out, m_part, l_part, acc,
+            q, k_cache, v_cache, tables, start, out, m_part, l_part, acc,
             q.stride(0), q.stride(1), q.stride(2), tables.stride(0), splits, split_len, row_tiles, scale,
-            S=s, HQ=hq, HKV=hkv, BS=bs, D=d, BLOCK_R=block_r, BLOCK_N=block_n, DIRECT=splits == 1, HAS_LEN=has_len,
+            S=s, HQ=hq, HKV=hkv, BS=bs, D=d, BLOCK_R=block_r, BLOCK_N=block_n, DIRECT=splits == 1,
             PV_FP32=q.dtype == torch.float32 or (s <= PV_FP32_MAX_S if pv_fp32 is None else pv_fp32),
             EMULATE=INTERPRET, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
         if splits > 1:
-            _merge[(n, hq * s)](m_part, l_part, acc, out, start, lens, splits, split_len, S=s, D=d, HAS_LEN=has_len,
-                                num_warps=4)
+            _merge[(n, hq * s)](m_part, l_part, acc, out, start, splits, split_len, S=s, D=d, num_warps=4)
     return out
 
 
@@ -158,11 +149,11 @@ if triton is not None:
     # S (new tokens a row) and the grid's integers are plain arguments, never specialised: a prompt
     # of a new length must not compile a kernel on the request path (~0.7 s on the H200 each time)
     @triton.jit(do_not_specialize=["q_sn", "q_sh", "tab_sn", "splits", "split_len", "row_tiles", "S"])
-    def _partial(q_ptr, kc_ptr, vc_ptr, tab_ptr, start_ptr, len_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    def _partial(q_ptr, kc_ptr, vc_ptr, tab_ptr, start_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                  q_sn, q_sh, q_ss, tab_sn, splits, split_len, row_tiles, scale,
                  S, HQ: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, HAS_LEN: tl.constexpr,
-                 PV_FP32: tl.constexpr, EMULATE: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PV_FP32: tl.constexpr,
+                 EMULATE: tl.constexpr):
         pid = tl.program_id(0)
         nrow = (pid // row_tiles).to(tl.int64)
         tile = pid % row_tiles
@@ -179,14 +170,11 @@ if triton is not None:
         tok = rr % S
         first = tl.load(start_ptr + nrow).to(tl.int32)
         q_pos = first + tok                                                    # [R]
-        real = row_ok
-        if HAS_LEN:     # a right-padded row's padding queries: no work, output 0
-            real = row_ok & (tok < tl.load(len_ptr + nrow).to(tl.int32))
-        reach = tl.max(tl.where(real, q_pos + 1, 0))                           # positions any real row sees
+        reach = tl.max(tl.where(row_ok, q_pos, 0)) + 1                         # positions any row sees
         lo = sp * split_len
         hi = tl.minimum(lo + split_len, reach)
         q = tl.load(q_ptr + nrow * q_sn + head[:, None] * q_sh + tok[:, None] * q_ss + d[None, :],
-                    mask=real[:, None], other=0.0)
+                    mask=row_ok[:, None], other=0.0)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
@@ -204,7 +192,7 @@ if triton is not None:
             else:
                 sc = tl.dot(q, tl.trans(keys))
             sc = sc * scale
-            allowed = ok[None, :] & (pos[None, :] <= q_pos[:, None]) & real[:, None]
+            allowed = ok[None, :] & (pos[None, :] <= q_pos[:, None])
             sc = tl.where(allowed, sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, axis=1))
             # rows with nothing allowed yet keep m = -inf: shift by 0 there (their p are all 0)
@@ -233,8 +221,7 @@ if triton is not None:
             tl.store(acc_ptr + (prow * splits + sp)[:, None] * D + d[None, :], acc, mask=keep[:, None])
 
     @triton.jit(do_not_specialize=["splits", "split_len", "S"])
-    def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, start_ptr, len_ptr, splits, split_len, S, D: tl.constexpr,
-               HAS_LEN: tl.constexpr):
+    def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, start_ptr, splits, split_len, S, D: tl.constexpr):
         """One (sequence, head x token) row: its splits merged in order, up to the last one it reaches."""
         nrow = tl.program_id(0).to(tl.int64)
         hr = tl.program_id(1)
@@ -244,8 +231,6 @@ if triton is not None:
         tok = hr % S
         reach = tl.load(start_ptr + nrow).to(tl.int32) + tok + 1
         used = tl.minimum((reach + split_len - 1) // split_len, splits)
-        if HAS_LEN:     # a padding query: no split holds it, its output is 0
-            used = tl.where(tok < tl.load(len_ptr + nrow).to(tl.int32), used, 0)
         m = tl.full([D], float("-inf"), tl.float32)     # the same value in every lane (typed loop state)
         l = tl.zeros([D], tl.float32)
         acc = tl.zeros([D], tl.float32)

@@ -45,12 +45,11 @@ INVARIANT_BLOCK_R = 16
 
 
 def _kernel(cache: "PagedKVCache", q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
-            start: torch.Tensor, bound: int, scale: float, length: torch.Tensor | None = None) -> torch.Tensor:
-    """`length` [N]: right-padded rows' real new tokens (the padding's queries cost nothing)."""
+            start: torch.Tensor, bound: int, scale: float) -> torch.Tensor:
     if determinism.in_scope():
         return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, INVARIANT_SPLIT, pv_fp32=True,
-                                              block_r=INVARIANT_BLOCK_R, length=length)
-    return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, cache.split, length=length)
+                                              block_r=INVARIANT_BLOCK_R)
+    return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, cache.split)
 
 
 def _gathered(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
@@ -248,7 +247,7 @@ class _PagedExtend:
     def __init__(self, cache: PagedKVCache, tables: torch.Tensor, start: torch.Tensor, length: torch.Tensor, s: int,
                  kv_bound: int) -> None:
         bs, width = cache.block_size, tables.shape[1]
-        self.cache, self.tables, self.start, self.length, self.kv_bound = cache, tables, start, length, kv_bound
+        self.cache, self.tables, self.start, self.kv_bound = cache, tables, start, kv_bound
         step = torch.arange(s, device=start.device)
         pos = start[:, None] + step[None, :]                                              # [B, S]
         col = pos // bs
@@ -261,7 +260,7 @@ class _PagedExtend:
         self.cache.write(layer, self.blocks, self.offsets, k.transpose(1, 2), v.transpose(1, 2))
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if kernels.paged_attention.eligible(q, kc, vc, self.tables, self.start):
-            return _kernel(self.cache, q, kc, vc, self.tables, self.start, self.kv_bound, scale, self.length)
+            return _kernel(self.cache, q, kc, vc, self.tables, self.start, self.kv_bound, scale)
         # eager (no graph): only as far as the rows reach
         bound = min(self.kv_bound, int(self.start.max()) + q.shape[2])
         return _gathered(q, kc, vc, self.tables, self.start, bound, scale)
