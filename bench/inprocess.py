@@ -44,7 +44,8 @@ class InProcessPipeline:
             extra = list((stage_argv or {}).get(stage, []))
             if devices and stage in devices:
                 extra += ["--device", devices[stage]]
-            args[stage] = parser.parse_args([stage, *argv, *extra])
+            # it serves nothing: port 0, so no default port is checked (a host's other voxpipe keeps it)
+            args[stage] = parser.parse_args([stage, "--port", "0", *argv, *extra])
         return cls(args)
 
     def close(self) -> None:

@@ -68,7 +68,7 @@ def thinker_engine(model_dir, *flags: str):
     compared here is the audio encoder cache alone, bit for bit."""
     from voxpipe.services.thinker.runner import AudioRowCache
 
-    ns = build_parser().parse_args(["thinker", "--model", str(model_dir), "--device", "cpu", "--max-batch", "4",
+    ns = build_parser().parse_args(["thinker", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--max-batch", "4",
                                     *flags])
     engine = thinker_server.build(ns)[0].engine
     engine.runner.audio_rows = AudioRowCache(0)

@@ -47,7 +47,7 @@ def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
     def audio(offset: int, n: int) -> AudioOut:
         return AudioOut(offset, np.linspace(-1.2, 1.2, n, dtype=np.float32) * (offset % 5) / 4)
 
-    ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
+    ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-batch", "2"])
     servicer = code2wav_server.build(ns)
     echo = FramesOut(0, torch.ones(2, 16, dtype=torch.uint16))
     items = (audio(0, 10), audio(10, 5), audio(15, 7), audio(40, 3), echo, audio(43, 2), Finished(FinishReason.STOP))
@@ -69,7 +69,7 @@ def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
         assert torch.equal(from_proto(sent[2].frames.codes), echo.codes)
         assert sent[4].finished.reason == pb.STOP
 
-    ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
+    ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-batch", "2"])
     talker = talker_server.build(ns)
     a, b = ((torch.arange(16 * n).view(n, 16) + k).to(torch.uint16) for n, k in ((1, 0), (2, 100)))
     frames = [FramesOut(0, a), FramesOut(1, b)]
@@ -85,7 +85,7 @@ def test_waiting_outputs_travel_as_one_message(tiny_model_dir):
     from voxpipe.services.thinker import server as thinker_server
     from voxpipe.services.thinker.job import ThinkerJob
 
-    ns = build_parser().parse_args(["thinker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
+    ns = build_parser().parse_args(["thinker", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-batch", "2"])
     thinker, _ = thinker_server.build(ns)
     rows = torch.randn(3, 8).to(torch.bfloat16)
     job = ThinkerJob(request_id="t", outbox=None)

@@ -207,7 +207,7 @@ def test_code2wav_frame_rounds_equal_whole_utterance_decode(tiny_model_dir):
     from voxpipe.services.runtime.engine import Outbox
     from voxpipe.services.runtime.outputs import AudioOut
 
-    ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"])
+    ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-batch", "4"])
     engine = code2wav_server.build(ns).engine
     q = engine.cfg.num_quantizers
     gen = torch.Generator().manual_seed(0)
@@ -261,7 +261,7 @@ def test_code2wav_due_chunk_drains_over_capped_steps(tiny_model_dir):
     from voxpipe.services.code2wav.scheduler import MAX_FRAMES_PER_STEP
     from voxpipe.services.runtime.engine import Outbox
 
-    ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "2"])
+    ns = build_parser().parse_args(["code2wav", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-batch", "2"])
     engine = code2wav_server.build(ns).engine
     q = engine.cfg.num_quantizers
     assert MAX_FRAMES_PER_STEP == 4
@@ -297,7 +297,7 @@ def test_talker_prefill_batch_respects_the_padded_row_budget(tiny_model_dir):
     from voxpipe.services.talker.engine import TalkerJob
     from voxpipe.services.talker.scheduler import PROMPT_TAIL
 
-    ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "8"])
+    ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-batch", "8"])
     engine = talker_server.build(ns).engine
     engine.scheduler.prefill_tokens = 3 * (40 + PROMPT_TAIL)
     h = engine.cfg.thinker_hidden_size

@@ -159,7 +159,7 @@ def test_paged_decode_and_packed_views_equal_dense_attention():
 def _engine(model_dir, *flags: str):
     from voxpipe.services.thinker import server as thinker_server
 
-    ns = build_parser().parse_args(["thinker", "--model", str(model_dir), "--device", "cpu", "--max-batch", "4", *flags])
+    ns = build_parser().parse_args(["thinker", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--max-batch", "4", *flags])
     return thinker_server.build(ns)[0].engine
 
 

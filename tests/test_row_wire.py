@@ -124,7 +124,7 @@ def _rows_msg(table: torch.Tensor, ids: list[int], as_ids: bool, more: bool = Tr
 
 @pytest.fixture(scope="module")
 def talker(tiny_model_dir, loop):
-    ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--max-batch", "4"])
+    ns = build_parser().parse_args(["talker", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0", "--max-batch", "4"])
     return talker_server.build(ns)
 
 
