@@ -235,6 +235,84 @@ def start_chain(model_dir, *, talkers: int = 1, code2wav_port: int | None = None
     return procs.wait_ready()
 
 
+# ---------------------------------------------------------------- CPU-heavy jobs started at collection
+
+class BackgroundRun:
+    """A self-contained subprocess started before the tests run, at nice 19, so that it takes the CPU the
+    I/O-bound tests leave idle: a test module names it in BACKGROUND = {fixture name: factory}, the
+    factory (no arguments) returns a dict of BackgroundRun (or None: nothing to start); it is started
+    once the session's tests are collected, when a selected test uses that fixture, and the fixture
+    collects it (`background`). Output goes to files (no pipe to fill); its process group is killed at
+    the end of the session if nobody collected it."""
+
+    def __init__(self, args: list[str], *, env: dict | None = None, cwd=None) -> None:
+        import subprocess
+        import tempfile
+
+        self.args = args
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=self._out, stderr=self._err, text=True,
+                                     start_new_session=True, preexec_fn=lambda: os.nice(19))
+
+    def result(self, timeout: float) -> "subprocess.CompletedProcess":
+        """The finished process, as subprocess.run(capture_output=True, text=True, timeout=timeout) returns
+        it; `timeout` counts from now (once the tests that need it wait, the job runs at normal priority
+        where the user may raise it again: root, as in CI)."""
+        import subprocess
+
+        try:
+            os.setpriority(os.PRIO_PGRP, self.proc.pid, 0)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise subprocess.TimeoutExpired(self.args, timeout, *self._read()) from None
+        return subprocess.CompletedProcess(self.args, self.proc.returncode, *self._read())
+
+    def _read(self) -> tuple[str, str]:
+        for f in (self._out, self._err):
+            f.flush()
+            f.seek(0)
+        return self._out.read(), self._err.read()
+
+    def kill(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+_BACKGROUND: dict[str, dict[str, BackgroundRun]] = {}
+
+
+def pytest_collection_finish(session) -> None:
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        for name, factory in getattr(getattr(item, "module", None), "BACKGROUND", {}).items():
+            if name in item.fixturenames and name not in _BACKGROUND:
+                _BACKGROUND[name] = factory()
+
+
+def pytest_sessionfinish(session) -> None:
+    for runs in _BACKGROUND.values():
+        for run in (runs or {}).values():
+            run.kill()
+
+
+def background(name: str, factory) -> dict[str, BackgroundRun] | None:
+    """The runs started for fixture `name` at collection (started now if they were not)."""
+    if name not in _BACKGROUND:
+        _BACKGROUND[name] = factory()
+    return _BACKGROUND[name]
+
+
 # ---------------------------------------------------------------- Node.js clients (npm packages pinned in tests/node*)
 
 def install_node_package(tmp_path_factory, folder: str, *files: str):
