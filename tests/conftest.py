@@ -239,11 +239,14 @@ def start_chain(model_dir, *, talkers: int = 1, code2wav_port: int | None = None
 
 class BackgroundRun:
     """A self-contained subprocess started before the tests run, at nice 19, so that it takes the CPU the
-    I/O-bound tests leave idle: a test module names it in BACKGROUND = {fixture name: factory}, the
-    factory (no arguments) returns a dict of BackgroundRun (or None: nothing to start); it is started
-    once the session's tests are collected, when a selected test uses that fixture, and the fixture
-    collects it (`background`). Output goes to files (no pipe to fill); its process group is killed at
-    the end of the session if nobody collected it."""
+    I/O-bound tests leave idle. A test module names its jobs in BACKGROUND = {fixture name: factory}:
+    the factory (no arguments) starts its BackgroundRuns and returns what the fixture needs; it is called
+    once the session's tests are collected, when a selected test uses that fixture (an exception it
+    raises is raised again where the fixture asks for it), and the fixture collects it (`background`).
+    Output goes to files (no pipe to fill); a run nobody collected has its process group killed at the
+    end of the session."""
+
+    started: list["BackgroundRun"] = []
 
     def __init__(self, args: list[str], *, env: dict | None = None, cwd=None) -> None:
         import subprocess
@@ -253,6 +256,7 @@ class BackgroundRun:
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=self._out, stderr=self._err, text=True,
                                      start_new_session=True, preexec_fn=lambda: os.nice(19))
+        BackgroundRun.started.append(self)
 
     def result(self, timeout: float) -> "subprocess.CompletedProcess":
         """The finished process, as subprocess.run(capture_output=True, text=True, timeout=timeout) returns
@@ -288,7 +292,14 @@ class BackgroundRun:
             self.proc.wait()
 
 
-_BACKGROUND: dict[str, dict[str, BackgroundRun]] = {}
+_BACKGROUND: dict[str, tuple] = {}     # fixture name: (what its factory returned, what it raised)
+
+
+def _start_background(factory) -> tuple:
+    try:
+        return factory(), None
+    except Exception as e:
+        return None, e
 
 
 def pytest_collection_finish(session) -> None:
@@ -297,20 +308,22 @@ def pytest_collection_finish(session) -> None:
     for item in session.items:
         for name, factory in getattr(getattr(item, "module", None), "BACKGROUND", {}).items():
             if name in item.fixturenames and name not in _BACKGROUND:
-                _BACKGROUND[name] = factory()
+                _BACKGROUND[name] = _start_background(factory)
 
 
 def pytest_sessionfinish(session) -> None:
-    for runs in _BACKGROUND.values():
-        for run in (runs or {}).values():
-            run.kill()
+    for run in BackgroundRun.started:
+        run.kill()
 
 
-def background(name: str, factory) -> dict[str, BackgroundRun] | None:
-    """The runs started for fixture `name` at collection (started now if they were not)."""
+def background(name: str, factory):
+    """What `factory` returned when the session's tests were collected (called now if it was not)."""
     if name not in _BACKGROUND:
-        _BACKGROUND[name] = factory()
-    return _BACKGROUND[name]
+        _BACKGROUND[name] = _start_background(factory)
+    started, error = _BACKGROUND[name]
+    if error is not None:
+        raise error
+    return started
 
 
 # ---------------------------------------------------------------- Node.js clients (npm packages pinned in tests/node*)
