@@ -244,7 +244,8 @@ class BackgroundRun:
     once the session's tests are collected, when a selected test uses that fixture (an exception it
     raises is raised again where the fixture asks for it), and the fixture collects it (`background`).
     Output goes to files (no pipe to fill); a run nobody collected has its process group killed at the
-    end of the session."""
+    end of the session. A process group, not a session: the kernel's autogroup scheduling would give a
+    session of its own an equal share of the CPU, whatever its nice value."""
 
     started: list["BackgroundRun"] = []
 
@@ -255,7 +256,7 @@ class BackgroundRun:
         self.args = args
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=self._out, stderr=self._err, text=True,
-                                     start_new_session=True, preexec_fn=lambda: os.nice(19))
+                                     process_group=0, preexec_fn=lambda: os.nice(19))
         BackgroundRun.started.append(self)
 
     def result(self, timeout: float) -> "subprocess.CompletedProcess":
