@@ -235,6 +235,98 @@ def start_chain(model_dir, *, talkers: int = 1, code2wav_port: int | None = None
     return procs.wait_ready()
 
 
+# ---------------------------------------------------------------- CPU-heavy jobs started at collection
+
+class BackgroundRun:
+    """A self-contained subprocess started before the tests run, at nice 19, so that it takes the CPU the
+    I/O-bound tests leave idle. A test module names its jobs in BACKGROUND = {fixture name: factory}:
+    the factory (no arguments) starts its BackgroundRuns and returns what the fixture needs; it is called
+    once the session's tests are collected, when a selected test uses that fixture (an exception it
+    raises is raised again where the fixture asks for it), and the fixture collects it (`background`).
+    Output goes to files (no pipe to fill); a run nobody collected has its process group killed at the
+    end of the session. A process group, not a session: the kernel's autogroup scheduling would give a
+    session of its own an equal share of the CPU, whatever its nice value."""
+
+    started: list["BackgroundRun"] = []
+
+    def __init__(self, args: list[str], *, env: dict | None = None, cwd=None) -> None:
+        import subprocess
+        import tempfile
+
+        self.args = args
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=self._out, stderr=self._err, text=True,
+                                     process_group=0, preexec_fn=lambda: os.nice(19))
+        BackgroundRun.started.append(self)
+
+    def result(self, timeout: float) -> "subprocess.CompletedProcess":
+        """The finished process, as subprocess.run(capture_output=True, text=True, timeout=timeout) returns
+        it; `timeout` counts from now (once the tests that need it wait, the job runs at normal priority
+        where the user may raise it again: root, as in CI)."""
+        import subprocess
+
+        try:
+            os.setpriority(os.PRIO_PGRP, self.proc.pid, 0)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise subprocess.TimeoutExpired(self.args, timeout, *self._read()) from None
+        return subprocess.CompletedProcess(self.args, self.proc.returncode, *self._read())
+
+    def _read(self) -> tuple[str, str]:
+        for f in (self._out, self._err):
+            f.flush()
+            f.seek(0)
+        return self._out.read(), self._err.read()
+
+    def kill(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+_BACKGROUND: dict[str, tuple] = {}     # fixture name: (what its factory returned, what it raised)
+
+
+def _start_background(factory) -> tuple:
+    try:
+        return factory(), None
+    except Exception as e:
+        return None, e
+
+
+def pytest_collection_finish(session) -> None:
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        for name, factory in getattr(getattr(item, "module", None), "BACKGROUND", {}).items():
+            if name in item.fixturenames and name not in _BACKGROUND:
+                _BACKGROUND[name] = _start_background(factory)
+
+
+def pytest_sessionfinish(session) -> None:
+    for run in BackgroundRun.started:
+        run.kill()
+
+
+def background(name: str, factory):
+    """What `factory` returned when the session's tests were collected (called now if it was not)."""
+    if name not in _BACKGROUND:
+        _BACKGROUND[name] = _start_background(factory)
+    started, error = _BACKGROUND[name]
+    if error is not None:
+        raise error
+    return started
+
+
 # ---------------------------------------------------------------- Node.js clients (npm packages pinned in tests/node*)
 
 def install_node_package(tmp_path_factory, folder: str, *files: str):

@@ -1029,22 +1029,32 @@ INTERPRETER_GROUPS = (("layers", "attention", "rope", "sampling", "rmsnorm", "gl
                       ("experts", "paged_attention", "moe", "sample", "invariant", "snakebeta", "invariant_convs"))
 
 
+def interpreter_runs() -> dict | None:
+    """INTERPRETER_GROUPS' subprocesses (none without Triton), started in the background
+    (conftest.BackgroundRun) once the session's tests are collected: they need nothing from the
+    tests that run before them."""
+    from conftest import BackgroundRun
+
+    if not TRITON:
+        return None
+    env = dict(os.environ, TRITON_INTERPRET="1", VOXPIPE_KERNELS="1")
+    return {group: BackgroundRun([sys.executable, str(Path(__file__).resolve()), *group], env=env)
+            for group in INTERPRETER_GROUPS}
+
+
+BACKGROUND = {"interpreted": interpreter_runs}
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, tuple[subprocess.CompletedProcess, list[dict]]]:
     """Every kernel's checks under Triton's interpreter, in INTERPRETER_GROUPS' subprocesses (torch and
     Triton imported once a process, not once a kernel): each kernel's records and its process; a
     check that raises is a failed record."""
-    from concurrent.futures import ThreadPoolExecutor
+    from conftest import background
 
     assert sorted(k for group in INTERPRETER_GROUPS for k in group) == sorted(KERNELS)
-    env = dict(os.environ, TRITON_INTERPRET="1", VOXPIPE_KERNELS="1")
-
-    def run(group: tuple[str, ...]) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(Path(__file__).resolve()), *group], env=env,
-                              capture_output=True, text=True, timeout=900)
-
-    with ThreadPoolExecutor(len(INTERPRETER_GROUPS)) as pool:
-        procs = list(pool.map(run, INTERPRETER_GROUPS))
+    runs = background("interpreted", interpreter_runs)
+    procs = [runs[group].result(timeout=900) for group in INTERPRETER_GROUPS]
     out = {k: (proc, []) for group, proc in zip(INTERPRETER_GROUPS, procs) for k in group}
     for proc in procs:
         for line in proc.stdout.splitlines():
