@@ -30,18 +30,21 @@ def _codes(engine, k: int, frames: int) -> torch.Tensor:
 
 
 def eager_rows(engine, codes: list[torch.Tensor], row: int) -> list[list[tuple[str, bytes, torch.Tensor]]]:
-    """Per frame, every hooked module call's output row `row` of the batch `codes` (one [F, Q] per
+    """Per frame, every hooked module call's input and output row `row` of the batch `codes` (one [F, Q] per
     utterance), decoded one frame per call in fresh slots: [(module name, bytes, row)]."""
     runner, model = engine.runner, engine.runner.model
     b, dev = len(codes), engine.device
     record: list[tuple[str, bytes, torch.Tensor]] = []
 
     def hook(name):
-        def keep(_module, _inputs, out):
-            t = out[0] if isinstance(out, tuple) else out
-            if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == b:
-                r = t[row].detach().float().cpu()
-                record.append((name, r.numpy().tobytes(), r))
+        def keep(_module, inputs, out):
+            # the input first ("NAME input"), then the output: a module whose input already differs did
+            # not make the difference (e.g. o_proj's input is the attention's output, which no module returns)
+            for label, t in ((f"{name} input", inputs[0] if inputs else None),
+                             (name, out[0] if isinstance(out, tuple) else out)):
+                if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == b and t.is_floating_point():
+                    r = t[row].detach().float().cpu()
+                    record.append((label, r.numpy().tobytes(), r))
         return keep
 
     handles = [m.register_forward_hook(hook(name)) for name, m in model.named_modules() if name]
