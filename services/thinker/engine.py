@@ -211,7 +211,8 @@ class ThinkerEngine(StageEngine):
             for i in catching:
                 jobs[i].ahead -= 1
             if catching:
-                kept = [i for i, job in enumerate(jobs) if i not in set(catching)]
+                skip = set(catching)
+                kept = [i for i in range(len(jobs)) if i not in skip]
                 jobs, logits = [jobs[i] for i in kept], logits[torch.tensor(kept, dtype=torch.long, device=logits.device)]
             if jobs:
                 outs.append((jobs, logits))
