@@ -76,6 +76,22 @@ def test_graphed_step_pads_and_buckets(n):
     assert torch.equal(out, x.sum(-1) + torch.arange(n))
 
 
+def test_fine_buckets_pad_by_less_than_a_step_of_the_octave():
+    """The extend graphs' buckets: a 258-token turn replays the 320 bucket (powers of two: 512),
+    every length up to the limit fits one, and no replay pads by a quarter of its bucket or more
+    past the first steps."""
+    b = cuda_graphs.fine_buckets(512, 32)
+    assert b == [32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert cuda_graphs.fine_buckets(8, 1, 2) == [1, 2, 3, 4, 6, 8]
+    assert cuda_graphs.fine_buckets(40, 32) == [32, 40] and cuda_graphs.fine_buckets(16, 16) == [16]
+    assert min(x for x in b if x >= 258) == 320
+    for n in range(129, 513):
+        fit = min(x for x in b if x >= n)
+        assert (fit - n) / fit < 0.2
+    step = cuda_graphs.GraphedStep(lambda nb, kb, x: (x[:, :kb].sum(-1),), (torch.zeros(1, 512),), [1], b, "test")
+    assert step.fits(1, 258) and not step.fits(1, 513)
+
+
 def test_padded_prefill_rows_write_only_the_scratch_block(tiny_model_dir, monkeypatch):
     """A graphed prefill of 3 prompts runs the 4-row bucket: the padding row and the positions past
     each prompt's blocks write the scratch block and no sequence's block (the null block stays zero),

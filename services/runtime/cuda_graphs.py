@@ -57,6 +57,23 @@ def buckets(limit: int, first: int = 1) -> list[int]:
     return out
 
 
+def fine_buckets(limit: int, first: int = 1, per_octave: int = 4) -> list[int]:
+    """Buckets with `per_octave` steps in each doubling, so that a replay pads by less than
+    1 / per_octave of what it holds: steps of `first` up to 2 * per_octave * first, then steps that
+    double with each octave (first 32: 32, 64, ..., 256, 320, 384, 448, 512, 640, ...; first 1, two
+    per octave: 1, 2, 3, 4, 6, 8), up to and including `limit`. For steps whose cost grows with the
+    padding (a prompt's new tokens: every padding query attends the whole context), where powers of
+    two would pad a 258-token turn to 512."""
+    out, b, step = [], first, first
+    while b < limit:
+        out.append(b)
+        if b >= 2 * per_octave * step:
+            step *= 2
+        b += step
+    out.append(limit)
+    return out
+
+
 class GraphedStep:
     """`fn(n, kv_len, *inputs) -> tuple of tensors` captured for each n in `batch_sizes` and each
     kv_len in `kv_lens`. `inputs` are tensors whose first dimension is the batch; a call may pass

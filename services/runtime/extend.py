@@ -5,7 +5,8 @@ prompt's next chunk), one right-padded row each: the forward both runners' exten
 Row b carries length[b] new rows at positions start[b] .. start[b] + length[b] - 1 of its block
 table (`PagedKVCache.extend_view`); its positions past length[b] are padding (their keys go to the
 scratch block, their outputs are never read). Graphs: one per (rows bucket, new-rows bucket), the
-tables as wide as the context; a padding row has length 0 and the null table."""
+tables as wide as the context; a padding row has length 0 and the null table. The buckets are
+finer than powers of two (`fine_buckets`): a padding query does as much work as a real one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cuda_graphs import GraphedStep, buckets, captured
+from .cuda_graphs import GraphedStep, captured, fine_buckets
 from .paged_kv import PagedKVCache
 
 
@@ -38,7 +39,8 @@ def capture_extend(name: str, fn: Callable[..., tuple[torch.Tensor, ...]], rows:
     return captured(name, lambda: GraphedStep(
         fn, (torch.zeros(rows, new_rows, hidden, dtype=dtype, device=dev), *index,
              torch.full((rows, width), cache.null, dtype=torch.long, device=dev)),
-        buckets(rows), buckets(new_rows, min(32, new_rows)), name, pad=(None, 0, 0, 0, cache.null)), eager_fallback)
+        fine_buckets(rows, 1, 2), fine_buckets(new_rows, min(32, new_rows)), name, pad=(None, 0, 0, 0, cache.null)),
+        eager_fallback)
 
 
 @dataclass
