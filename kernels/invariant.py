@@ -299,7 +299,11 @@ if triton is not None:
             else:
                 tl.store(out_ptr + pair[:, None] * n + cols[None, :], round_to(acc, dtype), mask=ok)
 
-    @triton.jit(do_not_specialize=["s", "length"])
+    # the batch's own integers never specialise the compiled kernel: the mask's batch stride is 0 for
+    # one sequence (a broadcast mask) and S * L for several, and a stride's divisibility can change
+    # the layouts Triton picks -- and with them a row's reduction order (code2wav's window attention
+    # alone and inside a batch differed in the last bit on the H200, bench/code2wav_locate.py)
+    @triton.jit(do_not_specialize=["s", "length", "qs0", "ks0", "vs0", "ms0", "ms2", "ms3"])
     def _attention(q_ptr, k_ptr, v_ptr, m_ptr, out_ptr, s, length, scale, qs0, qs1, qs2, ks0, ks1, ks2,
                    vs0, vs1, vs2, ms0, ms2, ms3, HQ: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
                    HAS_MASK: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr):

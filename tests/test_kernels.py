@@ -917,6 +917,22 @@ def invariant_convs() -> dict[str, torch.nn.Module]:
     return {name: determinism.apply(c.requires_grad_(False)) for name, c in convs.items()}
 
 
+def _tf32_conv_record(name: str, conv, base, x: torch.Tensor, got: torch.Tensor) -> dict:
+    """A float32 convolution through TF32 operands: within TF32's rounding of both operands (2^-11
+    relative each) of the float64 result, per output, bounded by the conv of |x| and |w|."""
+    import copy
+
+    c64 = copy.deepcopy(conv).double()
+    want = base.forward(c64, x.double())
+    c64.weight.abs_()
+    if c64.bias is not None:
+        c64.bias.zero_()
+    bound = base.forward(c64, x.double().abs()) * 2.0 ** -9 + 1e-6
+    err = (got.double() - want).abs()
+    return {"check": name, "kind": "tf32", "max_abs_err": float(err.max()),
+            "ok": got.dtype == torch.float32 and got.shape == want.shape and bool((err <= bound).all())}
+
+
 def check_invariant_convs(device: str) -> list[dict]:
     """`invariant_convs` on the kernel path: close to the plain convolution, and each sample's bits
     the same alone as inside a batch of 3 (and at another row)."""
@@ -933,7 +949,9 @@ def check_invariant_convs(device: str) -> list[dict]:
             want = base.forward(c, x)
             got = c(x)
             tag = f"invariant {name} {str(dt)[6:]}"
-            if dt == torch.float32:
+            if dt == torch.float32 and x.is_cuda and torch.backends.cudnn.allow_tf32 and c.groups == 1:
+                out.append(_tf32_conv_record(tag, c, base, x, got))     # the mode's convolutions take TF32 there
+            elif dt == torch.float32:
                 out.append(_fp32_record(tag, got, want))
             else:
                 w32 = conv.to(torch.float32)

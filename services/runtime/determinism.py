@@ -65,14 +65,15 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-x))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) [..., N] whose every row's bits depend only on that row."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tf32: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias) [..., N] whose every row's bits depend only on that row. `tf32`:
+    float32 operands through the tensor cores as TF32 (CUDA; still one fixed computation per row)."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if kernels.active(rows) and rows.stride(-1) != 1:      # a transposed view: the kernel reads rows
         rows = rows.contiguous()
     if kernels.active(rows) and kernels.invariant.eligible(rows, weight, bias):
-        out = kernels.invariant.matmul(rows, weight, bias)
+        out = kernels.invariant.matmul(rows, weight, bias, tf32=tf32)
     else:
         out = _blocked_linear(rows, weight, bias)
     return out.view(*shape[:-1], weight.shape[0])
@@ -92,7 +93,15 @@ class InvariantLinear(nn.Linear):
     """nn.Linear through `linear` (set by `apply` on a loaded module: same parameters)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, tf32=torch.backends.cuda.matmul.allow_tf32)
+
+
+def _conv_tf32() -> bool:
+    """Whether the mode's float32 convolutions take TF32: as the default mode's do (cuDNN's
+    `torch.backends.cudnn.allow_tf32`, on by default), so that the mode changes which bits a sample
+    gets from the batch but not the precision it is computed at. (Its float32 matmuls follow
+    `torch.backends.cuda.matmul.allow_tf32`, off by default: exact products.)"""
+    return torch.backends.cudnn.allow_tf32
 
 
 def _plain(conv: nn.Module) -> bool:
@@ -119,7 +128,8 @@ class InvariantConv1d(nn.Conv1d):
                 cols = x.unfold(2, span, 1)[..., ::d] if k > 1 else x[..., None]             # [B, Cin, L', K]
                 b, cin, length = cols.shape[:3]
                 rows = cols.permute(0, 2, 1, 3).reshape(b * length, cin * k)
-                out = linear(rows, self.weight.reshape(self.out_channels, cin * k), self.bias)  # [B * L', Cout]
+                out = linear(rows, self.weight.reshape(self.out_channels, cin * k), self.bias,  # [B * L', Cout]
+                             tf32=_conv_tf32())
                 return out.view(b, length, -1).transpose(1, 2).contiguous()
         return torch.cat([super(InvariantConv1d, self).forward(s) for s in x.split(1)])
 
@@ -170,7 +180,7 @@ class InvariantConvTranspose1d(nn.ConvTranspose1d):
             cols = F.pad(x, (m - 1, m - 1)).unfold(2, m, 1) if m > 1 else x[..., None]    # [B, Cin, L + m - 1, m]
             b, cin, blocks = cols.shape[:3]
             rows = cols.permute(0, 2, 1, 3).reshape(b * blocks, cin * m)
-            out = linear(rows, self.rows_weight, self.rows_bias)                           # [B * blocks, Cout * s]
+            out = linear(rows, self.rows_weight, self.rows_bias, tf32=_conv_tf32())          # [B * blocks, Cout * s]
             return out.view(b, blocks, self.out_channels, s).permute(0, 2, 1, 3).reshape(b, self.out_channels, -1)
         return torch.cat([super(InvariantConvTranspose1d, self).forward(s) for s in x.split(1)])
 
