@@ -24,6 +24,7 @@ from ..runtime.flags import PREFILL_CHUNK
 from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
 from ..runtime.engine import StageEngine, StageError, deliver_now
+from ..runtime.kv_cache import plan_chunks
 from ..runtime.outputs import Finished, FinishReason, TextOut
 from .grammar import Grammars
 from .job import ForcedReply, ThinkerJob
@@ -84,6 +85,13 @@ class ThinkerEngine(StageEngine):
                                     eos_ids=eos_ids, kv=kv, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
                                     audio_cache_bytes=audio_cache_bytes)
+        if self.runner.graphs is not None and device.type == "cuda":
+            # a cold long prompt's chunks attend through cuDNN, planned now rather than on first sight
+            t = cfg.text
+            planned = plan_chunks(prefill_chunk, max_len, t.num_heads, t.num_kv_heads, t.head_dim,
+                                  self.runner.tts_special.dtype, device)
+            log.info("thinker: cuDNN attention planned for %d long-prompt chunk shapes (%d tokens each)", planned,
+                     prefill_chunk)
         self.streams = TurnStreams(self)     # turns whose audio is streamed (streaming.py)
         self.talker_prompt_ids = talker_prompt_ids
 
