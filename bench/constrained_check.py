@@ -19,7 +19,10 @@ bench/RESULTS.md ("every constrained reply validates").
 instead times the first delta of streamed replies, one request at a time, the kinds interleaved:
 "plain" (no tools: the first content), "auto" (the tools in the prompt, tool_choice auto: the first
 content or tool_calls delta), "required" and "named" (the first `delta.tool_calls`: the call's head),
-each user message numbered (the tools' prefix stays cached, as for an agent). A first round (the
+each user message numbered (the tools' prefix stays cached, as for an agent), and "plain-1": the
+plain request with max_tokens 1, not streamed, whose whole time is its time to the first token
+(the plain kind's first content can come late where the reply is random bytes: full-size dummy
+weights). A first round (the
 grammars' compiles) is reported apart. Prints one JSON line: medians and p90 per kind, and the ratios
 of required / named to plain and to auto (issue #22: the first tool_calls delta within noise of
 plain TTFT)."""
@@ -147,6 +150,10 @@ async def check(base_url: str, n: int, concurrency: int, max_tokens: int) -> dic
 
 
 FIRST_DELTA_KINDS = ("plain", "auto", "required", "named")
+# "plain-1": the plain request with max_tokens 1, not streamed: the whole request's time is the time
+# to its first token, whatever that token's text is (with full-size dummy weights a plain reply is
+# random bytes: its first content may come late, as UTF-8 and the tool-markup hold-back wait)
+TTFT_KIND = "plain-1"
 
 
 def first_delta_request(kind: str, i: int, model: str) -> dict:
@@ -165,9 +172,17 @@ async def first_deltas(base_url: str, rounds: int) -> dict:
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
     model = (await client.models.list()).data[0].id
-    times: dict[str, list[float]] = {k: [] for k in FIRST_DELTA_KINDS}
+    times: dict[str, list[float]] = {k: [] for k in (*FIRST_DELTA_KINDS, TTFT_KIND)}
     first_round: dict[str, float | None] = {}
     for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        await client.chat.completions.create(**{**first_delta_request("plain", r, model), "stream": False,
+                                                "max_tokens": 1})
+        got = (time.perf_counter() - t0) * 1e3
+        if r == 0:
+            first_round[TTFT_KIND] = round(got, 1)
+        else:
+            times[TTFT_KIND].append(got)
         for kind in FIRST_DELTA_KINDS:
             t0 = time.perf_counter()
             got = None
@@ -191,8 +206,8 @@ async def first_deltas(base_url: str, rounds: int) -> dict:
                 "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 1) if xs else None}
     out = {k: stats(v) for k, v in times.items()}
     med = {k: v["median_ms"] for k, v in out.items()}
-    ratios = {f"{k}/{base}": round(med[k] / med[base], 3) for k in ("required", "named") for base in ("plain", "auto")
-              if med[k] and med[base]}
+    ratios = {f"{k}/{base}": round(med[k] / med[base], 3) for k in ("required", "named")
+              for base in ("plain", "auto", TTFT_KIND) if med[k] and med[base]}
     return {"first_delta": out, "ratios": ratios, "first_round_ms": first_round, "rounds": rounds}
 
 
