@@ -213,6 +213,8 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
     laid_out(model, dev)
     eng = ThinkerEngine(model, cfg.thinker, ChatMLByteTokenizer(cfg.thinker, cfg.role_ids), device=dev,
                         max_active=8, max_len=max(4096, length + 64), eos_ids=(cfg.thinker.tokens.im_end,))
+    from voxpipe.services.runtime import kv_cache
+    print(json.dumps({"stage": "thinker", "cudnn_planned_chunk_shapes": len(kv_cache._PLANNED)}), flush=True)
     gen = torch.Generator().manual_seed(0)
     for budget in budgets:
         eng.scheduler.prefill_chunk = budget
