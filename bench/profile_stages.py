@@ -12,7 +12,9 @@ Two more stages profile what a request's first token waits for in the thinker:
   the steps taken, and a kernel table of one packed step; and the attention of one 512-token chunk
   over 2,500 cached positions, masked SDPA against the flash path the packed chunks take.
 - `voice-in`: the shipped 5.7 s clip's features through the audio encoder, and the 139-token prompt's
-  prefill that keeps the talker's hidden layer, as a CUDA graph and eagerly."""
+  prefill that keeps the talker's hidden layer, as a CUDA graph and eagerly.
+- `conversation-turn`: a long conversation's next turn (a `--prompt-tokens` history cached, 258 new
+  tokens), timed from submission to its first token, and one profiled (kernel time against wall)."""
 
 from __future__ import annotations
 
@@ -336,6 +338,71 @@ def voice_in(cfg: OmniConfig, dev: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
+@torch.inference_mode()
+def conversation_turn(cfg: OmniConfig, dev: torch.device, context: int = 25779, new: int = 258) -> None:
+    """A long conversation's next turn at the thinker alone, as the conversation workload's turn 100
+    sends it: a `context`-token history prefilled once (its full blocks then cached), then turns of
+    the history plus `new` tokens, each timed from submission (admission, the prefix lookup) to its
+    first token, and one more profiled: its kernel time against its wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
+                        load_format="dummy")
+    laid_out(model, dev)
+    tok, vocab = cfg.thinker.tokens, cfg.thinker.text.vocab_size
+    eng = ThinkerEngine(model, cfg.thinker, ChatMLByteTokenizer(cfg.thinker, cfg.role_ids), device=dev,
+                        max_active=8, max_len=context + 8 * new + 64, eos_ids=(tok.im_end,))
+    gen = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(vocab // 8, min(100000, vocab // 2), (n,), generator=gen).tolist()
+
+    history = [tok.im_start] + ids(context - 1)
+    head = [tok.im_start, tok.assistant, 198]
+
+    def job_of(prompt: list[int], rid: str) -> ThinkerJob:
+        return ThinkerJob(request_id=rid, outbox=Outbox(LOOP), max_tokens=1, min_tokens=1, talker_rows=True,
+                          params=sampling(0.0, 0), prompt=prompt)
+
+    def turn(job: ThinkerJob) -> tuple[float, int]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.submit(job)
+        steps = 0
+        while not job.generated:
+            eng.step()
+            steps += 1
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1000.0, steps
+
+    def settle() -> None:
+        while eng.running or eng.waiting:
+            eng.step()
+
+    ms, steps = turn(job_of(history + head, "history"))
+    settle()
+    print(json.dumps({"stage": "thinker conversation turn", "what": "the history, cold", "prompt_tokens": context + 3,
+                      "first_token_ms": round(ms, 1), "steps": steps}), flush=True)
+    for i in range(4):
+        ms, steps = turn(job_of(history + ids(new - 3) + head, f"turn{i}"))
+        settle()
+        print(json.dumps({"stage": "thinker conversation turn", "what": "history cached + new tokens",
+                          "prompt_tokens": context + new, "first_token_ms": round(ms, 1), "steps": steps}),
+              flush=True)
+    job = job_of(history + ids(new - 3) + head, "profiled")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, _ = turn(job)
+    settle()
+    kernels_ = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    print(json.dumps({"profile": "thinker conversation turn (profiled)", "wall_ms": round(wall, 1),
+                      "kernels": len(kernels_), "kernel_ms": round(sum(e.device_time for e in kernels_) / 1000, 2)}),
+          flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60), flush=True)
+    del eng, model
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,16,64")
@@ -357,6 +424,8 @@ def main() -> None:
             long_prompt(cfg, [int(x) for x in args.prefill_chunks.split(",")], dev, args.prompt_tokens)
         elif stage == "voice-in":
             voice_in(cfg, dev)
+        elif stage == "conversation-turn":
+            conversation_turn(cfg, dev, max(args.prompt_tokens, 1024))
         else:
             {"thinker": thinker, "talker": talker, "code2wav": code2wav}[stage](
                 cfg, batches, dev, [float(t) for t in args.temperatures.split(",")])
