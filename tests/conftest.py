@@ -35,10 +35,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out to outgoing connections (Linux: 32768 by default)."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(count: int, tries: int = 200) -> int:
-    """The first of `count` consecutive free localhost ports."""
+    """The first of `count` consecutive free localhost ports, below the kernel's ephemeral range: a
+    port free when probed there cannot be taken later by some connection's local end (a bench's
+    fixed --base-port block in that range once met one: its gateway exited with PortInUse)."""
+    top = min(_ephemeral_start(), 60000)
+    low = 10000 if top - count > 10000 else 1024
     for _ in range(tries):
-        first = random.randint(20000, 60000 - count)
+        first = random.randint(low, top - count)
         socks = []
         try:
             for port in range(first, first + count):

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+from conftest import free_ports
+
 
 def test_layouts_parse_and_bad_specs_are_refused():
     import pytest
@@ -88,13 +90,26 @@ def test_bench_and_up_refuse_bad_layouts(tmp_path):
 
 # ---------------------------------------------------------------- the other bench/BENCHMARK.md workloads
 
+_BENCH_PORTS = 120
+
+
+def _without_leak_report(stderr: str) -> str:
+    """stderr less triton's nanobind leak report at exit (hundreds of lines that hid the real error)."""
+    return "\n".join(line for line in stderr.splitlines()
+                     if not line.lstrip().startswith(("- leaked", "nanobind:", "See https://nanobind")))
+
+
 def _bench(tmp_path, model, *flags: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict, str]:
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "voxpipe.cli", "--log-level", "WARNING", "bench", "--model", str(model),
            "--load-format", "auto", "--device", "cpu", "--concurrency", "1,2", "--requests", "2", "--warmup", "1",
            "--text-tokens", "4", "--frames", "6", "--out", str(out), *flags]
+    if "--base-port" not in flags:
+        cmd += ["--base-port", "free"]
+    # a block of ports free now and below the ephemeral range (stages, the gateway at +99, metrics at +100)
+    cmd = [str(free_ports(_BENCH_PORTS)) if a == "free" else a for a in cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + _without_leak_report(proc.stderr)[-3000:]
     return proc, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
 
@@ -124,7 +139,7 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
         if f.name != "preprocessor_config.json":
             (model / f.name).symlink_to(f)
     _, res, md = _bench(tmp_path, model, "--workload", "seedtts-like,voice-in", "--modes", "gateway,split,inprocess",
-                        "--base-port", "53151", "--devices", "thinker=cpu,talker=cpu,code2wav=cpu", "--trace",
+                        "--base-port", "free", "--devices", "thinker=cpu,talker=cpu,code2wav=cpu", "--trace",
                         # the bench's requests share their system turn: with the prefix cache they would skip
                         # the batched prefill from position 0 that this checks (the thinker alone takes the flag)
                         "--thinker-arg=--no-prefix-cache")
@@ -192,7 +207,7 @@ def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_di
     pipeline client each ask for it); realtime runs in gateway mode only and says so; its reference
     is seedtts-like's (the same model work)."""
     proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "seedtts-like,realtime", "--modes", "gateway,split",
-                           "--devices", "talker=cpu+cpu,code2wav=cpu*2", "--temperature", "0.9", "--base-port", "53351")
+                           "--devices", "talker=cpu+cpu,code2wav=cpu*2", "--temperature", "0.9", "--base-port", "free")
     assert proc.stdout.count("split: starting the stage services (thinker cpu; talker 2x (cpu, cpu); "
                              "code2wav 2x (cpu, cpu)) and the gateway") == 1
     assert res["layout"] == {"thinker": ["cpu"], "talker": ["cpu", "cpu"], "code2wav": ["cpu", "cpu"]}
@@ -225,7 +240,7 @@ def test_bench_realtime_with_the_voice_clip(tiny_model_dir, tmp_path):
     from voxpipe.bench.voice_clip import LONG_CLIP
 
     proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "realtime", "--realtime-audio", "--modes", "gateway",
-                           "--no-reference", "--concurrency", "2", "--base-port", "53451", "--realtime-pace", "8",
+                           "--no-reference", "--concurrency", "2", "--base-port", "free", "--realtime-pace", "8",
                            "--audio", str(LONG_CLIP))
     levels = {(lv["workload"], lv["mode"], lv["concurrency"]): lv for lv in res["levels"]}
     _check_levels(levels, {("realtime", "gateway", 2)})
