@@ -22,7 +22,8 @@ content or tool_calls delta), "required" and "named" (the first `delta.tool_call
 each user message numbered (the tools' prefix stays cached, as for an agent), and "plain-1": the
 plain request with max_tokens 1, not streamed, whose whole time is its time to the first token
 (the plain kind's first content can come late where the reply is random bytes: full-size dummy
-weights). A first round (the
+weights); "tools-1" is that with the tools in the prompt and tool_choice "none" (the constrained
+kinds' own prompt: the time to its first token). A first round (the
 grammars' compiles) is reported apart. Prints one JSON line: medians and p90 per kind, and the ratios
 of required / named to plain and to auto (issue #22: the first tool_calls delta within noise of
 plain TTFT)."""
@@ -154,6 +155,9 @@ FIRST_DELTA_KINDS = ("plain", "auto", "required", "named")
 # to its first token, whatever that token's text is (with full-size dummy weights a plain reply is
 # random bytes: its first content may come late, as UTF-8 and the tool-markup hold-back wait)
 TTFT_KIND = "plain-1"
+# "tools-1": the same with the tools in the prompt and tool_choice "none": the time to the first token
+# of the very prompt the constrained kinds send (their tools' text rendered, the grammar not asked for)
+TTFT_KINDS = (TTFT_KIND, "tools-1")
 
 
 def first_delta_request(kind: str, i: int, model: str) -> dict:
@@ -161,7 +165,7 @@ def first_delta_request(kind: str, i: int, model: str) -> dict:
     kw = dict(model=model, messages=messages, temperature=1.0, seed=i, max_tokens=256, stream=True)
     if kind == "plain":
         return kw
-    choice = {"auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "book_table"}}}[kind]
+    choice = {"tools-1": "none", "auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "book_table"}}}[kind]
     return {**kw, "tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
 
 
@@ -172,17 +176,18 @@ async def first_deltas(base_url: str, rounds: int) -> dict:
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
     model = (await client.models.list()).data[0].id
-    times: dict[str, list[float]] = {k: [] for k in (*FIRST_DELTA_KINDS, TTFT_KIND)}
+    times: dict[str, list[float]] = {k: [] for k in (*FIRST_DELTA_KINDS, *TTFT_KINDS)}
     first_round: dict[str, float | None] = {}
     for r in range(rounds + 1):
-        t0 = time.perf_counter()
-        await client.chat.completions.create(**{**first_delta_request("plain", r, model), "stream": False,
-                                                "max_tokens": 1})
-        got = (time.perf_counter() - t0) * 1e3
-        if r == 0:
-            first_round[TTFT_KIND] = round(got, 1)
-        else:
-            times[TTFT_KIND].append(got)
+        for kind, like in zip(TTFT_KINDS, ("plain", "tools-1")):
+            t0 = time.perf_counter()
+            await client.chat.completions.create(**{**first_delta_request(like, r, model), "stream": False,
+                                                    "max_tokens": 1})
+            got = (time.perf_counter() - t0) * 1e3
+            if r == 0:
+                first_round[kind] = round(got, 1)
+            else:
+                times[kind].append(got)
         for kind in FIRST_DELTA_KINDS:
             t0 = time.perf_counter()
             got = None
@@ -207,7 +212,7 @@ async def first_deltas(base_url: str, rounds: int) -> dict:
     out = {k: stats(v) for k, v in times.items()}
     med = {k: v["median_ms"] for k, v in out.items()}
     ratios = {f"{k}/{base}": round(med[k] / med[base], 3) for k in ("required", "named")
-              for base in ("plain", "auto", TTFT_KIND) if med[k] and med[base]}
+              for base in ("plain", "auto", *TTFT_KINDS) if med[k] and med[base]}
     return {"first_delta": out, "ratios": ratios, "first_round_ms": first_round, "rounds": rounds}
 
 

@@ -91,13 +91,55 @@ def prefill_backends(iters: int) -> None:
         print(json.dumps({"first_sight": name, "ms_new_then_repeat_shapes": times}), flush=True)
 
 
+VARIANT_SHAPES = ((1, 320, 26037, 65536), (1, 320, 4096, 65536), (1, 32, 26037, 65536), (8, 320, 8192, 65536))
+
+
+@torch.inference_mode()
+def variants(iters: int, shapes=VARIANT_SHAPES) -> None:
+    """Extend rows as the thinker's extend graphs launch them (n rows of s new tokens, the last at
+    `ctx`, the graph's static `kv_bound` = the context the tables span): the default launch against
+    the unmasked tiles first (`open_first`), larger tiles, and fixed splits; one JSON line a shape,
+    microseconds per call and whether each is within the 16-bit budget."""
+    scale = D ** -0.5
+    torch.manual_seed(0)
+    for n, s, ctx, bound in shapes:
+        q, kc, vc, tables, start = inputs(n, s, ctx)
+        width = -(-bound // BS)
+        tables = torch.cat([tables, tables[:, :1].expand(n, width - tables.shape[1])], 1)   # stale columns
+        ref16 = paged_attention.reference(q, kc, vc, tables, start, ctx, scale)
+        ref32 = paged_attention.reference(q.float(), kc.float(), vc.float(), tables, start, ctx, scale)
+        flops = 4 * n * HQ * s * ctx * D
+        line = {"shape": [n, s, ctx, bound]}
+        for name, kw in (("default", {}), ("open_first", {"open_first": True}),
+                         ("r128_n128_w8", {"block_r": 128, "block_n": 128, "num_warps": 8}),
+                         ("open_first_r128_n128_w8", {"open_first": True, "block_r": 128, "block_n": 128, "num_warps": 8}),
+                         ("open_first_split2048", {"open_first": True, "split": 2048}),
+                         ("open_first_split4096", {"open_first": True, "split": 4096}),
+                         ("open_first_r128_n128_w8_split4096", {"open_first": True, "split": 4096, "block_r": 128,
+                                                                "block_n": 128, "num_warps": 8})):
+            try:
+                out = paged_attention.kernel(q, kc, vc, tables, start, bound, scale, **kw)
+                ok = budget_error(out, ref16, ref32)["ok"]
+                us = time_eager(lambda: paged_attention.kernel(q, kc, vc, tables, start, bound, scale, **kw), iters)
+            except Exception as e:   # noqa: BLE001 -- a tiling past the SM's shared memory or registers
+                line[name] = type(e).__name__
+                continue
+            line[name] = {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1), "ok": ok}
+        print(json.dumps(line), flush=True)
+        del q, kc, vc, ref16, ref32
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None, help="n:s:ctx,... (default: the thinker's serving classes)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--prefill", action="store_true", help="also the long prompts' chunk attention by SDPA backend")
+    ap.add_argument("--variants", action="store_true", help="only the extend-graph shapes' kernel variants (`variants`)")
     args = ap.parse_args()
+    if args.variants:
+        variants(args.iters)
+        return
     if args.prefill:
         prefill_backends(args.iters)
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in x.split(":")) for x in args.shapes.split(",")]

@@ -361,8 +361,12 @@ def conversation_turn(cfg: OmniConfig, dev: torch.device, context: int = 25779, 
     head = [tok.im_start, tok.assistant, 198]
 
     def job_of(prompt: list[int], rid: str) -> ThinkerJob:
+        # a spoken reply, as served: a routed talker is sent a text prompt's user turns as token ids and
+        # looks their rows up itself (every row of a 26k-token prompt copied to the host: 3 x 25 ms on the H200)
+        from voxpipe.v1 import stages_pb2 as pb
+
         return ThinkerJob(request_id=rid, outbox=Outbox(LOOP), max_tokens=1, min_tokens=1, talker_rows=True,
-                          params=sampling(0.0, 0), prompt=prompt)
+                          speech=pb.SpeechParams(), params=sampling(0.0, 0), prompt=prompt)
 
     def turn(job: ThinkerJob) -> tuple[float, int]:
         torch.cuda.synchronize()

@@ -12,7 +12,7 @@ import asyncio
 import re
 
 from voxpipe.services.thinker.constraint import MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind
-from voxpipe.services.thinker.grammar import check
+from voxpipe.services.thinker.grammar import check_remembered, checked_before
 
 from .errors import bad_request
 
@@ -71,10 +71,10 @@ def response_format(body: dict) -> Constraint | None:
 
 async def check_response_format(constraint: Constraint | None) -> None:
     """A 400 naming the schema when the grammar library refuses it (in a worker thread)."""
-    if constraint is None:
+    if constraint is None or checked_before(constraint):
         return
     try:
-        await asyncio.to_thread(check, constraint)
+        await asyncio.to_thread(check_remembered, constraint)
     except ValueError as e:
         raise bad_request(f"'{PARAM}.json_schema.schema' is not a schema this server can enforce: {e}",
                           param=f"{PARAM}.json_schema.schema", code="invalid_value") from None

@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 
 from voxpipe.services.thinker.constraint import Constraint, tool_calls, tool_calls_in_text
-from voxpipe.services.thinker.grammar import check
+from voxpipe.services.thinker.grammar import check, check_remembered, checked_before
 from voxpipe.services.thinker.prompt import Tool
 
 from .errors import bad_request
@@ -209,8 +209,10 @@ async def check_tool_constraint(opts: ToolOptions, constraint: Constraint, param
                                 schema_field: str = "function.parameters") -> None:
     """A 400 naming the function (`{param}[i].{schema_field}`) whose parameters the grammar library
     cannot enforce, when the calls' constraint does not compile (checked in a worker thread)."""
+    if checked_before(constraint):
+        return
     try:
-        await asyncio.to_thread(check, constraint)
+        await asyncio.to_thread(check_remembered, constraint)
         return
     except ValueError as e:
         problem = str(e)

@@ -49,6 +49,7 @@ TARGET_PROGRAMS = 256  # `split=None`: rows that make this many programs run uns
 SPLIT = 256            # `split=None`: else positions per split ...
 PARTIAL_BYTES = 64 << 20   # ... unless the partial results of all splits would pass this
 PV_FP32_MAX_S = 16    # up to this many new tokens p.v runs with float32 inputs; more: p in 16 bits
+OPEN_FIRST = False    # `kernel(open_first=)`'s default: the unmasked tiles first (bench/paged_tune.py --variants)
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -113,11 +114,14 @@ def _split_len(programs: int, partial_row_bytes: int, kv_bound: int, split: int 
 def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
            kv_bound: int, scale: float, split: int | None = None, pv_fp32: bool | None = None,
            block_r: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4,
-           num_stages: int | None = None) -> torch.Tensor:
+           num_stages: int | None = None, open_first: bool = OPEN_FIRST) -> torch.Tensor:
     """Triton; assumes `eligible(...)`. `pv_fp32`: p.v with float32 inputs whatever S (None: up to
     PV_FP32_MAX_S new tokens). `block_r`: query rows per program (16, 32, 64 or 128; None: by Hq / Hkv
     * S). `block_n` (key positions per inner tile), `num_warps`, `num_stages`: the launch's tiling
-    (bench/paged_tune.py sweeps them); none changes what a row computes beyond its sums' tiling."""
+    (bench/paged_tune.py sweeps them); none changes what a row computes beyond its sums' tiling.
+    `open_first`: a program first walks the key tiles every row of its tile sees whole (below its
+    tile's first query position) without the causal mask and the bounds checks, then the rest masked:
+    the same bits (a mask that allows a score leaves it as it is), less work a tile."""
     n, hq, s, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     rep = hq // hkv
@@ -139,7 +143,7 @@ def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
             q.stride(0), q.stride(1), q.stride(2), tables.stride(0), splits, split_len, row_tiles, scale,
             S=s, HQ=hq, HKV=hkv, BS=bs, D=d, BLOCK_R=block_r, BLOCK_N=block_n, DIRECT=splits == 1,
             PV_FP32=q.dtype == torch.float32 or (s <= PV_FP32_MAX_S if pv_fp32 is None else pv_fp32),
-            EMULATE=INTERPRET, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+            OPEN_FIRST=open_first, EMULATE=INTERPRET, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
         if splits > 1:
             _merge[(n, hq * s)](m_part, l_part, acc, out, start, splits, split_len, S=s, D=d, num_warps=4)
     return out
@@ -153,7 +157,7 @@ if triton is not None:
                  q_sn, q_sh, q_ss, tab_sn, splits, split_len, row_tiles, scale,
                  S, HQ: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PV_FP32: tl.constexpr,
-                 EMULATE: tl.constexpr):
+                 OPEN_FIRST: tl.constexpr, EMULATE: tl.constexpr):
         pid = tl.program_id(0)
         nrow = (pid // row_tiles).to(tl.int64)
         tile = pid % row_tiles
@@ -178,7 +182,40 @@ if triton is not None:
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
-        for kv in range(lo, hi, BLOCK_N):
+        masked_from = lo
+        if OPEN_FIRST:
+            # whole tiles below the tile's first query position: every row sees every key there
+            # (and every key is one of the row's blocks): no mask, no bounds checks
+            open_hi = tl.minimum(hi, tl.min(tl.where(row_ok, q_pos, hi)) + 1)
+            masked_from = lo + tl.maximum(open_hi - lo, 0) // BLOCK_N * BLOCK_N
+            for kv in range(lo, masked_from, BLOCK_N):
+                pos = kv + tl.arange(0, BLOCK_N)
+                blk = tl.load(tab_ptr + nrow * tab_sn + pos // BS)
+                at = ((blk * HKV + g) * BS + pos % BS)[:, None] * D + d[None, :]
+                keys = tl.load(kc_ptr + at)
+                vals = tl.load(vc_ptr + at)
+                if EMULATE:
+                    sc = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2)
+                elif dtype == tl.float32:
+                    sc = tl.dot(q, tl.trans(keys), input_precision="ieee")
+                else:
+                    sc = tl.dot(q, tl.trans(keys))
+                sc = sc * scale
+                m_new = tl.maximum(m, tl.max(sc, axis=1))
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - shift)
+                p = tl.exp(sc - shift[:, None])
+                l = l * alpha + tl.sum(p, axis=1)
+                if EMULATE:
+                    pe = p if PV_FP32 else round_to(p, dtype).to(tl.float32)
+                    pv = tl.sum(pe[:, :, None] * vals.to(tl.float32)[None, :, :], axis=1)
+                elif PV_FP32:
+                    pv = tl.dot(p, vals.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(dtype), vals)
+                acc = acc * alpha[:, None] + pv
+                m = m_new
+        for kv in range(masked_from, hi, BLOCK_N):
             pos = kv + tl.arange(0, BLOCK_N)
             ok = pos < hi
             blk = tl.load(tab_ptr + nrow * tab_sn + pos // BS, mask=ok, other=0)

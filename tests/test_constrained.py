@@ -409,11 +409,48 @@ def test_json_object_and_streamed_json_schema(client, model):
 
 
 def test_sdk_gets_a_400_naming_an_invalid_schema(client, model):
+    """Twice: the second answer comes from the remembered check (grammar.check_remembered), the same."""
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/no"}}}}}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], response_format=fmt,
-                                       max_tokens=4)
-    assert e.value.param == "response_format.json_schema.schema" and "#/no" in e.value.message
+    messages = []
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], response_format=fmt,
+                                           max_tokens=4)
+        assert e.value.param == "response_format.json_schema.schema" and "#/no" in e.value.message
+        messages.append(e.value.message)
+    assert messages[0] == messages[1]
+
+
+def test_a_checked_constraint_is_remembered_by_its_content(monkeypatch):
+    """The gateway's check of a constraint (does it compile?) runs once per content: a pass is
+    remembered (checked_before), a failure raises the same error again without being taken for a
+    pass; the memory is bounded (LRU), keyed by the content hash, so an equal constraint built anew hits."""
+    from voxpipe.services.thinker import grammar
+
+    monkeypatch.setattr(grammar, "_checked", type(grammar._checked)())
+    monkeypatch.setattr(grammar, "CHECKED_KEYS", 2)
+    calls = []
+    real = grammar.check
+    monkeypatch.setattr(grammar, "check", lambda c: calls.append(c.key()) or real(c))
+    good = [Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer", "maximum": i}}})
+            for i in range(3)]
+    bad = Constraint.json_schema({"type": "object", "properties": {"a": {"$ref": "#/no"}}})
+    assert not grammar.checked_before(good[0])
+    grammar.check_remembered(good[0])
+    assert grammar.checked_before(Constraint.json_schema(json.loads(good[0].text)))     # equal content, a new object
+    grammar.check_remembered(good[0])
+    assert calls == [good[0].key()]
+    errors = []
+    for _ in range(2):
+        with pytest.raises(grammar.GrammarError) as e:
+            grammar.check_remembered(bad)
+        errors.append(str(e.value))
+        assert not grammar.checked_before(bad)
+    assert errors[0] == errors[1] and "#/no" in errors[0] and calls.count(bad.key()) == 1
+    grammar.check_remembered(good[1])           # the bound is 2: good[0], the least recently used, goes
+    assert not grammar.checked_before(good[0]) and grammar.checked_before(good[1])
+    grammar.check_remembered(good[0])
+    assert calls.count(good[0].key()) == 2
 
 
 # ---------------------------------------------------------------- jump-forward decoding, in process

@@ -852,8 +852,8 @@ def check_invariant(device: str) -> list[dict]:
 
 def check_paged_attention(device: str) -> list[dict]:
     """Decode (S=1) and extend (S>1) rows of mixed lengths over shuffled block tables, split and
-    unsplit; a row alone equals the row inside a batch bit for bit when the split is fixed; and
-    the fallbacks."""
+    unsplit; a row alone equals the row inside a batch bit for bit when the split is fixed; the
+    unmasked tiles walked first or not, the same bits; and the fallbacks."""
     from voxpipe.kernels import paged_attention as pa
     g = torch.Generator().manual_seed(12)
     out = []
@@ -873,6 +873,9 @@ def check_paged_attention(device: str) -> list[dict]:
             assert pa.eligible(q, kc, vc, tables, start), f"paged attention {tag} should launch on {device}"
             got = pa.run(q, kc, vc, tables, start, bound, d ** -0.5, split)
             want = pa.reference(q, kc, vc, tables, start, bound, d ** -0.5)
+            # the whole tiles walked first unmasked, or every tile masked: the same bits
+            flipped = pa.kernel(q, kc, vc, tables, start, bound, d ** -0.5, split, open_first=not pa.OPEN_FIRST)
+            out.append(_exact_record(f"paged attention open_first={not pa.OPEN_FIRST} {tag}", flipped, got))
             if dt == torch.float32:
                 out.append(_fp32_record(f"paged attention {tag}", got, want))
             else:

@@ -578,13 +578,14 @@ def test_the_constrained_check_passes_on_a_few_requests(gateway):
 def test_the_first_delta_bench_times_every_kind(gateway):
     """bench/constrained_check --first-delta at one round (its runs are a bench: bench/RESULTS.md):
     plain, auto, required and named streamed replies each give a first delta (named and required: a
-    `delta.tool_calls` head), a one-token plain request its time, and the ratios to each."""
-    from voxpipe.bench.constrained_check import FIRST_DELTA_KINDS, TTFT_KIND, first_deltas
+    `delta.tool_calls` head), a one-token plain request its time (without and with the tools, tool_choice none), and the ratios
+    to each."""
+    from voxpipe.bench.constrained_check import FIRST_DELTA_KINDS, TTFT_KINDS, first_deltas
 
     result = asyncio.run(first_deltas(gateway.base_url, rounds=1))
-    assert all(result["first_delta"][k]["n"] == 1 for k in (*FIRST_DELTA_KINDS, TTFT_KIND)), result
+    assert all(result["first_delta"][k]["n"] == 1 for k in (*FIRST_DELTA_KINDS, *TTFT_KINDS)), result
     assert set(result["ratios"]) == {f"{k}/{base}" for k in ("required", "named")
-                                     for base in ("plain", "auto", TTFT_KIND)}
+                                     for base in ("plain", "auto", *TTFT_KINDS)}
 
 
 def test_a_spoken_stream_that_is_only_a_call_is_admitted_without_the_talker(state, stack):

@@ -206,6 +206,46 @@ class Matcher:
         return self.m.is_terminated()
 
 
+CHECKED_KEYS = 1024        # constraints whose check's outcome is remembered (LRU, by content)
+_checked: OrderedDict[str, str | None] = OrderedDict()   # Constraint.key() -> None (it compiles) / the error
+_checked_lock = threading.Lock()
+
+
+def checked_before(c: Constraint) -> bool:
+    """`check(c)` passed for this constraint's content before (`check_remembered`): the gateway
+    skips the check's thread hop and its ~3 ms (an agent sends the same tools every turn)."""
+    key = c.key()
+    with _checked_lock:
+        if key in _checked and _checked[key] is None:
+            _checked.move_to_end(key)
+            return True
+    return False
+
+
+def check_remembered(c: Constraint) -> None:
+    """`check(c)` (GrammarError naming the constraint), its outcome remembered by the constraint's
+    content hash for the next request with the same constraint, up to CHECKED_KEYS of them."""
+    key = c.key()
+    with _checked_lock:
+        if key in _checked:
+            _checked.move_to_end(key)
+            problem = _checked[key]
+            if problem is None:
+                return
+            raise GrammarError(problem)
+    try:
+        check(c)
+        problem = None
+    except GrammarError as e:
+        problem = str(e)
+    with _checked_lock:
+        _checked[key] = problem
+        while len(_checked) > CHECKED_KEYS:
+            _checked.popitem(last=False)
+    if problem is not None:
+        raise GrammarError(problem)
+
+
 def check(c: Constraint) -> xgr.Grammar:
     """The constraint's grammar (no vocabulary needed: the gateway checks a request with it), or
     GrammarError naming the constraint."""
