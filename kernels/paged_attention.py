@@ -49,7 +49,12 @@ TARGET_PROGRAMS = 256  # `split=None`: rows that make this many programs run uns
 SPLIT = 256            # `split=None`: else positions per split ...
 PARTIAL_BYTES = 64 << 20   # ... unless the partial results of all splits would pass this
 PV_FP32_MAX_S = 16    # up to this many new tokens p.v runs with float32 inputs; more: p in 16 bits
-OPEN_FIRST = False    # `kernel(open_first=)`'s default: the unmasked tiles first (bench/paged_tune.py --variants)
+# more than 64 query rows a (sequence, KV head) in 16 bits with p rounded for the tensor cores (extend
+# rows, packed segments): (BLOCK_R, BLOCK_N, num_warps) = WIDE_TILE and the unmasked tiles walked
+# first (`open_first`). H200, bench/paged_tune.py --variants (RESULTS.md 2026-12-04): 1 x 320 new
+# tokens over 26k positions 704 -> 478 us, over 4k 157 -> 110, 8 x 320 over 8k 1,584 -> 1,268; 1 x 32
+# over 26k 109 -> 98. Fewer rows (decode) keep the narrow tiles; the batch-invariant mode passes its own.
+WIDE_TILE = (128, 128, 8)
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -113,21 +118,31 @@ def _split_len(programs: int, partial_row_bytes: int, kv_bound: int, split: int 
 
 def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
            kv_bound: int, scale: float, split: int | None = None, pv_fp32: bool | None = None,
-           block_r: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4,
-           num_stages: int | None = None, open_first: bool = OPEN_FIRST) -> torch.Tensor:
+           block_r: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+           num_stages: int | None = None, open_first: bool | None = None) -> torch.Tensor:
     """Triton; assumes `eligible(...)`. `pv_fp32`: p.v with float32 inputs whatever S (None: up to
     PV_FP32_MAX_S new tokens). `block_r`: query rows per program (16, 32, 64 or 128; None: by Hq / Hkv
     * S). `block_n` (key positions per inner tile), `num_warps`, `num_stages`: the launch's tiling
     (bench/paged_tune.py sweeps them); none changes what a row computes beyond its sums' tiling.
     `open_first`: a program first walks the key tiles every row of its tile sees whole (below its
     tile's first query position) without the causal mask and the bounds checks, then the rest masked:
-    the same bits (a mask that allows a score leaves it as it is), less work a tile."""
+    the same arithmetic (a mask that allows a score leaves it as it is), less work a tile. None for
+    any of these: WIDE_TILE and open_first for more than 64 rows in 16 bits (not `pv_fp32`), else
+    BLOCK_N, 4 warps and every tile masked."""
     n, hq, s, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     rep = hq // hkv
     rows = rep * s
+    pv32 = q.dtype == torch.float32 or (s <= PV_FP32_MAX_S if pv_fp32 is None else pv_fp32)
+    wide = block_r is None and rows > 64 and not pv32      # extend rows / packed segments in 16 bits
     if block_r is None:
-        block_r = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+        block_r = WIDE_TILE[0] if wide else 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    if block_n is None:
+        block_n = WIDE_TILE[1] if wide else BLOCK_N
+    if num_warps is None:
+        num_warps = WIDE_TILE[2] if wide else 4
+    if open_first is None:
+        open_first = wide
     row_tiles = -(-rows // block_r)
     split_len = _split_len(n * hkv * row_tiles, n * hq * s * (d + 2) * 4, kv_bound, split, block_n)
     splits = -(-kv_bound // split_len)
@@ -142,8 +157,7 @@ def kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables
             q, k_cache, v_cache, tables, start, out, m_part, l_part, acc,
             q.stride(0), q.stride(1), q.stride(2), tables.stride(0), splits, split_len, row_tiles, scale,
             S=s, HQ=hq, HKV=hkv, BS=bs, D=d, BLOCK_R=block_r, BLOCK_N=block_n, DIRECT=splits == 1,
-            PV_FP32=q.dtype == torch.float32 or (s <= PV_FP32_MAX_S if pv_fp32 is None else pv_fp32),
-            OPEN_FIRST=open_first, EMULATE=INTERPRET, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+            PV_FP32=pv32, OPEN_FIRST=open_first, EMULATE=INTERPRET, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
         if splits > 1:
             _merge[(n, hq * s)](m_part, l_part, acc, out, start, splits, split_len, S=s, D=d, num_warps=4)
     return out

@@ -549,6 +549,51 @@ def test_jump_forward_gives_the_tokens_of_decoding_in_fewer_steps(engine, tokeni
     assert stop_reason == FinishReason.STOP and tokenizer.decode(stopped).endswith("<tool_call>")
 
 
+def test_a_forced_opening_is_out_before_the_prefill(engine, tokenizer, omni_config, monkeypatch):
+    """A named function's reply: the tokens its grammar forces first (`<tool_call>\n{"name": "NAME",
+    "arguments": {...`) are in its outbox once open_reply took them, before the job is admitted or
+    any forward runs (its first `tool_calls` delta waits for no prefill); then the reply's outputs,
+    in order, are its generated tokens, as with the opening sent after the prefill; a sampled reply's
+    tokens are those of a reply decoded without jump-forward (the noise of the forced tokens drawn)."""
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.runtime.outputs import Finished, TextOut
+    from voxpipe.services.runtime.sampling import SamplingParams
+    from voxpipe.services.thinker import engine as thinker_engine
+    from voxpipe.services.thinker.engine import ThinkerJob
+
+    monkeypatch.setattr(thinker_engine, "JUMP_TOKENS", 64)
+    p = _prompt(tokenizer, omni_config, "Turn on the light.")
+    loop = asyncio.new_event_loop()
+    job = ThinkerJob(request_id="opening", outbox=Outbox(loop, limit=10 ** 6), prompt=p, max_tokens=60,
+                     params=SamplingParams(temperature=1.0, seed=0))      # run_jobs' first job's seed
+    job.matcher = engine.grammars.matcher(engine.grammars.compile(tool_calls(FUNCTIONS[1:], parallel=False)))
+    engine.open_reply(job)
+    loop.run_until_complete(asyncio.sleep(0))      # the puts from "the compile pool" delivered
+    early = []
+    while (got := job.outbox.poll_timed()) is not None:
+        early.append(got[0])
+    assert job.opened and all(isinstance(x, TextOut) for x in early)
+    head = [t for x in early for t in x.token_ids]
+    assert head == job.generated[:job.opened]
+    text, call = tokenizer.decode(head), '<tool_call>\n{"name": "set_light", "arguments": {'
+    assert text and (call.startswith(text) or text.startswith(call)), text   # the tiny vocabulary forces less
+    engine.submit(job)
+    while engine.has_work():
+        engine.step()
+        with engine.lock:
+            engine._reap_and_check()
+    loop.run_until_complete(asyncio.sleep(0))
+    rest = []
+    while (got := job.outbox.poll_timed()) is not None:
+        rest.append(got[0])
+    loop.close()
+    sent = head + [t for x in rest if isinstance(x, TextOut) for t in x.token_ids]
+    assert sent == job.generated and isinstance(rest[-1], Finished)
+    spec = dict(prompt=p, constraint=tool_calls(FUNCTIONS[1:], parallel=False), max_tokens=60)
+    (decoded, _), = run_jobs(engine, [dict(spec, temperature=1.0)], False, monkeypatch)[0]
+    assert job.generated == decoded
+
+
 def test_a_call_the_model_opens_in_auto_mode_is_valid(engine, tokenizer, omni_config, monkeypatch):
     """The constraint of `tool_choice: "auto"` with --constrain-tool-calls (tool_calls_in_text): a
     reply that has opened `<tool_call>` (the random model rarely does: its prompt ends inside the

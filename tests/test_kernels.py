@@ -852,15 +852,16 @@ def check_invariant(device: str) -> list[dict]:
 
 def check_paged_attention(device: str) -> list[dict]:
     """Decode (S=1) and extend (S>1) rows of mixed lengths over shuffled block tables, split and
-    unsplit; a row alone equals the row inside a batch bit for bit when the split is fixed; the
-    unmasked tiles walked first or not, the same bits; and the fallbacks."""
+    unsplit, narrow and wide tiles (kernels.paged_attention.WIDE_TILE: more than 64 rows in 16 bits);
+    a row alone equals the row inside a batch bit for bit when the split is fixed; the unmasked tiles
+    walked first or not, the same bits in the interpreter; and the fallbacks."""
     from voxpipe.kernels import paged_attention as pa
     g = torch.Generator().manual_seed(12)
     out = []
     blocks = 48
     for n, hq, hkv, s, d, bs, bound, split in [(3, 8, 2, 1, 32, 16, 100, None), (4, 4, 4, 1, 16, 8, 300, 64),
                                               (2, 8, 2, 5, 32, 16, 90, 64), (2, 8, 2, 20, 32, 16, 70, None),
-                                              (1, 8, 2, 1, 32, 16, 600, None)]:
+                                              (1, 8, 2, 1, 32, 16, 600, None), (2, 8, 2, 24, 32, 16, 400, 256)]:
         width = -(-bound // bs) + 1
         tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(n)]).to(device)
         start = torch.randint(0, bound - s + 1, (n,), generator=g)
@@ -873,14 +874,21 @@ def check_paged_attention(device: str) -> list[dict]:
             assert pa.eligible(q, kc, vc, tables, start), f"paged attention {tag} should launch on {device}"
             got = pa.run(q, kc, vc, tables, start, bound, d ** -0.5, split)
             want = pa.reference(q, kc, vc, tables, start, bound, d ** -0.5)
-            # the whole tiles walked first unmasked, or every tile masked: the same bits
-            flipped = pa.kernel(q, kc, vc, tables, start, bound, d ** -0.5, split, open_first=not pa.OPEN_FIRST)
-            out.append(_exact_record(f"paged attention open_first={not pa.OPEN_FIRST} {tag}", flipped, got))
             if dt == torch.float32:
                 out.append(_fp32_record(f"paged attention {tag}", got, want))
             else:
                 want32 = pa.reference(q.float(), kc.float(), vc.float(), tables, start, bound, d ** -0.5)
                 out.append(_budget_record(f"paged attention {tag}", got, want, want32))
+            # the whole tiles walked first unmasked, or every tile masked, at the same tiles: the same
+            # arithmetic (bits equal where nothing contracts a multiply-add differently: the interpreter)
+            opened, closed = (pa.kernel(q, kc, vc, tables, start, bound, d ** -0.5, split, open_first=o)
+                              for o in (True, False))
+            if device == "cpu":
+                out.append(_exact_record(f"paged attention open_first {tag}", opened, closed))
+            elif dt == torch.float32:
+                out.append(_fp32_record(f"paged attention open_first {tag}", opened, want))
+            else:
+                out.append(_budget_record(f"paged attention open_first {tag}", opened, want, want32))
             if split is not None:
                 alone = [pa.run(q[i:i + 1], kc, vc, tables[i:i + 1], start[i:i + 1], int(start[i]) + s, d ** -0.5,
                                 split) for i in range(n)]

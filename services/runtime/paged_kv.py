@@ -47,8 +47,10 @@ INVARIANT_BLOCK_R = 16
 def _kernel(cache: "PagedKVCache", q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
             start: torch.Tensor, bound: int, scale: float) -> torch.Tensor:
     if determinism.in_scope():
+        # fixed tiles, every tile masked: one compiled loop for every row, whichever path it takes
         return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, INVARIANT_SPLIT, pv_fp32=True,
-                                              block_r=INVARIANT_BLOCK_R)
+                                              block_r=INVARIANT_BLOCK_R, block_n=kernels.paged_attention.BLOCK_N,
+                                              num_warps=4, open_first=False)
     return kernels.paged_attention.kernel(q, kc, vc, tables, start, bound, scale, cache.split)
 
 

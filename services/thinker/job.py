@@ -51,8 +51,9 @@ class ThinkerJob(EngineRequest):
     matcher: Matcher | None = None          # its grammar state: set at admission (compiled off the engine thread)
     generated: list[int] = field(default_factory=list)
     opened: int = 0                         # reply tokens its grammar forced before any was sampled
-                                            # (ThinkerEngine.open_reply): prefilled with the prompt, out
-                                            # with its first sampled token
+                                            # (ThinkerEngine.open_reply): out at once, before its
+                                            # admission, then prefilled with the prompt
+    opening: ReplyText | None = None        # the text state that sent them (job.text from the first token)
     ahead: int = 0                          # reply tokens forced by its grammar after the last one sampled
                                             # (engine._jump): without keys, like that one, until the next
                                             # step feeds them all (runner.feed)
