@@ -68,7 +68,8 @@ class ThinkerJob(EngineRequest):
     kept_from: int = 0                          # the first position whose hidden layer `kept` holds
     prompt_sent: bool = False                   # its TalkerPromptOut went out at admission (a text prompt)
     audio_follow: bool = False                  # ... without its audio rows (audio_rows_follow): they go after the prefill
-    embeds: torch.Tensor | None = None          # [P, H] while a chunked prefill runs
+    embeds: torch.Tensor | None = None          # [P - embeds_from, H] while a chunked prefill runs
+    embeds_from: int = 0                        # the first position `embeds` holds (a text prompt's cached prefix is skipped)
     kept: list[torch.Tensor] = field(default_factory=list)   # per chunk: the talker's hidden layer
     # the talker's hidden rows of its prompt's cached audio blocks (runner.AudioRowCache), by block index
     cached_rows: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -326,7 +326,7 @@ class ThinkerRunner:
 
     def release(self, job: ThinkerJob) -> None:
         """Give the job's blocks back (published ones stay findable) and drop its prefill state."""
-        job.embeds, job.kept, job.cached_rows = None, [], {}
+        job.embeds, job.embeds_from, job.kept, job.cached_rows = None, 0, [], {}
         if job.table is not None:
             self.publish(job)
             self.blocks.release(job.table, trusted=job.kv_trusted)
@@ -366,8 +366,12 @@ class ThinkerRunner:
         return self.cache.table_tensor([j.table.blocks for j in jobs], width, self.device)
 
     # ---- forwards
-    def embed(self, job: ThinkerJob) -> torch.Tensor:
-        """The job's prompt embeddings [P, H] on the device; its clips through the audio encoder cache."""
+    def embed(self, job: ThinkerJob, start: int = 0) -> torch.Tensor:
+        """The job's prompt embeddings [P, H] on the device; its clips through the audio encoder cache.
+        `start` > 0 (a prompt without audio): only positions start .. P - 1."""
+        if start:
+            assert not job.audio and job.streamed is None
+            return self.model.embed(torch.tensor(job.prompt[start:], dtype=torch.long, device=self.device))
         ids = torch.tensor(job.prompt, device=self.device)
         if job.streamed is not None:       # its last clip's rows: the windows encoded so far, or all of it
             return self.model.embed(ids, encoded=streamed_rows(self.audio, job, self._digests(job)))
@@ -441,11 +445,17 @@ class ThinkerRunner:
         digests = self._digests(job) if job.audio else []
         return audio_spans(self.cfg, job.prompt, digests) if digests and all(digests) else ()
 
-    def _context_embeds(self, job: ThinkerJob) -> torch.Tensor:
-        """[prefill_target, H]: the prompt's embeddings (its audio encoded) and, resumed after a
-        preemption, its reply's tokens but the last."""
+    def _context_embeds(self, job: ThinkerJob, start: int = 0) -> torch.Tensor:
+        """[prefill_target - start, H]: the prompt's embeddings (its audio encoded) and, resumed after
+        a preemption, its reply's tokens but the last, from position `start` (sets job.embeds_from):
+        only a text prompt whose talker prompt does not need them all (sent at admission, or none)
+        skips its cached prefix (a long conversation's next turn: 258 of 26k rows looked up)."""
         dev = self.device
-        x = self.embed(job)
+        whole = (job.audio or job.streamed is not None or job.pending
+                 or (job.talker_rows and (not job.prompt_sent or job.audio_follow)))
+        start = 0 if whole else min(start, len(job.prompt))
+        job.embeds_from = start
+        x = self.embed(job, start)
         reply = job.generated[:job.prefill_target - len(job.prompt)]
         if reply:
             x = torch.cat((x, self.model.model.embed_tokens(torch.tensor(reply, device=dev)).to(x.dtype)))
@@ -459,14 +469,14 @@ class ThinkerRunner:
         outputs (its next token is already out): it is in `resumed`, not `done`."""
         dev = self.device
         for job, start, _ in chunks:
-            if job.embeds is None:   # first chunk: the whole context's embeddings, kept until the last chunk
-                job.embeds = self._context_embeds(job)
+            if job.embeds is None:   # first chunk: the context's embeddings from here, kept until the last chunk
+                job.embeds = self._context_embeds(job, start)
                 job.kept, job.kept_from = [], start
         kept_by = [bool((job.talker_rows or job.pending) and (job.audio or job.streamed) and not job.generated)
                    for job, _, _ in chunks]
         keep = self.cfg.accept_hidden_layer if any(kept_by) else None
-        logits, hidden, rows_of = self._extend([(job, job.embeds[start:start + length], start)
-                                                for job, start, length in chunks], keep)
+        logits, hidden, rows_of = self._extend([(job, job.embeds[start - job.embeds_from:start - job.embeds_from + length],
+                                                 start) for job, start, length in chunks], keep)
         going_on = [i for i, (job, start, length) in enumerate(chunks)
                     if start + length < job.prefill_target or job.generated or job.pending]
         finite = torch.isfinite(logits[going_on]).all(dim=-1).tolist() if going_on else []

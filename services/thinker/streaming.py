@@ -204,5 +204,6 @@ class TurnStreams:
             ids = torch.tensor(job.prompt[valid:], device=runner.device)
             rest = runner.model.embed(ids, encoded=job.streamed.rows[valid - pending.stream_start:])
             job.embeds = torch.cat((pending.embeds[:valid], rest.to(pending.embeds.dtype)))
+            job.embeds_from = 0
         else:
             job.embeds = runner._context_embeds(job)
