@@ -5,7 +5,9 @@
 # folders onto the `voxpipe` package the way pyproject.toml does. `voxpipe bench` needs, beside what
 # the image has: the gateway's (fastapi uvicorn starlette pydantic ... soundfile for voice input,
 # websockets + silero-vad for the realtime workload) and the openai SDK for the gateway clients:
-#   ../shared/device/wheels.sh openai jiter distro sniffio tqdm httpx2 httpcore2 truststore
+#   ../shared/device/wheels.sh openai jiter distro sniffio tqdm httpx2 httpcore2 truststore xgrammar apache-tvm-ffi \
+#     jsonschema jsonschema-specifications referencing rpds-py attrs   (what 2026-12-04's calls carried)
+# (the thinker imports xgrammar, which needs apache-tvm-ffi: without them the thinker does not start)
 # (wheels.sh's own list already has websockets, soundfile and silero-vad); the bench says which
 # package is missing before it starts anything.
 set -euo pipefail
