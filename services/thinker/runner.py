@@ -34,6 +34,7 @@ from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerAudioRowsOut, TalkerPromptOut, TokenLogprob
 from ..runtime.row_keys import audio_run_keys
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
+from ..runtime.tensors import ids_tensor
 from .audio_cache import AudioEncoderCache
 from .grammar import allowed
 from .job import ThinkerJob
@@ -371,8 +372,8 @@ class ThinkerRunner:
         `start` > 0 (a prompt without audio): only positions start .. P - 1."""
         if start:
             assert not job.audio and job.streamed is None
-            return self.model.embed(torch.tensor(job.prompt[start:], dtype=torch.long, device=self.device))
-        ids = torch.tensor(job.prompt, device=self.device)
+            return self.model.embed(ids_tensor(job.prompt[start:], self.device))
+        ids = ids_tensor(job.prompt, self.device)
         if job.streamed is not None:       # its last clip's rows: the windows encoded so far, or all of it
             return self.model.embed(ids, encoded=streamed_rows(self.audio, job, self._digests(job)))
         if not job.audio:
@@ -430,7 +431,7 @@ class ThinkerRunner:
         a routed talker (`talker_prompt_ids`) its user turns as token ids with the multimodal rows
         alone; its clips' digests key those rows' runs. Its prompt sent at admission without them
         (`audio_follow`): the multimodal rows alone."""
-        ids = torch.tensor(job.prompt)
+        ids = ids_tensor(job.prompt)
         ids_only = self.talker_prompt_ids and job.speech is not None
         if ids_only:
             embeds = embeds[assistant_start(self.cfg, ids):]
@@ -571,7 +572,7 @@ class ThinkerRunner:
         follows it are looked up here. A prompt with audio: with `ids_only` and its clips' digests, the
         prompt without its audio rows (audio_rows_follow, `job.audio_follow` set: they follow after the
         prefill, which makes them, past what the talker holds), else None (it goes after the prefill)."""
-        ids = torch.tensor(job.prompt)
+        ids = ids_tensor(job.prompt)
         if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
             spans = self._talker_spans(job) if ids_only else ()
             if not spans:

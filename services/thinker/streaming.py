@@ -29,6 +29,7 @@ import torch
 
 from ..runtime import metrics
 from ..runtime.engine import StageError
+from ..runtime.tensors import ids_tensor
 from .job import ThinkerJob
 from .model import chunk_pad
 from .runner import audio_spans
@@ -201,7 +202,7 @@ class TurnStreams:
         else:
             job.kept, job.kept_from = [], valid
         if pending.embeds is not None and valid >= pending.stream_start:
-            ids = torch.tensor(job.prompt[valid:], device=runner.device)
+            ids = ids_tensor(job.prompt[valid:], runner.device)
             rest = runner.model.embed(ids, encoded=job.streamed.rows[valid - pending.stream_start:])
             job.embeds = torch.cat((pending.embeds[:valid], rest.to(pending.embeds.dtype)))
             job.embeds_from = 0
