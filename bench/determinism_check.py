@@ -8,8 +8,11 @@ talker rows; talker: codes; code2wav: the float32 samples) must be the same ever
     equal      inside the batch (the cache emptied first) = cold
 and where a run differs, `differs` names the part and its first differing index (a token, a row, a
 frame, a sample). Before any timing each engine runs the batch once untimed (first-sight kernel
-compiles, allocator growth), so `batch_s` is a warm batch in either mode; per stage the mode's cost
-at c is its batched wall time over the default mode's, minus 1. One JSON line per stage and mode.
+compiles, allocator growth), so `batch_s` is a warm batch in either mode; per stage each mode's cost
+at c is its batched wall time over the default mode's, minus 1. One JSON line per stage and mode (on
+CUDA with `linears`: how many of the stage's nn.Linear layers took cuBLAS row calls and how many
+the Triton kernel, determinism.LINEAR_PATHS). `--modes` may add `deterministic-triton`: the mode
+with every CUDA linear through kernels.invariant.matmul (VOXPIPE_INVARIANT_MATMUL=triton).
 
     python -m voxpipe.bench.determinism_check --device cuda --load-format dummy --concurrency 64
     python -m voxpipe.bench.determinism_check --device cpu --concurrency 4      # the tiny checkpoint
@@ -30,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from voxpipe.services.runtime import determinism
 from voxpipe.services.runtime.engine import EngineRequest, Outbox, StageEngine
 from voxpipe.services.runtime.outputs import AudioOut, Finished, FramesOut, TextOut
 from voxpipe.services.runtime.sampling import SamplingParams
@@ -37,6 +41,7 @@ from voxpipe.services.runtime.tensors import to_proto
 from voxpipe.v1 import stages_pb2 as pb
 
 STAGES = ("thinker", "talker", "code2wav")
+MODES = ("default", "deterministic", "deterministic-triton")
 GREEDY = SamplingParams()
 
 
@@ -249,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8, help="the target's thinker tokens (others: other counts)")
     p.add_argument("--frames", type=int, default=6, help="the target's talker / code2wav frames")
     p.add_argument("--stages", default=",".join(STAGES))
-    p.add_argument("--modes", default="default,deterministic")
+    p.add_argument("--modes", default="default,deterministic",
+                   help="comma list of: default, deterministic, deterministic-triton (the mode with every CUDA linear "
+                        "through the Triton kernel, VOXPIPE_INVARIANT_MATMUL=triton)")
     p.add_argument("--extra", default="", help="more flags for every stage")
     p.add_argument("--no-warm", dest="warm", action="store_false",
                    help="skip the untimed batch (a check of the bits only: batch_s then includes first-sight work)")
@@ -257,22 +264,32 @@ def main(argv: list[str] | None = None) -> int:
                    help="which targets: greedy, sampled (code2wav, which does not sample: greedy only)")
     args = p.parse_args(argv)
     resolve_model(args)
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(sorted(unknown))} (expected of {', '.join(MODES)})")
+    matmul = determinism.GPU_MATMUL
     failed = False
     for stage in args.stages.split(","):
         seconds = {}
         for mode in args.modes.split(","):
             argv_stage = ["--model", args.model, "--device", args.device, "--load-format", args.load_format,
                           "--max-batch", str(args.concurrency), *args.extra.split()]
-            if mode == "deterministic":
+            if mode.startswith("deterministic"):
                 argv_stage.append("--deterministic")
+            # deterministic-triton: the mode with every CUDA linear through kernels.invariant.matmul (the
+            # path before the cuBLAS row calls; VOXPIPE_INVARIANT_MATMUL=triton)
+            determinism.GPU_MATMUL = "triton" if mode == "deterministic-triton" else matmul
+            paths = dict(determinism.LINEAR_PATHS)
             engine = build_engine(stage, argv_stage)
+            linears = {k: v - paths.get(k, 0) for k, v in determinism.LINEAR_PATHS.items() if v > paths.get(k, 0)}
             size = args.tokens if stage == "thinker" else args.frames
             targets = ("greedy",) if stage == "code2wav" else tuple(args.targets.split(","))
             result = asyncio.run(check_stage(engine, PROBES[stage](engine, size), args.concurrency, targets,
                                                  args.warm))
-            line = {"stage": stage, "mode": mode, "concurrency": args.concurrency, "device": args.device, **result}
+            line = {"stage": stage, "mode": mode, "concurrency": args.concurrency, "device": args.device,
+                    **({"linears": linears} if linears else {}), **result}
             print(json.dumps(line), flush=True)
-            if mode == "deterministic" and not all(r["equal"] and r["repeatable"] and r.get("hit_miss", True)
+            if mode.startswith("deterministic") and not all(r["equal"] and r["repeatable"] and r.get("hit_miss", True)
                                                    for r in result.values()):
                 failed = True
             seconds[mode] = sum(r["batch_s"] for r in result.values())
@@ -280,9 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        if len(seconds) == 2:   # the batched runs' wall time, deterministic over default
+        if "default" in seconds and len(seconds) > 1:   # the batched runs' wall time, each mode over default
             print(json.dumps({"stage": stage, "concurrency": args.concurrency, "batch_s": seconds,
-                              "cost": round(seconds["deterministic"] / seconds["default"] - 1, 3)}), flush=True)
+                              "cost": {mode: round(s / seconds["default"] - 1, 3) for mode, s in seconds.items()
+                                       if mode != "default"}}), flush=True)
     return 1 if failed else 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +26,53 @@ def test_linear_rows_do_not_depend_on_the_batch():
     perm = torch.randperm(70, generator=g)
     assert torch.equal(determinism.linear(x[perm], w, b), full[perm])
     assert torch.equal(determinism.linear(x.view(7, 10, 96), w, b), full.view(7, 10, 80))
+
+
+def test_rows_linear_is_the_linear_in_fixed_calls():
+    """`rows_linear` (the mode's CUDA nn.Linear): F.linear's values for any row count (padded to whole
+    GPU_ROWS-row calls and cut back), 3-D and strided inputs, with and without a bias. (Its bits per
+    row are the GEMM's at one shape; that they do not depend on the row's position is checked on the
+    GPU: tests/test_kernels.py `test_invariant_rows_on_cuda`, and by `apply` itself.)"""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(3 * determinism.GPU_ROWS + 5, 24, generator=g)
+    for m in (0, 1, determinism.GPU_ROWS - 1, determinism.GPU_ROWS, determinism.GPU_ROWS + 1, x.shape[0]):
+        for bias in (b, None):
+            got = determinism.rows_linear(x[:m], w, bias)
+            assert got.shape == (m, 40) and got.is_contiguous()
+            assert torch.allclose(got, F.linear(x[:m], w, bias), atol=1e-5, rtol=1e-5), m
+    strided = torch.randn(24, 70, generator=g).t()                      # rows not contiguous
+    assert torch.allclose(determinism.rows_linear(strided, w, b), F.linear(strided, w, b), atol=1e-5, rtol=1e-5)
+    assert determinism.rows_linear(x[:70].view(7, 10, 24), w, b).shape == (7, 10, 40)
+
+
+def test_rows_check_finds_a_row_that_depends_on_its_position(monkeypatch):
+    """`rows_invariant` (what `apply` runs per CUDA layer shape before it lets cuBLAS row calls serve)
+    tells a row-wise computation from one whose row bits move with the row's position or with the
+    other rows (here made so on purpose), at every position of two calls."""
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(16, 8, generator=g), torch.randn(16, generator=g)
+
+    def exact(x, weight, bias=None):            # float64 products and sums: each row alone, exactly
+        return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
+
+    monkeypatch.setattr(determinism, "rows_linear", exact)
+    assert determinism.rows_invariant(w, b, graph=False)
+    late = determinism.GPU_ROWS + 7
+    monkeypatch.setattr(determinism, "rows_linear",
+                        lambda x, weight, bias=None: exact(x, weight, bias) + (torch.arange(x.shape[0]) == late)[:, None])
+    assert not determinism.rows_invariant(w, b, graph=False)       # one position of the second call
+    monkeypatch.setattr(determinism, "rows_linear",
+                        lambda x, weight, bias=None: exact(x, weight, bias) + x.shape[0] * 1e-3)
+    assert not determinism.rows_invariant(w, b, graph=False)       # the batch's size
+
+
+def test_an_unknown_gpu_matmul_is_refused(monkeypatch):
+    """VOXPIPE_INVARIANT_MATMUL (read at import into determinism.GPU_MATMUL) other than cublas / triton:
+    apply refuses, naming the values."""
+    monkeypatch.setattr(determinism, "GPU_MATMUL", "cuBLAS ")
+    with pytest.raises(ValueError, match="cublas, triton"):
+        determinism.apply(torch.nn.Linear(4, 4))
 
 
 def test_attention_rows_do_not_depend_on_padding_or_batch():

@@ -13,11 +13,21 @@ and the decode path between per-pair GEMVs and grouped GEMMs by the batch's toke
 process keeps the default path, exactly as fast as before):
 - every nn.Linear becomes an `InvariantLinear`: on the CPU the rows go through F.linear in blocks
   of exactly ROWS rows (the last one zero-padded), so each row sees one fixed GEMM shape; on CUDA
-  `kernels.invariant.matmul`, one fixed tile shape and a fixed K order (no split-K);
+  the same idea at GPU_ROWS rows (`rows_linear`): every call of a layer is cuBLAS at one shape
+  [GPU_ROWS, K] x [K, N] (zero-padded, 256-byte aligned, contiguous, into a preallocated output), so
+  a decode step of any batch bucket, a prefill, an extend or a recompute give a row one computation.
+  A GEMM has no data-dependent control flow: a row's bits depend on the algorithm cuBLAS picks for
+  the shape, alignment and workspace (all fixed here) and on the row's position in the call; `apply`
+  checks the position (`rows_invariant`: each layer shape's rows at every position of two calls,
+  beside random rows, eagerly and replayed in a CUDA graph, against the row alone) and keeps
+  `kernels.invariant.matmul` (one fixed tile shape and a fixed K order, no split-K) for a shape that
+  fails it, or for every layer with VOXPIPE_INVARIANT_MATMUL=triton;
 - convolutions (`InvariantConv1d` / `InvariantConvTranspose1d`): depthwise ones as ordered taps, the
   others on CUDA as im2col rows through the invariant matmul, all samples at once; elsewhere one
   sample at a time;
-- silu and sigmoid take `silu` / `sigmoid` below (one formula for every element);
+- silu and sigmoid take `silu` / `sigmoid` below (one formula for every element); on the kernel path
+  a fused gate/up projection's SwiGLU is kernels.glu (one program per row and column block, the
+  same instructions for every element);
 - attention layers and MoE layers get `invariant = True`: attention runs inside `scope()`, where the
   KV caches call `attention` below instead of SDPA; the MoE experts take `experts` below.
 Outputs in this mode are the reference model's up to float rounding order (not its exact bits: the
@@ -27,6 +37,8 @@ reference itself is not batch-invariant); greedy ids agree with it wherever the 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
 
 import torch
@@ -37,6 +49,17 @@ from voxpipe import kernels
 
 ROWS = 4           # CPU: rows per matmul call (one GEMM shape; M >= 4 avoids MKL's small-M paths)
 KEY_BLOCK = 16     # attention: keys per block of the fixed-order online softmax
+GPU_ROWS = 64      # CUDA: rows per cuBLAS call of an nn.Linear (a c = 64 decode step: one call)
+ALIGN = 256        # CUDA: bytes the rows of a call start on (cuBLAS picks kernels by pointer alignment)
+# the mode's nn.Linear layers on CUDA: "cublas" (`rows_linear`, each layer shape checked by
+# `rows_invariant` at `apply`) or "triton" (kernels.invariant.matmul for every layer)
+GPU_MATMUL = os.environ.get("VOXPIPE_INVARIANT_MATMUL", "cublas")
+GPU_MATMULS = ("cublas", "triton")
+
+log = logging.getLogger(__name__)
+# CUDA nn.Linear layers put in the mode so far in this process, by the path they take ("cublas",
+# "triton") -- what bench/determinism_check.py reports beside its bits
+LINEAR_PATHS: dict[str, int] = {}
 
 _local = threading.local()
 
@@ -89,10 +112,94 @@ def _blocked_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out[:m]
 
 
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) [..., N] as cuBLAS calls of exactly GPU_ROWS rows each: the rows
+    zero-padded to a multiple of GPU_ROWS in a contiguous buffer starting on ALIGN bytes (x itself
+    when it already is one), each call's [GPU_ROWS, N] written into one preallocated output. Every
+    call has one shape, strides and alignment whatever the row count, so cuBLAS runs one algorithm
+    for it; that a row's bits then do not depend on its position in the call is what
+    `rows_invariant` checks (apply)."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    m, k = rows.shape
+    padded = -(-m // GPU_ROWS) * GPU_ROWS
+    if padded != m or not rows.is_contiguous() or rows.data_ptr() % ALIGN:
+        buf = rows.new_empty(padded, k)
+        buf[:m].copy_(rows)
+        buf[m:].zero_()
+        rows = buf
+    out = rows.new_empty(padded, weight.shape[0])
+    wt = weight.t()
+    for i in range(0, padded, GPU_ROWS):
+        if bias is None:
+            torch.mm(rows[i:i + GPU_ROWS], wt, out=out[i:i + GPU_ROWS])
+        else:
+            torch.addmm(bias, rows[i:i + GPU_ROWS], wt, out=out[i:i + GPU_ROWS])
+    return out[:m].view(*shape[:-1], weight.shape[0])
+
+
+def rows_invariant(weight: torch.Tensor, bias: torch.Tensor | None, graph: bool = True, seed: int = 0) -> bool:
+    """Whether `rows_linear` gives a row the same bits wherever it sits: one target row alone, then
+    at every position p of 2 * GPU_ROWS (both calls of a two-call batch) inside a batch of p + 1 ..
+    2 * GPU_ROWS rows (so every padded tail, every bucket size) of random rows (scales 1e-2 .. 1e2),
+    eagerly; with `graph`, also replayed in CUDA graphs captured on one GPU_ROWS-row batch and on a
+    one-row batch (the decode graphs' shapes), the target at several positions. Any exception (a
+    capture that fails): False."""
+    try:
+        return _rows_invariant(weight, bias, graph, seed)
+    except Exception:       # the layer keeps the Triton kernel
+        log.exception("--deterministic: the cuBLAS row check of a [%d, %d] linear failed to run",
+                      *weight.shape)
+        return False
+
+
+def _rows_invariant(weight: torch.Tensor, bias: torch.Tensor | None, graph: bool, seed: int) -> bool:
+    dev, k = weight.device, weight.shape[1]
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * scale).to(weight.dtype)
+
+    target = rand(k)
+    alone = rows_linear(target[None], weight, bias)[0]
+    span = 2 * GPU_ROWS
+    for p in range(span):
+        m = p + 1 + int(torch.randint(0, span - p, (1,), generator=g, device=dev))
+        x = rand(m, k, scale=10.0 ** (p % 5 - 2))
+        x[p] = target
+        if not torch.equal(rows_linear(x, weight, bias)[p], alone):
+            return False
+    if not graph or dev.type != "cuda":
+        return True
+    for m in (GPU_ROWS, 1):
+        static = rand(m, k)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            rows_linear(static, weight, bias)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            out = rows_linear(static, weight, bias)
+        for p in sorted({0, 1, m // 2, m - 1}):
+            static.copy_(rand(m, k, scale=10.0 ** (p % 5 - 2)))
+            static[p] = target
+            cuda_graph.replay()
+            if not torch.equal(out[p], alone):
+                return False
+        del cuda_graph
+    return True
+
+
 class InvariantLinear(nn.Linear):
-    """nn.Linear through `linear` (set by `apply` on a loaded module: same parameters)."""
+    """nn.Linear through `linear` (set by `apply` on a loaded module: same parameters); on CUDA with
+    `cublas_rows` (set by `apply` where `rows_invariant` held) through `rows_linear`."""
+
+    cublas_rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cublas_rows and x.is_cuda:
+            return rows_linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, tf32=torch.backends.cuda.matmul.allow_tf32)
 
 
@@ -261,20 +368,43 @@ def apply(model: nn.Module) -> nn.Module:
     on_cuda = any(p.is_cuda for p in model.parameters())
     if on_cuda and not (kernels.ENABLED and _triton_available()):
         raise ValueError("--deterministic on CUDA needs the Triton kernels (Triton installed, VOXPIPE_KERNELS not 0)")
+    if GPU_MATMUL not in GPU_MATMULS:
+        raise ValueError(f"VOXPIPE_INVARIANT_MATMUL={GPU_MATMUL!r}: expected one of {', '.join(GPU_MATMULS)}")
     if on_cuda:
         torch.backends.cudnn.deterministic = True       # one convolution algorithm per shape, no atomics
         torch.backends.cudnn.benchmark = False
+    checked: dict[tuple, bool] = {}
     for m in model.modules():
         swap = _CLASSES.get(type(m))
         if swap is not None:
             m.__class__ = swap
             if swap is InvariantConvTranspose1d:
                 m.prepare()
+            if swap is InvariantLinear and m.weight.is_cuda:
+                m.cublas_rows = GPU_MATMUL == "cublas" and _rows_checked(m.weight, m.bias, checked)
+                path = "cublas" if m.cublas_rows else "triton"
+                LINEAR_PATHS[path] = LINEAR_PATHS.get(path, 0) + 1
         if hasattr(m, "invariant"):
             m.invariant = True
         if getattr(m, "act", None) is F.silu:       # GatedMLP, the talker's ResizeMLP
             m.act = silu
     return model
+
+
+def _rows_checked(weight: torch.Tensor, bias: torch.Tensor | None, checked: dict[tuple, bool]) -> bool:
+    """`rows_invariant` once per layer shape (what cuBLAS picks its algorithm by: shapes, dtypes,
+    the weight's alignment, the math-mode flags)."""
+    matmul = torch.backends.cuda.matmul
+    key = (tuple(weight.shape), weight.stride(), weight.dtype, weight.device, weight.data_ptr() % ALIGN,
+           None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % ALIGN), matmul.allow_tf32,
+           matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    if key not in checked:
+        with torch.no_grad():
+            checked[key] = rows_invariant(weight, bias)
+        if not checked[key]:
+            log.warning("--deterministic: a [%d, %d] linear's rows depend on their position in cuBLAS calls "
+                        "of %d rows on this GPU: it keeps the Triton kernel", *weight.shape, GPU_ROWS)
+    return checked[key]
 
 
 def _triton_available() -> bool:

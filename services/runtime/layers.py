@@ -167,7 +167,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            if kernels.active(gate_up) and self.act is F.silu:
+            # (the batch-invariant mode's silu too: the kernel computes every element alike)
+            if kernels.active(gate_up) and (self.act is F.silu or self.act is determinism.silu):
                 return self.down_proj(kernels.glu.run(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
