@@ -1134,6 +1134,19 @@ def test_kernel_on_cuda(kernel: str) -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_invariant_rows_on_cuda(capsys) -> None:
+    """The batch-invariant mode's cuBLAS row calls (determinism.rows_linear) at every nn.Linear shape of
+    the released config: a row's bits the same alone and at every position of batches of every size,
+    eager, replayed at every decode graph bucket, and in prefill-sized batches (bench/invariant_rows.py)."""
+    from voxpipe.bench import invariant_rows
+
+    code = invariant_rows.main(["--no-time"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert code == 0, [x for x in lines if not x.get("check", True) or not x.get("buckets", True)
+                       or not x.get("prefill", True)]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 def test_layers_dispatch_on_cuda(monkeypatch) -> None:
     """RMSNorm / SnakeBeta / DecoderLayer on CUDA with the kernels on match them with the switch off."""

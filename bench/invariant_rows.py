@@ -1,0 +1,145 @@
+"""The batch-invariant mode's cuBLAS row calls (`determinism.rows_linear`, --deterministic on CUDA) at
+every nn.Linear shape the three stages serve (the released config, built on the meta device and laid
+out for serving; thinker and talker in bfloat16, code2wav in float32): a row's bits must not depend
+on what else is in its batch. Per shape, random weights (and bias where the layer has one):
+    check        `determinism.rows_invariant`, what `apply` runs before it lets a shape serve: a
+                 target row alone, then at every position of two calls (128 rows) inside batches of
+                 every size up to 128 of random rows (scales 1e-2 .. 1e2), eagerly, and replayed in
+                 CUDA graphs of 64 rows and of 1 row
+    buckets      the target at a random position of a batch of every size n = 1 .. 64 of random rows,
+                 through a GraphedStep captured at the decode buckets 1, 2, 4, .. 64 (a replay pads n to
+                 its bucket, as the engines' decode steps do) = the target alone, eager
+    prefill      the target at a random position of eager batches of 65, 100, 128, 200 and 4,096 rows
+                 (several calls: prefills, extends, code2wav's frames) = alone
+    us           per call at 64 rows inside one CUDA graph, each call another copy of the weight (from
+                 HBM as in a step): F.linear (the default mode), rows_linear (the mode) and
+                 kernels.invariant.matmul (the mode's Triton kernel, VOXPIPE_INVARIANT_MATMUL=triton)
+
+    python -m voxpipe.bench.invariant_rows [--stages thinker,talker,code2wav] [--no-time]   (device tool)
+
+One JSON line per shape, then a summary line; exits 1 if any check fails."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voxpipe.services.runtime import determinism
+
+STAGES = ("thinker", "talker", "code2wav")
+PREFILL_ROWS = (65, 100, 128, 200, 4096)
+CALLS, COPIES_MB = 16, 160
+
+
+def stage_linears(stages: tuple[str, ...]) -> dict[tuple[int, int, bool, torch.dtype], list[str]]:
+    """(in, out, bias, dtype) of every nn.Linear the stages serve -> the stages that have it."""
+    from voxpipe.services.code2wav.model import Code2WavModel
+    from voxpipe.services.runtime.config import OmniConfig, released_config_path
+    from voxpipe.services.runtime.layers import fuse_projections
+    from voxpipe.services.talker.model import TalkerModel
+    from voxpipe.services.thinker.model import ThinkerModel
+
+    cfg = OmniConfig.load(released_config_path())
+    factories = {"thinker": (lambda: ThinkerModel(cfg.thinker), torch.bfloat16),
+                 "talker": (lambda: TalkerModel(cfg.talker), torch.bfloat16),
+                 "code2wav": (lambda: Code2WavModel(cfg.code2wav), torch.float32)}
+    out: dict[tuple[int, int, bool, torch.dtype], list[str]] = {}
+    with torch.device("meta"):
+        for stage in stages:
+            factory, dtype = factories[stage]
+            model = factory()
+            fuse_projections(model)         # serving_layout on CUDA
+            for m in model.modules():
+                if type(m) is nn.Linear:
+                    stages_of = out.setdefault((m.in_features, m.out_features, m.bias is not None, dtype), [])
+                    if stage not in stages_of:
+                        stages_of.append(stage)
+    return out
+
+
+def bucket_check(weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Generator) -> tuple[bool, bool]:
+    """(buckets, prefill) as the module docstring says."""
+    from voxpipe.services.runtime.cuda_graphs import GraphedStep, buckets
+
+    dev, k = weight.device, weight.shape[1]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=dev).to(weight.dtype)
+
+    target = rand(k)
+    alone = determinism.rows_linear(target[None], weight, bias)[0]
+    limit = determinism.GPU_ROWS
+    step = GraphedStep(lambda n, kv, x: (determinism.rows_linear(x, weight, bias),), (rand(limit, k),),
+                       buckets(limit), [1], "invariant rows")
+    ok_buckets = True
+    for n in range(1, limit + 1):
+        x = rand(n, k)
+        at = int(torch.randint(0, n, (1,), generator=g, device=dev))
+        x[at] = target
+        (out,) = step(n, 1, x)
+        ok_buckets &= bool(torch.equal(out[at], alone))
+    ok_prefill = True
+    for n in PREFILL_ROWS:
+        x = rand(n, k)
+        at = int(torch.randint(0, n, (1,), generator=g, device=dev))
+        x[at] = target
+        ok_prefill &= bool(torch.equal(determinism.rows_linear(x, weight, bias)[at], alone))
+    return ok_buckets, ok_prefill
+
+
+def times(k: int, n: int, has_bias: bool, dtype: torch.dtype) -> dict[str, float]:
+    from voxpipe.bench.normlinear_tune import graphed
+    from voxpipe.kernels import invariant
+
+    dev = torch.device("cuda")
+    copies = max(2, math.ceil(COPIES_MB * 2**20 / (n * k * dtype.itemsize)))
+    copies = min(copies, CALLS)
+    weights = [(torch.randn(n, k, device=dev) / math.sqrt(k)).to(dtype) for _ in range(copies)]
+    bias = torch.randn(n, device=dev).to(dtype) if has_bias else None
+    x = torch.randn(determinism.GPU_ROWS, k, device=dev).to(dtype)
+    ws = [weights[i % copies] for i in range(CALLS)]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    return {"f_linear_us": round(graphed([lambda w=w: F.linear(x, w, bias) for w in ws]), 2),
+            "rows_linear_us": round(graphed([lambda w=w: determinism.rows_linear(x, w, bias) for w in ws]), 2),
+            "triton_us": round(graphed([lambda w=w: invariant.matmul(x, w, bias, tf32=tf32) for w in ws]), 2)}
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", default=",".join(STAGES))
+    ap.add_argument("--no-time", dest="time", action="store_false", help="the checks only")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    shapes = stage_linears(tuple(args.stages.split(",")))
+    failed = []
+    for (k, n, has_bias, dtype), stages in shapes.items():
+        g = torch.Generator(device=dev).manual_seed(k * 7919 + n)
+        weight = (torch.randn(n, k, generator=g, device=dev) / math.sqrt(k)).to(dtype)
+        bias = torch.randn(n, generator=g, device=dev).to(dtype) if has_bias else None
+        line = {"shape": [k, n], "bias": has_bias, "dtype": str(dtype)[6:], "stages": stages,
+                "check": determinism.rows_invariant(weight, bias)}
+        line["buckets"], line["prefill"] = bucket_check(weight, bias, g)
+        if args.time:
+            line.update(times(k, n, has_bias, dtype))
+        if not (line["check"] and line["buckets"] and line["prefill"]):
+            failed.append([k, n])
+        print(json.dumps(line), flush=True)
+        del weight, bias
+        torch.cuda.empty_cache()
+    print(json.dumps({"summary": "invariant_rows", "shapes": len(shapes), "failed": failed,
+                      "rows": determinism.GPU_ROWS, "device": torch.cuda.get_device_name()}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
