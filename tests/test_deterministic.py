@@ -59,12 +59,32 @@ def test_rows_check_finds_a_row_that_depends_on_its_position(monkeypatch):
     monkeypatch.setattr(determinism, "rows_linear", exact)
     assert determinism.rows_invariant(w, b, graph=False)
     late = determinism.GPU_ROWS + 7
-    monkeypatch.setattr(determinism, "rows_linear",
-                        lambda x, weight, bias=None: exact(x, weight, bias) + (torch.arange(x.shape[0]) == late)[:, None])
+    def moved(x, weight, bias=None):
+        return exact(x, weight, bias) + (torch.arange(x.shape[0]) == late)[:, None]
+
+    monkeypatch.setattr(determinism, "rows_linear", moved)
     assert not determinism.rows_invariant(w, b, graph=False)       # one position of the second call
     monkeypatch.setattr(determinism, "rows_linear",
                         lambda x, weight, bias=None: exact(x, weight, bias) + x.shape[0] * 1e-3)
     assert not determinism.rows_invariant(w, b, graph=False)       # the batch's size
+
+
+def test_experts_sorted_by_counting_as_by_sorting(monkeypatch):
+    """kernels.invariant.by_expert (the invariant experts' pair order on CUDA): counting and the stable
+    sort give the same integers for spread, skewed and single-expert routes, so that which one a step's
+    pair count picks changes no bit."""
+    from voxpipe.kernels import invariant
+
+    g = torch.Generator().manual_seed(9)
+    routes = [torch.randint(0, 128, (64 * 6,), generator=g), torch.randint(0, 3, (41,), generator=g) * 40,
+              torch.full((17,), 5), torch.randint(0, 8, (1,), generator=g)]
+    for flat in routes:
+        counted = invariant.by_expert(flat, 128)
+        monkeypatch.setattr(invariant, "ONE_HOT_MAX", 0)
+        sorted_ = invariant.by_expert(flat, 128)
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(counted, sorted_))
+        assert torch.equal(flat[counted[0]], torch.sort(flat, stable=True).values)
 
 
 def test_an_unknown_gpu_matmul_is_refused(monkeypatch):
