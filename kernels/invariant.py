@@ -180,6 +180,45 @@ def moe(x: torch.Tensor, top_idx: torch.Tensor, gate_up: torch.Tensor, down: tor
     return y
 
 
+def reference_weighted_sum(y: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+    """A token's K expert rows y [T * K, H] (pair order) weighted by top_w [T, K] and summed left to
+    right, each product and each partial sum rounded to y's dtype (determinism.ordered_sum's
+    arithmetic): [T, H]."""
+    t, k = top_w.shape
+    parts = (y.view(t, k, -1) * top_w[..., None].to(y.dtype)).unbind(1)
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
+    return out
+
+
+def weighted_sum_eligible(y: torch.Tensor, top_w: torch.Tensor) -> bool:
+    """bfloat16 rows only: every step rounds through bits there, so nothing can fuse into an FMA (in
+    float32 a multiply-add could, and the bits would leave the reference's)."""
+    return (y.ndim == 2 and top_w.ndim == 2 and top_w.shape[0] > 0 and y.shape[0] == top_w.numel()
+            and y.dtype == torch.bfloat16 and top_w.dtype in FLOAT_DTYPES and y.is_contiguous()
+            and top_w.is_contiguous() and launchable(y, top_w))
+
+
+def weighted_sum(y: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+    """Triton; assumes `weighted_sum_eligible(...)`. `reference_weighted_sum`'s bits in one launch (it
+    took K launches), one program per (token, BLOCK_H columns): a token's sum is its own."""
+    t, k = top_w.shape
+    h = y.shape[1]
+    out = torch.empty(t, h, dtype=y.dtype, device=y.device)
+    block = min(1024, triton.next_power_of_2(h))
+    with device_of(y):
+        _weighted_sum[(t, triton.cdiv(h, block))](y, top_w, out, h, K=k, BLOCK=block,
+                                                  num_warps=4 if block >= 512 else 1)
+    return out
+
+
+def run_weighted_sum(y: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+    if weighted_sum_eligible(y, top_w):
+        return weighted_sum(y, top_w)
+    return reference_weighted_sum(y, top_w)
+
+
 def run_moe(x: torch.Tensor, top_idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     if moe_eligible(x, top_idx, gate_up, down):
         return moe(x, top_idx, gate_up, down)
@@ -319,6 +358,23 @@ if triton is not None:
                 tl.store(out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], round_to(a * u, dtype), mask=ok)
             else:
                 tl.store(out_ptr + pair[:, None] * n + cols[None, :], round_to(acc, dtype), mask=ok)
+
+    @triton.jit
+    def _weighted_sum(y_ptr, w_ptr, out_ptr, h, K: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < h
+        dtype = out_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            w = round_to(tl.load(w_ptr + t * K + j).to(tl.float32), dtype).to(tl.float32)
+            y = tl.load(y_ptr + (t * K + j) * h + cols, mask=ok, other=0.0).to(tl.float32)
+            p = round_to(y * w, dtype).to(tl.float32)
+            if j == 0:
+                acc = p
+            else:
+                acc = round_to(acc + p, dtype).to(tl.float32)
+        tl.store(out_ptr + t * h + cols, round_to(acc, dtype), mask=ok)
 
     # the batch's own integers never specialise the compiled kernel: the mask's batch stride is 0 for
     # one sequence (a broadcast mask) and S * L for several, and a stride's divisibility can change

@@ -810,6 +810,13 @@ def check_invariant(device: str) -> list[dict]:
         out.append(_exact_record(f"invariant moe {name}: a token alone = among 40", one, got[:k]))
         flipped = invariant.run_moe(xs.flip(0), idx.flip(0), gu, dn)
         out.append(_exact_record(f"invariant moe {name}: tokens reordered", flipped[-k:], got[:k]))
+        tw = torch.softmax(torch.randn(40, k, generator=g), -1).to(device)
+        assert invariant.weighted_sum_eligible(got, tw) == (dt == torch.bfloat16)
+        summed = invariant.run_weighted_sum(got, tw)
+        out.append(_exact_record(f"invariant weighted sum {name} = the ordered sum's bits", summed,
+                                 invariant.reference_weighted_sum(got, tw)))
+        out.append(_exact_record(f"invariant weighted sum {name}: a token alone = among 40",
+                                 invariant.run_weighted_sum(got[:k], tw[:1]), summed[:1]))
     q32 = torch.randn(2, 4, 5, 32, generator=g).to(device)
     kv32 = [torch.randn(2, 2, 40, 32, generator=g).to(device) for _ in range(2)]
     lengths = torch.tensor([[23], [40]]).to(device)

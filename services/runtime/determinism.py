@@ -343,6 +343,8 @@ def experts(module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor)
     t, k = top_idx.shape
     if kernels.active(x) and kernels.invariant.moe_eligible(x, top_idx, module.gate_up, module.down):
         y = kernels.invariant.moe(x, top_idx, module.gate_up, module.down)           # [T * K, H] pair order
+        if kernels.invariant.weighted_sum_eligible(y, top_w):     # the sum below in one launch, same bits
+            return kernels.invariant.weighted_sum(y, top_w)
     else:
         y = x.new_empty(t * k, x.shape[1])
         flat = top_idx.reshape(-1)
