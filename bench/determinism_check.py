@@ -11,8 +11,10 @@ frame, a sample). Before any timing each engine runs the batch once untimed (fir
 compiles, allocator growth), so `batch_s` is a warm batch in either mode; per stage each mode's cost
 at c is its batched wall time over the default mode's, minus 1. One JSON line per stage and mode (on
 CUDA with `linears`: how many of the stage's nn.Linear layers took cuBLAS row calls and how many
-the Triton kernel, determinism.LINEAR_PATHS). `--modes` may add `deterministic-triton`: the mode
-with every CUDA linear through kernels.invariant.matmul (VOXPIPE_INVARIANT_MATMUL=triton).
+the Triton kernel, determinism.LINEAR_PATHS; `conv_shapes`: how many of its convolutions' (layer,
+input) shapes took cuDNN sample calls and how many the Triton path, determinism.CONV_SHAPES).
+`--modes` may add `deterministic-triton`: the mode with every CUDA linear and convolution through the
+Triton kernels (VOXPIPE_INVARIANT_MATMUL=triton VOXPIPE_INVARIANT_CONV=triton), as before.
 
     python -m voxpipe.bench.determinism_check --device cuda --load-format dummy --concurrency 64
     python -m voxpipe.bench.determinism_check --device cpu --concurrency 4      # the tiny checkpoint
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--modes", default="default,deterministic",
                    help="comma list of: default, deterministic, deterministic-triton (the mode with every CUDA linear "
-                        "through the Triton kernel, VOXPIPE_INVARIANT_MATMUL=triton)")
+                        "and convolution through the Triton kernels)")
     p.add_argument("--extra", default="", help="more flags for every stage")
     p.add_argument("--no-warm", dest="warm", action="store_false",
                    help="skip the untimed batch (a check of the bits only: batch_s then includes first-sight work)")
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
         p.error(f"--modes: unknown {', '.join(sorted(unknown))} (expected of {', '.join(MODES)})")
-    matmul = determinism.GPU_MATMUL
+    matmul, conv = determinism.GPU_MATMUL, determinism.GPU_CONV
     failed = False
     for stage in args.stages.split(","):
         seconds = {}
@@ -279,15 +281,19 @@ def main(argv: list[str] | None = None) -> int:
             # deterministic-triton: the mode with every CUDA linear through kernels.invariant.matmul (the
             # path before the cuBLAS row calls; VOXPIPE_INVARIANT_MATMUL=triton)
             determinism.GPU_MATMUL = "triton" if mode == "deterministic-triton" else matmul
-            paths = dict(determinism.LINEAR_PATHS)
+            determinism.GPU_CONV = "triton" if mode == "deterministic-triton" else conv
+            paths, conv_keys = dict(determinism.LINEAR_PATHS), set(determinism.CONV_SHAPES)
             engine = build_engine(stage, argv_stage)
             linears = {k: v - paths.get(k, 0) for k, v in determinism.LINEAR_PATHS.items() if v > paths.get(k, 0)}
             size = args.tokens if stage == "thinker" else args.frames
             targets = ("greedy",) if stage == "code2wav" else tuple(args.targets.split(","))
             result = asyncio.run(check_stage(engine, PROBES[stage](engine, size), args.concurrency, targets,
                                                  args.warm))
+            checked = [ok for key, ok in determinism.CONV_SHAPES.items() if key not in conv_keys]
+            convs = {"cudnn": sum(checked), "triton": len(checked) - sum(checked)} if checked else {}
             line = {"stage": stage, "mode": mode, "concurrency": args.concurrency, "device": args.device,
-                    **({"linears": linears} if linears else {}), **result}
+                    **({"linears": linears} if linears else {}), **({"conv_shapes": convs} if convs else {}),
+                    **result}
             print(json.dumps(line), flush=True)
             if mode.startswith("deterministic") and not all(r["equal"] and r["repeatable"] and r.get("hit_miss", True)
                                                    for r in result.values()):

@@ -69,6 +69,35 @@ def test_rows_check_finds_a_row_that_depends_on_its_position(monkeypatch):
     assert not determinism.rows_invariant(w, b, graph=False)       # the batch's size
 
 
+def test_sample_blocks_are_the_convolution_in_fixed_calls():
+    """`sample_blocks` (the mode's CUDA convolutions through cuDNN): the convolution's values for any
+    batch (padded to whole GPU_SAMPLES-sample calls and cut back) and a strided input; and
+    `samples_invariant` (what the mode runs per (layer, input) shape before cuDNN serves it) tells a
+    per-sample computation from one whose bits move with the sample's place or with the batch."""
+    g = torch.Generator().manual_seed(8)
+    conv = torch.nn.Conv1d(6, 5, 3, dilation=2).requires_grad_(False)
+    s = determinism.GPU_SAMPLES
+    x = torch.randn(2 * s + 3, 6, 30, generator=g)
+    with torch.no_grad():
+        for b in (1, s - 1, s, s + 1, x.shape[0]):
+            got = determinism.sample_blocks(x[:b], conv)
+            assert got.shape == (b, 5, 26) and torch.allclose(got, conv(x[:b]), atol=1e-5, rtol=1e-5), b
+        strided = x[:5, :, ::2]
+        assert torch.allclose(determinism.sample_blocks(strided, conv), conv(strided), atol=1e-5, rtol=1e-5)
+
+        def exact(block):       # each sample alone, in float64
+            return torch.cat([F.conv1d(v[None].double(), conv.weight.double(), conv.bias.double(), dilation=2)
+                              for v in block]).float()
+
+        assert determinism.samples_invariant(exact, (6, 30), torch.float32, torch.device("cpu"))
+        late = s + 3
+        assert not determinism.samples_invariant(
+            lambda block: exact(block) + (torch.arange(s) == late % s)[:, None, None] * (late >= s), (6, 30),
+            torch.float32, torch.device("cpu"))      # the same place of every call moves: seen at it
+        assert not determinism.samples_invariant(lambda block: exact(block) + block.mean(), (6, 30), torch.float32,
+                                                 torch.device("cpu"))
+
+
 def test_experts_sorted_by_counting_as_by_sorting(monkeypatch):
     """kernels.invariant.by_expert (the invariant experts' pair order on CUDA): counting and the stable
     sort give the same integers for spread, skewed and single-expert routes, so that which one a step's
@@ -87,12 +116,16 @@ def test_experts_sorted_by_counting_as_by_sorting(monkeypatch):
         assert torch.equal(flat[counted[0]], torch.sort(flat, stable=True).values)
 
 
-def test_an_unknown_gpu_matmul_is_refused(monkeypatch):
-    """VOXPIPE_INVARIANT_MATMUL (read at import into determinism.GPU_MATMUL) other than cublas / triton:
-    apply refuses, naming the values."""
+def test_an_unknown_gpu_path_is_refused(monkeypatch):
+    """VOXPIPE_INVARIANT_MATMUL / VOXPIPE_INVARIANT_CONV (read at import into determinism.GPU_MATMUL /
+    GPU_CONV) other than their values: apply refuses, naming the variable and the values."""
     monkeypatch.setattr(determinism, "GPU_MATMUL", "cuBLAS ")
-    with pytest.raises(ValueError, match="cublas, triton"):
+    with pytest.raises(ValueError, match="VOXPIPE_INVARIANT_MATMUL.*cublas, triton"):
         determinism.apply(torch.nn.Linear(4, 4))
+    monkeypatch.undo()
+    monkeypatch.setattr(determinism, "GPU_CONV", "")
+    with pytest.raises(ValueError, match="VOXPIPE_INVARIANT_CONV.*cudnn, triton"):
+        determinism.apply(torch.nn.Conv1d(4, 4, 3))
 
 
 def test_attention_rows_do_not_depend_on_padding_or_batch():

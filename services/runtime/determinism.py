@@ -23,8 +23,11 @@ process keeps the default path, exactly as fast as before):
   `kernels.invariant.matmul` (one fixed tile shape and a fixed K order, no split-K) for a shape that
   fails it, or for every layer with VOXPIPE_INVARIANT_MATMUL=triton;
 - convolutions (`InvariantConv1d` / `InvariantConvTranspose1d`): depthwise ones as ordered taps, the
-  others on CUDA as im2col rows through the invariant matmul, all samples at once; elsewhere one
-  sample at a time;
+  others on CUDA as cuDNN calls of exactly GPU_SAMPLES samples (`sample_blocks`: zero-padded,
+  aligned; cudnn.deterministic, no benchmarking, so one algorithm per shape), each (layer, input)
+  shape checked at its first call (`samples_invariant`: a sample at every position of two calls
+  among random ones) -- or as im2col rows through the invariant matmul, all samples at once, where
+  that fails or with VOXPIPE_INVARIANT_CONV=triton; elsewhere one sample at a time;
 - silu and sigmoid take `silu` / `sigmoid` below (one formula for every element); on the kernel path
   a fused gate/up projection's SwiGLU is kernels.glu (one program per row and column block, the
   same instructions for every element);
@@ -55,11 +58,20 @@ ALIGN = 256        # CUDA: bytes the rows of a call start on (cuBLAS picks kerne
 # `rows_invariant` at `apply`) or "triton" (kernels.invariant.matmul for every layer)
 GPU_MATMUL = os.environ.get("VOXPIPE_INVARIANT_MATMUL", "cublas")
 GPU_MATMULS = ("cublas", "triton")
+GPU_SAMPLES = 16   # CUDA: samples per cuDNN call of a dense convolution (code2wav's default --max-batch)
+# the mode's dense convolutions on CUDA: "cudnn" (`sample_blocks`, each layer and input shape checked
+# by `samples_invariant` at its first call) or "triton" (im2col rows through kernels.invariant.matmul)
+GPU_CONV = os.environ.get("VOXPIPE_INVARIANT_CONV", "cudnn")
+GPU_CONVS = ("cudnn", "triton")
 
 log = logging.getLogger(__name__)
 # CUDA nn.Linear layers put in the mode so far in this process, by the path they take ("cublas",
 # "triton") -- what bench/determinism_check.py reports beside its bits
 LINEAR_PATHS: dict[str, int] = {}
+# CUDA convolution (layer, input) shapes checked so far: True where `samples_invariant` held
+CONV_SHAPES: dict[tuple, bool] = {}
+CONV_SHAPES_MAX = 512    # past this many, a new shape keeps the Triton path unchecked (eager whole-utterance
+                         # decodes meet a shape per length; the frame steps a few per layer)
 
 _local = threading.local()
 
@@ -212,6 +224,79 @@ def _conv_tf32() -> bool:
     return torch.backends.cudnn.allow_tf32
 
 
+def sample_blocks(x: torch.Tensor, run) -> torch.Tensor:
+    """run(block) [GPU_SAMPLES, ...] -> [GPU_SAMPLES, ...] over x [B, ...] in blocks of exactly
+    GPU_SAMPLES samples: x zero-padded to a multiple of GPU_SAMPLES in a contiguous buffer starting on
+    ALIGN bytes (x itself when it already is one); the outputs of the blocks joined, cut to B. Each
+    call has one shape, strides and alignment, so cuDNN (deterministic, no benchmarking) runs one
+    algorithm for it; that a sample's bits do not depend on its place in the block is what
+    `samples_invariant` checks."""
+    b = x.shape[0]
+    padded = -(-b // GPU_SAMPLES) * GPU_SAMPLES
+    if padded != b or not x.is_contiguous() or x.data_ptr() % ALIGN:
+        buf = x.new_empty(padded, *x.shape[1:])
+        buf[:b].copy_(x)
+        buf[b:].zero_()
+        x = buf
+    outs = [run(x[i:i + GPU_SAMPLES]) for i in range(0, padded, GPU_SAMPLES)]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[:b]
+
+
+def samples_invariant(run, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0) -> bool:
+    """Whether `sample_blocks(x, run)` gives a sample [*shape] the same bits wherever it sits: one
+    target sample alone, then at every position of two calls (2 * GPU_SAMPLES samples) inside batches
+    of every size past it, of random samples (scales 1e-2 .. 1e2). Any exception: False."""
+    try:
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def rand(*size: int, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*size, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
+
+        target = rand(*shape)
+        alone = sample_blocks(target[None], run)[0]
+        span = 2 * GPU_SAMPLES
+        for p in range(span):
+            b = p + 1 + int(torch.randint(0, span - p, (1,), generator=g, device=device))
+            x = rand(b, *shape, scale=10.0 ** (p % 5 - 2))
+            x[p] = target
+            if not torch.equal(sample_blocks(x, run)[p], alone):
+                return False
+        return True
+    except Exception:
+        log.exception("--deterministic: the cuDNN sample check of a convolution on %s failed to run", shape)
+        return False
+
+
+def _cudnn_samples(conv: nn.Module, x: torch.Tensor, base: type) -> bool:
+    """Whether `conv` (in the mode) takes `sample_blocks` through cuDNN for input x: on CUDA with
+    GPU_CONV "cudnn" and where `samples_invariant` held for its (layer, input) shape, checked at the
+    first such input and remembered in CONV_SHAPES (one answer per shape for the process: a shape
+    first met inside a CUDA graph capture, where nothing can be checked, keeps the Triton path, as every
+    shape first met after CONV_SHAPES_MAX others)."""
+    if GPU_CONV != "cudnn" or not x.is_cuda:
+        return False
+    key = (base.__name__, conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.dilation,
+           conv.bias is not None, tuple(x.shape[1:]), x.dtype, x.device, torch.backends.cudnn.allow_tf32,
+           torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    ok = CONV_SHAPES.get(key)
+    if ok is None:
+        if len(CONV_SHAPES) >= CONV_SHAPES_MAX:     # never recorded: False for this shape from now on
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            ok = False
+            log.warning("--deterministic: a convolution's input shape %s first met inside a CUDA graph capture: "
+                        "it keeps the Triton path", tuple(x.shape[1:]))
+        else:
+            with torch.no_grad():
+                ok = samples_invariant(lambda b: base.forward(conv, b), tuple(x.shape[1:]), x.dtype, x.device)
+            if not ok:
+                log.warning("--deterministic: a convolution's samples depend on their place in cuDNN calls of %d "
+                            "samples on this GPU (input %s): it keeps the Triton path", GPU_SAMPLES,
+                            tuple(x.shape[1:]))
+        CONV_SHAPES[key] = ok
+    return ok
+
+
 def _plain(conv: nn.Module) -> bool:
     """No padding, stride (transposed: output padding, dilation) and no groups beyond what the rows
     forms below take."""
@@ -222,8 +307,10 @@ class InvariantConv1d(nn.Conv1d):
     """nn.Conv1d [B, Cin, L] -> [B, Cout, L'] with each sample's bits independent of the batch:
     - depthwise (groups == Cin == Cout): the taps summed in order in float32, elementwise (a product
       of two 16-bit numbers is exact in float32; each add rounds alike at any shape);
-    - groups 1, stride 1, where the Triton kernels launch (CUDA): im2col rows [B * L', Cin * K]
-      through `linear` (kernels.invariant.matmul: fixed tiles, fixed K order), all samples at once;
+    - groups 1, stride 1, on CUDA: cuDNN calls of exactly GPU_SAMPLES samples (`sample_blocks`)
+      where `samples_invariant` held for the input's shape (`_cudnn_samples`), else (or with
+      VOXPIPE_INVARIANT_CONV=triton) im2col rows [B * L', Cin * K] through `linear`
+      (kernels.invariant.matmul: fixed tiles, fixed K order), all samples at once;
     - else (the CPU, whose GEMMs round a row by the call's shape) one sample at a time."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,6 +319,8 @@ class InvariantConv1d(nn.Conv1d):
             if self.groups == self.in_channels == self.out_channels:
                 return _depthwise(x, self.weight, self.bias, d)
             if self.groups == 1 and kernels.active(x):
+                if _cudnn_samples(self, x, nn.Conv1d):
+                    return sample_blocks(x, lambda block: nn.Conv1d.forward(self, block))
                 span = (k - 1) * d + 1
                 cols = x.unfold(2, span, 1)[..., ::d] if k > 1 else x[..., None]             # [B, Cin, L', K]
                 b, cin, length = cols.shape[:3]
@@ -258,7 +347,8 @@ def _depthwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 class InvariantConvTranspose1d(nn.ConvTranspose1d):
     """nn.ConvTranspose1d with each sample's bits independent of the batch. With kernel K = m * stride
-    (groups 1, no dilation / padding), where the Triton kernels launch: output block t (stride
+    (groups 1, no dilation / padding), where the Triton kernels launch: on CUDA cuDNN calls of exactly
+    GPU_SAMPLES samples as InvariantConv1d's, where checked; else output block t (stride
     positions) is sum_i x[t - i] @ W[:, :, i * stride: (i + 1) * stride], one matmul row of the m input
     columns t - m + 1 .. t (zero past the ends) against `rows_weight` [Cout * stride, Cin * m] (made
     by `apply`), all samples at once; else one sample at a time."""
@@ -284,6 +374,8 @@ class InvariantConvTranspose1d(nn.ConvTranspose1d):
     def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
         if (getattr(self, "rows_weight", None) is not None and output_size is None and x.ndim == 3
                 and kernels.active(x)):
+            if _cudnn_samples(self, x, nn.ConvTranspose1d):
+                return sample_blocks(x, lambda block: nn.ConvTranspose1d.forward(self, block))
             s, m = self.stride[0], self.kernel_size[0] // self.stride[0]
             cols = F.pad(x, (m - 1, m - 1)).unfold(2, m, 1) if m > 1 else x[..., None]    # [B, Cin, L + m - 1, m]
             b, cin, blocks = cols.shape[:3]
@@ -373,6 +465,8 @@ def apply(model: nn.Module) -> nn.Module:
         raise ValueError("--deterministic on CUDA needs the Triton kernels (Triton installed, VOXPIPE_KERNELS not 0)")
     if GPU_MATMUL not in GPU_MATMULS:
         raise ValueError(f"VOXPIPE_INVARIANT_MATMUL={GPU_MATMUL!r}: expected one of {', '.join(GPU_MATMULS)}")
+    if GPU_CONV not in GPU_CONVS:
+        raise ValueError(f"VOXPIPE_INVARIANT_CONV={GPU_CONV!r}: expected one of {', '.join(GPU_CONVS)}")
     if on_cuda:
         torch.backends.cudnn.deterministic = True       # one convolution algorithm per shape, no atomics
         torch.backends.cudnn.benchmark = False
