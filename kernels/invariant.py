@@ -14,10 +14,16 @@ Routed experts, `reference_moe` / `moe`:
     per pair p = t * K + k, e = top_idx[t, k]: g, u = gate_up[e] @ x[t] (each rounded);
     a = silu(g) (rounded) * u (rounded); y[p] = down[e] @ a (rounded)
     returns y [T * K, H] in pair order (the caller weights and sums each token's K rows)
-The pairs are sorted by expert (stable) and cut into tiles of BLOCK_M rows of one expert; a tile's
-rows go through tl.dot against that expert's weights in the fixed tile shape, so a pair's bits do
-not depend on how many other pairs chose its expert. The tile table is built on the device with
-static shapes (no host sync): safe inside CUDA graphs.
+The pairs are sorted by expert (stable; `by_expert`: by counting for a step's few hundred pairs) and
+cut into tiles of BLOCK_M rows of one expert; a tile's rows go through tl.dot against that expert's
+weights in the fixed tile shape, so a pair's bits do not depend on how many other pairs chose its
+expert. The tile table is built on the device with static shapes (no host sync): safe inside CUDA
+graphs.
+
+Weighted sum of a token's expert rows, `reference_weighted_sum` / `weighted_sum` (bfloat16):
+    y: [T * K, H] (pair order); top_w: [T, K]
+    returns sum_k round(y[t * K + k] * round(top_w[t, k])) left to right, each partial sum rounded
+    ([T, H]): the same bits as the reference's K elementwise launches, in one
 
 Attention, `reference_attention` / `attention`:
     q: [B, Hq, S, D]; k, v: [B, Hkv, L, D] (Hq a multiple of Hkv); mask: [B, 1, S, L] bool or None
