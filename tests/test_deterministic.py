@@ -191,6 +191,14 @@ def test_probe_finds_talker_codes_and_audio_equal_alone_and_batched(capsys):
         ("talker", True, True), ("code2wav", True, True)]
 
 
+def test_probe_refuses_an_unknown_mode(capsys):
+    from voxpipe.bench import determinism_check
+
+    with pytest.raises(SystemExit) as exc:
+        determinism_check.main(["--modes", "default,deterministic-cublas"])
+    assert exc.value.code == 2 and "unknown deterministic-cublas" in capsys.readouterr().err
+
+
 def test_code2wav_locate_compares_every_module_row(capsys):
     """bench/code2wav_locate at its smallest (2 utterances, 3 frames): both passes find the target's
     rows equal in the mode; in the default mode the eager pass names the first frame and module
