@@ -46,7 +46,7 @@ TurnAudio = Callable[[int, int], "torch.Tensor"]     # (session, turn) -> that t
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("conversation workload")
-    g.add_argument("--turns", type=int, default=40, help="turns per conversation session")
+    g.add_argument("--turns", type=int, default=40, help="turns per conversation session (conversation, voice-conversation, realtime-conversation)")
     g.add_argument("--turn-tokens", type=int, default=200, help="tokens of each user turn")
     g.add_argument("--context-tokens", type=int, default=32768,
                    help="the long-context probe's prompt (0: skip it); sent cold, then repeated")
