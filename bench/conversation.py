@@ -117,8 +117,11 @@ class Conversation:
         return self.ids + [t.im_start, t.assistant, self.nl]
 
     def answered(self, prompt: list[int], reply: list[int]) -> None:
-        """The reply as generated (its end of turn, if it made one, replaced by ours), into the history."""
-        body = [i for i in reply if i != self.t.im_end]
+        """The reply as generated (its end of turn, if it made one, replaced by ours), into the history.
+        An image or video placeholder the (random) weights happened to generate becomes a newline: a
+        prompt may not hold them (the thinker refuses it), so the next turn's cache hit ends there."""
+        t = self.t
+        body = [self.nl if i in (t.image_token, t.video_token) else i for i in reply if i != t.im_end]
         self.ids = prompt + body + [self.t.im_end, self.nl]
 
 

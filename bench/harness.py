@@ -83,6 +83,8 @@ class Plan:
         if not layout.single and "inprocess" in args.modes:
             raise SystemExit(f"--devices {args.devices}: replicas need separate processes (modes split, gateway); "
                              f"inprocess runs one engine per stage: leave it out of --modes")
+        if any(w.sessions for w in wls) and args.turns < 1:
+            raise SystemExit(f"--turns must be at least 1, got {args.turns}")
         counts = tuple(dict.fromkeys(args.thinker_replicas))
         if counts:
             if "inprocess" in args.modes or args.ablation:

@@ -100,15 +100,34 @@ async def session(url: str, index: int, pcm16: np.ndarray, settings: Settings, r
             records.append(rec)
 
 
-def streamed_share(base_url: str) -> tuple[float, float]:
-    """The gateway's voxpipe_gateway_realtime_prefilled_before_commit (sum, count)."""
-    body = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
-    found = {}
-    for line in body.splitlines():
-        for part in ("sum", "count"):
-            if line.startswith(f"voxpipe_gateway_realtime_prefilled_before_commit_{part} "):
-                found[part] = float(line.split()[1])
-    return found.get("sum", 0.0), found.get("count", 0.0)
+@dataclass(frozen=True)
+class GatewayCounts:
+    """What the level reads from the gateway's /metrics before and after it."""
+
+    streamed_sum: float = 0.0       # voxpipe_gateway_realtime_prefilled_before_commit: sum of the shares
+    streamed_count: float = 0.0     # ... and the streamed turns
+    routed: tuple[tuple[str, float], ...] = ()     # voxpipe_gateway_routed_total{stage="thinker"} by outcome
+
+    @classmethod
+    def read(cls, base_url: str) -> "GatewayCounts":
+        from prometheus_client.parser import text_string_to_metric_families
+
+        body = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+        found, routed = {}, {}
+        for fam in text_string_to_metric_families(body):
+            for s in fam.samples:
+                if s.name.startswith("voxpipe_gateway_realtime_prefilled_before_commit_"):
+                    found[s.name.rsplit("_", 1)[1]] = s.value
+                elif s.name == "voxpipe_gateway_routed_total" and s.labels.get("stage") == "thinker":
+                    routed[s.labels["outcome"]] = s.value
+        return cls(found.get("sum", 0.0), found.get("count", 0.0), tuple(sorted(routed.items())))
+
+    def since(self, before: "GatewayCounts") -> tuple[int, float | None, dict[str, int]]:
+        """Streamed turns, their mean share prefilled before the commit, thinker picks by outcome."""
+        count = self.streamed_count - before.streamed_count
+        share = round((self.streamed_sum - before.streamed_sum) / count, 4) if count else None
+        was = dict(before.routed)
+        return int(count), share, {k: int(v - was.get(k, 0.0)) for k, v in self.routed}
 
 
 @dataclass
@@ -124,6 +143,8 @@ class LevelReport:
     cached_fraction: float = 0.0                         # usage: cached / input tokens over the finished turns
     streamed_turns: int = 0                              # the gateway's streamed turns in the level
     prefilled_before_commit: float | None = None         # their mean share of the prompt prefilled before the commit
+    routed: dict[str, int] = field(default_factory=dict)  # the gateway's thinker picks by how they were made
+                                                          # (session, prefix, least_loaded: all with one replica)
     server: dict[str, dict] = field(default_factory=dict)    # per stage: means over the level (bench.server_stats)
     replicas: dict[str, dict] = field(default_factory=dict)  # thinker process -> streams, prefix tokens and hits
     load_spread: float = 0.0                                 # (max - min) / mean of the replicas' streams
@@ -131,6 +152,19 @@ class LevelReport:
 
 def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
+
+
+def settled(read: Callable[[], dict[str, dict]], quiet_s: float = 0.3, timeout_s: float = 10.0) -> dict[str, dict]:
+    """`read()` once two reads `quiet_s` apart agree (a stage counts a stream when its handler ends,
+    a moment after the client has the reply's last event), or after `timeout_s`."""
+    last, deadline = read(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = read()
+        if now == last:
+            break
+        last = now
+    return last
 
 
 def replica_stats(before: dict[str, dict], after: dict[str, dict]) -> tuple[dict[str, dict], float]:
@@ -156,19 +190,20 @@ async def run_level(url: str, base_url: str, pcm16: np.ndarray, settings: Settin
     from . import server_stats
 
     records: list[TurnRecord] = []
+    counts = await asyncio.to_thread(settled, replica_counts) if replica_counts else None   # first: the warm-up's end
     before = server_stats.parse(await asyncio.to_thread(scrape)) if scrape else None
-    counts = await asyncio.to_thread(replica_counts) if replica_counts else None
-    shared = await asyncio.to_thread(streamed_share, base_url)
+    gateway = await asyncio.to_thread(GatewayCounts.read, base_url)
     t0 = time.perf_counter()
     await asyncio.gather(*(session(url, s, pcm16, settings, records, echo) for s in range(sessions)))
     rep = LevelReport(sessions, wall_s=round(time.perf_counter() - t0, 2))
-    after_shared = await asyncio.to_thread(streamed_share, base_url)
+    if replica_counts:
+        rep.replicas, rep.load_spread = replica_stats(counts, await asyncio.to_thread(settled, replica_counts))
+    rep.streamed_turns, rep.prefilled_before_commit, rep.routed = \
+        (await asyncio.to_thread(GatewayCounts.read, base_url)).since(gateway)
     if scrape:
         after = server_stats.parse(await asyncio.to_thread(scrape))
         rep.server = {k: v for k, v in server_stats.level_stats(before, after, ("thinker", "talker", "code2wav")).items()
                       if v}
-    if replica_counts:
-        rep.replicas, rep.load_spread = replica_stats(counts, await asyncio.to_thread(replica_counts))
     bad = [r for r in records if r.error is not None]
     rep.failed, rep.errors = len(bad), [r.error for r in bad][:3]
     ok = [r for r in records if r.error is None]
@@ -185,13 +220,12 @@ async def run_level(url: str, base_url: str, pcm16: np.ndarray, settings: Settin
                               "ttfp_max_ms": max(ttfp), "input_tokens": round(statistics.mean(r.input_tokens for r in done)),
                               "cached_fraction": sum(r.cached_tokens for r in done) / max(sum(r.input_tokens for r in done), 1)})
     rep.worst_turn_p90_ms = max((t["ttfp_p90_ms"] for t in rep.turns), default=None)
-    count = after_shared[1] - shared[1]
-    rep.streamed_turns = int(count)
-    rep.prefilled_before_commit = round((after_shared[0] - shared[0]) / count, 4) if count else None
     print(f"realtime-conversation: {sessions} sessions x {settings.turns} turns in {rep.wall_s:.0f} s: TTFP from the "
           f"commit p50 / p90 / max {rep.ttfp_ms['p50']} / {rep.ttfp_ms['p90']} / {rep.ttfp_ms['max']} ms, worst turn's "
           f"p90 {rep.worst_turn_p90_ms} ms, cached {rep.cached_fraction:.1%}, prefilled before the commit "
           f"{_share(rep.prefilled_before_commit)} of {rep.streamed_turns} streamed turns, failed {rep.failed}"
+          + (f", thinker picks {rep.routed}, streams per replica "
+             f"{[round(d['streams']) for _, d in sorted(rep.replicas.items())]}" if len(rep.replicas) > 1 else "")
           + (f" ({rep.errors[0]})" if rep.errors else ""), flush=True)
     return rep
 
@@ -247,6 +281,9 @@ def section(report: dict) -> str:
                   + (f"; first error: {lvl['errors'][0]}" if lvl["errors"] else ""), ""]
         if len(lvl["replicas"]) > 1:
             lines += replica_table(lvl["replicas"], lvl["load_spread"])
+            lines += ["The gateway's thinker picks (session: the replica of the session's previous turn; least "
+                      "loaded: a first turn, or a session whose replica was over the load bound): "
+                      + ", ".join(f"{k} {v}" for k, v in sorted(lvl["routed"].items())), ""]
         lines += ["| turn | sessions | prompt tokens | TTFP p50 ms | TTFP p90 ms | TTFP max ms | cached |",
                   "|---|---|---|---|---|---|---|"]
         worst = max(lvl["turns"], key=lambda r: r["ttfp_max_ms"], default=None)
@@ -260,7 +297,8 @@ def section(report: dict) -> str:
 
 
 def replica_table(replicas: dict[str, dict], spread: float) -> list[str]:
-    lines = ["| thinker replica | streams | prefix tokens looked up | found (hit rate) |", "|---|---|---|---|"]
+    lines = ["| thinker replica | streams | prompt tokens looked up in its prefix cache (a streamed turn: the "
+             "conversation before its clip) | found there |", "|---|---|---|---|"]
     lines += [f"| {name} | {d['streams']:.0f} | {d['queried_tokens']:.0f} | {d['hit_tokens']:.0f} ({d['hit_rate']:.1%}) |"
               for name, d in sorted(replicas.items())]
     return lines + ["", f"load spread (max - min) / mean of streams: {spread:.1%}", ""]
