@@ -202,8 +202,8 @@ async def run_level(url: str, base_url: str, pcm16: np.ndarray, settings: Settin
         (await asyncio.to_thread(GatewayCounts.read, base_url)).since(gateway)
     if scrape:
         after = server_stats.parse(await asyncio.to_thread(scrape))
-        rep.server = {k: v for k, v in server_stats.level_stats(before, after, ("thinker", "talker", "code2wav")).items()
-                      if v}
+        stages = server_stats.level_stats(before, after, ("thinker", "talker", "code2wav"))
+        rep.server = {k: v for k, v in stages.items() if v}
     bad = [r for r in records if r.error is not None]
     rep.failed, rep.errors = len(bad), [r.error for r in bad][:3]
     ok = [r for r in records if r.error is None]
@@ -215,10 +215,10 @@ async def run_level(url: str, base_url: str, pcm16: np.ndarray, settings: Settin
     for turn in range(1, settings.turns + 1):
         done = [r for r in timed if r.turn == turn]
         if done:
-            ttfp = [r.ttfp_ms for r in done]
+            ttfp, tokens = [r.ttfp_ms for r in done], [r.input_tokens for r in done]
             rep.turns.append({"turn": turn, "n": len(done), "ttfp_p50_ms": _pct(ttfp, 50), "ttfp_p90_ms": _pct(ttfp, 90),
-                              "ttfp_max_ms": max(ttfp), "input_tokens": round(statistics.mean(r.input_tokens for r in done)),
-                              "cached_fraction": sum(r.cached_tokens for r in done) / max(sum(r.input_tokens for r in done), 1)})
+                              "ttfp_max_ms": max(ttfp), "input_tokens": round(statistics.mean(tokens)),
+                              "cached_fraction": sum(r.cached_tokens for r in done) / max(sum(tokens), 1)})
     rep.worst_turn_p90_ms = max((t["ttfp_p90_ms"] for t in rep.turns), default=None)
     print(f"realtime-conversation: {sessions} sessions x {settings.turns} turns in {rep.wall_s:.0f} s: TTFP from the "
           f"commit p50 / p90 / max {rep.ttfp_ms['p50']} / {rep.ttfp_ms['p90']} / {rep.ttfp_ms['max']} ms, worst turn's "
@@ -246,7 +246,8 @@ async def run(base_url: str, model: str, clip_pcm16: bytes, settings: Settings, 
     for c in levels:
         print(f"realtime-conversation: {c} sessions x {settings.turns} turns, appended at "
               f"{_pace(settings.pace)}", flush=True)
-        report["levels"].append(asdict(await run_level(url, base_url, pcm16, settings, c, scrape, replica_counts, echo)))
+        level = await run_level(url, base_url, pcm16, settings, c, scrape, replica_counts, echo)
+        report["levels"].append(asdict(level))
     return report
 
 
@@ -299,8 +300,8 @@ def section(report: dict) -> str:
 def replica_table(replicas: dict[str, dict], spread: float) -> list[str]:
     lines = ["| thinker replica | streams | prompt tokens looked up in its prefix cache (a streamed turn: the "
              "conversation before its clip) | found there |", "|---|---|---|---|"]
-    lines += [f"| {name} | {d['streams']:.0f} | {d['queried_tokens']:.0f} | {d['hit_tokens']:.0f} ({d['hit_rate']:.1%}) |"
-              for name, d in sorted(replicas.items())]
+    lines += [f"| {name} | {d['streams']:.0f} | {d['queried_tokens']:.0f} | {d['hit_tokens']:.0f} "
+              f"({d['hit_rate']:.1%}) |" for name, d in sorted(replicas.items())]
     return lines + ["", f"load spread (max - min) / mean of streams: {spread:.1%}", ""]
 
 
