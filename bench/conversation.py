@@ -46,7 +46,7 @@ TurnAudio = Callable[[int, int], "torch.Tensor"]     # (session, turn) -> that t
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("conversation workload")
-    g.add_argument("--turns", type=int, default=40, help="turns per conversation session")
+    g.add_argument("--turns", type=int, default=40, help="turns per conversation session (conversation, voice-conversation, realtime-conversation)")
     g.add_argument("--turn-tokens", type=int, default=200, help="tokens of each user turn")
     g.add_argument("--context-tokens", type=int, default=32768,
                    help="the long-context probe's prompt (0: skip it); sent cold, then repeated")
@@ -117,8 +117,11 @@ class Conversation:
         return self.ids + [t.im_start, t.assistant, self.nl]
 
     def answered(self, prompt: list[int], reply: list[int]) -> None:
-        """The reply as generated (its end of turn, if it made one, replaced by ours), into the history."""
-        body = [i for i in reply if i != self.t.im_end]
+        """The reply as generated (its end of turn, if it made one, replaced by ours), into the history.
+        An image or video placeholder the (random) weights happened to generate becomes a newline: a
+        prompt may not hold them (the thinker refuses it), so the next turn's cache hit ends there."""
+        t = self.t
+        body = [self.nl if i in (t.image_token, t.video_token) else i for i in reply if i != t.im_end]
         self.ids = prompt + body + [self.t.im_end, self.nl]
 
 

@@ -88,6 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(two GPUs) or thinker=cuda:0,talker=cuda:1+cuda:2,code2wav=cuda:1+cuda:2 (vLLM-Omni's three-GPU "
                         "row); DEV*N: N replicas sharing DEV; stages not named: one replica on --device. Replicas "
                         "run in modes split and gateway only")
+    p.add_argument("--thinker-replicas", default="", type=concurrency_levels, metavar="COUNTS",
+                   help="a comma list of thinker replica counts, e.g. 1,2: everything runs once per count, each on a "
+                        "fresh start of the services with that many thinkers on --devices' thinker devices, cycled "
+                        "(thinker=cuda:0 with 2: cuda:0*2; thinker=cuda:0+cuda:1 with 1: cuda:0); the report sets each "
+                        "conversation workload's prefix hit rate beside the first count's and gives the load spread "
+                        "over the replicas (modes split and gateway)")
     p.add_argument("--workload", default=["seedtts-like"], type=workload_names,
                    help="comma list of bench/BENCHMARK.md workloads, run one after the other against one start of the "
                         "services: seedtts-like (100-token prompt, 48 tokens, 125 frames), long-prompt (2,500-token "
@@ -95,7 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "short text; 48 tokens, 125 frames), realtime (seedtts-like through the realtime WebSocket, "
                         "gateway mode only; TTFP from response.create), live (sessions playing 10 s replies at 1x "
                         "real time, a think time apart: the live-stream capacity, searched over the number of "
-                        "sessions; gateway mode only, through --live-clients; --concurrency: the levels tried first)")
+                        "sessions; gateway mode only, through --live-clients; --concurrency: the levels tried first), "
+                        "conversation / voice-conversation (sessions re-sending their history as token ids, --turns "
+                        "turns; split mode only), realtime-conversation (realtime voice sessions of --turns turns, a "
+                        "clip appended at --realtime-pace and committed each turn, TTFP from the commit; gateway mode "
+                        "only; --concurrency: sessions)")
     p.add_argument("--audio", help="the voice clip of voice-in (and --realtime-audio): a wav file "
                                    "(default: bench/data/voice-in.wav, 5.7 s of espeak-ng speech at 16 kHz)")
     p.add_argument("--realtime-audio", action="store_true",

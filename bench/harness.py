@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import conversation, live, live_plot, server_stats, trace_path
+from . import conversation, live, live_plot, realtime_session, server_stats, trace_path
 from .flags import MODES, add_arguments  # noqa: F401  (add_arguments: `voxpipe bench`'s flags)
 from .report import ReferenceRun, section
 from .requests import RequestMaker
@@ -52,6 +52,7 @@ class Plan:
     layout: Layout                     # replicas and devices per stage (--devices, --device)
     sm_shares: dict[str, int]          # stage -> percent of the SMs under MPS (--mps-sm-percent)
     trace: bool = False                # --trace: the services' spans, each level's request path
+    thinker_replicas: tuple[int, ...] = ()    # --thinker-replicas: one start of the services per count
 
     @classmethod
     def of(cls, args) -> "Plan":
@@ -82,7 +83,26 @@ class Plan:
         if not layout.single and "inprocess" in args.modes:
             raise SystemExit(f"--devices {args.devices}: replicas need separate processes (modes split, gateway); "
                              f"inprocess runs one engine per stage: leave it out of --modes")
-        return cls(wls, modes, notes, layout, shares, args.trace)
+        if any(w.sessions for w in wls) and args.turns < 1:
+            raise SystemExit(f"--turns must be at least 1, got {args.turns}")
+        counts = tuple(dict.fromkeys(args.thinker_replicas))
+        if counts:
+            if "inprocess" in args.modes or args.ablation:
+                raise SystemExit("--thinker-replicas starts the services once per count (modes split, gateway): "
+                                 "leave inprocess out of --modes and --ablation off")
+            if any(w.live for w in wls):
+                raise SystemExit("--thinker-replicas compares conversation workloads; the live workload searches "
+                                 "a capacity: run it on its own --devices")
+            try:
+                for n in counts:
+                    layout.with_replicas("thinker", n)
+            except LayoutError as e:
+                raise SystemExit(f"--thinker-replicas: {e}") from None
+        return cls(wls, modes, notes, layout, shares, args.trace, counts)
+
+    def per_thinker_count(self) -> list["Plan"]:
+        """The plan once per --thinker-replicas count (its layout with that many thinkers), or itself."""
+        return [replace(self, layout=self.layout.with_replicas("thinker", n)) for n in self.thinker_replicas] or [self]
 
     def wants(self, mode: str) -> bool:
         return any(mode in m for m in self.modes.values())
@@ -316,6 +336,10 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
                        gateway_extra=list(args.gateway_arg), stage_extra={"thinker": list(args.thinker_arg)})
     pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
     scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
+
+    def thinker_counts() -> dict[str, dict]:     # per thinker replica: streams, prefix tokens looked up and found
+        return {name: server_stats.thinker_counts(server_stats.http_source({name: port})())
+                for name, port in metrics_ports.items() if stack.stage_of[name] == "thinker"}
     t0 = time.perf_counter()
     print(f"split: starting the stage services ({plan.layout.describe()})" + (" and the gateway" if http_port else ""),
           flush=True)
@@ -333,6 +357,12 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
                 for mode in plan.modes[wl.name]:
                     if wl.live:
                         info["live"] = await run_live(args, wl, maker, base_url, _served_model(http_port), plan)
+                    elif mode == "gateway" and wl.sessions:
+                        info["realtime_conversation"] = await realtime_session.run(
+                            base_url, _served_model(http_port), maker.realtime(0).audio_pcm16,
+                            realtime_session.Settings(args.turns, wl.realtime_pace, wl.text_tokens, wl.frames,
+                                                      wl.speaker, warmup=args.warmup > 0),
+                            levels_of(args, wl), scrape, thinker_counts)
                     elif mode == "gateway" and wl.realtime:
                         client = RealtimeStream(base_url, _served_model(http_port), pace=wl.realtime_pace)
                         out += await _levels(client, maker.realtime, args, wl, mode, scrape, spans)
@@ -449,6 +479,10 @@ def run_references(args, plan: Plan, model: str) -> dict[str, ReferenceRun]:
         if wl.live:
             out[wl.name] = ReferenceRun(None, "the live workload measures the served stack's capacity")
             continue
+        if wl.sessions:
+            out[wl.name] = ReferenceRun(None, "realtime sessions measure served turns from the end of speech; a "
+                                        "first turn's model work is realtime --realtime-audio's")
+            continue
         transport = "; no realtime transport in it" if wl.realtime else ""
         first = done.get(_reference_key(wl))
         if first is not None:
@@ -542,15 +576,21 @@ def run(args) -> int:
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     refs = run_references(args, plan, model) if args.reference else {}
     results: list[LevelResult] = []
-    info = {}
+    runs: list[dict] = []        # per start of the services: its thinker count, layout, and run_split's info
     if args.ablation:
         results += run_ablation(args, cfg, plan, makers, model)
     else:
         if plan.wants("split") or plan.wants("gateway"):
-            res, info = run_split(args, cfg, plan, makers, model)
-            results += res
-            print(f"split startup {info['startup_s']:.1f} s, GPU memory per service (GB): {info['gpu_mem_gb']}",
-                  flush=True)
+            for each in plan.per_thinker_count():
+                res, info = run_split(args, cfg, each, makers, model)
+                n = each.layout.replicas("thinker")
+                if plan.thinker_replicas:        # each start's levels apart in the tables
+                    for r in res:
+                        r.mode = f"{r.mode}, {n} thinker{'s' if n > 1 else ''}"
+                results += res
+                runs.append({"thinker_replicas": n, "layout": each.layout.describe(), **info})
+                print(f"split startup {info['startup_s']:.1f} s, GPU memory per service (GB): {info['gpu_mem_gb']}",
+                      flush=True)
         if plan.wants("inprocess"):
             results += run_inprocess(args, plan, makers, model)
     nbytes = active_bytes(cfg)
@@ -560,6 +600,8 @@ def run(args) -> int:
     header = (f"### {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · commit {commit} · {device_name or args.device}\n\n"
               f"`{cmd}` — layout: {plan.layout.describe()}"
               + (f" ({gpus} GPUs: req/s per GPU = req/s / {gpus})" if gpus > 1 else "")
+              + (f"; started once per thinker count ({', '.join(map(str, plan.thinker_replicas))}): "
+                 + "; ".join(p.layout.describe() for p in plan.per_thinker_count()) if plan.thinker_replicas else "")
               + (f"; SM shares under MPS: {', '.join(f'{s} {p}%' for s, p in plan.sm_shares.items())}"
                  if plan.sm_shares else "")
               + (f"; sampled at temperature {args.temperature:g}; " if args.temperature else "; greedy; ")
@@ -569,13 +611,18 @@ def run(args) -> int:
               f"response.output_audio.delta; split = the gRPC pipeline client calling the three services; "
               f"inprocess = the driver calling the engines. Voice prompts: the driver computes the clip's features "
               f"once for split / inprocess; the gateway decodes the wav and computes them per request.\n")
-    live_report = info.pop("live", None)
-    conv_report = info.pop("conversation", None)
-    if conv_report is not None:
-        (out / "conversation.json").write_text(json.dumps(conv_report, indent=1))
-    sections = [live.section(live_report) if wl.live else conversation.section(conv_report) if wl.conversation else
+    live_report = runs[0].pop("live", None) if runs else None
+    for r in runs:       # conversation.json, realtime_conversation.json (with --thinker-replicas: one per count)
+        for key in SESSION_REPORTS:
+            if r.get(key) is not None:
+                tail = f"-{r['thinker_replicas']}-thinkers" if plan.thinker_replicas else ""
+                (out / f"{key}{tail}.json").write_text(json.dumps(r[key], indent=1))
+    sections = [live.section(live_report) if wl.live else
+                session_sections(wl, runs) if wl.conversation or wl.sessions else
                 section(wl, results, refs.get(wl.name) if args.reference else None, bw, nbytes, plan.notes[wl.name])
                 for wl in plan.workloads]
+    if plan.thinker_replicas:
+        sections.append(replicas_section(runs))
     if live_report is not None:
         live_report.update(commit=commit, device=device_name or args.device, command=cmd)
         write_live(out, live_report)
@@ -589,7 +636,50 @@ def run(args) -> int:
         "sm_shares": plan.sm_shares, "reference": first.result if first else None,
         "references": {name: r.as_dict() for name, r in refs.items()},
         "workloads": {w.name: w.describe() for w in plan.workloads},
-        "notes": plan.notes, "split_info": info, "levels": [r.as_dict() for r in results], "live": live_report,
-        "conversation": conv_report},
+        "notes": plan.notes, "levels": [r.as_dict() for r in results], "live": live_report,
+        # the first (or only) start of the services; with --thinker-replicas every start's in replica_runs
+        "split_info": {k: v for k, v in (runs[0] if runs else {}).items() if k not in SESSION_REPORTS},
+        **{key: runs[0].get(key) if runs else None for key in SESSION_REPORTS},
+        "thinker_replicas": list(plan.thinker_replicas), "replica_runs": runs if plan.thinker_replicas else []},
         indent=1))
     return 0
+
+
+# run_split's info keys of the multi-turn workloads' reports (bench/conversation.py, bench/realtime_session.py)
+SESSION_REPORTS = ("conversation", "realtime_conversation")
+
+
+def session_sections(wl: Workload, runs: list[dict]) -> str:
+    """A multi-turn workload's report from each start of the services (one per --thinker-replicas count)."""
+    key, render = (("conversation", conversation.section) if wl.conversation
+                   else ("realtime_conversation", realtime_session.section))
+    parts = [(f"With {r['thinker_replicas']} thinker replica{'s' if r['thinker_replicas'] > 1 else ''} "
+              f"({r['layout']}):\n\n" if len(runs) > 1 else "") + render(r[key]) for r in runs if r.get(key)]
+    return "\n\n".join(parts)
+
+
+def replica_loads(replicas: dict[str, dict]) -> list[float]:
+    """Turns per thinker replica: the conversation workload counts them from each turn's route, the
+    realtime one from each replica's finished streams."""
+    return [d["turns"] if "turns" in d else d["streams"] for _, d in sorted(replicas.items())]
+
+
+def replicas_section(runs: list[dict]) -> str:
+    """--thinker-replicas: each multi-turn workload's prefix hit rate (cached / prompt tokens over its
+    finished turns) per thinker count, against the first count's at the same number of sessions, and
+    how evenly the turns spread over the replicas ((max - min) / mean)."""
+    lines = ["#### thinker replicas compared (--thinker-replicas): prefix hit rate = cached / prompt tokens of the "
+             "finished turns; load spread = (max - min) / mean of the replicas' turns", "",
+             "| workload | sessions | thinker replicas | prefix hit rate | against the first count | turns per replica "
+             "| load spread | failed |", "|---|---|---|---|---|---|---|---|"]
+    for key in SESSION_REPORTS:
+        first: dict[int, float] = {}
+        for r in runs:
+            for lvl in (r.get(key) or {}).get("levels", []):
+                rate = lvl["cached_fraction"]
+                base = first.setdefault(lvl["sessions"], rate)
+                loads = replica_loads(lvl["replicas"])
+                lines.append(f"| {key.replace('_', '-')} | {lvl['sessions']} | {r['thinker_replicas']} | {rate:.1%} | "
+                             f"{(rate - base) * 100:+.1f} points | {' / '.join(f'{x:.0f}' for x in loads)} | "
+                             f"{lvl['load_spread']:.1%} | {lvl['failed']} |")
+    return "\n".join(lines)

@@ -17,7 +17,7 @@ from voxpipe.client import SpeechRequest
 from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.thinker.prompt import FeatureExtractor, RenderedPrompt, render, user_turn
 
-from .voice_clip import VoiceClip
+from .voice_clip import VoiceClip, rotated
 from .workload import SYSTEM_TEXT, Workload
 
 REALTIME_RATE = 24000        # the realtime API's pcm16
@@ -66,8 +66,7 @@ class RequestMaker:
     def turn_audio(self, session: int, turn: int) -> torch.Tensor:
         """A voice conversation's user turn (bench/conversation.py): the clip rotated by an offset of
         this session and turn, so that every turn is new audio, as its log-mel features [mel, frames]."""
-        n = len(self.clip.samples)
-        return self.features(np.roll(self.clip.samples, (session * 7919 + turn * 997) % n))
+        return self.features(rotated(self.clip.samples, session, turn))
 
     def speech(self, index: int) -> SpeechRequest:
         wl = self.wl

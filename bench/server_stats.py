@@ -59,6 +59,21 @@ def streams_finished(text: str, stage: str) -> int:
     return int(total)
 
 
+def thinker_counts(text: str) -> dict[str, float]:
+    """A thinker process's totals from its /metrics page: streams ended (any outcome), prompt tokens
+    looked up in its prefix cache (queried) and found there (hit)."""
+    out = {"streams": 0.0, "queried_tokens": 0.0, "hit_tokens": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("stage") != "thinker":
+                continue
+            if s.name == "voxpipe_streams_total":
+                out["streams"] += s.value
+            elif s.name == "voxpipe_prefix_cache_tokens_total" and s.labels.get("kind") in ("queried", "hit"):
+                out[f"{'queried' if s.labels['kind'] == 'queried' else 'hit'}_tokens"] += s.value
+    return out
+
+
 def http_source(ports: dict[str, int], host: str = "127.0.0.1") -> Callable[[], str]:
     def read() -> str:
         pages = []

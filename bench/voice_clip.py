@@ -43,6 +43,13 @@ class VoiceClip:
         return resample(self.samples, CLIP_RATE, rate)
 
 
+def rotated(samples: np.ndarray, session: int, turn: int) -> np.ndarray:
+    """A multi-turn workload's user turn: the clip rotated by an offset of this session and turn, so
+    that every turn is new audio (a miss for the audio encoder caches, as a new utterance is) of the
+    clip's length and sound."""
+    return np.roll(samples, (session * 7919 + turn * 997) % max(len(samples), 1))
+
+
 def load_clip(path: str | Path | None = None) -> VoiceClip:
     """A wav file (any rate, mixed to mono, resampled to 16 kHz); None: the shipped clip."""
     p = Path(path) if path else DEFAULT_CLIP

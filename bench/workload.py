@@ -36,6 +36,7 @@ class Workload:
     temperature: float = 0.0          # > 0: thinker and talker sample (each request seeded by its index)
     live: bool = False                # sessions paced at 1x playback, the capacity searched (bench/live.py)
     conversation: bool = False        # sessions that re-send their history turn by turn (bench/conversation.py)
+    sessions: bool = False            # realtime voice sessions of --turns turns each (bench/realtime_session.py)
 
     def prompt(self, cfg: OmniConfig, index: int) -> list[int]:
         """ChatML system + user turn; user tokens random ids from the normal text range; ends with the
@@ -80,6 +81,11 @@ class Workload:
             pace = f"at {self.realtime_pace:g}x real time" if self.realtime_pace else "all at once"
             via = f" over the realtime WebSocket, appended {pace} (TTFP from the commit: the end of speech)"
         via = " per turn of each live session (realtime WebSocket and chat SSE)" if self.live else via
+        if self.sessions:
+            pace = f"at {self.realtime_pace:g}x real time" if self.realtime_pace else "all at once"
+            user = "a voice clip a turn (rotated per session and turn)"
+            via = (f" appended {pace} in realtime sessions of --turns turns (TTFP from the commit: the end of speech; "
+                   f"--concurrency: sessions)")
         how = (f"sampled at temperature {self.temperature:g} (seed: the request's index)" if self.temperature
                else "greedy")
         return f"{self.name}: {user}{via}, {self.text_tokens} text tokens, {self.frames} frames forced, {how}"
@@ -102,6 +108,10 @@ WORKLOADS = {
     "conversation": Workload(name="conversation", conversation=True, prompt_tokens=3800, frames=25, levels=(1, 16)),
     # a clip a turn (bench/conversation.py); its reference: the voice-in prompt (one clip), uncached
     "voice-conversation": Workload(name="voice-conversation", conversation=True, voice=True, frames=25, levels=(1, 16)),
+    # realtime voice sessions through the gateway, a clip spoken every turn, manual commits (bench/realtime_session.py);
+    # levels: concurrent sessions (issue 23's goals: c = 1 and 16 sessions of 40 turns)
+    "realtime-conversation": Workload(name="realtime-conversation", realtime=True, voice=True, sessions=True,
+                                      text_tokens=8, frames=16, levels=(1, 16)),
 }
 
 

@@ -258,6 +258,49 @@ def test_bench_realtime_with_the_voice_clip(tiny_model_dir, tmp_path):
     assert "% of the clip's audio tokens" in proc.stdout
 
 
+def test_bench_compares_one_thinker_replica_with_two(tiny_model_dir, tmp_path):
+    """--thinker-replicas 1,2: the services started twice, with one thinker and with two; the chat
+    conversation (split: prefix-aware choice) and the realtime voice sessions (gateway: session
+    affinity) run against each start; the report sets the prefix hit rate with two replicas beside
+    one's and gives the turns per replica and their spread."""
+    proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "conversation,realtime-conversation",
+                           "--modes", "split,gateway", "--no-reference", "--thinker-replicas", "1,2", "--concurrency", "4",
+                           "--turns", "2", "--turn-tokens", "40", "--context-tokens", "0", "--realtime-pace", "0",
+                           "--text-tokens", "2", "--frames", "4")
+    assert proc.stdout.count("split: starting the stage services (thinker cpu; talker cpu; code2wav cpu)") == 1
+    assert proc.stdout.count("split: starting the stage services (thinker 2x (cpu, cpu); talker cpu; code2wav cpu)") == 1
+    assert res["thinker_replicas"] == [1, 2] and [r["thinker_replicas"] for r in res["replica_runs"]] == [1, 2]
+    one, two = res["replica_runs"]
+    assert set(one["streams_by_process"]) == {"thinker", "talker", "code2wav"}
+    assert {"thinker0", "thinker1"} <= set(two["streams_by_process"])
+    for key in ("conversation", "realtime_conversation"):
+        assert res[key] == one[key]
+        for n in (1, 2):
+            saved = json.loads((tmp_path / "bench" / f"{key}-{n}-thinkers.json").read_text())
+            assert saved == res["replica_runs"][n - 1][key]
+        a, b = one[key]["levels"][0], two[key]["levels"][0]
+        assert a["sessions"] == b["sessions"] == 4 and a["failed"] == b["failed"] == 0
+        assert len(a["replicas"]) == 1 and len(b["replicas"]) == 2, (a["replicas"], b["replicas"])
+        loads = [d.get("turns", d.get("streams")) for d in b["replicas"].values()]
+        assert sum(loads) == 8, b["replicas"]                            # 4 sessions x 2 turns
+        assert b["load_spread"] == (max(loads) - min(loads)) / (sum(loads) / 2)
+        if key == "conversation":   # no two sessions share a block: their first turns go by load, 2 and 2
+            assert sorted(loads) == [4, 4], b["replicas"]
+        # each session's second turn found its history where its first turn went, as on one replica (the
+        # realtime sessions' first turns share the system turn's block: a replica that has not seen it misses)
+        assert a["cached_fraction"] > 0 and b["cached_fraction"] >= a["cached_fraction"] - 0.05, (key, a, b)
+    # the gateway's thinker picks: every session's second turn where its first went. (Their first turns
+    # share the system turn's block, known where the warm-up session went: they go there while it stays
+    # within the load bound, which at 4 streams in flight takes all 4.)
+    routed = two["realtime_conversation"]["levels"][0]["routed"]
+    assert sum(routed.values()) == 8 and routed["session"] == 4, routed
+    assert one["realtime_conversation"]["levels"][0]["routed"] == {"least_loaded": 8, "prefix": 0, "session": 0}
+    assert "#### thinker replicas compared (--thinker-replicas)" in md
+    assert "| conversation | 4 | 2 |" in md and "| realtime-conversation | 4 | 2 |" in md
+    assert "With 2 thinker replicas (thinker 2x (cpu, cpu); talker cpu; code2wav cpu):" in md
+    assert "| thinker0 |" in md and "load spread (max - min) / mean of streams" in md
+
+
 def test_bench_refuses_bad_workload_flags(tmp_path, capsys):
     """Each bad flag is refused, naming it, before anything starts: two cases through the real CLI in
     a subprocess, every case through the same parser and `harness.prepare` (what `bench` runs first)."""
@@ -290,6 +333,19 @@ def test_bench_refuses_bad_workload_flags(tmp_path, capsys):
         (["--workload", "live", "--live-resolution", "0"], "--live-resolution: must be positive, got 0"),
         (["--workload", "live", "--modes", "split"], "--workload live runs only in gateway mode"),
         (["--workload", "live", "--ablation"], "--ablation runs closed-loop split levels; the live workload runs"),
+    ]
+    cases += [   # the multi-turn workloads and --thinker-replicas
+        (["--workload", "realtime-conversation", "--modes", "split"],
+         "--workload realtime-conversation runs only in gateway mode"),
+        (["--workload", "realtime-conversation", "--modes", "gateway", "--turns", "0"], "--turns must be at least 1, got 0"),
+        (["--thinker-replicas", "1,0"], "--thinker-replicas: expected positive integers separated by commas, got '1,0'"),
+        (["--thinker-replicas", "two"], "--thinker-replicas: expected positive integers"),
+        (["--thinker-replicas", "1,17", "--modes", "split"], "--thinker-replicas: thinker: 17 replicas (from 1 to 16)"),
+        (["--thinker-replicas", "1,2"], "--thinker-replicas starts the services once per count (modes split, gateway): "
+                                        "leave inprocess out of --modes"),
+        (["--thinker-replicas", "2", "--modes", "split", "--ablation"], "--thinker-replicas starts the services once"),
+        (["--workload", "live", "--modes", "gateway", "--thinker-replicas", "1,2"],
+         "--thinker-replicas compares conversation workloads"),
     ]
     (tmp_path / "noise.wav").write_bytes(b"not a wav file at all")
     cases.append((["--workload", "voice-in", "--modes", "split", "--audio", str(tmp_path / "noise.wav")],

@@ -479,9 +479,48 @@ def test_the_realtime_session_bench_times_each_turn_from_the_commit(gateway, cap
     from voxpipe.bench import realtime_session
 
     args = realtime_session.parse_args(["--gateway", gateway.base_url, "--turns", "2", "--pace", "0",
-                                        "--text-tokens", "2", "--frames", "4"])
+                                        "--text-tokens", "2", "--frames", "4", "--no-warmup"])
     summary = asyncio.run(realtime_session.main(args))
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["turn"] for r in rows] == [0, 1] and rows[1]["input_tokens"] > rows[0]["input_tokens"]
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["turn"] for r in rows] == [1, 2] and rows[1]["input_tokens"] > rows[0]["input_tokens"]
+    assert all(r["error"] is None and r["ttfp_ms"] > 0 for r in rows)
     assert summary["streamed_turns"] == 2 and 0 < summary["prefilled_before_commit"] <= 1
     assert summary["without_audio"] == 0 and 0 < summary["ttfp_ms"]["p50"] <= summary["ttfp_ms"]["max"]
+    assert summary["failed"] == 0 and [t["turn"] for t in summary["turns"]] == [1, 2]
+
+
+def test_the_realtime_conversation_bench_starts_its_stack_and_times_every_turn(tiny_model_dir, tmp_path):
+    """`voxpipe bench --workload realtime-conversation` (the 40-turn and 16-session goals' measurement,
+    one command) at small size: the bench starts the services and the gateway, runs a warm-up session,
+    then 1 and then 2 sessions of 3 spoken turns each (the clip appended faster than real time, each
+    turn committed by hand); per turn the TTFP across sessions, the cached share and the share
+    prefilled before the commit, as JSON under --out and as markdown."""
+    from test_bench import _bench
+
+    proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "realtime-conversation", "--modes", "gateway",
+                           "--no-reference", "--concurrency", "1,2", "--turns", "3", "--realtime-pace", "8",
+                           "--text-tokens", "2", "--frames", "4")
+    report = res["realtime_conversation"]
+    assert report == json.loads((tmp_path / "bench" / "realtime_conversation.json").read_text())
+    assert report["settings"]["turns"] == 3 and report["settings"]["pace"] == 8 and report["warmup_errors"] == []
+    assert res["levels"] == [] and res["references"] == {}      # no single-request levels, --no-reference
+    assert [lvl["sessions"] for lvl in report["levels"]] == [1, 2]
+    for lvl in report["levels"]:
+        c = lvl["sessions"]
+        assert lvl["failed"] == 0 and lvl["without_audio"] == 0 and not lvl["errors"], lvl["errors"]
+        assert [(t["turn"], t["n"]) for t in lvl["turns"]] == [(1, c), (2, c), (3, c)]
+        tokens = [t["input_tokens"] for t in lvl["turns"]]
+        assert tokens[0] < tokens[1] < tokens[2], tokens          # the conversation grows, a clip a turn
+        assert lvl["turns"][2]["cached_fraction"] > lvl["turns"][0]["cached_fraction"] > 0     # the history hits
+        assert 0 < lvl["ttfp_ms"]["p50"] <= lvl["ttfp_ms"]["p90"] <= lvl["ttfp_ms"]["max"]
+        assert lvl["ttfp_ms"]["max"] == max(t["ttfp_max_ms"] for t in lvl["turns"])
+        assert lvl["worst_turn_p90_ms"] == max(t["ttfp_p90_ms"] for t in lvl["turns"])
+        # every turn streamed to the thinker as it was appended; a 5.7 s clip is under one encoder
+        # window, so what was prefilled before the commit is the conversation before the clip
+        assert lvl["streamed_turns"] == 3 * c and 0 < lvl["prefilled_before_commit"] < 1
+        assert list(lvl["replicas"]) == ["thinker"] and lvl["replicas"]["thinker"]["streams"] == 3 * c
+        assert lvl["server"]["thinker"]["prefilled_before_commit"] > 0
+    assert "#### realtime-conversation: a 5.7 s voice clip a turn (rotated per session and turn), appended at 8x " \
+           "real time, manual commit, 2 text tokens and 4 frames a reply, 3 turns a session" in md
+    assert "2 sessions (0 failed, 0 without audio" in md and "| 3 |" in md
+    assert "realtime-conversation: 2 sessions x 3 turns" in proc.stdout

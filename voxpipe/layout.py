@@ -56,6 +56,14 @@ class Layout:
     def replicas(self, stage: str) -> int:
         return len(self.devices[stage])
 
+    def with_replicas(self, stage: str, n: int) -> "Layout":
+        """`n` replicas of `stage` on its devices, cycled: (cuda:0,) with 2 -> cuda:0 twice;
+        (cuda:0, cuda:1) with 1 -> cuda:0. Raises LayoutError for a count out of range."""
+        if not 1 <= n <= MAX_REPLICAS:
+            raise LayoutError(f"{stage}: {n} replicas (from 1 to {MAX_REPLICAS})")
+        ds = self.devices[stage]
+        return Layout({**self.devices, stage: tuple(ds[i % len(ds)] for i in range(n))})
+
     def names(self, stage: str) -> list[str]:
         """The process names of a stage's replicas: the stage's own name for one, stage0, stage1, ... for more."""
         n = self.replicas(stage)
