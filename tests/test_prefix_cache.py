@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
 from voxpipe.cli import build_parser
 from voxpipe.services.runtime import metrics
-from voxpipe.services.runtime.block_pool import BlockPool, ContentSpan, KVBlockManager, prefix_hashes
+from voxpipe.services.runtime.block_pool import (BlockPool, ContentSpan, JoinedIds, KVBlockManager, PrefixHasher,
+                                                   prefix_hashes)
 from voxpipe.services.runtime.engine import Outbox
 from voxpipe.services.runtime.kv_cache import _causal_sdpa, _sdpa
 from voxpipe.services.runtime.outputs import Finished, TalkerPromptOut, TextOut
@@ -40,6 +42,75 @@ def test_prefix_hashes_chain_tokens_and_content():
     h1, h2 = prefix_hashes(list(range(40)), BS, spans1), prefix_hashes(list(range(40)), BS, spans2)
     assert h1[0] == h2[0] == a[0] and h1[1] != h2[1] and h1[1] != a[1]
     assert prefix_hashes(list(range(40)), BS, spans1) == h1      # content hashes are stable
+
+
+def test_prefix_hasher_remembers_a_history_and_equals_hashing_from_scratch():
+    """A conversation's next turn: its history's blocks come from the last turn's hashes (hit), a
+    prompt that leaves it inside a block recomputes from that block (partial hit), an unrelated one
+    hashes everything (miss); every answer is prefix_hashes' own, lists and arrays alike."""
+    rng = np.random.default_rng(0)
+    hasher = PrefixHasher(BS)
+    history = rng.integers(0, 400, 1000).tolist()
+    assert hasher(history) == prefix_hashes(history, BS) and hasher.reused_blocks == 0
+    turn = history + rng.integers(0, 400, 300).tolist()                        # hit: the history's 62 blocks
+    assert hasher(np.asarray(turn)) == prefix_hashes(turn, BS) and hasher.reused_blocks == 1000 // BS
+    assert hasher.held_tokens == len(turn) // BS * BS                          # the turn replaced the history
+    forked = turn[:500] + [399 - t for t in turn[500:]]                        # partial: differs from 500 on
+    before = hasher.reused_blocks
+    assert hasher(forked) == prefix_hashes(forked, BS) and hasher.reused_blocks - before == 500 // BS
+    other = rng.integers(0, 400, 700).tolist()                                 # miss: another first block
+    before = hasher.reused_blocks
+    assert hasher(other) == prefix_hashes(other, BS) and hasher.reused_blocks == before
+    assert hasher(turn) == prefix_hashes(turn, BS)                             # both branches remembered
+    assert hasher(turn[:10]) == [] and hasher(turn[:BS]) == prefix_hashes(turn[:BS], BS)
+
+
+def test_prefix_hasher_reuses_no_block_whose_content_spans_differ():
+    """Same token ids, other content behind a placeholder run (or a run moved): hashes from the first
+    block the spans reach are computed again, and equal hashing from scratch."""
+    hasher = PrefixHasher(BS)
+    tokens = list(range(200))
+    clip = [ContentSpan(100, 140, b"clip-one")]
+    assert hasher(tokens, clip) == prefix_hashes(tokens, BS, clip)
+    for spans in ([ContentSpan(100, 140, b"clip-two")], [ContentSpan(104, 140, b"clip-one")], [],
+                  clip + [ContentSpan(150, 160, b"clip-three")]):
+        before = hasher.reused_blocks
+        assert hasher(tokens, spans) == prefix_hashes(tokens, BS, spans)
+        first_diff = 150 if len(spans) == 2 else 100
+        assert hasher.reused_blocks - before == first_diff // BS
+    before = hasher.reused_blocks
+    longer = tokens + list(range(64))                                          # same clip, more turns: a hit
+    assert hasher(longer, clip) == prefix_hashes(longer, BS, clip) and hasher.reused_blocks - before == 200 // BS
+
+
+def test_prefix_hasher_is_bounded_and_exact_after_eviction():
+    rng = np.random.default_rng(1)
+    hasher = PrefixHasher(BS, max_tokens=2048, per_key=2)
+    prompts = [rng.integers(0, 400, int(n)).tolist() for n in rng.integers(100, 900, 12)]
+    shared = prompts[0][:64]
+    prompts += [shared + rng.integers(0, 400, 300).tolist() for _ in range(4)]   # one first block, 4 prompts
+    for _ in range(3):
+        for p in prompts:
+            assert hasher(p) == prefix_hashes(p, BS)
+            assert hasher.held_tokens <= 2048 or len(hasher._lru) == 1
+            assert all(len(same) <= 2 for same in hasher._by_first.values())
+    for p in prompts:                                                           # random extensions and forks
+        q = p[:int(rng.integers(0, len(p)))] + rng.integers(0, 400, int(rng.integers(0, 200))).tolist()
+        assert hasher(q) == prefix_hashes(q, BS)
+    big = rng.integers(0, 400, 5000).tolist()                                  # longer than the bound: kept alone
+    assert hasher(big) == prefix_hashes(big, BS) and len(hasher._lru) == 1
+    off = PrefixHasher(BS, max_tokens=0)                                        # remembers nothing
+    assert off(prompts[0]) == prefix_hashes(prompts[0], BS) and off.held_tokens == 0
+
+
+def test_joined_ids_slice_as_the_concatenation():
+    head, tail = list(range(40)), list(range(100, 120))
+    joined, whole = JoinedIds(head, tail), head + tail
+    assert len(joined) == 60
+    for start, stop in ((0, 60), (16, 48), (40, 60), (32, 40), (45, 50), (0, 0), (50, 100)):
+        assert joined[start:stop] == whole[start:stop]
+    with pytest.raises(TypeError):
+        joined[3]
 
 
 def test_block_pool_reuses_unpublished_blocks_first_and_evicts_the_least_recently_used():

@@ -20,6 +20,7 @@ that no shared block is written (`KVBlockManager.admit`)."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,102 @@ def prefix_hashes(tokens: Sequence[int], block_size: int, spans: Sequence[Conten
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def _span_limit(a: Sequence[ContentSpan], b: Sequence[ContentSpan]) -> float:
+    """The first position where two prompts' content spans may differ: the smallest start of a span
+    that is not the same (start, end, digest) at the same place in both lists (inf: none)."""
+    k = 0
+    while k < len(a) and k < len(b) and a[k] == b[k]:
+        k += 1
+    return min((sp.start for sp in (*a[k:], *b[k:])), default=float("inf"))
+
+
+@dataclass(eq=False)
+class _Hashed:
+    """A prompt whose block hashes are remembered: its full blocks' token ids and spans."""
+
+    tokens: np.ndarray          # [blocks * block_size] int64
+    hashes: list[bytes]
+    spans: tuple[ContentSpan, ...]
+
+
+class PrefixHasher:
+    """`prefix_hashes` (from position 0, no parent) that remembers recent prompts' token ids and block
+    hashes by content, so that a prompt sharing a prefix with one hashed before -- a conversation's
+    next turn re-sends the whole history -- hashes only the blocks past that prefix: block i's hash is
+    taken from the remembered prompt when blocks 0 .. i hold the same token ids there and every content
+    span that reaches them is the same (start, end, digest) in both, which are all its hash covers; the
+    rest is chained on from there. So a hit gives the same bytes as hashing from scratch (the shared
+    prefix is found by comparing token ids, never by a name). Candidates are the remembered prompts
+    with the same first block hash (at most `per_key`, most recent first); a prompt that extends a
+    remembered one replaces it. Bounded by `max_tokens` remembered token ids (least recently used
+    dropped first). Thread-safe."""
+
+    def __init__(self, block_size: int, max_tokens: int = 1 << 20, per_key: int = 16) -> None:
+        if block_size < 1:
+            raise ValueError(f"block size must be positive, got {block_size}")
+        self.block_size, self.max_tokens, self.per_key = block_size, max_tokens, per_key
+        self._by_first: dict[bytes, list[_Hashed]] = {}        # most recent last
+        self._lru: OrderedDict[int, tuple[bytes, _Hashed]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self.reused_blocks = 0      # blocks whose hash came from a remembered prompt
+        self.hashed_blocks = 0      # blocks hashed
+
+    @property
+    def held_tokens(self) -> int:
+        return self._held
+
+    def __call__(self, tokens: Sequence[int] | np.ndarray, spans: Sequence[ContentSpan] = ()) -> list[bytes]:
+        bs = self.block_size
+        arr = np.asarray(tokens, dtype=np.int64)
+        full = len(arr) // bs
+        if full == 0 or self.max_tokens < bs:
+            return prefix_hashes(arr, bs, spans)
+        spans = tuple(spans)
+        first = prefix_hashes(arr[:bs], bs, spans)[0]
+        with self._lock:
+            best, reuse = None, 0
+            for c in reversed(self._by_first.get(first, ())):
+                n = min(len(c.tokens), full * bs)
+                diff = np.flatnonzero(c.tokens[:n] != arr[:n])
+                common = int(diff[0]) if diff.size else n
+                k = int(min(common, _span_limit(c.spans, spans)) // bs)
+                if k > reuse:
+                    best, reuse = c, k
+            hashes = best.hashes[:reuse] if best is not None else []
+        if reuse < full:
+            lo = reuse * bs
+            shifted = [ContentSpan(s.start - lo, s.end - lo, s.digest) for s in spans if s.end > lo]
+            hashes = hashes + prefix_hashes(arr[lo:full * bs], bs, shifted, hashes[-1] if hashes else b"")
+        self.reused_blocks += reuse
+        self.hashed_blocks += full - reuse
+        with self._lock:
+            self._remember(first, _Hashed(arr[:full * bs].copy(), list(hashes), spans),
+                           best if best is not None and reuse == len(best.hashes) else None)
+        return hashes
+
+    def _remember(self, first: bytes, entry: _Hashed, extended: _Hashed | None) -> None:
+        """Keep `entry` (dropping `extended`, a prompt it extends, and the oldest past the bounds)."""
+        if extended is not None and id(extended) in self._lru:
+            self._drop(id(extended))
+        same = self._by_first.setdefault(first, [])
+        same.append(entry)
+        self._lru[id(entry)] = (first, entry)
+        self._held += len(entry.tokens)
+        if len(same) > self.per_key:
+            self._drop(id(same[0]))
+        while self._held > self.max_tokens and len(self._lru) > 1:
+            self._drop(next(iter(self._lru)))
+
+    def _drop(self, key: int) -> None:
+        first, entry = self._lru.pop(key)
+        same = self._by_first[first]
+        same.remove(entry)
+        if not same:
+            del self._by_first[first]
+        self._held -= len(entry.tokens)
 
 
 class BlockPool:
@@ -165,6 +262,24 @@ class BlockPool:
         return len(dropped)
 
 
+class JoinedIds:
+    """Two id lists read as one (a prompt, then its reply) without copying them: its length and
+    slices (what `KVBlockManager.publish` reads: the newly filled blocks' ids)."""
+
+    def __init__(self, head: Sequence[int], tail: Sequence[int]) -> None:
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, index: slice) -> list[int]:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("JoinedIds takes contiguous slices only")
+        start, stop, _ = index.indices(len(self))
+        n = len(self.head)
+        return list(self.head[start:min(stop, n)]) + list(self.tail[max(start - n, 0):max(stop - n, 0)])
+
+
 @dataclass
 class BlockTable:
     """One sequence's blocks, in position order, and how many of its first positions came from the
@@ -199,6 +314,8 @@ class KVBlockManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.stats = CacheStats()
+        # a conversation's next turn re-sends its history: its blocks' hashes come from the last turn's
+        self.hasher = PrefixHasher(block_size, max_tokens=max(num_blocks * block_size, 1 << 16))
 
     @property
     def enable_caching(self) -> bool:
@@ -217,7 +334,7 @@ class KVBlockManager:
         prefix; None when the pool cannot hold it now (nothing taken). The cached prefix ends before
         the prompt's last token (its logits must be computed) and at most at `max_cached` tokens."""
         bs = self.block_size
-        hashes = prefix_hashes(tokens, bs, spans) if self.enable_caching else []
+        hashes = self.hasher(tokens, spans) if self.enable_caching else []
         usable = (len(tokens) - 1) // bs
         if max_cached is not None:
             usable = min(usable, max_cached // bs)

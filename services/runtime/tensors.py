@@ -75,6 +75,17 @@ def ids_tensor(ids, device: torch.device | str | None = None) -> torch.Tensor:
     return t if device is None else t.to(device)
 
 
+def ids_array(msg: pb.TokenIds, name: str = "token_ids") -> np.ndarray:
+    """The ids of a TokenIds in either form as a new int64 array; ValueError as ids_of."""
+    if msg.packed:
+        if len(msg.ids):
+            raise ValueError(f"{name}: set ids or packed, not both")
+        if len(msg.packed) % 4:
+            raise ValueError(f"{name}.packed: {len(msg.packed)} bytes is not a whole number of uint32 ids")
+        return np.frombuffer(msg.packed, dtype="<u4").astype(np.int64)
+    return np.fromiter(msg.ids, dtype=np.int64, count=len(msg.ids))
+
+
 def ids_of(msg: pb.TokenIds, name: str = "token_ids") -> list[int]:
     """The ids of a TokenIds in either form; ValueError naming `name` when both forms are set or
     `packed` is not a whole number of uint32."""

@@ -27,14 +27,13 @@ from ..runtime.extend import ExtendRows, capture_extend, extend_forward
 from ..runtime.warm import packed_shapes, warm_packed, warm_sampling
 from ..runtime import metrics
 from ..runtime.affinity import placeholder_spans
-from ..runtime.block_pool import ContentSpan, KVBlockManager, prefix_hashes
+from ..runtime.block_pool import ContentSpan, JoinedIds, KVBlockManager, PrefixHasher
 from ..runtime.kv_plan import KVPlan
 from ..runtime.lru import BytesLRU
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerAudioRowsOut, TalkerPromptOut, TokenLogprob
 from ..runtime.row_keys import audio_run_keys
 from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
-from ..runtime.tensors import ids_tensor
 from .audio_cache import AudioEncoderCache
 from .grammar import allowed
 from .job import ThinkerJob
@@ -144,10 +143,12 @@ class AudioRowCache:
     def __init__(self, max_bytes: int) -> None:
         self.lru = BytesLRU(max_bytes)
 
-    def rows_for(self, job: ThinkerJob, block_size: int) -> tuple[int, dict[int, torch.Tensor]]:
+    def rows_for(self, job: ThinkerJob, hasher: PrefixHasher) -> tuple[int, dict[int, torch.Tensor]]:
         """How far (tokens, block-aligned) the job's cached prefix may go -- up to its first full block
-        with audio whose rows are not held -- and the rows held for the audio blocks before it."""
-        hashes = prefix_hashes(job.prompt, block_size, job.spans)
+        with audio whose rows are not held -- and the rows held for the audio blocks before it
+        (`hasher`: the prompt's block hashes, those of its history remembered)."""
+        block_size = hasher.block_size
+        hashes = hasher(job.prompt_ids(), job.spans)
         found: dict[int, torch.Tensor] = {}
         for b, h in enumerate(hashes):
             if not audio_offsets(job.spans, b, block_size):
@@ -291,12 +292,12 @@ class ThinkerRunner:
         limit, rows = None, {}
         # a pending turn may be spoken: as a spoken prompt, it needs the talker's rows of its cached audio
         if (job.pending or job.talker_rows and not job.prompt_sent and not job.generated) and job.spans:
-            limit, rows = self.audio_rows.rows_for(job, self.blocks.block_size)
+            limit, rows = self.audio_rows.rows_for(job, self.blocks.hasher)
         if job.pending:         # found by its conversation alone (the streamed clip's digest comes at the commit)
             limit = min(limit, job.stream_start) if limit is not None else job.stream_start
         elif not job.generated and len(job.prompt) <= self.graph_prompt_len and self.extend_graphs is None:
             limit = 0           # the prefill graph from position 0 (a resumed job takes the chunked path)
-        table = self.blocks.admit(job.context(), job.spans, reserve=1, max_cached=limit)
+        table = self.blocks.admit(job.context_ids(), job.spans, reserve=1, max_cached=limit)
         if table is None:
             return False
         job.table, job.prefilled, job.kv_trusted = table, table.cached_tokens, True
@@ -317,7 +318,7 @@ class ThinkerRunner:
         if job.table is None or not job.kv_trusted or job.pending:   # a pending turn: at its commit
             return
         if job.kv_tokens // self.blocks.block_size > job.table.published:   # a block filled since the last call
-            self.blocks.publish(job.table, job.prompt + job.generated, job.kv_tokens, job.spans)
+            self.blocks.publish(job.table, JoinedIds(job.prompt, job.generated), job.kv_tokens, job.spans)
         if job.pending_rows:
             published, hashes = job.table.published, job.table.hashes
             for b, rows in job.pending_rows:
@@ -372,8 +373,8 @@ class ThinkerRunner:
         `start` > 0 (a prompt without audio): only positions start .. P - 1."""
         if start:
             assert not job.audio and job.streamed is None
-            return self.model.embed(ids_tensor(job.prompt[start:], self.device))
-        ids = ids_tensor(job.prompt, self.device)
+            return self.model.embed(torch.from_numpy(job.prompt_ids()[start:]).to(self.device))
+        ids = torch.from_numpy(job.prompt_ids()).to(self.device)
         if job.streamed is not None:       # its last clip's rows: the windows encoded so far, or all of it
             return self.model.embed(ids, encoded=streamed_rows(self.audio, job, self._digests(job)))
         if not job.audio:
@@ -431,7 +432,7 @@ class ThinkerRunner:
         a routed talker (`talker_prompt_ids`) its user turns as token ids with the multimodal rows
         alone; its clips' digests key those rows' runs. Its prompt sent at admission without them
         (`audio_follow`): the multimodal rows alone."""
-        ids = ids_tensor(job.prompt)
+        ids = torch.from_numpy(job.prompt_ids())
         ids_only = self.talker_prompt_ids and job.speech is not None
         if ids_only:
             embeds = embeds[assistant_start(self.cfg, ids):]
@@ -572,7 +573,7 @@ class ThinkerRunner:
         follows it are looked up here. A prompt with audio: with `ids_only` and its clips' digests, the
         prompt without its audio rows (audio_rows_follow, `job.audio_follow` set: they follow after the
         prefill, which makes them, past what the talker holds), else None (it goes after the prefill)."""
-        ids = ids_tensor(job.prompt)
+        ids = torch.from_numpy(job.prompt_ids())
         if job.audio:      # the server checked: audio features <=> audio placeholders in the prompt
             spans = self._talker_spans(job) if ids_only else ()
             if not spans:
