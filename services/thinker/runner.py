@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..runtime.config import ThinkerConfig
@@ -41,10 +42,27 @@ from .model import ThinkerModel
 from .streamed import streamed_rows
 
 
-def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor) -> int:
-    """Where the prompt's last "<|im_start|>assistant" begins (the talker prompt's assistant head)."""
+def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor | np.ndarray) -> int:
+    """Where the prompt's last "<|im_start|>assistant" begins (the talker prompt's assistant head);
+    IndexError when there is none. `ids` on the host."""
     tok = cfg.tokens
-    return int(torch.nonzero((ids[:-1] == tok.im_start) & (ids[1:] == tok.assistant)).flatten()[-1])
+    a = np.asarray(ids)
+    starts = np.flatnonzero(a[:-1] == tok.im_start)
+    return int(starts[a[starts + 1] == tok.assistant][-1])
+
+
+def user_positions(cfg: ThinkerConfig, ids: np.ndarray) -> np.ndarray:
+    """[P] bool: the positions in user turns (role = the token after the latest <|im_start|> at or
+    before the position; before the first one, the token at position 1), in numpy (a 26k-token
+    prompt: ~0.3 ms against ~1.5 ms of torch ops on the CPU)."""
+    tok = cfg.tokens
+    p = ids.shape[0]
+    is_start = ids == tok.im_start
+    starts = np.flatnonzero(is_start)
+    turn = np.cumsum(is_start)                     # [P] the im_starts at or before each position
+    roles = ids[np.minimum(starts + 1, p - 1)]
+    turn_is_user = np.concatenate(([ids[min(1, p - 1)] == tok.user], roles == tok.user))
+    return turn_is_user[turn]
 
 
 def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
@@ -61,20 +79,17 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
     talker said which prefix it holds (`hidden` may be None)."""
     tok = cfg.tokens
     p = ids.shape[0]
-    pos = torch.arange(p)
-    starts = torch.where(ids == tok.im_start, pos, torch.full_like(pos, -1))
-    prev_start = torch.cummax(starts, 0).values.clamp_min(0)
-    role = ids[(prev_start + 1).clamp_max(p - 1)]
-    user = role == tok.user
-    mm = (ids == tok.audio_token) | (ids == tok.image_token) | (ids == tok.video_token)
-    user_mm = mm[user]
-    start = assistant_start(cfg, ids)
-    has_mm = bool(user_mm.any())
+    a = ids.cpu().numpy()
+    user_np = user_positions(cfg, a)
+    mm_np = ((a == tok.audio_token) | (a == tok.image_token) | (a == tok.video_token))[user_np]
+    user, user_mm = torch.from_numpy(user_np), torch.from_numpy(mm_np)
+    start = assistant_start(cfg, a)
+    has_mm = bool(mm_np.any())
     if has_mm and hidden is None and not follow:
         raise ValueError("a prompt with audio, image or video rows needs their hidden layer")
     keys = ()
     if has_mm and spans:
-        keys = tuple(audio_run_keys(ids.tolist(), pos[user].tolist(), user_mm.tolist(), spans))
+        keys = tuple(audio_run_keys(a, np.flatnonzero(user_np).tolist(), mm_np.tolist(), spans))
     audio = None
     if user_rows:
         rows = embeds[user]
@@ -87,7 +102,7 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
         tail = embeds[start:] if embeds.shape[0] == p else embeds
         if has_mm and not follow:
             audio = hidden[user][user_mm]
-    return TalkerPromptOut(user_rows=rows, user_mm_mask=user_mm, user_token_ids=ids[user],
+    return TalkerPromptOut(user_rows=rows, user_mm_mask=user_mm, user_token_ids=torch.from_numpy(a[user_np]),
                            assistant_head=tail[:3], assistant_prefix=tail[3:], tts_special=special,
                            audio_rows=audio, audio_keys=keys, audio_rows_follow=follow and has_mm)
 
