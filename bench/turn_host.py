@@ -17,7 +17,8 @@ and its median is reported (JSON lines, then a table):
   TalkerPrompt message serialized, a decode step's block tables, a block's publication
 - talker: the TalkerStart parsed, `make_job`, admission (`allocate`: the keys, prefix hashes, lookup;
   the previous turn's prompt published before), the prompt rows (tensor work on the CPU: labelled)
-- gateway: a chat of that many tokens rendered (chat template, tokenization, placeholders)."""
+- gateway: a chat of that many tokens rendered (chat template, tokenization, placeholders), the
+  conversation but its last message rendered before (its segments' ids remembered)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ import random
 import statistics
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -116,8 +119,8 @@ async def measure(model: Path, contexts: list[int], reps: int) -> list[dict]:
         out["thinker: parse the start"] = median_ms(lambda: pb.ThinkerRequest.FromString(wire), reps)
         start = pb.ThinkerRequest.FromString(wire).start
         out["thinker: make_job (ids, check_prompt, job)"] = median_ms(lambda: thinker.make_job(start), reps)
-        ids = list(prompt)
-        out["  of which check_prompt"] = median_ms(lambda: thinker.check_prompt(ids, []), reps)
+        ids, array = list(prompt), np.asarray(prompt, dtype=np.int64)
+        out["  of which check_prompt"] = median_ms(lambda: thinker.check_prompt(ids, [], array=array), reps)
 
         def admit():
             job = thinker.make_job(start)
@@ -177,16 +180,34 @@ async def measure(model: Path, contexts: list[int], reps: int) -> list[dict]:
         tj = talker.make_job(ts)
         tj.rows.append(torch.tensor(1))
         out["talker: prompt rows (tensor work, CPU)"] = median_ms(lambda: tr._prompt(tj), reps)
-        # the gateway: the same conversation as chat messages
+        # the gateway: the same conversation as chat messages, the turn before rendered first (its
+        # segments remembered, as a gateway serving the conversation has them)
         tok = eng.tokenizer
         messages = [ChatMessage.text(role, tok.decode(t)) for role, t in turns]
-        out["gateway: render the chat"] = median_ms(lambda: render(tok, cfg.thinker, messages), max(3, reps // 3))
-        rendered = len(render(tok, cfg.thinker, messages).token_ids)
+        out["gateway: render the chat"] = rendered_ms(tok, cfg.thinker, messages, max(3, reps // 3))
+        rendered = len(render(tok, cfg.thinker, messages, segments=False).token_ids)
         row = {"context": tokens, "thinker_hit": hit, "talker_rows": int(tj.user_mm_mask.shape[0]),
                "talker_hit": thit, "gateway_tokens": rendered, "ms": {k: round(v, 3) for k, v in out.items()}}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def rendered_ms(tok, cfg, messages, reps: int) -> float:
+    """Median ms of rendering `messages` after the same conversation but its last message was
+    rendered (each rep with a fresh copy of those segments' SegmentTokens)."""
+    from voxpipe.services.thinker.prompt import SegmentTokens, render
+
+    warm = SegmentTokens()
+    render(tok, cfg, messages[:-1], segments=warm)
+    times = []
+    for _ in range(reps):
+        cache = SegmentTokens()
+        cache.entries, cache.chars = OrderedDict(warm.entries), warm.chars
+        t0 = time.perf_counter()
+        render(tok, cfg, messages, segments=cache)
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
 
 
 def warm_job(thinker, prompt: list[int], speech):

@@ -22,7 +22,7 @@ from voxpipe.services.runtime.paged_kv import PagedKVCache, PagedPackedStep
 from voxpipe.services.runtime.tensors import to_proto
 from voxpipe.services.thinker.job import ThinkerJob
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
-from voxpipe.services.thinker.runner import audio_spans
+from voxpipe.services.thinker.runner import audio_blocks, audio_offsets, audio_spans
 from oracle import num_audio_tokens, reference_generate
 
 BS = 16
@@ -101,6 +101,14 @@ def test_prefix_hasher_is_bounded_and_exact_after_eviction():
     assert hasher(big) == prefix_hashes(big, BS) and len(hasher._lru) == 1
     off = PrefixHasher(BS, max_tokens=0)                                        # remembers nothing
     assert off(prompts[0]) == prefix_hashes(prompts[0], BS) and off.held_tokens == 0
+
+
+def test_audio_blocks_are_the_blocks_with_placeholders():
+    """Per span (not per block): the blocks a walk over every block finds audio placeholders in."""
+    spans = (ContentSpan(3, 3, b"empty"), ContentSpan(10, 40, b"a"), ContentSpan(40, 41, b"b"), ContentSpan(95, 130, b"c"))
+    for blocks in (0, 2, 6, 8, 20):
+        assert audio_blocks(spans, blocks, BS) == [b for b in range(blocks) if audio_offsets(spans, b, BS)]
+    assert audio_blocks((), 10, BS) == []
 
 
 def test_joined_ids_slice_as_the_concatenation():

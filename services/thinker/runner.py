@@ -143,6 +143,16 @@ def audio_spans(cfg: ThinkerConfig, prompt: list[int], digests: list[bytes]) -> 
     return placeholder_spans(prompt, cfg.tokens.audio_token, digests)
 
 
+def audio_blocks(spans: tuple[ContentSpan, ...], blocks: int, block_size: int) -> list[int]:
+    """The blocks among the first `blocks` that hold an audio placeholder (of any span), in order:
+    per span, not per block (a long voice conversation's blocks times its clips)."""
+    found = set()
+    for sp in spans:
+        if sp.end > sp.start:
+            found.update(range(sp.start // block_size, min((sp.end - 1) // block_size + 1, blocks)))
+    return sorted(found)
+
+
 def audio_offsets(spans: tuple[ContentSpan, ...], block: int, block_size: int) -> list[int]:
     """The positions within block `block` that are audio placeholders (of any span), in order."""
     lo, hi = block * block_size, (block + 1) * block_size
@@ -165,9 +175,8 @@ class AudioRowCache:
         block_size = hasher.block_size
         hashes = hasher(job.prompt_ids(), job.spans)
         found: dict[int, torch.Tensor] = {}
-        for b, h in enumerate(hashes):
-            if not audio_offsets(job.spans, b, block_size):
-                continue
+        for b in audio_blocks(job.spans, len(hashes), block_size):
+            h = hashes[b]
             rows = self.lru.get(h) if self.lru.max_bytes else None
             if rows is None:
                 return b * block_size, found
@@ -436,9 +445,9 @@ class ThinkerRunner:
         if not self.audio_rows.lru.max_bytes or job.table is None or not job.spans:
             return
         bs = self.blocks.block_size
-        for b in range(len(job.prompt) // bs):
+        for b in audio_blocks(job.spans, len(job.prompt) // bs, bs):
             offsets = audio_offsets(job.spans, b, bs)
-            if offsets and b not in job.cached_rows:
+            if b not in job.cached_rows:
                 job.pending_rows.append((b, kept[b * bs + torch.tensor(offsets)].clone()))
 
     def _talker_prompt(self, job: ThinkerJob, embeds: torch.Tensor,
