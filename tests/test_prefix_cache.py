@@ -139,6 +139,117 @@ def test_block_pool_reuses_unpublished_blocks_first_and_evicts_the_least_recentl
         pool.allocate(2)
 
 
+class _ListPool:
+    """The block pool's contract walked block by block (a dict of free published blocks in LRU order):
+    what BlockPool's arrays and queue must give, allocation order included."""
+
+    def __init__(self, n: int) -> None:
+        from collections import OrderedDict
+
+        self.refs, self.hash_of, self.by_hash = [0] * n, [None] * n, {}
+        self.plain, self.lru = list(range(n - 1, -1, -1)), OrderedDict()
+
+    @property
+    def free(self) -> int:
+        return len(self.plain) + len(self.lru)
+
+    def allocate(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            if self.plain:
+                b = self.plain.pop()
+            else:
+                b, _ = self.lru.popitem(last=False)
+                del self.by_hash[self.hash_of[b]]
+                self.hash_of[b] = None
+            self.refs[b] = 1
+            out.append(b)
+        return out
+
+    def lookup(self, hashes):
+        out = []
+        for h in hashes:
+            if h not in self.by_hash:
+                break
+            out.append(self.by_hash[h])
+        return out
+
+    def take(self, blocks):
+        for b in blocks:
+            if self.refs[b] == 0:
+                del self.lru[b]
+            self.refs[b] += 1
+
+    def release(self, blocks):
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                if self.hash_of[b] is not None:
+                    self.lru[b] = None
+                else:
+                    self.plain.append(b)
+
+    def publish(self, b, h):
+        if self.hash_of[b] is None and h not in self.by_hash:
+            self.hash_of[b], self.by_hash[h] = h, b
+
+    def unpublish(self, blocks):
+        for b in blocks:
+            if self.hash_of[b] is not None:
+                del self.by_hash[self.hash_of[b]]
+                self.hash_of[b] = None
+                if self.refs[b] == 0:
+                    del self.lru[b]
+                    self.plain.append(b)
+
+
+def test_block_pool_keeps_the_block_by_block_contract_under_random_traffic():
+    """Sequences taking cached prefixes, growing, publishing, ending, being poisoned, and the cache
+    reset: every allocation (its order too), lookup and count as the block-by-block walk gives them,
+    through many evictions (the queue's stale entries compacted on the way)."""
+    import random
+
+    rnd = random.Random(3)
+    n = 48
+    pool, ref = BlockPool(n), _ListPool(n)
+    live: list[list[int]] = []
+    hashes = [b"h%d" % i for i in range(40)]
+    for step in range(4000):
+        op = rnd.random()
+        if op < 0.4 and pool.free:
+            prefix = hashes[:rnd.randrange(0, 12)]
+            hit = pool.lookup(prefix)
+            assert hit == ref.lookup(prefix)
+            want = rnd.randrange(1, 6)
+            free_hits = sum(1 for b in hit if ref.refs[b] == 0)
+            if want <= pool.free - free_hits:
+                pool.take(hit)
+                ref.take(hit)
+                got = pool.allocate(want)
+                assert got == ref.allocate(want)
+                table = hit + got
+                for i, b in enumerate(table):
+                    if rnd.random() < 0.5:
+                        h = hashes[rnd.randrange(len(hashes))] if rnd.random() < 0.3 else hashes[min(i, 39)]
+                        pool.publish(b, h)
+                        ref.publish(b, h)
+                live.append(table)
+        elif op < 0.8 and live:
+            table = live.pop(rnd.randrange(len(live)))
+            if rnd.random() < 0.1:
+                pool.unpublish(table)
+                ref.unpublish(table)
+            pool.release(table)
+            ref.release(table)
+        elif op < 0.81:
+            assert pool.reset_cache() == sum(h is not None for h in ref.hash_of)
+            ref.unpublish([b for b in range(n) if ref.hash_of[b] is not None])
+        assert pool.free == ref.free and pool.cached == len(ref.by_hash)
+        assert pool.refs.tolist() == ref.refs and pool.hash_of == ref.hash_of
+    with pytest.raises(RuntimeError, match="released more often than taken"):
+        pool.release([pool.allocate(1)[0]] * 2 if pool.free else live[0] * 2)
+
+
 def test_block_manager_hit_partial_hit_miss_and_the_last_block_rule():
     m = KVBlockManager(num_blocks=32, block_size=BS)
     prompt = list(range(50))                    # 3 full blocks + 2

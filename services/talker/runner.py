@@ -310,9 +310,12 @@ class TalkerRunner:
         hit = pool.lookup(self.blocks.hasher(job.keys[:usable * bs], job.spans))
         # kept only while the rest of its blocks are free beside them: held blocks of waiting requests
         # are no longer free, so a pool that could not hold the request with them does not hold them
-        while hit and (self.blocks.blocks_for(job.prompt_rows + 1) - len(hit)
-                       > pool.free - sum(1 for b in hit if pool.refs[b] == 0)):
-            hit.pop()
+        if hit:     # the longest run k of them whose rest fits: need(k) <= free - (free blocks among the k)
+            free_among = np.cumsum(pool.refs[hit] == 0)
+            k = len(hit)
+            while k and self.blocks.blocks_for(job.prompt_rows + 1) - k > pool.free - int(free_among[k - 1]):
+                k -= 1
+            del hit[k:]
         job.pinned = hit
         pool.take(job.pinned)
         job.held_rows = len(job.pinned) * bs
