@@ -203,15 +203,17 @@ class _ListPool:
                     self.plain.append(b)
 
 
-def test_block_pool_keeps_the_block_by_block_contract_under_random_traffic():
+@pytest.mark.parametrize("compact_slack", [1024, 0])
+def test_block_pool_keeps_the_block_by_block_contract_under_random_traffic(compact_slack):
     """Sequences taking cached prefixes, growing, publishing, ending, being poisoned, and the cache
     reset: every allocation (its order too), lookup and count as the block-by-block walk gives them,
-    through many evictions (the queue's stale entries compacted on the way)."""
+    through many evictions (the queue's stale entries compacted on the way: often with no slack)."""
     import random
 
     rnd = random.Random(3)
     n = 48
     pool, ref = BlockPool(n), _ListPool(n)
+    pool.compact_slack = compact_slack
     live: list[list[int]] = []
     hashes = [b"h%d" % i for i in range(40)]
     for step in range(4000):

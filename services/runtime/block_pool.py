@@ -161,10 +161,11 @@ class BlockPool:
     (taken first, last freed first) and published (least recently freed first, so that the
     longest-lived prefixes stay).
 
-    The counts are an array and the published free blocks a queue of (stamp, block) whose entries go
-    stale instead of being removed (an entry is live while its block is free, published and freed at
-    that stamp): taking a conversation's history back, or releasing it, is a few array operations
-    over its blocks, not a dictionary operation per block (26k tokens: 1,600 blocks)."""
+    The counts are an array, and the published free blocks a queue of chunks -- the stamps and
+    blocks one release freed, oldest first -- whose entries go stale instead of being removed (an
+    entry is live while its block is free, published and was freed at that stamp): taking a
+    conversation's history back, or releasing it, is a few array operations over its blocks, not a
+    dictionary operation per block (26k tokens: 1,600 blocks)."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -175,11 +176,14 @@ class BlockPool:
         self.by_hash: dict[bytes, int] = {}
         self._published = np.zeros(num_blocks, dtype=bool)         # hash_of[b] is not None
         self._plain: list[int] = list(range(num_blocks - 1, -1, -1))   # free, unpublished (pop from the end)
-        self._queue: deque[tuple[int, int]] = deque()                 # (stamp, block): free published, LRU first
+        # free published blocks: [stamps, blocks, first unread index] per release, oldest first
+        self._chunks: deque[list] = deque()
+        self._queued = 0            # unread entries over the chunks (live or stale)
         self._stamp = np.zeros(num_blocks, dtype=np.int64)            # when each block was last freed
+        self._slot = np.zeros(num_blocks, dtype=np.int64)             # scratch of _distinct
         self._clock = 1
         self._free = num_blocks
-        self._live = 0              # live entries of the queue (free published blocks)
+        self.compact_slack = 1024   # stale entries beyond 2 x num_blocks queued before a compaction
 
     @property
     def free(self) -> int:
@@ -195,28 +199,41 @@ class BlockPool:
         """Published blocks (in use or free)."""
         return len(self.by_hash)
 
-    def _live_entry(self, stamp: int, b: int) -> bool:
-        return self.refs[b] == 0 and self._published[b] and self._stamp[b] == stamp
+    def _distinct(self, idx: np.ndarray) -> bool:
+        """Whether no block is twice in `idx` (each position's index survives its own write)."""
+        order = np.arange(idx.size)
+        self._slot[idx] = order
+        return bool((self._slot[idx] == order).all())
+
+    def _live(self, stamps: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """[len(blocks)] bool: the queue entries still standing for a free published block."""
+        return (self.refs[blocks] == 0) & self._published[blocks] & (self._stamp[blocks] == stamps)
 
     def allocate(self, n: int) -> list[int]:
         """`n` free blocks, each with count 1; unpublished ones first, then the least recently used
         published ones, which lose their hash. ValueError when fewer than `n` are free."""
         if n > self.free:
             raise ValueError(f"{n} KV blocks asked, {self.free} free")
-        out = []
+        k = min(n, len(self._plain))
+        out = self._plain[len(self._plain) - k:][::-1]
+        del self._plain[len(self._plain) - k:]
         while len(out) < n:
-            if self._plain:
-                b = self._plain.pop()
-            else:
-                stamp, b = self._queue.popleft()
-                if not self._live_entry(stamp, b):
-                    continue
-                self._live -= 1
+            chunk = self._chunks[0]
+            stamps, blocks, pos = chunk
+            live = np.flatnonzero(self._live(stamps[pos:], blocks[pos:]))[:n - len(out)]
+            end = pos + int(live[-1]) + 1 if live.size else len(blocks)
+            got = blocks[pos + live]
+            for b in got.tolist():
                 del self.by_hash[self.hash_of[b]]
                 self.hash_of[b] = None
-                self._published[b] = False
-            self.refs[b] = 1
-            out.append(b)
+            self._published[got] = False
+            out += got.tolist()
+            self._queued -= end - pos
+            chunk[2] = end
+            if end == len(blocks):
+                self._chunks.popleft()
+        if out:
+            self.refs[out] = 1
         self._free -= n
         return out
 
@@ -224,36 +241,31 @@ class BlockPool:
         """The published blocks of the longest run of `hashes` from the first on (not taken)."""
         if not self.enable_caching:
             return []
-        out = []
-        for h in hashes:
-            b = self.by_hash.get(h)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        found = list(map(self.by_hash.get, hashes))     # (in C: a 1,600-block history ~3x faster than a loop)
+        try:
+            return found[:found.index(None)]
+        except ValueError:
+            return found
 
     def take(self, blocks: Sequence[int]) -> None:
-        """One more reference to each of `blocks` (published blocks found by `lookup`; distinct)."""
+        """One more reference to each of `blocks` (published blocks found by `lookup`)."""
         if not len(blocks):
             return
         idx = np.asarray(blocks, dtype=np.int64)
-        if np.unique(idx).size < idx.size:       # a block twice: one at a time
+        if not self._distinct(idx):       # a block twice: one at a time
             for b in idx.tolist():
                 self.take([b])
             return
-        freed = int(np.count_nonzero(self.refs[idx] == 0))     # free ones (published: live in the queue)
-        self._free -= freed
-        self._live -= freed
+        self._free -= int(np.count_nonzero(self.refs[idx] == 0))     # (their queue entries go stale)
         self.refs[idx] += 1
-        self._compact()
 
     def release(self, blocks: Sequence[int]) -> None:
-        """One reference less to each of `blocks` (distinct); a block at 0 is free (still findable if
-        published). Released in reverse so that a sequence's tail blocks are evicted before its head."""
+        """One reference less to each of `blocks`; a block at 0 is free (still findable if published).
+        Released in reverse so that a sequence's tail blocks are evicted before its head."""
         if not len(blocks):
             return
         idx = np.asarray(blocks, dtype=np.int64)[::-1]
-        if np.unique(idx).size < idx.size:       # a block twice: one at a time
+        if not self._distinct(idx):       # a block twice: one at a time
             for b in idx.tolist():
                 self.release([b])
             return
@@ -272,15 +284,20 @@ class BlockPool:
             stamps = np.arange(self._clock, self._clock + cached.size, dtype=np.int64)
             self._clock += cached.size
             self._stamp[cached] = stamps
-            self._queue.extend(zip(stamps.tolist(), cached.tolist()))
-            self._live += cached.size
-            self._compact()
+            self._chunks.append([stamps, cached, 0])
+            self._queued += cached.size
+            if self._queued > 2 * self.num_blocks + self.compact_slack:
+                self._compact()
 
     def _compact(self) -> None:
-        """Drop the queue's stale entries once they outnumber the live ones (amortized: each entry is
-        dropped once)."""
-        if len(self._queue) > 2 * self._live + 64:
-            self._queue = deque(e for e in self._queue if self._live_entry(*e))
+        """The queue's live entries as one chunk (its stale ones dropped: each once)."""
+        if not self._chunks:
+            return
+        stamps = np.concatenate([c[0][c[2]:] for c in self._chunks])
+        blocks = np.concatenate([c[1][c[2]:] for c in self._chunks])
+        keep = self._live(stamps, blocks)
+        self._chunks = deque([[stamps[keep], blocks[keep], 0]]) if keep.any() else deque()
+        self._queued = int(keep.sum())
 
     def publish(self, block: int, h: bytes) -> None:
         """Make a full, computed block findable under its prefix hash (a block already published, or
@@ -302,9 +319,7 @@ class BlockPool:
             self.hash_of[b] = None
             self._published[b] = False
             if self.refs[b] == 0:      # its queue entry goes stale
-                self._live -= 1
                 self._plain.append(b)
-        self._compact()
 
     def reset_cache(self) -> int:
         """Forget every published hash (blocks in use keep their keys); returns how many were dropped."""
