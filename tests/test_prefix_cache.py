@@ -13,7 +13,7 @@ import torch
 
 from voxpipe.cli import build_parser
 from voxpipe.services.runtime import metrics
-from voxpipe.services.runtime.block_pool import (BlockPool, ContentSpan, JoinedIds, KVBlockManager, PrefixHasher,
+from voxpipe.services.runtime.block_pool import (BlockPool, BlockTable, ContentSpan, JoinedIds, KVBlockManager, PrefixHasher,
                                                    prefix_hashes)
 from voxpipe.services.runtime.engine import Outbox
 from voxpipe.services.runtime.kv_cache import _causal_sdpa, _sdpa
@@ -109,6 +109,22 @@ def test_audio_blocks_are_the_blocks_with_placeholders():
     for blocks in (0, 2, 6, 8, 20):
         assert audio_blocks(spans, blocks, BS) == [b for b in range(blocks) if audio_offsets(spans, b, BS)]
     assert audio_blocks((), 10, BS) == []
+
+
+def test_a_tables_array_follows_its_blocks():
+    """BlockTable.array (what a step's table tensor copies) equals its block list as it grows a block
+    at a time and in bulk, after a release empties it, and when the list is replaced."""
+    table = BlockTable([5, 3])
+    assert table.array().tolist() == [5, 3]
+    for more in ([7], list(range(100, 140)), [], [9]):
+        table.blocks += more
+        assert table.array().tolist() == table.blocks
+    table.blocks = []
+    assert table.array().tolist() == []
+    table.blocks += [1, 2]
+    assert table.array().tolist() == [1, 2]
+    table.blocks = [8, 8, 4]
+    assert table.array().tolist() == [8, 8, 4]
 
 
 def test_joined_ids_slice_as_the_concatenation():

@@ -355,9 +355,29 @@ class BlockTable:
     cached_tokens: int = 0
     published: int = 0          # its first `published` blocks are findable by hash (theirs or another's)
     hashes: list[bytes] = field(default_factory=list)   # the prompt's full blocks' hashes (admission)
+    # array(): a buffer of the blocks' first `_have` entries, for the list `_of` (grown as it grows)
+    _buf: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _have: int = field(default=0, repr=False, compare=False)
+    _of: list[int] | None = field(default=None, repr=False, compare=False)
 
     def capacity(self, block_size: int) -> int:
         return len(self.blocks) * block_size
+
+    def array(self) -> np.ndarray:
+        """`blocks` as int64 [len(blocks)], only its new entries converted since the last call (the
+        list only grows in place, or is replaced): a step's table tensor copies this, not a list of a
+        long context's 1,600 ints. A view: read, never written."""
+        n = len(self.blocks)
+        if self._of is not self.blocks or self._have > n or self._buf is None:
+            self._buf, self._have, self._of = np.empty(max(2 * n, 16), dtype=np.int64), 0, self.blocks
+        if self._have < n:
+            if self._buf.size < n:
+                grown = np.empty(2 * n, dtype=np.int64)
+                grown[:self._have] = self._buf[:self._have]
+                self._buf = grown
+            self._buf[self._have:n] = self.blocks[self._have:n]
+            self._have = n
+        return self._buf[:n]
 
 
 @dataclass

@@ -378,7 +378,7 @@ class TalkerRunner:
                 graphs.scrub()
 
     def _tables(self, jobs: list[TalkerJob], width: int) -> torch.Tensor:
-        return self.cache.table_tensor([j.table.blocks for j in jobs], width, self.device)
+        return self.cache.table_tensor([j.table.array() for j in jobs], width, self.device)
 
     # ---- forwards
     def forward(self, prefill: list[TalkerJob], decode: list[TalkerJob],

@@ -389,7 +389,7 @@ class ThinkerRunner:
                 graphs.scrub()
 
     def _tables(self, jobs: list[ThinkerJob], width: int) -> torch.Tensor:
-        return self.cache.table_tensor([j.table.blocks for j in jobs], width, self.device)
+        return self.cache.table_tensor([j.table.array() for j in jobs], width, self.device)
 
     # ---- forwards
     def embed(self, job: ThinkerJob, start: int = 0) -> torch.Tensor:
