@@ -179,7 +179,8 @@ async def measure(model: Path, contexts: list[int], reps: int) -> list[dict]:
         out["talker: admission (allocate + release)"] = median_ms(talker_admit, reps) - tmake
         tj = talker.make_job(ts)
         tj.rows.append(torch.tensor(1))
-        out["talker: prompt rows (tensor work, CPU)"] = median_ms(lambda: tr._prompt(tj), reps)
+        out["talker: prompt rows, all (tensor work, CPU)"] = median_ms(lambda: tr._prompt(tj), reps)
+        out["talker: prompt rows past its hit (tensor work, CPU)"] = median_ms(lambda: tr._prompt(tj, start=thit), reps)
         # the gateway: the same conversation as chat messages, the turn before rendered first (its
         # segments remembered, as a gateway serving the conversation has them)
         tok = eng.tokenizer
