@@ -23,7 +23,7 @@ from voxpipe.services.runtime.tensors import to_proto
 from voxpipe.services.thinker.job import ThinkerJob
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
 from voxpipe.services.thinker.runner import audio_blocks, audio_offsets, audio_spans
-from oracle import num_audio_tokens, reference_generate
+from oracle import num_audio_tokens, reference_generate, reference_thinker
 
 BS = 16
 
@@ -469,6 +469,27 @@ def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache
     assert get("voxpipe_prefix_cache_tokens_total", {"stage": "thinker", "kind": "hit"}) >= sum(hits)
     if which == "graphed":
         assert cached.runner.extend_graphs.replays >= 2           # the two hits went on in the extend graph
+
+
+def test_a_repetition_penalty_reads_the_prompt_and_reply_as_transformers_does(cached, tiny_model_dir, loop):
+    """A reply with a repetition penalty (its seen ids kept as a mask, marked as it grows: runner.
+    seen_ids) is transformers' greedy generate with that penalty over prompt + reply, token for
+    token -- and not the reply without it (the penalty decides)."""
+    from voxpipe.services.runtime.sampling import SamplingParams
+
+    messages = [ChatMessage.text("user", "say it again and again: again and again and again")]
+    replies = []
+    for penalty in (1.0, 1.8):
+        job = _job(cached, f"penalty-{penalty}", messages, max_tokens=12, talker_rows=False)
+        job.params, job.min_tokens = SamplingParams(repetition_penalty=penalty), 0
+        _run(cached, [job])
+        want = reference_thinker(tiny_model_dir, job.prompt, [], max_tokens=12, repetition_penalty=penalty).text_ids
+        assert job.generated == want
+        replies.append(job.generated)
+    assert replies[0] != replies[1]
+    # the mask as the last token was sampled: the prompt and every reply token before it
+    assert job.seen_upto == len(job.generated) - 1
+    assert job.seen[1].nonzero().flatten().tolist() == sorted(set(job.prompt + job.generated[:-1]))
 
 
 def test_eviction_under_a_small_pool_keeps_outputs(tiny_model_dir, uncached, loop):

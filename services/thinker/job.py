@@ -85,6 +85,10 @@ class ThinkerJob(EngineRequest):
     adopts: ThinkerJob | None = None            # a committed turn: the pending job whose KV and state it takes
     streamed_tokens: int = 0                    # of the prompt, positions with keys when the commit came
     session: str | None = None                  # the caller's session (calls.SESSION_METADATA): its talker pick
+    # its repetition penalty's ids (runner.seen_ids): [V] bool on the device, for the prompt list it was
+    # made of, with the first `seen_upto` reply tokens marked
+    seen: tuple[list[int], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    seen_upto: int = 0
     # the prompt as int64 ids, and the prompt list they were made of (prompt_ids)
     ids_cache: tuple[list[int], np.ndarray] | None = field(default=None, repr=False, compare=False)
 

@@ -34,7 +34,7 @@ from ..runtime.lru import BytesLRU
 from ..runtime.paged_kv import PagedKVCache, PagedPackedStep
 from ..runtime.outputs import TalkerAudioRowsOut, TalkerPromptOut, TokenLogprob
 from ..runtime.row_keys import audio_run_keys
-from ..runtime.sampling import RowSampling, apply_repetition_penalty, exponential_noise, finite_rows, sample_rows
+from ..runtime.sampling import RowSampling, exponential_noise, finite_rows, penalize_seen, sample_rows
 from .audio_cache import AudioEncoderCache
 from .grammar import allowed
 from .job import ThinkerJob
@@ -660,12 +660,25 @@ class ThinkerRunner:
         # every row at once (`sample_rows`); a sampled row draws its noise from its own generator
         for i, j in enumerate(jobs):
             if j.params.repetition_penalty != 1.0:
-                seen = torch.tensor(j.prompt + j.generated, device=logits.device)
-                logits[i] = apply_repetition_penalty(logits[i], seen, j.params.repetition_penalty)
+                logits[i] = penalize_seen(logits[i], self.seen_ids(j, logits.shape[1]), j.params.repetition_penalty)
         v = logits.shape[1]
         tokens, ok = sample_rows(logits, RowSampling.of([j.params for j in jobs], v, logits.device),
                                  exponential_noise([j.generator for j in jobs], v, logits.device))
         return torch.where(finite & ok, tokens, -1).tolist()
+
+    def seen_ids(self, job: ThinkerJob, width: int) -> torch.Tensor:
+        """[width] bool on the device: the ids in the job's prompt and its reply so far (what its
+        repetition penalty reads), made once from the prompt and marked as the reply grows: a long
+        conversation's 26k-token context is not gathered again at every decode step."""
+        if job.seen is None or job.seen[0] is not job.prompt:
+            mask = torch.zeros(width, dtype=torch.bool, device=self.device)
+            mask[torch.from_numpy(job.prompt_ids()).to(self.device)] = True
+            job.seen, job.seen_upto = (job.prompt, mask), 0
+        mask = job.seen[1]
+        if job.seen_upto < len(job.generated):
+            mask[torch.tensor(job.generated[job.seen_upto:], device=self.device)] = True
+            job.seen_upto = len(job.generated)
+        return mask
 
     def _grammar_masks(self, jobs: list[ThinkerJob]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The constrained rows' indices [k] and their token bitmasks [k, words] int32 on the host
