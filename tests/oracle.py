@@ -165,7 +165,8 @@ class ThinkerReference:
     hidden: torch.Tensor  # [P, H] the prompt's hidden states at talker_config.accept_hidden_layer
 
 
-def reference_thinker(model_dir, input_ids: list[int], clips: list[torch.Tensor], *, max_tokens: int) -> ThinkerReference:
+def reference_thinker(model_dir, input_ids: list[int], clips: list[torch.Tensor], *, max_tokens: int,
+                      repetition_penalty: float = 1.0) -> ThinkerReference:
     """Greedy ``thinker.generate`` of transformers' reference on a prompt with any number of audio
     clips (``clips``: [128, T_i] features each, in prompt order; batched right-padded with a feature
     attention mask, as the processor does), with the prompt's hidden states that ``generate``
@@ -175,6 +176,8 @@ def reference_thinker(model_dir, input_ids: list[int], clips: list[torch.Tensor]
     ids = torch.tensor([list(input_ids)], dtype=torch.long)
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
                   eos_token_id=model.config.im_end_token_id, output_hidden_states=True, return_dict_in_generate=True)
+    if repetition_penalty != 1.0:         # transformers' RepetitionPenaltyLogitsProcessor (prompt + reply ids)
+        kwargs["repetition_penalty"] = repetition_penalty
     if clips:
         longest = max(c.shape[1] for c in clips)
         feats = torch.zeros(len(clips), clips[0].shape[0], longest)

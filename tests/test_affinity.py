@@ -13,6 +13,7 @@ import torch
 from voxpipe.client import PipelineClient, SpeechRequest
 from voxpipe.services.runtime.affinity import AffinityTable, RouteKey, content_digest, prompt_key
 from voxpipe.services.runtime.balancer import BalancerOptions, StageBalancer
+from voxpipe.services.runtime.block_pool import PrefixHasher
 
 A, B, C = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
 BS = 16
@@ -33,6 +34,23 @@ def run(body, addresses=(A, B), **options):
         finally:
             await balancer.close()
     return asyncio.run(go())
+
+
+def test_a_route_key_with_a_remembering_hasher_is_the_key_from_scratch():
+    """The client's route keys hash a conversation's history once (PrefixHasher): each turn's key --
+    the history re-sent (hit), another branch (partial), another conversation (miss), a clip whose
+    content changed under the same placeholders -- is the key computed from scratch."""
+    hasher = PrefixHasher(16)
+    pad, clip_a, clip_b = 5, b"a" * 32, b"b" * 32
+    history = ids(100)
+    turns = [(history, ()), (history + ids(60, seed=2), ()), (history[:50] + ids(90, seed=3), ()),
+             (ids(70, seed=4), ()), (history + [pad] * 20 + ids(30, seed=5), (clip_a,)),
+             (history + [pad] * 20 + ids(30, seed=5), (clip_b,)), (history + [pad] * 20 + ids(50, seed=5), (clip_b,))]
+    for prompt, digests in turns + turns:
+        want = prompt_key(prompt, "s", pad, digests)
+        assert prompt_key(prompt, "s", pad, digests, hasher=hasher) == want
+    assert hasher.reused_blocks > 0
+    assert prompt_key(history, hasher=PrefixHasher(32)) == prompt_key(history)     # another block size: not used
 
 
 def test_the_longest_known_prefix_wins():

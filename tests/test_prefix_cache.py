@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
 from voxpipe.cli import build_parser
 from voxpipe.services.runtime import metrics
-from voxpipe.services.runtime.block_pool import BlockPool, ContentSpan, KVBlockManager, prefix_hashes
+from voxpipe.services.runtime.block_pool import (BlockPool, BlockTable, ContentSpan, JoinedIds, KVBlockManager, PrefixHasher,
+                                                   prefix_hashes)
 from voxpipe.services.runtime.engine import Outbox
 from voxpipe.services.runtime.kv_cache import _causal_sdpa, _sdpa
 from voxpipe.services.runtime.outputs import Finished, TalkerPromptOut, TextOut
@@ -20,8 +22,8 @@ from voxpipe.services.runtime.paged_kv import PagedKVCache, PagedPackedStep
 from voxpipe.services.runtime.tensors import to_proto
 from voxpipe.services.thinker.job import ThinkerJob
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, render
-from voxpipe.services.thinker.runner import audio_spans
-from oracle import num_audio_tokens, reference_generate
+from voxpipe.services.thinker.runner import audio_blocks, audio_offsets, audio_spans
+from oracle import num_audio_tokens, reference_generate, reference_thinker
 
 BS = 16
 
@@ -42,6 +44,99 @@ def test_prefix_hashes_chain_tokens_and_content():
     assert prefix_hashes(list(range(40)), BS, spans1) == h1      # content hashes are stable
 
 
+def test_prefix_hasher_remembers_a_history_and_equals_hashing_from_scratch():
+    """A conversation's next turn: its history's blocks come from the last turn's hashes (hit), a
+    prompt that leaves it inside a block recomputes from that block (partial hit), an unrelated one
+    hashes everything (miss); every answer is prefix_hashes' own, lists and arrays alike."""
+    rng = np.random.default_rng(0)
+    hasher = PrefixHasher(BS)
+    history = rng.integers(0, 400, 1000).tolist()
+    assert hasher(history) == prefix_hashes(history, BS) and hasher.reused_blocks == 0
+    turn = history + rng.integers(0, 400, 300).tolist()                        # hit: the history's 62 blocks
+    assert hasher(np.asarray(turn)) == prefix_hashes(turn, BS) and hasher.reused_blocks == 1000 // BS
+    assert hasher.held_tokens == len(turn) // BS * BS                          # the turn replaced the history
+    forked = turn[:500] + [399 - t for t in turn[500:]]                        # partial: differs from 500 on
+    before = hasher.reused_blocks
+    assert hasher(forked) == prefix_hashes(forked, BS) and hasher.reused_blocks - before == 500 // BS
+    other = rng.integers(0, 400, 700).tolist()                                 # miss: another first block
+    before = hasher.reused_blocks
+    assert hasher(other) == prefix_hashes(other, BS) and hasher.reused_blocks == before
+    assert hasher(turn) == prefix_hashes(turn, BS)                             # both branches remembered
+    assert hasher(turn[:10]) == [] and hasher(turn[:BS]) == prefix_hashes(turn[:BS], BS)
+
+
+def test_prefix_hasher_reuses_no_block_whose_content_spans_differ():
+    """Same token ids, other content behind a placeholder run (or a run moved): hashes from the first
+    block the spans reach are computed again, and equal hashing from scratch."""
+    hasher = PrefixHasher(BS)
+    tokens = list(range(200))
+    clip = [ContentSpan(100, 140, b"clip-one")]
+    assert hasher(tokens, clip) == prefix_hashes(tokens, BS, clip)
+    for spans in ([ContentSpan(100, 140, b"clip-two")], [ContentSpan(104, 140, b"clip-one")], [],
+                  clip + [ContentSpan(150, 160, b"clip-three")]):
+        before = hasher.reused_blocks
+        assert hasher(tokens, spans) == prefix_hashes(tokens, BS, spans)
+        first_diff = 150 if len(spans) == 2 else 100
+        assert hasher.reused_blocks - before == first_diff // BS
+    before = hasher.reused_blocks
+    longer = tokens + list(range(64))                                          # same clip, more turns: a hit
+    assert hasher(longer, clip) == prefix_hashes(longer, BS, clip) and hasher.reused_blocks - before == 200 // BS
+
+
+def test_prefix_hasher_is_bounded_and_exact_after_eviction():
+    rng = np.random.default_rng(1)
+    hasher = PrefixHasher(BS, max_tokens=2048, per_key=2)
+    prompts = [rng.integers(0, 400, int(n)).tolist() for n in rng.integers(100, 900, 12)]
+    shared = prompts[0][:64]
+    prompts += [shared + rng.integers(0, 400, 300).tolist() for _ in range(4)]   # one first block, 4 prompts
+    for _ in range(3):
+        for p in prompts:
+            assert hasher(p) == prefix_hashes(p, BS)
+            assert hasher.held_tokens <= 2048 or len(hasher._lru) == 1
+            assert all(len(same) <= 2 for same in hasher._by_first.values())
+    for p in prompts:                                                           # random extensions and forks
+        q = p[:int(rng.integers(0, len(p)))] + rng.integers(0, 400, int(rng.integers(0, 200))).tolist()
+        assert hasher(q) == prefix_hashes(q, BS)
+    big = rng.integers(0, 400, 5000).tolist()                                  # longer than the bound: kept alone
+    assert hasher(big) == prefix_hashes(big, BS) and len(hasher._lru) == 1
+    off = PrefixHasher(BS, max_tokens=0)                                        # remembers nothing
+    assert off(prompts[0]) == prefix_hashes(prompts[0], BS) and off.held_tokens == 0
+
+
+def test_audio_blocks_are_the_blocks_with_placeholders():
+    """Per span (not per block): the blocks a walk over every block finds audio placeholders in."""
+    spans = (ContentSpan(3, 3, b"empty"), ContentSpan(10, 40, b"a"), ContentSpan(40, 41, b"b"), ContentSpan(95, 130, b"c"))
+    for blocks in (0, 2, 6, 8, 20):
+        assert audio_blocks(spans, blocks, BS) == [b for b in range(blocks) if audio_offsets(spans, b, BS)]
+    assert audio_blocks((), 10, BS) == []
+
+
+def test_a_tables_array_follows_its_blocks():
+    """BlockTable.array (what a step's table tensor copies) equals its block list as it grows a block
+    at a time and in bulk, after a release empties it, and when the list is replaced."""
+    table = BlockTable([5, 3])
+    assert table.array().tolist() == [5, 3]
+    for more in ([7], list(range(100, 140)), [], [9]):
+        table.blocks += more
+        assert table.array().tolist() == table.blocks
+    table.blocks = []
+    assert table.array().tolist() == []
+    table.blocks += [1, 2]
+    assert table.array().tolist() == [1, 2]
+    table.blocks = [8, 8, 4]
+    assert table.array().tolist() == [8, 8, 4]
+
+
+def test_joined_ids_slice_as_the_concatenation():
+    head, tail = list(range(40)), list(range(100, 120))
+    joined, whole = JoinedIds(head, tail), head + tail
+    assert len(joined) == 60
+    for start, stop in ((0, 60), (16, 48), (40, 60), (32, 40), (45, 50), (0, 0), (50, 100)):
+        assert joined[start:stop] == whole[start:stop]
+    with pytest.raises(TypeError):
+        joined[3]
+
+
 def test_block_pool_reuses_unpublished_blocks_first_and_evicts_the_least_recently_used():
     pool = BlockPool(4)
     a, b = pool.allocate(2), pool.allocate(2)
@@ -58,6 +153,119 @@ def test_block_pool_reuses_unpublished_blocks_first_and_evicts_the_least_recentl
     assert pool.allocate(1) == [a[0]] and pool.lookup([b"ha"]) == [] and pool.lookup([b"hb"]) == [b[0]]
     with pytest.raises(ValueError):
         pool.allocate(2)
+
+
+class _ListPool:
+    """The block pool's contract walked block by block (a dict of free published blocks in LRU order):
+    what BlockPool's arrays and queue must give, allocation order included."""
+
+    def __init__(self, n: int) -> None:
+        from collections import OrderedDict
+
+        self.refs, self.hash_of, self.by_hash = [0] * n, [None] * n, {}
+        self.plain, self.lru = list(range(n - 1, -1, -1)), OrderedDict()
+
+    @property
+    def free(self) -> int:
+        return len(self.plain) + len(self.lru)
+
+    def allocate(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            if self.plain:
+                b = self.plain.pop()
+            else:
+                b, _ = self.lru.popitem(last=False)
+                del self.by_hash[self.hash_of[b]]
+                self.hash_of[b] = None
+            self.refs[b] = 1
+            out.append(b)
+        return out
+
+    def lookup(self, hashes):
+        out = []
+        for h in hashes:
+            if h not in self.by_hash:
+                break
+            out.append(self.by_hash[h])
+        return out
+
+    def take(self, blocks):
+        for b in blocks:
+            if self.refs[b] == 0:
+                del self.lru[b]
+            self.refs[b] += 1
+
+    def release(self, blocks):
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                if self.hash_of[b] is not None:
+                    self.lru[b] = None
+                else:
+                    self.plain.append(b)
+
+    def publish(self, b, h):
+        if self.hash_of[b] is None and h not in self.by_hash:
+            self.hash_of[b], self.by_hash[h] = h, b
+
+    def unpublish(self, blocks):
+        for b in blocks:
+            if self.hash_of[b] is not None:
+                del self.by_hash[self.hash_of[b]]
+                self.hash_of[b] = None
+                if self.refs[b] == 0:
+                    del self.lru[b]
+                    self.plain.append(b)
+
+
+@pytest.mark.parametrize("compact_slack", [1024, 0])
+def test_block_pool_keeps_the_block_by_block_contract_under_random_traffic(compact_slack):
+    """Sequences taking cached prefixes, growing, publishing, ending, being poisoned, and the cache
+    reset: every allocation (its order too), lookup and count as the block-by-block walk gives them,
+    through many evictions (the queue's stale entries compacted on the way: often with no slack)."""
+    import random
+
+    rnd = random.Random(3)
+    n = 48
+    pool, ref = BlockPool(n), _ListPool(n)
+    pool.compact_slack = compact_slack
+    live: list[list[int]] = []
+    hashes = [b"h%d" % i for i in range(40)]
+    for step in range(4000):
+        op = rnd.random()
+        if op < 0.4 and pool.free:
+            prefix = hashes[:rnd.randrange(0, 12)]
+            hit = pool.lookup(prefix)
+            assert hit == ref.lookup(prefix)
+            want = rnd.randrange(1, 6)
+            free_hits = sum(1 for b in hit if ref.refs[b] == 0)
+            if want <= pool.free - free_hits:
+                pool.take(hit)
+                ref.take(hit)
+                got = pool.allocate(want)
+                assert got == ref.allocate(want)
+                table = hit + got
+                for i, b in enumerate(table):
+                    if rnd.random() < 0.5:
+                        h = hashes[rnd.randrange(len(hashes))] if rnd.random() < 0.3 else hashes[min(i, 39)]
+                        pool.publish(b, h)
+                        ref.publish(b, h)
+                live.append(table)
+        elif op < 0.8 and live:
+            table = live.pop(rnd.randrange(len(live)))
+            if rnd.random() < 0.1:
+                pool.unpublish(table)
+                ref.unpublish(table)
+            pool.release(table)
+            ref.release(table)
+        elif op < 0.81:
+            assert pool.reset_cache() == sum(h is not None for h in ref.hash_of)
+            ref.unpublish([b for b in range(n) if ref.hash_of[b] is not None])
+        assert pool.free == ref.free and pool.cached == len(ref.by_hash)
+        assert pool.refs.tolist() == ref.refs and pool.hash_of == ref.hash_of
+    with pytest.raises(RuntimeError, match="released more often than taken"):
+        pool.release([pool.allocate(1)[0]] * 2 if pool.free else live[0] * 2)
 
 
 def test_block_manager_hit_partial_hit_miss_and_the_last_block_rule():
@@ -261,6 +469,27 @@ def test_a_conversation_hits_partly_hits_and_misses_with_the_outputs_of_no_cache
     assert get("voxpipe_prefix_cache_tokens_total", {"stage": "thinker", "kind": "hit"}) >= sum(hits)
     if which == "graphed":
         assert cached.runner.extend_graphs.replays >= 2           # the two hits went on in the extend graph
+
+
+def test_a_repetition_penalty_reads_the_prompt_and_reply_as_transformers_does(cached, tiny_model_dir, loop):
+    """A reply with a repetition penalty (its seen ids kept as a mask, marked as it grows: runner.
+    seen_ids) is transformers' greedy generate with that penalty over prompt + reply, token for
+    token -- and not the reply without it (the penalty decides)."""
+    from voxpipe.services.runtime.sampling import SamplingParams
+
+    messages = [ChatMessage.text("user", "say it again and again: again and again and again")]
+    replies = []
+    for penalty in (1.0, 1.8):
+        job = _job(cached, f"penalty-{penalty}", messages, max_tokens=12, talker_rows=False)
+        job.params, job.min_tokens = SamplingParams(repetition_penalty=penalty), 0
+        _run(cached, [job])
+        want = reference_thinker(tiny_model_dir, job.prompt, [], max_tokens=12, repetition_penalty=penalty).text_ids
+        assert job.generated == want
+        replies.append(job.generated)
+    assert replies[0] != replies[1]
+    # the mask as the last token was sampled: the prompt and every reply token before it
+    assert job.seen_upto == len(job.generated) - 1
+    assert job.seen[1].nonzero().flatten().tolist() == sorted(set(job.prompt + job.generated[:-1]))
 
 
 def test_eviction_under_a_small_pool_keeps_outputs(tiny_model_dir, uncached, loop):

@@ -33,7 +33,7 @@ def test_token_ids_travel_packed_from_the_threshold_on_and_come_back_the_same():
     assert len(msg.ids) == 0 and len(msg.packed) == 4 * len(long) and ids_of(msg) == long
     out = pb.TokenIds(ids=[5, 6])
     assert ids_proto(long, out) is out and len(out.ids) == 0 and ids_of(out) == long   # the old form cleared
-    for bad in ([-1] + long, [2**32] + long, [2**70] + long):
+    for bad in ([-1] + long, [2**32] + long, [2**70] + long, [1.5] + long, ["7"] + long):
         with pytest.raises(ValueError, match=r"integers in \[0, 2\^32\)"):
             ids_proto(bad)
     with pytest.raises(ValueError, match="commit: set ids or packed, not both"):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from voxpipe.services.runtime.sampling import RowSampling, SamplingParams, exponential_noise, pick, sample_rows
+from voxpipe.services.runtime.sampling import (RowSampling, SamplingParams, apply_repetition_penalty, exponential_noise,
+                                              penalize_seen, pick, sample_rows)
 
 V = 300
 PARAMS = [
@@ -86,3 +87,21 @@ def test_exponential_noise_is_each_generators_own_draw():
     assert torch.equal(noise[0], torch.ones(50)) and torch.equal(noise[2], torch.ones(50))
     for row, seed in ((1, 5), (3, 6)):
         assert torch.equal(noise[row], torch.empty(50).exponential_(1, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_a_penalty_over_a_mask_of_seen_ids_equals_the_gather_over_every_id():
+    """penalize_seen (a request's seen ids kept as a mask) gives apply_repetition_penalty's values
+    (the ids gathered from the whole context, repeats among them), bit for bit, non-finite scores too."""
+    g = torch.Generator().manual_seed(5)
+    for seed, penalty in ((0, 1.3), (1, 0.7), (2, 1.0), (3, 100.0)):
+        logits = torch.randn(V, generator=g) * 4
+        logits[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+        logits[3] = 0.0
+        previous = torch.randint(0, V, (seed * 40 + 1,), generator=g)
+        previous = torch.cat((previous, previous[:5], torch.tensor([0, 1, 2, 3])))
+        seen = torch.zeros(V, dtype=torch.bool)
+        seen[previous] = True
+        want = apply_repetition_penalty(logits.clone(), previous, penalty)
+        torch.testing.assert_close(penalize_seen(logits.clone(), seen, penalty), want, rtol=0, atol=0, equal_nan=True)
+    none = torch.zeros(V, dtype=torch.bool)
+    torch.testing.assert_close(penalize_seen(logits, none, 1.5), logits, rtol=0, atol=0, equal_nan=True)

@@ -18,6 +18,7 @@ from voxpipe.cli import build_parser
 from voxpipe.services.runtime import cuda_graphs, metrics
 from voxpipe.services.runtime.engine import Outbox
 from voxpipe.services.runtime.kv_plan import KVPlan
+from voxpipe.services.runtime.row_keys import mm_runs
 from voxpipe.services.runtime.outputs import Finished, FramesOut, TalkerAudioRowsOut, TalkerPromptOut, TextOut
 from voxpipe.services.runtime.server import Abort, talker_prompt_proto
 from voxpipe.services.thinker.job import ThinkerJob
@@ -28,6 +29,28 @@ from voxpipe.v1 import stages_pb2 as pb
 BS = 16
 FRAMES = 4          # talker steps (FRAMES - 1 frames out)
 TOKENS = 5          # thinker tokens a turn
+
+
+def test_mm_runs_finds_every_run_of_a_mask_in_any_form():
+    """The multimodal runs of a talker prompt's mask (found in numpy), against a walk over the mask."""
+    def walked(mask: list[bool]) -> list[tuple[int, int]]:
+        runs, start = [], None
+        for i, m in enumerate(mask + [False]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                runs.append((start, i))
+                start = None
+        return runs
+
+    gen = torch.Generator().manual_seed(0)
+    masks = [[], [True], [False], [True, True], [False, True]]
+    masks += [(torch.rand(n, generator=gen) < q).tolist() for n, q in ((1, 0.5), (7, 0.5), (300, 0.1), (300, 0.9))]
+    for mask in masks:
+        want = walked(mask)
+        assert mm_runs(mask) == want
+        assert mm_runs(torch.tensor(mask, dtype=torch.bool)) == want
+        assert all(type(x) is int for run in mm_runs(mask) for x in run)
 
 
 def _build(stage: str, model_dir, *flags: str, graphs: bool = False):

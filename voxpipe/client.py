@@ -31,9 +31,11 @@ from opentelemetry.trace import SpanKind
 
 from voxpipe.services.runtime import tracing
 from voxpipe.services.runtime.affinity import RouteKey, content_digest, prompt_key
+from voxpipe.services.runtime.block_pool import PrefixHasher
 from voxpipe.services.runtime.balancer import BalancedStream, BalancerOptions, NoReplicaError, Replica
 from voxpipe.services.runtime.calls import SESSION_METADATA, context_exceeded, failed_stage
 from voxpipe.services.runtime.downstream import HEALTH_SERVICES, stage_balancer
+from voxpipe.services.runtime.flags import KV_BLOCK_SIZE
 from voxpipe.services.runtime.tensors import from_proto, ids_proto, split_message, to_proto
 from voxpipe.services.runtime.tls import ClientTLS
 from voxpipe.services.thinker.constraint import Constraint
@@ -49,6 +51,7 @@ AUDIO_READ_AHEAD = 32
 # a prompt with more clip feature bytes or more tokens than these is hashed in a worker thread
 HASH_OFF_LOOP_BYTES = 256 * 1024
 HASH_OFF_LOOP_TOKENS = 8192
+ROUTE_HASH_TOKENS = 1 << 20     # prompt tokens whose block hashes the client remembers for its route keys
 
 
 @dataclass
@@ -296,6 +299,8 @@ class PipelineClient:
         # messages received, by (stage, kind): what crosses into the caller's process ("rows": text
         # deltas that carried talker rows, which a caller never gets in stage-to-stage operation)
         self.received: collections.Counter[tuple[str, str]] = collections.Counter()
+        # route keys' block hashes, a conversation's history remembered (several thinker replicas only)
+        self.hasher = PrefixHasher(KV_BLOCK_SIZE, max_tokens=ROUTE_HASH_TOKENS)
 
     async def __aenter__(self) -> "PipelineClient":
         return self
@@ -320,7 +325,8 @@ class PipelineClient:
         ids, feats = req.token_ids, req.audio_features
 
         def key() -> RouteKey:
-            return prompt_key(ids, req.session, self.audio_token, [content_digest(f) for f in feats])
+            return prompt_key(ids, req.session, self.audio_token, [content_digest(f) for f in feats],
+                              hasher=self.hasher)
 
         if len(ids) > HASH_OFF_LOOP_TOKENS or sum(f.numel() * f.element_size() for f in feats) > HASH_OFF_LOOP_BYTES:
             return await asyncio.to_thread(key)

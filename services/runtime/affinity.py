@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .block_pool import ContentSpan, prefix_hashes
+from .block_pool import ContentSpan, PrefixHasher, prefix_hashes
 from .flags import KV_BLOCK_SIZE
 
 OUTCOMES = ("session", "prefix", "least_loaded")
@@ -75,10 +75,17 @@ def placeholder_spans(prompt: Sequence[int], placeholder: int, digests: Sequence
 
 
 def prompt_key(token_ids: Sequence[int], session: str | None = None, placeholder: int | None = None,
-               digests: Sequence[bytes] = (), block_size: int = KV_BLOCK_SIZE) -> RouteKey:
-    """The RouteKey of a prompt of `token_ids` whose `placeholder` runs stand for clips of `digests`."""
+               digests: Sequence[bytes] = (), block_size: int = KV_BLOCK_SIZE,
+               hasher: PrefixHasher | None = None) -> RouteKey:
+    """The RouteKey of a prompt of `token_ids` whose `placeholder` runs stand for clips of `digests`
+    (`hasher`: one of `block_size` that remembers earlier prompts, so that a conversation's history
+    is not hashed again every turn)."""
     spans = placeholder_spans(token_ids, placeholder, digests) if digests and placeholder is not None else ()
-    return RouteKey(session, tuple(prefix_hashes(token_ids, block_size, spans)), block_size, len(token_ids))
+    if hasher is not None and hasher.block_size == block_size:
+        hashes = hasher(token_ids, spans)
+    else:
+        hashes = prefix_hashes(token_ids, block_size, spans)
+    return RouteKey(session, tuple(hashes), block_size, len(token_ids))
 
 
 class Loaded(Protocol):

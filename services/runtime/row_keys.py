@@ -18,18 +18,15 @@ from .block_pool import ContentSpan
 KEY_BYTES = 16      # blake2b digest size of a run key
 
 
-def mm_runs(mask: Sequence[bool]) -> list[tuple[int, int]]:
-    """The maximal runs (start, end) of True in `mask` (a talker prompt's user_mm_mask), in order."""
-    runs, start = [], None
-    for i, m in enumerate(mask):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((start, i))
-            start = None
-    if start is not None:
-        runs.append((start, len(mask)))
-    return runs
+def mm_runs(mask) -> list[tuple[int, int]]:
+    """The maximal runs (start, end) of True in `mask` (a talker prompt's user_mm_mask: a sequence of
+    bools, a bool array or a host tensor), in order; found in numpy (a 20k-row mask: a Python loop
+    took ~4 ms)."""
+    m = np.asarray(mask, dtype=bool).reshape(-1)
+    if not m.any():
+        return []
+    edges = np.diff(m.view(np.int8), prepend=np.int8(0), append=np.int8(0))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
 
 
 def audio_run_keys(ids: Sequence[int], user_positions: Sequence[int], mask: Sequence[bool],

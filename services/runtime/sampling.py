@@ -123,6 +123,15 @@ def apply_repetition_penalty(logits: torch.Tensor, previous: torch.Tensor, penal
     return logits.scatter(0, previous, seen)
 
 
+def penalize_seen(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """apply_repetition_penalty with the seen ids as a mask (seen [V] bool): each seen score divided /
+    multiplied once, the same values; a request keeps its mask and marks new ids in it, instead of
+    gathering over its whole context at every step."""
+    if penalty == 1.0:
+        return logits
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
 def pick(logits: torch.Tensor, params: SamplingParams,
          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token from processed logits [V] (float32; -inf marks an id masked out) and whether the

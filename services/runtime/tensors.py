@@ -3,6 +3,7 @@ messages into a head message plus PayloadChunk continuations (see proto/voxpipe/
 
 from __future__ import annotations
 
+import array
 import sys
 import warnings
 from collections.abc import Iterator
@@ -56,16 +57,32 @@ def ids_proto(ids, out: pb.TokenIds | None = None) -> pb.TokenIds:
     out = pb.TokenIds() if out is None else out
     out.Clear()
     if len(ids) >= PACKED_IDS_MIN:
-        try:
-            arr = np.asarray(ids, dtype=np.int64)
-        except (OverflowError, TypeError, ValueError) as e:
-            raise ValueError(f"token ids must be integers in [0, 2^32): {e}") from None
-        if arr.ndim != 1 or arr.min() < 0 or arr.max() >= 1 << 32:
-            raise ValueError("token ids must be integers in [0, 2^32)")
-        out.packed = arr.astype("<u4").tobytes()
+        out.packed = packed_ids(ids)
     else:
         out.ids.extend(ids)
     return out
+
+
+def packed_ids(ids) -> bytes:
+    """`ids` as little-endian uint32 bytes (TokenIds.packed); ValueError unless each is an integer in
+    [0, 2^32). A list goes through array.array (a 26k-id prompt: ~0.2 ms, against ~0.6 through an
+    int64 array, its bounds and a cast)."""
+    if not isinstance(ids, np.ndarray):
+        try:
+            arr = array.array("I", ids)
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"token ids must be integers in [0, 2^32): {e}") from None
+        if arr.itemsize == 4:
+            if sys.byteorder != "little":
+                arr.byteswap()
+            return arr.tobytes()
+    try:
+        arr = np.asarray(ids, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise ValueError(f"token ids must be integers in [0, 2^32): {e}") from None
+    if arr.ndim != 1 or arr.min() < 0 or arr.max() >= 1 << 32:
+        raise ValueError("token ids must be integers in [0, 2^32)")
+    return arr.astype("<u4").tobytes()
 
 
 def ids_tensor(ids, device: torch.device | str | None = None) -> torch.Tensor:
@@ -73,6 +90,17 @@ def ids_tensor(ids, device: torch.device | str | None = None) -> torch.Tensor:
     torch.tensor on a long list (a 26k-token prompt: 0.34 vs 3.15 ms on a CI core)."""
     t = torch.from_numpy(np.fromiter(ids, dtype=np.int64, count=len(ids)))
     return t if device is None else t.to(device)
+
+
+def ids_array(msg: pb.TokenIds, name: str = "token_ids") -> np.ndarray:
+    """The ids of a TokenIds in either form as a new int64 array; ValueError as ids_of."""
+    if msg.packed:
+        if len(msg.ids):
+            raise ValueError(f"{name}: set ids or packed, not both")
+        if len(msg.packed) % 4:
+            raise ValueError(f"{name}.packed: {len(msg.packed)} bytes is not a whole number of uint32 ids")
+        return np.frombuffer(msg.packed, dtype="<u4").astype(np.int64)
+    return np.fromiter(msg.ids, dtype=np.int64, count=len(msg.ids))
 
 
 def ids_of(msg: pb.TokenIds, name: str = "token_ids") -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from voxpipe.v1 import stages_pb2 as pb
@@ -49,7 +50,7 @@ class TalkerJob(EngineRequest):
     slot: int | None = None     # its row of the runner's per-request state (the codec-0 ids it has made)
     table: BlockTable | None = None   # its KV blocks (runtime/block_pool.py) while admitted
     kv_trusted: bool = True     # False once its numbers went non-finite (its blocks are never published)
-    keys: list[int] | None = None     # per prompt row, what it is for the prefix hashes (user token ids, then -1)
+    keys: np.ndarray | None = None    # [prompt rows] int64: per prompt row, what it is for the prefix hashes (user token ids, then -1)
     spans: tuple[ContentSpan, ...] = ()   # its multimodal user rows' runs, keyed (row_keys.user_row_spans)
     cacheable: int = 0          # its first user rows whose content the keys name (the prefix cache covers no more)
     cached_tokens: int = 0      # prompt rows taken from the prefix cache at its first admission

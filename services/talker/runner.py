@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from voxpipe import kernels
 
 from ..runtime import metrics
-from ..runtime.block_pool import KVBlockManager, prefix_hashes
+from ..runtime.block_pool import KVBlockManager
 from ..runtime.config import TalkerConfig
 from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
 from ..runtime.extend import ExtendRows, capture_extend, extend_forward
@@ -242,7 +243,9 @@ class TalkerRunner:
         if job.keys is None:
             self._identify(job)
         ctx = self._context(job)
-        keys = job.keys[:ctx] + [-1] * (ctx - len(job.keys))
+        keys = job.keys[:ctx]
+        if ctx > len(job.keys):        # resumed: the decode inputs it had fed (never published)
+            keys = np.concatenate((keys, np.full(ctx - len(job.keys), -1, dtype=np.int64)))
         table = self.blocks.admit(keys, job.spans, reserve=1, max_cached=job.cacheable)
         if table is None:
             return False
@@ -263,9 +266,12 @@ class TalkerRunner:
         many first user rows those name (`cacheable`): all of them, or up to the first multimodal row
         when the keys are missing, or none when the caller's own text rows are not the embeddings of
         their ids (rows given, not looked up here)."""
-        mask = job.user_mm_mask.tolist()
-        ids = job.user_ids.tolist() if job.user_ids is not None else [-1] * len(mask)
-        job.keys = ids + [-1] * PROMPT_TAIL
+        mask = job.user_mm_mask.cpu().numpy()
+        users = mask.shape[0]
+        job.keys = np.full(users + PROMPT_TAIL, -1, dtype=np.int64)
+        if job.user_ids is not None:
+            job.keys[:users] = job.user_ids.cpu().numpy()
+        ids = job.keys[:users]
         job.cacheable = 0
         if not self.blocks.enable_caching or job.user_ids is None:
             return
@@ -301,12 +307,15 @@ class TalkerRunner:
         if not usable:
             return
         pool = self.blocks.pool
-        hit = pool.lookup(prefix_hashes(job.keys[:usable * bs], bs, job.spans))
+        hit = pool.lookup(self.blocks.hasher(job.keys[:usable * bs], job.spans))
         # kept only while the rest of its blocks are free beside them: held blocks of waiting requests
         # are no longer free, so a pool that could not hold the request with them does not hold them
-        while hit and (self.blocks.blocks_for(job.prompt_rows + 1) - len(hit)
-                       > pool.free - sum(1 for b in hit if pool.refs[b] == 0)):
-            hit.pop()
+        if hit:     # the longest run k of them whose rest fits: need(k) <= free - (free blocks among the k)
+            free_among = np.cumsum(pool.refs[hit] == 0)
+            k = len(hit)
+            while k and self.blocks.blocks_for(job.prompt_rows + 1) - k > pool.free - int(free_among[k - 1]):
+                k -= 1
+            del hit[k:]
         job.pinned = hit
         pool.take(job.pinned)
         job.held_rows = len(job.pinned) * bs
@@ -369,7 +378,7 @@ class TalkerRunner:
                 graphs.scrub()
 
     def _tables(self, jobs: list[TalkerJob], width: int) -> torch.Tensor:
-        return self.cache.table_tensor([j.table.blocks for j in jobs], width, self.device)
+        return self.cache.table_tensor([j.table.array() for j in jobs], width, self.device)
 
     # ---- forwards
     def forward(self, prefill: list[TalkerJob], decode: list[TalkerJob],
@@ -399,7 +408,7 @@ class TalkerRunner:
         bos = self.model.model.codec_embedding.weight[self.cfg.codec.bos]           # a view: no lookup
         rows = {}
         for j in jobs:
-            rows[id(j)] = self._rows(j)
+            rows[id(j)] = self._rows(j, j.table.cached_tokens)
             if not j.resumed:
                 j.prompt_len = j.prompt_rows
                 j.generator = j.params.generator(dev)
@@ -419,10 +428,11 @@ class TalkerRunner:
             j.resumed = False
         return out
 
-    def _rows(self, job: TalkerJob) -> torch.Tensor:
-        """[positions, Hk]: what its prefill writes -- its prompt (without the last row when early) and,
-        resumed after a preemption, every decode input it had fed."""
-        x = self._prompt(job, last_row=not job.early)
+    def _rows(self, job: TalkerJob, start: int = 0) -> torch.Tensor:
+        """[positions - start, Hk]: what its prefill writes from position `start` (its first uncached
+        one: a user row) -- its prompt (without the last row when early) and, resumed after a
+        preemption, every decode input it had fed."""
+        x = self._prompt(job, last_row=not job.early, start=start)
         if job.resumed and job.inputs:
             x = torch.cat((x, torch.stack(job.inputs).to(x.dtype)))
         return x
@@ -446,25 +456,25 @@ class TalkerRunner:
         g = self.extend_graphs
         if g is None:
             return [], jobs
-        fit = [j for j in jobs if g.fits(1, rows[id(j)].shape[0] - j.table.cached_tokens)][:g.batch_sizes[-1]]
+        fit = [j for j in jobs if g.fits(1, rows[id(j)].shape[0])][:g.batch_sizes[-1]]
         return fit, [j for j in jobs if not any(j is f for f in fit)]
 
     def _prefill_extend(self, jobs: list[TalkerJob], rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each job's rows from its first uncached position, one right-padded row each, in the extend
-        graph: codec-0 logits [n, V] and hidden [n, Hk] at each one's last row."""
-        part = ExtendRows.of([(r[j.table.cached_tokens:], j.table.cached_tokens) for j, r in zip(jobs, rows)],
+        """Each job's rows from its first uncached position (`rows`: those alone), one right-padded row
+        each, in the extend graph: codec-0 logits [n, V] and hidden [n, Hk] at each one's last row."""
+        part = ExtendRows.of([(r, j.table.cached_tokens) for j, r in zip(jobs, rows)],
                              self.device)
         # the tables at the graphs' width, null past each job's blocks: no stale columns
         return self.extend_graphs(len(jobs), part.longest, part.x, part.start, part.length, part.last,
                                   self._tables(jobs, self.extend_width))
 
     def _prefill_packed(self, jobs: list[TalkerJob], rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each job's rows from its first uncached position, packed into one row (eager), each attending
+        """Each job's rows from its first uncached position (`rows`: those alone), packed into one row (eager), each attending
         to its earlier positions: codec-0 logits [n, V] and hidden [n, Hk] at each one's last row."""
         dev = self.device
-        parts = [(j.table.blocks, j.table.cached_tokens, r.shape[0] - j.table.cached_tokens) for j, r in zip(jobs, rows)]
+        parts = [(j.table.blocks, j.table.cached_tokens, r.shape[0]) for j, r in zip(jobs, rows)]
         step = PagedPackedStep.pack(parts)
-        x = torch.cat([r[j.table.cached_tokens:] for j, r in zip(jobs, rows)])[None]
+        x = torch.cat(rows)[None]
         return self.model(x, step.positions(dev), self.cache.packed(step), last=step.ends(dev))
 
     def _decode(self, jobs: list[TalkerJob],
@@ -506,24 +516,28 @@ class TalkerRunner:
         x[torch.tensor(sent, device=dev)] = torch.stack([rows[i] for i in sent]).to(dev, dt)
         return x
 
-    def _prompt(self, job: TalkerJob, last_row: bool = True) -> torch.Tensor:
-        """The talker's prompt rows [L, Hk]: the user turns (text rows projected, audio rows through
-        the hidden projection), the assistant head, four tts_pad, tts_bos and the first text row,
-        each with its codec-side embedding (nothink, think_bos, think_eos, speaker, pad, bos).
-        Without `last_row`: all but the last ([L - 1, Hk]; the first text row need not be there)."""
+    def _prompt(self, job: TalkerJob, last_row: bool = True, start: int = 0) -> torch.Tensor:
+        """The talker's prompt rows [L - start, Hk] from row `start` (a user row: a cached prefix's rows
+        are not made again): the user turns (text rows projected, audio rows through the hidden
+        projection), the assistant head, four tts_pad, tts_bos and the first text row, each with its
+        codec-side embedding (nothink, think_bos, think_eos, speaker, pad, bos). Without `last_row`:
+        all but the last (the first text row need not be there)."""
         m, c = self.model, self.cfg.codec
         dev, dt = self.device, self.dtype
-        mm = job.user_mm_mask.to(dev)
+        mask = job.user_mm_mask[start:]                 # on the host: which rows are multimodal
+        mm = mask.to(dev)
         if job.user_rows is not None:
-            user = job.user_rows.to(dev, dt)
+            user = job.user_rows[start:].to(dev, dt)
         else:           # the user turns' text rows as token ids; the multimodal ones (if any) in audio_rows
-            user = self.text_table(job.user_ids.to(dev)).to(dt)
+            user = self.text_table(job.user_ids[start:].to(dev)).to(dt)
             if job.audio_rows is not None and job.audio_rows.shape[0]:
-                user[mm] = job.audio_rows.to(dev, dt)
+                first = int(job.user_mm_mask[:start].sum())      # audio rows before `start`
+                if first < job.audio_rows.shape[0]:
+                    user[mm] = job.audio_rows[first:].to(dev, dt)
         user_part = torch.empty(user.shape[0], self.cfg.text.hidden_size, device=dev, dtype=dt)
-        if bool(mm.any()):
+        if bool(mask.any()):
             user_part[mm] = m.hidden_projection(user[mm])
-        if bool((~mm).any()):
+        if not bool(mask.all()):
             user_part[~mm] = m.text_projection(user[~mm])
         head = m.text_projection(job.head.to(dev, dt))                                    # [3, Hk]
         bos, _eos, pad = m.text_projection(job.special.to(dev, dt)).unbind(0)

@@ -56,7 +56,7 @@ def _audio_keys(keys, mask: torch.Tensor) -> tuple[bytes, ...]:
     multimodal user rows."""
     if not keys:
         return ()
-    runs = len(mm_runs(mask.tolist()))
+    runs = len(mm_runs(mask))
     if len(keys) != runs:
         raise ValueError(f"prompt.audio_keys: {len(keys)} keys for {runs} runs of multimodal user rows")
     if any(not 0 < len(k) <= MAX_KEY_BYTES for k in keys):

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from voxpipe.v1 import stages_pb2 as pb
@@ -84,10 +85,31 @@ class ThinkerJob(EngineRequest):
     adopts: ThinkerJob | None = None            # a committed turn: the pending job whose KV and state it takes
     streamed_tokens: int = 0                    # of the prompt, positions with keys when the commit came
     session: str | None = None                  # the caller's session (calls.SESSION_METADATA): its talker pick
+    # its repetition penalty's ids (runner.seen_ids): [V] bool on the device, for the prompt list it was
+    # made of, with the first `seen_upto` reply tokens marked
+    seen: tuple[list[int], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    seen_upto: int = 0
+    # the prompt as int64 ids, and the prompt list they were made of (prompt_ids)
+    ids_cache: tuple[list[int], np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_target:
             self.prefill_target = len(self.prompt)
+
+    def prompt_ids(self) -> np.ndarray:
+        """The prompt as an int64 array [P], made once per prompt (`prompt` is replaced, never changed
+        in place: a streamed turn's grows into a new list); never written by its users."""
+        cache = self.ids_cache
+        if cache is None or cache[0] is not self.prompt:
+            cache = self.ids_cache = (self.prompt, np.fromiter(self.prompt, dtype=np.int64, count=len(self.prompt)))
+        return cache[1]
+
+    def context_ids(self) -> np.ndarray:
+        """context() as an int64 array (the prompt's own, without a reply to recompute)."""
+        reply = self.generated[:self.prefill_target - len(self.prompt)]
+        if not reply:
+            return self.prompt_ids()
+        return np.concatenate((self.prompt_ids(), np.asarray(reply, dtype=np.int64)))
 
     def context(self) -> list[int]:
         """The token ids its prefill covers: the prompt, and after a preemption the reply so far but

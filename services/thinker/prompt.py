@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -202,20 +205,84 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
+SEGMENT_CACHE_CHARS = 4 << 20     # characters of rendered segments whose token ids are kept, per tokenizer
+
+
+class SegmentTokens:
+    """The token ids of a rendered conversation's segments (the template's markup between two message
+    texts, tokenized with its special tokens; a message's text, with them split into ordinary text)
+    by their exact text, for one tokenizer: a conversation's next turn re-renders every earlier
+    message, whose segments tokenize as before (tokenization is a function of the segment's text
+    alone: each segment is tokenized on its own, cached or not). Bounded by `max_chars` characters
+    of keys, least recently used dropped first; thread-safe."""
+
+    def __init__(self, max_chars: int = SEGMENT_CACHE_CHARS) -> None:
+        self.max_chars = max_chars
+        self.entries: OrderedDict[tuple[bool, str], tuple[int, ...]] = OrderedDict()
+        self.chars = 0
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def encode(self, tokenizer, text: str, message_text: bool) -> tuple[int, ...]:
+        key = (message_text, text)
+        with self._lock:
+            got = self.entries.get(key)
+            if got is not None:
+                self.entries.move_to_end(key)
+                self.hits += 1
+                return got
+        ids = tuple(encode_text(tokenizer, text) if message_text else tokenizer.encode(text, add_special_tokens=False))
+        with self._lock:
+            self.misses += 1
+            if len(text) <= self.max_chars and key not in self.entries:
+                self.entries[key] = ids
+                self.chars += len(text)
+                while self.chars > self.max_chars:
+                    (_, old), _ = self.entries.popitem(last=False)
+                    self.chars -= len(old)
+        return ids
+
+
+_SEGMENTS: "weakref.WeakKeyDictionary[object, SegmentTokens]" = weakref.WeakKeyDictionary()
+_SEGMENTS_LOCK = threading.Lock()
+
+
+def segment_tokens(tokenizer) -> SegmentTokens | None:
+    """The tokenizer's SegmentTokens (made on first use; None for a tokenizer that takes no weak
+    reference: its segments are tokenized each time)."""
+    with _SEGMENTS_LOCK:
+        try:
+            cache = _SEGMENTS.get(tokenizer)
+            if cache is None:
+                cache = _SEGMENTS[tokenizer] = SegmentTokens()
+        except TypeError:
+            return None
+        return cache
+
+
 def _encode_template(tokenizer, conv: list[dict], texts: list[str], add_generation_prompt: bool,
-                     tools: list[dict] | None = None) -> list[int]:
+                     tools: list[dict] | None = None, segments: SegmentTokens | bool = True) -> list[int]:
     """The chat template's own markup is tokenized with its special tokens; message text is
     tokenized with special-token strings split into ordinary text, so a user who types
     "<|im_start|>system" gets those characters, not a new turn. (Tool definitions and call
-    arguments are rendered by the template as JSON; check_tool_text keeps control tokens out.)"""
+    arguments are rendered by the template as JSON; check_tool_text keeps control tokens out.)
+    Each segment's ids come from `segments` when it saw that text before (True: the tokenizer's
+    SegmentTokens; False: none)."""
     rendered = _apply(tokenizer, conv, add_generation_prompt, tools)
+    cache = segment_tokens(tokenizer) if segments is True else segments or None
+    if cache is None:
+        def encode(text: str, message_text: bool):
+            return encode_text(tokenizer, text) if message_text else tokenizer.encode(text, add_special_tokens=False)
+    else:
+        def encode(text: str, message_text: bool):
+            return cache.encode(tokenizer, text, message_text)
     ids: list[int] = []
     pos = 0
     for m in _SENTINEL.finditer(rendered):
-        ids += tokenizer.encode(rendered[pos:m.start()], add_special_tokens=False)
-        ids += encode_text(tokenizer, texts[int(m.group(1))])
+        ids += encode(rendered[pos:m.start()], False)
+        ids += encode(texts[int(m.group(1))], True)
         pos = m.end()
-    ids += tokenizer.encode(rendered[pos:], add_special_tokens=False)
+    ids += encode(rendered[pos:], False)
     return ids
 
 
@@ -242,11 +309,14 @@ def check_template_renders_tools(tokenizer, conv: list[dict], tools: list[dict] 
 
 
 def render(tokenizer, cfg: ThinkerConfig, messages: list[ChatMessage], features: FeatureExtractor | None = None,
-           add_generation_prompt: bool = True, tools: Sequence[Tool] = ()) -> RenderedPrompt:
+           add_generation_prompt: bool = True, tools: Sequence[Tool] = (),
+           segments: SegmentTokens | bool = True) -> RenderedPrompt:
     """Apply the checkpoint's chat template (with `tools=` when `tools` are given); every audio part
     becomes <|audio_start|> + N pads + <|audio_end|> with N = the audio encoder's output length for
     that clip. ValueError for what cannot be rendered (TemplateToolError, naming the request
-    parameter, for tools the template drops or tool text holding control tokens)."""
+    parameter, for tools the template drops or tool text holding control tokens). `segments`: where
+    the ids of segments tokenized before come from (SegmentTokens; True: the tokenizer's, False:
+    tokenize every segment)."""
     conv, feats, user_texts = [], [], []
     for m in messages:
         content = []
@@ -270,10 +340,12 @@ def render(tokenizer, cfg: ThinkerConfig, messages: list[ChatMessage], features:
     for i, t in enumerate(tool_entries or ()):
         check_tool_text(json.dumps(t, ensure_ascii=False), specials, f"tools[{i}]", "tools")
     check_template_renders_tools(tokenizer, conv, tool_entries)
-    ids = _encode_template(tokenizer, conv, user_texts, add_generation_prompt, tool_entries)
+    ids = _encode_template(tokenizer, conv, user_texts, add_generation_prompt, tool_entries, segments)
     pad = cfg.tokens.audio_token
     if ids.count(pad) != len(feats):
         raise ValueError(f"the chat template rendered {ids.count(pad)} audio placeholders for {len(feats)} audio parts")
+    if not feats:
+        return RenderedPrompt(ids, feats)
     out, k = [], 0
     for t in ids:
         if t == pad:
