@@ -309,6 +309,56 @@ def test_the_grammar_cache_gives_the_uncached_grammar_on_hit_and_after_eviction(
     assert Constraint.json_schema({**PROFILE, "properties": reordered}).key() != a.key()
 
 
+def _json_gaps(text: str) -> list[int]:
+    """The places outside the strings of JSON `text` (whitespace may go between its tokens)."""
+    gaps, in_string, escape = [], False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+                gaps.append(i + 1)
+            continue
+        gaps.append(i)
+        if ch == '"':
+            in_string = True
+        elif ch != " ":
+            gaps.append(i + 1)
+    return sorted(set(gaps))
+
+
+def test_constrained_json_has_bounded_whitespace(tokenizer, omni_config):
+    """Issue 22: whitespace inside constrained JSON is bounded, so that a weak model cannot loop on
+    spaces or newlines until max_tokens. A json_object, json_schema, tool_calls or tool_calls_in_text
+    grammar takes the reply's compact JSON (json.dumps' form: one space after ':' and ',') and
+    refuses it with one more space, newline or tab anywhere JSON allows whitespace (each variant
+    still valid JSON)."""
+    th = omni_config.thinker
+    grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,))
+    order = json.dumps({"item": "tea", "count": 2, "notes": ["a", "b"], "ship": {"city": "Oslo", "express": True}})
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}})
+    cases = [(Constraint(ConstraintKind.JSON_OBJECT), "", order, ""), (Constraint.json_schema(ORDER), "", order, ""),
+             (tool_calls(FUNCTIONS), "<tool_call>\n", call, "\n</tool_call>"),
+             (tool_calls_in_text(FUNCTIONS), "Sure. <tool_call>\n", call, "\n</tool_call>")]
+    refused = 0
+    for constraint, head, body, tail in cases:
+        compiled = grammars.compile(constraint)
+        assert grammars.matcher(compiled).m.accept_string(head + body + tail), constraint.kind
+        for gap in _json_gaps(body):
+            for ws in (" ", "\n", "\t"):
+                wider = body[:gap] + ws + body[gap:]
+                try:
+                    assert json.loads(wider) == json.loads(body)
+                except ValueError:      # inside a literal (tr ue, 2 3): not JSON, not a case
+                    continue
+                assert not grammars.matcher(compiled).m.accept_string(head + wider + tail), (constraint.kind, wider)
+                refused += 1
+    assert refused > 300
+
+
 def test_the_compile_bench_reports_the_goal(tiny_model_dir, capsys):
     """bench/grammar_compile over the tiny checkpoint's tokenizer, one repeat: a row per constraint
     and the goal's line (the tool schema's first compile, warmed, and its cached lookup)."""

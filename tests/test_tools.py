@@ -391,6 +391,40 @@ def test_bad_tool_inputs_are_400_naming_them(gateway, model, extra, param, patte
     assert err["type"] == "invalid_request_error" and len(err["message"]) < 400
 
 
+def test_a_checkpoint_whose_template_drops_tools_is_a_400_at_the_gateway(stack, tiny_model_dir, tmp_path):
+    """Issue 22: a chat template that ignores `tools=` is a 400 saying so, never a silent drop.
+    A gateway (a real process) over a copy of the tiny checkpoint whose template renders neither
+    tools nor calls: a request with tools is a 400 naming 'tools'; a history with an assistant's
+    tool_calls a 400 naming 'messages'; the same request without them is served."""
+    import shutil
+
+    from conftest import GatewayProcess
+
+    blind = tmp_path / "blind-template"
+    shutil.copytree(tiny_model_dir, blind)
+    config = json.loads((blind / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') + "
+                               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                               "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    (blind / "tokenizer_config.json").write_text(json.dumps(config))
+    gw = GatewayProcess(blind, stack.address("thinker"), stack.address("code2wav"))
+    try:
+        name = httpx.get(f"{gw.base_url}/v1/models").json()["data"][0]["id"]
+        base = {"model": name, "messages": MESSAGES, "max_tokens": 1, "temperature": 0}
+        resp = post(gw, {**base, "tools": TOOLS})
+        err = resp.json()["error"]
+        assert resp.status_code == 400 and err["param"] == "tools" and "does not render tools" in err["message"], err
+        called = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        resp = post(gw, {**base, "messages": called})
+        err = resp.json()["error"]
+        assert resp.status_code == 400 and err["param"] == "messages" and "tool_calls" in err["message"], err
+        assert post(gw, base).status_code == 200
+    finally:
+        gw.stop()
+
+
 def test_a_remembered_schema_check_answers_as_the_check(gateway, model):
     """The tools' schema check (tool_params.check_schema) remembers its outcome by the schema's
     content: through the gateway, a schema seen before (a hit), a request with one seen and one new
