@@ -669,6 +669,50 @@ def test_a_call_the_model_opens_in_auto_mode_is_valid(engine, tokenizer, omni_co
     assert closed, [tokenizer.decode(ids) for ids, _ in replies]
 
 
+def test_a_sampled_token_is_delivered_before_its_forced_run_is_worked_out(engine, tokenizer, omni_config,
+                                                                         monkeypatch):
+    """A required call's reply, its steps run as the engine's loop runs them (one StepDelivery a
+    step): whenever the engine works out a forced run after a sampled token (Matcher.forced, in
+    engine._jump), that token's outputs have already left the step (deliver_now): nothing of the
+    job waits in the step's delivery, so a call's head, complete once the name's first token picks
+    the name, never waits for the run's mask fills. The reply is the one decoded without a spy."""
+    from voxpipe.services.runtime.engine import Outbox, StepDelivery
+    from voxpipe.services.runtime.outputs import TextOut
+    from voxpipe.services.runtime.sampling import SamplingParams
+    from voxpipe.services.thinker import engine as thinker_engine
+    from voxpipe.services.thinker.engine import ThinkerJob
+
+    monkeypatch.setattr(thinker_engine, "JUMP_TOKENS", 64)
+    monkeypatch.setattr(thinker_engine, "JUMP_FEED_ROWS", 8)
+    p = _prompt(tokenizer, omni_config, "Weather in Oslo, then the light.")
+    constraint = tool_calls(FUNCTIONS, parallel=False)
+    loop = asyncio.new_event_loop()
+    job = ThinkerJob(request_id="delivered", outbox=Outbox(loop, limit=10 ** 6), prompt=p, max_tokens=60,
+                     params=SamplingParams(temperature=1.0, seed=0))      # run_jobs' first job's seed
+    job.matcher = engine.grammars.matcher(engine.grammars.compile(constraint))
+    engine.open_reply(job)
+    waiting: list[int] = []         # at each in-step forced(): the job's outputs still held by the step
+    real = job.matcher.forced
+
+    def forced():
+        delivery = StepDelivery.active()
+        if delivery is not None:
+            waiting.append(sum(1 for o, (_, item) in delivery.entries if o is job.outbox and isinstance(item, TextOut)))
+        return real()
+
+    job.matcher.forced = forced
+    engine.submit(job)
+    while engine.has_work():
+        with StepDelivery():
+            engine.step()
+        with engine.lock:
+            engine._reap_and_check()
+    loop.close()
+    assert len(waiting) > 3 and not any(waiting), waiting
+    (decoded, _), = run_jobs(engine, [dict(prompt=p, constraint=constraint, max_tokens=60)], True, monkeypatch)[0]
+    assert job.generated == decoded
+
+
 def test_a_cancel_during_a_forced_run_frees_the_request(engine, tokenizer, omni_config, monkeypatch):
     """A request cancelled while its forced run waits to be fed is dropped at the next step, its
     blocks given back; the request beside it ends as it would alone."""
