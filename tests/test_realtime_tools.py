@@ -282,3 +282,38 @@ def test_the_sdk_runs_a_function_call_round_trip(gateway, model, tokenizer, omni
     want = render(tokenizer, omni_config.thinker, messages, tools=tool_list([SHORT], "tools", nested=False)).token_ids
     assert second[-1].response.status in ("completed", "incomplete")
     assert second[-1].response.usage.input_tokens == len(want)
+
+
+def test_response_tools_apply_to_their_response_only(gateway, model, tokenizer, omni_config):
+    """`response.tools` with its `tool_choice` (OpenAI's per-response override) through the SDK's
+    realtime client: a session without tools, one response given tools and tool_choice 'required':
+    its reply is calls of that tool, and its prompt has the tools; the next response (no override)
+    has the session's: no tools in its prompt, the calls still in the conversation."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        sdk = AsyncOpenAI(api_key="unused", base_url=f"{gateway.base_url}/v1",
+                          websocket_base_url=f"ws://127.0.0.1:{gateway.port}/v1")
+        async with sdk.realtime.connect(model=model) as conn:
+            await conn.session.update(session={**MANUAL, "output_modalities": ["text"], "max_output_tokens": 400})
+            await conn.conversation.item.create(item=user_text("Weather in Oslo?"))
+            done = []
+            for response in ({"tools": [SHORT], "tool_choice": "required"}, {"max_output_tokens": 1}):
+                await conn.response.create(response=response)
+                async for event in conn:
+                    assert event.type != "error", event
+                    if event.type == "response.done":
+                        done.append(event.response)
+                        break
+            return done
+
+    called, after = run(go())
+    assert called.status == "completed", called.status_details
+    calls = [o for o in called.output if o.type == "function_call"]
+    assert calls and all(c.name == "get_weather" and json.loads(c.arguments)["city"] in ("Oslo", "Rome") for c in calls)
+    user = ChatMessage.text("user", "Weather in Oslo?")
+    tools = tool_list([SHORT], "tools", nested=False)
+    assert called.usage.input_tokens == len(render(tokenizer, omni_config.thinker, [user], tools=tools).token_ids)
+    history = [user, ChatMessage("assistant", [ChatPart(text="")],
+                                 tool_calls=[ToolCall(c.call_id, c.name, c.arguments) for c in calls])]
+    assert after.usage.input_tokens == len(render(tokenizer, omni_config.thinker, history).token_ids)
