@@ -22,11 +22,14 @@ content or tool_calls delta), "required" and "named" (the first `delta.tool_call
 each user message numbered (the tools' prefix stays cached, as for an agent), and "plain-1": the
 plain request with max_tokens 1, not streamed, whose whole time is its time to the first token
 (the plain kind's first content can come late where the reply is random bytes: full-size dummy
-weights); "tools-1" is that with the tools in the prompt and tool_choice "none" (the constrained
-kinds' own prompt: the time to its first token). A first round (the
+weights); "tools-1" is that with the tools in the prompt and tool_choice "auto" (the constrained
+kinds' own prompt, unconstrained: the time to its first token; tool_choice "none" would not do:
+the gateway leaves the tools out of a "none" prompt). Each request starts once the one before
+has ended in the thinker (--settle seconds after it: a stream closed after its first delta is
+cancelled, and its last decode steps would delay the next request's prefill). A first round (the
 grammars' compiles) is reported apart. Prints one JSON line: medians and p90 per kind, and the ratios
-of required / named to plain and to auto (issue #22: the first tool_calls delta within noise of
-plain TTFT)."""
+of required / named to plain and to tools-1 (issue #22: the first tool_calls delta within noise of
+the TTFT of the same prompt)."""
 
 from __future__ import annotations
 
@@ -155,8 +158,9 @@ FIRST_DELTA_KINDS = ("plain", "auto", "required", "named")
 # to its first token, whatever that token's text is (with full-size dummy weights a plain reply is
 # random bytes: its first content may come late, as UTF-8 and the tool-markup hold-back wait)
 TTFT_KIND = "plain-1"
-# "tools-1": the same with the tools in the prompt and tool_choice "none": the time to the first token
-# of the very prompt the constrained kinds send (their tools' text rendered, the grammar not asked for)
+# "tools-1": the same with the tools in the prompt and tool_choice "auto": the time to the first token
+# of the very prompt the constrained kinds send (their tools' text rendered, the grammar not asked for;
+# tool_choice "none" leaves the tools out of the prompt)
 TTFT_KINDS = (TTFT_KIND, "tools-1")
 
 
@@ -165,13 +169,14 @@ def first_delta_request(kind: str, i: int, model: str) -> dict:
     kw = dict(model=model, messages=messages, temperature=1.0, seed=i, max_tokens=256, stream=True)
     if kind == "plain":
         return kw
-    choice = {"tools-1": "none", "auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "book_table"}}}[kind]
+    choice = {"tools-1": "auto", "auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "book_table"}}}[kind]
     return {**kw, "tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
 
 
-async def first_deltas(base_url: str, rounds: int) -> dict:
+async def first_deltas(base_url: str, rounds: int, settle: float = 0.25) -> dict:
     """Milliseconds from sending each streamed request to its first delta of text or a call (see
-    the module docstring), `rounds` per kind after a first, uncounted round."""
+    the module docstring), `rounds` per kind after a first, uncounted round; `settle` seconds
+    between requests (the one before, cancelled, ends in the thinker meanwhile)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
@@ -184,6 +189,7 @@ async def first_deltas(base_url: str, rounds: int) -> dict:
             await client.chat.completions.create(**{**first_delta_request(like, r, model), "stream": False,
                                                     "max_tokens": 1})
             got = (time.perf_counter() - t0) * 1e3
+            await asyncio.sleep(settle)
             if r == 0:
                 first_round[kind] = round(got, 1)
             else:
@@ -199,6 +205,7 @@ async def first_deltas(base_url: str, rounds: int) -> dict:
                     got = (time.perf_counter() - t0) * 1e3
                     break
             await stream.close()       # the rest of the reply is not timed: cancelled
+            await asyncio.sleep(settle)
             if r == 0:
                 first_round[kind] = None if got is None else round(got, 1)
             elif got is not None:
@@ -213,7 +220,7 @@ async def first_deltas(base_url: str, rounds: int) -> dict:
     med = {k: v["median_ms"] for k, v in out.items()}
     ratios = {f"{k}/{base}": round(med[k] / med[base], 3) for k in ("required", "named")
               for base in ("plain", "auto", *TTFT_KINDS) if med[k] and med[base]}
-    return {"first_delta": out, "ratios": ratios, "first_round_ms": first_round, "rounds": rounds}
+    return {"first_delta": out, "ratios": ratios, "first_round_ms": first_round, "rounds": rounds, "settle_s": settle}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,11 +235,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve the released config with full-size dummy weights (without --base-url; a GPU)")
     p.add_argument("--first-delta", type=int, metavar="ROUNDS",
                    help="time the first delta of each kind instead (ROUNDS requests a kind, one at a time)")
+    p.add_argument("--settle", type=float, default=0.25, metavar="SECONDS",
+                   help="--first-delta: the pause after each request (the cancelled one before ends meanwhile)")
     args = p.parse_args(argv)
 
     def run(base_url: str) -> dict:
         if args.first_delta:
-            return asyncio.run(first_deltas(base_url, args.first_delta))
+            return asyncio.run(first_deltas(base_url, args.first_delta, args.settle))
         return asyncio.run(check(base_url, args.n, args.concurrency, args.max_tokens))
     if args.base_url:
         result = run(args.base_url)

@@ -309,6 +309,56 @@ def test_the_grammar_cache_gives_the_uncached_grammar_on_hit_and_after_eviction(
     assert Constraint.json_schema({**PROFILE, "properties": reordered}).key() != a.key()
 
 
+def _json_gaps(text: str) -> list[int]:
+    """The places outside the strings of JSON `text` (whitespace may go between its tokens)."""
+    gaps, in_string, escape = [], False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+                gaps.append(i + 1)
+            continue
+        gaps.append(i)
+        if ch == '"':
+            in_string = True
+        elif ch != " ":
+            gaps.append(i + 1)
+    return sorted(set(gaps))
+
+
+def test_constrained_json_has_bounded_whitespace(tokenizer, omni_config):
+    """Issue 22: whitespace inside constrained JSON is bounded, so that a weak model cannot loop on
+    spaces or newlines until max_tokens. A json_object, json_schema, tool_calls or tool_calls_in_text
+    grammar takes the reply's compact JSON (json.dumps' form: one space after ':' and ',') and
+    refuses it with one more space, newline or tab anywhere JSON allows whitespace (each variant
+    still valid JSON)."""
+    th = omni_config.thinker
+    grammars = Grammars(tokenizer, th.text.vocab_size, (th.tokens.im_end,))
+    order = json.dumps({"item": "tea", "count": 2, "notes": ["a", "b"], "ship": {"city": "Oslo", "express": True}})
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}})
+    cases = [(Constraint(ConstraintKind.JSON_OBJECT), "", order, ""), (Constraint.json_schema(ORDER), "", order, ""),
+             (tool_calls(FUNCTIONS), "<tool_call>\n", call, "\n</tool_call>"),
+             (tool_calls_in_text(FUNCTIONS), "Sure. <tool_call>\n", call, "\n</tool_call>")]
+    refused = 0
+    for constraint, head, body, tail in cases:
+        compiled = grammars.compile(constraint)
+        assert grammars.matcher(compiled).m.accept_string(head + body + tail), constraint.kind
+        for gap in _json_gaps(body):
+            for ws in (" ", "\n", "\t"):
+                wider = body[:gap] + ws + body[gap:]
+                try:
+                    assert json.loads(wider) == json.loads(body)
+                except ValueError:      # inside a literal (tr ue, 2 3): not JSON, not a case
+                    continue
+                assert not grammars.matcher(compiled).m.accept_string(head + wider + tail), (constraint.kind, wider)
+                refused += 1
+    assert refused > 300
+
+
 def test_the_compile_bench_reports_the_goal(tiny_model_dir, capsys):
     """bench/grammar_compile over the tiny checkpoint's tokenizer, one repeat: a row per constraint
     and the goal's line (the tool schema's first compile, warmed, and its cached lookup)."""
@@ -617,6 +667,50 @@ def test_a_call_the_model_opens_in_auto_mode_is_valid(engine, tokenizer, omni_co
         jsonschema.validate(call["arguments"], by_name[call["name"]])
         closed += 1
     assert closed, [tokenizer.decode(ids) for ids, _ in replies]
+
+
+def test_a_sampled_token_is_delivered_before_its_forced_run_is_worked_out(engine, tokenizer, omni_config,
+                                                                         monkeypatch):
+    """A required call's reply, its steps run as the engine's loop runs them (one StepDelivery a
+    step): whenever the engine works out a forced run after a sampled token (Matcher.forced, in
+    engine._jump), that token's outputs have already left the step (deliver_now): nothing of the
+    job waits in the step's delivery, so a call's head, complete once the name's first token picks
+    the name, never waits for the run's mask fills. The reply is the one decoded without a spy."""
+    from voxpipe.services.runtime.engine import Outbox, StepDelivery
+    from voxpipe.services.runtime.outputs import TextOut
+    from voxpipe.services.runtime.sampling import SamplingParams
+    from voxpipe.services.thinker import engine as thinker_engine
+    from voxpipe.services.thinker.engine import ThinkerJob
+
+    monkeypatch.setattr(thinker_engine, "JUMP_TOKENS", 64)
+    monkeypatch.setattr(thinker_engine, "JUMP_FEED_ROWS", 8)
+    p = _prompt(tokenizer, omni_config, "Weather in Oslo, then the light.")
+    constraint = tool_calls(FUNCTIONS, parallel=False)
+    loop = asyncio.new_event_loop()
+    job = ThinkerJob(request_id="delivered", outbox=Outbox(loop, limit=10 ** 6), prompt=p, max_tokens=60,
+                     params=SamplingParams(temperature=1.0, seed=0))      # run_jobs' first job's seed
+    job.matcher = engine.grammars.matcher(engine.grammars.compile(constraint))
+    engine.open_reply(job)
+    waiting: list[int] = []         # at each in-step forced(): the job's outputs still held by the step
+    real = job.matcher.forced
+
+    def forced():
+        delivery = StepDelivery.active()
+        if delivery is not None:
+            waiting.append(sum(1 for o, (_, item) in delivery.entries if o is job.outbox and isinstance(item, TextOut)))
+        return real()
+
+    job.matcher.forced = forced
+    engine.submit(job)
+    while engine.has_work():
+        with StepDelivery():
+            engine.step()
+        with engine.lock:
+            engine._reap_and_check()
+    loop.close()
+    assert len(waiting) > 3 and not any(waiting), waiting
+    (decoded, _), = run_jobs(engine, [dict(prompt=p, constraint=constraint, max_tokens=60)], True, monkeypatch)[0]
+    assert job.generated == decoded
 
 
 def test_a_cancel_during_a_forced_run_frees_the_request(engine, tokenizer, omni_config, monkeypatch):

@@ -227,3 +227,93 @@ def test_the_gateway_flag_constrains_auto_calls_on_realtime(stack, tiny_model_di
     asyncio.run(go(True))
     done = events[-1]["response"]
     assert done["status"] == "failed" and "--constrain-tool-calls" in done["status_details"]["error"]["message"]
+
+
+def test_the_sdk_runs_a_function_call_round_trip(gateway, model, tokenizer, omni_config):
+    """The unmodified `openai` SDK's realtime client (client.realtime.connect, GA): session.tools with
+    tool_choice 'required' (the tiny random model's reply is then valid calls), each call as the SDK's
+    typed events (response.output_item.added with a function_call item: call_id and name, its
+    arguments' deltas adding up to .done, response.output_item.done); then the client's
+    function_call_output for the first call and a response.create continue the turn: the prompt of
+    that response is the conversation with the calls and the output rendered (its input_tokens)."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        sdk = AsyncOpenAI(api_key="unused", base_url=f"{gateway.base_url}/v1",
+                          websocket_base_url=f"ws://127.0.0.1:{gateway.port}/v1")
+        async with sdk.realtime.connect(model=model) as conn:
+            await conn.session.update(session={**MANUAL, "output_modalities": ["text"], "tools": [SHORT],
+                                               "tool_choice": "required", "max_output_tokens": 400})
+            await conn.conversation.item.create(item=user_text("Weather in Oslo?"))
+            await conn.response.create()
+            first = [event async for event in until(conn, "response.done")]
+            calls = [o for o in first[-1].response.output if o.type == "function_call"]
+            await conn.conversation.item.create(item={"type": "function_call_output", "call_id": calls[0].call_id,
+                                                      "output": "snow, -3 C"})
+            await conn.response.create(response={"tool_choice": "auto", "max_output_tokens": 2})
+            second = [event async for event in until(conn, "response.done")]
+            return first, second
+
+    async def until(conn, last: str):
+        async for event in conn:
+            assert event.type != "error", event
+            yield event
+            if event.type == last:
+                return
+
+    first, second = run(go())
+    response = first[-1].response
+    assert response.status == "completed", response.status_details
+    calls = [o for o in response.output if o.type == "function_call"]
+    added = [e.item for e in first if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    finished = [e.item for e in first if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert calls and [(a.call_id, a.name) for a in added] == [(c.call_id, "get_weather") for c in calls]
+    assert [(f.call_id, f.arguments, f.status) for f in finished] == [(c.call_id, c.arguments, "completed") for c in calls]
+    for c in calls:
+        deltas = [e.delta for e in first if e.type == "response.function_call_arguments.delta" and e.item_id == c.id]
+        done = [e for e in first if e.type == "response.function_call_arguments.done" and e.item_id == c.id]
+        assert deltas and "".join(deltas) == done[0].arguments == c.arguments and done[0].call_id == c.call_id
+        assert json.loads(c.arguments)["city"] in ("Oslo", "Rome")
+    assert not [e for e in first if e.type == "response.output_text.delta"]     # nothing of a call is text
+    messages = [ChatMessage.text("user", "Weather in Oslo?"),
+                ChatMessage("assistant", [ChatPart(text="")],
+                            tool_calls=[ToolCall(c.call_id, c.name, c.arguments) for c in calls]),
+                ChatMessage("tool", [ChatPart(text="snow, -3 C")], tool_call_id=calls[0].call_id)]
+    want = render(tokenizer, omni_config.thinker, messages, tools=tool_list([SHORT], "tools", nested=False)).token_ids
+    assert second[-1].response.status in ("completed", "incomplete")
+    assert second[-1].response.usage.input_tokens == len(want)
+
+
+def test_response_tools_apply_to_their_response_only(gateway, model, tokenizer, omni_config):
+    """`response.tools` with its `tool_choice` (OpenAI's per-response override) through the SDK's
+    realtime client: a session without tools, one response given tools and tool_choice 'required':
+    its reply is calls of that tool, and its prompt has the tools; the next response (no override)
+    has the session's: no tools in its prompt, the calls still in the conversation."""
+    from openai import AsyncOpenAI
+
+    async def go():
+        sdk = AsyncOpenAI(api_key="unused", base_url=f"{gateway.base_url}/v1",
+                          websocket_base_url=f"ws://127.0.0.1:{gateway.port}/v1")
+        async with sdk.realtime.connect(model=model) as conn:
+            await conn.session.update(session={**MANUAL, "output_modalities": ["text"], "max_output_tokens": 400})
+            await conn.conversation.item.create(item=user_text("Weather in Oslo?"))
+            done = []
+            for response in ({"tools": [SHORT], "tool_choice": "required"}, {"max_output_tokens": 1}):
+                await conn.response.create(response=response)
+                async for event in conn:
+                    assert event.type != "error", event
+                    if event.type == "response.done":
+                        done.append(event.response)
+                        break
+            return done
+
+    called, after = run(go())
+    assert called.status == "completed", called.status_details
+    calls = [o for o in called.output if o.type == "function_call"]
+    assert calls and all(c.name == "get_weather" and json.loads(c.arguments)["city"] in ("Oslo", "Rome") for c in calls)
+    user = ChatMessage.text("user", "Weather in Oslo?")
+    tools = tool_list([SHORT], "tools", nested=False)
+    assert called.usage.input_tokens == len(render(tokenizer, omni_config.thinker, [user], tools=tools).token_ids)
+    history = [user, ChatMessage("assistant", [ChatPart(text="")],
+                                 tool_calls=[ToolCall(c.call_id, c.name, c.arguments) for c in calls])]
+    assert after.usage.input_tokens == len(render(tokenizer, omni_config.thinker, history).token_ids)

@@ -391,6 +391,80 @@ def test_bad_tool_inputs_are_400_naming_them(gateway, model, extra, param, patte
     assert err["type"] == "invalid_request_error" and len(err["message"]) < 400
 
 
+def test_a_checkpoint_whose_template_drops_tools_is_a_400_at_the_gateway(stack, tiny_model_dir, tmp_path):
+    """Issue 22: a chat template that ignores `tools=` is a 400 saying so, never a silent drop.
+    A gateway (a real process) over a copy of the tiny checkpoint whose template renders neither
+    tools nor calls: a request with tools is a 400 naming 'tools'; a history with an assistant's
+    tool_calls a 400 naming 'messages'; the same request without them is served."""
+    import shutil
+
+    from conftest import GatewayProcess
+
+    blind = tmp_path / "blind-template"
+    shutil.copytree(tiny_model_dir, blind)
+    config = json.loads((blind / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') + "
+                               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                               "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    (blind / "tokenizer_config.json").write_text(json.dumps(config))
+    gw = GatewayProcess(blind, stack.address("thinker"), stack.address("code2wav"))
+    try:
+        name = httpx.get(f"{gw.base_url}/v1/models").json()["data"][0]["id"]
+        base = {"model": name, "messages": MESSAGES, "max_tokens": 1, "temperature": 0}
+        resp = post(gw, {**base, "tools": TOOLS})
+        err = resp.json()["error"]
+        assert resp.status_code == 400 and err["param"] == "tools" and "does not render tools" in err["message"], err
+        called = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        resp = post(gw, {**base, "messages": called})
+        err = resp.json()["error"]
+        assert resp.status_code == 400 and err["param"] == "messages" and "tool_calls" in err["message"], err
+        assert post(gw, base).status_code == 200
+    finally:
+        gw.stop()
+
+
+def test_a_remembered_schema_check_answers_as_the_check(gateway, model):
+    """The tools' schema check (tool_params.check_schema) remembers its outcome by the schema's
+    content: through the gateway, a schema seen before (a hit), a request with one seen and one new
+    (a partial hit), and a new one (a miss) answer as the check itself does (tool_params._schema_problem),
+    the 400 naming each one's own position; schemas whose texts differ only in a value's type
+    (1 / true / 1.5) or in key order are told apart."""
+    from voxpipe.gateway.tool_params import _schema_problem
+
+    def params(min_length, first="type") -> dict:
+        parts = {"type": "object", "properties": {"a": {"type": "string", "minLength": min_length}}}
+        return dict(sorted(parts.items(), reverse=first != "type"))
+
+    def tool(name: str, p: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": p}}
+
+    def answer(tools: list[dict]) -> tuple[int, dict | None]:
+        resp = post(gateway, {"model": model, "messages": MESSAGES, "max_tokens": 1, "temperature": 0, "tools": tools})
+        return resp.status_code, resp.json().get("error")
+
+    cases = [params(1), params(True), params(1.5), params(1, first="properties"), params(True, first="properties")]
+    uncached = [_schema_problem(p) for p in cases]
+    assert uncached[0] is None and uncached[3] is None and all(uncached[i] for i in (1, 2, 4))
+    for _ in range(2):          # the first pass: misses (or hits of earlier tests' schemas); the second: hits
+        for p, problem in zip(cases, uncached):
+            status, err = answer([tool("f", p)])
+            if problem is None:
+                assert status == 200, err
+            else:
+                assert status == 400 and err["param"] == "tools[0].function.parameters", err
+                assert err["message"] == f"'tools[0].function.parameters' is not a valid JSON schema{problem}"
+    # a partial hit: the first schema known (valid), the second new and invalid: the 400 names tools[1]
+    fresh = params(-7)
+    status, err = answer([tool("f", cases[0]), tool("g", fresh)])
+    assert status == 400 and err["param"] == "tools[1].function.parameters", err
+    assert err["message"] == f"'tools[1].function.parameters' is not a valid JSON schema{_schema_problem(fresh)}"
+    # the same invalid schema at another position: its own param, the same problem
+    status, err = answer([tool("f", cases[0]), tool("g", cases[1])])
+    assert status == 400 and err["param"] == "tools[1].function.parameters" and err["message"].endswith(uncached[1])
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_a_required_call_is_constrained_and_always_comes(client, model, choice):
@@ -578,11 +652,11 @@ def test_the_constrained_check_passes_on_a_few_requests(gateway):
 def test_the_first_delta_bench_times_every_kind(gateway):
     """bench/constrained_check --first-delta at one round (its runs are a bench: bench/RESULTS.md):
     plain, auto, required and named streamed replies each give a first delta (named and required: a
-    `delta.tool_calls` head), a one-token plain request its time (without and with the tools, tool_choice none), and the ratios
-    to each."""
+    `delta.tool_calls` head), a one-token request its time (plain, and with the tools in the prompt:
+    tool_choice auto), and the ratios to each."""
     from voxpipe.bench.constrained_check import FIRST_DELTA_KINDS, TTFT_KINDS, first_deltas
 
-    result = asyncio.run(first_deltas(gateway.base_url, rounds=1))
+    result = asyncio.run(first_deltas(gateway.base_url, rounds=1, settle=0.05))
     assert all(result["first_delta"][k]["n"] == 1 for k in (*FIRST_DELTA_KINDS, *TTFT_KINDS)), result
     assert set(result["ratios"]) == {f"{k}/{base}" for k in ("required", "named")
                                      for base in ("plain", "auto", *TTFT_KINDS)}

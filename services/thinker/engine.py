@@ -343,6 +343,8 @@ class ThinkerEngine(StageEngine):
             if stopped:
                 reason = FinishReason.STOP
             if reason is None and jump and job.matcher is not None and job.top_logprobs is None:
+                if deltas:      # the sampled token's text leaves before the forced run is worked out (a
+                    deliver_now()     # required call's head goes out once the name's first token picks it)
                 reason = self._jump(job, logits.shape[1])
             if reason is not None:
                 self.finish(job, Finished(reason, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
