@@ -221,21 +221,22 @@ class _PagedPacked:
         queries over its positions 0 .. start + length - 1."""
         outs = []
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        for sg, (blocks, offsets), table, start in zip(self.step.segments, self.where, self.tables, self.starts):
+        for i, (sg, (blocks, offsets), table, start) in enumerate(zip(self.step.segments, self.where, self.tables,
+                                                                       self.starts)):
             rows = slice(sg.offset, sg.offset + sg.length)
             self.cache.write(layer, blocks, offsets, k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1))
             qs = q[:, :, rows]
-            if ((sg.length <= PACKED_KERNEL_MAX or determinism.in_scope())
-                    and kernels.paged_attention.eligible(qs, kc, vc, table, start)):
-                if layer == 0:
-                    self.paths.append("paged")
+            # every layer's segment has the same shapes and layouts: its path is decided once
+            if i == len(self.paths) and ((sg.length <= PACKED_KERNEL_MAX or determinism.in_scope())
+                                         and kernels.paged_attention.eligible(qs, kc, vc, table, start)):
+                self.paths.append("paged")
+            if i < len(self.paths) and self.paths[i] == "paged":
                 outs.append(_kernel(self.cache, qs, kc, vc, table, start, sg.start + sg.length, scale))
                 continue
             keys, values = self.cache.gather(layer, table, sg.start + sg.length)
-            path = chunk_path(qs, keys, values)
-            if layer == 0:
-                self.paths.append(path)
-            outs.append(_causal_flash(qs, keys, values, scale, path))
+            if i == len(self.paths):
+                self.paths.append(chunk_path(qs, keys, values))
+            outs.append(_causal_flash(qs, keys, values, scale, self.paths[i]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
