@@ -315,11 +315,13 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
     talker_model = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
                                load_format="dummy")
     laid_out(talker_model, dev)
-    te = TalkerEngine(talker_model, cfg.talker, device=dev, max_active=8, max_len=4096).runner
+    te = TalkerEngine(talker_model, cfg.talker, device=dev, max_active=8, max_len=max(4096, length + 64)).runner
     h = cfg.talker.text.hidden_size
     x = torch.randn(1, length + 9, h, device=dev, dtype=torch.bfloat16)
-    last, slots = torch.tensor([length + 8], device=dev), torch.tensor([0], device=dev)
-    ms = timed_ms(lambda: te._prefill_fn(1, length + 9, x, last, slots), 5, warm=2)
+    last = torch.tensor([length + 8], device=dev)
+    # the null table: the keys go to the scratch block (the prefill attends from its own k / v)
+    tables = torch.full((1, te.blocks.blocks_for(length + 9)), te.cache.null, dtype=torch.long, device=dev)
+    ms = timed_ms(lambda: te._prefill_fn(1, length + 9, x, last, tables), 5, warm=2)
     print(json.dumps({"stage": "talker prefill of a long prompt (eager)", "rows": length + 9, "ms": round(ms, 2)}),
           flush=True)
     del te, talker_model
