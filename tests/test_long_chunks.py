@@ -13,6 +13,7 @@ forced on, its engine thread planning and serving, each chunk's path recorded (j
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from voxpipe.cli import build_parser
 from voxpipe.services.runtime import cuda_graphs, kv_cache
-from voxpipe.services.runtime.engine import Outbox
+from voxpipe.services.runtime.engine import Outbox, StageEngine
 from voxpipe.services.runtime.flags import PREFILL_CHUNK
 from voxpipe.services.runtime.paged_kv import PagedKVCache
 from voxpipe.services.thinker.job import ThinkerJob
@@ -138,6 +139,37 @@ def test_chunks_that_begin_off_a_boundary_return_to_it():
 
 # --------------------------------------------------------------------------------- the served chunks' path
 
+
+class _Preparing(StageEngine):
+    """A stage engine whose `prepare` notes its thread, or fails."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__(max_active=1)
+        self.fail, self.prepared_on = fail, None
+
+    def prepare(self) -> None:
+        self.prepared_on = threading.current_thread()
+        if self.fail:
+            raise RuntimeError("no plan here")
+
+    def has_work(self) -> bool:
+        return False
+
+
+def test_prepare_runs_on_the_engine_thread_before_start_returns_and_its_failure_fails_start():
+    ok = _Preparing(fail=False)
+    ok.start()
+    try:
+        assert ok.prepared_on is ok._thread and ok.prepared_on is not threading.current_thread()
+        assert ok._thread.is_alive()
+    finally:
+        ok.stop()
+    bad = _Preparing(fail=True)
+    with pytest.raises(RuntimeError, match="no plan here"):
+        bad.start()
+    assert not bad._thread.is_alive()
+
+
 CHUNK = 640            # > PACKED_KERNEL_MAX: packed segments this long attend through _causal_flash, as 4,096 do
 
 
@@ -219,8 +251,6 @@ def test_cudnn_chunks_equal_flash_on_cuda():
     """Planned shapes (keys as the packed view gathers them) take the two-part cuDNN path on the thread
     that planned them; its output is within bf16 rounding of flash attention with the lower-right
     causal mask; an unplanned shape, and a planned one on another thread, stay on flash."""
-    import threading
-
     dev = torch.device("cuda")
     hq, hkv, d, c = 8, 2, 128, 1024
     cache = PagedKVCache(1, 4 * c // 16 + 8, 16, hkv, d, torch.bfloat16, dev)
