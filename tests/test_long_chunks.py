@@ -5,7 +5,7 @@ reference, the cuDNN path itself on CUDA (planned shapes only).
 
 Which chunks take it: the scheduler cuts a cold prompt into `prefill_chunk`-token chunks at
 multiples of it (the default flags' 32,805-token prompt: 8 x 4,096 + 37), a chunk after a cached
-prefix or a share of a packed step ends on the next multiple, and the thinker plans those shapes on
+prefix or a share of a packed step ends on the next multiple (unless it ends the prefill), and the thinker plans those shapes on
 its engine thread (cuDNN keeps its plans per thread). The served path is checked end to end on the
 CPU: a real engine (tiny checkpoint, its graph plans emulated) with the fused-attention predicate
 forced on, its engine thread planning and serving, each chunk's path recorded (job.chunks)."""
@@ -135,6 +135,10 @@ def test_chunks_that_begin_off_a_boundary_return_to_it():
     cuts = _cuts(_default_scheduler(), [first, second])
     assert cuts[id(first)] == [(0, 4096), (4096, 904)]
     assert cuts[id(second)] == [(0, 3192), (3192, 904), (4096, 4096), (8192, 808)]
+    # a prefill that ends within the step is one chunk across a boundary (a conversation's next turn)
+    turn = _Prompt(list(range(4348)))
+    turn.prefilled = 4090
+    assert _cuts(_default_scheduler(), [turn])[id(turn)] == [(4090, 258)]
 
 
 # --------------------------------------------------------------------------------- the served chunks' path
