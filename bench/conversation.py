@@ -310,5 +310,7 @@ def section(report: dict) -> str:
             for stage, st in (lc[name].get("server") or {}).items():
                 lines.append(f"- {name}, {stage}: first output {_fmt(st.get('first_output_ms'))} ms, queue wait "
                              f"{_fmt(st.get('queue_wait_ms'))} ms, {st.get('prefix_hit_tokens', 0):.0f} prefix tokens hit, "
-                             f"{st.get('preemptions', 0):.0f} preemptions")
+                             f"{st.get('preemptions', 0):.0f} preemptions"
+                             + "".join(f", {v:.0f} chunks {k.removeprefix('chunks_')}" for k, v in sorted(st.items())
+                                       if k.startswith("chunks_")))
     return "\n".join(lines)

@@ -7,10 +7,12 @@ every request samples, seeded by its index), then a torch.profiler summary of on
 and the last batch size.
 
 Two more stages profile what a request's first token waits for in the thinker:
-- `long-prompt`: 2,500-token prompts (bench/BENCHMARK.md's long-prompt workload), 1 and 4 at once, for
-  each `--prefill-chunks` step budget (the thinker's --prefill-chunk): the time to each first token,
-  the steps taken, and a kernel table of one packed step; and the attention of one 512-token chunk
-  over 2,500 cached positions, masked SDPA against the flash path the packed chunks take.
+- `long-prompt`: 2,500-token prompts (bench/BENCHMARK.md's long-prompt workload; `--prompt-tokens`), 1 and 4
+  at once, for each `--prefill-chunks` step budget (the thinker's --prefill-chunk), served by the engine's
+  own thread as a server runs it (the two-part cuDNN attention is planned there, for the default
+  --prefill-chunk): the time to each first token, the steps taken, each chunk's attention path, and a
+  kernel table of one packed step; and the attention of one 512-token chunk over 2,500 cached positions,
+  masked SDPA against the flash path.
 - `voice-in`: the shipped 5.7 s clip's features through the audio encoder, and the 139-token prompt's
   prefill that keeps the talker's hidden layer, as a CUDA graph and eagerly.
 - `conversation-turn`: a long conversation's next turn (a `--prompt-tokens` history cached, 258 new
@@ -93,6 +95,35 @@ def profile_one(engine, label: str) -> None:
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     busy = sum(e.device_time for e in kernels)
     print(json.dumps({"profile": label, "kernels": len(kernels), "kernel_us": round(busy, 1)}), flush=True)
+
+
+def profile_served_step(engine, jobs: list, label: str) -> None:
+    """`profile_one` for an engine whose thread is running (the thread that holds its per-thread plans):
+    the jobs submitted, the profiler on until that thread has ended one step (the engine lock held from
+    then on, so its next step cannot begin before the device is synchronized), then the jobs cancelled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        steps = engine.steps
+        for j in jobs:
+            engine.submit(j)
+        while True:
+            with engine.lock:
+                if engine.steps > steps:
+                    torch.cuda.synchronize()
+                    break
+            time.sleep(0.0002)
+    for j in jobs:
+        engine.cancel(j)
+    print(f"--- {label}: top ops by CUDA time", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=72), flush=True)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time for e in kernels)
+    print(json.dumps({"profile": label, "kernels": len(kernels), "kernel_us": round(busy, 1),
+                      "chunks": {j.request_id: [[c.start, c.length, c.path] for c in j.chunks] for j in jobs}}),
+          flush=True)
+    while engine.active:
+        time.sleep(0.001)
 
 
 def admit_and_measure(eng, label: str, b: int, first: bool, last: bool = False) -> None:
@@ -195,19 +226,45 @@ def code2wav(cfg: OmniConfig, batches: list[int], dev: torch.device, temperature
 
 
 def _long_jobs(cfg: OmniConfig, n: int, length: int, gen: torch.Generator) -> list[ThinkerJob]:
+    """n text prompts of `length` tokens; no talker rows (a served text prompt's talker prompt leaves at
+    admission as token ids: its prefill copies nothing to the host, as these do not)."""
     tok = cfg.thinker.tokens
     vocab = cfg.thinker.text.vocab_size
-    return [ThinkerJob(request_id=f"L{i}", outbox=Outbox(LOOP), max_tokens=4, min_tokens=4, talker_rows=True,
+    return [ThinkerJob(request_id=f"L{i}", outbox=Outbox(LOOP), max_tokens=4, min_tokens=4,
                        params=sampling(0.0, i),
                        prompt=[tok.im_start] + torch.randint(vocab // 8, min(100000, vocab // 2), (length - 4,),
                                                             generator=gen).tolist() + [tok.im_start, tok.assistant, 198])
             for i in range(n)]
 
 
+def served_first_tokens(eng: ThinkerEngine, jobs: list[ThinkerJob]) -> tuple[dict[str, float], int]:
+    """Submit the jobs to the running engine thread (as the server does); each one's ms to its first
+    token from submission, and the engine steps taken until the last; then they are cancelled."""
+    torch.cuda.synchronize()
+    steps0 = eng.steps
+    t0 = time.perf_counter()
+    for j in jobs:
+        eng.submit(j)
+    first: dict[str, float] = {}
+    while len(first) < len(jobs):
+        for j in jobs:
+            if j.generated and j.request_id not in first:
+                first[j.request_id] = (time.perf_counter() - t0) * 1000.0
+        time.sleep(0.0002)
+    steps = eng.steps - steps0
+    for j in jobs:
+        eng.cancel(j)
+    while eng.active:
+        time.sleep(0.001)
+    return first, steps
+
+
 @torch.inference_mode()
 def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: int = 2500) -> None:
-    """Each budget: n prompts of `length` tokens submitted at once; steps until every one has its first
-    token; each one's time to it (from submission) and the steps."""
+    """Each budget: n prompts of `length` tokens submitted at once to the engine thread (as served: the
+    thinker plans its long-chunk attention there, for its default --prefill-chunk); each one's time to
+    its first token (from submission), the steps, and each chunk's attention path (job.chunks: cudnn
+    = the two-part path planned at start, flash, paged, extend graph)."""
     from voxpipe.services.runtime.kv_cache import _causal_flash, _sdpa
 
     model = load_module(lambda: ThinkerModel(cfg.thinker), "", "thinker.", device=dev, dtype=torch.bfloat16,
@@ -215,37 +272,27 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
     laid_out(model, dev)
     eng = ThinkerEngine(model, cfg.thinker, ChatMLByteTokenizer(cfg.thinker, cfg.role_ids), device=dev,
                         max_active=8, max_len=max(4096, length + 64), eos_ids=(cfg.thinker.tokens.im_end,))
-    from voxpipe.services.runtime import kv_cache
-    print(json.dumps({"stage": "thinker", "cudnn_planned_chunk_shapes": len(kv_cache._PLANNED)}), flush=True)
+    planned_for = eng.scheduler.prefill_chunk
+    t0 = time.perf_counter()
+    eng.start()
+    print(json.dumps({"stage": "thinker", "cudnn_planned_chunk_shapes": eng.planned_chunks, "prefill_chunk": planned_for,
+                      "plan_s": round(time.perf_counter() - t0, 2)}), flush=True)
     gen = torch.Generator().manual_seed(0)
     for budget in budgets:
-        eng.scheduler.prefill_chunk = budget
+        eng.scheduler.prefill_chunk = budget     # the engine thread is idle between measurements
         for n in (1, 4, 1):     # the first n = 1 warms up this budget's shapes
             jobs = _long_jobs(cfg, n, length, gen)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for j in jobs:
-                eng.submit(j)
-            first: dict[str, float] = {}
-            steps = 0
-            while len(first) < n:
-                eng.step()
-                steps += 1
-                done = [j for j in jobs if j.generated and j.request_id not in first]
-                if done:
-                    torch.cuda.synchronize()
-                    for j in done:
-                        first[j.request_id] = (time.perf_counter() - t0) * 1000.0
-            drop_all(eng)
+            first, steps = served_first_tokens(eng, jobs)
             print(json.dumps({"stage": "thinker long-prompt prefill", "prompt_tokens": length, "prompts": n,
-                              "prefill_chunk": budget, "steps": steps,
-                              "first_token_ms": sorted(round(v, 1) for v in first.values())}), flush=True)
-    # one packed step of the largest budget, profiled
+                              "prefill_chunk": budget, "planned_for": planned_for, "steps": steps,
+                              "first_token_ms": sorted(round(v, 1) for v in first.values()),
+                              "chunks": {j.request_id: [[c.start, c.length, c.path] for c in j.chunks] for j in jobs}}),
+                  flush=True)
+    # one packed step of the largest budget, profiled as the engine thread serves it
     eng.scheduler.prefill_chunk = budgets[-1]
-    for j in _long_jobs(cfg, 2, length, gen):
-        eng.submit(j)
-    profile_one(eng, f"thinker: one packed long-prompt step ({budgets[-1]} tokens of 2 {length}-token prompts)")
-    drop_all(eng)
+    profile_served_step(eng, _long_jobs(cfg, 2, length, gen),
+                        f"thinker: one packed long-prompt step ({budgets[-1]} tokens of 2 {length}-token prompts)")
+    eng.stop()
     # one layer's attention of a 512-token chunk over 2,500 positions: masked SDPA vs the flash path
     t = cfg.thinker.text
     q = torch.randn(1, t.num_heads, 512, t.head_dim, device=dev, dtype=torch.bfloat16)
@@ -268,11 +315,13 @@ def long_prompt(cfg: OmniConfig, budgets: list[int], dev: torch.device, length: 
     talker_model = load_module(lambda: TalkerModel(cfg.talker), "", "talker.", device=dev, dtype=torch.bfloat16,
                                load_format="dummy")
     laid_out(talker_model, dev)
-    te = TalkerEngine(talker_model, cfg.talker, device=dev, max_active=8, max_len=4096).runner
+    te = TalkerEngine(talker_model, cfg.talker, device=dev, max_active=8, max_len=max(4096, length + 64)).runner
     h = cfg.talker.text.hidden_size
     x = torch.randn(1, length + 9, h, device=dev, dtype=torch.bfloat16)
-    last, slots = torch.tensor([length + 8], device=dev), torch.tensor([0], device=dev)
-    ms = timed_ms(lambda: te._prefill_fn(1, length + 9, x, last, slots), 5, warm=2)
+    last = torch.tensor([length + 8], device=dev)
+    # the null table: the keys go to the scratch block (the prefill attends from its own k / v)
+    tables = torch.full((1, te.blocks.blocks_for(length + 9)), te.cache.null, dtype=torch.long, device=dev)
+    ms = timed_ms(lambda: te._prefill_fn(1, length + 9, x, last, tables), 5, warm=2)
     print(json.dumps({"stage": "talker prefill of a long prompt (eager)", "rows": length + 9, "ms": round(ms, 2)}),
           flush=True)
     del te, talker_model

@@ -39,6 +39,9 @@ def parse(text: str) -> dict[tuple[str, str, str], float]:
             elif s.name in COUNTED and "stage" in s.labels:      # counters: (name, stage, kind, "total")
                 key = (s.name, s.labels["stage"], s.labels.get("kind", ""), "total")
                 out[key] = out.get(key, 0.0) + s.value
+            elif s.name == CHUNKS and "stage" in s.labels:      # (name, stage, path, "total")
+                key = (s.name, s.labels["stage"], s.labels.get("path", ""), "total")
+                out[key] = out.get(key, 0.0) + s.value
             elif s.name.removesuffix("_total") in STREAMED and "stage" in s.labels:   # (stage, when: before/after_commit)
                 key = (s.name.removesuffix("_total"), s.labels["stage"], s.labels.get("when", ""), "total")
                 out[key] = out.get(key, 0.0) + s.value
@@ -47,6 +50,10 @@ def parse(text: str) -> dict[tuple[str, str, str], float]:
 
 # counters whose growth over a level each stage reports: prefix-cache tokens found, sequences preempted
 COUNTED = {"voxpipe_prefix_cache_tokens_total": "prefix_hit_tokens", "voxpipe_preemptions_total": "preemptions"}
+
+
+# chunked prefills' chunks by the attention they took -> columns chunks_<path> (cudnn, flash, paged, ...)
+CHUNKS = "voxpipe_prefill_chunks_total"
 
 
 def streams_finished(text: str, stage: str) -> int:
@@ -115,6 +122,9 @@ def level_stats(before: dict, after: dict, stages: tuple[str, ...]) -> dict[str,
             grew = after.get((name, stage, kind, "total"), 0.0) - before.get((name, stage, kind, "total"), 0.0)
             if grew:
                 row[col] = grew
+        for (name, st, path, _), value in after.items():    # each chunk path's chunks over the level
+            if name == CHUNKS and st == stage and value - before.get((name, st, path, "total"), 0.0):
+                row["chunks_" + path.replace(" ", "_")] = value - before.get((name, st, path, "total"), 0.0)
         for name, col in STREAMED.items():     # streamed realtime turns: the share prefilled before the commit
             made = {when: after.get((name, stage, when, "total"), 0.0) - before.get((name, stage, when, "total"), 0.0)
                     for when in ("before_commit", "after_commit")}

@@ -190,8 +190,20 @@ class StageEngine:
 
     # ---- called from handlers
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
+        """Start the engine thread; return once its `prepare()` ran there (raising what it raised)."""
+        prepared: list[BaseException] = []
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(prepared, ready), name=f"{self.name}-engine",
+                                        daemon=True)
         self._thread.start()
+        ready.wait()
+        if prepared:
+            self._thread.join()
+            raise prepared[0]
+
+    def prepare(self) -> None:
+        """Run on the engine thread before its first step, `start()` waiting: what must be made on the
+        thread that serves (caches that a library keeps per thread, as cuDNN's attention plans)."""
 
     def stop(self) -> None:
         with self.lock:
@@ -231,12 +243,19 @@ class StageEngine:
             return len(self.waiting) + len(self.running)
 
     # ---- engine thread
-    def _run(self) -> None:
+    def _run(self, prepared: list[BaseException], ready: threading.Event) -> None:
         device = getattr(self, "device", None)
-        if device is not None and device.type == "cuda" and device.index is not None:
-            import torch   # Triton launches and graph replays on this stage's GPU (in-process: one per stage)
+        try:
+            if device is not None and device.type == "cuda" and device.index is not None:
+                import torch   # Triton launches and graph replays on this stage's GPU (in-process: one per stage)
 
-            torch.cuda.set_device(device.index)
+                torch.cuda.set_device(device.index)
+            self.prepare()
+        except BaseException as exc:     # start() raises it
+            prepared.append(exc)
+            ready.set()
+            return
+        ready.set()
         while True:
             with self.lock:
                 while not self._stop and not self._reap_and_check():

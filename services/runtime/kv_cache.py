@@ -14,31 +14,46 @@ rotated) and get [B, Hq, S, D] back.
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if torch.cuda.is_available():   # torch.nn.attention.bias imports torch._dynamo (seconds of CPU at every stage's
-    from torch.nn.attention import SDPBackend, sdpa_kernel    # start); only _causal_flash's CUDA path uses them
-    from torch.nn.attention.bias import causal_lower_right
-
-    # flash attention first: cuDNN's kernel builds an execution plan for every new shape (45 ms on the
-    # H200, a first-sight stall for each new prompt length) and is slower past ~8k positions; flash
-    # has no plan and reads the grouped key heads in place (enable_gqa); bench/RESULTS.md, paged_tune
-    _FLASH_FIRST = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                    SDPBackend.MATH]
-    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
-        def _flash_first():
-            return sdpa_kernel(_FLASH_FIRST, set_priority=True)
-    else:   # a torch without backend priorities: flash, else cuDNN (never the math path's [S, L] scores)
-        def _flash_first():
-            return sdpa_kernel(_FLASH_FIRST[:2])
-
 from voxpipe import kernels
 
 from . import determinism
+
+_FUSED: tuple | None = None
+
+
+def _fused() -> tuple:
+    """(flash_first, causal_lower_right): `flash_first()` is sdpa_kernel with flash attention first --
+    cuDNN's kernel builds an execution plan for every new shape (45 ms on the H200, a first-sight stall
+    for each new prompt length) and is slower past ~8k positions; flash has no plan and reads the
+    grouped key heads in place (enable_gqa); bench/RESULTS.md, paged_tune. torch.nn.attention.bias
+    imports torch._dynamo (seconds of CPU): done at import where CUDA is (below), else on first use
+    (only tests run this path off CUDA)."""
+    global _FUSED
+    if _FUSED is None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+
+        order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+            def flash_first():
+                return sdpa_kernel(order, set_priority=True)
+        else:   # a torch without backend priorities: flash, else cuDNN (never the math path's [S, L] scores)
+            def flash_first():
+                return sdpa_kernel(order[:2])
+        _FUSED = (flash_first, causal_lower_right)
+    return _FUSED
+
+
+if torch.cuda.is_available():
+    _fused()
 
 
 class AttentionCache(Protocol):
@@ -74,17 +89,32 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return _sdpa(q, k, v, mask.expand(q.shape[0], 1, s, total), scale)
 
 
-# Long prompts' chunk shapes that attend through cuDNN (`plan_chunks` planned them at start):
-# (batch, new tokens, cached prefix, Hq, Hkv, D, dtype, device). cuDNN builds an execution plan for
-# every new shape (45 ms on the H200, 1 s for its first), so only shapes planned before serving
-# take it; every other shape goes to flash attention.
-_PLANNED: set[tuple] = set()
+# Long prompts' chunks that attend through cuDNN: what `plan_chunk` planned, per thread. cuDNN builds an
+# execution plan for every new (shapes, strides, causal) of q, k and v (45 ms on the H200, 1 s for its
+# first) and keeps it in a *thread-local* cache (torch's cudnn/MHA.cpp), so a plan made on one thread is
+# built again on another's first sight: plans are made on the thread that serves (the engine thread,
+# StageEngine.prepare) and only the keys this thread planned take cuDNN; every other chunk goes to flash.
+_PLANNED = threading.local()
+
+
+def fast_attention(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a long prompt's chunks attend through the fused kernels (flash, cuDNN): CUDA in 16 bits.
+    (Tests force it to run those paths' dispatch on the CPU.)"""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN attention (equal head counts; causal: square, aligned) -> out [B, H, S, D] and the
-    log-sum-exp of each query's scores [B, H, S] (float32)."""
+    log-sum-exp of each query's scores [B, H, S] (float32). Off CUDA its reference: the same
+    contract in float32 (the scores materialised: small shapes only)."""
+    if not q.is_cuda:
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if causal:
+            s = q.shape[2]
+            scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                  scale=scale)[:2]
     return out, lse.reshape(q.shape[:3])
@@ -94,9 +124,12 @@ def _cudnn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """`_causal_flash` for a chunk at the end of its keys through cuDNN, in two parts merged by their
     log-sum-exps: the chunk's queries over its own keys (square, causal: cuDNN's fast causal case,
     the key heads repeated), and over the cached prefix before it (no mask: the `rep` query heads
-    sharing a key head attend as rep * S rows of it, reading it in place). On the H200 a 32k-token
-    prompt's attention in 4,096-token chunks: 16.8 ms a layer against 26.0 with flash attention and
-    its lower-right causal mask (bench/RESULTS.md)."""
+    sharing a key head attend as rep * S rows of it, reading it in place). q is made contiguous first
+    (a projection's view otherwise; the prefix part copied it anyway), so cuDNN's plans depend on q's
+    shape alone, as `chunk_key` assumes. On the H200 a 32k-token prompt's attention in 4,096-token
+    chunks: 16.8 ms a layer against 26.0 with flash attention and its lower-right causal mask
+    (bench/RESULTS.md)."""
+    q = q.contiguous()
     b, hq, s, d = q.shape
     hkv, total = k.shape[1], k.shape[2]
     rep, p = hq // hkv, total - s
@@ -118,46 +151,57 @@ def merge_parts(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: to
     return out.to(a.dtype)
 
 
-def _plan_key(q: torch.Tensor, k: torch.Tensor) -> tuple:
-    return (q.shape[0], q.shape[2], k.shape[2] - q.shape[2], q.shape[1], k.shape[1], q.shape[3], q.dtype, q.device)
+def chunk_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What cuDNN's plans for `_cudnn_chunk(q, k, v)` are keyed by: q's shape (made contiguous there),
+    k's and v's shapes and strides (the prefix part reads them in place), dtype and device."""
+    return (tuple(q.shape), tuple(k.shape), k.stride(), v.stride(), q.dtype, q.device)
 
 
-def plan_chunks(chunk: int, max_len: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                device: torch.device) -> int:
-    """At start, on CUDA in 16 bits: plan cuDNN for a cold long prompt's chunks (`chunk` new tokens
-    after 0, chunk, 2 * chunk, ... cached positions, up to `max_len`) and let `_causal_flash` send
-    those shapes to `_cudnn_chunk`. Returns how many shapes were planned (0 where cuDNN attention
-    does not run: those chunks stay on flash attention)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or chunk < 2 or chunk > max_len:
-        return 0
-    planned = []
-    try:
-        q = torch.zeros(1, num_heads, chunk, head_dim, dtype=dtype, device=device)
-        for p in range(0, max_len - chunk + 1, chunk):
-            k = torch.zeros(1, num_kv_heads, p + chunk, head_dim, dtype=dtype, device=device)
-            _cudnn_chunk(q, k, k, head_dim ** -0.5)
-            planned.append(_plan_key(q, k))
-        torch.cuda.synchronize(device)
-    except RuntimeError:     # no cuDNN attention for these shapes here: flash attention serves them
-        return 0
-    _PLANNED.update(planned)
-    return len(planned)
+def planned_here() -> frozenset:
+    """The chunk keys planned on the calling thread."""
+    return getattr(_PLANNED, "keys", frozenset())
 
 
-def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """`_causal_sdpa` for long prompts' chunks: on CUDA in bf16 / fp16 flash attention with the
-    causal mask aligned to the last key (`causal_lower_right`) and the grouped key heads read in
+def plan_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Run `_cudnn_chunk` once on these shapes and layouts (cuDNN builds its plans now, on this thread)
+    and let this thread's `_causal_flash` send chunks with the same key there. RuntimeError where
+    cuDNN attention does not run them (nothing is planned then)."""
+    _cudnn_chunk(q, k, v, q.shape[-1] ** -0.5)
+    _PLANNED.keys = planned_here() | {chunk_key(q, k, v)}
+
+
+def forget_plans() -> None:
+    """Forget this thread's planned chunk keys (they take flash attention again)."""
+    _PLANNED.keys = frozenset()
+
+
+def chunk_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Which attention `_causal_flash(q, k, v)` takes on this thread: "sdpa" (one query, off CUDA /
+    16 bits, or the batch-invariant mode), "cudnn" (the two-part path: its key planned on this
+    thread), else "flash"."""
+    if q.shape[2] == 1 or not fast_attention(q.device, q.dtype) or determinism.in_scope():
+        return "sdpa"
+    return "cudnn" if chunk_key(q, k, v) in planned_here() else "flash"
+
+
+def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  path: str | None = None) -> torch.Tensor:
+    """`_causal_sdpa` for long prompts' chunks (`path`: `chunk_path(q, k, v)`, when the caller has it):
+    planned chunk shapes through `_cudnn_chunk`; others on CUDA in bf16 / fp16 flash attention with
+    the causal mask aligned to the last key (`causal_lower_right`) and the grouped key heads read in
     place (`enable_gqa`), so no mask is built -- `_sdpa`'s grouped-query regrouping would make it
     [Hq / Hkv * S, L], 268 MB a layer for a 4,096-token chunk -- and no key head is copied;
     elsewhere `_causal_sdpa` itself. On the H200 a 4,096-token chunk at the end of 32,768 positions
     takes 6.0 ms a layer this way, 6.6 ms with repeated heads through cuDNN (bench/RESULTS.md)."""
-    s, total = q.shape[2], k.shape[2]
-    if s == 1 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or determinism.in_scope():
+    path = path or chunk_path(q, k, v)
+    if path == "sdpa":
         return _causal_sdpa(q, k, v, scale)
-    if _PLANNED and _plan_key(q, k) in _PLANNED:
+    if path == "cudnn":
         return _cudnn_chunk(q, k, v, scale)
+    s, total = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    with _flash_first():
+    flash_first, causal_lower_right = _fused()
+    with flash_first():
         if s == total:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, total), scale=scale,

@@ -30,6 +30,9 @@ voxpipe_kv_blocks{stage,state}     the stage's KV blocks: used (held by running 
 voxpipe_kv_capacity_tokens{stage}   positions the KV pool holds (blocks x block size)
 voxpipe_prefix_cache_tokens_total{stage,kind}  prompt tokens looked up in the prefix cache at
                                     admission (queried) and found there (hit: their prefill skipped)
+voxpipe_prefill_chunks_total{stage,path}  chunks of chunked prefills (long prompts, cached prefixes) by the
+                                    attention their first layer took: cudnn (the two-part path planned
+                                    at start), flash, paged (the paged kernel), extend graph, sdpa
 voxpipe_preemptions_total{stage}    running sequences preempted for lack of KV blocks (recomputed later)
 voxpipe_pending_upload_bytes{stage}  bytes still expected by chunked start messages not yet complete
                                     (reserved when the head arrives; bounded by --max-pending-upload-mb)
@@ -78,6 +81,9 @@ KV_BLOCKS = Gauge("voxpipe_kv_blocks", "KV blocks by state (used, free, cached)"
 KV_CAPACITY = Gauge("voxpipe_kv_capacity_tokens", "Positions the KV pool holds", ["stage"], registry=REGISTRY)
 PREFIX_TOKENS = Counter("voxpipe_prefix_cache_tokens", "Prompt tokens looked up in the prefix cache (queried) and "
                         "found (hit)", ["stage", "kind"], registry=REGISTRY)
+PREFILL_CHUNKS = Counter("voxpipe_prefill_chunks", "Chunks of chunked prefills by the attention they took (cudnn: the "
+                         "two-part path planned at start; flash; paged: the paged kernel; extend graph; sdpa)",
+                         ["stage", "path"], registry=REGISTRY)
 PREEMPTIONS = Counter("voxpipe_preemptions", "Sequences preempted for lack of KV blocks", ["stage"],
                       registry=REGISTRY)
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)

@@ -29,8 +29,8 @@ import torch
 
 from voxpipe import kernels
 
-from . import determinism
-from .kv_cache import _causal_flash, _sdpa
+from . import determinism, kv_cache
+from .kv_cache import _causal_flash, _sdpa, chunk_path, plan_chunk
 
 PACKED_KERNEL_MAX = 512    # packed segments up to this many new tokens attend with the paged kernel
 # the batch-invariant mode (runtime/determinism.py, inside its scope): every view -- decode, extend,
@@ -159,6 +159,30 @@ class PagedKVCache:
     def packed(self, step: PagedPackedStep) -> "_PagedPacked":
         return _PagedPacked(self, step)
 
+    def plan_chunks(self, chunk: int, max_len: int, num_heads: int) -> int:
+        """On the thread that will serve them (cuDNN's plans are thread-local): plan the two-part cuDNN
+        attention (kv_cache.plan_chunk) for a cold long prompt's packed chunks -- `chunk` new tokens
+        after 0, chunk, 2 * chunk, ... cached positions, up to `max_len` -- with their keys laid out
+        as `_PagedPacked` gathers them. Returns how many shapes were planned (0 where the fused
+        kernels do not run, or cuDNN attention does not run these shapes: flash serves them)."""
+        kc = self.k[0]
+        if not kv_cache.fast_attention(kc.device, kc.dtype) or chunk <= PACKED_KERNEL_MAX or chunk > max_len:
+            return 0
+        q = torch.zeros(1, num_heads, chunk, kc.shape[-1], dtype=kc.dtype, device=kc.device)
+        planned = 0
+        try:
+            for p in range(0, max_len - chunk + 1, chunk):
+                table = torch.full((1, -(-(p + chunk) // self.block_size)), self.null, dtype=torch.long,
+                                   device=kc.device)
+                plan_chunk(q, *self.gather(0, table, p + chunk))
+                planned += 1
+            if kc.is_cuda:
+                torch.cuda.synchronize(kc.device)
+        except RuntimeError:     # no cuDNN attention for these shapes here: flash attention serves them
+            kv_cache.forget_plans()
+            return 0
+        return planned
+
     def prefill_view(self, tables: torch.Tensor, new_tokens: int) -> "_PagedPrefill":
         """Whole prompts from position 0: row b's S tokens go to positions 0 .. S-1 of table row b
         ([B, M] int64, padded with the null block). Shapes depend only on (B, S)."""
@@ -181,6 +205,7 @@ class PagedKVCache:
 class _PagedPacked:
     def __init__(self, cache: PagedKVCache, step: PagedPackedStep) -> None:
         self.cache, self.step = cache, step
+        self.paths: list[str] = []     # per segment, the attention its first layer took ("paged" or chunk_path's)
         dev, bs = cache.k[0].device, cache.block_size
         self.where = []
         self.tables = []
@@ -197,16 +222,22 @@ class _PagedPacked:
         queries over its positions 0 .. start + length - 1."""
         outs = []
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        for sg, (blocks, offsets), table, start in zip(self.step.segments, self.where, self.tables, self.starts):
+        for i, (sg, (blocks, offsets), table, start) in enumerate(zip(self.step.segments, self.where, self.tables,
+                                                                       self.starts)):
             rows = slice(sg.offset, sg.offset + sg.length)
             self.cache.write(layer, blocks, offsets, k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1))
             qs = q[:, :, rows]
-            if ((sg.length <= PACKED_KERNEL_MAX or determinism.in_scope())
-                    and kernels.paged_attention.eligible(qs, kc, vc, table, start)):
+            # every layer's segment has the same shapes and layouts: its path is decided once
+            if i == len(self.paths) and ((sg.length <= PACKED_KERNEL_MAX or determinism.in_scope())
+                                         and kernels.paged_attention.eligible(qs, kc, vc, table, start)):
+                self.paths.append("paged")
+            if i < len(self.paths) and self.paths[i] == "paged":
                 outs.append(_kernel(self.cache, qs, kc, vc, table, start, sg.start + sg.length, scale))
                 continue
             keys, values = self.cache.gather(layer, table, sg.start + sg.length)
-            outs.append(_causal_flash(qs, keys, values, scale))
+            if i == len(self.paths):
+                self.paths.append(chunk_path(qs, keys, values))
+            outs.append(_causal_flash(qs, keys, values, scale, self.paths[i]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

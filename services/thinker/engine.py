@@ -24,7 +24,6 @@ from ..runtime.flags import PREFILL_CHUNK
 from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
 from ..runtime.engine import StageEngine, StageError, deliver_now
-from ..runtime.kv_cache import plan_chunks
 from ..runtime.outputs import Finished, FinishReason, TextOut
 from .grammar import Grammars
 from .job import ForcedReply, ThinkerJob
@@ -85,15 +84,20 @@ class ThinkerEngine(StageEngine):
                                     eos_ids=eos_ids, kv=kv, cuda_graphs=cuda_graphs, prefill_batch=prefill_batch,
                                     prefill_graph_len=prefill_graph_len, eager_fallback=eager_fallback,
                                     audio_cache_bytes=audio_cache_bytes)
-        if self.runner.graphs is not None and device.type == "cuda":
-            # a cold long prompt's chunks attend through cuDNN, planned now rather than on first sight
-            t = cfg.text
-            planned = plan_chunks(prefill_chunk, max_len, t.num_heads, t.num_kv_heads, t.head_dim,
-                                  self.runner.tts_special.dtype, device)
-            log.info("thinker: cuDNN attention planned for %d long-prompt chunk shapes (%d tokens each)", planned,
-                     prefill_chunk)
+        self.planned_chunks = 0        # chunk shapes the engine thread planned for cuDNN (prepare)
         self.streams = TurnStreams(self)     # turns whose audio is streamed (streaming.py)
         self.talker_prompt_ids = talker_prompt_ids
+
+    def prepare(self) -> None:
+        """On the engine thread, before serving: a cold long prompt's chunks attend through cuDNN's
+        two-part path (runtime/kv_cache.py), whose plans cuDNN keeps per thread: planned here, for the
+        chunks the scheduler cuts (`prefill_chunk` tokens at multiples of it), not on first sight."""
+        if self.runner.graphs is None:     # no graphs (--no-cuda-graphs, a CPU): no start-up work either
+            return
+        self.planned_chunks = self.runner.cache.plan_chunks(self.scheduler.prefill_chunk, self.max_len,
+                                                            self.cfg.text.num_heads)
+        log.info("thinker: cuDNN attention planned on the engine thread for %d long-prompt chunk shapes "
+                 "(%d tokens each)", self.planned_chunks, self.scheduler.prefill_chunk)
 
     @property
     def talker_prompt_ids(self) -> bool:

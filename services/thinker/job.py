@@ -31,6 +31,16 @@ class ForcedReply:
     text: str                # verbatim, as the client sent it
 
 
+@dataclass(frozen=True)
+class ChunkAttended:
+    """One chunk of a job's chunked prefill: its new tokens start .. start + length - 1 and the attention
+    its first layer took ("cudnn": the two-part path planned at start; "flash"; "paged": the paged
+    kernel; "extend graph"; "sdpa": off CUDA / 16 bits, or the batch-invariant mode)."""
+    start: int
+    length: int
+    path: str
+
+
 @dataclass
 class ThinkerJob(EngineRequest):
     prompt: list[int] = field(default_factory=list)
@@ -76,6 +86,7 @@ class ThinkerJob(EngineRequest):
     cached_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     # rows its prefill made for blocks not yet published: (block index, rows), cached once published
     pending_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    chunks: list[ChunkAttended] = field(default_factory=list)   # its chunked prefill's chunks, in order
     kv_trusted: bool = True                     # False once its numbers went non-finite (its blocks unpublished)
     # a turn whose last clip is streamed (ThinkerStart.stream_audio; streaming.py)
     pending: bool = False                       # before its commit: prefilled as its audio arrives, never decodes

@@ -17,6 +17,7 @@ own generator) with one host read, and looks up the log probabilities and talker
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,9 +38,11 @@ from ..runtime.row_keys import audio_run_keys
 from ..runtime.sampling import RowSampling, exponential_noise, finite_rows, penalize_seen, sample_rows
 from .audio_cache import AudioEncoderCache
 from .grammar import allowed
-from .job import ThinkerJob
+from .job import ChunkAttended, ThinkerJob
 from .model import ThinkerModel
 from .streamed import streamed_rows
+
+log = logging.getLogger(__name__)
 
 
 def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor | np.ndarray) -> int:
@@ -501,8 +504,15 @@ class ThinkerRunner:
         kept_by = [bool((job.talker_rows or job.pending) and (job.audio or job.streamed) and not job.generated)
                    for job, _, _ in chunks]
         keep = self.cfg.accept_hidden_layer if any(kept_by) else None
-        logits, hidden, rows_of = self._extend([(job, job.embeds[start - job.embeds_from:start - job.embeds_from + length],
-                                                 start) for job, start, length in chunks], keep)
+        logits, hidden, rows_of, paths = self._extend(
+            [(job, job.embeds[start - job.embeds_from:start - job.embeds_from + length], start)
+             for job, start, length in chunks], keep)
+        for (job, start, length), path in zip(chunks, paths):
+            job.chunks.append(ChunkAttended(start, length, path))
+            metrics.PREFILL_CHUNKS.labels("thinker", path).inc()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("thinker %s: chunk of %d new tokens after %d (of %d): %s attention", job.request_id, length,
+                          start, job.prefill_target, path)
         going_on = [i for i, (job, start, length) in enumerate(chunks)
                     if start + length < job.prefill_target or job.generated or job.pending]
         finite = torch.isfinite(logits[going_on]).all(dim=-1).tolist() if going_on else []
@@ -539,11 +549,12 @@ class ThinkerRunner:
         return Chunked(done, Prefilled(logits, prompts), broken, resumed)
 
     def _extend(self, parts: list[tuple[ThinkerJob, torch.Tensor, int]], keep: int | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[int, slice]]]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[int, slice]], list[str]]:
         """One forward over each part's new rows [L, H] (on the device) at its positions start ...,
         attending to its job's earlier positions: logits [n, V] at each part's last row, the `keep`
-        hidden layer if asked, and where each part's rows are in it ((batch row, slice)). Extend
-        graphs when they fit (a right-padded row per part), else packed into one row, eager."""
+        hidden layer if asked, where each part's rows are in it ((batch row, slice)), and the attention
+        each part took (ChunkAttended.path). Extend graphs when they fit (a right-padded row per part),
+        else packed into one row, eager."""
         dev = self.device
         n, longest = len(parts), max(x.shape[0] for _, x, _ in parts)
         g = self.extend_graphs
@@ -552,12 +563,13 @@ class ThinkerRunner:
             # columns past the rows' reach: as for decode
             logits, hidden = g(n, longest, rows.x, rows.start, rows.length, rows.last,
                                self._tables([job for job, _, _ in parts], self.blocks.blocks_for(rows.reach)))
-            return logits, hidden, [(b, slice(0, x.shape[0])) for b, (_, x, _) in enumerate(parts)]
+            return (logits, hidden, [(b, slice(0, x.shape[0])) for b, (_, x, _) in enumerate(parts)],
+                    ["extend graph"] * n)
         step = PagedPackedStep.pack([(job.table.blocks, start, x.shape[0]) for job, x, start in parts])
         x = torch.cat([x for _, x, _ in parts])[None]
-        logits, hidden = self.model(x, step.positions(dev), self.cache.packed(step), keep_hidden=keep,
-                                    last=step.ends(dev))
-        return logits, hidden, [(0, slice(sg.offset, sg.offset + sg.length)) for sg in step.segments]
+        view = self.cache.packed(step)
+        logits, hidden = self.model(x, step.positions(dev), view, keep_hidden=keep, last=step.ends(dev))
+        return logits, hidden, [(0, slice(sg.offset, sg.offset + sg.length)) for sg in step.segments], view.paths
 
     def feed(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
         """The decode forward of jobs with a forced run (`ahead` > 0: their last 1 + ahead reply
@@ -567,7 +579,7 @@ class ThinkerRunner:
         for job in jobs:
             ids = torch.tensor(job.generated[-(job.ahead + 1):]).to(self.device, non_blocking=True)
             parts.append((job, self.model.model.embed_tokens(ids), job.kv_tokens))
-        logits, _, _ = self._extend(parts, None)
+        logits, _, _, _ = self._extend(parts, None)
         for job in jobs:
             job.ahead = 0
         return jobs, logits

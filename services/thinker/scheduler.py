@@ -10,7 +10,11 @@ prompt takes a slot and is prefilled in chunks: a step packs up to `prefill_chun
 prompts into one row (no padding), the running ones first, in the order they were admitted, then
 waiting long prompts while tokens of the step are left (at most `prefill_batch` prompts in chunked
 prefill at once, and at most that many chunks a step: the thinker's extend graphs take that many
-rows); long prompts that wait do not hold up the short ones behind them. Every running request
+rows); long prompts that wait do not hold up the short ones behind them. A chunk that does not end
+its prefill ends at a multiple of `prefill_chunk` positions at most: a cold prompt's chunks are
+`prefill_chunk` tokens after 0, 1, 2, ... chunks (the shapes whose attention the thinker plans at
+start), and a prefill that began elsewhere (after a cached prefix, or with a share of a step) is back
+on those boundaries after one chunk. Every running request
 with a token to feed decodes in every step -- those whose prefill ends in this step too, once the
 prefill made their first token -- except one whose reader is behind (its outbox saturated): it sits
 out, its state unchanged.
@@ -91,7 +95,7 @@ class ThinkerScheduler:
         for r in chunking:
             if budget <= 0 or len(plan.chunks) >= self.prefill_batch:
                 break
-            plan.chunks.append(Chunk(r, r.prefilled, min(budget, r.prefill_target - r.prefilled)))
+            plan.chunks.append(self._chunk(r, budget))
             budget -= plan.chunks[-1].length
         in_prefill = len(chunking)
         free, longest = free_slots, 0
@@ -103,7 +107,7 @@ class ThinkerScheduler:
                     if not reserve(r):
                         break
                     plan.admitted.append(r)
-                    plan.chunks.append(Chunk(r, r.prefilled, min(budget, r.prefill_target - r.prefilled)))
+                    plan.chunks.append(self._chunk(r, budget))
                     budget -= plan.chunks[-1].length
                     in_prefill += 1
                     free -= 1
@@ -120,7 +124,7 @@ class ThinkerScheduler:
                 free -= 1
                 in_prefill += 1
                 if budget > 0:
-                    plan.chunks.append(Chunk(r, r.prefilled, min(budget, r.prefill_target - r.prefilled)))
+                    plan.chunks.append(self._chunk(r, budget))
                     budget -= plan.chunks[-1].length
                 continue
             plan.prefill.append(r)
@@ -129,6 +133,17 @@ class ThinkerScheduler:
         plan.decode += [c.request for c in plan.chunks if c.last and not c.request.outbox.saturated]
         plan.decode += [r for r in plan.prefill if not r.outbox.saturated]
         return plan
+
+    def _chunk(self, r: Request, budget: int) -> Chunk:
+        """Request r's next chunk within `budget` tokens: the rest of its prefill where that fits, else
+        up to the next multiple of `prefill_chunk` at most, so that after a cached prefix or a share
+        of a packed step its chunks are `prefill_chunk` tokens at multiples of it again -- the shapes
+        the thinker planned its long-chunk attention for (ThinkerEngine.prepare). A prefill that
+        ends in this step is never split (a conversation's next turn stays one chunk)."""
+        rest = r.prefill_target - r.prefilled
+        if rest <= budget:
+            return Chunk(r, r.prefilled, rest)
+        return Chunk(r, r.prefilled, min(budget, self.prefill_chunk - r.prefilled % self.prefill_chunk))
 
     @staticmethod
     def chunking(running: Sequence[Request]) -> list[Request]:
