@@ -133,31 +133,46 @@ def by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     binary searches. The same integers either way (a stable sort's order is unique), so which one runs
     never changes a bit. (det4 counted with torch ops over a [P, E] one-hot, whose cumulative sum
     along dim 0 took 66 us a layer at P = 384 on the H100, where the sort took ~26 us.)"""
-    p = flat.numel()
-    if 0 < p <= COUNT_MAX and triton is not None and launchable(flat) and flat.is_contiguous():
-        order = torch.empty_like(flat)
-        counts = torch.empty(num_experts, dtype=torch.int64, device=flat.device)
-        ends = torch.empty_like(counts)
-        with device_of(flat):
-            _by_expert[(1,)](flat, order, counts, ends, p, E=num_experts,
-                             BLOCK_E=triton.next_power_of_2(num_experts), ROWS=COUNT_ROWS, num_warps=4)
-        return order, counts, ends
+    if _countable(flat):
+        return _counted(flat, num_experts, 0)[:3]
     sorted_ids, order = torch.sort(flat, stable=True)
     bounds = torch.arange(num_experts, device=flat.device)
     ends = torch.searchsorted(sorted_ids, bounds, right=True)                        # [E] (no host sync)
     return order, ends - torch.searchsorted(sorted_ids, bounds, right=False), ends
 
 
+def _countable(flat: torch.Tensor) -> bool:
+    return 0 < flat.numel() <= COUNT_MAX and triton is not None and launchable(flat) and flat.is_contiguous()
+
+
+def _counted(flat: torch.Tensor, num_experts: int, slots: int) -> tuple[torch.Tensor, ...]:
+    """`_by_expert` (Triton, one program): (order, counts, ends) as `by_expert`, and with slots > 0
+    `tiles`' (expert, start, end) over that many tile slots (else three empty tensors)."""
+    order = torch.empty_like(flat)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=flat.device)
+    ends = torch.empty_like(counts)
+    expert, start, end = (torch.empty(slots, dtype=torch.int64, device=flat.device) for _ in range(3))
+    with device_of(flat):
+        _by_expert[(1,)](flat, order, counts, ends, expert, start, end, flat.numel(), slots, E=num_experts,
+                         BLOCK_E=triton.next_power_of_2(num_experts), ROWS=COUNT_ROWS, BLOCK_M=BLOCK_M,
+                         TILES=slots > 0, num_warps=4)
+    return order, counts, ends, expert, start, end
+
+
 def tiles(top_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
     """The pairs sorted by expert and the tile table, static shapes only: (order [P]: the pair of each
     sorted row, tile_expert / tile_start / tile_end [P // BLOCK_M + E]: a tile's expert and sorted rows;
-    tiles past the real ones have start == end)."""
+    tiles past the real ones have start == end). Up to COUNT_MAX pairs all in `_by_expert`'s one
+    launch, else `by_expert` and the torch ops below: the same integers."""
     flat = top_idx.reshape(-1)
     pairs = flat.numel()
+    slots = pairs // BLOCK_M + num_experts                                            # >= the real tile count
+    if _countable(flat):    # the order and the table in one launch (below: ~25 small ones a MoE layer)
+        order, _, _, expert, start, end = _counted(flat, num_experts, slots)
+        return order, expert, start, end
     order, counts, ends = by_expert(flat, num_experts)
     per = (counts + BLOCK_M - 1) // BLOCK_M
     tile_ends = torch.cumsum(per, 0)
-    slots = pairs // BLOCK_M + num_experts                                            # >= the real tile count
     i = torch.arange(slots, device=flat.device)
     expert = torch.searchsorted(tile_ends, i, right=True).clamp_max(num_experts - 1)
     first = tile_ends[expert] - per[expert]                                           # the expert's first tile
@@ -368,12 +383,15 @@ if triton is not None:
             else:
                 tl.store(out_ptr + pair[:, None] * n + cols[None, :], round_to(acc, dtype), mask=ok)
 
-    @triton.jit(do_not_specialize=["p"])
-    def _by_expert(ids_ptr, order_ptr, counts_ptr, ends_ptr, p, E: tl.constexpr, BLOCK_E: tl.constexpr,
-                   ROWS: tl.constexpr):
+    @triton.jit(do_not_specialize=["p", "slots"])
+    def _by_expert(ids_ptr, order_ptr, counts_ptr, ends_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, p,
+                   slots, E: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   TILES: tl.constexpr):
         """One program: the pairs' counts per expert (a first pass over the ids, ROWS at a time), then
         each pair's sorted place = its expert's first place + the earlier pairs of its expert (the
-        second pass: a cumulative one-hot count over the ROWS pairs of a step, plus the steps before)."""
+        second pass: a cumulative one-hot count over the ROWS pairs of a step, plus the steps before).
+        TILES: also `tiles`' table over `slots` tile slots, the same integers as its torch ops (an
+        expert's value gathered by a one-hot sum)."""
         experts = tl.arange(0, BLOCK_E)
         rows = tl.arange(0, ROWS)
         counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -392,6 +410,25 @@ if triton is not None:
             place = tl.sum(hit * (tl.cumsum(hit, axis=0) - hit + nxt[None, :]), axis=1)
             tl.store(order_ptr + place, i.to(tl.int64), mask=i < p)
             nxt += tl.sum(hit, axis=0)
+        if TILES:
+            real_e = experts < E
+            per = (counts + BLOCK_M - 1) // BLOCK_M
+            tile_ends = tl.cumsum(per, axis=0)
+            tiles_total = tl.sum(per, axis=0)
+            firsts = ends - counts
+            for base in range(0, slots, ROWS):
+                i = base + rows
+                below = (tile_ends[None, :] <= i[:, None]) & real_e[None, :]        # searchsorted(right)
+                expert = tl.minimum(tl.sum(below.to(tl.int32), axis=1), E - 1)
+                pick = experts[None, :] == expert[:, None]
+                first = tl.sum(tl.where(pick, (tile_ends - per)[None, :], 0), axis=1)   # its first tile
+                start = tl.sum(tl.where(pick, firsts[None, :], 0), axis=1) + (i - first) * BLOCK_M
+                end = tl.minimum(start + BLOCK_M, tl.sum(tl.where(pick, ends[None, :], 0), axis=1))
+                real = i < tiles_total
+                ok = i < slots
+                tl.store(tile_expert_ptr + i, expert.to(tl.int64), mask=ok)
+                tl.store(tile_start_ptr + i, tl.where(real, start, 0).to(tl.int64), mask=ok)
+                tl.store(tile_end_ptr + i, tl.where(real, end, 0).to(tl.int64), mask=ok)
 
     @triton.jit
     def _weighted_sum(y_ptr, w_ptr, out_ptr, h, K: tl.constexpr, BLOCK: tl.constexpr):
