@@ -398,7 +398,7 @@ if triton is not None:
         for start in range(0, p, ROWS):
             i = start + rows
             ids = tl.load(ids_ptr + i, mask=i < p, other=-1).to(tl.int32)
-            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+            counts += tl.sum((experts[:, None] == ids[None, :]).to(tl.int32), axis=1)
         ends = tl.cumsum(counts, axis=0)
         tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < E)
         tl.store(ends_ptr + experts, ends.to(tl.int64), mask=experts < E)
@@ -406,10 +406,11 @@ if triton is not None:
         for start in range(0, p, ROWS):
             i = start + rows
             ids = tl.load(ids_ptr + i, mask=i < p, other=-1).to(tl.int32)
-            hit = (ids[:, None] == experts[None, :]).to(tl.int32)          # [ROWS, BLOCK_E] one-hot
-            place = tl.sum(hit * (tl.cumsum(hit, axis=0) - hit + nxt[None, :]), axis=1)
+            # [BLOCK_E, ROWS] one-hot, the pairs along the last axis (the scan runs along it)
+            hit = (experts[:, None] == ids[None, :]).to(tl.int32)
+            place = tl.sum(hit * (tl.cumsum(hit, axis=1) - hit + nxt[:, None]), axis=0)
             tl.store(order_ptr + place, i.to(tl.int64), mask=i < p)
-            nxt += tl.sum(hit, axis=0)
+            nxt += tl.sum(hit, axis=1)
         if TILES:
             real_e = experts < E
             per = (counts + BLOCK_M - 1) // BLOCK_M
@@ -422,13 +423,13 @@ if triton is not None:
                 expert = tl.minimum(tl.sum(below.to(tl.int32), axis=1), E - 1)
                 pick = experts[None, :] == expert[:, None]
                 first = tl.sum(tl.where(pick, (tile_ends - per)[None, :], 0), axis=1)   # its first tile
-                start = tl.sum(tl.where(pick, firsts[None, :], 0), axis=1) + (i - first) * BLOCK_M
-                end = tl.minimum(start + BLOCK_M, tl.sum(tl.where(pick, ends[None, :], 0), axis=1))
+                row0 = tl.sum(tl.where(pick, firsts[None, :], 0), axis=1) + (i - first) * BLOCK_M
+                row1 = tl.minimum(row0 + BLOCK_M, tl.sum(tl.where(pick, ends[None, :], 0), axis=1))
                 real = i < tiles_total
                 ok = i < slots
                 tl.store(tile_expert_ptr + i, expert.to(tl.int64), mask=ok)
-                tl.store(tile_start_ptr + i, tl.where(real, start, 0).to(tl.int64), mask=ok)
-                tl.store(tile_end_ptr + i, tl.where(real, end, 0).to(tl.int64), mask=ok)
+                tl.store(tile_start_ptr + i, tl.where(real, row0, 0).to(tl.int64), mask=ok)
+                tl.store(tile_end_ptr + i, tl.where(real, row1, 0).to(tl.int64), mask=ok)
 
     @triton.jit
     def _weighted_sum(y_ptr, w_ptr, out_ptr, h, K: tl.constexpr, BLOCK: tl.constexpr):
