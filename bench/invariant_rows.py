@@ -7,7 +7,7 @@ on what else is in its batch. Per shape, random weights (and bias where the laye
                  every size up to 128 of random rows (scales 1e-2 .. 1e2), eagerly, and replayed in
                  CUDA graphs of 64 rows and of 1 row
     batches      `determinism.batches_invariant`, what `apply` runs next: the block counts (and launch
-                 kind, "bmm" strided-batched / "mm" one GEMM) a prefill may put in one launch, each
+                 kind, "mm" one GEMM / "bmm" strided-batched) a prefill may put in one launch, each
                  found to keep every row's 64-row-call bits; `check_s`: both checks' seconds
     buckets      the target at a random position of a batch of every size n = 1 .. 64 of random rows,
                  through a GraphedStep captured at the decode buckets 1, 2, 4, .. 64 (a replay pads n to

@@ -99,8 +99,8 @@ def test_rows_linear_batches_blocks_into_launches(monkeypatch):
 def test_batches_check_keeps_only_launches_that_keep_a_rows_bits(monkeypatch):
     """`batches_invariant` (what `apply` runs per CUDA layer shape after `rows_invariant`): every block
     count of ROW_BATCHES whose launch gives each row its GPU_ROWS-row call's bits, the first such
-    launch kind per count; a count whose "bmm" moves one position's bits takes "mm", one where both
-    do is left out (its blocks keep one call each)."""
+    launch kind per count; a count whose first kind moves one position's bits takes the second, one
+    where both do is left out (its blocks keep one call each)."""
     g = torch.Generator().manual_seed(6)
     w, b = torch.randn(16, 8, generator=g), torch.randn(16, generator=g)
 
@@ -110,16 +110,18 @@ def test_batches_check_keeps_only_launches_that_keep_a_rows_bits(monkeypatch):
     monkeypatch.setattr(determinism, "rows_linear", exact)
     monkeypatch.setattr(determinism, "_row_batch", lambda r, wt, bias, out, blocks, how:
                         out.copy_(exact(r, wt.t(), bias)))
-    assert determinism.batches_invariant(w, b) == tuple((n, "bmm") for n in determinism.ROW_BATCHES)
+    first, second = determinism.ROW_BATCH_HOWS
+    assert determinism.batches_invariant(w, b) == tuple((n, first) for n in determinism.ROW_BATCHES)
 
     def moved(r, wt, bias, out, blocks, how):
         out.copy_(exact(r, wt.t(), bias))
-        if (blocks, how) in ((8, "bmm"), (16, "bmm"), (16, "mm")):
+        if (blocks, how) in ((8, first), (16, first), (16, second)):
             out[3 * determinism.GPU_ROWS + 5] += 1        # one position of the fourth block
 
     monkeypatch.setattr(determinism, "_row_batch", moved)
     plan = dict(determinism.batches_invariant(w, None))
-    assert plan[8] == "mm" and 16 not in plan and plan[4] == "bmm" and len(plan) == len(determinism.ROW_BATCHES) - 1
+    assert plan[8] == second and 16 not in plan and plan[4] == first
+    assert len(plan) == len(determinism.ROW_BATCHES) - 1
 
 
 def test_sample_blocks_are_the_convolution_in_fixed_calls():

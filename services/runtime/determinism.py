@@ -22,7 +22,7 @@ process keeps the default path, exactly as fast as before):
   beside random rows, eagerly and replayed in a CUDA graph, against the row alone) and keeps
   `kernels.invariant.matmul` (one fixed tile shape and a fixed K order, no split-K) for a shape that
   fails it, or for every layer with VOXPIPE_INVARIANT_MATMUL=triton. A prefill's many GPU_ROWS-row
-  blocks go several to a launch (a strided-batched GEMM, or one GEMM of their rows) wherever
+  blocks go several to a launch (one GEMM of their rows, or a strided-batched GEMM) wherever
   `batches_invariant` found, per layer shape and per block count, that every row keeps the bits of
   its GPU_ROWS-row call; elsewhere one call a block;
 - convolutions (`InvariantConv1d` / `InvariantConvTranspose1d`): depthwise ones as ordered taps, the
@@ -142,8 +142,8 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     `rows_invariant` checks (apply).
     `batches`: (blocks, how) pairs, largest first, that `batches_invariant` found to give every row
     the bits of its GPU_ROWS-row call (apply): a prefill's blocks go `blocks` at a time through one
-    launch (`_row_batch`: "bmm", one strided-batched GEMM of [blocks, GPU_ROWS, K] against the
-    weight at batch stride 0; "mm", one GEMM of blocks * GPU_ROWS rows) while that many are left,
+    launch (`_row_batch`: "mm", one GEMM of blocks * GPU_ROWS rows; "bmm", one strided-batched GEMM
+    of [blocks, GPU_ROWS, K] against the weight at batch stride 0) while that many are left,
     the rest one call each. Never while a CUDA graph is being captured (the check ran eagerly)."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
@@ -172,7 +172,7 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 ROW_BATCHES = (64, 32, 16, 8, 4, 2)    # CUDA: GPU_ROWS-row blocks per launch a prefill may take (checked)
-ROW_BATCH_HOWS = ("bmm", "mm")
+ROW_BATCH_HOWS = ("mm", "bmm")       # tried in this order: one GEMM (the faster), then strided-batched
 ROW_BATCH_BYTES = 1 << 28              # a launch's output past this is neither checked nor taken (lm_head)
 
 
