@@ -11,7 +11,8 @@ frame, a sample). Before any timing each engine runs the batch once untimed (fir
 compiles, allocator growth), so `batch_s` is a warm batch in either mode; per stage each mode's cost
 at c is its batched wall time over the default mode's, minus 1. One JSON line per stage and mode (on
 CUDA with `linears`: how many of the stage's nn.Linear layers took cuBLAS row calls and how many
-the Triton kernel, determinism.LINEAR_PATHS; `conv_shapes`: how many of its convolutions' (layer,
+the Triton kernel, determinism.LINEAR_PATHS, "batched": how many of the cuBLAS ones may put several
+blocks of a prefill in one launch; `rows_check_s`: the seconds their start-up checks took; `conv_shapes`: how many of its convolutions' (layer,
 input) shapes took cuDNN sample calls and how many the Triton path, determinism.CONV_SHAPES).
 `--modes` may add `deterministic-triton`: the mode with every CUDA linear and convolution through the
 Triton kernels (VOXPIPE_INVARIANT_MATMUL=triton VOXPIPE_INVARIANT_CONV=triton), as before.
@@ -283,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             determinism.GPU_MATMUL = "triton" if mode == "deterministic-triton" else matmul
             determinism.GPU_CONV = "triton" if mode == "deterministic-triton" else conv
             paths, conv_keys = dict(determinism.LINEAR_PATHS), set(determinism.CONV_SHAPES)
+            check_s = determinism.CHECK_S.get("rows", 0.0)
             engine = build_engine(stage, argv_stage)
             linears = {k: v - paths.get(k, 0) for k, v in determinism.LINEAR_PATHS.items() if v > paths.get(k, 0)}
+            check_s = determinism.CHECK_S.get("rows", 0.0) - check_s
             size = args.tokens if stage == "thinker" else args.frames
             targets = ("greedy",) if stage == "code2wav" else tuple(args.targets.split(","))
             result = asyncio.run(check_stage(engine, PROBES[stage](engine, size), args.concurrency, targets,
@@ -293,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             convs = {"cudnn": sum(checked), "triton": len(checked) - sum(checked)} if checked else {}
             line = {"stage": stage, "mode": mode, "concurrency": args.concurrency, "device": args.device,
                     **({"linears": linears} if linears else {}), **({"conv_shapes": convs} if convs else {}),
+                    **({"rows_check_s": round(check_s, 2)} if check_s else {}),
                     **result}
             print(json.dumps(line), flush=True)
             if mode.startswith("deterministic") and not all(r["equal"] and r["repeatable"] and r.get("hit_miss", True)

@@ -6,14 +6,20 @@ on what else is in its batch. Per shape, random weights (and bias where the laye
                  target row alone, then at every position of two calls (128 rows) inside batches of
                  every size up to 128 of random rows (scales 1e-2 .. 1e2), eagerly, and replayed in
                  CUDA graphs of 64 rows and of 1 row
+    batches      `determinism.batches_invariant`, what `apply` runs next: the block counts (and launch
+                 kind, "mm" one GEMM / "bmm" strided-batched) a prefill may put in one launch, each
+                 found to keep every row's 64-row-call bits; `check_s`: both checks' seconds
     buckets      the target at a random position of a batch of every size n = 1 .. 64 of random rows,
                  through a GraphedStep captured at the decode buckets 1, 2, 4, .. 64 (a replay pads n to
                  its bucket, as the engines' decode steps do) = the target alone, eager
-    prefill      the target at a random position of eager batches of 65, 100, 128, 200 and 4,096 rows
-                 (several calls: prefills, extends, code2wav's frames) = alone
+    prefill      the target at a random position of eager batches of 65, 100, 128, 200, 2,437 and 4,096
+                 rows (several calls: prefills, extends, code2wav's frames), with the shape's batched
+                 plan as `apply` sets it = alone
     us           per call at 64 rows inside one CUDA graph, each call another copy of the weight (from
                  HBM as in a step): F.linear (the default mode), rows_linear (the mode) and
                  kernels.invariant.matmul (the mode's Triton kernel, VOXPIPE_INVARIANT_MATMUL=triton)
+    prefill_us   per eager call at PREFILL_TIME_ROWS rows (one weight, as in a prefill): F.linear, the
+                 64-row calls one by one (det4), and rows_linear with the batched plan
 
     python -m voxpipe.bench.invariant_rows [--stages thinker,talker,code2wav] [--no-time]   (device tool)
 
@@ -25,6 +31,7 @@ import argparse
 import json
 import math
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +40,8 @@ from torch import nn
 from voxpipe.services.runtime import determinism
 
 STAGES = ("thinker", "talker", "code2wav")
-PREFILL_ROWS = (65, 100, 128, 200, 4096)
+PREFILL_ROWS = (65, 100, 128, 200, 2437, 4096)
+PREFILL_TIME_ROWS, PREFILL_REPS = 4096, 5
 CALLS, COPIES_MB = 16, 160
 
 
@@ -63,7 +71,8 @@ def stage_linears(stages: tuple[str, ...]) -> dict[tuple[int, int, bool, torch.d
     return out
 
 
-def bucket_check(weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Generator) -> tuple[bool, bool]:
+def bucket_check(weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Generator,
+                 plan: tuple[tuple[int, str], ...] = ()) -> tuple[bool, bool]:
     """(buckets, prefill) as the module docstring says."""
     from voxpipe.services.runtime.cuda_graphs import GraphedStep, buckets
 
@@ -89,7 +98,7 @@ def bucket_check(weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Gener
         x = rand(n, k)
         at = int(torch.randint(0, n, (1,), generator=g, device=dev))
         x[at] = target
-        ok_prefill &= bool(torch.equal(determinism.rows_linear(x, weight, bias)[at], alone))
+        ok_prefill &= bool(torch.equal(determinism.rows_linear(x, weight, bias, plan)[at], alone))
     return ok_buckets, ok_prefill
 
 
@@ -110,6 +119,23 @@ def times(k: int, n: int, has_bias: bool, dtype: torch.dtype) -> dict[str, float
             "triton_us": round(graphed([lambda w=w: invariant.matmul(x, w, bias, tf32=tf32) for w in ws]), 2)}
 
 
+def prefill_times(weight: torch.Tensor, bias: torch.Tensor | None, plan: tuple[tuple[int, str], ...]) -> dict:
+    x = torch.randn(PREFILL_TIME_ROWS, weight.shape[1], device=weight.device).to(weight.dtype)
+    runs = {"f_linear": lambda: F.linear(x, weight, bias), "rows_64": lambda: determinism.rows_linear(x, weight, bias),
+            "rows_batched": lambda: determinism.rows_linear(x, weight, bias, plan)}
+    out = {}
+    for name, fn in runs.items():
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(PREFILL_REPS):
+            fn()
+        end.record()
+        end.synchronize()
+        out[name] = round(start.elapsed_time(end) * 1000 / PREFILL_REPS, 1)
+    return out
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -122,22 +148,29 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     shapes = stage_linears(tuple(args.stages.split(",")))
     failed = []
+    check_s = 0.0
     for (k, n, has_bias, dtype), stages in shapes.items():
         g = torch.Generator(device=dev).manual_seed(k * 7919 + n)
         weight = (torch.randn(n, k, generator=g, device=dev) / math.sqrt(k)).to(dtype)
         bias = torch.randn(n, generator=g, device=dev).to(dtype) if has_bias else None
+        start = time.perf_counter()
         line = {"shape": [k, n], "bias": has_bias, "dtype": str(dtype)[6:], "stages": stages,
                 "check": determinism.rows_invariant(weight, bias)}
-        line["buckets"], line["prefill"] = bucket_check(weight, bias, g)
+        plan = determinism.batches_invariant(weight, bias) if line["check"] else ()
+        line["check_s"] = round(time.perf_counter() - start, 3)
+        check_s += line["check_s"]
+        line["batches"] = [f"{b}:{how}" for b, how in plan]
+        line["buckets"], line["prefill"] = bucket_check(weight, bias, g, plan)
         if args.time:
             line.update(times(k, n, has_bias, dtype))
+            line["prefill_us"] = prefill_times(weight, bias, plan)
         if not (line["check"] and line["buckets"] and line["prefill"]):
             failed.append([k, n])
         print(json.dumps(line), flush=True)
         del weight, bias
         torch.cuda.empty_cache()
     print(json.dumps({"summary": "invariant_rows", "shapes": len(shapes), "failed": failed,
-                      "rows": determinism.GPU_ROWS, "device": torch.cuda.get_device_name()}), flush=True)
+                      "rows": determinism.GPU_ROWS, "check_s": round(check_s, 2), "device": torch.cuda.get_device_name()}), flush=True)
     return 1 if failed else 0
 
 

@@ -14,7 +14,7 @@ Routed experts, `reference_moe` / `moe`:
     per pair p = t * K + k, e = top_idx[t, k]: g, u = gate_up[e] @ x[t] (each rounded);
     a = silu(g) (rounded) * u (rounded); y[p] = down[e] @ a (rounded)
     returns y [T * K, H] in pair order (the caller weights and sums each token's K rows)
-The pairs are sorted by expert (stable; `by_expert`: by counting for a step's few hundred pairs) and
+The pairs are sorted by expert (stable; `by_expert`: by counting in one program for a step's few hundred pairs) and
 cut into tiles of BLOCK_M rows of one expert; a tile's rows go through tl.dot against that expert's
 weights in the fixed tile shape, so a pair's bits do not depend on how many other pairs chose its
 expert. The tile table is built on the device with static shapes (no host sync): safe inside CUDA
@@ -121,40 +121,58 @@ def moe_eligible(x: torch.Tensor, top_idx: torch.Tensor, gate_up: torch.Tensor, 
             and launchable(x, top_idx, gate_up, down))
 
 
-ONE_HOT_MAX = 1 << 24       # pairs x experts up to which `by_expert` counts instead of sorting
+COUNT_MAX = 1024    # pairs up to which `by_expert` counts in one Triton program (a decode step's 64 x top-k)
+COUNT_ROWS = 64     # pairs a step of that program's loops takes
 
 
 def by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pairs' expert ids [P] stably sorted, without a host sync: (order [P]: the pair at each sorted
     position, counts [E]: pairs per expert, ends [E]: their cumulative sum), all int64. Up to
-    ONE_HOT_MAX pairs x experts by counting (a pair's place = the pairs of lower experts + the earlier
-    pairs of its own: a [P, E] cumulative count; a decode step's few hundred pairs in ~9 small launches
-    where a radix sort took ~26 us on the H200), else torch.sort(stable) and two binary searches. The
-    same integers either way (a stable sort's order is unique), so which one runs never changes a bit."""
-    if 0 < flat.numel() * num_experts <= ONE_HOT_MAX:
-        seen = (flat[:, None] == torch.arange(num_experts, device=flat.device)).cumsum(0, dtype=torch.int32)
-        counts = seen[-1].to(torch.int64)                                             # [E]
-        ends = torch.cumsum(counts, 0)
-        rank = seen.gather(1, flat[:, None])[:, 0].to(torch.int64) - 1                 # earlier pairs of its expert
-        place = (ends - counts)[flat] + rank
-        order = torch.empty_like(flat).scatter_(0, place, torch.arange(flat.numel(), device=flat.device))
-        return order, counts, ends
+    COUNT_MAX pairs (where Triton can launch) by counting in one program (`_by_expert`: a pair's place
+    = the pairs of lower experts + the earlier pairs of its own), else torch.sort(stable) and two
+    binary searches. The same integers either way (a stable sort's order is unique), so which one runs
+    never changes a bit. (det4 counted with torch ops over a [P, E] one-hot, whose cumulative sum
+    along dim 0 took 66 us a layer at P = 384 on the H100, where the sort took ~26 us.)"""
+    if _countable(flat):
+        return _counted(flat, num_experts, 0)[:3]
     sorted_ids, order = torch.sort(flat, stable=True)
     bounds = torch.arange(num_experts, device=flat.device)
     ends = torch.searchsorted(sorted_ids, bounds, right=True)                        # [E] (no host sync)
     return order, ends - torch.searchsorted(sorted_ids, bounds, right=False), ends
 
 
+def _countable(flat: torch.Tensor) -> bool:
+    return 0 < flat.numel() <= COUNT_MAX and triton is not None and launchable(flat) and flat.is_contiguous()
+
+
+def _counted(flat: torch.Tensor, num_experts: int, slots: int) -> tuple[torch.Tensor, ...]:
+    """`_by_expert` (Triton, one program): (order, counts, ends) as `by_expert`, and with slots > 0
+    `tiles`' (expert, start, end) over that many tile slots (else three empty tensors)."""
+    order = torch.empty_like(flat)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=flat.device)
+    ends = torch.empty_like(counts)
+    expert, start, end = (torch.empty(slots, dtype=torch.int64, device=flat.device) for _ in range(3))
+    with device_of(flat):
+        _by_expert[(1,)](flat, order, counts, ends, expert, start, end, flat.numel(), slots, E=num_experts,
+                         BLOCK_E=triton.next_power_of_2(num_experts), ROWS=COUNT_ROWS, BLOCK_M=BLOCK_M,
+                         TILES=slots > 0, num_warps=4)
+    return order, counts, ends, expert, start, end
+
+
 def tiles(top_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
     """The pairs sorted by expert and the tile table, static shapes only: (order [P]: the pair of each
     sorted row, tile_expert / tile_start / tile_end [P // BLOCK_M + E]: a tile's expert and sorted rows;
-    tiles past the real ones have start == end)."""
+    tiles past the real ones have start == end). Up to COUNT_MAX pairs all in `_by_expert`'s one
+    launch, else `by_expert` and the torch ops below: the same integers."""
     flat = top_idx.reshape(-1)
     pairs = flat.numel()
+    slots = pairs // BLOCK_M + num_experts                                            # >= the real tile count
+    if _countable(flat):    # the order and the table in one launch (below: ~25 small ones a MoE layer)
+        order, _, _, expert, start, end = _counted(flat, num_experts, slots)
+        return order, expert, start, end
     order, counts, ends = by_expert(flat, num_experts)
     per = (counts + BLOCK_M - 1) // BLOCK_M
     tile_ends = torch.cumsum(per, 0)
-    slots = pairs // BLOCK_M + num_experts                                            # >= the real tile count
     i = torch.arange(slots, device=flat.device)
     expert = torch.searchsorted(tile_ends, i, right=True).clamp_max(num_experts - 1)
     first = tile_ends[expert] - per[expert]                                           # the expert's first tile
@@ -364,6 +382,54 @@ if triton is not None:
                 tl.store(out_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], round_to(a * u, dtype), mask=ok)
             else:
                 tl.store(out_ptr + pair[:, None] * n + cols[None, :], round_to(acc, dtype), mask=ok)
+
+    @triton.jit(do_not_specialize=["p", "slots"])
+    def _by_expert(ids_ptr, order_ptr, counts_ptr, ends_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, p,
+                   slots, E: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   TILES: tl.constexpr):
+        """One program: the pairs' counts per expert (a first pass over the ids, ROWS at a time), then
+        each pair's sorted place = its expert's first place + the earlier pairs of its expert (the
+        second pass: a cumulative one-hot count over the ROWS pairs of a step, plus the steps before).
+        TILES: also `tiles`' table over `slots` tile slots, the same integers as its torch ops (an
+        expert's value gathered by a one-hot sum)."""
+        experts = tl.arange(0, BLOCK_E)
+        rows = tl.arange(0, ROWS)
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for start in range(0, p, ROWS):
+            i = start + rows
+            ids = tl.load(ids_ptr + i, mask=i < p, other=-1).to(tl.int32)
+            counts += tl.sum((experts[:, None] == ids[None, :]).to(tl.int32), axis=1)
+        ends = tl.cumsum(counts, axis=0)
+        tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < E)
+        tl.store(ends_ptr + experts, ends.to(tl.int64), mask=experts < E)
+        nxt = ends - counts                                     # each expert's next free place
+        for start in range(0, p, ROWS):
+            i = start + rows
+            ids = tl.load(ids_ptr + i, mask=i < p, other=-1).to(tl.int32)
+            # [BLOCK_E, ROWS] one-hot, the pairs along the last axis (the scan runs along it)
+            hit = (experts[:, None] == ids[None, :]).to(tl.int32)
+            place = tl.sum(hit * (tl.cumsum(hit, axis=1) - hit + nxt[:, None]), axis=0)
+            tl.store(order_ptr + place, i.to(tl.int64), mask=i < p)
+            nxt += tl.sum(hit, axis=1)
+        if TILES:
+            real_e = experts < E
+            per = (counts + BLOCK_M - 1) // BLOCK_M
+            tile_ends = tl.cumsum(per, axis=0)
+            tiles_total = tl.sum(per, axis=0)
+            firsts = ends - counts
+            for base in range(0, slots, ROWS):
+                i = base + rows
+                below = (tile_ends[None, :] <= i[:, None]) & real_e[None, :]        # searchsorted(right)
+                expert = tl.minimum(tl.sum(below.to(tl.int32), axis=1), E - 1)
+                pick = experts[None, :] == expert[:, None]
+                first = tl.sum(tl.where(pick, (tile_ends - per)[None, :], 0), axis=1)   # its first tile
+                row0 = tl.sum(tl.where(pick, firsts[None, :], 0), axis=1) + (i - first) * BLOCK_M
+                row1 = tl.minimum(row0 + BLOCK_M, tl.sum(tl.where(pick, ends[None, :], 0), axis=1))
+                real = i < tiles_total
+                ok = i < slots
+                tl.store(tile_expert_ptr + i, expert.to(tl.int64), mask=ok)
+                tl.store(tile_start_ptr + i, tl.where(real, row0, 0).to(tl.int64), mask=ok)
+                tl.store(tile_end_ptr + i, tl.where(real, row1, 0).to(tl.int64), mask=ok)
 
     @triton.jit
     def _weighted_sum(y_ptr, w_ptr, out_ptr, h, K: tl.constexpr, BLOCK: tl.constexpr):

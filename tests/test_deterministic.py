@@ -69,6 +69,61 @@ def test_rows_check_finds_a_row_that_depends_on_its_position(monkeypatch):
     assert not determinism.rows_invariant(w, b, graph=False)       # the batch's size
 
 
+def test_rows_linear_batches_blocks_into_launches(monkeypatch):
+    """`rows_linear` with a batched plan (a prefill's GPU_ROWS-row blocks several to a launch, where
+    `batches_invariant` held): F.linear's values for any row count, with and without a bias, through
+    strided-batched ("bmm") and whole-GEMM ("mm") launches; the blocks go largest launch first while
+    that many are left, the rest one call each."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    rows = determinism.GPU_ROWS
+    x = torch.randn(11 * rows + 3, 24, generator=g)
+    launches = []
+    real = determinism._row_batch
+
+    def counted(r, wt, bias, out, blocks, how):
+        launches.append((blocks, how))
+        real(r, wt, bias, out, blocks, how)
+
+    monkeypatch.setattr(determinism, "_row_batch", counted)
+    plan = ((4, "bmm"), (2, "mm"))
+    for m, want in ((0, []), (1, []), (rows + 1, [(2, "mm")]), (7 * rows, [(4, "bmm"), (2, "mm")]),
+                    (10 * rows + 3, [(4, "bmm"), (4, "bmm"), (2, "mm")]), (x.shape[0], [(4, "bmm")] * 3)):
+        for bias in (b, None):
+            launches.clear()
+            got = determinism.rows_linear(x[:m], w, bias, plan)
+            assert got.shape == (m, 40) and launches == want, (m, launches)
+            assert torch.allclose(got, F.linear(x[:m], w, bias), atol=1e-5, rtol=1e-5), m
+
+
+def test_batches_check_keeps_only_launches_that_keep_a_rows_bits(monkeypatch):
+    """`batches_invariant` (what `apply` runs per CUDA layer shape after `rows_invariant`): every block
+    count of ROW_BATCHES whose launch gives each row its GPU_ROWS-row call's bits, the first such
+    launch kind per count; a count whose first kind moves one position's bits takes the second, one
+    where both do is left out (its blocks keep one call each)."""
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(16, 8, generator=g), torch.randn(16, generator=g)
+
+    def exact(x, weight, bias=None, batches=()):      # float64 products and sums: each row alone, exactly
+        return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
+
+    monkeypatch.setattr(determinism, "rows_linear", exact)
+    monkeypatch.setattr(determinism, "_row_batch", lambda r, wt, bias, out, blocks, how:
+                        out.copy_(exact(r, wt.t(), bias)))
+    first, second = determinism.ROW_BATCH_HOWS
+    assert determinism.batches_invariant(w, b) == tuple((n, first) for n in determinism.ROW_BATCHES)
+
+    def moved(r, wt, bias, out, blocks, how):
+        out.copy_(exact(r, wt.t(), bias))
+        if (blocks, how) in ((8, first), (16, first), (16, second)):
+            out[3 * determinism.GPU_ROWS + 5] += 1        # one position of the fourth block
+
+    monkeypatch.setattr(determinism, "_row_batch", moved)
+    plan = dict(determinism.batches_invariant(w, None))
+    assert plan[8] == second and 16 not in plan and plan[4] == first
+    assert len(plan) == len(determinism.ROW_BATCHES) - 1
+
+
 def test_sample_blocks_are_the_convolution_in_fixed_calls():
     """`sample_blocks` (the mode's CUDA convolutions through cuDNN): the convolution's values for any
     batch (padded to whole GPU_SAMPLES-sample calls and cut back) and a strided input; and
@@ -96,24 +151,6 @@ def test_sample_blocks_are_the_convolution_in_fixed_calls():
             torch.float32, torch.device("cpu"))      # the same place of every call moves: seen at it
         assert not determinism.samples_invariant(lambda block: exact(block) + block.mean(), (6, 30), torch.float32,
                                                  torch.device("cpu"))
-
-
-def test_experts_sorted_by_counting_as_by_sorting(monkeypatch):
-    """kernels.invariant.by_expert (the invariant experts' pair order on CUDA): counting and the stable
-    sort give the same integers for spread, skewed and single-expert routes, so that which one a step's
-    pair count picks changes no bit."""
-    from voxpipe.kernels import invariant
-
-    g = torch.Generator().manual_seed(9)
-    routes = [torch.randint(0, 128, (64 * 6,), generator=g), torch.randint(0, 3, (41,), generator=g) * 40,
-              torch.full((17,), 5), torch.randint(0, 8, (1,), generator=g)]
-    for flat in routes:
-        counted = invariant.by_expert(flat, 128)
-        monkeypatch.setattr(invariant, "ONE_HOT_MAX", 0)
-        sorted_ = invariant.by_expert(flat, 128)
-        monkeypatch.undo()
-        assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(counted, sorted_))
-        assert torch.equal(flat[counted[0]], torch.sort(flat, stable=True).values)
 
 
 def test_an_unknown_gpu_path_is_refused(monkeypatch):

@@ -817,6 +817,35 @@ def check_invariant(device: str) -> list[dict]:
                                  invariant.reference_weighted_sum(got, tw)))
         out.append(_exact_record(f"invariant weighted sum {name}: a token alone = among 40",
                                  invariant.run_weighted_sum(got[:k], tw[:1]), summed[:1]))
+    # the experts' pair order (by_expert): counting in one program = the stable sort's integers, for
+    # spread, skewed, single-expert and one-pair routes up to COUNT_MAX pairs, and so is the tile
+    # table built in the same launch, so that which path a step's pair count picks changes no bit
+    routes = [torch.randint(0, 128, (64 * 6,), generator=g), torch.randint(0, 3, (41,), generator=g) * 40,
+              torch.full((17,), 5), torch.randint(0, 8, (1,), generator=g),
+              torch.randint(0, 3, (304,), generator=g) * 3 + 121,      # experts of several tiles, the last one
+              torch.randint(0, 128, (invariant.COUNT_MAX,), generator=g)]
+    count_max = invariant.COUNT_MAX
+    for flat in (r.to(device) for r in routes):
+        counted = invariant.by_expert(flat, 128)
+        invariant.COUNT_MAX = 0
+        try:
+            sorted_ = invariant.by_expert(flat, 128)
+        finally:
+            invariant.COUNT_MAX = count_max
+        same = all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(counted, sorted_))
+        same &= torch.equal(flat[counted[0]], torch.sort(flat, stable=True).values)
+        out.append({"check": f"invariant by_expert: {flat.numel()} pairs counted = stably sorted", "kind": "exact",
+                    "ok": bool(same)})
+        for k in [k for k in (1, 8) if flat.numel() % k == 0]:     # the tile table too (K pairs a token)
+            table = invariant.tiles(flat.view(-1, k), 128)
+            invariant.COUNT_MAX = 0
+            try:
+                want = invariant.tiles(flat.view(-1, k), 128)
+            finally:
+                invariant.COUNT_MAX = count_max
+            same = all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(table, want))
+            out.append({"check": f"invariant tiles: {flat.numel()} pairs / top-{k} counted = sorted", "kind": "exact",
+                        "ok": bool(same)})
     q32 = torch.randn(2, 4, 5, 32, generator=g).to(device)
     kv32 = [torch.randn(2, 2, 40, 32, generator=g).to(device) for _ in range(2)]
     lengths = torch.tensor([[23], [40]]).to(device)

@@ -21,7 +21,10 @@ process keeps the default path, exactly as fast as before):
   checks the position (`rows_invariant`: each layer shape's rows at every position of two calls,
   beside random rows, eagerly and replayed in a CUDA graph, against the row alone) and keeps
   `kernels.invariant.matmul` (one fixed tile shape and a fixed K order, no split-K) for a shape that
-  fails it, or for every layer with VOXPIPE_INVARIANT_MATMUL=triton;
+  fails it, or for every layer with VOXPIPE_INVARIANT_MATMUL=triton. A prefill's many GPU_ROWS-row
+  blocks go several to a launch (one GEMM of their rows, or a strided-batched GEMM) wherever
+  `batches_invariant` found, per layer shape and per block count, that every row keeps the bits of
+  its GPU_ROWS-row call; elsewhere one call a block;
 - convolutions (`InvariantConv1d` / `InvariantConvTranspose1d`): depthwise ones as ordered taps, the
   others on CUDA as cuDNN calls of exactly GPU_SAMPLES samples (`sample_blocks`: zero-padded,
   aligned; cudnn.deterministic, no benchmarking, so one algorithm per shape), each (layer, input)
@@ -43,6 +46,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +70,12 @@ GPU_CONVS = ("cudnn", "triton")
 
 log = logging.getLogger(__name__)
 # CUDA nn.Linear layers put in the mode so far in this process, by the path they take ("cublas",
-# "triton") -- what bench/determinism_check.py reports beside its bits
+# "triton"; "batched": those of the cuBLAS ones whose prefill blocks may share a launch) -- what
+# bench/determinism_check.py reports beside its bits
 LINEAR_PATHS: dict[str, int] = {}
+# seconds the start-up checks took so far in this process ("rows": the linears' rows_invariant and
+# batches_invariant)
+CHECK_S: dict[str, float] = {}
 # CUDA convolution (layer, input) shapes checked so far: True where `samples_invariant` held
 CONV_SHAPES: dict[tuple, bool] = {}
 CONV_SHAPES_MAX = 512    # past this many, a new shape keeps the Triton path unchecked (eager whole-utterance
@@ -124,13 +132,19 @@ def _blocked_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out[:m]
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                batches: tuple[tuple[int, str], ...] = ()) -> torch.Tensor:
     """F.linear(x, weight, bias) [..., N] as cuBLAS calls of exactly GPU_ROWS rows each: the rows
     zero-padded to a multiple of GPU_ROWS in a contiguous buffer starting on ALIGN bytes (x itself
     when it already is one), each call's [GPU_ROWS, N] written into one preallocated output. Every
     call has one shape, strides and alignment whatever the row count, so cuBLAS runs one algorithm
     for it; that a row's bits then do not depend on its position in the call is what
-    `rows_invariant` checks (apply)."""
+    `rows_invariant` checks (apply).
+    `batches`: (blocks, how) pairs, largest first, that `batches_invariant` found to give every row
+    the bits of its GPU_ROWS-row call (apply): a prefill's blocks go `blocks` at a time through one
+    launch (`_row_batch`: "mm", one GEMM of blocks * GPU_ROWS rows; "bmm", one strided-batched GEMM
+    of [blocks, GPU_ROWS, K] against the weight at batch stride 0) while that many are left,
+    the rest one call each. Never while a CUDA graph is being captured (the check ran eagerly)."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     m, k = rows.shape
@@ -142,12 +156,82 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         rows = buf
     out = rows.new_empty(padded, weight.shape[0])
     wt = weight.t()
-    for i in range(0, padded, GPU_ROWS):
+    i = 0
+    if batches and padded > GPU_ROWS and not (rows.is_cuda and torch.cuda.is_current_stream_capturing()):
+        for blocks, how in batches:
+            span = blocks * GPU_ROWS
+            while padded - i >= span:
+                _row_batch(rows[i:i + span], wt, bias, out[i:i + span], blocks, how)
+                i += span
+    for i in range(i, padded, GPU_ROWS):
         if bias is None:
             torch.mm(rows[i:i + GPU_ROWS], wt, out=out[i:i + GPU_ROWS])
         else:
             torch.addmm(bias, rows[i:i + GPU_ROWS], wt, out=out[i:i + GPU_ROWS])
     return out[:m].view(*shape[:-1], weight.shape[0])
+
+
+ROW_BATCHES = (64, 32, 16, 8, 4, 2)    # CUDA: GPU_ROWS-row blocks per launch a prefill may take (checked)
+ROW_BATCH_HOWS = ("mm", "bmm")       # tried in this order: one GEMM (the faster), then strided-batched
+ROW_BATCH_BYTES = 1 << 28              # a launch's output past this is neither checked nor taken (lm_head)
+
+
+def _row_batch(rows: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               blocks: int, how: str) -> None:
+    """rows [blocks * GPU_ROWS, K] @ wt [K, N] (+ bias) into out, in one launch (see rows_linear)."""
+    if how == "mm":
+        if bias is None:
+            torch.mm(rows, wt, out=out)
+        else:
+            torch.addmm(bias, rows, wt, out=out)
+        return
+    k, n = wt.shape
+    a, o, w = rows.view(blocks, GPU_ROWS, k), out.view(blocks, GPU_ROWS, n), wt.expand(blocks, k, n)
+    if bias is None:
+        torch.bmm(a, w, out=o)
+    else:
+        torch.baddbmm(bias.expand(blocks, GPU_ROWS, n), a, w, out=o)
+
+
+def batches_invariant(weight: torch.Tensor, bias: torch.Tensor | None, seed: int = 0) -> tuple[tuple[int, str], ...]:
+    """The (blocks, how) of ROW_BATCHES x ROW_BATCH_HOWS under which one `_row_batch` launch gives
+    every row the bits of its GPU_ROWS-row call (`rows_linear` of the row alone), largest first, at
+    most one `how` per blocks (the first that holds): a target row at every position of the launch
+    (even positions, then odd ones) among random rows (scales 1e-2 .. 1e2, a new draw per launch).
+    cuBLAS picks its kernel (tiles, split-K) by the batch count and the row count too, so each is
+    checked on its own; what fails keeps the GPU_ROWS-row calls. Any exception: that one is left out."""
+    dev, (n, k) = weight.device, weight.shape
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(m: int) -> torch.Tensor:
+        scale = 10.0 ** (torch.arange(m, device=dev) % 5 - 2).float()
+        return (torch.randn(m, k, generator=g, device=dev, dtype=torch.float32) * scale[:, None]).to(weight.dtype)
+
+    target = rand(1)[0]
+    alone = rows_linear(target[None], weight, bias)[0]
+    plan = []
+    for blocks in ROW_BATCHES:
+        span = blocks * GPU_ROWS
+        if span * n * weight.element_size() > ROW_BATCH_BYTES:
+            continue
+        for how in ROW_BATCH_HOWS:
+            try:
+                ok = True
+                for parity in (0, 1):
+                    x = rand(span)
+                    x[parity::2] = target
+                    out = torch.empty(span, n, dtype=weight.dtype, device=dev)
+                    _row_batch(x, weight.t(), bias, out, blocks, how)
+                    ok = ok and torch.equal(out[parity::2], alone.expand(span // 2, n))
+                    del x, out
+            except Exception:
+                log.exception("--deterministic: the %d-block %s check of a [%d, %d] linear failed to run",
+                              blocks, how, n, k)
+                ok = False
+            if ok:
+                plan.append((blocks, how))
+                break
+    return tuple(plan)
 
 
 def rows_invariant(weight: torch.Tensor, bias: torch.Tensor | None, graph: bool = True, seed: int = 0) -> bool:
@@ -209,10 +293,11 @@ class InvariantLinear(nn.Linear):
     `cublas_rows` (set by `apply` where `rows_invariant` held) through `rows_linear`."""
 
     cublas_rows = False
+    row_batches: tuple[tuple[int, str], ...] = ()     # set by `apply`: `batches_invariant`'s plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cublas_rows and x.is_cuda:
-            return rows_linear(x, self.weight, self.bias)
+            return rows_linear(x, self.weight, self.bias, self.row_batches)
         return linear(x, self.weight, self.bias, tf32=torch.backends.cuda.matmul.allow_tf32)
 
 
@@ -478,9 +563,13 @@ def apply(model: nn.Module) -> nn.Module:
             if swap is InvariantConvTranspose1d:
                 m.prepare()
             if swap is InvariantLinear and m.weight.is_cuda:
-                m.cublas_rows = GPU_MATMUL == "cublas" and _rows_checked(m.weight, m.bias, checked)
+                plan = _rows_checked(m.weight, m.bias, checked) if GPU_MATMUL == "cublas" else None
+                m.cublas_rows = plan is not None
+                m.row_batches = plan or ()
                 path = "cublas" if m.cublas_rows else "triton"
                 LINEAR_PATHS[path] = LINEAR_PATHS.get(path, 0) + 1
+                if m.row_batches:
+                    LINEAR_PATHS["batched"] = LINEAR_PATHS.get("batched", 0) + 1
         if hasattr(m, "invariant"):
             m.invariant = True
         if getattr(m, "act", None) is F.silu:       # GatedMLP, the talker's ResizeMLP
@@ -488,19 +577,27 @@ def apply(model: nn.Module) -> nn.Module:
     return model
 
 
-def _rows_checked(weight: torch.Tensor, bias: torch.Tensor | None, checked: dict[tuple, bool]) -> bool:
-    """`rows_invariant` once per layer shape (what cuBLAS picks its algorithm by: shapes, dtypes,
-    the weight's alignment, the math-mode flags)."""
+def _rows_checked(weight: torch.Tensor, bias: torch.Tensor | None,
+                  checked: dict[tuple, tuple[tuple[int, str], ...] | None]) -> tuple[tuple[int, str], ...] | None:
+    """`rows_invariant`, then `batches_invariant`, once per layer shape (what cuBLAS picks its
+    algorithm by: shapes, dtypes, the weight's alignment, the math-mode flags): None where the rows
+    failed (the layer keeps the Triton kernel), else the batched plan for `rows_linear`. The seconds
+    they took add up in CHECK_S."""
     matmul = torch.backends.cuda.matmul
     key = (tuple(weight.shape), weight.stride(), weight.dtype, weight.device, weight.data_ptr() % ALIGN,
            None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % ALIGN), matmul.allow_tf32,
            matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
     if key not in checked:
+        start = time.perf_counter()
         with torch.no_grad():
-            checked[key] = rows_invariant(weight, bias)
-        if not checked[key]:
+            checked[key] = batches_invariant(weight, bias) if rows_invariant(weight, bias) else None
+        CHECK_S["rows"] = CHECK_S.get("rows", 0.0) + time.perf_counter() - start
+        if checked[key] is None:
             log.warning("--deterministic: a [%d, %d] linear's rows depend on their position in cuBLAS calls "
                         "of %d rows on this GPU: it keeps the Triton kernel", *weight.shape, GPU_ROWS)
+        else:
+            log.info("--deterministic: a [%d, %d] linear's prefill launches: %s", *weight.shape,
+                     ", ".join(f"{b} x {GPU_ROWS} rows ({how})" for b, how in checked[key]) or f"{GPU_ROWS} rows each")
     return checked[key]
 
 
