@@ -1,7 +1,9 @@
 """The gateway's gRPC pipeline API: `voxpipe.v1.Gateway/Converse` (proto/voxpipe/v1/gateway.proto).
 
 One call is one conversation turn: ConverseStart (text and/or audio in, voice, output modalities,
-sampling, lengths) -> text deltas and 24 kHz audio chunks as the pipeline makes them -> Done.
+sampling, lengths, tools, a response format) -> text deltas and 24 kHz audio chunks as the
+pipeline makes them -> Done. Tools and a JSON response format become the thinker's constraint by
+chat completions' code (tool_params.py, response_format.py): the same checks, the same reply.
 A Cancel message, or the client cancelling the call, stops the turn and frees it in every stage.
 With --api-key, a call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise).
 Served with grpc.health.v1 and (with --reflection) server reflection on the gateway's
