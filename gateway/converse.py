@@ -1,7 +1,9 @@
 """The gateway's gRPC pipeline API: `voxpipe.v1.Gateway/Converse` (proto/voxpipe/v1/gateway.proto).
 
 One call is one conversation turn: ConverseStart (text and/or audio in, voice, output modalities,
-sampling, lengths) -> text deltas and 24 kHz audio chunks as the pipeline makes them -> Done.
+sampling, lengths, tools, a response format) -> text deltas and 24 kHz audio chunks as the
+pipeline makes them -> Done. Tools and a JSON response format become the thinker's constraint by
+chat completions' code (tool_params.py, response_format.py): the same checks, the same reply.
 A Cancel message, or the client cancelling the call, stops the turn and frees it in every stage.
 With --api-key, a call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise).
 Served with grpc.health.v1 and (with --reflection) server reflection on the gateway's
@@ -39,6 +41,7 @@ from voxpipe.services.runtime.config import OmniConfig
 from voxpipe.services.runtime.rpc_guard import Abort, RequestGuard
 from voxpipe.services.runtime.listen import GRPC_SERVER_OPTIONS
 from voxpipe.services.runtime.server import add_health_and_reflection, bind_grpc
+from voxpipe.services.thinker.constraint import MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind
 from voxpipe.services.thinker.output import stop_strings_problem, top_logprobs_problem
 from voxpipe.services.thinker.prompt import (FEATURE_SAMPLE_RATE, ChatMessage, ChatPart, ToolCall, user_turn,
                                              with_instructions)
@@ -52,8 +55,9 @@ from .errors import APIError
 from .generation import render_now, run_pipeline
 from .health import readiness
 from .limits import AUDIO_RATES, audio_problem
+from .response_format import check_response_format, reply_constraint, schema_constraint
 from .state import authorized
-from .tool_params import ToolOptions, check_schema, function_tool, tool_call_constraint
+from .tool_params import ToolOptions, check_schema, check_tool_constraint, function_tool
 from .tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,39 @@ class ConverseTurn:
     messages: list[ChatMessage]
     speech: SpeechRequest                         # token_ids filled in by render()
     tools: ToolOptions = ToolOptions()
+    response_format: Constraint | None = None     # ConverseStart.response_format's (None: free text)
+
+
+RESPONSE_FORMATS = (gw.RESPONSE_FORMAT_TEXT, gw.RESPONSE_FORMAT_JSON_OBJECT, gw.RESPONSE_FORMAT_JSON_SCHEMA)
+
+
+def _response_format(start: gw.ConverseStart) -> Constraint | None:
+    """ConverseStart.response_format as the reply's constraint (None: free text), checked as chat
+    completions' `response_format` (response_format.schema_constraint); whether the schema
+    compiles is checked with the turn's other constraints (ConverseServicer)."""
+    if not start.HasField("response_format"):
+        return None
+    f = start.response_format
+    if f.type not in RESPONSE_FORMATS:
+        raise InvalidInput(f"response_format.type {f.type} is not RESPONSE_FORMAT_TEXT (0), _JSON_OBJECT (1) or "
+                           "_JSON_SCHEMA (2)")
+    if f.type != gw.RESPONSE_FORMAT_JSON_SCHEMA:
+        if f.name or f.schema_json or f.strict:
+            raise InvalidInput("response_format.name / schema_json / strict go with type RESPONSE_FORMAT_JSON_SCHEMA")
+        return None if f.type == gw.RESPONSE_FORMAT_TEXT else Constraint(ConstraintKind.JSON_OBJECT)
+    size = len(f.schema_json.encode())
+    if size > MAX_CONSTRAINT_BYTES:     # before parsing it
+        raise InvalidInput(f"'response_format.schema_json' exceeds {MAX_CONSTRAINT_BYTES // 1024} KiB ({size} bytes)")
+    schema: Any = {}                    # empty: any JSON (chat: json_schema without `schema`)
+    if f.schema_json:
+        try:
+            schema = json.loads(f.schema_json)
+        except (ValueError, RecursionError) as e:
+            raise InvalidInput(f"'response_format.schema_json' is not valid JSON: {str(e)[:120]}") from None
+    try:
+        return schema_constraint(f.name, schema, "response_format.name", "response_format.schema_json")
+    except APIError as e:
+        raise InvalidInput(e.message) from None
 
 
 def _tool_options(start: gw.ConverseStart) -> ToolOptions:
@@ -228,14 +265,37 @@ def parse_start(start: gw.ConverseStart, cfg: OmniConfig, constrain_tool_calls: 
         stop=tuple(dict.fromkeys(start.stop)), top_logprobs=start.top_logprobs if start.logprobs else None,
         request_id=start.request_id or uuid.uuid4().hex)
     speech.unspoken_tool_calls = tools.parses_calls and want_audio
-    speech.constraint = tool_call_constraint(tools, constrain_tool_calls)
+    structured = _response_format(start)
+    try:        # a JSON response format, else the tools' constraint, as on chat
+        speech.constraint = reply_constraint(structured, tools, constrain_tool_calls)
+    except APIError as e:
+        raise InvalidInput(e.message) from None
     if speech.constraint is not None and (start.min_tokens or start.ignore_eos):
-        why = "a tool_choice that requires a call" if tools.calls_only else \
-            "tools on this server, which constrains the calls of TOOL_CHOICE_AUTO (--constrain-tool-calls)"
+        if structured is not None:
+            why = "response_format"
+        elif tools.calls_only:
+            why = "a tool_choice that requires a call"
+        else:
+            why = "tools on this server, which constrains the calls of TOOL_CHOICE_AUTO (--constrain-tool-calls)"
         raise InvalidInput(f"{why} excludes min_tokens / ignore_eos: a constrained reply ends when it is complete")
     if tools.calls_only:        # only calls: nothing to speak (no talker, no code2wav)
         speech.audio = speech.unspoken_tool_calls = False
-    return ConverseTurn(messages, speech, tools)
+    # with audio, a JSON reply is spoken as written (as chat's)
+    return ConverseTurn(messages, speech, tools, structured)
+
+
+async def check_constraint(turn: ConverseTurn) -> None:
+    """InvalidInput naming the field when the grammar library cannot enforce the turn's constraint:
+    the response format's schema, or the parameters of a tool whose calls are constrained (the
+    checks of chat completions, gateway/response_format.py and tool_params.py, remembered by content)."""
+    constraint = turn.speech.constraint
+    try:
+        if turn.response_format is not None:
+            await check_response_format(constraint, "response_format.schema_json")
+        elif constraint is not None:
+            await check_tool_constraint(turn.tools, constraint, "tools", "parameters_json")
+    except APIError as e:
+        raise InvalidInput(e.message) from None
 
 
 def cancelled_usage(usage: gw.Usage, prompt_tokens: int, samples_per_frame: int) -> None:
@@ -335,6 +395,7 @@ class ConverseServicer(gw_grpc.GatewayServicer):
         arrived = time.perf_counter()
         try:
             turn = parse_start(first.start, self.state.omni, self.state.config.constrain_tool_calls)
+            await check_constraint(turn)
             await asyncio.to_thread(self._render, turn)
         except InvalidInput as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -40,10 +40,10 @@ from .chat_messages import parse_messages
 from .chat_parameters import check_parameters, stop_strings, stream_options, top_logprobs
 from .errors import bad_request, from_pipeline_error
 from .generation import PipelineEvent, read_until_admitted, render_prompt, run_pipeline, speech_request
-from .response_format import check_response_format, response_format
+from .response_format import check_response_format, reply_constraint, response_format
 from .params import GenerationParams, check_model, generation_params, optional, read_json, resolve_voice
 from .streaming import CancellableStream, prepended, read_ahead, sse, until_disconnect
-from .tool_params import ToolOptions, check_tool_constraint, tool_call_constraint, tool_options
+from .tool_params import ToolOptions, check_tool_constraint, tool_options
 from .tools import ArgumentsDelta, CallPiece, CallStart, ContentPiece, ReplyPiece
 
 router = APIRouter()
@@ -89,14 +89,10 @@ def chat_options(body: dict, st: GatewayState) -> ChatOptions:
     include_usage = stream_options(body, stream)
     tools = tool_options(body)
     structured = response_format(body)
-    if structured is not None and tools.calls_only:
-        raise bad_request("'response_format' excludes a 'tool_choice' that requires a call: the reply is one or the "
-                          "other", param="response_format", code="invalid_value")
-    # a JSON response format leaves no room for a call: it is the reply's constraint, even with
-    # --constrain-tool-calls (which constrains the calls of an 'auto' reply otherwise)
-    calls = tool_call_constraint(tools, st.config.constrain_tool_calls) if structured is None else None
+    constraint = reply_constraint(structured, tools, st.config.constrain_tool_calls)
+    calls = constraint if structured is None else None
     params = replace(generation_params(body), stop=stop_strings(body), top_logprobs=top_logprobs(body),
-                     constraint=structured or calls)
+                     constraint=constraint)
     if params.constraint is not None and params.min_tokens:
         what = "response_format" if structured is not None else "tool_choice" if tools.calls_only else "tools"
         why = "" if structured is not None or tools.calls_only else \

@@ -25,47 +25,51 @@ _sym_db = _symbol_database.Default()
 from voxpipe.v1 import stages_pb2 as voxpipe_dot_v1_dot_stages__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18voxpipe/v1/gateway.proto\x12\nvoxpipe.v1\x1a\x17voxpipe/v1/stages.proto\"/\n\nPcm16Audio\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\"N\n\nAudioInput\x12\'\n\x05pcm16\x18\x01 \x01(\x0b\x32\x16.voxpipe.v1.Pcm16AudioH\x00\x12\r\n\x03wav\x18\x02 \x01(\x0cH\x00\x42\x08\n\x06\x66ormat\"\xd4\x04\n\rConverseStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cinstructions\x18\x02 \x01(\t\x12%\n\x05\x61udio\x18\x03 \x03(\x0b\x32\x16.voxpipe.v1.AudioInput\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05voice\x18\x05 \x01(\t\x12/\n\x11output_modalities\x18\x06 \x03(\x0e\x32\x14.voxpipe.v1.Modality\x12&\n\x08sampling\x18\x07 \x01(\x0b\x32\x14.voxpipe.v1.Sampling\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x12\n\nmax_frames\x18\n \x01(\r\x12\x12\n\nmin_frames\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x31\n\x0e\x61udio_encoding\x18\r \x01(\x0e\x32\x19.voxpipe.v1.AudioEncoding\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\x12\'\n\x05tools\x18( \x03(\x0b\x32\x18.voxpipe.v1.FunctionTool\x12+\n\x0btool_choice\x18) \x01(\x0e\x32\x16.voxpipe.v1.ToolChoice\x12\x18\n\x10single_tool_call\x18* \x01(\x08\x12(\n\x07history\x18+ \x03(\x0b\x32\x17.voxpipe.v1.HistoryItem\x12\x15\n\rtool_function\x18, \x01(\t\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"E\n\x0c\x46unctionCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xae\x01\n\x0bHistoryItem\x12\x13\n\tuser_text\x18\x01 \x01(\tH\x00\x12\x18\n\x0e\x61ssistant_text\x18\x02 \x01(\tH\x00\x12\x31\n\rfunction_call\x18\x03 \x01(\x0b\x32\x18.voxpipe.v1.FunctionCallH\x00\x12\x35\n\x0f\x66unction_output\x18\x04 \x01(\x0b\x32\x1a.voxpipe.v1.FunctionOutputH\x00\x42\x06\n\x04kind\"1\n\x0e\x46unctionOutput\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\"G\n\x0eToolCallOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12&\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x18.voxpipe.v1.FunctionCall\"V\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x63\x61ll_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x17\n\x0f\x61rguments_delta\x18\x04 \x01(\t\"k\n\x0f\x43onverseRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.voxpipe.v1.ConverseStartH\x00\x12$\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x12.voxpipe.v1.CancelH\x00\x42\x06\n\x04kind\"h\n\nTextOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.voxpipe.v1.TokenLogprob\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x61udio_frames\x18\x03 \x01(\r\x12\x15\n\raudio_samples\x18\x04 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\"\xa3\x01\n\x0c\x43onverseDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0btext_finish\x18\x02 \x01(\x0e\x32\x18.voxpipe.v1.FinishReason\x12.\n\x0c\x61udio_finish\x18\x03 \x01(\x0e\x32\x18.voxpipe.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.voxpipe.v1.Usage\"=\n\rConverseError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\"\xa8\x02\n\x10\x43onverseResponse\x12&\n\x04text\x18\x01 \x01(\x0b\x32\x16.voxpipe.v1.TextOutputH\x00\x12\'\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x16.voxpipe.v1.AudioChunkH\x00\x12(\n\x04\x64one\x18\x03 \x01(\x0b\x32\x18.voxpipe.v1.ConverseDoneH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.voxpipe.v1.ConverseErrorH\x00\x12/\n\ttool_call\x18( \x01(\x0b\x32\x1a.voxpipe.v1.ToolCallOutputH\x00\x12\x34\n\x0ftool_call_delta\x18) \x01(\x0b\x32\x19.voxpipe.v1.ToolCallDeltaH\x00\x42\x06\n\x04kind*K\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_AUDIO\x10\x02*R\n\nToolChoice\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02\x32T\n\x07Gateway\x12I\n\x08\x43onverse\x12\x1b.voxpipe.v1.ConverseRequest\x1a\x1c.voxpipe.v1.ConverseResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18voxpipe/v1/gateway.proto\x12\nvoxpipe.v1\x1a\x17voxpipe/v1/stages.proto\"/\n\nPcm16Audio\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\"N\n\nAudioInput\x12\'\n\x05pcm16\x18\x01 \x01(\x0b\x32\x16.voxpipe.v1.Pcm16AudioH\x00\x12\r\n\x03wav\x18\x02 \x01(\x0cH\x00\x42\x08\n\x06\x66ormat\"\x89\x05\n\rConverseStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cinstructions\x18\x02 \x01(\t\x12%\n\x05\x61udio\x18\x03 \x03(\x0b\x32\x16.voxpipe.v1.AudioInput\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05voice\x18\x05 \x01(\t\x12/\n\x11output_modalities\x18\x06 \x03(\x0e\x32\x14.voxpipe.v1.Modality\x12&\n\x08sampling\x18\x07 \x01(\x0b\x32\x14.voxpipe.v1.Sampling\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x12\n\nmax_frames\x18\n \x01(\r\x12\x12\n\nmin_frames\x18\x0b \x01(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x31\n\x0e\x61udio_encoding\x18\r \x01(\x0e\x32\x19.voxpipe.v1.AudioEncoding\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\x12\'\n\x05tools\x18( \x03(\x0b\x32\x18.voxpipe.v1.FunctionTool\x12+\n\x0btool_choice\x18) \x01(\x0e\x32\x16.voxpipe.v1.ToolChoice\x12\x18\n\x10single_tool_call\x18* \x01(\x08\x12(\n\x07history\x18+ \x03(\x0b\x32\x17.voxpipe.v1.HistoryItem\x12\x15\n\rtool_function\x18, \x01(\t\x12\x33\n\x0fresponse_format\x18- \x01(\x0b\x32\x1a.voxpipe.v1.ResponseFormat\"q\n\x0eResponseFormat\x12,\n\x04type\x18\x01 \x01(\x0e\x32\x1e.voxpipe.v1.ResponseFormatType\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bschema_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"E\n\x0c\x46unctionCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xae\x01\n\x0bHistoryItem\x12\x13\n\tuser_text\x18\x01 \x01(\tH\x00\x12\x18\n\x0e\x61ssistant_text\x18\x02 \x01(\tH\x00\x12\x31\n\rfunction_call\x18\x03 \x01(\x0b\x32\x18.voxpipe.v1.FunctionCallH\x00\x12\x35\n\x0f\x66unction_output\x18\x04 \x01(\x0b\x32\x1a.voxpipe.v1.FunctionOutputH\x00\x42\x06\n\x04kind\"1\n\x0e\x46unctionOutput\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x01(\t\"G\n\x0eToolCallOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12&\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x18.voxpipe.v1.FunctionCall\"V\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x63\x61ll_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x17\n\x0f\x61rguments_delta\x18\x04 \x01(\t\"k\n\x0f\x43onverseRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.voxpipe.v1.ConverseStartH\x00\x12$\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x12.voxpipe.v1.CancelH\x00\x42\x06\n\x04kind\"h\n\nTextOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.voxpipe.v1.TokenLogprob\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x61udio_frames\x18\x03 \x01(\r\x12\x15\n\raudio_samples\x18\x04 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\"\xa3\x01\n\x0c\x43onverseDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0btext_finish\x18\x02 \x01(\x0e\x32\x18.voxpipe.v1.FinishReason\x12.\n\x0c\x61udio_finish\x18\x03 \x01(\x0e\x32\x18.voxpipe.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.voxpipe.v1.Usage\"=\n\rConverseError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\"\xa8\x02\n\x10\x43onverseResponse\x12&\n\x04text\x18\x01 \x01(\x0b\x32\x16.voxpipe.v1.TextOutputH\x00\x12\'\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x16.voxpipe.v1.AudioChunkH\x00\x12(\n\x04\x64one\x18\x03 \x01(\x0b\x32\x18.voxpipe.v1.ConverseDoneH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.voxpipe.v1.ConverseErrorH\x00\x12/\n\ttool_call\x18( \x01(\x0b\x32\x1a.voxpipe.v1.ToolCallOutputH\x00\x12\x34\n\x0ftool_call_delta\x18) \x01(\x0b\x32\x19.voxpipe.v1.ToolCallDeltaH\x00\x42\x06\n\x04kind*K\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_AUDIO\x10\x02*p\n\x12ResponseFormatType\x12\x18\n\x14RESPONSE_FORMAT_TEXT\x10\x00\x12\x1f\n\x1bRESPONSE_FORMAT_JSON_OBJECT\x10\x01\x12\x1f\n\x1bRESPONSE_FORMAT_JSON_SCHEMA\x10\x02*R\n\nToolChoice\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02\x32T\n\x07Gateway\x12I\n\x08\x43onverse\x12\x1b.voxpipe.v1.ConverseRequest\x1a\x1c.voxpipe.v1.ConverseResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'voxpipe.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=2207
-  _globals['_MODALITY']._serialized_end=2282
-  _globals['_TOOLCHOICE']._serialized_start=2284
-  _globals['_TOOLCHOICE']._serialized_end=2366
+  _globals['_MODALITY']._serialized_start=2375
+  _globals['_MODALITY']._serialized_end=2450
+  _globals['_RESPONSEFORMATTYPE']._serialized_start=2452
+  _globals['_RESPONSEFORMATTYPE']._serialized_end=2564
+  _globals['_TOOLCHOICE']._serialized_start=2566
+  _globals['_TOOLCHOICE']._serialized_end=2648
   _globals['_PCM16AUDIO']._serialized_start=65
   _globals['_PCM16AUDIO']._serialized_end=112
   _globals['_AUDIOINPUT']._serialized_start=114
   _globals['_AUDIOINPUT']._serialized_end=192
   _globals['_CONVERSESTART']._serialized_start=195
-  _globals['_CONVERSESTART']._serialized_end=791
-  _globals['_FUNCTIONTOOL']._serialized_start=793
-  _globals['_FUNCTIONTOOL']._serialized_end=867
-  _globals['_FUNCTIONCALL']._serialized_start=869
-  _globals['_FUNCTIONCALL']._serialized_end=938
-  _globals['_HISTORYITEM']._serialized_start=941
-  _globals['_HISTORYITEM']._serialized_end=1115
-  _globals['_FUNCTIONOUTPUT']._serialized_start=1117
-  _globals['_FUNCTIONOUTPUT']._serialized_end=1166
-  _globals['_TOOLCALLOUTPUT']._serialized_start=1168
-  _globals['_TOOLCALLOUTPUT']._serialized_end=1239
-  _globals['_TOOLCALLDELTA']._serialized_start=1241
-  _globals['_TOOLCALLDELTA']._serialized_end=1327
-  _globals['_CONVERSEREQUEST']._serialized_start=1329
-  _globals['_CONVERSEREQUEST']._serialized_end=1436
-  _globals['_TEXTOUTPUT']._serialized_start=1438
-  _globals['_TEXTOUTPUT']._serialized_end=1542
-  _globals['_USAGE']._serialized_start=1545
-  _globals['_USAGE']._serialized_end=1677
-  _globals['_CONVERSEDONE']._serialized_start=1680
-  _globals['_CONVERSEDONE']._serialized_end=1843
-  _globals['_CONVERSEERROR']._serialized_start=1845
-  _globals['_CONVERSEERROR']._serialized_end=1906
-  _globals['_CONVERSERESPONSE']._serialized_start=1909
-  _globals['_CONVERSERESPONSE']._serialized_end=2205
-  _globals['_GATEWAY']._serialized_start=2368
-  _globals['_GATEWAY']._serialized_end=2452
+  _globals['_CONVERSESTART']._serialized_end=844
+  _globals['_RESPONSEFORMAT']._serialized_start=846
+  _globals['_RESPONSEFORMAT']._serialized_end=959
+  _globals['_FUNCTIONTOOL']._serialized_start=961
+  _globals['_FUNCTIONTOOL']._serialized_end=1035
+  _globals['_FUNCTIONCALL']._serialized_start=1037
+  _globals['_FUNCTIONCALL']._serialized_end=1106
+  _globals['_HISTORYITEM']._serialized_start=1109
+  _globals['_HISTORYITEM']._serialized_end=1283
+  _globals['_FUNCTIONOUTPUT']._serialized_start=1285
+  _globals['_FUNCTIONOUTPUT']._serialized_end=1334
+  _globals['_TOOLCALLOUTPUT']._serialized_start=1336
+  _globals['_TOOLCALLOUTPUT']._serialized_end=1407
+  _globals['_TOOLCALLDELTA']._serialized_start=1409
+  _globals['_TOOLCALLDELTA']._serialized_end=1495
+  _globals['_CONVERSEREQUEST']._serialized_start=1497
+  _globals['_CONVERSEREQUEST']._serialized_end=1604
+  _globals['_TEXTOUTPUT']._serialized_start=1606
+  _globals['_TEXTOUTPUT']._serialized_end=1710
+  _globals['_USAGE']._serialized_start=1713
+  _globals['_USAGE']._serialized_end=1845
+  _globals['_CONVERSEDONE']._serialized_start=1848
+  _globals['_CONVERSEDONE']._serialized_end=2011
+  _globals['_CONVERSEERROR']._serialized_start=2013
+  _globals['_CONVERSEERROR']._serialized_end=2074
+  _globals['_CONVERSERESPONSE']._serialized_start=2077
+  _globals['_CONVERSERESPONSE']._serialized_end=2373
+  _globals['_GATEWAY']._serialized_start=2650
+  _globals['_GATEWAY']._serialized_end=2734
 # @@protoc_insertion_point(module_scope)

@@ -14,6 +14,12 @@ class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODALITY_TEXT: _ClassVar[Modality]
     MODALITY_AUDIO: _ClassVar[Modality]
 
+class ResponseFormatType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESPONSE_FORMAT_TEXT: _ClassVar[ResponseFormatType]
+    RESPONSE_FORMAT_JSON_OBJECT: _ClassVar[ResponseFormatType]
+    RESPONSE_FORMAT_JSON_SCHEMA: _ClassVar[ResponseFormatType]
+
 class ToolChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TOOL_CHOICE_AUTO: _ClassVar[ToolChoice]
@@ -22,6 +28,9 @@ class ToolChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 MODALITY_UNSPECIFIED: Modality
 MODALITY_TEXT: Modality
 MODALITY_AUDIO: Modality
+RESPONSE_FORMAT_TEXT: ResponseFormatType
+RESPONSE_FORMAT_JSON_OBJECT: ResponseFormatType
+RESPONSE_FORMAT_JSON_SCHEMA: ResponseFormatType
 TOOL_CHOICE_AUTO: ToolChoice
 TOOL_CHOICE_NONE: ToolChoice
 TOOL_CHOICE_REQUIRED: ToolChoice
@@ -43,7 +52,7 @@ class AudioInput(_message.Message):
     def __init__(self, pcm16: _Optional[_Union[Pcm16Audio, _Mapping]] = ..., wav: _Optional[bytes] = ...) -> None: ...
 
 class ConverseStart(_message.Message):
-    __slots__ = ("request_id", "instructions", "audio", "text", "voice", "output_modalities", "sampling", "max_tokens", "min_tokens", "max_frames", "min_frames", "ignore_eos", "audio_encoding", "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "single_tool_call", "history", "tool_function")
+    __slots__ = ("request_id", "instructions", "audio", "text", "voice", "output_modalities", "sampling", "max_tokens", "min_tokens", "max_frames", "min_frames", "ignore_eos", "audio_encoding", "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "single_tool_call", "history", "tool_function", "response_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +74,7 @@ class ConverseStart(_message.Message):
     SINGLE_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     TOOL_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instructions: str
     audio: _containers.RepeatedCompositeFieldContainer[AudioInput]
@@ -86,7 +96,20 @@ class ConverseStart(_message.Message):
     single_tool_call: bool
     history: _containers.RepeatedCompositeFieldContainer[HistoryItem]
     tool_function: str
-    def __init__(self, request_id: _Optional[str] = ..., instructions: _Optional[str] = ..., audio: _Optional[_Iterable[_Union[AudioInput, _Mapping]]] = ..., text: _Optional[str] = ..., voice: _Optional[str] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_stages_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., audio_encoding: _Optional[_Union[_stages_pb2.AudioEncoding, str]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., single_tool_call: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[HistoryItem, _Mapping]]] = ..., tool_function: _Optional[str] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, request_id: _Optional[str] = ..., instructions: _Optional[str] = ..., audio: _Optional[_Iterable[_Union[AudioInput, _Mapping]]] = ..., text: _Optional[str] = ..., voice: _Optional[str] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., sampling: _Optional[_Union[_stages_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., audio_encoding: _Optional[_Union[_stages_pb2.AudioEncoding, str]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., single_tool_call: _Optional[bool] = ..., history: _Optional[_Iterable[_Union[HistoryItem, _Mapping]]] = ..., tool_function: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("type", "name", "schema_json", "strict")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    type: ResponseFormatType
+    name: str
+    schema_json: str
+    strict: bool
+    def __init__(self, type: _Optional[_Union[ResponseFormatType, str]] = ..., name: _Optional[str] = ..., schema_json: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class FunctionTool(_message.Message):
     __slots__ = ("name", "description", "parameters_json")
