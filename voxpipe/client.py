@@ -332,6 +332,11 @@ class PipelineClient:
             return await asyncio.to_thread(key)
         return key()
 
+    def end_session(self, session: str) -> None:
+        """The session (a realtime conversation) is over: the thinker replica it was placed on no longer
+        counts it as its load (services.runtime.affinity)."""
+        self.thinker.end_session(session)
+
     def open_turn(self, token_ids: list[int], audio_features: list[torch.Tensor], session: str | None = None,
                   request_id: str | None = None) -> AudioTurn:
         """A streamed turn (AudioTurn) after the conversation `token_ids` (rendered, ending before the

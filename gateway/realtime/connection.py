@@ -171,6 +171,8 @@ class RealtimeConnection:
                 self.response.task.cancel()                 # frees the request in all three stages
                 await asyncio.gather(self.response.task, return_exceptions=True)
             await self._drop_turn()
+            if self.state.pipeline is not None:
+                self.state.pipeline.end_session(self.conversation_id)     # its thinker replica no longer counts it
             for task in self.checks:
                 task.cancel()
             await asyncio.gather(*self.checks, return_exceptions=True)

@@ -58,10 +58,15 @@ class BalancerOptions:
     cooldown_s: float = 3.0             # an unhealthy replica is skipped this long, then re-probed
     probe_timeout_s: float = 2.0        # one grpc.health.v1 Check
     retries: int = 1                    # replays of a stream refused before its first response
-    # affinity (services.runtime.affinity): a replica chosen for a stream's session or prefix holds at
-    # most ceil(load_bound * mean) + load_slack streams with it; the table's bounds, in block hashes and sessions
+    # affinity (services.runtime.affinity): a replica's load is its streams in flight plus the sessions
+    # placed on it that are between turns (for at most session_ttl_s); a new session or conversation
+    # goes where its own prefix is while that replica carries at most ceil(load_bound * mean) +
+    # load_slack after it, else to the least loaded; a placed one stays on its replica up to
+    # ceil((load_bound + stay_margin) * mean) + load_slack; the table's bounds, in block hashes and sessions
     load_bound: float = 1.1
     load_slack: int = 1
+    stay_margin: float = 0.15
+    session_ttl_s: float = 120.0
     affinity_blocks: int = 65536
     affinity_sessions: int = 16384
 
@@ -184,7 +189,8 @@ class StageBalancer:
         self._background: set[asyncio.Task] = set()
         self._closed = False
         o = self.options
-        self.affinity = AffinityTable(o.affinity_blocks, o.affinity_sessions, o.load_bound, o.load_slack)
+        self.affinity = AffinityTable(o.affinity_blocks, o.affinity_sessions, o.load_bound, o.load_slack,
+                                      o.stay_margin, o.session_ttl_s)
 
     def _new_replica(self, address: str, static: bool, server_name: str | None = None) -> Replica:
         """`server_name`: the name its certificate must carry when it is not the dialled host (a
@@ -285,20 +291,34 @@ class StageBalancer:
 
     async def acquire(self, avoid: Iterable[Replica] = (), key: RouteKey | None = None) -> Replica:
         """The replica for a new stream (with `key`: by affinity), counted as in flight until `release`."""
+        return (await self.lease(avoid, key))[0]
+
+    async def lease(self, avoid: Iterable[Replica] = (), key: RouteKey | None = None,
+                    unit: str | None = None) -> tuple[Replica, str | None]:
+        """`acquire`, and the affinity unit the stream counts for (its session or chat conversation;
+        None: neither): give both to `release` when the stream ends; `unit`: a replayed stream's."""
         await self.start()
         if not self._replicas and self._dns_targets:
             loop = asyncio.get_running_loop()
             if loop.time() - self._last_resolve >= self.options.min_resolve_gap_s:
                 await self._resolve_all()
-        replica = self.pick(avoid, key)
+        replica, unit = self._pick(avoid, key, unit)
         replica.in_flight += 1
-        return replica
+        return replica, unit
+
+    def end_session(self, session: str) -> None:
+        """The session is over: its replica no longer counts it, nor does its next stream (if any) follow it."""
+        self.affinity.end(session)
 
     def pick(self, avoid: Iterable[Replica] = (), key: RouteKey | None = None) -> Replica:
         """Among the usable replicas not in `avoid`: with `key` and a choice to make, the affinity
-        table's pick (session, longest known prefix, within the load bound), else the least
-        outstanding streams (ties round-robin); when none is usable, the best of the rest (a stream
-        that fails is clearer than none). The pick is counted and, with `key`, recorded."""
+        table's pick (the session's replica, its own longest known prefix, the least load -- streams
+        and sessions between turns -- within the load bounds), else the least outstanding streams
+        (ties round-robin); when none is usable, the best of the rest (a stream that fails is
+        clearer than none). The pick is counted and, with `key`, recorded (its unit open there)."""
+        return self._pick(avoid, key, None)[0]
+
+    def _pick(self, avoid: Iterable[Replica], key: RouteKey | None, unit: str | None) -> tuple[Replica, str | None]:
         avoid = set(avoid)
         live = list(self._replicas.values())
         if not live:
@@ -312,18 +332,20 @@ class StageBalancer:
         candidates = [r for r in live if tier(r) == best]
         turn = next(self._rr)
         if key is not None and len(live) > 1 and best == (False, False, False):
-            choice = self.affinity.choose(candidates, key, turn)
+            choice = self.affinity.choose(candidates, key, turn, unit)
         else:       # one replica, no key, or none usable: affinity never picks an unusable one
             low = min(r.in_flight for r in candidates)
             tied = [r for r in candidates if r.in_flight == low]
             choice = Choice(tied[turn % len(tied)], "least_loaded", 0)
         self.affinity.count(choice, key)
         if key is not None:
-            self.affinity.record(choice.replica.address, key)
-        return choice.replica
+            unit = self.affinity.record(choice.replica.address, key, choice.unit or unit)
+        return choice.replica, unit
 
-    def release(self, replica: Replica) -> None:
+    def release(self, replica: Replica, unit: str | None = None) -> None:
+        """A stream on `replica` (of the affinity `unit` that `lease` gave) ended."""
         replica.in_flight -= 1
+        self.affinity.closed(unit)
         if replica.retired and replica.in_flight == 0 and replica in self._retired:
             self._retired.discard(replica)
             self._spawn(replica.channel.close())
@@ -467,6 +489,7 @@ class BalancedStream:
         self.replica: Replica | None = None
         self._call = None
         self._tried: list[Replica] = []
+        self._unit: str | None = None      # the affinity unit (session, chat conversation) the stream counts for
         self._sent: list | None = []        # replayed on a retry; None once the first response came
         self._head: int | None = None       # messages of the stream's start, once all written (end_head)
         self._admitted = None               # the call whose replica admitted the stream
@@ -476,7 +499,8 @@ class BalancedStream:
         self._closed = False
 
     async def open(self) -> "BalancedStream":
-        self._attach(await self.balancer.acquire(key=self.key))
+        replica, self._unit = await self.balancer.lease(key=self.key)
+        self._attach(replica)
         return self
 
     def _attach(self, replica: Replica) -> None:
@@ -595,8 +619,9 @@ class BalancedStream:
         """Reopen the stream on another replica and replay what was written."""
         async with self._lock:
             failed = self.replica
-            replica = await self.balancer.acquire(avoid=self._tried, key=self.key)
-            self.balancer.release(failed)
+            replica, unit = await self.balancer.lease(avoid=self._tried, key=self.key, unit=self._unit)
+            self.balancer.release(failed, self._unit)
+            self._unit = unit
             log.info("%s: stream refused by %s (%s: %s); retrying on %s", self.balancer.stage, failed.address,
                      error.code().name, error.details(), replica.address)
             self._attach(replica)
@@ -621,4 +646,4 @@ class BalancedStream:
         self._closed = True
         self.cancel()
         if self.replica is not None:
-            self.balancer.release(self.replica)
+            self.balancer.release(self.replica, self._unit)
