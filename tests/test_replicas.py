@@ -415,7 +415,8 @@ def test_a_conversations_turns_all_hit_on_one_replica(replicas, omni_config, key
     assert len({t.thinker for t in turns}) == 1, [t.thinker for t in turns]
     cached = [t.cached_tokens for t in turns]
     assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:])), cached
-    assert outcomes == {"least_loaded": 1, ("session" if keyed else "prefix"): 3}
+    # keyed or not, its turns 2 .. 4 follow it: a chat conversation is recognised by its prompts
+    assert outcomes == {"least_loaded": 1, "session": 3}
     assert stats.queried_tokens == sum(t.prompt_tokens for t in turns) and 0 < stats.matched_tokens
     # the replica that served them found them in its cache; the other found nothing
     served = [p.serves(turns[0].thinker) for p in replicas.thinkers]

@@ -8,21 +8,32 @@ recently got each block hash and which replica got each session's last request. 
 what the replicas' prefix caches hold -- a replica evicts on its own -- so it only steers picks;
 any replica computes the same answer (a miss prefills).
 
+The table also knows the units it places: a realtime session (the key's session), or a chat
+conversation it recognises without one (a prompt that holds, before its own last block, the last
+block of an earlier prompt whose stream has ended continues that prompt's conversation; anything
+else starts a new one). A replica's load is this client's streams in flight on it plus the units
+placed there that are between turns: a session from its first turn, a conversation from its second,
+each for at most `session_ttl_s` after its last stream ended (a realtime session ends at once when
+its connection closes: `end`). A session between turns holds no stream -- its user is speaking --
+yet its replica holds its history and will get its next turn, so counting streams alone makes its
+replica look lighter than it is and pushes other sessions off their own replicas.
+
 The choice among the usable replicas (the balancer's best tier: never an unhealthy, draining or
 retired one, nor one a retry avoids) is, in order:
 
-1. `session`: the replica of the session's previous request;
-2. `prefix`: the replica holding the longest known prefix of the prompt (at least one block; ties:
-   fewer streams in flight, then round robin);
-3. `least_loaded`: the fewest streams in flight (ties round robin), as without affinity.
+1. `session`: a placed unit's replica, while it carries at most ceil((load_bound + stay_margin) *
+   mean load) + load_slack after the pick: a unit leaves its replica only when that replica is over
+   the bound by the margin (or fails, drains or leaves);
+2. `prefix`: for a unit not placed, the replica holding the longest known prefix of its prompt, if
+   that prefix goes beyond the blocks that more than one unit's prompts began with (instructions
+   that every session shares tell nothing of where this one belongs) and the replica carries at
+   most ceil(load_bound * mean load) + load_slack after the pick (ties: least load, then round robin);
+3. `least_loaded`: the least load (ties round robin): new sessions spread by how many each replica
+   carries.
 
-A replica is chosen by 1 or 2 only while it is within its share -- bounded loads: after taking
-the stream it holds at most ceil(load_bound * (streams in flight + 1) / replicas) + load_slack of
-this client's streams, counted over the usable replicas (the least loaded one always fits). So no
-replica takes more than load_bound times the mean plus the slack (which keeps a few sessions
-apiece from bouncing at low load); a session whose replica is full moves (and stays) where it
-goes. A replica that fails or drains drops out of the table (`forget`): its sessions and prefixes
-go elsewhere and prefill there."""
+The mean is over the usable replicas, counting the pick. A unit that moves stays where it goes. A
+replica that fails or drains drops out of the table (`forget`): its units and prefixes go elsewhere
+and prefill there."""
 
 from __future__ import annotations
 
