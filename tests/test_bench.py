@@ -290,8 +290,8 @@ def test_bench_compares_one_thinker_replica_with_two(tiny_model_dir, tmp_path):
         # realtime sessions' first turns share the system turn's block: a replica that has not seen it misses)
         assert a["cached_fraction"] > 0 and b["cached_fraction"] >= a["cached_fraction"] - 0.05, (key, a, b)
     # the gateway's thinker picks: every session's second turn where its first went. (Their first turns
-    # share the system turn's block, known where the warm-up session went: they go there while it stays
-    # within the load bound, which at 4 streams in flight takes all 4.)
+    # share the system turn's block, known where the warm-up session went: it attracts the first of them
+    # only -- from then on more than one session began with it -- and the others go by load.)
     routed = two["realtime_conversation"]["levels"][0]["routed"]
     assert sum(routed.values()) == 8 and routed["session"] == 4, routed
     assert one["realtime_conversation"]["levels"][0]["routed"] == {"least_loaded": 8, "prefix": 0, "session": 0}

@@ -8,9 +8,10 @@ DNS takes no new streams; its channel closes once its last stream ends.
 
 Each new stream goes to the usable replica with the fewest outstanding streams from this client
 (ties round-robin) and stays there for its life (BalancedStream); a stream with a RouteKey (its
-session, its prompt's block hashes) goes where its session or its longest known prefix went
-before, while that replica is within its share of the load (services.runtime.affinity: with one
-replica no key is made). A replica that fails a stream
+session, its prompt's block hashes) goes where its session (or the chat conversation its prompt
+continues) went before, or a new one where its own longest known prefix is, while that replica is
+within its share of the load -- streams in flight and sessions between turns -- else to the least
+loaded (services.runtime.affinity: with one replica no key is made). A replica that fails a stream
 with UNAVAILABLE is unhealthy: skipped by new picks, re-probed with grpc.health.v1 Check every
 `cooldown_s` until it answers SERVING. A replica that refuses a new stream because it is draining
 (SIGTERM) is skipped the same way. A status that names a later stage (`voxpipe-stage`: the
