@@ -310,6 +310,9 @@ def test_an_idle_session_stops_counting_after_the_ttl_and_an_ended_one_at_once()
         clock.now = 61                      # "old" idle 61 s: no longer counted (still placed)
         seen.append(t.loads(bal.replicas))
         t.end("new")
+        t.end("never")                      # a session the table never saw: nothing to do
+        t.closed("never")
+        t.closed(None)
         t.end("talking")                    # ended with its stream open: dropped at its close
         seen.append(t.loads(bal.replicas))
         t.closed("talking")
