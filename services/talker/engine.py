@@ -67,6 +67,14 @@ class TalkerEngine(StageEngine):
                                    text_table=text_table, prefill_tokens=prefill_tokens)
 
     # ---- inputs from the handler
+    def prepare(self) -> None:
+        """On the engine thread, before serving: the runner's warm-up again (it ran at build, on the
+        thread that built it). The eager paths it covers are served from this thread, and what a
+        library keeps per thread (cuBLAS / cuBLASLt handles and their workspaces, cuDNN handles) is
+        made here, at start, not by a request's first eager prefill."""
+        if self.runner.warmed:
+            self.runner.warm_up(self.runner.warm_len)
+
     def hold(self, job: TalkerJob) -> None:
         """A prompt whose audio rows follow: keep its cached prefix now (TalkerRunner.hold)."""
         with self.lock:

@@ -99,8 +99,10 @@ class TalkerRunner:
         if cuda_graphs and graphs_available(device):
             self._capture(max_active, min(decode_graph_len or max_len, max_len), min(prefill_batch, max_active),
                           min(prefill_graph_len, max_len), eager_fallback)
-        if self.step_graphs is not None and device.type == "cuda":
-            self.warm_up(min(prefill_graph_len, max_len))
+        self.warm_len = min(prefill_graph_len, max_len)
+        self.warmed = self.step_graphs is not None and device.type == "cuda"
+        if self.warmed:
+            self.warm_up(self.warm_len)
 
     @torch.inference_mode()
     def warm_up(self, graph_len: int) -> None:

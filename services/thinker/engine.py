@@ -94,6 +94,11 @@ class ThinkerEngine(StageEngine):
         chunks the scheduler cuts (`prefill_chunk` tokens at multiples of it), not on first sight."""
         if self.runner.graphs is None:     # no graphs (--no-cuda-graphs, a CPU): no start-up work either
             return
+        if self.runner.warmed:
+            # the runner's warm-up again, on this thread: its eager paths are served from here, and
+            # what a library keeps per thread (cuBLAS / cuBLASLt handles and workspaces, cuDNN
+            # handles) is made at start, not by a request's first eager prefill
+            self.runner.warm_up()
         self.planned_chunks = self.runner.cache.plan_chunks(self.scheduler.prefill_chunk, self.max_len,
                                                             self.cfg.text.num_heads)
         log.info("thinker: cuDNN attention planned on the engine thread for %d long-prompt chunk shapes "

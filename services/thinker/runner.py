@@ -222,7 +222,8 @@ class ThinkerRunner:
         # extend graph): faster than the eager packed path (a 100-token prompt: ~8 ms against ~50 ms
         # on the H200)
         self.graph_prompt_len = min(prefill_graph_len, max_len) if self.prefill_graphs is not None else 0
-        if self.graphs is not None and device.type == "cuda":
+        self.warmed = self.graphs is not None and device.type == "cuda"
+        if self.warmed:
             self.warm_up()
 
     @torch.inference_mode()
