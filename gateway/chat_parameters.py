@@ -53,6 +53,29 @@ def _string(value: Any) -> Problem | None:
     return None if isinstance(value, str) else Problem("must be a string", "invalid_type")
 
 
+# OpenAI's bound on prompt_cache_key; with CACHE_KEY_SESSION it stays within the thinker's session
+# header (services.runtime.calls.MAX_SESSION_CHARS)
+MAX_CACHE_KEY_CHARS = 64
+CACHE_KEY_SESSION = "chat-key:"     # a realtime session id ("sess_...", "conv_...") never starts so
+
+
+def _cache_key(value: Any) -> Problem | None:
+    if not isinstance(value, str):
+        return Problem("must be a string", "invalid_type")
+    if len(value) > MAX_CACHE_KEY_CHARS:    # the length only: the value is never echoed
+        return Problem(f"string too long. Expected a string with maximum length {MAX_CACHE_KEY_CHARS}, "
+                       f"but got a string with length {len(value)} instead.", "string_above_max_length")
+    return None
+
+
+def cache_key_session(body: dict) -> str | None:
+    """The routing session of a checked body's `prompt_cache_key` (check_parameters first): requests
+    with one key go to one thinker replica while its load allows (services.runtime.affinity); None
+    without a key (or an empty one): routed by the prompt's prefix."""
+    key = body.get("prompt_cache_key")
+    return CACHE_KEY_SESSION + key if key else None
+
+
 def _object(value: Any) -> Problem | None:
     return None if isinstance(value, dict) else Problem("must be an object", "invalid_type")
 
@@ -77,7 +100,7 @@ def _choice(*allowed: Any, unsupported: tuple = (), why: str = "") -> Callable[[
 ACCEPTED: dict[str, Accepted] = {
     "user": Accepted(_string),                      # an end-user id: no per-user state here
     "safety_identifier": Accepted(_string),
-    "prompt_cache_key": Accepted(_string),          # a hint for a prompt cache this server does not keep
+    "prompt_cache_key": Accepted(_cache_key),       # routing only (cache_key_session): served in openai_chat.py
     "prompt_cache_retention": Accepted(_choice("in_memory", "24h")),
     "prompt_cache_options": Accepted(_object),
     "metadata": Accepted(_metadata),                # kept with stored completions; nothing is stored
@@ -126,7 +149,8 @@ def check_parameters(body: dict) -> None:
         elif key in ACCEPTED:
             problem = ACCEPTED[key].problem(value)
             if problem is not None:
-                raise bad_request(f"'{key}' {problem.message}", param=key, code=problem.code)
+                raise bad_request(f"Invalid '{key}': {problem.message}" if problem.code == "string_above_max_length"
+                                  else f"'{key}' {problem.message}", param=key, code=problem.code)
 
 
 def stop_strings(body: dict) -> tuple[str, ...]:

@@ -66,18 +66,18 @@ async def render_prompt(state, messages: list[ChatMessage], param: str = "messag
 
 def speech_request(prompt: RenderedPrompt, params: GenerationParams, voice: str, audio: bool,
                    assistant_text: str | None = None, tool_calls: bool = False,
-                   calls_only: bool = False) -> SpeechRequest:
+                   calls_only: bool = False, session: str | None = None) -> SpeechRequest:
     """`assistant_text`: the reply, given (text to speech; the sampling values are then the talker's).
     `tool_calls`: the reply is read for function calls, which the talker must not speak.
     `calls_only`: the reply is only calls (its constraint says so): nothing to speak, so no audio is
-    asked for (neither the talker nor code2wav takes part)."""
+    asked for (neither the talker nor code2wav takes part). `session`: its routing session (SpeechRequest)."""
     audio = audio and not calls_only
     return SpeechRequest(token_ids=prompt.token_ids, audio_features=prompt.audio_features, speaker=voice, audio=audio,
                          max_tokens=params.max_tokens, min_tokens=params.min_tokens, max_frames=params.max_frames,
                          min_frames=params.min_frames, temperature=params.temperature, top_k=params.top_k,
                          top_p=params.top_p, seed=params.seed, stop=params.stop, top_logprobs=params.top_logprobs,
                          constraint=params.constraint, encoding=pb.AUDIO_PCM16, assistant_text=assistant_text,
-                         unspoken_tool_calls=tool_calls and audio)
+                         unspoken_tool_calls=tool_calls and audio, session=session)
 
 
 def admitted(ev: PipelineEvent, audio: bool) -> bool:

@@ -37,7 +37,7 @@ from voxpipe.services.runtime.echo import quoted
 from . import audio_formats
 from .state import GatewayState, gateway_state
 from .chat_messages import parse_messages
-from .chat_parameters import check_parameters, stop_strings, stream_options, top_logprobs
+from .chat_parameters import cache_key_session, check_parameters, stop_strings, stream_options, top_logprobs
 from .errors import bad_request, from_pipeline_error
 from .generation import PipelineEvent, read_until_admitted, render_prompt, run_pipeline, speech_request
 from .response_format import check_response_format, reply_constraint, response_format
@@ -61,6 +61,7 @@ class ChatOptions:
     params: GenerationParams
     tools: ToolOptions = ToolOptions()
     calls_constrained: bool = False     # params.constraint is the tools' (tool_params.tool_call_constraint)
+    session: str | None = None          # the routing session of its prompt_cache_key (None: by prefix)
 
 
 def chat_options(body: dict, st: GatewayState) -> ChatOptions:
@@ -100,7 +101,8 @@ def chat_options(body: dict, st: GatewayState) -> ChatOptions:
         raise bad_request(f"'{what}' excludes 'min_tokens' / 'ignore_eos': a constrained reply ends when "
                           f"it is complete{why}", param=what, code="invalid_value")
     return ChatOptions(audio_out=audio_out, voice=voice, audio_format=fmt, stream=stream,
-                       include_usage=include_usage, params=params, tools=tools, calls_constrained=calls is not None)
+                       include_usage=include_usage, params=params, tools=tools, calls_constrained=calls is not None,
+                       session=cache_key_session(body))
 
 
 @router.post("/v1/chat/completions")
@@ -118,7 +120,7 @@ async def chat_completions(request: Request) -> Response:
         messages = await asyncio.to_thread(parse_messages, body.get("messages"), st.transcripts, st.clips)
         prompt = await render_prompt(st, messages, tools=opts.tools.prompt_tools)
         req = speech_request(prompt, opts.params, opts.voice, opts.audio_out, tool_calls=opts.tools.parses_calls,
-                             calls_only=opts.tools.calls_only)
+                             calls_only=opts.tools.calls_only, session=opts.session)
         reply = Reply(st, opts, req, arrived, count_audio_tokens(st, prompt.token_ids))
         if opts.stream:  # the response releases the session when it closes
             events = run_pipeline(st, req, arrived)

@@ -369,6 +369,57 @@ def test_gateway_with_dns_replica_lists(replicas, tiny_model_dir):
         gw.stop()
 
 
+def test_chat_prompt_cache_key_keeps_a_keys_requests_on_one_thinker_replica(replicas, tiny_model_dir):
+    """Through the gateway and the openai SDK, one request at a time: a prompt_cache_key's requests
+    all go to one thinker replica whatever their prompts (its routing session, "chat-key:" + key);
+    requests of different keys spread over both; a key over 64 characters or not a string is a 400
+    naming the field (the value is never echoed)."""
+    import openai
+
+    replicas.revive()
+    gw = GatewayProcess(tiny_model_dir, ",".join(p.address for p in replicas.thinkers), replicas.code2wav_set,
+                        "--served-model-name", "tiny")
+    try:
+        client = openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+        def ask(text: str, **kw) -> int:
+            """The index of the thinker replica that served one chat completion."""
+            before = [p.finished_streams() for p in replicas.thinkers]
+            out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
+                                                 max_tokens=2, temperature=0, **kw)
+            assert out.choices[0].message.content is not None
+            wait_until(lambda: sum(p.finished_streams() for p in replicas.thinkers) - sum(before) == 1,
+                       "the thinker replica that served it counts it")
+            return next(i for i, (p, b) in enumerate(zip(replicas.thinkers, before)) if p.finished_streams() > b)
+
+        texts = ["Tell me about cats.", "What is the capital of France?", "Count to three.", "Hello there!",
+                 "Why is the sky blue?"]
+        same = [ask(t, prompt_cache_key="team-a") for t in texts]
+        assert len(set(same)) == 1, same
+        keys = ["k" * 64, "user-1", "user-2", "user-3", "user-4"]     # 64 characters: OpenAI's bound, taken
+        spread = [ask(f"{t} Again, please.", extra_body={"prompt_cache_key": k}) for t, k in zip(texts, keys)]
+        assert sorted(set(spread)) == [0, 1], spread
+
+        text = httpx.get(f"{gw.base_url}/metrics", timeout=10).text
+        routed = {s.labels["outcome"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                  if s.name == "voxpipe_gateway_routed_total"}
+        assert routed["session"] >= len(texts) - 1, routed      # the key's turns after its first followed it
+
+        long_key = "x" * 64 + "y"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi."}],
+                                           max_tokens=2, prompt_cache_key=long_key)
+        assert e.value.param == "prompt_cache_key" and e.value.code == "string_above_max_length", e.value.body
+        assert "maximum length 64" in e.value.message and "length 65" in e.value.message, e.value.message
+        assert long_key not in e.value.response.text
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi."}],
+                                           max_tokens=2, extra_body={"prompt_cache_key": 7})
+        assert e.value.param == "prompt_cache_key" and e.value.code == "invalid_type", e.value.body
+    finally:
+        gw.stop()
+
+
 # ----------------------------------------------------------------------------- affinity
 
 @dataclass
