@@ -34,7 +34,7 @@ class Problem:
 
 @dataclass(frozen=True)
 class Accepted:
-    """A parameter that changes nothing here: taken when `problem(value)` is None."""
+    """A parameter that changes no answer (prompt_cache_key: only the replica): taken when `problem(value)` is None."""
     problem: Callable[[Any], Problem | None]
 
 

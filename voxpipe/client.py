@@ -80,7 +80,8 @@ class SpeechRequest:
     encoding: int = pb.AUDIO_PCM16
     echo_frames: bool = False                 # debug: also the codec frames code2wav received (FramesEvent)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # routing only: the requests of one session (a realtime conversation) prefer the thinker replica
+    # routing only: the requests of one session (a realtime conversation, or a chat completion
+    # prompt_cache_key as "chat-key:" + key) prefer the thinker replica
     # of its previous one, and that thinker the talker replica of its previous one (services.runtime
     # .affinity; sent as calls.SESSION_METADATA, at most 128 characters); None: by the prompt's prefix alone
     session: str | None = None
