@@ -92,27 +92,31 @@ def ids_tensor(ids, device: torch.device | str | None = None) -> torch.Tensor:
     return t if device is None else t.to(device)
 
 
+def _packed(msg: pb.TokenIds, name: str) -> np.ndarray | None:
+    """A TokenIds' packed ids as a uint32 view of its bytes, None in the `ids` form; ValueError naming
+    `name` when both forms are set or `packed` is not a whole number of uint32."""
+    if not msg.packed:
+        return None
+    if len(msg.ids):
+        raise ValueError(f"{name}: set ids or packed, not both")
+    if len(msg.packed) % 4:
+        raise ValueError(f"{name}.packed: {len(msg.packed)} bytes is not a whole number of uint32 ids")
+    return np.frombuffer(msg.packed, dtype="<u4")
+
+
 def ids_array(msg: pb.TokenIds, name: str = "token_ids") -> np.ndarray:
     """The ids of a TokenIds in either form as a new int64 array; ValueError as ids_of."""
-    if msg.packed:
-        if len(msg.ids):
-            raise ValueError(f"{name}: set ids or packed, not both")
-        if len(msg.packed) % 4:
-            raise ValueError(f"{name}.packed: {len(msg.packed)} bytes is not a whole number of uint32 ids")
-        return np.frombuffer(msg.packed, dtype="<u4").astype(np.int64)
+    packed = _packed(msg, name)
+    if packed is not None:
+        return packed.astype(np.int64)
     return np.fromiter(msg.ids, dtype=np.int64, count=len(msg.ids))
 
 
 def ids_of(msg: pb.TokenIds, name: str = "token_ids") -> list[int]:
     """The ids of a TokenIds in either form; ValueError naming `name` when both forms are set or
     `packed` is not a whole number of uint32."""
-    if msg.packed:
-        if len(msg.ids):
-            raise ValueError(f"{name}: set ids or packed, not both")
-        if len(msg.packed) % 4:
-            raise ValueError(f"{name}.packed: {len(msg.packed)} bytes is not a whole number of uint32 ids")
-        return np.frombuffer(msg.packed, dtype="<u4").tolist()
-    return list(msg.ids)
+    packed = _packed(msg, name)
+    return packed.tolist() if packed is not None else list(msg.ids)
 
 
 def concat_rows(a: pb.Tensor, b: pb.Tensor) -> pb.Tensor | None:
