@@ -26,7 +26,9 @@ from .report import ReferenceRun, section
 from .requests import RequestMaker
 from .workload import WORKLOADS, LevelResult, Workload, run_level
 from voxpipe import module_command
-from voxpipe.layout import Layout, LayoutError, parse_sm_shares, sm_share_env
+from voxpipe.layout import MPS_PRIORITIES, Layout, LayoutError, mps_env, parse_mps_priorities, parse_sm_shares
+
+PRIORITY_NAMES = {level: name for name, level in MPS_PRIORITIES.items()}
 
 STAGES = ("thinker", "talker", "code2wav")
 
@@ -51,6 +53,7 @@ class Plan:
     notes: dict[str, list[str]]        # workload name -> lines for the report
     layout: Layout                     # replicas and devices per stage (--devices, --device)
     sm_shares: dict[str, int]          # stage -> percent of the SMs under MPS (--mps-sm-percent)
+    mps_priorities: dict[str, int]     # stage -> client priority under MPS (--mps-priority; 1: below normal)
     trace: bool = False                # --trace: the services' spans, each level's request path
     thinker_replicas: tuple[int, ...] = ()    # --thinker-replicas: one start of the services per count
 
@@ -74,10 +77,13 @@ class Plan:
         try:
             layout = Layout.parse(args.devices, args.device)
             shares = parse_sm_shares(args.mps_sm_percent)
+            priorities = parse_mps_priorities(args.mps_priority)
         except LayoutError as e:
             raise SystemExit(str(e)) from None
         if shares and not args.mps:
             raise SystemExit("--mps-sm-percent limits the stages' share of the SMs under CUDA MPS: add --mps")
+        if priorities and not args.mps:
+            raise SystemExit("--mps-priority sets the stages' client priority under CUDA MPS: add --mps")
         if args.trace and "gateway" not in args.modes:
             raise SystemExit("--trace follows requests from the gateway's spans: add gateway to --modes")
         if not layout.single and "inprocess" in args.modes:
@@ -98,7 +104,11 @@ class Plan:
                     layout.with_replicas("thinker", n)
             except LayoutError as e:
                 raise SystemExit(f"--thinker-replicas: {e}") from None
-        return cls(wls, modes, notes, layout, shares, args.trace, counts)
+        return cls(wls, modes, notes, layout, shares, priorities, args.trace, counts)
+
+    def split_only(self, wl: Workload) -> "Plan":
+        """This plan's layout and MPS settings for one workload in split mode alone (--ablation's levels)."""
+        return replace(self, workloads=[wl], modes={wl.name: ["split"]}, notes={wl.name: []}, thinker_replicas=())
 
     def per_thinker_count(self) -> list["Plan"]:
         """The plan once per --thinker-replicas count (its layout with that many thinkers), or itself."""
@@ -291,7 +301,7 @@ def run_ablation(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: 
     if "split" not in wl.modes(["split"]):
         raise SystemExit(f"--ablation runs in split mode, which workload {wl.name} has not")
     level = levels_of(args, wl)[:1]
-    one = Plan([wl], {wl.name: ["split"]}, {wl.name: []})
+    one = plan.split_only(wl)
     for label, flags, env, mps in LAYERS:
         if mps and not args.device.startswith("cuda"):
             continue
@@ -327,7 +337,7 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
     metrics_ports = {name: args.base_port + 100 + i for i, name in enumerate(names)}
     http_port = args.base_port + 99 if plan.wants("gateway") else 0
     spans = trace_path.SpanReceiver() if plan.trace else None
-    stage_env = sm_share_env(plan.sm_shares)
+    stage_env = mps_env(plan.sm_shares, plan.mps_priorities)
     if spans is not None:
         stage_env = {stage: {**stage_env.get(stage, {}), **spans.env(stage)} for stage in STAGES}
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
@@ -604,6 +614,8 @@ def run(args) -> int:
                  + "; ".join(p.layout.describe() for p in plan.per_thinker_count()) if plan.thinker_replicas else "")
               + (f"; SM shares under MPS: {', '.join(f'{s} {p}%' for s, p in plan.sm_shares.items())}"
                  if plan.sm_shares else "")
+              + (f"; MPS client priority: {', '.join(f'{s} {PRIORITY_NAMES[p]}' for s, p in plan.mps_priorities.items())}"
+                 if plan.mps_priorities else "")
               + (f"; sampled at temperature {args.temperature:g}; " if args.temperature else "; greedy; ")
               + f"copy bandwidth {bw / 1e12:.2f} TB/s; "
               f"TTFP measured at the client: gateway = the openai SDK streaming chat completions (SSE) from the "
@@ -633,7 +645,7 @@ def run(args) -> int:
     (out / "results.json").write_text(json.dumps({
         "commit": commit, "device": device_name, "command": cmd, "copy_bandwidth": bw,
         "layout": {stage: list(ds) for stage, ds in plan.layout.devices.items()}, "gpus": len(plan.layout.gpus),
-        "sm_shares": plan.sm_shares, "reference": first.result if first else None,
+        "sm_shares": plan.sm_shares, "mps_priorities": plan.mps_priorities, "reference": first.result if first else None,
         "references": {name: r.as_dict() for name, r in refs.items()},
         "workloads": {w.name: w.describe() for w in plan.workloads},
         "notes": plan.notes, "levels": [r.as_dict() for r in results], "live": live_report,

@@ -69,15 +69,16 @@ def free_ports(count: int, tries: int = 200) -> int:
 @pytest.fixture(scope="session")
 def stack(tiny_model_dir):
     """Thinker, Talker and Code2Wav as three real processes on localhost ports. The talker gets an
-    SM share as `voxpipe up --mps-sm-percent talker=40` gives it (an environment variable, ignored
-    without CUDA MPS; test_bench checks that it arrives)."""
+    SM share as `voxpipe up --mps-sm-percent talker=40` gives it and the thinker the client priority of
+    `--mps-priority thinker=below_normal` (environment variables, ignored without CUDA MPS; test_bench
+    checks that they arrive)."""
     from voxpipe.cli import LocalStack
-    from voxpipe.layout import parse_sm_shares, sm_share_env
+    from voxpipe.layout import mps_env, parse_mps_priorities, parse_sm_shares
 
     ports = [free_port() for _ in STAGES]
     st = LocalStack(tiny_model_dir, "127.0.0.1", ports[0], "cpu",
                     metrics_ports={s: free_port() for s in STAGES},
-                    stage_env=sm_share_env(parse_sm_shares("talker=40")))
+                    stage_env=mps_env(parse_sm_shares("talker=40"), parse_mps_priorities("thinker=below_normal")))
     st.ports = dict(zip(STAGES, ports))
     st.start(timeout=240)
     yield st

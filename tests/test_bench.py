@@ -57,6 +57,32 @@ def test_sm_shares_parse_reach_their_stage_processes_and_bad_specs_are_refused(s
     assert MPS_SM_ENV not in environ("thinker") and MPS_SM_ENV not in environ("code2wav")
 
 
+def test_mps_priorities_parse_reach_their_stage_processes_and_bad_specs_are_refused(stack):
+    import pytest
+
+    from voxpipe.layout import MPS_PRIORITY_ENV, MPS_SM_ENV, LayoutError, mps_env, parse_mps_priorities
+
+    assert parse_mps_priorities("thinker=below_normal, talker=normal") == {"thinker": 1, "talker": 0}
+    assert parse_mps_priorities("") == {}
+    assert mps_env({"talker": 40}, {"thinker": 1, "talker": 0}) == {
+        "talker": {MPS_SM_ENV: "40", MPS_PRIORITY_ENV: "0"}, "thinker": {MPS_PRIORITY_ENV: "1"}}
+    for bad, message in [("vocoder=normal", "expected STAGE=PRIORITY"), ("thinker", "expected STAGE=PRIORITY"),
+                         ("thinker=low", "'low' is not one of normal, below_normal"), ("thinker=1", "is not one of"),
+                         ("talker=normal,talker=normal", "talker named twice"),
+                         ("thinker=" + "x" * 10_000, "is not one of")]:
+        with pytest.raises(LayoutError, match=message) as refused:
+            parse_mps_priorities(bad)
+        assert len(str(refused.value)) < 200      # never the whole value back
+
+    def environ(stage: str) -> dict[str, str]:
+        raw = open(f"/proc/{stack.procs[stage].pid}/environ", "rb").read().split(b"\0")
+        return dict(item.decode().partition("=")[::2] for item in raw if item)
+
+    # the session's stack runs its thinker as `voxpipe up --mps-priority thinker=below_normal` does
+    assert environ("thinker").get(MPS_PRIORITY_ENV) == "1"
+    assert MPS_PRIORITY_ENV not in environ("talker") and MPS_PRIORITY_ENV not in environ("code2wav")
+
+
 def test_bench_and_up_refuse_bad_layouts(tmp_path):
     """Refused before anything starts: every case in this process (the CLI's parser, then what the
     command runs first), one of each command through the real CLI in a subprocess."""
@@ -75,6 +101,9 @@ def test_bench_and_up_refuse_bad_layouts(tmp_path):
         (["up", "--mps-sm-percent", "thinker=0"], "error: --mps-sm-percent: thinker: '0' is not a whole percentage"),
         (["bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path), "--mps-sm-percent", "thinker=60"],
          "--mps-sm-percent limits the stages' share of the SMs under CUDA MPS: add --mps"),
+        (["up", "--mps-priority", "thinker=high"], "error: --mps-priority: thinker: 'high' is not one of"),
+        (["bench", "--device", "cpu", "--no-reference", "--out", str(tmp_path), "--mps-priority", "thinker=below_normal"],
+         "--mps-priority sets the stages' client priority under CUDA MPS: add --mps"),
     ]
     for flags, message in cases:
         args = build_parser().parse_args(flags)
@@ -500,3 +529,19 @@ def test_bench_live_counts_refusals_apart(stack, tiny_model_dir, tmp_path):
         assert lv.requests >= 1 and lv.refusals == lv.requests and lv.failed == 0 and lv.completed == 0, lv
         assert not lv.holds and lv.errors == [] and lv.underruns == 0
     assert served.refusals == 0 and served.failed == 0 and served.completed >= 1
+
+
+def test_ablation_levels_keep_the_runs_layout_and_mps_settings():
+    """--ablation's one-workload split plan (it was built with too few fields: a TypeError before any level)."""
+    import argparse
+
+    from voxpipe.bench import harness
+
+    p = argparse.ArgumentParser()
+    harness.add_arguments(p)
+    plan = harness.Plan.of(p.parse_args(["--workload", "seedtts-like,long-prompt", "--modes", "gateway,split", "--mps",
+                                         "--mps-priority", "thinker=below_normal", "--mps-sm-percent", "talker=50"]))
+    one = plan.split_only(plan.workloads[1])
+    assert [w.name for w in one.workloads] == ["long-prompt"] and one.modes == {"long-prompt": ["split"]}
+    assert one.notes == {"long-prompt": []} and one.layout == plan.layout and one.thinker_replicas == ()
+    assert one.mps_priorities == {"thinker": 1} and one.sm_shares == {"talker": 50}

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from voxpipe import module_command, version
 from voxpipe.errors import ConfigError
-from voxpipe.layout import MPS_SM_HELP, Layout, LayoutError, memory_shares, parse_sm_shares, sm_share_env
+from voxpipe.layout import (MPS_PRIORITY_HELP, MPS_SM_HELP, Layout, LayoutError, memory_shares, mps_env,
+                            parse_mps_priorities, parse_sm_shares)
 from voxpipe.services.runtime.listen import HOST_HELP, default_host, port_number
 from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
 
@@ -249,6 +250,7 @@ def cmd_up(args) -> int:
     try:
         layout = Layout.parse(args.devices, args.device)
         shares = parse_sm_shares(args.mps_sm_percent)
+        priorities = parse_mps_priorities(args.mps_priority)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     metrics_ports = ({name: args.metrics_base_port + i for i, (name, _, _) in enumerate(layout.processes())}
@@ -258,7 +260,7 @@ def cmd_up(args) -> int:
                        gateway_extra=gateway_flags, layout=layout, metrics_ports=metrics_ports,
                        global_flags=[f"--log-level={args.log_level}", f"--log-format={args.log_format}"],
                        gateway_env={"VOXPIPE_API_KEY": api_key} if api_key else None,
-                       stage_env=sm_share_env(shares), reflection=args.reflection)
+                       stage_env=mps_env(shares, priorities), reflection=args.reflection)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -504,6 +506,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                    help="replicas and devices per stage, e.g. thinker=cuda:0,talker=cuda:1+cuda:2,code2wav=cuda:1*2 "
                         "(DEV*N: N replicas sharing DEV; +: one device per replica)")
     p.add_argument("--mps-sm-percent", default="", metavar="SHARES", help=MPS_SM_HELP)
+    p.add_argument("--mps-priority", default="", metavar="PRIORITIES", help=MPS_PRIORITY_HELP)
     p.add_argument("--http-port", type=port_number, default=8000,
                    help="the gateway's OpenAI HTTP API port (0: no gateway; none with --say)")
     g = p.add_argument_group("passed on to the gateway")

@@ -153,3 +153,36 @@ def parse_sm_shares(spec: str) -> dict[str, int]:
 def sm_share_env(shares: dict[str, int]) -> dict[str, dict[str, str]]:
     """Per stage, the environment that limits its processes to their share of the SMs."""
     return {stage: {MPS_SM_ENV: str(pct)} for stage, pct in shares.items()}
+
+
+MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+MPS_PRIORITIES = {"normal": 0, "below_normal": 1}     # the driver's client priority levels under MPS
+MPS_PRIORITY_HELP = ("experimental: under CUDA MPS, the scheduling priority of each stage's processes, e.g. "
+                     "thinker=below_normal, so that the GPU runs a talker or code2wav step's kernels ahead of a "
+                     "thinker prefill's (CUDA_MPS_CLIENT_PRIORITY in their environment: normal 0, below_normal 1; "
+                     "ignored without MPS); stages not named are normal")
+
+
+def parse_mps_priorities(spec: str) -> dict[str, int]:
+    """A `--mps-priority` spec, e.g. `thinker=below_normal`: per stage, its processes' client priority
+    under CUDA MPS (MPS_PRIORITIES). Raises LayoutError naming the bad part."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        stage, sep, value = part.partition("=")
+        if stage not in STAGES or not sep:
+            raise LayoutError(f"--mps-priority: expected STAGE=PRIORITY with STAGE in {', '.join(STAGES)}, "
+                              f"got {part[:40]!r}")
+        if stage in out:
+            raise LayoutError(f"--mps-priority: {stage} named twice")
+        if value not in MPS_PRIORITIES:
+            raise LayoutError(f"--mps-priority: {stage}: {value[:40]!r} is not one of {', '.join(MPS_PRIORITIES)}")
+        out[stage] = MPS_PRIORITIES[value]
+    return out
+
+
+def mps_env(shares: dict[str, int], priorities: dict[str, int]) -> dict[str, dict[str, str]]:
+    """Per stage, the environment of its processes under MPS: its SM share and its client priority."""
+    env = sm_share_env(shares)
+    for stage, level in priorities.items():
+        env[stage] = {**env.get(stage, {}), MPS_PRIORITY_ENV: str(level)}
+    return env
