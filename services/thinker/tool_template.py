@@ -12,8 +12,8 @@ per (template, tools) content, on a small fixed conversation (PROBE_*: a user tu
 an assistant call and its result), by the comparison a request's own conversation would need
 (rendered with them == without them: dropped), and remembered by a hash of that content
 (TemplateToolChecks, LRU): a request pays a hash of the tools' JSON, not 2-4 extra renders of its
-whole history. A template that cannot render the probe is judged on the request's conversation
-itself (conversation_tool_problem, the uncached check), as is its outcome remembered."""
+whole history. A template that cannot render the probe is judged on each request's conversation
+itself (conversation_tool_problem, the uncached check; that its probe fails is remembered)."""
 
 from __future__ import annotations
 
