@@ -9,7 +9,11 @@ With `tools` (tool_params.py), the prompt lists them and the reply's calls (tool
 a block's JSON names a tool, then the arguments as they are written) with `finish_reason:
 "tool_calls"` ("length" when max_tokens cut the reply); only the text outside the calls is
 `content` (and the transcript of an audio reply). The SDK's accumulation of a stream is the
-completion of the same reply. A reply that is only calls asks nothing of the talker: no audio.
+completion of the same reply, but for a block the model opened as a call in tool_choice 'auto'
+and then wrote as invalid JSON (or max_tokens cut): the stream has sent its head and arguments, so
+it stays a call there; the completion returns it as content, as written, with the finish_reason of
+text ("stop" / "length"), as vLLM does (tools.py). A reply that is only calls asks nothing of the
+talker: no audio.
 
 `stop` ends the text and the speech (matched in the thinker, services/thinker/output.py);
 `logprobs` / `top_logprobs` fill `choices[].logprobs.content` in the completion and in each
@@ -163,8 +167,9 @@ class Reply:
         self.id = f"chatcmpl-{req.request_id}"
         self.created = int(time.time())
         self.audio_id, self.expires_at = st.transcripts.new_id()
-        # a reply read for calls goes through the parser; otherwise all of it is content
-        self.parser = opts.tools.parser()
+        # a reply read for calls goes through the parser; otherwise all of it is content. A whole
+        # reply (not streamed) judges a free block by all of its JSON: not a call -> content
+        self.parser = opts.tools.parser(whole=not opts.stream, constrained_blocks=opts.calls_constrained)
 
     def envelope(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.st.config.model_id,

@@ -61,16 +61,20 @@ class ToolOptions:
         them): nothing in it is spoken, and it asks nothing of the talker."""
         return self.choice in ("required", "function")
 
-    def parser(self) -> ToolCallParser | None:
+    def parser(self, whole: bool = False, constrained_blocks: bool = False) -> ToolCallParser | None:
         """The reader of a reply for calls (None: tools not offered or 'none': all of it is content);
         where the constraint allows one function only, a call's head goes out with the reply's
-        first token; with 'required', once the name being written begins one tool's name only."""
+        first token; with 'required', once the name being written begins one tool's name only.
+        `whole`: a reply delivered at once (tools.py: a block the sampling left free is a call only
+        when all of its JSON is one); `constrained_blocks`: 'auto' with each block the model opens
+        held to a valid call (--constrain-tool-calls: tool_call_constraint)."""
         if not self.parses_calls:
             return None
         only = self.function if self.choice == "function" else None
         if self.choice == "required" and len(self.tools) == 1:
             only = self.tools[0].name
-        return ToolCallParser(self.names, self.parallel, only=only, constrained=self.calls_only)
+        return ToolCallParser(self.names, self.parallel, only=only, constrained=self.calls_only,
+                              constrained_blocks=constrained_blocks, whole=whole)
 
 
 def _short(value: Any) -> str:

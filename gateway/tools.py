@@ -1,13 +1,12 @@
 """The thinker's reply text -> content and function calls (Hermes / Qwen style markup), for every
-API (chat completions, realtime, Converse), streamed and whole alike (a whole reply is the same
-parser given all of the text at once: the same pieces, so the same calls, however it is split).
+API (chat completions, realtime, Converse), streamed or whole.
 
 A call is a `<tool_call>` block: `<tool_call>` JSON `</tool_call>`, the JSON `{"name": ...,
 "arguments": {...}}`. The newline the template puts between text and a call (before `<tool_call>`,
 after `</tool_call>`) belongs to the markup. With `parallel=False` only the first call is kept
 (later ones are dropped: nothing of them goes out).
 
-A block is judged by its head, the way a stream must judge it (ToolCallParser.push):
+A streamed reply judges a block by its head, the way a stream must (ToolCallParser.push):
 - Content goes out as soon as it cannot be the start of a call (a tail that may begin
   "\\n<tool_call>" is held back).
 - Once a block begins `{"name": "<one of the tools>"`, it is a call (`CallStart`: index, id,
@@ -16,19 +15,32 @@ A block is judged by its head, the way a stream must judge it (ToolCallParser.pu
   closing markup ("\\n</tool_call>") is held back, so no markup is ever in them. The CallPiece
   (`streamed=True`, its arguments those deltas joined) closes the call with its block.
   A call whose JSON goes wrong after its head (the model wrote invalid JSON, or max_tokens cut it)
-  keeps its arguments as written up to the block's end: a stream has already sent them, and a
-  whole reply says the same (OpenAI's contract: arguments are the model's text, not always valid
-  JSON; the client validates them). A head without an `"arguments": {` after the name (the
-  members in another order) takes the arguments of the whole block once it closes, if it is a
-  valid call; otherwise the arguments are "".
+  keeps its arguments as written up to the block's end: the stream has already sent them
+  (OpenAI's contract: arguments are the model's text, not always valid JSON; the client validates
+  them). A head without an `"arguments": {` after the name (the members in another order) takes
+  the arguments of the whole block once it closes, if it is a valid call; otherwise they are "".
 - A block whose head is not such a name (not JSON, another first member, a name that is not a
   tool) is read whole at its end: a call when its JSON is one (any member order), otherwise
   content, as it was written (vLLM's hermes parser: invalid JSON is content), never an error.
 - `constrained` (sampling constrained to calls of the tools: tool_choice 'required'): the head goes
-  out once the name being written begins one tool's name only.
+  out once the name being written begins one tool's name only. A reply cut by max_tokens before
+  that (in the markup, or in a name that begins several tools') ends with no call and no content:
+  what it wrote is markup.
 - `only` (sampling constrained to one function's calls): every block is that function's call from
   its first character on (its head out with the reply's first token, before the model writes
-  the markup or the name)."""
+  the markup or the name).
+
+A whole reply (`whole=True`: chat completions with `stream` false, the one API that delivers a
+reply at once; realtime and Converse send a call's head and arguments as they are written, so they
+read as a stream) has sent nothing before it is read, so a block the sampling left free (tool_choice
+'auto' without `constrained_blocks`) is judged by all of its text, as vLLM's parsers judge a whole
+reply: a call when its JSON is a valid call object of a tool (its arguments the same text a stream
+gives), otherwise content, exactly as written (invalid JSON, or a block cut by max_tokens), however
+its head began. A block the sampling held to a valid call (`only`, `constrained`, or
+`constrained_blocks`: tool_choice 'auto' with the gateway's --constrain-tool-calls) can only be
+wrong by being cut at max_tokens: it stays a call with its arguments as written, as in a stream
+(OpenAI's answer to a cut call: finish_reason "length", the call as far as it was written). A whole
+reply's pieces are ContentPieces and CallPieces (`streamed=False`) only."""
 
 from __future__ import annotations
 
@@ -153,15 +165,21 @@ class ToolCallParser:
     call pieces (CallStart, ArgumentsDelta, CallPiece) in order; `calls` are the calls kept so far."""
 
     def __init__(self, names: Iterable[str], parallel: bool = True, only: str | None = None,
-                 constrained: bool = False) -> None:
+                 constrained: bool = False, constrained_blocks: bool = False, whole: bool = False) -> None:
         """`only`: the one function the constraint lets a block call (a named tool_choice): each
         block commits as it opens, its head out before the model writes the name. `constrained`:
         the sampling allows only calls of `names` (tool_choice 'required'): a block commits as soon
-        as the name written so far begins one name only."""
+        as the name written so far begins one name only. `constrained_blocks`: free text, but each
+        block the model opens is held to a valid call (--constrain-tool-calls). `whole`: the reply
+        is delivered at once (nothing of it went out before): a free block is a call only when all
+        of its JSON is one, else content as written; only ContentPieces and CallPieces come out."""
         self.names = frozenset(names)
         self.parallel = parallel
         self.only = only
         self.constrained = constrained
+        self.whole = whole
+        # a block the sampling left free: in a whole reply, judged by all of its text
+        self._free_blocks = only is None and not constrained and not constrained_blocks
         self.calls: list[ToolCall] = []
         self._block_state = _Block()
         self._pending = ""        # text not yet given out
@@ -171,6 +189,15 @@ class ToolCallParser:
         self._early = False       # `only`: the next block's head went out with its first character
 
     def push(self, text: str) -> list[ReplyPiece]:
+        return self._given(self._push(text))
+
+    def _given(self, pieces: list[ReplyPiece]) -> list[ReplyPiece]:
+        """What goes out: a whole reply's content and calls only (no call was begun before its end)."""
+        if not self.whole:
+            return pieces
+        return [p for p in pieces if isinstance(p, (ContentPiece, CallPiece))]
+
+    def _push(self, text: str) -> list[ReplyPiece]:
         self._pending += text
         out: list[ReplyPiece] = []
         while True:
@@ -219,14 +246,18 @@ class ToolCallParser:
 
     def finish(self) -> list[ReplyPiece]:
         """The rest: a block still open when the reply ends (max_tokens) ends there; a tail that
-        may begin its closing markup is markup."""
+        may begin its closing markup is markup (of a call; a free block of a whole reply that is
+        not a call is content, all of it as written)."""
         if self._inside:
             body, self._pending, self._inside = self._pending, "", False
-            return self._advance(body[:len(body) - _held_tail(body, CLOSE)]) + self._block(body, closed=False)
+            return self._given(self._advance(body[:len(body) - _held_tail(body, CLOSE)])
+                               + self._block(body, closed=False))
         rest, self._pending = self._pending, ""
         if self._early:             # the reply ended in the markup of a call already begun
             self._early = False
-            return self._block("", closed=False)
+            return self._given(self._block("", closed=False))
+        if self.constrained:        # the reply ended in the opening markup of a required call: no call
+            return []
         return [ContentPiece(rest)] if rest else []
 
     def _commit(self, name: str) -> list[ReplyPiece]:
@@ -277,8 +308,12 @@ class ToolCallParser:
         return begun[0] if len(begun) == 1 else None
 
     def _block(self, body: str, closed: bool) -> list[ReplyPiece]:
-        """The block's last pieces, at its end (`body`: all of it, as written)."""
+        """The block's last pieces, at its end (`body`: all of it, as written). The JSON of a block
+        the reply ends in (not `closed`) is read without a tail that may begin its closing markup."""
         b = self._block_state
+        json_text = body if closed else body[:len(body) - _held_tail(body, CLOSE)]
+        if b.committed and self.whole and self._free_blocks and not _complete_call(b, json_text):
+            return self._content(body, closed)      # a whole reply's free block that is no call
         if b.committed:
             self._after_call = True
             if b.dropped:
@@ -286,22 +321,34 @@ class ToolCallParser:
             out: list[ReplyPiece] = []
             args = b.args
             if b.pos < 0:       # no "arguments" right after the name: the whole block's, when it is a call
-                parsed = parse_call(body, {b.name})
+                parsed = parse_call(json_text, {b.name})
                 args = parsed.arguments if parsed is not None else ""
                 if args:
                     out.append(ArgumentsDelta(b.index, args))
             call = ToolCall(id=b.id, name=b.name, arguments=args)
             self.calls.append(call)
-            return out + [CallPiece(b.index, call, streamed=True)]
-        call = parse_call(body, self.names)
+            return out + [CallPiece(b.index, call, streamed=not self.whole)]
+        call = parse_call(json_text, self.names)
+        if call is None and self.constrained and not closed:
+            return []       # a required call cut by max_tokens before its name: markup, and no call
         if call is None:
-            self._after_call = False
-            return [ContentPiece(self._lead + OPEN + body + (CLOSE if closed else ""))]
+            return self._content(body, closed)
         self._after_call = True
         if self.calls and not self.parallel:
             return []
         self.calls.append(call)
         return [CallPiece(len(self.calls) - 1, call)]
+
+    def _content(self, body: str, closed: bool) -> list[ReplyPiece]:
+        """A block that is not a call: content, its markup and separator as written."""
+        self._after_call = False
+        return [ContentPiece(self._lead + OPEN + body + (CLOSE if closed else ""))]
+
+
+def _complete_call(b: _Block, json_text: str) -> bool:
+    """Whether a committed block's JSON is all one valid call of its function (its arguments, where
+    read as they came, the complete value: the text a stream gives)."""
+    return parse_call(json_text, {b.name}) is not None and (b.pos < 0 or b.complete)
 
 
 @dataclass(frozen=True)
@@ -310,8 +357,9 @@ class ParsedReply:
     calls: list[ToolCall]
 
 
-def parse_reply(text: str, names: Iterable[str], parallel: bool = True) -> ParsedReply:
-    """A whole reply as content (the text outside its calls) and calls."""
-    parser = ToolCallParser(names, parallel)
+def parse_reply(text: str, names: Iterable[str], parallel: bool = True, **kw) -> ParsedReply:
+    """A whole reply as content (the text outside its calls, and blocks that are not calls) and
+    calls; `kw`: ToolCallParser's `only`, `constrained`, `constrained_blocks`."""
+    parser = ToolCallParser(names, parallel, whole=True, **kw)
     pieces = parser.push(text) + parser.finish()
     return ParsedReply("".join(p.text for p in pieces if isinstance(p, ContentPiece)), parser.calls)

@@ -23,7 +23,7 @@ import torch
 from ..runtime.config import OmniConfig, ThinkerConfig
 from ..runtime.logs import adopt_transformers_logging
 from .model import audio_output_length
-from .tool_template import TemplateToolError, check_tool_text, template_conversation
+from .tool_template import apply_template, check_template_renders_tools, check_tool_text, template_conversation
 
 # the audio encoder's front end (STAGES.md); the mel bins come from config.json
 FEATURE_SAMPLE_RATE = 16000
@@ -268,7 +268,7 @@ def _encode_template(tokenizer, conv: list[dict], texts: list[str], add_generati
     arguments are rendered by the template as JSON; check_tool_text keeps control tokens out.)
     Each segment's ids come from `segments` when it saw that text before (True: the tokenizer's
     SegmentTokens; False: none)."""
-    rendered = _apply(tokenizer, conv, add_generation_prompt, tools)
+    rendered = apply_template(tokenizer, conv, add_generation_prompt, tools)
     cache = segment_tokens(tokenizer) if segments is True else segments or None
     if cache is None:
         def encode(text: str, message_text: bool):
@@ -284,28 +284,6 @@ def _encode_template(tokenizer, conv: list[dict], texts: list[str], add_generati
         pos = m.end()
     ids += encode(rendered[pos:], False)
     return ids
-
-
-def _apply(tokenizer, conv: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
-    if tools is None:
-        return tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
-    return tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                         tools=tools)
-
-
-def check_template_renders_tools(tokenizer, conv: list[dict], tools: list[dict] | None) -> None:
-    """TemplateToolError when the chat template drops what the conversation says about tools: the
-    `tools` (rendered with them == without them), or the calls of assistant turns (rendered with
-    them == without them). A template that ignores them must not silently serve a request."""
-    if tools:
-        if _apply(tokenizer, conv, True, tools) == _apply(tokenizer, conv, True, None):
-            raise TemplateToolError("the checkpoint's chat template does not render tools (it ignores `tools=`), "
-                                    "so tool calling is not served with this model", param="tools")
-    if any(m.get("tool_calls") for m in conv):
-        bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in conv]
-        if _apply(tokenizer, conv, True, tools) == _apply(tokenizer, bare, True, tools):
-            raise TemplateToolError("the checkpoint's chat template does not render an assistant turn's "
-                                    "tool_calls, so they cannot be part of the conversation", param="messages")
 
 
 def render(tokenizer, cfg: ThinkerConfig, messages: list[ChatMessage], features: FeatureExtractor | None = None,
