@@ -129,6 +129,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinker-arg", action="append", default=[], metavar="FLAG",
                    help="one more flag for the thinker alone, as written (repeatable; e.g. --thinker-arg=--no-prefix-cache, "
                         "--thinker-arg=--audio-cache-mb=0); --extra goes to every stage")
+    p.add_argument("--talker-arg", action="append", default=[], metavar="FLAG",
+                   help="one more flag for the talker alone, as written (repeatable; e.g. --talker-arg=--kv-cache-tokens=65536 "
+                        "to leave the talker's share of a shared GPU to its graphs)")
+    p.add_argument("--code2wav-arg", action="append", default=[], metavar="FLAG",
+                   help="one more flag for code2wav alone, as written (repeatable)")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
                    help="one more flag for the gateway the bench starts, as written (repeatable; e.g. "
                         "--gateway-arg=--max-sessions=512)")

@@ -343,7 +343,7 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
                        metrics_ports=metrics_ports, http_port=http_port, layout=plan.layout,
                        stage_env=stage_env, gateway_env=spans.env("gateway") if spans is not None else None,
-                       gateway_extra=list(args.gateway_arg), stage_extra={"thinker": list(args.thinker_arg)})
+                       gateway_extra=list(args.gateway_arg), stage_extra=stage_args(args))
     pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
     scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
 
@@ -435,6 +435,12 @@ def _served_model(http_port: int) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
+def stage_args(args) -> dict[str, list[str]]:
+    """The flags given for one stage alone (--thinker-arg, --talker-arg, --code2wav-arg), by stage: after
+    every other flag of that stage, so they win over the bench's own (e.g. its memory shares)."""
+    return {"thinker": list(args.thinker_arg), "talker": list(args.talker_arg), "code2wav": list(args.code2wav_arg)}
+
+
 def inprocess_memory_flags(layout, argv: list[str]) -> dict[str, list[str]]:
     """The stages' memory flags in one process: the caching allocator's cap is per process (each stage
     sets it as it is built, the thinker first: the talker and code2wav lift it to SHARED_GPU_MEMORY),
@@ -461,7 +467,8 @@ def run_inprocess(args, plan: Plan, makers: dict[str, RequestMaker], model: str)
         print("inprocess: building the engines", flush=True)
         devices = {s: ds[0] for s, ds in plan.layout.devices.items()}
         stage_argv = inprocess_memory_flags(plan.layout, argv)
-        stage_argv["thinker"] = stage_argv.get("thinker", []) + list(args.thinker_arg)
+        for stage, flags in stage_args(args).items():
+            stage_argv[stage] = stage_argv.get(stage, []) + flags
         pipe = InProcessPipeline.from_argv(argv, devices, stage_argv=stage_argv)
         out = []
         try:

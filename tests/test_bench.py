@@ -545,3 +545,20 @@ def test_ablation_levels_keep_the_runs_layout_and_mps_settings():
     assert [w.name for w in one.workloads] == ["long-prompt"] and one.modes == {"long-prompt": ["split"]}
     assert one.notes == {"long-prompt": []} and one.layout == plan.layout and one.thinker_replicas == ()
     assert one.mps_priorities == {"thinker": 1} and one.sm_shares == {"talker": 50}
+
+
+def test_per_stage_flags_go_to_their_stage_after_the_benchs_own():
+    """--talker-arg / --code2wav-arg / --thinker-arg: each stage's own flags, last on its command line (so a talker's
+    --kv-cache-tokens or --gpu-memory-fraction wins over the bench's memory share); unknown flags fail in that stage."""
+    import argparse
+
+    from voxpipe.bench import harness
+
+    p = argparse.ArgumentParser()
+    harness.add_arguments(p)
+    args = p.parse_args(["--talker-arg=--kv-cache-tokens=65536", "--thinker-arg=--no-prefix-cache",
+                         "--talker-arg=--gpu-memory-fraction=0.12", "--code2wav-arg=--max-batch=8"])
+    assert harness.stage_args(args) == {"thinker": ["--no-prefix-cache"],
+                                        "talker": ["--kv-cache-tokens=65536", "--gpu-memory-fraction=0.12"],
+                                        "code2wav": ["--max-batch=8"]}
+    assert harness.stage_args(p.parse_args([])) == {"thinker": [], "talker": [], "code2wav": []}
