@@ -187,6 +187,11 @@ class RealtimeConnection:
         except ProtocolError as e:
             await self.emit(Error.of(e))
             return
+        except Exception:  # a bug in reading an event must not end the session either
+            log.exception("realtime session %s: reading a client event failed", self.session.id)
+            await self.emit(Error.of(ProtocolError("the server failed to read this event", code="server_error",
+                                                   type="server_error")))
+            return
         try:
             await self.dispatch(event)
         except ProtocolError as e:
