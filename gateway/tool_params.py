@@ -123,6 +123,8 @@ def _schema_problem(schema: dict) -> str | None:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.path)
         return f"{f' at {where!r}' if where else ''}: {e.message[:200]}"
+    except RecursionError:    # a `pattern` of ~1,000 nested groups: Python's regex parser recurses per group
+        return ": it nests too deeply to check (a regular expression in it, or the schema itself)"
     return None
 
 

@@ -286,6 +286,10 @@ CASES = [
          lambda: [thinker_start(token_ids=pb.TokenIds(ids=[NL] * (THINKER_CONTEXT - 100)), max_tokens=200)],
          rf"prompt of {THINKER_CONTEXT - 100} tokens \+ max_tokens 200 exceeds the context of {THINKER_CONTEXT}",
          PAST_CONTEXT),
+    Case("thinker", "prompt-filling-the-context-without-max-tokens",      # names no max_tokens: none was sent
+         lambda: [thinker_start(token_ids=pb.TokenIds(ids=[NL] * THINKER_CONTEXT))],
+         rf"prompt of {THINKER_CONTEXT} tokens \+ a reply of at least 1 token exceeds the context of {THINKER_CONTEXT}",
+         PAST_CONTEXT),
     Case("thinker", "talker-rows-without-assistant-turn",
          lambda: [thinker_start(token_ids=pb.TokenIds(ids=[IM_START, USER, NL]), talker_rows=True, max_tokens=2)],
          r"talker_rows needs a prompt ending in an assistant turn"),

@@ -109,6 +109,16 @@ def wait_all_free(stack, timeout: float = 10.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
+def wait_kv_free(stack, timeout: float = 10.0) -> dict[str, float]:
+    """The KV blocks the thinker and the talker say their running sequences hold, once 0 (or the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        used = {s: stage_metric(stack, s, f'voxpipe_kv_blocks{{stage="{s}",state="used"}}') for s in ("thinker", "talker")}
+        if all(v == 0 for v in used.values()) or time.monotonic() > deadline:
+            return used
+        time.sleep(0.05)
+
+
 def tone(seconds: float, rate: int) -> np.ndarray:
     t = np.arange(int(seconds * rate)) / rate
     return (0.4 * np.sin(2 * np.pi * 440 * t) * np.exp(-t)).astype(np.float32)
@@ -257,6 +267,8 @@ def test_cancel_message_ends_the_turn_and_frees_every_stage(channel, stack):
         assert done.text_finish in (pb.CANCELLED, pb.LENGTH) and done.audio_finish == pb.CANCELLED, (turn, done)
         assert check_audio_chunks(audio, pb.AUDIO_PCM16) < 1920 * 199 - 555
         assert wait_all_free(stack) == {s: 0 for s in STAGES}, turn
+        # the talker's gauge stayed at the cancelled stream's blocks until its next step
+        assert wait_kv_free(stack) == {"thinker": 0, "talker": 0}, turn
         after = cancelled_streams(stack)
         if at_audio:
             assert after["talker"] == before["talker"] + 1 and after["code2wav"] == before["code2wav"] + 1, \

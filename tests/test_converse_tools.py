@@ -59,6 +59,9 @@ BAD = [
     (dict(text="hi", tools=[gw.FunctionTool(name="bad name")]), "tools[0].name"),
     (dict(text="hi", tools=[gw.FunctionTool(name="f", parameters_json="{")]), "not valid JSON"),
     (dict(text="hi", tools=[gw.FunctionTool(name="f", parameters_json='{"type": 3}')]), "not a valid JSON schema"),
+    (dict(text="hi", tools=[gw.FunctionTool(name="f", parameters_json=json.dumps(   # was UNKNOWN: a RecursionError
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "(" * 2000 + ")" * 2000}}}))]),
+     "nests too deeply"),
     (dict(text="hi", tools=[WEATHER, WEATHER]), "used twice"),
     (dict(text="hi", tools=[WEATHER], tool_function="nope"), "is not one of tools"),
     (dict(text="hi", tools=[WEATHER], tool_function="get_weather", tool_choice=gw.TOOL_CHOICE_NONE),

@@ -571,7 +571,9 @@ def test_a_refused_session_update_changes_nothing(gateway):
             for session, _ in REFUSED_UPDATES:
                 await rt.send("session.update", session={"type": "realtime", **session})
                 errors.append((await rt.until("error"))[-1]["error"])
-            for response in ({"instructions": "x" * 20_000}, {"max_output_tokens": 4097}):
+            # metadata: was echoed back twice (response.created, response.done) however large
+            for response in ({"instructions": "x" * 20_000}, {"max_output_tokens": 4097},
+                             {"metadata": {"k": "v" * 513}}, {"metadata": {f"k{i}": "v" for i in range(17)}}):
                 await rt.send("response.create", response=response)
                 errors.append((await rt.until("error"))[-1]["error"])
             after = await rt.update()
@@ -582,7 +584,7 @@ def test_a_refused_session_update_changes_nothing(gateway):
 
     before, errors, after, widest, turn = run(go())
     assert [e["param"] for e in errors] == [param for _, param in REFUSED_UPDATES] + \
-        ["response.instructions", "response.max_output_tokens"]
+        ["response.instructions", "response.max_output_tokens", "response.metadata", "response.metadata"]
     assert all(e["type"] == "invalid_request_error" and len(e["message"]) < 300 for e in errors), errors
     assert "1000000 characters; the limit is 16384" in errors[0]["message"]
     assert "from 1 to 4096 or \"inf\"" in errors[1]["message"]

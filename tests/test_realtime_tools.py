@@ -70,9 +70,17 @@ def test_bad_tool_events_get_errors_and_the_session_goes_on(gateway):
                     {"type": "session.update", "session": {"type": "realtime", "tools": [
                         {**WEATHER, "parameters": {"type": 5}}]}},
                     {"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "mcp"}]}},
+                    # nested regex groups: the meta-schema check recursed past Python's limit and the
+                    # connection was dropped without a close frame
+                    {"type": "session.update", "session": {"type": "realtime", "tools": [
+                        {**WEATHER, "parameters": {"type": "object", "properties": {
+                            "a": {"type": "string", "pattern": "(" * 2000 + ")" * 2000}}}}]}},
                     {"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "call_x",
                                                                   "output": "?"}},
                     {"type": "conversation.item.create", "item": {"type": "function_call", "call_id": "c"}},
+                    # was accepted, then every later response failed to render the conversation
+                    {"type": "conversation.item.create", "item": {"type": "function_call", "call_id": "c",
+                                                                  "name": "f", "arguments": '{"a": "<|im_end|>"}'}},
                     {"type": "response.create", "response": {"tool_choice": "auto"}}):
                 await rt.send(**event)
                 errors.append((await rt.until("error"))[-1]["error"])
@@ -81,9 +89,11 @@ def test_bad_tool_events_get_errors_and_the_session_goes_on(gateway):
 
     errors, session = run(go())
     assert [e["param"] for e in errors] == ["session.tool_choice", "session.tools[0].parameters", "session.tools[0].type",
-                                            "item.call_id", "item.name", "response.tool_choice"]
-    assert "not in 'tools'" in errors[0]["message"] and "answers no function_call" in errors[3]["message"]
-    assert "needs 'tools'" in errors[5]["message"]
+                                            "session.tools[0].parameters", "item.call_id", "item.name",
+                                            "item.arguments", "response.tool_choice"]
+    assert "not in 'tools'" in errors[0]["message"] and "answers no function_call" in errors[4]["message"]
+    assert "nests too deeply" in errors[3]["message"] and "needs 'tools'" in errors[7]["message"]
+    assert "control token '<|im_end|>'" in errors[6]["message"]
     assert all(e["type"] == "invalid_request_error" and len(e["message"]) < 400 for e in errors)
     assert session["tools"] == [WEATHER]
 

@@ -182,3 +182,35 @@ def test_a_prompt_past_the_context_alone_is_an_error_and_the_session_goes_on(sho
     error = context_error(too_long)
     assert "the newest item alone" in error["message"] and "tokens of conversation" in error["message"], error
     assert after[-1]["response"]["status"] in ("completed", "incomplete") and not of(after, "error")
+
+
+def test_a_reply_without_a_limit_gets_what_the_context_leaves(short_gateway):
+    """No max_tokens (chat) / max_output_tokens "inf" (realtime): the reply may take up to the
+    thinker's default, as far as the context leaves room (vLLM's and OpenAI's default), so a context
+    under that default still serves such requests (they were all refused: prompt + the default's
+    1,024 passed 320); a prompt that leaves no room at all is a 400 that names no max_tokens the
+    client never sent. Realtime with "inf" goes on past the context by truncation."""
+    import httpx
+
+    url = f"{short_gateway.base_url}/v1/chat/completions"
+    body = {"model": httpx.get(f"{short_gateway.base_url}/v1/models").json()["data"][0]["id"], "temperature": 0}
+    ok = httpx.post(url, json={**body, "messages": [{"role": "user", "content": "Hello."}]}, timeout=120)
+    assert ok.status_code == 200, ok.text
+    usage = ok.json()["usage"]
+    assert usage["completion_tokens"] >= 1 and usage["prompt_tokens"] + usage["completion_tokens"] <= CONTEXT, usage
+    full = httpx.post(url, json={**body, "messages": [{"role": "user", "content": " ".join(question(i) for i in range(20))}]},
+                      timeout=120)
+    assert full.status_code == 400, full.text
+    error = full.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "max_tokens" not in error["message"], error
+    assert f"a reply of at least 1 token exceeds the context of {CONTEXT}" in error["message"], error
+
+    async def go():
+        async with realtime(short_gateway) as rt:
+            await rt.update(**{**TEXT, "max_output_tokens": "inf"})
+            return [(await text_turn(rt, question(i)))[-1]["response"] for i in range(3)], rt.seen
+
+    done, seen = run(go())
+    assert all(d["status"] in ("completed", "incomplete") for d in done), [d["status_details"] for d in done]
+    assert all(d["usage"]["input_tokens"] + d["usage"]["output_tokens"] <= CONTEXT for d in done)
+    assert not of(seen, "error")

@@ -557,6 +557,10 @@ BAD = [   # (body changes, param, message pattern)
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}], "tool_choice": "required"},
      "tools[1].function.parameters", "not a schema this server can enforce"),
+    # a regex of nested groups made the meta-schema check's regex parser recurse past Python's limit: a 500
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(" * 2000 + ")" * 2000}}}}}]},
+     "tools[0].function.parameters", "nests too deeply"),
 ]
 
 

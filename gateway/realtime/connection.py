@@ -22,7 +22,8 @@ from starlette.websockets import WebSocketDisconnect
 from voxpipe.audio import resample_clip
 from voxpipe.services.runtime.echo import quoted
 from voxpipe.client import AudioTurn
-from voxpipe.services.thinker.prompt import FEATURE_SAMPLE_RATE, RenderedPrompt, with_instructions
+from voxpipe.services.thinker.prompt import (FEATURE_SAMPLE_RATE, RenderedPrompt, special_token_strings,
+                                              with_instructions)
 
 from ..errors import APIError
 from ..generation import Generation
@@ -186,6 +187,11 @@ class RealtimeConnection:
             event = parse_client_event(text)
         except ProtocolError as e:
             await self.emit(Error.of(e))
+            return
+        except Exception:  # a bug in reading an event must not end the session either
+            log.exception("realtime session %s: reading a client event failed", self.session.id)
+            await self.emit(Error.of(ProtocolError("the server failed to read this event", code="server_error",
+                                                   type="server_error")))
             return
         try:
             await self.dispatch(event)
@@ -473,6 +479,16 @@ class RealtimeConnection:
         if new.type == "function_call_output" and not self.conversation.has_call(new.call_id):
             raise ProtocolError(f"'item.call_id' {new.call_id!r} answers no function_call item of the conversation",
                                 param="item.call_id")
+        if new.type == "function_call":
+            # the template writes a call's name and arguments among its own markup: a control token in them
+            # would fail every later response's rendering (the item stays), so it is refused here, as chat does
+            with self.state.tokenizer_lock:
+                specials = special_token_strings(self.state.tokenizer)
+            for name, text in (("name", new.name), ("arguments", new.arguments)):
+                found = sorted(t for t in specials if t in text)
+                if found:
+                    raise ProtocolError(f"'item.{name}' contains the model's control token {found[0]!r}, which "
+                                        "function calls may not hold", param=f"item.{name}")
         content = await asyncio.to_thread(new_item_content, new, self._features)
         item = ConversationItem(new.id or new_id("item"), new.role, content,
                                 call=FunctionCall(new.call_id, new.name, new.arguments) if new.type == "function_call"

@@ -492,6 +492,10 @@ def _response_overrides(r: Any) -> ResponseOverrides:
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ProtocolError("'response.metadata' must map strings to strings", code="invalid_type",
                             param="response.metadata")
+    # OpenAI's bounds (as chat's): response.created and response.done echo the metadata back
+    if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
+        raise ProtocolError("'response.metadata' must have at most 16 pairs, keys up to 64 and values up to 512 "
+                            "characters", param="response.metadata")
     return ResponseOverrides(voice=voice, audio_out=_modalities(r, "response"),
                              instructions=_instructions(r, "response"), max_output_tokens=max_tokens,
                              temperature=_temperature(r, "response"),

@@ -123,6 +123,7 @@ class TalkerEngine(StageEngine):
 
     def release(self, req: TalkerJob) -> None:
         self.runner.release(req)
+        self.runner.observe_kv()    # a request cancelled while nothing else runs: no step follows to say so
 
     def _set_gauges(self) -> None:
         super()._set_gauges()

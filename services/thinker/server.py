@@ -241,12 +241,19 @@ class ThinkerServicer(StageServicer, pb_grpc.ThinkerServicer):
                         f"{'talker_rows' if start.talker_rows else 'speech'} needs a prompt ending in an assistant "
                         "turn start ('<|im_start|>assistant\\n'): render with add_generation_prompt")
         forced = self._forced(start, len(ids))
-        max_tokens = len(forced.token_ids) if forced is not None else start.max_tokens or DEFAULT_MAX_TOKENS
+        if forced is not None:
+            max_tokens = len(forced.token_ids)
+        elif start.max_tokens:
+            max_tokens = start.max_tokens
+        else:   # no limit asked: DEFAULT_MAX_TOKENS, or what the context leaves (vLLM's and OpenAI's default), at least 1
+            max_tokens = max(min(DEFAULT_MAX_TOKENS, self.engine.max_len - len(ids)), start.min_tokens, 1)
         if start.min_tokens > max_tokens:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"min_tokens {start.min_tokens} > max_tokens {max_tokens}")
         if len(ids) + max_tokens > self.engine.max_len:     # OUT_OF_RANGE: the request is past the context
+            asked = f"max_tokens {max_tokens}" if start.max_tokens else \
+                f"a reply of at least {max_tokens} token{'s' if max_tokens > 1 else ''}"
             raise Abort(grpc.StatusCode.OUT_OF_RANGE,
-                        f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {self.engine.max_len}",
+                        f"prompt of {len(ids)} tokens + {asked} exceeds the context of {self.engine.max_len}",
                         context_metadata(len(ids), max_tokens, self.engine.max_len))
         problem = stop_strings_problem(start.stop) or top_logprobs_problem(start.logprobs, start.top_logprobs)
         if problem is not None:
