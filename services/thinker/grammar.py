@@ -199,6 +199,13 @@ class Matcher:
             return None
         return int(words[0]) * 32 + bits.bit_length() - 1
 
+    def forced_string(self) -> str:
+        """The text the grammar forces next whatever the choice ("" when the next character is a
+        choice): after `forced` gave None, a text that more than one spelling can write (engine._draft
+        drafts the tokenizer's own)."""
+        self._settle()
+        return "" if self.refused else self.m.find_jump_forward_string()
+
     @property
     def done(self) -> bool:
         """A stop token was accepted: the reply is complete."""
