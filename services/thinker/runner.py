@@ -280,14 +280,16 @@ class ThinkerRunner:
                                             lambda *args: self._extend_fn(*args, keep=self.cfg.accept_hidden_layer),
                                             n, prefill_len, h, dtype, self.cache, self.extend_width, eager_fallback)
         # drafts' verifies (runner.feed): up to VERIFY_TOKENS new tokens a row, the logits at its last
-        # 1 + DRAFT_TOKENS positions (last [n, 1 + DRAFT_TOKENS]; a shorter draft repeats its last)
+        # 1 + DRAFT_TOKENS positions (last [n, 1 + DRAFT_TOKENS]; a shorter draft repeats its last);
+        # in the extend graphs' pool (never replayed together), so only their outputs are memory of their own
         self.verify_graphs = captured("thinker verify", lambda: GraphedStep(
             lambda *args: self._extend_fn(*args)[:1],
             (torch.zeros(n, VERIFY_TOKENS, h, dtype=dtype, device=dev),
              *(torch.zeros(n, dtype=torch.long, device=dev) for _ in range(2)),
              torch.zeros(n, 1 + DRAFT_TOKENS, dtype=torch.long, device=dev),
              torch.full((n, self.extend_width), null, dtype=torch.long, device=dev)),
-            fine_buckets(n, 1, 2), [VERIFY_TOKENS], "thinker verify", pad=(None, 0, 0, 0, null)), eager_fallback)
+            fine_buckets(n, 1, 2), [VERIFY_TOKENS], "thinker verify", pad=(None, 0, 0, 0, null),
+            pool=self.extend_graphs.pool if self.extend_graphs is not None else None), eager_fallback)
 
     def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
                     keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
