@@ -279,16 +279,17 @@ class ThinkerRunner:
         self.extend_graphs = capture_extend("thinker extend",
                                             lambda *args: self._extend_fn(*args, keep=self.cfg.accept_hidden_layer),
                                             n, prefill_len, h, dtype, self.cache, self.extend_width, eager_fallback)
-        # drafts' verifies (runner.feed): up to VERIFY_TOKENS new tokens a row, the logits at its last
-        # 1 + DRAFT_TOKENS positions (last [n, 1 + DRAFT_TOKENS]; a shorter draft repeats its last);
-        # in the extend graphs' pool (never replayed together), so only their outputs are memory of their own
+        # drafts' verifies (runner.feed): up to VERIFY_TOKENS new tokens a row, the final hidden states
+        # at its last 1 + DRAFT_TOKENS positions (last [n, 1 + DRAFT_TOKENS]; a shorter draft repeats its
+        # last), whose logits the verify computes for the positions it reads; in the extend graphs' pool
+        # (never replayed together), so only their outputs ([n, 1 + DRAFT_TOKENS, H]) are memory of their own
         self.verify_graphs = captured("thinker verify", lambda: GraphedStep(
-            lambda *args: self._extend_fn(*args)[:1],
+            lambda *args: self._extend_fn(*args, head=False)[:1],
             (torch.zeros(n, VERIFY_TOKENS, h, dtype=dtype, device=dev),
              *(torch.zeros(n, dtype=torch.long, device=dev) for _ in range(2)),
              torch.zeros(n, 1 + DRAFT_TOKENS, dtype=torch.long, device=dev),
              torch.full((n, self.extend_width), null, dtype=torch.long, device=dev)),
-            fine_buckets(n, 1, 2), [VERIFY_TOKENS], "thinker verify", pad=(None, 0, 0, 0, null),
+            fine_buckets(n, 1, 2), buckets(VERIFY_TOKENS, 8), "thinker verify", pad=(None, 0, 0, 0, null),
             pool=self.extend_graphs.pool if self.extend_graphs is not None else None), eager_fallback)
 
     def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
@@ -301,13 +302,14 @@ class ThinkerRunner:
 
     def _extend_fn(self, n: int, s: int, embeds: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
                    last: torch.Tensor, tables: torch.Tensor, keep: int | None = None,
-                   kv_bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   kv_bound: int | None = None, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompts going on from their cached prefixes: row b's length[b] new tokens ([n, >= s, H],
         right-padded to s) at positions start[b] ..., into its blocks (tables [n, M]); logits [n, V]
         at each row's `last` new token, and the `keep` hidden layer if asked. `kv_bound`: how far
-        any row reaches (default the context)."""
+        any row reaches (default the context). Without `head`: the final hidden states at `last`
+        instead of logits."""
         return extend_forward(self.model, self.cache, s, embeds, start, length, tables, kv_bound or self.max_len,
-                              keep_hidden=keep, last=last)
+                              keep_hidden=keep, last=last, head=head)
 
     def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor,
                    tables: torch.Tensor) -> tuple[torch.Tensor]:
@@ -623,16 +625,19 @@ class ThinkerRunner:
         graph when one fits, else packed into one row, eager."""
         dev, jobs = self.device, [job for job, _, _ in parts]
         g = self.verify_graphs
-        if g is not None and g.fits(len(parts), VERIFY_TOKENS) and all(x.shape[0] <= VERIFY_TOKENS for _, x, _ in parts):
+        longest = max(x.shape[0] for _, x, _ in parts)
+        if g is not None and g.fits(len(parts), longest):
             rows = ExtendRows.of([(x, start) for _, x, start in parts], dev)
             at = [[x.shape[0] - 1 - len(job.draft) + min(k, len(job.draft)) for k in range(1 + DRAFT_TOKENS)]
                   for job, x, _ in parts]
-            (every,) = g(len(parts), VERIFY_TOKENS, rows.x, rows.start, rows.length,
-                           torch.tensor(at).to(dev, non_blocking=True),
-                           self._tables(jobs, self.blocks.blocks_for(rows.reach)))     # [n, 1 + DRAFT_TOKENS, V]
-            pick = [(b, 1 + k) for b, job in enumerate(jobs) for k in range(len(job.draft))]
+            (hidden,) = g(len(parts), longest, rows.x, rows.start, rows.length, torch.tensor(at).to(dev, non_blocking=True),
+                          self._tables(jobs, self.blocks.blocks_for(rows.reach)))     # [n, 1 + DRAFT_TOKENS, H]
+            # each row's last token, then each drafted token, rows in order
+            pick = [(b, 0) for b in range(len(jobs))] + [(b, 1 + k) for b, job in enumerate(jobs)
+                                                         for k in range(len(job.draft))]
             b, k = torch.tensor(pick).T.to(dev, non_blocking=True)
-            return every[:, 0], every[b, k]
+            every = self.model.lm_head(hidden[b, k])
+            return every[:len(jobs)], every[len(jobs):]
         step = PagedPackedStep.pack([(job.table.blocks, start, x.shape[0]) for job, x, start in parts])
         ends = [sg.offset + sg.length - 1 for sg in step.segments]
         at = [e - len(job.draft) for e, job in zip(ends, jobs)]
