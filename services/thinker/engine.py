@@ -99,7 +99,10 @@ class ThinkerEngine(StageEngine):
         self.planned_chunks = 0        # chunk shapes the engine thread planned for cuDNN (prepare)
         self.streams = TurnStreams(self)     # turns whose audio is streamed (streaming.py)
         self.talker_prompt_ids = talker_prompt_ids
-        self.draft_forced = draft_forced
+        # with graphs, only through the verify graphs (an eager extend forward costs more than the forwards it saves)
+        self.draft_forced = draft_forced and (self.runner.graphs is None or self.runner.verify_graphs is not None)
+        if draft_forced and not self.draft_forced:
+            log.warning("thinker: no verify graphs were captured: drafts of forced text are off")
         self.drafts = DraftCounts()
 
     def prepare(self) -> None:

@@ -290,7 +290,8 @@ class ThinkerRunner:
              torch.zeros(n, 1 + DRAFT_TOKENS, dtype=torch.long, device=dev),
              torch.full((n, self.extend_width), null, dtype=torch.long, device=dev)),
             fine_buckets(n, 1, 2), buckets(VERIFY_TOKENS, 8), "thinker verify", pad=(None, 0, 0, 0, null),
-            pool=self.extend_graphs.pool if self.extend_graphs is not None else None), eager_fallback)
+            pool=self.extend_graphs.pool if self.extend_graphs is not None else None),
+            eager_fallback=True)     # none: the engine drafts nothing (an eager verify costs more than it saves)
 
     def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
                     keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
