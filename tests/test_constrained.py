@@ -627,6 +627,8 @@ def test_drafts_of_forced_text_give_the_tokens_of_decoding_in_fewer_steps(engine
     same ids as sequential decoding (greedy and sampled rows, required / named / json_schema, free
     rows beside them), with and without jump-forward, in fewer steps; drafts were both accepted and
     rejected (the model's choice differed) along the way."""
+    from voxpipe.services.runtime import metrics
+
     specs = _draft_specs(tokenizer, omni_config)
     decoded, _ = run_jobs(engine, specs, False, monkeypatch)
     jumped, _ = run_jobs(engine, specs, True, monkeypatch)
@@ -636,6 +638,8 @@ def test_drafts_of_forced_text_give_the_tokens_of_decoding_in_fewer_steps(engine
     assert jumped == decoded and drafted == decoded
     accepted, offered = counts.accepted - before.accepted, counts.drafted - before.drafted
     assert 0 < accepted < offered, (accepted, offered)
+    assert metrics.REGISTRY.get_sample_value("voxpipe_draft_tokens_total",
+                                             {"stage": "thinker", "kind": "accepted"}) >= accepted
     # the calls end sooner (the json_schema replies' strings and numbers are the model's choices)
     jump_ended, draft_ended = [], []
     run_jobs(engine, specs, True, monkeypatch, ended=jump_ended)

@@ -418,11 +418,13 @@ class ThinkerEngine(StageEngine):
         Its end and whether outputs left, as `_take`."""
         self.drafts.verified += 1
         self.drafts.drafted += len(draft)
+        metrics.DRAFT_TOKENS.labels(self.name, "drafted").inc(len(draft))
         reason, out, k = None, False, 0
         while reason is None and k < len(draft) and tok == draft[k]:
             sampled = self.runner.sample([job], rows[k:k + 1])
             k += 1
             self.drafts.accepted += 1
+            metrics.DRAFT_TOKENS.labels(self.name, "accepted").inc()
             tok = sampled.tokens[0]
             if tok < 0:
                 log.warning("request %s: logits not finite in a %s (a drafted token's verify)", job.request_id, step)
