@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import statistics
 import sys
@@ -126,6 +127,7 @@ async def check(base_url: str, n: int, concurrency: int, max_tokens: int) -> dic
     failures: Counter[str] = Counter()
     examples: dict[str, list] = {}
     tokens: list[int] = []
+    replies: dict[int, str] = {}
     gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
@@ -135,6 +137,7 @@ async def check(base_url: str, n: int, concurrency: int, max_tokens: int) -> dic
                 reply = await client.chat.completions.create(**request(kind, i, model, max_tokens))
                 problem = verdict(kind, reply)
                 tokens.append(reply.usage.completion_tokens)
+                replies[i] = reply.choices[0].message.model_dump_json(exclude={"tool_calls": {"__all__": {"id"}}})
             except openai.APIError as e:
                 problem = f"API error: {str(e)[:120]}"
         if problem is not None:
@@ -150,6 +153,9 @@ async def check(base_url: str, n: int, concurrency: int, max_tokens: int) -> dic
             "kinds": list(KINDS), "temperature": 1.0, "max_tokens": max_tokens,
             "completion_tokens_max": max(tokens, default=0),
             "completion_tokens_mean": round(sum(tokens) / max(len(tokens), 1), 1),
+            # the replies themselves (each message, its calls' ids left out: random), by seed: the same
+            # digest is the same 1,000 replies (a change that must not alter them, compared by it)
+            "replies_sha256": hashlib.sha256(json.dumps([replies.get(i) for i in range(n)]).encode()).hexdigest(),
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -235,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve the released config with full-size dummy weights (without --base-url; a GPU)")
     p.add_argument("--first-delta", type=int, metavar="ROUNDS",
                    help="time the first delta of each kind instead (ROUNDS requests a kind, one at a time)")
+    p.add_argument("--thinker-arg", action="append", default=[], metavar="FLAG",
+                   help="a flag for the served thinker (without --base-url; repeatable), e.g. "
+                        "--thinker-arg=--no-draft-forced")
     p.add_argument("--settle", type=float, default=0.25, metavar="SECONDS",
                    help="--first-delta: the pause after each request (the cancelled one before ends meanwhile)")
     args = p.parse_args(argv)
@@ -256,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 model, extra = make_tiny(Path(tmp), seed=0), []
             http_port = args.base_port + 99
-            stack = LocalStack(model, "127.0.0.1", args.base_port, args.device, http_port=http_port, extra=extra)
+            stack = LocalStack(model, "127.0.0.1", args.base_port, args.device, http_port=http_port, extra=extra,
+                               stage_extra={"thinker": args.thinker_arg})
             stack.start(timeout=400)
             try:
                 result = run(f"http://127.0.0.1:{http_port}")

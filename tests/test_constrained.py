@@ -7,6 +7,7 @@ grammar cache, and the unmodified OpenAI SDK's `chat.completions.parse`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from typing import Literal
@@ -23,7 +24,7 @@ from voxpipe.client import DoneEvent, PipelineClient, PipelineError, SpeechReque
 from voxpipe.services.thinker.constraint import (Constraint, ConstraintKind, tool_call_schema, tool_calls,
                                                  tool_calls_in_text)
 from voxpipe.services.thinker.grammar import Grammars, allowed, check, vocabulary_bytes
-from voxpipe.services.thinker.prompt import render, user_turn
+from voxpipe.services.thinker.prompt import encode_text, render, user_turn
 from voxpipe.services.thinker.tokenizer import ChatMLByteTokenizer
 from voxpipe.v1 import stages_pb2 as pb
 from voxpipe.v1 import stages_pb2_grpc as pb_grpc
@@ -520,11 +521,12 @@ def engine(tiny_model_dir, tokenizer, omni_config):
 
 
 def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: int | None = None,
-             catch_up: bool = False) -> list:
+             catch_up: bool = False, draft: bool = False, ended: list[int] | None = None) -> list:
     """Each spec's job (prompt, constraint, opened: text its reply already began with, ...) run to
-    its end, jump-forward on or off (`catch_up`: engine.JUMP_FEED_ROWS 0 after the first step): per
-    job (generated ids, finish reason or None), and the steps taken. `cancel_after`:
-    the first job is cancelled after that many steps."""
+    its end, jump-forward on or off (`catch_up`: engine.JUMP_FEED_ROWS 0 after the first step), the
+    drafts of forced text on or off (`draft`); a spec without a constraint is a free row: per job
+    (generated ids, finish reason or None), and the steps taken. `cancel_after`: the first job is
+    cancelled after that many steps. `ended`: filled with the step each job's reply ended in."""
     from voxpipe.services.runtime.engine import Outbox
     from voxpipe.services.runtime.outputs import Finished
     from voxpipe.services.runtime.sampling import SamplingParams
@@ -534,6 +536,7 @@ def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: i
 
     monkeypatch.setattr(thinker_engine, "JUMP_TOKENS", 64 if jump else 0)
     monkeypatch.setattr(thinker_engine, "JUMP_FEED_ROWS", 8)
+    monkeypatch.setattr(engine, "draft_forced", draft)
     loop = asyncio.new_event_loop()
     jobs = []
     for i, s in enumerate(specs):
@@ -541,7 +544,8 @@ def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: i
         job = ThinkerJob(request_id=f"j{i}", outbox=Outbox(loop, limit=10 ** 6), prompt=s["prompt"] + opened,
                          max_tokens=s.get("max_tokens", 120), stops=s.get("stops", ()),
                          params=SamplingParams(temperature=s.get("temperature", 1.0), seed=i))
-        job.matcher = engine.grammars.matcher(engine.grammars.compile(s["constraint"]))
+        if s["constraint"] is not None:
+            job.matcher = engine.grammars.matcher(engine.grammars.compile(s["constraint"]))
         for t in opened:         # the reply began with `opened` (a prompt that ends inside it)
             assert job.matcher.accept(t)
         engine.open_reply(job)   # as the server does once the grammar is compiled
@@ -558,6 +562,8 @@ def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: i
             assert jobs[0].ahead or jobs[0].done, "no forced run in flight to cancel"
         with engine.lock:
             engine._reap_and_check()
+        if ended is not None:
+            ended[:] = [e or (steps if job.done else 0) for e, job in zip(ended or [0] * len(jobs), jobs)]
     loop.run_until_complete(asyncio.sleep(0))      # the outboxes' deliveries
     out = []
     for job in jobs:
@@ -597,6 +603,100 @@ def test_jump_forward_gives_the_tokens_of_decoding_in_fewer_steps(engine, tokeni
     assert reason == FinishReason.STOP and _calls(tokenizer.decode(ids[:-1]))
     assert cut_reason == FinishReason.LENGTH and len(cut) == 5 and tokenizer.decode(cut) == "<tool"
     assert stop_reason == FinishReason.STOP and tokenizer.decode(stopped).endswith("<tool_call>")
+
+
+def _draft_specs(tokenizer, omni_config) -> list[dict]:
+    """Required, named and json_schema replies, greedy and sampled (seeded), beside free rows."""
+    p = _prompt(tokenizer, omni_config, "Book a table, then the weather.")
+    named = tool_calls(FUNCTIONS[1:], parallel=False)
+    return [dict(prompt=p, constraint=tool_calls(FUNCTIONS, parallel=False), temperature=0.0, max_tokens=80),
+            dict(prompt=p, constraint=tool_calls(FUNCTIONS), max_tokens=80),
+            dict(prompt=p, constraint=named, temperature=0.0, max_tokens=60),
+            dict(prompt=p, constraint=named, max_tokens=60),
+            dict(prompt=p, constraint=Constraint.json_schema(ORDER), temperature=0.0, max_tokens=80),
+            dict(prompt=p, constraint=Constraint.json_schema(PROFILE), max_tokens=60),
+            dict(prompt=p, constraint=None, temperature=0.0, max_tokens=30),
+            dict(prompt=p, constraint=None, max_tokens=30)]
+
+
+def test_drafts_of_forced_text_give_the_tokens_of_decoding_in_fewer_steps(engine, tokenizer, omni_config,
+                                                                          monkeypatch):
+    """Draft-and-verify (engine._draft): where a grammar forces a text the tiny vocabulary spells
+    several ways (`<tool_call>`'s `al` or `a` + `l`, `"name"`'s `me` or `m` + `e`), the tokenizer's
+    spelling is fed with the next step and the model's own choices taken while they equal it: the
+    same ids as sequential decoding (greedy and sampled rows, required / named / json_schema, free
+    rows beside them), with and without jump-forward, in fewer steps; drafts were both accepted and
+    rejected (the model's choice differed) along the way."""
+    from voxpipe.services.runtime import metrics
+
+    specs = _draft_specs(tokenizer, omni_config)
+    decoded, _ = run_jobs(engine, specs, False, monkeypatch)
+    jumped, _ = run_jobs(engine, specs, True, monkeypatch)
+    before = dataclasses.replace(engine.drafts)
+    drafted, _ = run_jobs(engine, specs, True, monkeypatch, draft=True)
+    counts = engine.drafts
+    assert jumped == decoded and drafted == decoded
+    accepted, offered = counts.accepted - before.accepted, counts.drafted - before.drafted
+    assert 0 < accepted < offered, (accepted, offered)
+    assert metrics.REGISTRY.get_sample_value("voxpipe_draft_tokens_total",
+                                             {"stage": "thinker", "kind": "accepted"}) >= accepted
+    # the calls end sooner (the json_schema replies' strings and numbers are the model's choices)
+    jump_ended, draft_ended = [], []
+    run_jobs(engine, specs, True, monkeypatch, ended=jump_ended)
+    run_jobs(engine, specs, True, monkeypatch, draft=True, ended=draft_ended)
+    assert all(d < j for d, j in zip(draft_ended[:4], jump_ended[:4])), (draft_ended, jump_ended)
+    assert all(d <= j for d, j in zip(draft_ended, jump_ended)), (draft_ended, jump_ended)
+    # drafts without jump-forward: the forced tokens are drafted and verified too
+    alone, _ = run_jobs(engine, specs, False, monkeypatch, draft=True)
+    assert alone == decoded
+
+
+def test_a_rejected_draft_gives_the_tokens_of_decoding(engine, tokenizer, omni_config, monkeypatch):
+    """Drafts that are deliberately not the model's choice (a test-only spelling): rejected at the
+    first token (none accepted) or after one, the rest of the draft discarded (its keys overwritten
+    by the next forward, no noise drawn for it, the grammar's state the accepted one): the replies
+    are those of sequential decoding."""
+    from voxpipe.services.thinker.engine import ThinkerEngine
+
+    specs = _draft_specs(tokenizer, omni_config)
+    decoded, _ = run_jobs(engine, specs, True, monkeypatch)
+    spell = ThinkerEngine._spell
+    for keep in (0, 1):
+        def wrong(self, job, text, keep=keep):
+            right = spell(self, job, text)
+            # a token the grammar allows there no spelling of the text begins with: '~' is in no JSON of these schemas
+            return right[:keep] + encode_text(tokenizer, "~") + right[keep:]
+        monkeypatch.setattr(ThinkerEngine, "_spell", wrong)
+        before = dataclasses.replace(engine.drafts)
+        rejected, _ = run_jobs(engine, specs, True, monkeypatch, draft=True)
+        counts = engine.drafts
+        assert rejected == decoded, keep
+        verifies, accepted = counts.verified - before.verified, counts.accepted - before.accepted
+        assert verifies and accepted <= keep * verifies, (keep, verifies, accepted)
+
+
+def test_drafts_verified_in_graph_plans_give_the_tokens_of_decoding(tiny_model_dir, tokenizer, omni_config,
+                                                                    monkeypatch):
+    """With the CUDA-graph plans (emulated on the CPU: cuda_graphs.EMULATE), drafts are verified by
+    the verify graphs (rows padded to their bucket, a draft's logits at positions [n, 1 +
+    DRAFT_TOKENS]): the replies of sequential decoding."""
+    from voxpipe.services.runtime import cuda_graphs
+    from voxpipe.services.runtime.weights import load_module
+    from voxpipe.services.thinker.engine import ThinkerEngine
+    from voxpipe.services.thinker.model import ThinkerModel
+
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+    th = omni_config.thinker
+    model = load_module(lambda: ThinkerModel(th), str(tiny_model_dir), "thinker.", device=torch.device("cpu"),
+                        dtype=torch.float32, load_format="auto", ignore=("visual.",))
+    graphed = ThinkerEngine(model, th, tokenizer, device=torch.device("cpu"), max_active=8, max_len=1024,
+                            eos_ids=(th.tokens.im_end,), cuda_graphs=True)
+    assert graphed.runner.verify_graphs is not None
+    specs = _draft_specs(tokenizer, omni_config)[:4] + _draft_specs(tokenizer, omni_config)[6:]
+    decoded, _ = run_jobs(graphed, specs, False, monkeypatch)
+    replays = graphed.runner.verify_graphs.replays
+    drafted, _ = run_jobs(graphed, specs, True, monkeypatch, draft=True)
+    assert drafted == decoded and graphed.runner.verify_graphs.replays > replays
 
 
 def test_a_forced_opening_is_out_before_the_prefill(engine, tokenizer, omni_config, monkeypatch):

@@ -81,14 +81,18 @@ class GraphedStep:
     e.g. a prompt batch [n, s, H] into [N, S_max, H])."""
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: tuple[torch.Tensor, ...],
-                 batch_sizes: list[int], kv_lens: list[int], name: str, pad: tuple | None = None) -> None:
+                 batch_sizes: list[int], kv_lens: list[int], name: str, pad: tuple | None = None,
+                 pool: tuple | None = None) -> None:
         """`pad`: per input, a value the rows past the real batch are set to before a replay (None:
-        leave whatever the last replay left there)."""
+        leave whatever the last replay left there). `pool`: the memory pool of another GraphedStep
+        (its `pool`) whose replays never overlap these (one engine thread, one stream): the graphs'
+        working memory is shared, their outputs stay their own; None: a pool of its own."""
         self.fn, self.name = fn, name
         self.pad = pad or (None,) * len(example)
         self.batch_sizes, self.kv_lens = sorted(batch_sizes), sorted(kv_lens)
         self.static = tuple(t.clone() for t in example)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.pool = pool
         self.emulated = self.static[0].device.type != "cuda"
         self.replays = 0          # calls so far (emulated ones too)
         if self.emulated:
@@ -99,7 +103,9 @@ class GraphedStep:
         log.info("%s: captured %d CUDA graphs in %.1f s", name, len(self.graphs), time.perf_counter() - t0)
 
     def _capture(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        pool = self.pool
         for n in reversed(self.batch_sizes):
             for kv in reversed(self.kv_lens):
                 ins = tuple(t[:n] for t in self.static)

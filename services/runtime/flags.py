@@ -123,6 +123,11 @@ def add_thinker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="long prompts (over 512 tokens, or over this) are prefilled in chunks: an engine step "
                              "packs at most this many of their tokens into one forward, so running requests keep "
                              "decoding between steps")
+    parser.add_argument("--draft-forced", action=argparse.BooleanOptionalAction, default=True,
+                        help="where a constrained reply's grammar forces a text that more than one spelling can "
+                             "write (a call's '<tool_call>\\n{\"name\": \"'), draft the tokenizer's own spelling and "
+                             "verify it in the next forward, accepting the tokens the model itself chooses: the "
+                             "same reply in fewer forwards (--no-draft-forced: one forward a token)")
     parser.add_argument("--talker-prompt-rows", action="store_true",
                         help="send a text prompt's user turns and the reply's text rows to the talker as embedding "
                              "rows (a 2,500-token conversation: 10 MB), as before talkers looked them up from their "

@@ -84,6 +84,9 @@ PREFIX_TOKENS = Counter("voxpipe_prefix_cache_tokens", "Prompt tokens looked up 
 PREFILL_CHUNKS = Counter("voxpipe_prefill_chunks", "Chunks of chunked prefills by the attention they took (cudnn: the "
                          "two-part path planned at start; flash; paged: the paged kernel; extend graph; sdpa)",
                          ["stage", "path"], registry=REGISTRY)
+DRAFT_TOKENS = Counter("voxpipe_draft_tokens", "Tokens of grammar-forced text drafted after a constrained row's last "
+                       "token (drafted) and those the model's own choice took (accepted)", ["stage", "kind"],
+                       registry=REGISTRY)
 PREEMPTIONS = Counter("voxpipe_preemptions", "Sequences preempted for lack of KV blocks", ["stage"],
                       registry=REGISTRY)
 STREAMS = Counter("voxpipe_streams_total", "Finished streams", ["stage", "outcome"], registry=REGISTRY)

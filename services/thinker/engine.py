@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -24,12 +25,12 @@ from ..runtime.flags import PREFILL_CHUNK
 from ..runtime import metrics
 from ..runtime.config import ThinkerConfig
 from ..runtime.engine import StageEngine, StageError, deliver_now
-from ..runtime.outputs import Finished, FinishReason, TextOut
+from ..runtime.outputs import Finished, FinishReason, TextOut, TokenLogprob
 from .grammar import Grammars
 from .job import ForcedReply, ThinkerJob
 from .model import ThinkerModel
 from .output import IncrementalDetokenizer, ReplyText
-from .runner import KVPlan, Prefilled, ThinkerRunner, talker_prompt
+from .runner import DRAFT_TOKENS, KVPlan, Prefilled, ThinkerRunner, talker_prompt
 from .scheduler import ThinkerScheduler
 from .streaming import TurnStreams
 
@@ -37,6 +38,7 @@ __all__ = ["ThinkerEngine", "ThinkerJob", "ForcedReply", "IncrementalDetokenizer
            "assistant_head_index"]
 
 log = logging.getLogger(__name__)
+_ENDED = object()            # _take / _verify: the job failed there (finished with an error)
 
 FORCED_DELTA_TOKENS = 64     # a forced reply's tokens per TextOut (its rows: a bounded message each)
 JUMP_TOKENS = 64             # a grammar's forced tokens taken at once at most (one extend forward feeds them)
@@ -54,6 +56,15 @@ def assistant_head_index(cfg: ThinkerConfig, ids: list[int]) -> int | None:
 
 
 
+@dataclass
+class DraftCounts:
+    """Drafts of grammar-forced text (engine._draft) since start: verifies run, tokens drafted, and
+    drafted tokens the model's own choice accepted."""
+    verified: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
 class ThinkerEngine(StageEngine):
     name = "thinker"
 
@@ -62,7 +73,7 @@ class ThinkerEngine(StageEngine):
                  cuda_graphs: bool = True,
                  prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512,
                  prefill_chunk: int = PREFILL_CHUNK, eager_fallback: bool = False,
-                 talker_prompt_ids: bool = True, audio_cache_bytes: int = 0) -> None:
+                 talker_prompt_ids: bool = True, audio_cache_bytes: int = 0, draft_forced: bool = True) -> None:
         """A step prefills up to `prefill_batch` prompts with at most `prefill_tokens` padded tokens
         together; prompts up to `prefill_graph_len` tokens replay CUDA graphs. Longer prompts (and
         any longer than `prefill_chunk`) are prefilled in chunks packed into one row, at most
@@ -70,7 +81,8 @@ class ThinkerEngine(StageEngine):
         turns go to a routed talker as token ids, which it looks up itself (TalkerPrompt.user_rows unset);
         off: as rows (for talkers older than that). `kv`: the KV pool (default: room for `max_active`
         sequences of `max_len` positions). `audio_cache_bytes`: audio encoder outputs kept by clip
-        content (audio_cache.py; 0: none)."""
+        content (audio_cache.py; 0: none). `draft_forced`: draft a grammar's forced text where more
+        than one spelling can write it (`_draft`)."""
         super().__init__(max_active)
         if kv is None:
             kv = KVPlan(blocks=-(-max_active * max_len // KVPlan.block_size))
@@ -87,6 +99,11 @@ class ThinkerEngine(StageEngine):
         self.planned_chunks = 0        # chunk shapes the engine thread planned for cuDNN (prepare)
         self.streams = TurnStreams(self)     # turns whose audio is streamed (streaming.py)
         self.talker_prompt_ids = talker_prompt_ids
+        # with graphs, only through the verify graphs (an eager extend forward costs more than the forwards it saves)
+        self.draft_forced = draft_forced and (self.runner.graphs is None or self.runner.verify_graphs is not None)
+        if draft_forced and not self.draft_forced:
+            log.warning("thinker: no verify graphs were captured: drafts of forced text are off")
+        self.drafts = DraftCounts()
 
     def prepare(self) -> None:
         """On the engine thread, before serving: a cold long prompt's chunks attend through cuDNN's
@@ -224,11 +241,15 @@ class ThinkerEngine(StageEngine):
         fed at once by one extend forward beside the decode forward (runner.feed), their logits
         those after the run; a run that meets a larger step (where a second forward would cost
         every row) catches up one token a step in the decode forward, its logits -- of a token
-        already known -- not sampled, as decoding the run would go."""
+        already known -- not sampled, as decoding the run would go. Drafts (`_draft`) are fed the
+        same way, after the run if any, and verified in the output step; a larger step drops them."""
         feed = len(decode) <= JUMP_FEED_ROWS     # (a run made in a smaller step may meet a larger one)
-        runs = [job for job in decode if job.ahead] if feed else []
-        steps = [job for job in decode if not (feed and job.ahead)]
-        outs = []
+        if not feed:
+            for job in decode:
+                job.draft = []
+        runs = [job for job in decode if job.ahead or job.draft] if feed else []
+        steps = [job for job in decode if not (feed and (job.ahead or job.draft))]
+        outs, drafts = [], None
         if steps:
             jobs, logits = self.runner.decode(steps)
             catching = [i for i, job in enumerate(jobs) if job.ahead]
@@ -241,12 +262,13 @@ class ThinkerEngine(StageEngine):
             if jobs:
                 outs.append((jobs, logits))
         if runs:
-            outs.append(self.runner.feed(runs))
+            fed, fed_logits, drafts = self.runner.feed(runs)
+            outs.append((fed, fed_logits))
         if not outs:
             return
         jobs = [job for part, _ in outs for job in part]
         logits = outs[0][1] if len(outs) == 1 else torch.cat([lg for _, lg in outs])
-        self._output(jobs, logits, f"decode of {len(steps)} rows and {len(runs)} forced runs")
+        self._output(jobs, logits, f"decode of {len(steps)} rows and {len(runs)} forced runs", drafts)
 
     def _progress(self, req: ThinkerJob) -> str:
         return f"{len(req.generated)} generated"
@@ -312,9 +334,12 @@ class ThinkerEngine(StageEngine):
         job.generated.extend(ids)
         self.finish(job, Finished(FinishReason.STOP, prompt_tokens=len(job.prompt), completion_tokens=len(ids)))
 
-    def _output(self, jobs: list[ThinkerJob], logits: torch.Tensor, step: str) -> None:
+    def _output(self, jobs: list[ThinkerJob], logits: torch.Tensor, step: str,
+                drafts: torch.Tensor | None = None) -> None:
         """Each job's next token from its logits row [n, V]: stop checks, its outputs, finishing.
-        `step`: what made the logits, for the log of a row that is not finite."""
+        `step`: what made the logits, for the log of a row that is not finite. `drafts`: the logits
+        [.., V] at the drafted tokens of the jobs with a draft (runner.feed), in the jobs' order: a
+        drafted job's choices go on from them while each equals its draft (`_verify`)."""
         sampled = self.runner.sample(jobs, logits)
         # forced runs only where the next step feeds them at once (in a larger one decoding them costs the same)
         jump = len(self.running) <= JUMP_FEED_ROWS
@@ -323,41 +348,117 @@ class ThinkerEngine(StageEngine):
                 log.warning("request %s: logits not finite in a %s (prompt %d tokens, %d generated)",
                             job.request_id, step, len(job.prompt), len(job.generated))
                 self._fail_nonfinite(job, "logits")
+        at = 0
         for i, (job, tok) in enumerate(zip(jobs, sampled.tokens)):
+            draft = []
+            if drafts is not None:      # the drafts fed in this step (a job's later draft is made below)
+                draft, job.draft = job.draft, []
+            rows = drafts[at:at + len(draft)] if draft else None
+            at += len(draft)
             if tok < 0:
                 continue
-            # with jump-forward the grammar's state is needed now; without, its accept is deferred to
-            # the next step's fill, which runs beside the forward (Matcher.defer): a refusal shows then
-            refused = job.matcher is not None and (job.matcher.refused or jump and not job.matcher.accept(tok))
-            if refused:
-                log.warning("request %s: its grammar refused a sampled token", job.request_id)
-                self.finish(job, StageError(grpc.StatusCode.INTERNAL, f"thinker: request {job.request_id}: "
-                                                                      "the constraint refused a sampled token"))
+            # drafted: the grammar's state is needed at once, for the next position's mask
+            reason, out = self._take(job, tok, sampled.rows[i], sampled.logprobs.get(i), jump or bool(draft))
+            if reason is None and draft:
+                deliver_now()     # the rows before it (free ones among them) do not wait for its verify
+                reason, more = self._verify(job, tok, draft, rows, step)
+                out = out or more
+            if reason is _ENDED:
                 continue
-            if job.matcher is not None and not jump:
-                job.matcher.defer(tok)
-            job.generated.append(tok)
-            # a constrained reply's grammar allows an end-of-turn token only once it is complete
-            if tok in self.eos_ids and len(job.generated) >= job.min_tokens:
-                reason = FinishReason.STOP
-            elif len(job.generated) >= job.max_tokens:
-                reason = FinishReason.LENGTH
-            else:
-                reason = None
-            deltas, stopped = job.text.push(tok, sampled.rows[i], sampled.logprobs.get(i), last=reason is not None)
-            if deltas:
-                job.mark_output()
-            for delta in deltas:
-                job.outbox.put(delta)
-            if stopped:
-                reason = FinishReason.STOP
             if reason is None and jump and job.matcher is not None and job.top_logprobs is None:
-                if deltas:      # the sampled token's text leaves before the forced run is worked out (a
+                if out:         # the sampled token's text leaves before the forced run is worked out (a
                     deliver_now()     # required call's head goes out once the name's first token picks it)
                 reason = self._jump(job, logits.shape[1])
+                if reason is None and self.draft_forced:
+                    self._draft(job)
             if reason is not None:
                 self.finish(job, Finished(reason, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
                                           cached_tokens=job.cached_tokens, streamed_tokens=job.streamed_tokens))
+
+    def _take(self, job: ThinkerJob, tok: int, row: torch.Tensor | None, logprob: TokenLogprob | None,
+              accept: bool) -> tuple[FinishReason | object | None, bool]:
+        """The job's next token `tok` (its talker row and log probability if asked): the grammar's
+        state (`accept`: advanced now; else at the next fill, beside the forward), the reply's
+        outputs, its end: (a FinishReason, _ENDED when it failed here, or None; whether outputs left)."""
+        # with jump-forward the grammar's state is needed now; without, its accept is deferred to
+        # the next step's fill, which runs beside the forward (Matcher.defer): a refusal shows then
+        refused = job.matcher is not None and (job.matcher.refused or accept and not job.matcher.accept(tok))
+        if refused:
+            log.warning("request %s: its grammar refused a sampled token", job.request_id)
+            self.finish(job, StageError(grpc.StatusCode.INTERNAL, f"thinker: request {job.request_id}: "
+                                                                  "the constraint refused a sampled token"))
+            return _ENDED, False
+        if job.matcher is not None and not accept:
+            job.matcher.defer(tok)
+        job.generated.append(tok)
+        # a constrained reply's grammar allows an end-of-turn token only once it is complete
+        if tok in self.eos_ids and len(job.generated) >= job.min_tokens:
+            reason = FinishReason.STOP
+        elif len(job.generated) >= job.max_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            reason = None
+        deltas, stopped = job.text.push(tok, row, logprob, last=reason is not None)
+        if deltas:
+            job.mark_output()
+        for delta in deltas:
+            job.outbox.put(delta)
+        if stopped:
+            reason = FinishReason.STOP
+        return reason, bool(deltas)
+
+    def _verify(self, job: ThinkerJob, tok: int, draft: list[int], rows: torch.Tensor, step: str
+                ) -> tuple[FinishReason | object | None, bool]:
+        """A draft's verify: `tok`, the job's choice at its last token (taken), then, while the
+        latest choice equals the drafted token at its position, the choice after that token from its
+        logits (rows [len(draft), V]) -- each made as a decode step makes it (the grammar's mask, the
+        EOS ban, the generator's next draw, one position at a time), so the reply is the one
+        decoding gives. The first choice that differs (or the one after the last drafted token) is
+        the job's last token; the keys of the drafted tokens after it are never read (runner.feed).
+        Its end and whether outputs left, as `_take`."""
+        self.drafts.verified += 1
+        self.drafts.drafted += len(draft)
+        metrics.DRAFT_TOKENS.labels(self.name, "drafted").inc(len(draft))
+        reason, out, k = None, False, 0
+        while reason is None and k < len(draft) and tok == draft[k]:
+            sampled = self.runner.sample([job], rows[k:k + 1])
+            k += 1
+            self.drafts.accepted += 1
+            metrics.DRAFT_TOKENS.labels(self.name, "accepted").inc()
+            tok = sampled.tokens[0]
+            if tok < 0:
+                log.warning("request %s: logits not finite in a %s (a drafted token's verify)", job.request_id, step)
+                self._fail_nonfinite(job, "logits")
+                return _ENDED, out
+            reason, more = self._take(job, tok, sampled.rows[0], None, True)
+            out = out or more
+        return reason, out
+
+    def _draft(self, job: ThinkerJob) -> None:
+        """Draft-and-verify of a grammar's forced text: where the grammar forces a text that more
+        than one spelling can write (no single forced token: `_jump` took those), the tokenizer's own
+        spelling of it (`_spell`) waits in `job.draft`, fed with the next step after the job's last
+        token; the output step then takes the model's own choices while they equal the drafted
+        tokens (`_verify`): a call's `<tool_call>\n{"name": "` in one forward where each token
+        the model chooses in it would take one. Up to DRAFT_TOKENS, and one fewer than max_tokens
+        leaves."""
+        budget = min(DRAFT_TOKENS, job.max_tokens - len(job.generated) - 1)
+        if budget < 1:
+            return
+        text = job.matcher.forced_string()
+        if text:
+            job.draft = self._spell(job, text)[:budget]
+
+    def _spell(self, job: ThinkerJob, text: str) -> list[int]:
+        """The tokenizer's spelling of `text` after the reply's last token: its encoding of that
+        token's text and `text` together where it begins with that token (the boundary as the
+        tokenizer draws it), else of `text` alone."""
+        last = job.generated[-1:]
+        if last:
+            both = self.tokenizer.encode(self.tokenizer.decode(last) + text, add_special_tokens=False)
+            if both[:1] == last:
+                return both[1:]
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _jump(self, job: ThinkerJob, width: int) -> FinishReason | None:
         """Jump-forward decoding: while its grammar allows one token only (Matcher.forced), the

@@ -143,6 +143,7 @@ class Matcher:
         self.words = words
         self._next: torch.Tensor | None = None   # [1, words]: the mask of the current state, once `forced` filled it
         self._deferred: int | None = None        # a token to accept before the next use (`defer`)
+        self._string: str | None = None          # the current state's forced string, once `forced` asked
         self.refused = False                     # a deferred token was not allowed: the reply is broken
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
@@ -160,7 +161,7 @@ class Matcher:
         self._settle()
         ok = not self.refused and self.m.accept_token(token)
         if ok:
-            self._next = None
+            self._next = self._string = None
         return ok
 
     def defer(self, token: int) -> None:
@@ -175,7 +176,7 @@ class Matcher:
         if self._deferred is not None:
             token, self._deferred = self._deferred, None
             if self.m.accept_token(token):
-                self._next = None
+                self._next = self._string = None
             else:
                 self.refused = True
 
@@ -185,7 +186,11 @@ class Matcher:
         it, whatever the logits. The library's forced string (cheap) rules most states out before
         the mask is filled; a filled mask is kept for the next `fill` of this state."""
         self._settle()
-        if self.refused or not self.m.find_jump_forward_string():
+        if self.refused:
+            return None
+        if self._string is None:
+            self._string = self.m.find_jump_forward_string()
+        if not self._string:
             return None
         if self._next is None:
             self._next = torch.empty(1, self.words, dtype=torch.int32)
@@ -198,6 +203,17 @@ class Matcher:
         if bits & (bits - 1):
             return None
         return int(words[0]) * 32 + bits.bit_length() - 1
+
+    def forced_string(self) -> str:
+        """The text the grammar forces next whatever the choice ("" when the next character is a
+        choice): after `forced` gave None, a text that more than one spelling can write (engine._draft
+        drafts the tokenizer's own)."""
+        self._settle()
+        if self.refused:
+            return ""
+        if self._string is None:
+            self._string = self.m.find_jump_forward_string()
+        return self._string
 
     @property
     def done(self) -> bool:

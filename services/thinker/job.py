@@ -68,6 +68,10 @@ class ThinkerJob(EngineRequest):
     ahead: int = 0                          # reply tokens forced by its grammar after the last one sampled
                                             # (engine._jump): without keys, like that one, until the next
                                             # step feeds them all (runner.feed)
+    draft: list[int] = field(default_factory=list)   # tokens drafted after the last one (engine._draft:
+                                            # the grammar's forced text as the tokenizer spells it), fed
+                                            # with the next step and accepted while the model's own
+                                            # choice equals them; no keys, never part of `generated`
     generator: torch.Generator | None = None
     text: ReplyText | None = None           # its tokens on their way out (the engine's; made at the first token)
     stream_text: StreamText | None = None   # the text the engine left out (the servicer's, on the event loop)

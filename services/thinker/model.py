@@ -163,9 +163,16 @@ class ThinkerModel(nn.Module):
         return x
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
-                keep_hidden: int | None = None, last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                keep_hidden: int | None = None, last: torch.Tensor | None = None,
+                head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """embeds [B, S, H] -> (logits [B, V] at each sequence's last position, kept hidden state
-        [B, S, H] or None). `last` [B]: those positions in a right-padded batch (default S - 1)."""
+        [B, S, H] or None). `last` [B]: those positions in a right-padded batch (default S - 1);
+        [B, K]: K positions of each sequence, logits [B, K, V] (a draft's verify: runner.feed).
+        Without `head`: the final hidden states at those positions [.., H], not their logits."""
         h, kept = self.model(embeds, positions, cache, keep_hidden=keep_hidden)
-        h = h[:, -1] if last is None else h[torch.arange(h.shape[0], device=h.device), last]
-        return self.lm_head(h), kept
+        if last is None:
+            h = h[:, -1]
+        else:
+            rows = torch.arange(h.shape[0], device=h.device)
+            h = h[rows if last.dim() == 1 else rows[:, None], last]
+        return (self.lm_head(h) if head else h), kept

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..runtime.config import ThinkerConfig
-from ..runtime.cuda_graphs import GraphedStep, buckets, captured, graphs_available
+from ..runtime.cuda_graphs import GraphedStep, buckets, captured, fine_buckets, graphs_available
 from ..runtime.extend import ExtendRows, capture_extend, extend_forward
 from ..runtime.warm import packed_shapes, warm_packed, warm_sampling
 from ..runtime import metrics
@@ -43,6 +43,9 @@ from .model import ThinkerModel
 from .streamed import streamed_rows
 
 log = logging.getLogger(__name__)
+
+DRAFT_TOKENS = 16      # a draft's tokens at most (engine._draft)
+VERIFY_TOKENS = 32     # a verify graph's new tokens a row: a forced run's, its last sampled token and a draft
 
 
 def assistant_start(cfg: ThinkerConfig, ids: torch.Tensor | np.ndarray) -> int:
@@ -214,7 +217,7 @@ class ThinkerRunner:
         self._mask_host = self._rows_host = None    # constrained rows' bitmasks (_grammar_masks)
         with torch.inference_mode():
             self.tts_special = model.model.embed_tokens(special).cpu()
-            self.graphs = self.prefill_graphs = self.extend_graphs = None
+            self.graphs = self.prefill_graphs = self.extend_graphs = self.verify_graphs = None
             if cuda_graphs and graphs_available(device):
                 self._capture(max_active, min(decode_graph_len or max_len, max_len), min(prefill_graph_len, max_len),
                               eager_fallback)
@@ -276,6 +279,19 @@ class ThinkerRunner:
         self.extend_graphs = capture_extend("thinker extend",
                                             lambda *args: self._extend_fn(*args, keep=self.cfg.accept_hidden_layer),
                                             n, prefill_len, h, dtype, self.cache, self.extend_width, eager_fallback)
+        # drafts' verifies (runner.feed): up to VERIFY_TOKENS new tokens a row, the final hidden states
+        # at its last 1 + DRAFT_TOKENS positions (last [n, 1 + DRAFT_TOKENS]; a shorter draft repeats its
+        # last), whose logits the verify computes for the positions it reads; in the extend graphs' pool
+        # (never replayed together), so only their outputs ([n, 1 + DRAFT_TOKENS, H]) are memory of their own
+        self.verify_graphs = captured("thinker verify", lambda: GraphedStep(
+            lambda *args: self._extend_fn(*args, head=False)[:1],
+            (torch.zeros(n, VERIFY_TOKENS, h, dtype=dtype, device=dev),
+             *(torch.zeros(n, dtype=torch.long, device=dev) for _ in range(2)),
+             torch.zeros(n, 1 + DRAFT_TOKENS, dtype=torch.long, device=dev),
+             torch.full((n, self.extend_width), null, dtype=torch.long, device=dev)),
+            fine_buckets(n, 1, 2), buckets(VERIFY_TOKENS, 8), "thinker verify", pad=(None, 0, 0, 0, null),
+            pool=self.extend_graphs.pool if self.extend_graphs is not None else None),
+            eager_fallback=True)     # none: the engine drafts nothing (an eager verify costs more than it saves)
 
     def _prefill_fn(self, n: int, s: int, embeds: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
                     keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -287,13 +303,14 @@ class ThinkerRunner:
 
     def _extend_fn(self, n: int, s: int, embeds: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
                    last: torch.Tensor, tables: torch.Tensor, keep: int | None = None,
-                   kv_bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   kv_bound: int | None = None, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompts going on from their cached prefixes: row b's length[b] new tokens ([n, >= s, H],
         right-padded to s) at positions start[b] ..., into its blocks (tables [n, M]); logits [n, V]
         at each row's `last` new token, and the `keep` hidden layer if asked. `kv_bound`: how far
-        any row reaches (default the context)."""
+        any row reaches (default the context). Without `head`: the final hidden states at `last`
+        instead of logits."""
         return extend_forward(self.model, self.cache, s, embeds, start, length, tables, kv_bound or self.max_len,
-                              keep_hidden=keep, last=last)
+                              keep_hidden=keep, last=last, head=head)
 
     def _decode_fn(self, n: int, kv_len: int, ids: torch.Tensor, start: torch.Tensor,
                    tables: torch.Tensor) -> tuple[torch.Tensor]:
@@ -337,9 +354,13 @@ class ThinkerRunner:
         return True
 
     def grow(self, job: ThinkerJob) -> bool:
-        """Blocks for the job's next decode position (a forced run: its positions); False (nothing
-        taken) when none is free."""
-        return self.blocks.grow(job.table, job.kv_tokens + job.ahead + 1)
+        """Blocks for the job's next decode position (a forced run: its positions; a draft: its
+        positions too, if the pool has them, else the draft is dropped: it never preempts); False
+        (nothing taken) when none is free."""
+        need = job.kv_tokens + job.ahead + 1
+        if job.draft and not self.blocks.grow(job.table, need + len(job.draft)):
+            job.draft = []
+        return self.blocks.grow(job.table, need)
 
     def publish(self, job: ThinkerJob) -> None:
         """Publish the job's full blocks whose keys are computed (after a step whose outputs were finite)."""
@@ -357,6 +378,7 @@ class ThinkerRunner:
     def release(self, job: ThinkerJob) -> None:
         """Give the job's blocks back (published ones stay findable) and drop its prefill state."""
         job.embeds, job.embeds_from, job.kept, job.cached_rows = None, 0, [], {}
+        job.draft = []
         if job.table is not None:
             self.publish(job)
             self.blocks.release(job.table, trusted=job.kv_trusted)
@@ -368,6 +390,7 @@ class ThinkerRunner:
         prompt and its reply but the last token) before decoding on, its output unchanged."""
         self.release(job)
         job.prefilled, job.ahead = 0, 0      # a forced run is part of the context prefilled again
+        job.draft = []
         # the reply but its last token (decoded again); before its first outputs, all of a forced opening
         job.prefill_target = len(job.prompt) + max(len(job.generated) - (job.text is not None), 0)
         self.blocks.stats.preempted += 1
@@ -388,7 +411,7 @@ class ThinkerRunner:
             own = job.table.blocks[job.table.cached_tokens // self.blocks.block_size:]
             self.cache.scrub(own)
         self.audio.forget(job.audio_digests or [])
-        for graphs in (self.graphs, self.prefill_graphs, self.extend_graphs):
+        for graphs in (self.graphs, self.prefill_graphs, self.extend_graphs, self.verify_graphs):
             if graphs is not None:
                 graphs.scrub()
 
@@ -572,18 +595,57 @@ class ThinkerRunner:
         logits, hidden = self.model(x, step.positions(dev), view, keep_hidden=keep, last=step.ends(dev))
         return logits, hidden, [(0, slice(sg.offset, sg.offset + sg.length)) for sg in step.segments], view.paths
 
-    def feed(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
+    def feed(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor, torch.Tensor | None]:
         """The decode forward of jobs with a forced run (`ahead` > 0: their last 1 + ahead reply
-        tokens have no keys): those tokens at once, one extend forward; the jobs (`ahead` 0 now) and
-        their logits [len(jobs), V] at their last token, as a decode step per token would end."""
+        tokens have no keys) or a draft (`draft`: tokens after the last, to verify): those tokens,
+        then the draft's, at once, one extend forward; the jobs (`ahead` 0 now, `draft` kept for the
+        engine's verify) and their logits [len(jobs), V] at their last token, as a decode step per
+        token would end, and with drafts the logits [sum of the drafts' lengths, V] at each drafted
+        token, the jobs' in order (else None). A draft's keys past the tokens its verify accepts are
+        never read: the next forward writes those positions before anything attends to them. With
+        verify graphs, a draft is cut to what fits VERIFY_TOKENS (none left: dropped)."""
+        if self.verify_graphs is not None and len(jobs) <= self.verify_graphs.batch_sizes[-1]:
+            for job in jobs:
+                job.draft = job.draft[:max(VERIFY_TOKENS - job.ahead - 1, 0)]
         parts = []
         for job in jobs:
-            ids = torch.tensor(job.generated[-(job.ahead + 1):]).to(self.device, non_blocking=True)
+            ids = torch.tensor(job.generated[-(job.ahead + 1):] + job.draft).to(self.device, non_blocking=True)
             parts.append((job, self.model.model.embed_tokens(ids), job.kv_tokens))
-        logits, _, _, _ = self._extend(parts, None)
+        drafts = None
+        if not any(job.draft for job in jobs):
+            logits, _, _, _ = self._extend(parts, None)
+        else:
+            logits, drafts = self._verify(parts)
         for job in jobs:
             job.ahead = 0
-        return jobs, logits
+        return jobs, logits, drafts
+
+    def _verify(self, parts: list[tuple[ThinkerJob, torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_extend` of rows that end with drafts: the logits [n, V] at each row's token before its
+        draft, and [sum of the drafts' lengths, V] at each drafted token (rows in order). A verify
+        graph when one fits, else packed into one row, eager."""
+        dev, jobs = self.device, [job for job, _, _ in parts]
+        g = self.verify_graphs
+        longest = max(x.shape[0] for _, x, _ in parts)
+        if g is not None and g.fits(len(parts), longest):
+            rows = ExtendRows.of([(x, start) for _, x, start in parts], dev)
+            at = [[x.shape[0] - 1 - len(job.draft) + min(k, len(job.draft)) for k in range(1 + DRAFT_TOKENS)]
+                  for job, x, _ in parts]
+            (hidden,) = g(len(parts), longest, rows.x, rows.start, rows.length, torch.tensor(at).to(dev, non_blocking=True),
+                          self._tables(jobs, self.blocks.blocks_for(rows.reach)))     # [n, 1 + DRAFT_TOKENS, H]
+            # each row's last token, then each drafted token, rows in order
+            pick = [(b, 0) for b in range(len(jobs))] + [(b, 1 + k) for b, job in enumerate(jobs)
+                                                         for k in range(len(job.draft))]
+            b, k = torch.tensor(pick).T.to(dev, non_blocking=True)
+            every = self.model.lm_head(hidden[b, k])
+            return every[:len(jobs)], every[len(jobs):]
+        step = PagedPackedStep.pack([(job.table.blocks, start, x.shape[0]) for job, x, start in parts])
+        ends = [sg.offset + sg.length - 1 for sg in step.segments]
+        at = [e - len(job.draft) for e, job in zip(ends, jobs)]
+        at += [e - len(job.draft) + 1 + k for e, job in zip(ends, jobs) for k in range(len(job.draft))]
+        x = torch.cat([x for _, x, _ in parts])[None]
+        every, _ = self.model(x, step.positions(dev), self.cache.packed(step), last=torch.tensor(at).to(dev, non_blocking=True))
+        return every[:len(jobs)], every[len(jobs):]
 
     def decode(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
         """One decode forward over `jobs` (each with a token to feed and a block for its position:
