@@ -153,6 +153,79 @@ def test_sample_blocks_are_the_convolution_in_fixed_calls():
                                                  torch.device("cpu"))
 
 
+def _exact_conv(conv):
+    def exact(block):       # each sample alone, in float64
+        return torch.cat([F.conv1d(v[None].double(), conv.weight.double(), conv.bias.double(),
+                                   dilation=conv.dilation) for v in block]).float()
+    return exact
+
+
+def test_sample_blocks_take_proven_spans_in_one_call():
+    """`sample_blocks` with spans (sample counts `samples_spans` proved): the padded samples go
+    largest span first while that many are left, the rest GPU_SAMPLES at a time; the convolution's
+    values for any batch."""
+    g = torch.Generator().manual_seed(9)
+    conv = torch.nn.Conv1d(4, 3, 3, dilation=2).requires_grad_(False)
+    s = determinism.GPU_SAMPLES
+    x = torch.randn(7 * s + 2, 4, 20, generator=g)
+    calls = []
+
+    def counted(block):
+        calls.append(block.shape[0])
+        return conv(block)
+
+    with torch.no_grad():
+        for b, want in ((1, [s]), (s, [s]), (2 * s, [2 * s]), (3 * s - 1, [2 * s, s]), (4 * s, [4 * s]),
+                        (5 * s + 1, [4 * s, 2 * s]), (7 * s + 2, [4 * s, 4 * s])):
+            calls.clear()
+            got = determinism.sample_blocks(x[:b], counted, (4 * s, 2 * s))
+            assert calls == want, (b, calls)
+            assert torch.allclose(got, conv(x[:b]), atol=1e-5, rtol=1e-5), b
+
+
+def test_spans_check_keeps_only_calls_that_keep_a_samples_bits():
+    """`samples_spans` (what the mode runs per convolution shape after `samples_invariant`): every count
+    of SAMPLE_SPANS whose one call gives each sample its GPU_SAMPLES-sample call's bits; a count whose
+    call moves one position's bits, or that raises, is left out (its samples keep GPU_SAMPLES-sample
+    calls); and `conv_plan` (the decision `_cudnn_samples` remembers per shape): None (the Triton path)
+    where the GPU_SAMPLES-sample calls themselves fail, the proven spans otherwise."""
+    conv = torch.nn.Conv1d(6, 5, 3, dilation=2).requires_grad_(False)
+    exact = _exact_conv(conv)
+    cpu, shape = torch.device("cpu"), (6, 30)
+    spans = tuple(n for n in determinism.SAMPLE_SPANS if n > determinism.GPU_SAMPLES)
+    assert spans == (64, 32)
+    with torch.no_grad():
+        assert determinism.samples_spans(exact, shape, torch.float32, cpu) == spans
+        assert determinism.conv_plan(exact, shape, torch.float32, cpu) == spans
+
+        def moved(block):           # the 64-sample call: its place 37 (odd) moves
+            out = exact(block)
+            if block.shape[0] == 64:
+                out[37] += 1e-3
+            return out
+
+        assert determinism.samples_spans(moved, shape, torch.float32, cpu) == (32,)
+        assert determinism.conv_plan(moved, shape, torch.float32, cpu) == (32,)
+
+        def refused(block):         # a larger call that does not run at all
+            if block.shape[0] > determinism.GPU_SAMPLES:
+                raise RuntimeError("no such call")
+            return exact(block)
+
+        assert determinism.samples_spans(refused, shape, torch.float32, cpu) == ()
+        assert determinism.conv_plan(refused, shape, torch.float32, cpu) == ()
+        # the 16-sample calls move with the batch: no cuDNN at all, whatever the larger calls do
+        assert determinism.conv_plan(lambda block: exact(block) + block.mean(), shape, torch.float32, cpu) is None
+
+
+def test_graph_batches_are_cuda_only_and_a_subset():
+    """`batches_graphed` (the captured launches' proof) is a CUDA check: off CUDA nothing is kept, so a
+    captured `rows_linear` (CUDA only) never takes a launch that was not proven in a graph."""
+    w = torch.randn(16, 8)
+    assert determinism.batches_graphed(w, None, ((4, "mm"), (2, "bmm"))) == ()
+    assert determinism.batches_graphed(w, None, ()) == ()
+
+
 def test_an_unknown_gpu_path_is_refused(monkeypatch):
     """VOXPIPE_INVARIANT_MATMUL / VOXPIPE_INVARIANT_CONV (read at import into determinism.GPU_MATMUL /
     GPU_CONV) other than their values: apply refuses, naming the variable and the values."""
