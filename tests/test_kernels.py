@@ -1008,6 +1008,11 @@ def check_invariant_convs(device: str) -> list[dict]:
             alone = torch.cat([c(x[i:i + 1]) for i in range(3)])
             out.append(_exact_record(f"{tag}: samples alone = in a batch", alone, got))
             out.append(_exact_record(f"{tag}: samples moved", c(x.flip(0)), got.flip(0)))
+            if x.is_cuda:   # past GPU_SAMPLES: the larger cuDNN calls where proven (determinism.SAMPLE_SPANS)
+                big = torch.randn(70, 8, 25, generator=g).to(device, dt)
+                picks = [0, 17, 33, 63, 64, 69]
+                alone = torch.cat([c(big[i:i + 1]) for i in picks])
+                out.append(_exact_record(f"{tag}: 70 samples: alone = in the batch", alone, c(big)[picks]))
     return out
 
 
