@@ -24,12 +24,15 @@ process keeps the default path, exactly as fast as before):
   fails it, or for every layer with VOXPIPE_INVARIANT_MATMUL=triton. A prefill's many GPU_ROWS-row
   blocks go several to a launch (one GEMM of their rows, or a strided-batched GEMM) wherever
   `batches_invariant` found, per layer shape and per block count, that every row keeps the bits of
-  its GPU_ROWS-row call; elsewhere one call a block;
+  its GPU_ROWS-row call; elsewhere one call a block; inside a CUDA graph capture only the launches
+  `batches_graphed` also proved replayed in a graph;
 - convolutions (`InvariantConv1d` / `InvariantConvTranspose1d`): depthwise ones as ordered taps, the
   others on CUDA as cuDNN calls of exactly GPU_SAMPLES samples (`sample_blocks`: zero-padded,
   aligned; cudnn.deterministic, no benchmarking, so one algorithm per shape), each (layer, input)
   shape checked at its first call (`samples_invariant`: a sample at every position of two calls
-  among random ones) -- or as im2col rows through the invariant matmul, all samples at once, where
+  among random ones, and in a CUDA graph), then one call of 64 or 32 samples where `samples_spans`
+  proved it gives every sample its 16-sample call's bits (eager and in a CUDA graph; fewer launches
+  for a large batch) -- or as im2col rows through the invariant matmul, all samples at once, where
   that fails or with VOXPIPE_INVARIANT_CONV=triton; elsewhere one sample at a time;
 - silu and sigmoid take `silu` / `sigmoid` below (one formula for every element); on the kernel path
   a fused gate/up projection's SwiGLU is kernels.glu (one program per row and column block, the
