@@ -21,7 +21,9 @@ on what else is in its batch. Per shape, random weights (and bias where the laye
                  CUDA graphs with both plans (the prefill / extend / code2wav frame graphs) = alone
     us           per call at 64 rows inside one CUDA graph, each call another copy of the weight (from
                  HBM as in a step): F.linear (the default mode), rows_linear (the mode) and
-                 kernels.invariant.matmul (the mode's Triton kernel, VOXPIPE_INVARIANT_MATMUL=triton)
+                 kernels.invariant.matmul (the mode's Triton kernel, VOXPIPE_INVARIANT_MATMUL=triton);
+                 `f_linear_rows_us`: F.linear at 128 and 256 rows a call, the same way (what one larger
+                 fixed call would cost against 2 or 4 of 64 rows)
     prefill_us   per eager call at PREFILL_TIME_ROWS rows (one weight, as in a prefill): F.linear, the
                  64-row calls one by one (det4), and rows_linear with the batched plan
 
@@ -47,6 +49,7 @@ STAGES = ("thinker", "talker", "code2wav")
 PREFILL_ROWS = (65, 100, 128, 200, 2437, 4096)
 PREFILL_TIME_ROWS, PREFILL_REPS = 4096, 5
 CALLS, COPIES_MB = 16, 160
+WIDE_ROWS = (128, 256)
 
 
 def stage_linears(stages: tuple[str, ...]) -> dict[tuple[int, int, bool, torch.dtype], list[str]]:
@@ -140,7 +143,12 @@ def times(k: int, n: int, has_bias: bool, dtype: torch.dtype) -> dict[str, float
     x = torch.randn(determinism.GPU_ROWS, k, device=dev).to(dtype)
     ws = [weights[i % copies] for i in range(CALLS)]
     tf32 = torch.backends.cuda.matmul.allow_tf32
+    wide = {}
+    for rows in WIDE_ROWS:      # F.linear at more rows a call: what a larger fixed call would cost
+        xw = torch.randn(rows, k, device=dev).to(dtype)
+        wide[str(rows)] = round(graphed([lambda w=w, xw=xw: F.linear(xw, w, bias) for w in ws]), 2)
     return {"f_linear_us": round(graphed([lambda w=w: F.linear(x, w, bias) for w in ws]), 2),
+            "f_linear_rows_us": wide,
             "rows_linear_us": round(graphed([lambda w=w: determinism.rows_linear(x, w, bias) for w in ws]), 2),
             "triton_us": round(graphed([lambda w=w: invariant.matmul(x, w, bias, tf32=tf32) for w in ws]), 2)}
 

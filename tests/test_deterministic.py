@@ -46,6 +46,41 @@ def test_rows_linear_is_the_linear_in_fixed_calls():
     assert determinism.rows_linear(x[:70].view(7, 10, 24), w, b).shape == (7, 10, 40)
 
 
+def test_padded_rows_copy_the_rows_then_exact_zeros():
+    """`padded_rows` (rows_linear's padding to whole GPU_ROWS-row calls): the rows, then zero rows, in a
+    new contiguous buffer, the same bits through the persistent zero rows (one cat) as through the
+    two-launch fill (the path inside a CUDA graph capture before the zeros exist: here reached by
+    more padding than the zero block holds); the zero block is never written; strided rows and
+    bfloat16 too; rows_linear's outputs equal F.linear's on the zero-padded rows."""
+    g = torch.Generator().manual_seed(10)
+    rows_n = determinism.GPU_ROWS
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2 * rows_n + 5, 24, generator=g).to(dtype)
+        for m, padded in ((1, rows_n), (rows_n - 1, rows_n), (rows_n + 5, 2 * rows_n), (3, 3)):
+            got = determinism.padded_rows(x[:m], padded)
+            want = torch.zeros(padded, 24, dtype=dtype)
+            want[:m] = x[:m]
+            assert got.is_contiguous() and got.dtype == dtype and torch.equal(got, want), (m, padded)
+        zeros = determinism._ZERO_ROWS[((24,), dtype, torch.device("cpu"), rows_n)]
+        assert zeros.shape == (rows_n, 24) and not zeros.any()
+        far = determinism.padded_rows(x[:2], rows_n + 10)                  # past the zero block: the fill
+        assert torch.equal(far[:2], x[:2]) and not far[2:].any() and far.shape == (rows_n + 10, 24)
+        strided = torch.randn(24, 9, generator=g).to(dtype).t()
+        got = determinism.padded_rows(strided, rows_n)
+        assert got.is_contiguous() and torch.equal(got[:9], strided) and not got[9:].any()
+        assert not zeros.any()
+    s = determinism.GPU_SAMPLES                                              # sample_blocks' padding
+    samples = torch.randn(s + 2, 3, 7, generator=g)
+    got = determinism.padded_rows(samples[:, :, ::2], 2 * s, s)
+    assert got.is_contiguous() and torch.equal(got[:s + 2], samples[:, :, ::2]) and not got[s + 2:].any()
+    w = torch.randn(40, 24, generator=g)
+    x = torch.randn(rows_n + 3, 24, generator=g)
+    block = torch.zeros(2 * rows_n, 24)
+    block[:rows_n + 3] = x
+    want = torch.cat([torch.mm(b, w.t()) for b in block.split(rows_n)])[:rows_n + 3]
+    assert torch.equal(determinism.rows_linear(x, w), want)
+
+
 def test_rows_check_finds_a_row_that_depends_on_its_position(monkeypatch):
     """`rows_invariant` (what `apply` runs per CUDA layer shape before it lets cuBLAS row calls serve)
     tells a row-wise computation from one whose row bits move with the row's position or with the

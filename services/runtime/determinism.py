@@ -163,10 +163,7 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m, k = rows.shape
     padded = -(-m // GPU_ROWS) * GPU_ROWS
     if padded != m or not rows.is_contiguous() or rows.data_ptr() % ALIGN:
-        buf = rows.new_empty(padded, k)
-        buf[:m].copy_(rows)
-        buf[m:].zero_()
-        rows = buf
+        rows = padded_rows(rows, padded)
     out = rows.new_empty(padded, weight.shape[0])
     wt = weight.t()
     i = 0
@@ -184,6 +181,36 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         else:
             torch.addmm(bias, rows[i:i + GPU_ROWS], wt, out=out[i:i + GPU_ROWS])
     return out[:m].view(*shape[:-1], weight.shape[0])
+
+
+# zero blocks (GPU_ROWS rows of a linear's input width, or GPU_SAMPLES samples of a convolution's input
+# shape) per (shape, dtype, device), made outside any CUDA graph capture and never written:
+# `padded_rows` copies the padding from them (one per linear input width; one per convolution shape
+# that takes cuDNN sample calls, at most CONV_SHAPES_MAX)
+_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def padded_rows(rows: torch.Tensor, padded: int, block: int = GPU_ROWS) -> torch.Tensor:
+    """rows [m, ...] (m <= padded < m + block) followed by padded - m zero rows, in a new contiguous
+    buffer (from the caching allocator: 512-byte aligned): one launch (a cat with a persistent block
+    of `block` zero rows) where the zeros exist -- made at the first call outside a CUDA graph capture
+    (each engine's eager warm-up runs before its capture) -- else the buffer filled in two (a copy and
+    a zero fill), as before. The same bits either way."""
+    m, rest = rows.shape[0], tuple(rows.shape[1:])
+    if padded == m:
+        buf = rows.new_empty(padded, *rest)
+        buf.copy_(rows)
+        return buf
+    key = (rest, rows.dtype, rows.device, block)
+    zeros = _ZERO_ROWS.get(key)
+    if zeros is None and not (rows.is_cuda and torch.cuda.is_current_stream_capturing()):
+        zeros = _ZERO_ROWS[key] = rows.new_zeros(block, *rest)
+    if zeros is not None and padded - m <= block:
+        return torch.cat((rows, zeros[:padded - m])).contiguous()
+    buf = rows.new_empty(padded, *rest)
+    buf[:m].copy_(rows)
+    buf[m:].zero_()
+    return buf
 
 
 ROW_BATCHES = (64, 32, 16, 8, 4, 2)    # CUDA: GPU_ROWS-row blocks per launch a prefill may take (checked)
@@ -393,10 +420,7 @@ def sample_blocks(x: torch.Tensor, run, spans: tuple[int, ...] = ()) -> torch.Te
     b = x.shape[0]
     padded = -(-b // GPU_SAMPLES) * GPU_SAMPLES
     if padded != b or not x.is_contiguous() or x.data_ptr() % ALIGN:
-        buf = x.new_empty(padded, *x.shape[1:])
-        buf[:b].copy_(x)
-        buf[b:].zero_()
-        x = buf
+        x = padded_rows(x, padded, GPU_SAMPLES)
     outs, i = [], 0
     for span in spans:
         while padded - i >= span:
