@@ -310,6 +310,13 @@ def test_experts_tokens_do_not_depend_on_the_others():
         assert torch.allclose(full, ex.looped(x, idx, w), atol=1e-5)
         assert torch.equal(ex(x[:1], idx[:1], w[:1]), full[:1])
         assert torch.equal(ex(x.flip(0), idx.flip(0), w.flip(0)), full.flip(0))
+        # with a shared expert's rows and gate logits: its gated add, per token
+        shared, logit = torch.randn(40, 64, generator=g), torch.randn(40, 1, generator=g)
+        both = ex(x, idx, w, shared, logit)
+        assert torch.equal(both, full + determinism.sigmoid(logit) * shared)
+        assert torch.allclose(both, ex.looped(x, idx, w) + torch.sigmoid(logit) * shared, atol=1e-5)
+        assert torch.equal(ex(x[5:6], idx[5:6], w[5:6], shared[5:6], logit[5:6]), both[5:6])
+        assert torch.equal(ex(x.flip(0), idx.flip(0), w.flip(0), shared.flip(0), logit.flip(0)), both.flip(0))
 
 
 def test_flag_reaches_every_stage_from_up_and_the_bench():

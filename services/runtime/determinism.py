@@ -725,15 +725,22 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return out.to(q.dtype).reshape(b, hq, s, d)
 
 
-def experts(module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+def experts(module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, shared: torch.Tensor | None = None,
+            shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """`layers.Experts`'s routed sum [T, H] with each token's bits independent of the others: on CUDA
     one fixed-tile grouped GEMM per projection (kernels.invariant.grouped); elsewhere each expert's
-    rows through `linear`; the k weighted outputs summed in the token's own expert order."""
+    rows through `linear`; the k weighted outputs summed in the token's own expert order; then, with a
+    shared expert's rows `shared` [T, H] and gate logits [T, 1], + sigmoid(logit) * shared -- on the
+    kernel path in the weighted sum's launch (one program per token and column block: the same
+    computation for every token; it took 3 more launches), else as three elementwise ops."""
     t, k = top_idx.shape
     if kernels.active(x) and kernels.invariant.moe_eligible(x, top_idx, module.gate_up, module.down):
         y = kernels.invariant.moe(x, top_idx, module.gate_up, module.down)           # [T * K, H] pair order
+        if kernels.invariant.weighted_sum_eligible(y, top_w, shared, shared_logit):   # one launch
+            return kernels.invariant.weighted_sum(y, top_w, shared, shared_logit)
         if kernels.invariant.weighted_sum_eligible(y, top_w):     # the sum below in one launch, same bits
-            return kernels.invariant.weighted_sum(y, top_w)
+            out = kernels.invariant.weighted_sum(y, top_w)
+            return out if shared is None else out + sigmoid(shared_logit) * shared
     else:
         y = x.new_empty(t * k, x.shape[1])
         flat = top_idx.reshape(-1)
@@ -746,7 +753,8 @@ def experts(module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor)
                 gate, up = linear(x[pairs // k], module.gate_up[expert]).chunk(2, dim=-1)
                 y[pairs] = linear(silu(gate) * up, module.down[expert])
                 start += n
-    return ordered_sum(y.view(t, k, -1) * top_w[..., None].to(y.dtype), 1)    # top-k rank order
+    out = ordered_sum(y.view(t, k, -1) * top_w[..., None].to(y.dtype), 1)    # top-k rank order
+    return out if shared is None else out + sigmoid(shared_logit) * shared
 
 
 _CLASSES = {nn.Linear: InvariantLinear, nn.Conv1d: InvariantConv1d, nn.ConvTranspose1d: InvariantConvTranspose1d}
