@@ -12,7 +12,8 @@ compiles, allocator growth), so `batch_s` is a warm batch in either mode; per st
 at c is its batched wall time over the default mode's, minus 1. One JSON line per stage and mode (on
 CUDA with `linears`: how many of the stage's nn.Linear layers took cuBLAS row calls and how many
 the Triton kernel, determinism.LINEAR_PATHS, "batched": how many of the cuBLAS ones may put several
-blocks of a prefill in one launch, "graph_batched": how many may also inside CUDA graphs; `rows_check_s`: the seconds their start-up checks took; `conv_shapes`: how many of its convolutions' (layer,
+blocks of a prefill in one launch, "graph_batched": how many may also inside CUDA graphs;
+`rows_check_s`: the seconds their start-up checks took; `conv_shapes`: how many of its convolutions' (layer,
 input) shapes took cuDNN sample calls and how many the Triton path, determinism.CONV_SHAPES, and of
 the cuDNN ones "spans_N": how many take calls of up to N samples, determinism.CONV_SPANS).
 `--modes` may add `deterministic-triton`: the mode with every CUDA linear and convolution through the

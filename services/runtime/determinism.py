@@ -300,7 +300,8 @@ def batches_graphed(weight: torch.Tensor, bias: torch.Tensor | None, plan: tuple
         try:
             static = torch.zeros(span, k, dtype=weight.dtype, device=dev)
             out = torch.empty(span, n, dtype=weight.dtype, device=dev)
-            run = lambda x, blocks=blocks, how=how, out=out: _row_batch(x, weight.t(), bias, out, blocks, how)  # noqa: E731
+            def run(x: torch.Tensor, blocks=blocks, how=how, out=out) -> None:
+                _row_batch(x, weight.t(), bias, out, blocks, how)
 
             def fill(parity: int):
                 def at(x: torch.Tensor) -> None:
