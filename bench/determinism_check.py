@@ -12,8 +12,10 @@ compiles, allocator growth), so `batch_s` is a warm batch in either mode; per st
 at c is its batched wall time over the default mode's, minus 1. One JSON line per stage and mode (on
 CUDA with `linears`: how many of the stage's nn.Linear layers took cuBLAS row calls and how many
 the Triton kernel, determinism.LINEAR_PATHS, "batched": how many of the cuBLAS ones may put several
-blocks of a prefill in one launch; `rows_check_s`: the seconds their start-up checks took; `conv_shapes`: how many of its convolutions' (layer,
-input) shapes took cuDNN sample calls and how many the Triton path, determinism.CONV_SHAPES).
+blocks of a prefill in one launch, "graph_batched": how many may also inside CUDA graphs;
+`rows_check_s`: the seconds their start-up checks took; `conv_shapes`: how many of its convolutions' (layer,
+input) shapes took cuDNN sample calls and how many the Triton path, determinism.CONV_SHAPES, and of
+the cuDNN ones "spans_N": how many take calls of up to N samples, determinism.CONV_SPANS).
 `--modes` may add `deterministic-triton`: the mode with every CUDA linear and convolution through the
 Triton kernels (VOXPIPE_INVARIANT_MATMUL=triton VOXPIPE_INVARIANT_CONV=triton), as before.
 
@@ -294,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  args.warm))
             checked = [ok for key, ok in determinism.CONV_SHAPES.items() if key not in conv_keys]
             convs = {"cudnn": sum(checked), "triton": len(checked) - sum(checked)} if checked else {}
+            for key, spans in determinism.CONV_SPANS.items():     # the cuDNN shapes' larger calls
+                if key not in conv_keys and determinism.CONV_SHAPES.get(key):
+                    name = f"spans_{max(spans)}" if spans else f"spans_{determinism.GPU_SAMPLES}"
+                    convs[name] = convs.get(name, 0) + 1
             line = {"stage": stage, "mode": mode, "concurrency": args.concurrency, "device": args.device,
                     **({"linears": linears} if linears else {}), **({"conv_shapes": convs} if convs else {}),
                     **({"rows_check_s": round(check_s, 2)} if check_s else {}),

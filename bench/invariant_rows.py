@@ -8,16 +8,22 @@ on what else is in its batch. Per shape, random weights (and bias where the laye
                  CUDA graphs of 64 rows and of 1 row
     batches      `determinism.batches_invariant`, what `apply` runs next: the block counts (and launch
                  kind, "mm" one GEMM / "bmm" strided-batched) a prefill may put in one launch, each
-                 found to keep every row's 64-row-call bits; `check_s`: both checks' seconds
+                 found to keep every row's 64-row-call bits
+    graph_batches `determinism.batches_graphed`, what `apply` runs last: those of `batches` that also
+                 hold replayed in a CUDA graph (the only ones a captured call takes); `check_s`: the
+                 three checks' seconds
     buckets      the target at a random position of a batch of every size n = 1 .. 64 of random rows,
                  through a GraphedStep captured at the decode buckets 1, 2, 4, .. 64 (a replay pads n to
                  its bucket, as the engines' decode steps do) = the target alone, eager
     prefill      the target at a random position of eager batches of 65, 100, 128, 200, 2,437 and 4,096
                  rows (several calls: prefills, extends, code2wav's frames), with the shape's batched
-                 plan as `apply` sets it = alone
+                 plan as `apply` sets it = alone; and of batches of 128, 256 and 2,437 rows captured in
+                 CUDA graphs with both plans (the prefill / extend / code2wav frame graphs) = alone
     us           per call at 64 rows inside one CUDA graph, each call another copy of the weight (from
                  HBM as in a step): F.linear (the default mode), rows_linear (the mode) and
-                 kernels.invariant.matmul (the mode's Triton kernel, VOXPIPE_INVARIANT_MATMUL=triton)
+                 kernels.invariant.matmul (the mode's Triton kernel, VOXPIPE_INVARIANT_MATMUL=triton);
+                 `f_linear_rows_us`: F.linear at 128 and 256 rows a call, the same way (what one larger
+                 fixed call would cost against 2 or 4 of 64 rows)
     prefill_us   per eager call at PREFILL_TIME_ROWS rows (one weight, as in a prefill): F.linear, the
                  64-row calls one by one (det4), and rows_linear with the batched plan
 
@@ -43,6 +49,7 @@ STAGES = ("thinker", "talker", "code2wav")
 PREFILL_ROWS = (65, 100, 128, 200, 2437, 4096)
 PREFILL_TIME_ROWS, PREFILL_REPS = 4096, 5
 CALLS, COPIES_MB = 16, 160
+WIDE_ROWS = (128, 256)
 
 
 def stage_linears(stages: tuple[str, ...]) -> dict[tuple[int, int, bool, torch.dtype], list[str]]:
@@ -71,8 +78,12 @@ def stage_linears(stages: tuple[str, ...]) -> dict[tuple[int, int, bool, torch.d
     return out
 
 
+GRAPH_PREFILL_ROWS = (128, 256, 2437)
+
+
 def bucket_check(weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Generator,
-                 plan: tuple[tuple[int, str], ...] = ()) -> tuple[bool, bool]:
+                 plan: tuple[tuple[int, str], ...] = (),
+                 graph_plan: tuple[tuple[int, str], ...] = ()) -> tuple[bool, bool]:
     """(buckets, prefill) as the module docstring says."""
     from voxpipe.services.runtime.cuda_graphs import GraphedStep, buckets
 
@@ -99,6 +110,24 @@ def bucket_check(weight: torch.Tensor, bias: torch.Tensor | None, g: torch.Gener
         at = int(torch.randint(0, n, (1,), generator=g, device=dev))
         x[at] = target
         ok_prefill &= bool(torch.equal(determinism.rows_linear(x, weight, bias, plan)[at], alone))
+    for n in GRAPH_PREFILL_ROWS:
+        static = rand(n, k)
+        run = lambda: determinism.rows_linear(static, weight, bias, plan, graph_plan)  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        for _ in range(2):
+            static.copy_(rand(n, k))
+            at = int(torch.randint(0, n, (1,), generator=g, device=dev))
+            static[at] = target
+            graph.replay()
+            ok_prefill &= bool(torch.equal(out[at], alone))
+        del graph
     return ok_buckets, ok_prefill
 
 
@@ -114,7 +143,12 @@ def times(k: int, n: int, has_bias: bool, dtype: torch.dtype) -> dict[str, float
     x = torch.randn(determinism.GPU_ROWS, k, device=dev).to(dtype)
     ws = [weights[i % copies] for i in range(CALLS)]
     tf32 = torch.backends.cuda.matmul.allow_tf32
+    wide = {}
+    for rows in WIDE_ROWS:      # F.linear at more rows a call: what a larger fixed call would cost
+        xw = torch.randn(rows, k, device=dev).to(dtype)
+        wide[str(rows)] = round(graphed([lambda w=w, xw=xw: F.linear(xw, w, bias) for w in ws]), 2)
     return {"f_linear_us": round(graphed([lambda w=w: F.linear(x, w, bias) for w in ws]), 2),
+            "f_linear_rows_us": wide,
             "rows_linear_us": round(graphed([lambda w=w: determinism.rows_linear(x, w, bias) for w in ws]), 2),
             "triton_us": round(graphed([lambda w=w: invariant.matmul(x, w, bias, tf32=tf32) for w in ws]), 2)}
 
@@ -157,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         line = {"shape": [k, n], "bias": has_bias, "dtype": str(dtype)[6:], "stages": stages,
                 "check": determinism.rows_invariant(weight, bias)}
         plan = determinism.batches_invariant(weight, bias) if line["check"] else ()
+        graph_plan = determinism.batches_graphed(weight, bias, plan)
         line["check_s"] = round(time.perf_counter() - start, 3)
         check_s += line["check_s"]
         line["batches"] = [f"{b}:{how}" for b, how in plan]
-        line["buckets"], line["prefill"] = bucket_check(weight, bias, g, plan)
+        line["graph_batches"] = [f"{b}:{how}" for b, how in graph_plan]
+        line["buckets"], line["prefill"] = bucket_check(weight, bias, g, plan, graph_plan)
         if args.time:
             line.update(times(k, n, has_bias, dtype))
             line["prefill_us"] = prefill_times(weight, bias, plan)

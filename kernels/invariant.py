@@ -204,43 +204,62 @@ def moe(x: torch.Tensor, top_idx: torch.Tensor, gate_up: torch.Tensor, down: tor
     return y
 
 
-def reference_weighted_sum(y: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+def reference_weighted_sum(y: torch.Tensor, top_w: torch.Tensor, shared: torch.Tensor | None = None,
+                           shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """A token's K expert rows y [T * K, H] (pair order) weighted by top_w [T, K] and summed left to
     right, each product and each partial sum rounded to y's dtype (determinism.ordered_sum's
-    arithmetic): [T, H]."""
+    arithmetic): [T, H]; with a shared expert's rows `shared` [T, H] and gate logits `shared_logit`
+    [T, 1], then + sigmoid(logit) * shared (the gate, the product and the sum each rounded)."""
     t, k = top_w.shape
     parts = (y.view(t, k, -1) * top_w[..., None].to(y.dtype)).unbind(1)
     out = parts[0]
     for part in parts[1:]:
         out = out + part
+    if shared is not None:
+        out = out + torch.sigmoid(shared_logit.float()).to(y.dtype) * shared
     return out
 
 
-def weighted_sum_eligible(y: torch.Tensor, top_w: torch.Tensor) -> bool:
+def weighted_sum_eligible(y: torch.Tensor, top_w: torch.Tensor, shared: torch.Tensor | None = None,
+                          shared_logit: torch.Tensor | None = None) -> bool:
     """bfloat16 rows only: every step rounds through bits there, so nothing can fuse into an FMA (in
-    float32 a multiply-add could, and the bits would leave the reference's)."""
-    return (y.ndim == 2 and top_w.ndim == 2 and top_w.shape[0] > 0 and y.shape[0] == top_w.numel()
-            and y.dtype == torch.bfloat16 and top_w.dtype in FLOAT_DTYPES and y.is_contiguous()
-            and top_w.is_contiguous() and launchable(y, top_w))
+    float32 a multiply-add could, and the bits would leave the reference's). A shared expert: its
+    rows [T, H] in y's dtype and its logits [T, 1] (a float dtype), contiguous, or neither."""
+    ok = (y.ndim == 2 and top_w.ndim == 2 and top_w.shape[0] > 0 and y.shape[0] == top_w.numel()
+          and y.dtype == torch.bfloat16 and top_w.dtype in FLOAT_DTYPES and y.is_contiguous()
+          and top_w.is_contiguous() and launchable(y, top_w) and (shared is None) == (shared_logit is None))
+    if ok and shared is not None:
+        t, h = top_w.shape[0], y.shape[1]
+        ok = (shared.shape == (t, h) and shared.dtype == y.dtype and shared.is_contiguous()
+              and shared_logit.shape == (t, 1) and shared_logit.dtype in FLOAT_DTYPES
+              and shared_logit.is_contiguous() and launchable(shared, shared_logit))
+    return ok
 
 
-def weighted_sum(y: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+def weighted_sum(y: torch.Tensor, top_w: torch.Tensor, shared: torch.Tensor | None = None,
+                 shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """Triton; assumes `weighted_sum_eligible(...)`. `reference_weighted_sum`'s bits in one launch (it
-    took K launches), one program per (token, BLOCK_H columns): a token's sum is its own."""
+    took K launches), one program per (token, BLOCK_H columns): a token's sum is its own. With a
+    shared expert, its gated add in the same launch (the gate's sigmoid through Triton's exp: not
+    necessarily torch's last bit, but one computation per token wherever it sits)."""
     t, k = top_w.shape
     h = y.shape[1]
     out = torch.empty(t, h, dtype=y.dtype, device=y.device)
     block = min(1024, triton.next_power_of_2(h))
+    has_shared = shared is not None
     with device_of(y):
-        _weighted_sum[(t, triton.cdiv(h, block))](y, top_w, out, h, K=k, BLOCK=block,
+        _weighted_sum[(t, triton.cdiv(h, block))](y, top_w, shared if has_shared else y,
+                                                  shared_logit if has_shared else top_w, out, h, K=k,
+                                                  SHARED=has_shared, BLOCK=block,
                                                   num_warps=4 if block >= 512 else 1)
     return out
 
 
-def run_weighted_sum(y: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
-    if weighted_sum_eligible(y, top_w):
-        return weighted_sum(y, top_w)
-    return reference_weighted_sum(y, top_w)
+def run_weighted_sum(y: torch.Tensor, top_w: torch.Tensor, shared: torch.Tensor | None = None,
+                     shared_logit: torch.Tensor | None = None) -> torch.Tensor:
+    if weighted_sum_eligible(y, top_w, shared, shared_logit):
+        return weighted_sum(y, top_w, shared, shared_logit)
+    return reference_weighted_sum(y, top_w, shared, shared_logit)
 
 
 def run_moe(x: torch.Tensor, top_idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -432,7 +451,8 @@ if triton is not None:
                 tl.store(tile_end_ptr + i, tl.where(real, row1, 0).to(tl.int64), mask=ok)
 
     @triton.jit
-    def _weighted_sum(y_ptr, w_ptr, out_ptr, h, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _weighted_sum(y_ptr, w_ptr, s_ptr, l_ptr, out_ptr, h, K: tl.constexpr, SHARED: tl.constexpr,
+                      BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < h
@@ -446,6 +466,10 @@ if triton is not None:
                 acc = p
             else:
                 acc = round_to(acc + p, dtype).to(tl.float32)
+        if SHARED:      # + sigmoid(logit) * shared: the gate, the product and the sum each rounded
+            gate = round_to(1.0 / (1.0 + tl.exp(-tl.load(l_ptr + t).to(tl.float32))), dtype).to(tl.float32)
+            s = tl.load(s_ptr + t * h + cols, mask=ok, other=0.0).to(tl.float32)
+            acc = round_to(acc + round_to(gate * s, dtype).to(tl.float32), dtype).to(tl.float32)
         tl.store(out_ptr + t * h + cols, round_to(acc, dtype), mask=ok)
 
     # the batch's own integers never specialise the compiled kernel: the mask's batch stride is 0 for

@@ -46,6 +46,41 @@ def test_rows_linear_is_the_linear_in_fixed_calls():
     assert determinism.rows_linear(x[:70].view(7, 10, 24), w, b).shape == (7, 10, 40)
 
 
+def test_padded_rows_copy_the_rows_then_exact_zeros():
+    """`padded_rows` (rows_linear's padding to whole GPU_ROWS-row calls): the rows, then zero rows, in a
+    new contiguous buffer, the same bits through the persistent zero rows (one cat) as through the
+    two-launch fill (the path inside a CUDA graph capture before the zeros exist: here reached by
+    more padding than the zero block holds); the zero block is never written; strided rows and
+    bfloat16 too; rows_linear's outputs equal F.linear's on the zero-padded rows."""
+    g = torch.Generator().manual_seed(10)
+    rows_n = determinism.GPU_ROWS
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2 * rows_n + 5, 24, generator=g).to(dtype)
+        for m, padded in ((1, rows_n), (rows_n - 1, rows_n), (rows_n + 5, 2 * rows_n), (3, 3)):
+            got = determinism.padded_rows(x[:m], padded)
+            want = torch.zeros(padded, 24, dtype=dtype)
+            want[:m] = x[:m]
+            assert got.is_contiguous() and got.dtype == dtype and torch.equal(got, want), (m, padded)
+        zeros = determinism._ZERO_ROWS[((24,), dtype, torch.device("cpu"), rows_n)]
+        assert zeros.shape == (rows_n, 24) and not zeros.any()
+        far = determinism.padded_rows(x[:2], rows_n + 10)                  # past the zero block: the fill
+        assert torch.equal(far[:2], x[:2]) and not far[2:].any() and far.shape == (rows_n + 10, 24)
+        strided = torch.randn(24, 9, generator=g).to(dtype).t()
+        got = determinism.padded_rows(strided, rows_n)
+        assert got.is_contiguous() and torch.equal(got[:9], strided) and not got[9:].any()
+        assert not zeros.any()
+    s = determinism.GPU_SAMPLES                                              # sample_blocks' padding
+    samples = torch.randn(s + 2, 3, 7, generator=g)
+    got = determinism.padded_rows(samples[:, :, ::2], 2 * s, s)
+    assert got.is_contiguous() and torch.equal(got[:s + 2], samples[:, :, ::2]) and not got[s + 2:].any()
+    w = torch.randn(40, 24, generator=g)
+    x = torch.randn(rows_n + 3, 24, generator=g)
+    block = torch.zeros(2 * rows_n, 24)
+    block[:rows_n + 3] = x
+    want = torch.cat([torch.mm(b, w.t()) for b in block.split(rows_n)])[:rows_n + 3]
+    assert torch.equal(determinism.rows_linear(x, w), want)
+
+
 def test_rows_check_finds_a_row_that_depends_on_its_position(monkeypatch):
     """`rows_invariant` (what `apply` runs per CUDA layer shape before it lets cuBLAS row calls serve)
     tells a row-wise computation from one whose row bits move with the row's position or with the
@@ -153,6 +188,79 @@ def test_sample_blocks_are_the_convolution_in_fixed_calls():
                                                  torch.device("cpu"))
 
 
+def _exact_conv(conv):
+    def exact(block):       # each sample alone, in float64
+        return torch.cat([F.conv1d(v[None].double(), conv.weight.double(), conv.bias.double(),
+                                   dilation=conv.dilation) for v in block]).float()
+    return exact
+
+
+def test_sample_blocks_take_proven_spans_in_one_call():
+    """`sample_blocks` with spans (sample counts `samples_spans` proved): the padded samples go
+    largest span first while that many are left, the rest GPU_SAMPLES at a time; the convolution's
+    values for any batch."""
+    g = torch.Generator().manual_seed(9)
+    conv = torch.nn.Conv1d(4, 3, 3, dilation=2).requires_grad_(False)
+    s = determinism.GPU_SAMPLES
+    x = torch.randn(7 * s + 2, 4, 20, generator=g)
+    calls = []
+
+    def counted(block):
+        calls.append(block.shape[0])
+        return conv(block)
+
+    with torch.no_grad():
+        for b, want in ((1, [s]), (s, [s]), (2 * s, [2 * s]), (3 * s - 1, [2 * s, s]), (4 * s, [4 * s]),
+                        (5 * s + 1, [4 * s, 2 * s]), (7 * s + 2, [4 * s, 4 * s])):
+            calls.clear()
+            got = determinism.sample_blocks(x[:b], counted, (4 * s, 2 * s))
+            assert calls == want, (b, calls)
+            assert torch.allclose(got, conv(x[:b]), atol=1e-5, rtol=1e-5), b
+
+
+def test_spans_check_keeps_only_calls_that_keep_a_samples_bits():
+    """`samples_spans` (what the mode runs per convolution shape after `samples_invariant`): every count
+    of SAMPLE_SPANS whose one call gives each sample its GPU_SAMPLES-sample call's bits; a count whose
+    call moves one position's bits, or that raises, is left out (its samples keep GPU_SAMPLES-sample
+    calls); and `conv_plan` (the decision `_cudnn_samples` remembers per shape): None (the Triton path)
+    where the GPU_SAMPLES-sample calls themselves fail, the proven spans otherwise."""
+    conv = torch.nn.Conv1d(6, 5, 3, dilation=2).requires_grad_(False)
+    exact = _exact_conv(conv)
+    cpu, shape = torch.device("cpu"), (6, 30)
+    spans = tuple(n for n in determinism.SAMPLE_SPANS if n > determinism.GPU_SAMPLES)
+    assert spans == (64, 32)
+    with torch.no_grad():
+        assert determinism.samples_spans(exact, shape, torch.float32, cpu) == spans
+        assert determinism.conv_plan(exact, shape, torch.float32, cpu) == spans
+
+        def moved(block):           # the 64-sample call: its place 37 (odd) moves
+            out = exact(block)
+            if block.shape[0] == 64:
+                out[37] += 1e-3
+            return out
+
+        assert determinism.samples_spans(moved, shape, torch.float32, cpu) == (32,)
+        assert determinism.conv_plan(moved, shape, torch.float32, cpu) == (32,)
+
+        def refused(block):         # a larger call that does not run at all
+            if block.shape[0] > determinism.GPU_SAMPLES:
+                raise RuntimeError("no such call")
+            return exact(block)
+
+        assert determinism.samples_spans(refused, shape, torch.float32, cpu) == ()
+        assert determinism.conv_plan(refused, shape, torch.float32, cpu) == ()
+        # the 16-sample calls move with the batch: no cuDNN at all, whatever the larger calls do
+        assert determinism.conv_plan(lambda block: exact(block) + block.mean(), shape, torch.float32, cpu) is None
+
+
+def test_graph_batches_are_cuda_only_and_a_subset():
+    """`batches_graphed` (the captured launches' proof) is a CUDA check: off CUDA nothing is kept, so a
+    captured `rows_linear` (CUDA only) never takes a launch that was not proven in a graph."""
+    w = torch.randn(16, 8)
+    assert determinism.batches_graphed(w, None, ((4, "mm"), (2, "bmm"))) == ()
+    assert determinism.batches_graphed(w, None, ()) == ()
+
+
 def test_an_unknown_gpu_path_is_refused(monkeypatch):
     """VOXPIPE_INVARIANT_MATMUL / VOXPIPE_INVARIANT_CONV (read at import into determinism.GPU_MATMUL /
     GPU_CONV) other than their values: apply refuses, naming the variable and the values."""
@@ -202,6 +310,13 @@ def test_experts_tokens_do_not_depend_on_the_others():
         assert torch.allclose(full, ex.looped(x, idx, w), atol=1e-5)
         assert torch.equal(ex(x[:1], idx[:1], w[:1]), full[:1])
         assert torch.equal(ex(x.flip(0), idx.flip(0), w.flip(0)), full.flip(0))
+        # with a shared expert's rows and gate logits: its gated add, per token
+        shared, logit = torch.randn(40, 64, generator=g), torch.randn(40, 1, generator=g)
+        both = ex(x, idx, w, shared, logit)
+        assert torch.equal(both, full + determinism.sigmoid(logit) * shared)
+        assert torch.allclose(both, ex.looped(x, idx, w) + torch.sigmoid(logit) * shared, atol=1e-5)
+        assert torch.equal(ex(x[5:6], idx[5:6], w[5:6], shared[5:6], logit[5:6]), both[5:6])
+        assert torch.equal(ex(x.flip(0), idx.flip(0), w.flip(0), shared.flip(0), logit.flip(0)), both.flip(0))
 
 
 def test_flag_reaches_every_stage_from_up_and_the_bench():

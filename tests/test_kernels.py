@@ -817,6 +817,23 @@ def check_invariant(device: str) -> list[dict]:
                                  invariant.reference_weighted_sum(got, tw)))
         out.append(_exact_record(f"invariant weighted sum {name}: a token alone = among 40",
                                  invariant.run_weighted_sum(got[:k], tw[:1]), summed[:1]))
+        # with a shared expert (the talker's): its gated add in the same launch
+        sh = torch.randn(40, h, generator=g).to(device, dt)
+        lg = (torch.randn(40, 1, generator=g) * 3).to(device, dt)
+        assert invariant.weighted_sum_eligible(got, tw, sh, lg) == (dt == torch.bfloat16)
+        fused = invariant.run_weighted_sum(got, tw, sh, lg)
+        if dt == torch.bfloat16:
+            ref32 = invariant.reference_weighted_sum(got.float(), tw.float(), sh.float(), lg.float())
+            out.append(_budget_record(f"invariant weighted sum + shared {name}", fused,
+                                      invariant.reference_weighted_sum(got, tw, sh, lg), ref32))
+        else:
+            out.append(_exact_record(f"invariant weighted sum + shared {name} = the reference", fused,
+                                     invariant.reference_weighted_sum(got, tw, sh, lg)))
+        out.append(_exact_record(f"invariant weighted sum + shared {name}: a token alone = among 40",
+                                 invariant.run_weighted_sum(got[7 * k:8 * k], tw[7:8], sh[7:8], lg[7:8]), fused[7:8]))
+        out.append(_exact_record(f"invariant weighted sum + shared {name}: tokens reordered",
+                                 invariant.run_weighted_sum(got.view(40, k, -1).flip(0).reshape(40 * k, -1),
+                                                            tw.flip(0), sh.flip(0), lg.flip(0)), fused.flip(0)))
     # the experts' pair order (by_expert): counting in one program = the stable sort's integers, for
     # spread, skewed, single-expert and one-pair routes up to COUNT_MAX pairs, and so is the tile
     # table built in the same launch, so that which path a step's pair count picks changes no bit
@@ -1008,6 +1025,11 @@ def check_invariant_convs(device: str) -> list[dict]:
             alone = torch.cat([c(x[i:i + 1]) for i in range(3)])
             out.append(_exact_record(f"{tag}: samples alone = in a batch", alone, got))
             out.append(_exact_record(f"{tag}: samples moved", c(x.flip(0)), got.flip(0)))
+            if x.is_cuda:   # past GPU_SAMPLES: the larger cuDNN calls where proven (determinism.SAMPLE_SPANS)
+                big = torch.randn(70, 8, 25, generator=g).to(device, dt)
+                picks = [0, 17, 33, 63, 64, 69]
+                alone = torch.cat([c(big[i:i + 1]) for i in picks])
+                out.append(_exact_record(f"{tag}: 70 samples: alone = in the batch", alone, c(big)[picks]))
     return out
 
 

@@ -24,12 +24,15 @@ process keeps the default path, exactly as fast as before):
   fails it, or for every layer with VOXPIPE_INVARIANT_MATMUL=triton. A prefill's many GPU_ROWS-row
   blocks go several to a launch (one GEMM of their rows, or a strided-batched GEMM) wherever
   `batches_invariant` found, per layer shape and per block count, that every row keeps the bits of
-  its GPU_ROWS-row call; elsewhere one call a block;
+  its GPU_ROWS-row call; elsewhere one call a block; inside a CUDA graph capture only the launches
+  `batches_graphed` also proved replayed in a graph;
 - convolutions (`InvariantConv1d` / `InvariantConvTranspose1d`): depthwise ones as ordered taps, the
   others on CUDA as cuDNN calls of exactly GPU_SAMPLES samples (`sample_blocks`: zero-padded,
   aligned; cudnn.deterministic, no benchmarking, so one algorithm per shape), each (layer, input)
   shape checked at its first call (`samples_invariant`: a sample at every position of two calls
-  among random ones) -- or as im2col rows through the invariant matmul, all samples at once, where
+  among random ones, and in a CUDA graph), then one call of 64 or 32 samples where `samples_spans`
+  proved it gives every sample its 16-sample call's bits (eager and in a CUDA graph; fewer launches
+  for a large batch) -- or as im2col rows through the invariant matmul, all samples at once, where
   that fails or with VOXPIPE_INVARIANT_CONV=triton; elsewhere one sample at a time;
 - silu and sigmoid take `silu` / `sigmoid` below (one formula for every element); on the kernel path
   a fused gate/up projection's SwiGLU is kernels.glu (one program per row and column block, the
@@ -78,6 +81,8 @@ LINEAR_PATHS: dict[str, int] = {}
 CHECK_S: dict[str, float] = {}
 # CUDA convolution (layer, input) shapes checked so far: True where `samples_invariant` held
 CONV_SHAPES: dict[tuple, bool] = {}
+# the same shapes -> the larger calls (`samples_spans`) proven for them where `samples_invariant` held
+CONV_SPANS: dict[tuple, tuple[int, ...]] = {}
 CONV_SHAPES_MAX = 512    # past this many, a new shape keeps the Triton path unchecked (eager whole-utterance
                          # decodes meet a shape per length; the frame steps a few per layer)
 
@@ -105,6 +110,12 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) with every element's bits its own. On CUDA torch.sigmoid (one launch where the
+    formula takes four: the talker's shared-expert gate, 20 a step): a CUDA elementwise kernel runs one
+    functor, that formula in float, for every element, vectorized or not; on the CPU the formula itself
+    (ATen's vectorized sigmoid and its scalar tail round differently)."""
+    if x.is_cuda:
+        return torch.sigmoid(x)
     return 1.0 / (1.0 + torch.exp(-x))
 
 
@@ -133,7 +144,8 @@ def _blocked_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                batches: tuple[tuple[int, str], ...] = ()) -> torch.Tensor:
+                batches: tuple[tuple[int, str], ...] = (),
+                graph_batches: tuple[tuple[int, str], ...] = ()) -> torch.Tensor:
     """F.linear(x, weight, bias) [..., N] as cuBLAS calls of exactly GPU_ROWS rows each: the rows
     zero-padded to a multiple of GPU_ROWS in a contiguous buffer starting on ALIGN bytes (x itself
     when it already is one), each call's [GPU_ROWS, N] written into one preallocated output. Every
@@ -144,20 +156,20 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     the bits of its GPU_ROWS-row call (apply): a prefill's blocks go `blocks` at a time through one
     launch (`_row_batch`: "mm", one GEMM of blocks * GPU_ROWS rows; "bmm", one strided-batched GEMM
     of [blocks, GPU_ROWS, K] against the weight at batch stride 0) while that many are left,
-    the rest one call each. Never while a CUDA graph is being captured (the check ran eagerly)."""
+    the rest one call each. While a CUDA graph is being captured only `graph_batches` are taken: the
+    entries of `batches` that `batches_graphed` also found to hold replayed in a CUDA graph (apply)."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     m, k = rows.shape
     padded = -(-m // GPU_ROWS) * GPU_ROWS
     if padded != m or not rows.is_contiguous() or rows.data_ptr() % ALIGN:
-        buf = rows.new_empty(padded, k)
-        buf[:m].copy_(rows)
-        buf[m:].zero_()
-        rows = buf
+        rows = padded_rows(rows, padded)
     out = rows.new_empty(padded, weight.shape[0])
     wt = weight.t()
     i = 0
-    if batches and padded > GPU_ROWS and not (rows.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if batches and padded > GPU_ROWS and rows.is_cuda and torch.cuda.is_current_stream_capturing():
+        batches = graph_batches
+    if batches and padded > GPU_ROWS:
         for blocks, how in batches:
             span = blocks * GPU_ROWS
             while padded - i >= span:
@@ -169,6 +181,36 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         else:
             torch.addmm(bias, rows[i:i + GPU_ROWS], wt, out=out[i:i + GPU_ROWS])
     return out[:m].view(*shape[:-1], weight.shape[0])
+
+
+# zero blocks (GPU_ROWS rows of a linear's input width, or GPU_SAMPLES samples of a convolution's input
+# shape) per (shape, dtype, device), made outside any CUDA graph capture and never written:
+# `padded_rows` copies the padding from them (one per linear input width; one per convolution shape
+# that takes cuDNN sample calls, at most CONV_SHAPES_MAX)
+_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def padded_rows(rows: torch.Tensor, padded: int, block: int = GPU_ROWS) -> torch.Tensor:
+    """rows [m, ...] (m <= padded < m + block) followed by padded - m zero rows, in a new contiguous
+    buffer (from the caching allocator: 512-byte aligned): one launch (a cat with a persistent block
+    of `block` zero rows) where the zeros exist -- made at the first call outside a CUDA graph capture
+    (each engine's eager warm-up runs before its capture) -- else the buffer filled in two (a copy and
+    a zero fill), as before. The same bits either way."""
+    m, rest = rows.shape[0], tuple(rows.shape[1:])
+    if padded == m:
+        buf = rows.new_empty(padded, *rest)
+        buf.copy_(rows)
+        return buf
+    key = (rest, rows.dtype, rows.device, block)
+    zeros = _ZERO_ROWS.get(key)
+    if zeros is None and not (rows.is_cuda and torch.cuda.is_current_stream_capturing()):
+        zeros = _ZERO_ROWS[key] = rows.new_zeros(block, *rest)
+    if zeros is not None and padded - m <= block:
+        return torch.cat((rows, zeros[:padded - m])).contiguous()
+    buf = rows.new_empty(padded, *rest)
+    buf[:m].copy_(rows)
+    buf[m:].zero_()
+    return buf
 
 
 ROW_BATCHES = (64, 32, 16, 8, 4, 2)    # CUDA: GPU_ROWS-row blocks per launch a prefill may take (checked)
@@ -234,6 +276,63 @@ def batches_invariant(weight: torch.Tensor, bias: torch.Tensor | None, seed: int
     return tuple(plan)
 
 
+def batches_graphed(weight: torch.Tensor, bias: torch.Tensor | None, plan: tuple[tuple[int, str], ...],
+                    seed: int = 2) -> tuple[tuple[int, str], ...]:
+    """The entries of `plan` (`batches_invariant`'s, proven eagerly) that also give every row the bits
+    of its GPU_ROWS-row call replayed in a CUDA graph (what the engines' prefill, extend and code2wav
+    frame graphs run): one `_row_batch` launch captured per entry, replayed with a target row at every
+    even position, then every odd one, among random rows. What fails (or raises, a capture included)
+    is left out: captured calls keep GPU_ROWS-row calls for that block count. Off CUDA: ()."""
+    if not plan or weight.device.type != "cuda":
+        return ()
+    dev, (n, k) = weight.device, weight.shape
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(m: int) -> torch.Tensor:
+        scale = 10.0 ** (torch.arange(m, device=dev) % 5 - 2).float()
+        return (torch.randn(m, k, generator=g, device=dev, dtype=torch.float32) * scale[:, None]).to(weight.dtype)
+
+    target = rand(1)[0]
+    alone = rows_linear(target[None], weight, bias)[0]
+    kept = []
+    for blocks, how in plan:
+        span = blocks * GPU_ROWS
+        try:
+            static = torch.zeros(span, k, dtype=weight.dtype, device=dev)
+            out = torch.empty(span, n, dtype=weight.dtype, device=dev)
+            def run(x: torch.Tensor, blocks=blocks, how=how, out=out) -> None:
+                _row_batch(x, weight.t(), bias, out, blocks, how)
+
+            def fill(parity: int):
+                def at(x: torch.Tensor) -> None:
+                    x.copy_(rand(span))
+                    x[parity::2] = target
+                return at
+
+            ok = True
+            with torch.cuda.device(dev):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    run(static)
+                torch.cuda.current_stream().wait_stream(side)
+                cuda_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cuda_graph, capture_error_mode="thread_local"):
+                    run(static)
+                for parity in (0, 1):
+                    fill(parity)(static)
+                    cuda_graph.replay()
+                    ok = ok and torch.equal(out[parity::2], alone.expand(span // 2, n))
+                del cuda_graph, static, out
+        except Exception:
+            log.exception("--deterministic: the %d-block %s graph check of a [%d, %d] linear failed to run",
+                          blocks, how, n, k)
+            ok = False
+        if ok:
+            kept.append((blocks, how))
+    return tuple(kept)
+
+
 def rows_invariant(weight: torch.Tensor, bias: torch.Tensor | None, graph: bool = True, seed: int = 0) -> bool:
     """Whether `rows_linear` gives a row the same bits wherever it sits: one target row alone, then
     at every position p of 2 * GPU_ROWS (both calls of a two-call batch) inside a batch of p + 1 ..
@@ -294,10 +393,11 @@ class InvariantLinear(nn.Linear):
 
     cublas_rows = False
     row_batches: tuple[tuple[int, str], ...] = ()     # set by `apply`: `batches_invariant`'s plan
+    graph_batches: tuple[tuple[int, str], ...] = ()   # set by `apply`: those of them `batches_graphed` kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cublas_rows and x.is_cuda:
-            return rows_linear(x, self.weight, self.bias, self.row_batches)
+            return rows_linear(x, self.weight, self.bias, self.row_batches, self.graph_batches)
         return linear(x, self.weight, self.bias, tf32=torch.backends.cuda.matmul.allow_tf32)
 
 
@@ -309,34 +409,67 @@ def _conv_tf32() -> bool:
     return torch.backends.cudnn.allow_tf32
 
 
-def sample_blocks(x: torch.Tensor, run) -> torch.Tensor:
-    """run(block) [GPU_SAMPLES, ...] -> [GPU_SAMPLES, ...] over x [B, ...] in blocks of exactly
-    GPU_SAMPLES samples: x zero-padded to a multiple of GPU_SAMPLES in a contiguous buffer starting on
-    ALIGN bytes (x itself when it already is one); the outputs of the blocks joined, cut to B. Each
-    call has one shape, strides and alignment, so cuDNN (deterministic, no benchmarking) runs one
-    algorithm for it; that a sample's bits do not depend on its place in the block is what
-    `samples_invariant` checks."""
+def sample_blocks(x: torch.Tensor, run, spans: tuple[int, ...] = ()) -> torch.Tensor:
+    """run(block) [n, ...] -> [n, ...] over x [B, ...] in blocks of exactly GPU_SAMPLES samples: x
+    zero-padded to a multiple of GPU_SAMPLES in a contiguous buffer starting on ALIGN bytes (x itself
+    when it already is one); the outputs of the blocks joined, cut to B. Each call has one shape,
+    strides and alignment, so cuDNN (deterministic, no benchmarking) runs one algorithm for it; that a
+    sample's bits do not depend on its place in the block is what `samples_invariant` checks.
+    `spans`: sample counts, largest first, that `samples_spans` found to give every sample the bits of
+    its GPU_SAMPLES-sample call (eagerly and in CUDA graphs): while that many padded samples are left
+    they go through one call of `span` samples (fewer launches), the rest GPU_SAMPLES at a time."""
     b = x.shape[0]
     padded = -(-b // GPU_SAMPLES) * GPU_SAMPLES
     if padded != b or not x.is_contiguous() or x.data_ptr() % ALIGN:
-        buf = x.new_empty(padded, *x.shape[1:])
-        buf[:b].copy_(x)
-        buf[b:].zero_()
-        x = buf
-    outs = [run(x[i:i + GPU_SAMPLES]) for i in range(0, padded, GPU_SAMPLES)]
+        x = padded_rows(x, padded, GPU_SAMPLES)
+    outs, i = [], 0
+    for span in spans:
+        while padded - i >= span:
+            outs.append(run(x[i:i + span]))
+            i += span
+    outs += [run(x[j:j + GPU_SAMPLES]) for j in range(i, padded, GPU_SAMPLES)]
     return (outs[0] if len(outs) == 1 else torch.cat(outs))[:b]
 
 
-def samples_invariant(run, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0) -> bool:
+SAMPLE_SPANS = (64, 32)    # CUDA: samples one cuDNN call of a convolution may take instead of GPU_SAMPLES (checked)
+
+
+def _sample_rand(g: torch.Generator, dtype: torch.dtype, device: torch.device):
+    def rand(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
+    return rand
+
+
+def _graph_replays(run, static: torch.Tensor, fills) -> list[torch.Tensor]:
+    """run(static) captured in a CUDA graph (after an eager warm-up on a side stream, as the engines'
+    GraphedSteps do); per fill: fill(static) in place, a replay, a copy of the output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(static)
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph, capture_error_mode="thread_local"):
+        out = run(static)
+    got = []
+    for fill in fills:
+        fill(static)
+        cuda_graph.replay()
+        got.append(out.clone())
+    del cuda_graph
+    return got
+
+
+def samples_invariant(run, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0,
+                      graph: bool = True) -> bool:
     """Whether `sample_blocks(x, run)` gives a sample [*shape] the same bits wherever it sits: one
     target sample alone, then at every position of two calls (2 * GPU_SAMPLES samples) inside batches
-    of every size past it, of random samples (scales 1e-2 .. 1e2). Any exception: False."""
+    of every size past it, of random samples (scales 1e-2 .. 1e2); with `graph` on CUDA, also replayed
+    in a CUDA graph of one GPU_SAMPLES-sample call (what the engines' steps replay), the target at
+    several places. Any exception: False."""
     try:
         g = torch.Generator(device=device).manual_seed(seed)
-
-        def rand(*size: int, scale: float = 1.0) -> torch.Tensor:
-            return (torch.randn(*size, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
-
+        rand = _sample_rand(g, dtype, device)
         target = rand(*shape)
         alone = sample_blocks(target[None], run)[0]
         span = 2 * GPU_SAMPLES
@@ -346,40 +479,118 @@ def samples_invariant(run, shape: tuple[int, ...], dtype: torch.dtype, device: t
             x[p] = target
             if not torch.equal(sample_blocks(x, run)[p], alone):
                 return False
+        if graph and device.type == "cuda":
+            places = sorted({0, 1, GPU_SAMPLES // 2, GPU_SAMPLES - 1})
+
+            def fill(p: int):
+                def at(static: torch.Tensor) -> None:
+                    static.copy_(rand(GPU_SAMPLES, *shape, scale=10.0 ** (p % 5 - 2)))
+                    static[p] = target
+                return at
+
+            with torch.cuda.device(device):
+                outs = _graph_replays(run, rand(GPU_SAMPLES, *shape), [fill(p) for p in places])
+            if not all(torch.equal(out[p], alone) for p, out in zip(places, outs)):
+                return False
         return True
     except Exception:
         log.exception("--deterministic: the cuDNN sample check of a convolution on %s failed to run", shape)
         return False
 
 
-def _cudnn_samples(conv: nn.Module, x: torch.Tensor, base: type) -> bool:
-    """Whether `conv` (in the mode) takes `sample_blocks` through cuDNN for input x: on CUDA with
-    GPU_CONV "cudnn" and where `samples_invariant` held for its (layer, input) shape, checked at the
-    first such input and remembered in CONV_SHAPES (one answer per shape for the process: a shape
-    first met inside a CUDA graph capture, where nothing can be checked, keeps the Triton path, as every
-    shape first met after CONV_SHAPES_MAX others)."""
+def samples_spans(run, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 1,
+                  graph: bool = True) -> tuple[int, ...]:
+    """The sample counts of SAMPLE_SPANS (largest first) for which one `run` call of that many samples
+    gives every sample the bits of its GPU_SAMPLES-sample call (`sample_blocks` of the sample alone):
+    a target sample at every position of the call (even positions, then odd ones) among random samples
+    (scales 1e-2 .. 1e2, a new draw per call), eagerly and, with `graph` on CUDA, replayed in a CUDA
+    graph of that call. cuDNN picks its kernel by the batch size too, so each count is checked on its
+    own; one that fails (or raises) is left out, and its samples keep the GPU_SAMPLES-sample calls.
+    Run only where `samples_invariant` held."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rand = _sample_rand(g, dtype, device)
+    target = rand(*shape)
+    try:
+        alone = sample_blocks(target[None], run)[0]
+    except Exception:
+        log.exception("--deterministic: the cuDNN span check of a convolution on %s failed to run", shape)
+        return ()
+    found = []
+    for span in SAMPLE_SPANS:
+        if span <= GPU_SAMPLES or span % GPU_SAMPLES:
+            continue
+        scale = (10.0 ** (torch.arange(span, device=device) % 5 - 2)).view(span, *([1] * len(shape)))
+
+        def fill(parity: int):
+            def at(x: torch.Tensor) -> None:
+                x.copy_((rand(span, *shape).float() * scale).to(dtype))
+                x[parity::2] = target
+            return at
+
+        try:
+            ok = True
+            for parity in (0, 1):
+                x = torch.empty(span, *shape, dtype=dtype, device=device)
+                fill(parity)(x)
+                ok = ok and torch.equal(run(x)[parity::2], alone.expand(span // 2, *alone.shape))
+            if ok and graph and device.type == "cuda":
+                with torch.cuda.device(device):
+                    outs = _graph_replays(run, torch.zeros(span, *shape, dtype=dtype, device=device),
+                                          [fill(0), fill(1)])
+                ok = all(torch.equal(out[parity::2], alone.expand(span // 2, *alone.shape))
+                         for parity, out in enumerate(outs))
+        except Exception:
+            log.exception("--deterministic: the %d-sample cuDNN check of a convolution on %s failed to run",
+                          span, shape)
+            ok = False
+        if ok:
+            found.append(span)
+    return tuple(found)
+
+
+def _cudnn_samples(conv: nn.Module, x: torch.Tensor, base: type) -> tuple[int, ...] | None:
+    """How `conv` (in the mode) takes `sample_blocks` through cuDNN for input x: None where it does
+    not (not on CUDA, GPU_CONV not "cudnn", or `samples_invariant` failed for its (layer, input)
+    shape), else the spans `samples_spans` proved for the shape (empty: GPU_SAMPLES-sample calls
+    only). Checked at the first such input and remembered in CONV_SHAPES / CONV_SPANS (one answer per
+    shape for the process: a shape first met inside a CUDA graph capture, where nothing can be
+    checked, keeps the Triton path, as every shape first met after CONV_SHAPES_MAX others)."""
     if GPU_CONV != "cudnn" or not x.is_cuda:
-        return False
+        return None
     key = (base.__name__, conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.dilation,
            conv.bias is not None, tuple(x.shape[1:]), x.dtype, x.device, torch.backends.cudnn.allow_tf32,
            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     ok = CONV_SHAPES.get(key)
     if ok is None:
-        if len(CONV_SHAPES) >= CONV_SHAPES_MAX:     # never recorded: False for this shape from now on
-            return False
+        if len(CONV_SHAPES) >= CONV_SHAPES_MAX:     # never recorded: the Triton path for this shape from now on
+            return None
+        spans: tuple[int, ...] = ()
         if torch.cuda.is_current_stream_capturing():
             ok = False
             log.warning("--deterministic: a convolution's input shape %s first met inside a CUDA graph capture: "
                         "it keeps the Triton path", tuple(x.shape[1:]))
         else:
             with torch.no_grad():
-                ok = samples_invariant(lambda b: base.forward(conv, b), tuple(x.shape[1:]), x.dtype, x.device)
-            if not ok:
-                log.warning("--deterministic: a convolution's samples depend on their place in cuDNN calls of %d "
-                            "samples on this GPU (input %s): it keeps the Triton path", GPU_SAMPLES,
-                            tuple(x.shape[1:]))
+                plan = conv_plan(lambda b: base.forward(conv, b), tuple(x.shape[1:]), x.dtype, x.device)
+            ok, spans = plan is not None, plan or ()
         CONV_SHAPES[key] = ok
-    return ok
+        CONV_SPANS[key] = spans
+    return CONV_SPANS.get(key, ()) if ok else None
+
+
+def conv_plan(run, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[int, ...] | None:
+    """What a convolution `run` takes for inputs [*shape]: None (the Triton path) where
+    `samples_invariant` fails; else the spans `samples_spans` proves (empty: GPU_SAMPLES-sample calls
+    only)."""
+    if not samples_invariant(run, shape, dtype, device):
+        log.warning("--deterministic: a convolution's samples depend on their place in cuDNN calls of %d "
+                    "samples on this GPU (input %s): it keeps the Triton path", GPU_SAMPLES, shape)
+        return None
+    spans = samples_spans(run, shape, dtype, device) if SAMPLE_SPANS else ()
+    if spans != tuple(s for s in SAMPLE_SPANS if s > GPU_SAMPLES and s % GPU_SAMPLES == 0):
+        log.info("--deterministic: a convolution on %s takes cuDNN calls of %s samples", shape,
+                 ", ".join(map(str, spans + (GPU_SAMPLES,))))
+    return spans
 
 
 def _plain(conv: nn.Module) -> bool:
@@ -404,8 +615,9 @@ class InvariantConv1d(nn.Conv1d):
             if self.groups == self.in_channels == self.out_channels:
                 return _depthwise(x, self.weight, self.bias, d)
             if self.groups == 1 and kernels.active(x):
-                if _cudnn_samples(self, x, nn.Conv1d):
-                    return sample_blocks(x, lambda block: nn.Conv1d.forward(self, block))
+                spans = _cudnn_samples(self, x, nn.Conv1d)
+                if spans is not None:
+                    return sample_blocks(x, lambda block: nn.Conv1d.forward(self, block), spans)
                 span = (k - 1) * d + 1
                 cols = x.unfold(2, span, 1)[..., ::d] if k > 1 else x[..., None]             # [B, Cin, L', K]
                 b, cin, length = cols.shape[:3]
@@ -459,8 +671,9 @@ class InvariantConvTranspose1d(nn.ConvTranspose1d):
     def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
         if (getattr(self, "rows_weight", None) is not None and output_size is None and x.ndim == 3
                 and kernels.active(x)):
-            if _cudnn_samples(self, x, nn.ConvTranspose1d):
-                return sample_blocks(x, lambda block: nn.ConvTranspose1d.forward(self, block))
+            spans = _cudnn_samples(self, x, nn.ConvTranspose1d)
+            if spans is not None:
+                return sample_blocks(x, lambda block: nn.ConvTranspose1d.forward(self, block), spans)
             s, m = self.stride[0], self.kernel_size[0] // self.stride[0]
             cols = F.pad(x, (m - 1, m - 1)).unfold(2, m, 1) if m > 1 else x[..., None]    # [B, Cin, L + m - 1, m]
             b, cin, blocks = cols.shape[:3]
@@ -513,15 +726,22 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return out.to(q.dtype).reshape(b, hq, s, d)
 
 
-def experts(module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+def experts(module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, shared: torch.Tensor | None = None,
+            shared_logit: torch.Tensor | None = None) -> torch.Tensor:
     """`layers.Experts`'s routed sum [T, H] with each token's bits independent of the others: on CUDA
     one fixed-tile grouped GEMM per projection (kernels.invariant.grouped); elsewhere each expert's
-    rows through `linear`; the k weighted outputs summed in the token's own expert order."""
+    rows through `linear`; the k weighted outputs summed in the token's own expert order; then, with a
+    shared expert's rows `shared` [T, H] and gate logits [T, 1], + sigmoid(logit) * shared -- on the
+    kernel path in the weighted sum's launch (one program per token and column block: the same
+    computation for every token; it took 3 more launches), else as three elementwise ops."""
     t, k = top_idx.shape
     if kernels.active(x) and kernels.invariant.moe_eligible(x, top_idx, module.gate_up, module.down):
         y = kernels.invariant.moe(x, top_idx, module.gate_up, module.down)           # [T * K, H] pair order
+        if kernels.invariant.weighted_sum_eligible(y, top_w, shared, shared_logit):   # one launch
+            return kernels.invariant.weighted_sum(y, top_w, shared, shared_logit)
         if kernels.invariant.weighted_sum_eligible(y, top_w):     # the sum below in one launch, same bits
-            return kernels.invariant.weighted_sum(y, top_w)
+            out = kernels.invariant.weighted_sum(y, top_w)
+            return out if shared is None else out + sigmoid(shared_logit) * shared
     else:
         y = x.new_empty(t * k, x.shape[1])
         flat = top_idx.reshape(-1)
@@ -534,7 +754,8 @@ def experts(module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor)
                 gate, up = linear(x[pairs // k], module.gate_up[expert]).chunk(2, dim=-1)
                 y[pairs] = linear(silu(gate) * up, module.down[expert])
                 start += n
-    return ordered_sum(y.view(t, k, -1) * top_w[..., None].to(y.dtype), 1)    # top-k rank order
+    out = ordered_sum(y.view(t, k, -1) * top_w[..., None].to(y.dtype), 1)    # top-k rank order
+    return out if shared is None else out + sigmoid(shared_logit) * shared
 
 
 _CLASSES = {nn.Linear: InvariantLinear, nn.Conv1d: InvariantConv1d, nn.ConvTranspose1d: InvariantConvTranspose1d}
@@ -565,11 +786,13 @@ def apply(model: nn.Module) -> nn.Module:
             if swap is InvariantLinear and m.weight.is_cuda:
                 plan = _rows_checked(m.weight, m.bias, checked) if GPU_MATMUL == "cublas" else None
                 m.cublas_rows = plan is not None
-                m.row_batches = plan or ()
+                m.row_batches, m.graph_batches = plan or ((), ())
                 path = "cublas" if m.cublas_rows else "triton"
                 LINEAR_PATHS[path] = LINEAR_PATHS.get(path, 0) + 1
                 if m.row_batches:
                     LINEAR_PATHS["batched"] = LINEAR_PATHS.get("batched", 0) + 1
+                if m.graph_batches:
+                    LINEAR_PATHS["graph_batched"] = LINEAR_PATHS.get("graph_batched", 0) + 1
         if hasattr(m, "invariant"):
             m.invariant = True
         if getattr(m, "act", None) is F.silu:       # GatedMLP, the talker's ResizeMLP
@@ -577,12 +800,15 @@ def apply(model: nn.Module) -> nn.Module:
     return model
 
 
+Plan = tuple[tuple[int, str], ...]
+
+
 def _rows_checked(weight: torch.Tensor, bias: torch.Tensor | None,
-                  checked: dict[tuple, tuple[tuple[int, str], ...] | None]) -> tuple[tuple[int, str], ...] | None:
-    """`rows_invariant`, then `batches_invariant`, once per layer shape (what cuBLAS picks its
-    algorithm by: shapes, dtypes, the weight's alignment, the math-mode flags): None where the rows
-    failed (the layer keeps the Triton kernel), else the batched plan for `rows_linear`. The seconds
-    they took add up in CHECK_S."""
+                  checked: dict[tuple, tuple[Plan, Plan] | None]) -> tuple[Plan, Plan] | None:
+    """`rows_invariant`, then `batches_invariant`, then `batches_graphed`, once per layer shape (what
+    cuBLAS picks its algorithm by: shapes, dtypes, the weight's alignment, the math-mode flags): None
+    where the rows failed (the layer keeps the Triton kernel), else the batched plans for `rows_linear`
+    (eager, captured). The seconds they took add up in CHECK_S."""
     matmul = torch.backends.cuda.matmul
     key = (tuple(weight.shape), weight.stride(), weight.dtype, weight.device, weight.data_ptr() % ALIGN,
            None if bias is None else (bias.dtype, bias.stride(), bias.data_ptr() % ALIGN), matmul.allow_tf32,
@@ -590,14 +816,20 @@ def _rows_checked(weight: torch.Tensor, bias: torch.Tensor | None,
     if key not in checked:
         start = time.perf_counter()
         with torch.no_grad():
-            checked[key] = batches_invariant(weight, bias) if rows_invariant(weight, bias) else None
+            if rows_invariant(weight, bias):
+                plan = batches_invariant(weight, bias)
+                checked[key] = (plan, batches_graphed(weight, bias, plan))
+            else:
+                checked[key] = None
         CHECK_S["rows"] = CHECK_S.get("rows", 0.0) + time.perf_counter() - start
         if checked[key] is None:
             log.warning("--deterministic: a [%d, %d] linear's rows depend on their position in cuBLAS calls "
                         "of %d rows on this GPU: it keeps the Triton kernel", *weight.shape, GPU_ROWS)
         else:
-            log.info("--deterministic: a [%d, %d] linear's prefill launches: %s", *weight.shape,
-                     ", ".join(f"{b} x {GPU_ROWS} rows ({how})" for b, how in checked[key]) or f"{GPU_ROWS} rows each")
+            plan, graphed = checked[key]
+            log.info("--deterministic: a [%d, %d] linear's prefill launches: %s (in CUDA graphs: %s)", *weight.shape,
+                     ", ".join(f"{b} x {GPU_ROWS} rows ({how})" for b, how in plan) or f"{GPU_ROWS} rows each",
+                     ", ".join(f"{b} x {GPU_ROWS}" for b, _ in graphed) or f"{GPU_ROWS} rows each")
     return checked[key]
 
 

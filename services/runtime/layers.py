@@ -218,8 +218,7 @@ class Experts(nn.Module):
         """x: [T, H]; top_idx, top_w: [T, K]. Sum over each token's experts of w * expert(x), plus
         sigmoid(shared_logit) * shared when a shared expert's output [T, H] and gate logit [T, 1] are given."""
         if self.invariant:
-            out = determinism.experts(self, x, top_idx, top_w)
-            return out if shared is None else out + determinism.sigmoid(shared_logit) * shared
+            return determinism.experts(self, x, top_idx, top_w, shared, shared_logit)
         if x.is_cuda and x.dtype == torch.bfloat16 and GROUPED_MM:
             if kernels.active(x):
                 return self.grouped_fused(x, top_idx, top_w, shared, shared_logit)
