@@ -29,7 +29,6 @@ import argparse
 import json
 import random
 import statistics
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,6 +39,7 @@ import torch
 # bench/constrained_check.py's 5 tools (nested objects, arrays, enums)
 from voxpipe.bench.constrained_check import TOOLS
 from voxpipe.bench.turn_host import conversation
+from voxpipe.tiny import model_or_tiny
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -136,12 +136,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the tiny checkpoint, made now)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    if args.model is None:
-        from voxpipe.tiny import make_tiny
-
-        model = make_tiny(Path(tempfile.mkdtemp(prefix="tools-render-")), seed=0)
-    else:
-        model = Path(args.model)
+    model = model_or_tiny(args.model, "tools-render-")
     row = measure(model, args.tokens, args.reps)
     row["ms"] = {k: round(v, 3) for k, v in row["ms"].items()}
     print(json.dumps(row), flush=True)

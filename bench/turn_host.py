@@ -27,7 +27,6 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -35,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from voxpipe.tiny import model_or_tiny
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -235,12 +236,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the tiny checkpoint, made now)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    if args.model is None:
-        from voxpipe.tiny import make_tiny
-
-        model = make_tiny(Path(tempfile.mkdtemp(prefix="turn-host-")), seed=0)
-    else:
-        model = Path(args.model)
+    model = model_or_tiny(args.model, "turn-host-")
     rows = asyncio.run(measure(model, [int(x) for x in args.contexts.split(",")], args.reps))
     print(table(rows))
 

@@ -677,6 +677,16 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
 # ---------------------------------------------------------------------------------------------------
 
 
+def model_or_tiny(model: str | None, prefix: str) -> Path:
+    """A host-side bench's checkpoint: the folder given, else the tiny checkpoint (seed 0) made now in a
+    new temporary folder named with `prefix`."""
+    if model is not None:
+        return Path(model)
+    import tempfile
+
+    return make_tiny(Path(tempfile.mkdtemp(prefix=prefix)), seed=0)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="output folder (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (same seed -> identical weights)")
