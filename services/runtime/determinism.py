@@ -235,6 +235,21 @@ def _row_batch(rows: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, 
         torch.baddbmm(bias.expand(blocks, GPU_ROWS, n), a, w, out=o)
 
 
+def _row_check_inputs(weight: torch.Tensor, bias: torch.Tensor | None, seed: int):
+    """What a row-invariance check of a linear draws from: `rand(m)` ([m, K] random rows at scales
+    1e-2 .. 1e2, a new draw per call, from a generator seeded with `seed`), a target row and its
+    GPU_ROWS-row call's output (`rows_linear` of the row alone)."""
+    dev, k = weight.device, weight.shape[1]
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(m: int) -> torch.Tensor:
+        scale = 10.0 ** (torch.arange(m, device=dev) % 5 - 2).float()
+        return (torch.randn(m, k, generator=g, device=dev, dtype=torch.float32) * scale[:, None]).to(weight.dtype)
+
+    target = rand(1)[0]
+    return rand, target, rows_linear(target[None], weight, bias)[0]
+
+
 def batches_invariant(weight: torch.Tensor, bias: torch.Tensor | None, seed: int = 0) -> tuple[tuple[int, str], ...]:
     """The (blocks, how) of ROW_BATCHES x ROW_BATCH_HOWS under which one `_row_batch` launch gives
     every row the bits of its GPU_ROWS-row call (`rows_linear` of the row alone), largest first, at
@@ -243,14 +258,7 @@ def batches_invariant(weight: torch.Tensor, bias: torch.Tensor | None, seed: int
     cuBLAS picks its kernel (tiles, split-K) by the batch count and the row count too, so each is
     checked on its own; what fails keeps the GPU_ROWS-row calls. Any exception: that one is left out."""
     dev, (n, k) = weight.device, weight.shape
-    g = torch.Generator(device=dev).manual_seed(seed)
-
-    def rand(m: int) -> torch.Tensor:
-        scale = 10.0 ** (torch.arange(m, device=dev) % 5 - 2).float()
-        return (torch.randn(m, k, generator=g, device=dev, dtype=torch.float32) * scale[:, None]).to(weight.dtype)
-
-    target = rand(1)[0]
-    alone = rows_linear(target[None], weight, bias)[0]
+    rand, target, alone = _row_check_inputs(weight, bias, seed)
     plan = []
     for blocks in ROW_BATCHES:
         span = blocks * GPU_ROWS
@@ -286,14 +294,7 @@ def batches_graphed(weight: torch.Tensor, bias: torch.Tensor | None, plan: tuple
     if not plan or weight.device.type != "cuda":
         return ()
     dev, (n, k) = weight.device, weight.shape
-    g = torch.Generator(device=dev).manual_seed(seed)
-
-    def rand(m: int) -> torch.Tensor:
-        scale = 10.0 ** (torch.arange(m, device=dev) % 5 - 2).float()
-        return (torch.randn(m, k, generator=g, device=dev, dtype=torch.float32) * scale[:, None]).to(weight.dtype)
-
-    target = rand(1)[0]
-    alone = rows_linear(target[None], weight, bias)[0]
+    rand, target, alone = _row_check_inputs(weight, bias, seed)
     kept = []
     for blocks, how in plan:
         span = blocks * GPU_ROWS
