@@ -595,6 +595,65 @@ def test_a_refused_session_update_changes_nothing(gateway):
     assert done["status"] in ("completed", "incomplete") and done["usage"]["output_token_details"]["text_tokens"] <= 3
 
 
+LONG_KEY = "k" * 10_000
+UNKNOWN_FIELDS = [        # (a client event with a field OpenAI's API does not define, the param its error names)
+    ({"type": "session.update", "session": {"type": "realtime", "instructions": "Changed.", "tool_choise": "none"}},
+     "session.tool_choise"),
+    ({"type": "session.update", "session": {"type": "realtime", LONG_KEY: 1}},
+     f"session.{LONG_KEY[:64]}... (10000 characters)"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"inputs": {}}}}, "session.audio.inputs"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"vad": None}}}},
+     "session.audio.input.vad"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"voice": "aiden", "volume": 2}}}},
+     "session.audio.output.volume"),
+    ({"type": "response.create", "response": {"max_output_tokens": 2, "modality": ["text"]}}, "response.modality"),
+    ({"type": "response.create", "response": {"audio": {"output": {"voice": "aiden", "speed": 1.0}}}},
+     "response.audio.output.speed"),
+    ({"type": "response.create", "response": {"audio": {"input": {}}}}, "response.audio.input"),
+    ({"type": "conversation.item.create", "item": {**user_text("Hi."), "speaker": "me"}}, "item.speaker"),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                   "content": [{"type": "input_text", "text": "Hi.", "lang": "en"}]}},
+     "item.content[0].lang"),
+    ({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "c", "output": "x",
+                                                   "result": 1}}, "item.result"),
+]
+
+
+@pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+def test_unknown_fields_are_refused_and_change_nothing(gateway, beta):
+    """A field OpenAI's realtime API does not define, in session.update's `session`, response.create's
+    `response` or conversation.item.create's `item` (at any depth read): an `error` naming it
+    (unknown_parameter, the key cut short in param and message), and the event does nothing: the
+    session is as it was, no response starts, no item is added; later responses still run. Fields
+    the API defines but this server does not act on are accepted (as the SDK may send them)."""
+    async def go():
+        async with realtime(gateway, beta=beta) as rt:
+            manual = {"turn_detection": None, "temperature": 0, "max_response_output_tokens": 3} if beta else \
+                {**MANUAL, "max_output_tokens": 3}
+            before = await rt.update(**manual, instructions="Be brief.")
+            errors = []
+            for event, _ in UNKNOWN_FIELDS:
+                await rt.send(**event)
+                errors.append((await rt.until("error"))[-1]["error"])
+            after = await rt.update()
+            # defined by the API (GA or beta), accepted and ignored
+            accepted = await rt.update(tracing="auto", include=["item.input_audio_transcription.logprobs"],
+                                       parallel_tool_calls=True, model=before["model"])
+            turn = await text_turn(rt, "Still there?", max_output_tokens=2, parallel_tool_calls=True,
+                                   metadata={"k": "v"})
+            return before, errors, after, accepted, turn, rt.seen
+
+    before, errors, after, accepted, turn, seen = run(go())
+    assert [e["param"] for e in errors] == [param for _, param in UNKNOWN_FIELDS]
+    assert all(e["type"] == "invalid_request_error" and e["code"] == "unknown_parameter" for e in errors), errors
+    assert all(len(e["message"]) < 200 and e["param"] in e["message"] for e in errors), errors
+    assert after == before == accepted and after["instructions"] == "Be brief."
+    # nothing of the refused events happened: no response, one item (the turn's own)
+    assert len(of(seen, "response.created")) == 1
+    assert len(of(seen, "conversation.item.created" if beta else "conversation.item.added")) == 2   # the turn's 2
+    assert turn[-1]["response"]["status"] in ("completed", "incomplete")
+
+
 def test_unknown_model_is_refused(gateway):
     async def go():
         async with connect(f"ws://127.0.0.1:{gateway.port}/v1/realtime?model=gpt-nope") as ws:

@@ -12,6 +12,8 @@ import asyncio
 import dataclasses
 import json
 
+import pytest
+
 from test_realtime import MANUAL, check_event, of, realtime, run, user_text
 from voxpipe.gateway.config import GatewayConfig
 from voxpipe.gateway.generation import Generation, run_pipeline
@@ -29,7 +31,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 # no free strings: a constrained reply of the random model always completes within a few tokens
 SHORT = {**WEATHER, "parameters": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}},
                                    "required": ["city"], "additionalProperties": False}}
-CALL_TEXT = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+CALL_ONLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+CALL_TEXT = 'Checking.\n' + CALL_ONLY
 
 
 def test_tools_and_a_function_round_trip_build_the_prompt(gateway, tokenizer, omni_config):
@@ -156,6 +159,48 @@ def test_a_reply_with_a_call_gives_a_function_call_item(stack, tiny_model_dir):
     assert of(beta_events, "response.function_call_arguments.done") and of(beta_events, "conversation.item.created")
 
 
+@pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+def test_a_reply_of_calls_only_has_no_message_item(stack, tiny_model_dir, beta):
+    """A reply that is only a call (as OpenAI's): its function_call item is output_index 0, no
+    message item, content part or text event comes, response.output and the conversation hold the
+    call alone, and the next prompt renders the call as the assistant's turn (as it did with the
+    empty message item before it, which rendered as nothing)."""
+    events, conversation = given_run(stack, tiny_model_dir, CALL_ONLY, beta=beta)
+    added = of(events, "response.output_item.added")
+    assert [(a["output_index"], a["item"]["type"]) for a in added] == [(0, "function_call")]
+    assert {e["output_index"] for e in events if "output_index" in e} == {0}
+    assert not [e for e in events if e["type"].startswith(("response.content_part", "response.text",
+                                                           "response.output_text"))]
+    created = "conversation.item.created" if beta else "conversation.item.added"
+    assert [e["item"]["type"] for e in of(events, created)] == ["function_call"]
+    out = events[-1]["response"]["output"]
+    assert [o["type"] for o in out] == ["function_call"] and out[0]["status"] == "completed"
+    assert json.loads(out[0]["arguments"]) == {"city": "Oslo"}
+    assert [item.call is not None for item in conversation.items] == [True]
+    assert events[-1]["response"]["usage"]["output_tokens"] > 0      # the call's tokens are the reply's
+    call = conversation.items[0].call
+    assert conversation.messages("") == [ChatMessage("assistant", [ChatPart(text="")], tool_calls=[
+        ToolCall(call.call_id, "get_weather", call.arguments)])]
+
+
+def test_text_after_a_call_is_a_message_item_after_it(stack, tiny_model_dir):
+    """A reply whose text comes after its call: the function_call item is output_index 0, the message
+    (opened at its first text) 1; the next prompt has one assistant turn, its text and its call (as
+    the chat API's assistant message with content and tool_calls)."""
+    events, conversation = given_run(stack, tiny_model_dir, CALL_ONLY + "\nDone.")
+    added = of(events, "response.output_item.added")
+    assert [(a["output_index"], a["item"]["type"]) for a in added] == [(0, "function_call"), (1, "message")]
+    deltas = of(events, "response.output_text.delta")
+    assert deltas and {d["output_index"] for d in deltas} == {1}
+    text = "".join(d["delta"] for d in deltas)
+    assert text.strip() == "Done." and of(events, "response.output_text.done")[0]["output_index"] == 1
+    out = events[-1]["response"]["output"]
+    assert [o["type"] for o in out] == ["function_call", "message"] and out[1]["content"][0]["text"] == text
+    call = conversation.items[0].call
+    assert conversation.messages("") == [ChatMessage("assistant", [ChatPart(text=text)], tool_calls=[
+        ToolCall(call.call_id, "get_weather", call.arguments)])]
+
+
 def test_a_required_call_is_constrained_streamed_and_never_spoken(gateway):
     """tool_choice 'required' (and a named function, per response): the reply is a valid call, sampled
     at temperature 1; its arguments come in several deltas as they are written, which add up to the
@@ -182,7 +227,13 @@ def test_a_required_call_is_constrained_streamed_and_never_spoken(gateway):
     checked = 0
     for events in calls:
         assert not of(events, "response.output_audio.delta")
+        # calls only (audio output): no message item, the calls at output_index 0, 1, ...
+        added = of(events, "response.output_item.added")
+        assert [a["item"]["type"] for a in added] == ["function_call"] * len(added)
+        assert [a["output_index"] for a in added] == list(range(len(added)))
+        assert not [e for e in events if e["type"].startswith(("response.content_part", "response.output_audio"))]
         response = events[-1]["response"]
+        assert [o["type"] for o in response["output"]] == ["function_call"] * len(added)
         assert response["status"] in ("completed", "incomplete"), response    # more calls may follow, to the limit
         done = of(events, "response.function_call_arguments.done")
         deltas = of(events, "response.function_call_arguments.delta")
@@ -262,7 +313,16 @@ def test_the_sdk_runs_a_function_call_round_trip(gateway, model, tokenizer, omni
                                                       "output": "snow, -3 C"})
             await conn.response.create(response={"tool_choice": "auto", "max_output_tokens": 2})
             second = [event async for event in until(conn, "response.done")]
-            return first, second
+        # the same history through chat completions: the assistant turn of calls only, then the result
+        calls = [o for o in first[-1].response.output if o.type == "function_call"]
+        chat = await sdk.chat.completions.create(model=model, max_tokens=1, messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls]},
+            {"role": "tool", "tool_call_id": calls[0].call_id, "content": "snow, -3 C"}],
+            tools=[{"type": "function", "function": {k: v for k, v in SHORT.items() if k != "type"}}])
+        return first, second, chat
 
     async def until(conn, last: str):
         async for event in conn:
@@ -271,10 +331,12 @@ def test_the_sdk_runs_a_function_call_round_trip(gateway, model, tokenizer, omni
             if event.type == last:
                 return
 
-    first, second = run(go())
+    first, second, chat = run(go())
     response = first[-1].response
     assert response.status == "completed", response.status_details
     calls = [o for o in response.output if o.type == "function_call"]
+    assert [o.type for o in response.output] == ["function_call"] * len(calls)     # no empty message item
+    assert [e.output_index for e in first if e.type == "response.output_item.added"] == list(range(len(calls)))
     added = [e.item for e in first if e.type == "response.output_item.added" and e.item.type == "function_call"]
     finished = [e.item for e in first if e.type == "response.output_item.done" and e.item.type == "function_call"]
     assert calls and [(a.call_id, a.name) for a in added] == [(c.call_id, "get_weather") for c in calls]
@@ -291,7 +353,7 @@ def test_the_sdk_runs_a_function_call_round_trip(gateway, model, tokenizer, omni
                 ChatMessage("tool", [ChatPart(text="snow, -3 C")], tool_call_id=calls[0].call_id)]
     want = render(tokenizer, omni_config.thinker, messages, tools=tool_list([SHORT], "tools", nested=False)).token_ids
     assert second[-1].response.status in ("completed", "incomplete")
-    assert second[-1].response.usage.input_tokens == len(want)
+    assert second[-1].response.usage.input_tokens == len(want) == chat.usage.prompt_tokens
 
 
 def test_response_tools_apply_to_their_response_only(gateway, model, tokenizer, omni_config):
@@ -320,6 +382,7 @@ def test_response_tools_apply_to_their_response_only(gateway, model, tokenizer, 
     called, after = run(go())
     assert called.status == "completed", called.status_details
     calls = [o for o in called.output if o.type == "function_call"]
+    assert [o.type for o in called.output] == ["function_call"] * len(calls)     # calls only: no message item
     assert calls and all(c.name == "get_weather" and json.loads(c.arguments)["city"] in ("Oslo", "Rome") for c in calls)
     user = ChatMessage.text("user", "Weather in Oslo?")
     tools = tool_list([SHORT], "tools", nested=False)

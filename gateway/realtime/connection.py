@@ -499,7 +499,7 @@ class RealtimeConnection:
         await self.emit(ItemDone(previous, item))
 
     def _check_not_generating(self, item_id: str) -> None:
-        if self.response is not None and self.response.active and self.response.item.id == item_id:
+        if self.response is not None and self.response.generating(item_id):
             raise ProtocolError(f"item {quoted(item_id)} is being generated; cancel the response first",
                                 code="item_in_progress", param="item_id")
 

@@ -244,6 +244,51 @@ def _get(obj: dict, key: str, kinds: type | tuple[type, ...], path: str, require
     return value
 
 
+# ----------------------------------------------------------------------------- known fields
+# The fields OpenAI's realtime API defines for each object a client sends, GA and beta alike (either
+# dialect may send the other's names: both are read), and this server's vendor fields. A field the
+# server does not act on (tracing, include, prompt, reasoning, parallel_tool_calls, model, ...) is
+# accepted and ignored; a field outside these sets is an `unknown_parameter` error, as OpenAI's, and
+# the event does nothing. A session object as the server sends it (id, object, expires_at, ...)
+# may come back in a session.update.
+
+VENDOR_FIELDS = frozenset({"temperature", "ignore_eos", "max_audio_frames"})
+SESSION_FIELDS = frozenset({
+    # GA (RealtimeSessionCreateRequest, and the session object sent back)
+    "type", "audio", "include", "instructions", "max_output_tokens", "model", "output_modalities",
+    "parallel_tool_calls", "prompt", "reasoning", "tool_choice", "tools", "tracing", "truncation",
+    "id", "object", "expires_at",
+    # beta
+    "client_secret", "input_audio_format", "input_audio_noise_reduction", "input_audio_transcription",
+    "max_response_output_tokens", "modalities", "output_audio_format", "speed", "turn_detection", "voice",
+}) | VENDOR_FIELDS
+SESSION_AUDIO_FIELDS = frozenset({"input", "output"})
+SESSION_AUDIO_INPUT_FIELDS = frozenset({"format", "noise_reduction", "transcription", "turn_detection"})
+SESSION_AUDIO_OUTPUT_FIELDS = frozenset({"format", "speed", "voice"})
+RESPONSE_FIELDS = frozenset({
+    # GA (RealtimeResponseCreateParams)
+    "audio", "conversation", "input", "instructions", "max_output_tokens", "metadata", "output_modalities",
+    "parallel_tool_calls", "prompt", "reasoning", "tool_choice", "tools",
+    # beta
+    "max_response_output_tokens", "modalities", "output_audio_format", "voice",
+}) | VENDOR_FIELDS
+RESPONSE_AUDIO_FIELDS = frozenset({"output"})
+RESPONSE_AUDIO_OUTPUT_FIELDS = frozenset({"format", "voice"})
+# an item: message, function_call and function_call_output (GA and beta share these)
+ITEM_FIELDS = frozenset({"id", "object", "type", "status", "role", "content", "call_id", "name", "arguments",
+                         "output"})
+PART_FIELDS = frozenset({"type", "text", "audio", "transcript", "id", "detail", "image_url"})
+
+
+def _known(obj: dict, fields: frozenset[str], path: str) -> None:
+    """An `unknown_parameter` error naming the first key of `obj` outside `fields` (the key cut to
+    ECHO_CHARS in the message and the param)."""
+    for key in obj:
+        if key not in fields:
+            name = f"{path}.{clipped(str(key))}"
+            raise ProtocolError(f"unknown parameter: '{name}'", code="unknown_parameter", param=name)
+
+
 MAX_OUTPUT_TOKENS = 4096          # OpenAI's range for max_output_tokens: 1 to 4096, or "inf"
 MAX_INSTRUCTIONS_CHARS = 16_384   # a session's (or response's) instructions: a system turn of about 4k tokens
 
@@ -426,12 +471,16 @@ def decode_pcm16(data: Any, param: str) -> np.ndarray:
 def _session_patch(s: Any) -> SessionPatch:
     if not isinstance(s, dict):
         raise ProtocolError("'session' must be an object", code="invalid_type", param="session")
+    _known(s, SESSION_FIELDS, "session")
     if s.get("type", "realtime") != "realtime":
         raise ProtocolError(f"'session.type' {quoted(s.get('type'))} is not supported; use \"realtime\"",
                             param="session.type")
     audio = _get(s, "audio", dict, "session") or {}
+    _known(audio, SESSION_AUDIO_FIELDS, "session.audio")
     audio_in = _get(audio, "input", dict, "session.audio") or {}
     audio_out = _get(audio, "output", dict, "session.audio") or {}
+    _known(audio_in, SESSION_AUDIO_INPUT_FIELDS, "session.audio.input")
+    _known(audio_out, SESSION_AUDIO_OUTPUT_FIELDS, "session.audio.output")
     _audio_format(audio_in.get("format"), "session.audio.input.format")
     _audio_format(audio_out.get("format"), "session.audio.output.format")
     _audio_format(s.get("input_audio_format"), "session.input_audio_format")
@@ -473,6 +522,7 @@ def _response_overrides(r: Any) -> ResponseOverrides:
         return ResponseOverrides()
     if not isinstance(r, dict):
         raise ProtocolError("'response' must be an object", code="invalid_type", param="response")
+    _known(r, RESPONSE_FIELDS, "response")
     if r.get("input") is not None:
         raise ProtocolError("'response.input' is not supported; the reply always reads the conversation",
                             param="response.input")
@@ -481,7 +531,9 @@ def _response_overrides(r: Any) -> ResponseOverrides:
         raise ProtocolError(f"'response.conversation' must be \"auto\" or \"none\", got {quoted(conversation)}",
                             param="response.conversation")
     audio = _get(r, "audio", dict, "response") or {}
+    _known(audio, RESPONSE_AUDIO_FIELDS, "response.audio")
     audio_out = _get(audio, "output", dict, "response.audio") or {}
+    _known(audio_out, RESPONSE_AUDIO_OUTPUT_FIELDS, "response.audio.output")
     _audio_format(audio_out.get("format"), "response.audio.output.format")
     _audio_format(r.get("output_audio_format"), "response.output_audio_format")
     voice = _voice(audio_out.get("voice"), "response.audio.output.voice") or _voice(r.get("voice"), "response.voice")
@@ -524,6 +576,7 @@ _ASSISTANT_KINDS = {"output_text": "output_text", "text": "output_text", "output
 def _part(p: Any, role: str, path: str) -> NewPart:
     if not isinstance(p, dict):
         raise ProtocolError(f"'{path}' must be an object", code="invalid_type", param=path)
+    _known(p, PART_FIELDS, path)
     kind = p.get("type")
     allowed = {"user": _USER_KINDS, "assistant": _ASSISTANT_KINDS}.get(role, _SYSTEM_KINDS)
     if kind not in allowed:
@@ -546,6 +599,7 @@ def _part(p: Any, role: str, path: str) -> NewPart:
 def _new_item(item: Any) -> NewItem:
     if not isinstance(item, dict):
         raise ProtocolError("'item' must be an object", code="invalid_type", param="item")
+    _known(item, ITEM_FIELDS, "item")
     kind = item.get("type", "message")
     item_id = _get(item, "id", str, "item")
     if item_id is not None and not 0 < len(item_id) <= 64:

@@ -31,8 +31,13 @@ A run reads its prompt from the PromptWindow it is given and fits it to the cont
 session's truncation says (truncation.py); a prompt that does not fit is a failed response with a
 `context_length_exceeded` `error` event before its response.done.
 
-The connection, in turn, uses of a run only `id`, `item`, `active`, `task`, `start()` and
-`cancel(reason)`."""
+The reply's output items come in the order the model writes them: its message (text, or audio
+with its transcript) is opened at its first text or audio, and each function call is its own
+item; a reply that is only calls has no message item (as OpenAI's), and one with nothing at all
+(cancelled or failed before its first word, or empty) ends with its empty message.
+
+The connection, in turn, uses of a run only `id`, `generating(item_id)`, `active`, `task`,
+`start()` and `cancel(reason)`."""
 
 from __future__ import annotations
 
@@ -106,8 +111,10 @@ class ResponseRun:
         self.speech_end = speech_end
         self.id = new_id("resp")
         self.arrived = time.perf_counter()
-        kind = "output_audio" if settings.audio_out else "output_text"
-        self.item = ConversationItem(new_id("item"), "assistant", [ItemContent(kind)], status="in_progress")
+        self.item: ConversationItem | None = None      # the message, opened at its first text or audio
+        self.message_index = 0                          # its output_index
+        self.outputs: list[ConversationItem] = []       # the output items, in output_index order
+        self._pending_tokens = 0                        # text tokens made before the message opened
         self.status, self.status_details = "in_progress", None
         self.usage: dict[str, int] | None = None
         self.prompt: RenderedPrompt | None = None
@@ -120,14 +127,20 @@ class ResponseRun:
         self.started = self.finishing = False
         self.task: asyncio.Task | None = None
         # with tools offered, the reply's text is read for calls: each becomes a function_call item
-        # after the message item (output_index 1, 2, ...), its text never reaches the message
+        # (output_index in the order written), its text never reaches the message
         self.parser = settings.tools.parser()
         self.calls: list[ConversationItem] = []
+        self._call_index: list[int] = []               # each call's output_index
         self._previous: dict[str, str | None] = {}     # a call item's id -> the item before it
 
     @property
     def content(self) -> ItemContent:
+        """The message's content (once the message is open)."""
         return self.item.content[0]
+
+    def generating(self, item_id: str) -> bool:
+        """Whether `item_id` is an item of this run still being written."""
+        return self.active and any(i.id == item_id and i.status == "in_progress" for i in self.outputs)
 
     @property
     def active(self) -> bool:
@@ -157,7 +170,7 @@ class ResponseRun:
         s = self.settings
         body: dict[str, Any] = {
             "object": "realtime.response", "id": self.id, "status": self.status, "status_details": self.status_details,
-            "output": [i.wire(dialect) for i in (self.item, *self.calls)] if self.status != "in_progress" else [],
+            "output": [i.wire(dialect) for i in self.outputs] if self.status != "in_progress" else [],
             "conversation_id": None if s.out_of_band else self.ctx.conversation_id,
             "max_output_tokens": s.max_output_tokens or "inf", "metadata": s.metadata, "usage": self.usage}
         body.update(tools_wire(s.tools))
@@ -171,7 +184,8 @@ class ResponseRun:
         return body
 
     def _part_ids(self) -> dict[str, Any]:
-        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": self.message_index,
+                "content_index": 0}
 
     # ------------------------------------------------------------------------- running
 
@@ -181,12 +195,6 @@ class ResponseRun:
         REQUEST_ID.set(self.id)           # this task's logs (and the stages') name the response
         try:
             await emit(ResponseCreated(self))
-            await emit(OutputItemAdded(self.id, 0, self.item))
-            if not self.settings.out_of_band:
-                self.previous_item_id = self.ctx.insert_item(self.item)
-                self.in_conversation = True
-                await emit(ItemAdded(self.previous_item_id, self.item))
-            await emit(ContentPartAdded(**self._part_ids(), part=ContentPart(self.settings.audio_out)))
             if self.cancel_reason is not None:
                 raise asyncio.CancelledError
             outcome = await self._generate()
@@ -197,6 +205,23 @@ class ResponseRun:
             outcome = ("cancelled", {"type": "cancelled", "reason": self.cancel_reason})
         self.finishing = True
         await self._finish(*outcome)
+
+    async def _message(self) -> ItemContent:
+        """The message's content, the message opened first if it is not yet: its item (output_index
+        after the items before it), in the conversation, and its content part."""
+        if self.item is None:
+            kind = "output_audio" if self.settings.audio_out else "output_text"
+            item = ConversationItem(new_id("item"), "assistant", [ItemContent(kind)], status="in_progress")
+            self.item, self.message_index = item, len(self.outputs)
+            self.outputs.append(item)
+            emit = self.ctx.emit
+            await emit(OutputItemAdded(self.id, self.message_index, item))
+            if not self.settings.out_of_band:
+                self.previous_item_id = self.ctx.insert_item(item)
+                self.in_conversation = True
+                await emit(ItemAdded(self.previous_item_id, item))
+            await emit(ContentPartAdded(**self._part_ids(), part=ContentPart(self.settings.audio_out)))
+        return self.item.content[0]
 
     async def _generate(self) -> tuple[str, dict[str, Any] | None]:
         try:
@@ -307,14 +332,17 @@ class ResponseRun:
             await self._on_pieces(len(ev.token_ids), self.parser.push(ev.text))
 
     async def _on_pieces(self, tokens: int, pieces: list[ReplyPiece]) -> None:
-        """The message's text (its `tokens` counted with it), then each call as its own item."""
-        text = "".join(p.text for p in pieces if isinstance(p, ContentPiece))
-        if tokens or text:
-            self.content.add_text(tokens, text)
-        if text:
-            delta = TranscriptDelta if self.settings.audio_out else TextDelta
-            await self.ctx.emit(delta(**self._part_ids(), delta=text))
-        for p in pieces:
+        """The reply's pieces in the order written: the message's text (each run of it one delta; the
+        `tokens` counted with its first), each call as its own item."""
+        self._pending_tokens += tokens
+        run: list[str] = []
+        for p in [*pieces, None]:
+            if isinstance(p, ContentPiece):
+                run.append(p.text)
+                continue
+            if run:
+                await self._text("".join(run))
+                run = []
             if isinstance(p, CallStart):
                 await self._call_started(p.id, p.name)
             elif isinstance(p, ArgumentsDelta):
@@ -324,13 +352,29 @@ class ResponseRun:
                     await self._call_started(p.call.id, p.call.name)
                     await self._arguments(p.index, p.call.arguments)
                 await self._call_done(p)
+        if self._pending_tokens and self.item is not None:
+            self.content.add_text(self._pending_tokens, "")
+            self._pending_tokens = 0
+
+    async def _text(self, text: str) -> None:
+        """A delta of the message's text, the message opened at its first; the text tokens made since
+        the last text (before the message opened too: as they always counted) count with it."""
+        if not text:
+            return
+        content = await self._message()
+        content.add_text(self._pending_tokens, text)
+        self._pending_tokens = 0
+        delta = TranscriptDelta if self.settings.audio_out else TextDelta
+        await self.ctx.emit(delta(**self._part_ids(), delta=text))
 
     async def _call_started(self, call_id: str, name: str) -> None:
-        """A call's function_call item (output_index 1 + its index), its arguments to come."""
+        """A call's function_call item (output_index after the items before it), its arguments to come."""
         item = ConversationItem(new_id("item"), "assistant", [], status="in_progress",
                                 call=FunctionCall(call_id, name, ""))
-        index = 1 + len(self.calls)
+        index = len(self.outputs)
         self.calls.append(item)
+        self._call_index.append(index)
+        self.outputs.append(item)
         emit = self.ctx.emit
         await emit(OutputItemAdded(self.id, index, item))
         if not self.settings.out_of_band:
@@ -340,10 +384,11 @@ class ResponseRun:
     async def _arguments(self, index: int, text: str) -> None:
         item = self.calls[index]
         item.call = FunctionCall(item.call.call_id, item.call.name, item.call.arguments + text)
-        await self.ctx.emit(FunctionCallArgumentsDelta(self.id, item.id, 1 + index, item.call.call_id, text))
+        await self.ctx.emit(FunctionCallArgumentsDelta(self.id, item.id, self._call_index[index], item.call.call_id,
+                                                       text))
 
     async def _call_done(self, piece: CallPiece) -> None:
-        c, item, index = piece.call, self.calls[piece.index], 1 + piece.index
+        c, item, index = piece.call, self.calls[piece.index], self._call_index[piece.index]
         item.call, item.status = FunctionCall(c.id, c.name, c.arguments), "completed"
         emit = self.ctx.emit
         await emit(FunctionCallArgumentsDone(self.id, item.id, index, c.id, c.name, c.arguments))
@@ -362,6 +407,7 @@ class ResponseRun:
         if not self.produced_samples and self.speech_end is not None:
             since, at = self.speech_end
             self.ctx.heard_to_audio(since, time.perf_counter() - at)
+        await self._message()
         self.produced_samples += n
         await self.ctx.emit(AudioDelta(**self._part_ids(), delta=base64.b64encode(pcm).decode("ascii")),
                             response_id=self.id, audio_samples=n, on_sent=self._on_sent)
@@ -373,31 +419,38 @@ class ResponseRun:
     # ------------------------------------------------------------------------- finishing
 
     async def _finish(self, status: str, details: dict[str, Any] | None) -> None:
-        emit, content = self.ctx.emit, self.content
+        emit = self.ctx.emit
+        if self.item is None and not self.calls:     # a reply of nothing: its message, empty
+            await self._message()
         delivered = None
         if status == "cancelled":
             in_flight = await self.ctx.withdraw_audio(self.id)
             delivered = self.sent_samples + in_flight
-        # the speech is whole only when the talker ended it itself (not at max_audio_frames, not cut off)
-        content.align(self.produced_samples, complete=self.audio_finish == pb.STOP)
         self.status, self.status_details = status, details
-        self.item.status = "completed" if status == "completed" else "incomplete"
+        if self.item is not None:
+            # the speech is whole only when the talker ended it itself (not at max_audio_frames, not cut off)
+            self.content.align(self.produced_samples, complete=self.audio_finish == pb.STOP)
+            self.item.status = "completed" if status == "completed" else "incomplete"
         self.usage = self._usage()
-        ids = self._part_ids()
+        if self.item is not None:
+            await self._message_done()
+        await emit(ResponseDone(self))
+        if self.item is not None and delivered is not None and self.settings.audio_out:
+            self.content.truncate_audio(delivered)       # what the client has not got is not in the conversation
+            if self.in_conversation and self.ctx.has_item(self.item.id):
+                await emit(ItemTruncated(self.item.id, 0, samples_to_ms(delivered)))
+
+    async def _message_done(self) -> None:
+        emit, content, ids = self.ctx.emit, self.content, self._part_ids()
         if self.settings.audio_out:
             await emit(AudioDone(**ids))
             await emit(TranscriptDone(**ids, transcript=content.text))
         else:
             await emit(TextDone(**ids, text=content.text))
         await emit(ContentPartDone(**ids, part=ContentPart(self.settings.audio_out, content.text)))
-        await emit(OutputItemDone(self.id, 0, self.item))
+        await emit(OutputItemDone(self.id, self.message_index, self.item))
         if self.in_conversation:
             await emit(ItemDone(self.previous_item_id, self.item))
-        await emit(ResponseDone(self))
-        if delivered is not None and self.settings.audio_out:
-            content.truncate_audio(delivered)       # what the client has not got is not in the conversation
-            if self.in_conversation and self.ctx.has_item(self.item.id):
-                await emit(ItemTruncated(self.item.id, 0, samples_to_ms(delivered)))
 
     def _usage(self) -> dict[str, Any]:
         ids = self.prompt.token_ids if self.prompt is not None else []

@@ -305,13 +305,20 @@ class ConversationItem:
 
 def prompt_messages(instructions: str, turns: Sequence[tuple[str, ChatMessage | None]]) -> list[ChatMessage]:
     """The prompt's turns from items' (id, turn) pairs: a call right after an assistant turn (its
-    text, or other calls of the same reply) joins that turn, as the model wrote them."""
+    text, or other calls of the same reply) joins that turn, as the model wrote them; an assistant
+    text right after a turn of calls only (a reply's text written after its calls: its message item
+    comes after them) is that turn's text. An assistant reply renders as one turn, its text and its
+    calls, whatever the order of its items (as chat's assistant message with `tool_calls`)."""
     out: list[ChatMessage] = []
     for _, m in turns:
         if m is None:
             continue
         if m.tool_calls and out and out[-1].role == "assistant":
             out[-1] = replace(out[-1], tool_calls=[*out[-1].tool_calls, *m.tool_calls])
+            continue
+        if m.role == "assistant" and not m.tool_calls and out and out[-1].role == "assistant" and out[-1].tool_calls \
+                and all(not p.text and p.audio is None and p.features is None for p in out[-1].parts):
+            out[-1] = replace(out[-1], parts=m.parts)
             continue
         out.append(m)
     return with_instructions(instructions, out)

@@ -373,7 +373,7 @@ class Console {
         this.reply = { turn: this.turn, itemId: null, samples: 0, interrupted: false };
         break;
       case "response.output_item.added":
-        if (this.reply) this.reply.itemId = ev.item.id;
+        if (this.reply && ev.item.type === "message") this.reply.itemId = ev.item.id;   // its spoken item (not a call)
         break;
       case "response.output_audio.delta":
         if (this.reply && !this.reply.interrupted) this.playDelta(this.reply, pcm16Samples(ev.delta));
