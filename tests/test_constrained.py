@@ -699,6 +699,56 @@ def test_drafts_verified_in_graph_plans_give_the_tokens_of_decoding(tiny_model_d
     assert drafted == decoded and graphed.runner.verify_graphs.replays > replays
 
 
+def test_a_draft_takes_only_blocks_the_step_leaves_free(tiny_model_dir, tokenizer, omni_config, monkeypatch):
+    """A draft never preempts: its blocks come from what the step's rows leave free once each has
+    the block for its next position. An older row drafts (a block's worth of tokens) in a step where
+    the pool holds exactly the block a newer row's next position needs: no row is preempted, the
+    draft is dropped, both rows decode on (before, the older row's draft took that block first and
+    the newer row was preempted for it)."""
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.runtime.kv_plan import KVPlan
+    from voxpipe.services.runtime.sampling import SamplingParams
+    from voxpipe.services.runtime.weights import load_module
+    from voxpipe.services.thinker import engine as thinker_engine
+    from voxpipe.services.thinker.engine import ThinkerEngine, ThinkerJob
+    from voxpipe.services.thinker.model import ThinkerModel
+
+    monkeypatch.setattr(thinker_engine, "JUMP_FEED_ROWS", 8)
+    th = omni_config.thinker
+    model = load_module(lambda: ThinkerModel(th), str(tiny_model_dir), "thinker.", device=torch.device("cpu"),
+                        dtype=torch.float32, load_format="auto", ignore=("visual.",))
+    eng = ThinkerEngine(model, th, tokenizer, device=torch.device("cpu"), max_active=8, max_len=1024,
+                        kv=KVPlan(blocks=64, prefix_cache=False), eos_ids=(th.tokens.im_end,), cuda_graphs=False)
+    loop = asyncio.new_event_loop()
+    p = _prompt(tokenizer, omni_config, "Book a table.")
+    older, newer = (ThinkerJob(request_id=f"d{i}", outbox=Outbox(loop, limit=10 ** 6), prompt=p + [p[-1]] * i,
+                               max_tokens=200, min_tokens=150, params=SamplingParams(temperature=0.0))
+                    for i in range(2))
+    for job in (older, newer):
+        eng.submit(job)
+    runner, blocks = eng.runner, eng.runner.blocks
+
+    def need(job) -> int:
+        return blocks.blocks_for(job.kv_tokens + job.ahead + 1) - len(job.table.blocks)
+
+    for _ in range(3 * blocks.block_size):      # to a step where the newer row's next position needs a new block
+        eng.step()
+        assert older.table is not None and newer.table is not None and not older.done and not newer.done
+        if need(newer) == 1 and need(older) == 0:
+            break
+    else:
+        pytest.fail("no step where only the newer row needs a block")
+    older.draft = [older.generated[-1]] * blocks.block_size       # a block's worth past its next position
+    held = blocks.pool.allocate(blocks.pool.free - 1)             # the pool leaves the newer row's block only
+    preempted = blocks.stats.preempted
+    eng.step()
+    assert blocks.stats.preempted == preempted, "a draft preempted a row"
+    assert older in eng.running and newer in eng.running and newer.table is not None
+    assert older.draft == [] and blocks.pool.free == 0
+    blocks.pool.release(held)
+    loop.close()
+
+
 def test_a_forced_opening_is_out_before_the_prefill(engine, tokenizer, omni_config, monkeypatch):
     """A named function's reply: the tokens its grammar forces first (`<tool_call>\n{"name": "NAME",
     "arguments": {...`) are in its outbox once open_reply took them, before the job is admitted or

@@ -244,9 +244,11 @@ class ThinkerEngine(StageEngine):
         already known -- not sampled, as decoding the run would go. Drafts (`_draft`) are fed the
         same way, after the run if any, and verified in the output step; a larger step drops them."""
         feed = len(decode) <= JUMP_FEED_ROWS     # (a run made in a smaller step may meet a larger one)
-        if not feed:
-            for job in decode:
+        for job in decode:      # every row has its next position's block (_with_blocks): drafts take what is left
+            if not feed:
                 job.draft = []
+            elif job.draft:
+                self.runner.grow_draft(job)
         runs = [job for job in decode if job.ahead or job.draft] if feed else []
         steps = [job for job in decode if not (feed and (job.ahead or job.draft))]
         outs, drafts = [], None

@@ -354,13 +354,16 @@ class ThinkerRunner:
         return True
 
     def grow(self, job: ThinkerJob) -> bool:
-        """Blocks for the job's next decode position (a forced run: its positions; a draft: its
-        positions too, if the pool has them, else the draft is dropped: it never preempts); False
-        (nothing taken) when none is free."""
-        need = job.kv_tokens + job.ahead + 1
-        if job.draft and not self.blocks.grow(job.table, need + len(job.draft)):
+        """Blocks for the job's next decode position (a forced run: its positions); False (nothing
+        taken) when none is free. Not a draft's (`grow_draft`, once every row of the step has its own)."""
+        return self.blocks.grow(job.table, job.kv_tokens + job.ahead + 1)
+
+    def grow_draft(self, job: ThinkerJob) -> None:
+        """Blocks for the positions of the job's draft, from what the pool has free after every row of
+        the step took the block for its next position (engine._decode), else the draft is dropped: a
+        draft never takes a block a row needs, so it never preempts one."""
+        if job.draft and not self.blocks.grow(job.table, job.kv_tokens + job.ahead + 1 + len(job.draft)):
             job.draft = []
-        return self.blocks.grow(job.table, need)
 
     def publish(self, job: ThinkerJob) -> None:
         """Publish the job's full blocks whose keys are computed (after a step whose outputs were finite)."""
