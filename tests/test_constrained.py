@@ -749,6 +749,48 @@ def test_a_draft_takes_only_blocks_the_step_leaves_free(tiny_model_dir, tokenize
     loop.close()
 
 
+def test_a_draft_beside_a_run_the_verify_graphs_cannot_take_is_dropped(tiny_model_dir, tokenizer, omni_config,
+                                                                        monkeypatch):
+    """With verify graphs (emulated on the CPU), a step where one row drafts and another feeds a forced
+    run longer than a verify graph's rows (VERIFY_TOKENS) drops the draft: the runs take the extend
+    graphs, as without drafts (before, the whole step fell to the eager packed forward)."""
+    from voxpipe.services.runtime import cuda_graphs
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.runtime.sampling import SamplingParams
+    from voxpipe.services.runtime.weights import load_module
+    from voxpipe.services.thinker import engine as thinker_engine
+    from voxpipe.services.thinker.engine import ThinkerEngine, ThinkerJob
+    from voxpipe.services.thinker.model import ThinkerModel
+    from voxpipe.services.thinker.runner import VERIFY_TOKENS
+
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+    monkeypatch.setattr(thinker_engine, "JUMP_FEED_ROWS", 8)
+    th = omni_config.thinker
+    model = load_module(lambda: ThinkerModel(th), str(tiny_model_dir), "thinker.", device=torch.device("cpu"),
+                        dtype=torch.float32, load_format="auto", ignore=("visual.",))
+    eng = ThinkerEngine(model, th, tokenizer, device=torch.device("cpu"), max_active=8, max_len=1024,
+                        eos_ids=(th.tokens.im_end,), cuda_graphs=True)
+    runner = eng.runner
+    assert runner.verify_graphs is not None and runner.extend_graphs is not None
+    loop = asyncio.new_event_loop()
+    p = _prompt(tokenizer, omni_config, "Book a table.")
+    drafting, running = (ThinkerJob(request_id=f"v{i}", outbox=Outbox(loop, limit=10 ** 6), prompt=p, max_tokens=200,
+                                    min_tokens=150, params=SamplingParams(temperature=0.0)) for i in range(2))
+    for job in (drafting, running):
+        eng.submit(job)
+    eng.step()
+    assert drafting.generated and running.generated and not drafting.done and not running.done
+    drafting.draft = [drafting.generated[-1]] * 4
+    run = VERIFY_TOKENS + 8           # tokens after the last one whose keys the next step computes (a forced run's)
+    running.generated += [running.generated[-1]] * run
+    running.ahead = run
+    extend, verify = runner.extend_graphs.replays, runner.verify_graphs.replays
+    eng.step()
+    assert runner.verify_graphs.replays == verify and runner.extend_graphs.replays == extend + 1
+    assert drafting.draft == [] and running.ahead == 0 and not drafting.done and not running.done
+    loop.close()
+
+
 def test_a_forced_opening_is_out_before_the_prefill(engine, tokenizer, omni_config, monkeypatch):
     """A named function's reply: the tokens its grammar forces first (`<tool_call>\n{"name": "NAME",
     "arguments": {...`) are in its outbox once open_reply took them, before the job is admitted or

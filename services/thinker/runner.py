@@ -606,10 +606,16 @@ class ThinkerRunner:
         token would end, and with drafts the logits [sum of the drafts' lengths, V] at each drafted
         token, the jobs' in order (else None). A draft's keys past the tokens its verify accepts are
         never read: the next forward writes those positions before anything attends to them. With
-        verify graphs, a draft is cut to what fits VERIFY_TOKENS (none left: dropped)."""
-        if self.verify_graphs is not None and len(jobs) <= self.verify_graphs.batch_sizes[-1]:
+        verify graphs, a draft is cut to what fits VERIFY_TOKENS (none left: dropped), and where a row
+        still does not fit them (a forced run of VERIFY_TOKENS or more, more rows than they take) the
+        step drops its drafts: its runs take the extend graphs, not an eager forward."""
+        g = self.verify_graphs
+        if g is not None:
             for job in jobs:
                 job.draft = job.draft[:max(VERIFY_TOKENS - job.ahead - 1, 0)]
+            if not g.fits(len(jobs), max(job.ahead + 1 + len(job.draft) for job in jobs)):
+                for job in jobs:
+                    job.draft = []
         parts = []
         for job in jobs:
             ids = torch.tensor(job.generated[-(job.ahead + 1):] + job.draft).to(self.device, non_blocking=True)
