@@ -99,10 +99,13 @@ class ThinkerEngine(StageEngine):
         self.planned_chunks = 0        # chunk shapes the engine thread planned for cuDNN (prepare)
         self.streams = TurnStreams(self)     # turns whose audio is streamed (streaming.py)
         self.talker_prompt_ids = talker_prompt_ids
-        # with graphs, only through the verify graphs (an eager extend forward costs more than the forwards it saves)
-        self.draft_forced = draft_forced and (self.runner.graphs is None or self.runner.verify_graphs is not None)
+        # on CUDA only through the verify graphs (an eager extend forward there costs more than the forwards it
+        # saves: with --no-cuda-graphs too); off CUDA (tests, CPU serving) eagerly
+        on_cuda = torch.device(device).type == "cuda"
+        self.draft_forced = draft_forced and (self.runner.verify_graphs is not None
+                                              or (self.runner.graphs is None and not on_cuda))
         if draft_forced and not self.draft_forced:
-            log.warning("thinker: no verify graphs were captured: drafts of forced text are off")
+            log.warning("thinker: no verify graphs were captured (or CUDA graphs are off): drafts of forced text are off")
         self.drafts = DraftCounts()
 
     def prepare(self) -> None:
