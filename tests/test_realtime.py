@@ -21,7 +21,8 @@ import typing
 from contextlib import asynccontextmanager
 
 from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
-from openai.types.realtime import RealtimeServerEvent
+from openai.types.beta.realtime import SessionUpdateEvent as BetaSessionUpdateEvent
+from openai.types.realtime import RealtimeServerEvent, SessionUpdateEvent
 from websockets.asyncio.client import connect
 
 from conftest import STAGES, GatewayProcess
@@ -616,6 +617,29 @@ UNKNOWN_FIELDS = [        # (a client event with a field OpenAI's API does not d
      "item.content[0].lang"),
     ({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "c", "output": "x",
                                                    "result": 1}}, "item.result"),
+    # nested objects: turn_detection, transcription, noise_reduction, tools[i], tool_choice (GA and beta paths)
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
+        "type": "server_vad", "threshold": 0.5, "silence_ms": 200}}}}}, "session.audio.input.turn_detection.silence_ms"),
+    ({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", LONG_KEY: 1}}},
+     f"session.turn_detection.{LONG_KEY[:64]}... (10000 characters)"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"transcription": {
+        "language": "en", "lang": "en"}}}}}, "session.audio.input.transcription.lang"),
+    ({"type": "session.update", "session": {"input_audio_transcription": {"language": "en", "temperature": 0}}},
+     "session.input_audio_transcription.temperature"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"noise_reduction": {
+        "type": "near_field", "level": 1}}}}}, "session.audio.input.noise_reduction.level"),
+    ({"type": "session.update", "session": {"input_audio_noise_reduction": {"kind": "far_field"}}},
+     "session.input_audio_noise_reduction.kind"),
+    ({"type": "session.update", "session": {"type": "realtime", "tools": [
+        {"type": "function", "name": "f"}, {"type": "function", "name": "g", "strict": True}]}}, "session.tools[1].strict"),
+    ({"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "function", "name": "f"}],
+                                            "tool_choice": {"type": "function", "function": {"name": "f"}}}},
+     "session.tool_choice.function"),
+    ({"type": "response.create", "response": {"tools": [{"type": "function", "name": "f", "params": {}}]}},
+     "response.tools[0].params"),
+    ({"type": "response.create", "response": {"tools": [{"type": "function", "name": "f"}],
+                                              "tool_choice": {"type": "function", "name": "f", "id": "x"}}},
+     "response.tool_choice.id"),
 ]
 
 
@@ -652,6 +676,47 @@ def test_unknown_fields_are_refused_and_change_nothing(gateway, beta):
     assert len(of(seen, "response.created")) == 1
     assert len(of(seen, "conversation.item.created" if beta else "conversation.item.added")) == 2   # the turn's 2
     assert turn[-1]["response"]["status"] in ("completed", "incomplete")
+
+
+def _nested_fields(model: str, beta: bool) -> dict:
+    """A session.update setting every field the SDK's types define in turn_detection, transcription,
+    noise_reduction, tools[i] and tool_choice (those this server serves given values, the rest null)."""
+    tool = {"type": "function", "name": "lookup", "description": "Looks a word up.",
+            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}
+    transcription = {"model": model, "language": "en", "prompt": "Names: Oslo.", "delay": None, "keywords": None,
+                     "languages": None}
+    if beta:
+        return {"turn_detection": {"type": "server_vad", "threshold": 0.6, "prefix_padding_ms": 200,
+                                   "silence_duration_ms": 400, "create_response": False, "interrupt_response": True,
+                                   "eagerness": "auto"},
+                "input_audio_transcription": {k: transcription[k] for k in ("model", "language", "prompt")},
+                "input_audio_noise_reduction": None, "tools": [tool], "tool_choice": "auto"}
+    return {"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "server_vad", "threshold": 0.6, "prefix_padding_ms": 200, "silence_duration_ms": 400,
+                           "create_response": False, "interrupt_response": True, "idle_timeout_ms": None},
+        "transcription": transcription, "noise_reduction": None}},
+        "tools": [tool], "tool_choice": {"type": "function", "name": "lookup"}}
+
+
+@pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+def test_sdk_typed_nested_fields_are_accepted(gateway, beta):
+    """The nested objects checked for unknown keys still take every field the SDK's types define:
+    the update (validated against the SDK's own SessionUpdateEvent, GA or beta) is applied."""
+    async def go():
+        async with realtime(gateway, beta=beta) as rt:
+            model = rt.seen[0]["session"]["model"]
+            event = {"type": "session.update", "session": _nested_fields(model, beta)}
+            (BetaSessionUpdateEvent if beta else SessionUpdateEvent).model_validate(event)
+            await rt.send(**event)
+            return await rt.until("session.updated")
+
+    events = run(go())
+    assert not of(events, "error"), events
+    session = events[-1]["session"]
+    turn = session["turn_detection"] if beta else session["audio"]["input"]["turn_detection"]
+    assert turn["threshold"] == 0.6 and turn["silence_duration_ms"] == 400 and turn["create_response"] is False
+    assert [t["name"] for t in session["tools"]] == ["lookup"]
+    assert session["tool_choice"] == ("auto" if beta else {"type": "function", "name": "lookup"})
 
 
 def test_unknown_model_is_refused(gateway):

@@ -278,6 +278,16 @@ RESPONSE_AUDIO_OUTPUT_FIELDS = frozenset({"format", "voice"})
 ITEM_FIELDS = frozenset({"id", "object", "type", "status", "role", "content", "call_id", "name", "arguments",
                          "output"})
 PART_FIELDS = frozenset({"type", "text", "audio", "transcript", "id", "detail", "image_url"})
+# turn_detection: GA server_vad / semantic_vad and beta's one flat object (idle_timeout_ms and
+# eagerness are accepted and not acted on; semantic_vad itself is refused by its type)
+TURN_DETECTION_FIELDS = frozenset({"type", "create_response", "interrupt_response", "idle_timeout_ms",
+                                   "prefix_padding_ms", "silence_duration_ms", "threshold", "eagerness"})
+# audio.input.transcription (GA) / input_audio_transcription (beta); delay, keywords and languages
+# are known but not served (refused when set, by _transcription)
+TRANSCRIPTION_KNOWN_FIELDS = frozenset({"model", "language", "prompt", "delay", "keywords", "languages"})
+NOISE_REDUCTION_FIELDS = frozenset({"type", "strength"})    # refused unless null: not served
+TOOL_FIELDS = frozenset({"type", "name", "description", "parameters"})     # a realtime function tool
+TOOL_CHOICE_FIELDS = frozenset({"type", "name", "server_label"})            # function or mcp tool_choice
 
 
 def _known(obj: dict, fields: frozenset[str], path: str) -> None:
@@ -364,6 +374,7 @@ def _turn_detection(value: Any, param: str) -> ServerVadParams | None:
         return None
     if not isinstance(value, dict):
         raise ProtocolError(f"'{param}' must be an object or null", code="invalid_type", param=param)
+    _known(value, TURN_DETECTION_FIELDS, param)
     kind = value.get("type", "server_vad")
     if kind != "server_vad":
         raise ProtocolError(f"'{param}.type' {quoted(kind)} is not supported; use \"server_vad\" or null",
@@ -396,6 +407,7 @@ def _transcription(value: Any, param: str) -> TranscriptionPatch | None:
         return None
     if not isinstance(value, dict):
         raise ProtocolError(f"'{param}' must be an object or null", code="invalid_type", param=param)
+    _known(value, TRANSCRIPTION_KNOWN_FIELDS, param)
     for key, v in value.items():
         if key not in TRANSCRIPTION_FIELDS and v is not None:
             raise ProtocolError(f"'{param}.{clipped(key)}' is not supported; set only {', '.join(TRANSCRIPTION_FIELDS)}",
@@ -487,6 +499,10 @@ def _session_patch(s: Any) -> SessionPatch:
     _audio_format(s.get("output_audio_format"), "session.output_audio_format")
     _served_only(audio_out, "speed", "session.audio.output", (1, 1.0), "replies are spoken at speed 1.0")
     _served_only(s, "speed", "session", (1, 1.0), "replies are spoken at speed 1.0")
+    for obj, key, path in ((audio_in, "noise_reduction", "session.audio.input"),
+                           (s, "input_audio_noise_reduction", "session")):
+        if isinstance(obj.get(key), dict):
+            _known(obj[key], NOISE_REDUCTION_FIELDS, f"{path}.{key}")
     _served_only(audio_in, "noise_reduction", "session.audio.input", (), "input audio is not noise-reduced (null)")
     _served_only(s, "input_audio_noise_reduction", "session", (), "input audio is not noise-reduced (null)")
     if "turn_detection" in audio_in:
@@ -513,7 +529,7 @@ def _session_patch(s: Any) -> SessionPatch:
                         transcription=transcription, max_output_tokens=max_tokens,
                         temperature=_temperature(s, "session"), ignore_eos=ignore_eos,
                         max_audio_frames=_positive_int(s, "max_audio_frames", "session"),
-                        tools=_tools(s, "session"), tool_choice=s.get("tool_choice"),
+                        tools=_tools(s, "session"), tool_choice=_tool_choice(s, "session"),
                         truncation=_truncation(s.get("truncation"), "session.truncation"))
 
 
@@ -554,17 +570,30 @@ def _response_overrides(r: Any) -> ResponseOverrides:
                              ignore_eos=_get(r, "ignore_eos", bool, "response"),
                              max_audio_frames=_positive_int(r, "max_audio_frames", "response"),
                              out_of_band=conversation == "none", metadata=metadata,
-                             tools=_tools(r, "response"), tool_choice=r.get("tool_choice"))
+                             tools=_tools(r, "response"), tool_choice=_tool_choice(r, "response"))
 
 
 def _tools(obj: dict, path: str) -> tuple[Tool, ...] | None:
     """`tools`: flat function definitions ({"type": "function", "name", "description", "parameters"})."""
     if obj.get("tools") is None:
         return None
+    if isinstance(obj["tools"], list):
+        for i, entry in enumerate(obj["tools"]):
+            if isinstance(entry, dict):
+                _known(entry, TOOL_FIELDS, f"{path}.tools[{i}]")
     try:
         return tool_list(obj["tools"], f"{path}.tools", nested=False)
     except APIError as e:
         raise ProtocolError(e.message, code=e.code or "invalid_value", param=e.param) from None
+
+
+def _tool_choice(obj: dict, path: str) -> Any:
+    """`tool_choice` as sent (checked against the tools in effect when applied); an object's keys
+    are OpenAI's function / mcp choice fields."""
+    value = obj.get("tool_choice")
+    if isinstance(value, dict):
+        _known(value, TOOL_CHOICE_FIELDS, f"{path}.tool_choice")
+    return value
 
 
 _USER_KINDS = {"input_text": "input_text", "input_audio": "input_audio"}
