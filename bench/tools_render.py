@@ -31,25 +31,14 @@ import random
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 # bench/constrained_check.py's 5 tools (nested objects, arrays, enums)
 from voxpipe.bench.constrained_check import TOOLS
-from voxpipe.bench.turn_host import conversation
+from voxpipe.bench.turn_host import conversation, median_ms
 from voxpipe.tiny import model_or_tiny
-
-
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()        # once untimed
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
 
 
 def agent_messages(tok, cfg, tokens: int, seed: int = 0):
