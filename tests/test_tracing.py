@@ -582,7 +582,15 @@ def test_traced_calls_that_succeed_or_are_cancelled_log_no_error(monkeypatch, ca
             await server.stop(None)
 
     asyncio.run(run())
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+    def grpc_poller_after_the_loop(r: logging.LogRecord) -> bool:
+        # grpc-aio's poller thread handing a late completion to the loop asyncio.run has just closed (seen
+        # once under load on 2 cores): grpc's own shutdown race, after every call here had ended
+        exc = r.exc_info[1] if r.exc_info else None
+        return (r.name == "asyncio" and "PollerCompletionQueue._handle_events" in r.getMessage()
+                and isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc))
+
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and not grpc_poller_after_the_loop(r)]
     assert not errors, [(r.name, r.getMessage()) for r in errors]
     spans = exporter.get_finished_spans()
     assert len(spans) == 4 and all(s.name == "test.Producer/Produce" for s in spans), spans
