@@ -301,30 +301,21 @@ def batches_graphed(weight: torch.Tensor, bias: torch.Tensor | None, plan: tuple
         try:
             static = torch.zeros(span, k, dtype=weight.dtype, device=dev)
             out = torch.empty(span, n, dtype=weight.dtype, device=dev)
-            def run(x: torch.Tensor, blocks=blocks, how=how, out=out) -> None:
-                _row_batch(x, weight.t(), bias, out, blocks, how)
 
-            def fill(parity: int):
+            def run(x: torch.Tensor, blocks=blocks, how=how, out=out) -> torch.Tensor:
+                _row_batch(x, weight.t(), bias, out, blocks, how)
+                return out
+
+            def fill(parity: int, span=span):
                 def at(x: torch.Tensor) -> None:
                     x.copy_(rand(span))
                     x[parity::2] = target
                 return at
 
-            ok = True
             with torch.cuda.device(dev):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    run(static)
-                torch.cuda.current_stream().wait_stream(side)
-                cuda_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(cuda_graph, capture_error_mode="thread_local"):
-                    run(static)
-                for parity in (0, 1):
-                    fill(parity)(static)
-                    cuda_graph.replay()
-                    ok = ok and torch.equal(out[parity::2], alone.expand(span // 2, n))
-                del cuda_graph, static, out
+                got = _graph_replays(run, static, [fill(0), fill(1)])
+            ok = all(torch.equal(g[parity::2], alone.expand(span // 2, n)) for parity, g in enumerate(got))
+            del static, out, got
         except Exception:
             log.exception("--deterministic: the %d-block %s graph check of a [%d, %d] linear failed to run",
                           blocks, how, n, k)
