@@ -101,19 +101,22 @@ def test_bad_tool_events_get_errors_and_the_session_goes_on(gateway):
     assert session["tools"] == [WEATHER]
 
 
-def given_run(stack, tiny_model_dir, text: str, beta: bool = False):
+def given_run(stack, tiny_model_dir, text: str, beta: bool = False, on_event=None):
     """A ResponseRun whose reply is given to the thinker, on the real stack; its events (checked
-    against the SDK's types) and the conversation after it."""
+    against the SDK's types) and the conversation after it. `on_event(body, run)`: awaited after each
+    event is recorded, inside the run's task."""
     state = GatewayState.load(GatewayConfig(thinker=stack.address("thinker"), code2wav=stack.address("code2wav"),
                                             model_dir=str(tiny_model_dir)))
     dialect = Dialect.BETA if beta else Dialect.GA
-    conversation, events = Conversation(), []
+    conversation, events, runs = Conversation(), [], []
 
     async def emit(event, **_):
         body = event.wire(dialect)
         if body is not None:
             check_event(body, beta)
             events.append(body)
+            if on_event is not None:
+                await on_event(body, runs[0])
 
     async def withdraw(_):
         return 0
@@ -131,6 +134,7 @@ def given_run(stack, tiny_model_dir, text: str, beta: bool = False):
                                     tools=ToolOptions(tools=tool_list([WEATHER], "tools", nested=False)))
             settings = ResponseSettings.resolve(session, ResponseOverrides(), {})
             r = ResponseRun(ctx, settings, PromptWindow("", (("item_1", ChatMessage.text("user", "Weather in Oslo?")),)))
+            runs.append(r)
             r.start()
             await r.task
     asyncio.run(go())
@@ -157,6 +161,31 @@ def test_a_reply_with_a_call_gives_a_function_call_item(stack, tiny_model_dir):
     # beta: the same events under their beta names
     beta_events, _ = given_run(stack, tiny_model_dir, CALL_TEXT, beta=True)
     assert of(beta_events, "response.function_call_arguments.done") and of(beta_events, "conversation.item.created")
+
+
+def test_a_call_cut_off_by_a_cancel_is_done_as_incomplete(stack, tiny_model_dir):
+    """response.cancel while a call's arguments are being written: the function_call item is done
+    (response.output_item.done, conversation.item.done) with status incomplete and the arguments
+    written so far, no arguments.done comes (they are not whole), and the response is cancelled."""
+    async def cancel_at_arguments(body, run):
+        if body["type"] == "response.function_call_arguments.delta" and run.cancel_reason is None:
+            run.cancel_reason = "client_cancelled"        # what ResponseRun.cancel does, from inside the run
+            run.task.cancel()
+            await asyncio.sleep(0)
+
+    long_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + "Oslo " * 40 + '"}}\n</tool_call>'
+    events, conversation = given_run(stack, tiny_model_dir, long_call, on_event=cancel_at_arguments)
+    assert events[-1]["type"] == "response.done" and events[-1]["response"]["status"] == "cancelled"
+    assert not of(events, "response.function_call_arguments.done")
+    done = of(events, "response.output_item.done")
+    assert [(d["output_index"], d["item"]["type"], d["item"]["status"]) for d in done] == [
+        (0, "function_call", "incomplete")]
+    written = "".join(a["delta"] for a in of(events, "response.function_call_arguments.delta"))
+    assert done[0]["item"]["arguments"] == written
+    assert [d["item"]["status"] for d in of(events, "conversation.item.done")] == ["incomplete"]
+    out = events[-1]["response"]["output"]
+    assert [(o["type"], o["status"]) for o in out] == [("function_call", "incomplete")]
+    assert conversation.items[0].status == "incomplete" and conversation.items[0].call.arguments == written
 
 
 @pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])

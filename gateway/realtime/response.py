@@ -434,6 +434,12 @@ class ResponseRun:
         self.usage = self._usage()
         if self.item is not None:
             await self._message_done()
+        for item, index in zip(self.calls, self._call_index):
+            if item.status == "in_progress":      # cut off (cancelled, failed) while its arguments were written
+                item.status = "incomplete"
+                await emit(OutputItemDone(self.id, index, item))
+                if not self.settings.out_of_band:
+                    await emit(ItemDone(self._previous[item.id], item))
         await emit(ResponseDone(self))
         if self.item is not None and delivered is not None and self.settings.audio_out:
             self.content.truncate_audio(delivered)       # what the client has not got is not in the conversation
