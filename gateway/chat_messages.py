@@ -13,7 +13,7 @@ from typing import Any
 
 from voxpipe.services.thinker.prompt import ChatMessage, ChatPart, ToolCall
 
-from voxpipe.services.runtime.echo import quoted
+from voxpipe.services.runtime.echo import clipped, quoted
 
 from .audio_formats import decode_base64
 from .clip_cache import ClipCache
@@ -21,6 +21,15 @@ from .errors import bad_request
 from .transcripts import TranscriptStore
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# the fields OpenAI defines for each role's message ('name' is accepted and checked, and not rendered: the
+# checkpoint's chat template has no place for a participant's name); an assistant message may be a reply
+# sent back as it came (its 'annotations', its audio's data / expires_at / transcript: the id names the
+# reply); anything else is a 400 naming it
+FIELDS = {"system": {"role", "content", "name"}, "user": {"role", "content", "name"},
+          "assistant": {"role", "content", "name", "audio", "refusal", "tool_calls", "function_call", "annotations"},
+          "tool": {"role", "content", "tool_call_id"}}
+AUDIO_REF_FIELDS = {"id", "data", "expires_at", "transcript"}
+PART_FIELDS = {"text": {"type", "text"}, "refusal": {"type", "refusal"}, "input_audio": {"type", "input_audio"}}
 MAX_ID_CHARS = 256
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus")
 
@@ -45,15 +54,31 @@ def _message(m: Any, param: str, transcripts: TranscriptStore, clips: ClipCache)
     if role is None:
         raise bad_request(f"'{param}.role' {quoted(m.get('role'))} is not supported; use one of: system, developer, user, "
                           "assistant, tool", param=f"{param}.role", code="invalid_value")
+    if role != "assistant" and m.get("tool_calls") is not None:
+        raise bad_request(f"'{param}.tool_calls' is only allowed in assistant messages", param=f"{param}.tool_calls",
+                          code="invalid_value")
+    _known_fields(m, FIELDS[role], param)
+    name = m.get("name")
+    if name is not None and (not isinstance(name, str) or not name or len(name) > 64):
+        raise bad_request(f"'{param}.name' must be a string of 1 to 64 characters", param=f"{param}.name",
+                          code="invalid_value")
+    if role == "assistant" and not isinstance(m.get("annotations", []), list):
+        raise bad_request(f"'{param}.annotations' must be an array", param=f"{param}.annotations", code="invalid_type")
+    if m.get("function_call") is not None:
+        raise bad_request(f"'{param}.function_call' is the deprecated form of a call: use 'tool_calls'",
+                          param=f"{param}.function_call", code="unsupported_parameter")
     parts = _content(m.get("content"), role, f"{param}.content", clips)
+    refusal = m.get("refusal") if role == "assistant" else None
+    if refusal is not None:
+        if not isinstance(refusal, str):
+            raise bad_request(f"'{param}.refusal' must be a string", param=f"{param}.refusal", code="invalid_type")
+        if not any(p.text for p in parts):      # the turn's words were the refusal (as a refusal content part)
+            parts = [ChatPart(text=refusal)]
     if role == "assistant" and m.get("audio") is not None:
         transcript = _referenced_transcript(m["audio"], f"{param}.audio", transcripts)
         if not any(p.text for p in parts):
             parts = [ChatPart(text=transcript)]
     calls = _tool_calls(m.get("tool_calls"), f"{param}.tool_calls") if role == "assistant" else []
-    if role != "assistant" and m.get("tool_calls") is not None:
-        raise bad_request(f"'{param}.tool_calls' is only allowed in assistant messages", param=f"{param}.tool_calls",
-                          code="invalid_value")
     call_id = None
     if role == "tool":
         call_id = m.get("tool_call_id")
@@ -61,6 +86,15 @@ def _message(m: Any, param: str, transcripts: TranscriptStore, clips: ClipCache)
             raise bad_request(f"'{param}.tool_call_id' must be the id of the call this message answers (a string "
                               f"of 1 to {MAX_ID_CHARS} characters)", param=f"{param}.tool_call_id", code="invalid_value")
     return ChatMessage(role, parts or [ChatPart(text="")], tool_calls=calls, tool_call_id=call_id)
+
+
+def _known_fields(obj: dict, fields: set[str], param: str) -> None:
+    """A 400 naming the first key of `obj` outside `fields` (OpenAI's answer to an unknown field)."""
+    for key in obj:
+        if key not in fields:
+            name = key if isinstance(key, str) else repr(key)
+            raise bad_request(f"'{param}': unknown field '{clipped(name)}'", param=f"{param}.{name}",
+                              code="unknown_parameter")
 
 
 def _tool_calls(raw: Any, param: str) -> list[ToolCall]:
@@ -75,6 +109,8 @@ def _tool_calls(raw: Any, param: str) -> list[ToolCall]:
         if not isinstance(c, dict) or c.get("type") != "function" or not isinstance(f, dict):
             raise bad_request(f"'{p}' must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
                               param=p, code="invalid_value")
+        _known_fields(c, {"id", "type", "function"}, p)
+        _known_fields(f, {"name", "arguments"}, f"{p}.function")
         call_id, name, arguments = c.get("id"), f.get("name"), f.get("arguments")
         if not isinstance(call_id, str) or not call_id or len(call_id) > MAX_ID_CHARS:
             raise bad_request(f"'{p}.id' must be a string of 1 to {MAX_ID_CHARS} characters", param=f"{p}.id",
@@ -101,6 +137,8 @@ def _content(content: Any, role: str, param: str, clips: ClipCache) -> list[Chat
     for j, part in enumerate(content):
         p = f"{param}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in PART_FIELDS:
+            _known_fields(part, PART_FIELDS[kind], p)
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append(ChatPart(text=part["text"]))
         elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
@@ -122,6 +160,7 @@ def _input_audio(spec: Any, param: str, clips: ClipCache):
     if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
         raise bad_request(f"'{param}' must be an object with base64 'data' and a 'format'", param=param,
                           code="invalid_value")
+    _known_fields(spec, {"data", "format"}, param)
     fmt = spec.get("format")
     if fmt not in INPUT_AUDIO_FORMATS:
         raise bad_request(f"'{param}.format' must be one of {', '.join(INPUT_AUDIO_FORMATS)}, got {quoted(fmt)}",
@@ -134,6 +173,8 @@ def _input_audio(spec: Any, param: str, clips: ClipCache):
 
 def _referenced_transcript(audio: Any, param: str, transcripts: TranscriptStore) -> str:
     audio_id = audio.get("id") if isinstance(audio, dict) else None
+    if isinstance(audio, dict):
+        _known_fields(audio, AUDIO_REF_FIELDS, param)
     if not isinstance(audio_id, str):
         raise bad_request(f"'{param}' must be an object with the 'id' of an earlier audio reply", param=param,
                           code="invalid_value")

@@ -186,6 +186,10 @@ def test_multi_turn_refers_to_earlier_audio_by_id(client, model, gateway):
     follow_up = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "audio": {"id": audio.id}},
                  {"role": "user", "content": "Again?"}]
     second = client.chat.completions.create(model=model, messages=follow_up, max_tokens=4, temperature=0)
+    # the reply's message object sent back as it came (its annotations, audio data, expiry and transcript)
+    echoed = client.chat.completions.create(model=model, messages=[follow_up[0], first.choices[0].message, follow_up[2]],
+                                            max_tokens=4, temperature=0)
+    assert echoed.usage.prompt_tokens == second.usage.prompt_tokens
     # the earlier reply's transcript is part of the prompt: same prompt as sending that text
     as_text = [follow_up[0], {"role": "assistant", "content": audio.transcript}, follow_up[2]]
     third = client.chat.completions.create(model=model, messages=as_text, max_tokens=4, temperature=0)
@@ -283,6 +287,41 @@ def test_errors_quote_long_values_cut_short(gateway, model, path, body, param):
 
 
 AUDIO_OUT = {"modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}}
+HI = {"role": "user", "content": "hi"}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages,param,code", [
+    ([{**HI, "nmae": "bob"}], "messages[0].nmae", "unknown_parameter"),
+    ([{"role": "system", "content": "s", "tool_call_id": "x"}, HI], "messages[0].tool_call_id", "unknown_parameter"),
+    ([HI, {"role": "assistant", "content": "a", "tool_calls": [CALL]},
+      {"role": "tool", "content": "r", "tool_call_id": "call_1", "name": "f"}], "messages[2].name", "unknown_parameter"),
+    ([{**HI, "name": 7}], "messages[0].name", "invalid_value"),
+    ([HI, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}], "messages[1].function_call",
+     "unsupported_parameter"),
+    ([HI, {"role": "assistant", "content": "a", "refusal": 3}], "messages[1].refusal", "invalid_type"),
+    ([HI, {"role": "assistant", "content": "a", "annotations": "x"}], "messages[1].annotations", "invalid_type"),
+    ([{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}],
+     "messages[0].content[0].cache_control", "unknown_parameter"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav",
+                                                                            "rate": 16000}}]}],
+     "messages[0].content[0].input_audio.rate", "unknown_parameter"),
+    ([HI, {"role": "assistant", "tool_calls": [{**CALL, "index": 0}]}], "messages[1].tool_calls[0].index",
+     "unknown_parameter"),
+    ([HI, {"role": "assistant", "tool_calls": [{**CALL, "function": {**CALL["function"], "strict": True}}]}],
+     "messages[1].tool_calls[0].function.strict", "unknown_parameter"),
+    ([HI, {"role": "assistant", "audio": {"id": "x", "voice": "ethan"}}], "messages[1].audio.voice",
+     "unknown_parameter"),
+], ids=["user-key", "system-key", "tool-name", "name-type", "function-call", "refusal-type", "annotations-type",
+        "part-key", "audio-key", "call-key", "call-function-key", "audio-ref-key"])
+def test_message_fields_outside_their_role_are_400_naming_them(gateway, model, messages, param, code):
+    """Each role's message takes OpenAI's fields for that role: an unknown one (a typo, another API's
+    extension) is a 400 naming it, never silently dropped from the prompt."""
+    resp = post(gateway, "/v1/chat/completions", json.dumps({"model": model, "messages": messages, "max_tokens": 2}))
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+    assert len(err["message"]) < 400
 
 
 @pytest.mark.parametrize("extra,pattern", [

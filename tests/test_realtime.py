@@ -660,9 +660,11 @@ def test_unknown_fields_are_refused_and_change_nothing(gateway, beta):
                 await rt.send(**event)
                 errors.append((await rt.until("error"))[-1]["error"])
             after = await rt.update()
-            # defined by the API (GA or beta), accepted and ignored
-            accepted = await rt.update(tracing="auto", include=["item.input_audio_transcription.logprobs"],
+            # defined by the API (GA or beta) for OpenAI's platform: accepted with values that ask nothing
+            accepted = await rt.update(tracing={"workflow_name": "w", "group_id": "g", "metadata": {"k": "v"}},
+                                       include=[], prompt=None, reasoning={"effort": "none"},
                                        parallel_tool_calls=True, model=before["model"])
+            await rt.update(tracing="auto")
             turn = await text_turn(rt, "Still there?", max_output_tokens=2, parallel_tool_calls=True,
                                    metadata={"k": "v"})
             return before, errors, after, accepted, turn, rt.seen
@@ -676,6 +678,41 @@ def test_unknown_fields_are_refused_and_change_nothing(gateway, beta):
     assert len(of(seen, "response.created")) == 1
     assert len(of(seen, "conversation.item.created" if beta else "conversation.item.added")) == 2   # the turn's 2
     assert turn[-1]["response"]["status"] in ("completed", "incomplete")
+
+
+ASKING_FIELDS = [
+    ({"type": "session.update", "session": {"prompt": {"id": "pmpt_1"}}}, "session.prompt", "stored prompts"),
+    ({"type": "session.update", "session": {"include": ["item.input_audio_transcription.logprobs"]}},
+     "session.include", "log probabilities"),
+    ({"type": "session.update", "session": {"reasoning": {"effort": "high"}}}, "session.reasoning", "reason"),
+    ({"type": "session.update", "session": {"tracing": "on"}}, "session.tracing", "tracing"),
+    ({"type": "session.update", "session": {"tracing": {"workflow_name": 3}}}, "session.tracing.workflow_name",
+     "workflow_name"),
+    ({"type": "session.update", "session": {"tracing": {"sample_rate": 1}}}, "session.tracing.sample_rate",
+     "unknown parameter"),
+    ({"type": "response.create", "response": {"prompt": {"id": "pmpt_1"}}}, "response.prompt", "stored prompts"),
+    ({"type": "response.create", "response": {"reasoning": {"effort": "low"}}}, "response.reasoning", "reason"),
+]
+
+
+def test_platform_fields_that_ask_for_something_are_refused(gateway):
+    """prompt, include, reasoning and tracing are OpenAI platform features: a value that asks this
+    server for one (a stored prompt, transcription logprobs, reasoning effort, an unknown tracing
+    mode) is an error naming the field, never silently dropped; the session goes on unchanged."""
+    async def go():
+        async with realtime(gateway) as rt:
+            before = await rt.update(**MANUAL)
+            errors = []
+            for event, _, _ in ASKING_FIELDS:
+                await rt.send(**event)
+                errors.append((await rt.until("error"))[-1]["error"])
+            return before, errors, await rt.update(), rt.seen
+
+    before, errors, after, seen = run(go())
+    assert [e["param"] for e in errors] == [param for _, param, _ in ASKING_FIELDS]
+    assert all(words in e["message"] for e, (_, _, words) in zip(errors, ASKING_FIELDS)), errors
+    assert all(e["type"] == "invalid_request_error" and len(e["message"]) < 300 for e in errors), errors
+    assert after == before and not of(seen, "response.created")
 
 
 def _nested_fields(model: str, beta: bool) -> dict:

@@ -17,7 +17,7 @@ import pytest
 from test_realtime import MANUAL, check_event, of, realtime, run, user_text
 from voxpipe.gateway.config import GatewayConfig
 from voxpipe.gateway.generation import Generation, run_pipeline
-from voxpipe.gateway.realtime.events import Dialect, ResponseOverrides
+from voxpipe.gateway.realtime.events import Dialect, ProtocolError, ResponseOverrides, parse_client_event
 from voxpipe.gateway.realtime.response import ResponseContext, ResponseRun
 from voxpipe.gateway.realtime.session import Conversation, ResponseSettings, SessionConfig
 from voxpipe.gateway.realtime.truncation import PromptWindow
@@ -101,7 +101,38 @@ def test_bad_tool_events_get_errors_and_the_session_goes_on(gateway):
     assert session["tools"] == [WEATHER]
 
 
-def given_run(stack, tiny_model_dir, text: str, beta: bool = False, on_event=None):
+def test_parallel_tool_calls_is_served_per_session_and_per_response(stack, tiny_model_dir):
+    """session.update's and response.create's parallel_tool_calls reach the reply's parser: false
+    keeps a reply's first call only (as chat's), a response's value is for that response, a later
+    update of tools or tool_choice keeps the session's; a non-boolean is an error naming it."""
+    def event(body):
+        return parse_client_event(json.dumps(body))
+
+    session = SessionConfig(id="sess_1", model="m", voice="", audio_out=False)
+    session = session.updated(event({"type": "session.update", "session": {
+        "tools": [WEATHER], "parallel_tool_calls": False}}).patch, {})
+    assert session.tools.parallel is False
+    session = session.updated(event({"type": "session.update", "session": {"tool_choice": "auto"}}).patch, {})
+    assert session.tools.parallel is False and session.tools.choice == "auto"
+    overrides = event({"type": "response.create", "response": {"parallel_tool_calls": True}}).overrides
+    assert ResponseSettings.resolve(session, overrides, {}).tools.parallel is True
+    assert ResponseSettings.resolve(session, ResponseOverrides(), {}).tools.parallel is False
+    for body, param in (({"type": "session.update", "session": {"parallel_tool_calls": "no"}},
+                         "session.parallel_tool_calls"),
+                        ({"type": "response.create", "response": {"parallel_tool_calls": 0}},
+                         "response.parallel_tool_calls")):
+        with pytest.raises(ProtocolError) as e:
+            event(body)
+        assert e.value.param == param
+    two = CALL_ONLY + "\n" + CALL_ONLY.replace("Oslo", "Rome")
+    events, _ = given_run(stack, tiny_model_dir, two, parallel=False)
+    assert [a["item"]["name"] for a in of(events, "response.output_item.added")] == ["get_weather"]
+    assert json.loads(of(events, "response.function_call_arguments.done")[0]["arguments"]) == {"city": "Oslo"}
+    events, _ = given_run(stack, tiny_model_dir, two)
+    assert len(of(events, "response.function_call_arguments.done")) == 2
+
+
+def given_run(stack, tiny_model_dir, text: str, beta: bool = False, on_event=None, parallel: bool = True):
     """A ResponseRun whose reply is given to the thinker, on the real stack; its events (checked
     against the SDK's types) and the conversation after it. `on_event(body, run)`: awaited after each
     event is recorded, inside the run's task."""
@@ -131,7 +162,8 @@ def given_run(stack, tiny_model_dir, text: str, beta: bool = False, on_event=Non
                                   insert_item=lambda item: conversation.insert(item), has_item=conversation.has,
                                   withdraw_audio=withdraw)
             session = SessionConfig(id="sess_1", model="m", voice="", audio_out=False,
-                                    tools=ToolOptions(tools=tool_list([WEATHER], "tools", nested=False)))
+                                    tools=ToolOptions(tools=tool_list([WEATHER], "tools", nested=False),
+                                                      parallel=parallel))
             settings = ResponseSettings.resolve(session, ResponseOverrides(), {})
             r = ResponseRun(ctx, settings, PromptWindow("", (("item_1", ChatMessage.text("user", "Weather in Oslo?")),)))
             runs.append(r)

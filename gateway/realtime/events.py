@@ -108,6 +108,7 @@ class SessionPatch:
     max_audio_frames: int | None = None
     tools: tuple[Tool, ...] | None = None      # session.tools (flat function definitions)
     tool_choice: Any = None                    # session.tool_choice as sent (checked against the tools in effect)
+    parallel_tool_calls: bool | None = None    # false: a reply's first call only
     truncation: Truncation | None = None
 
 
@@ -126,6 +127,7 @@ class ResponseOverrides:
     metadata: dict[str, str] | None = None
     tools: tuple[Tool, ...] | None = None      # response.tools
     tool_choice: Any = None                    # response.tool_choice as sent
+    parallel_tool_calls: bool | None = None
 
 
 PartKind = Literal["input_text", "input_audio", "output_text", "output_audio"]
@@ -247,10 +249,12 @@ def _get(obj: dict, key: str, kinds: type | tuple[type, ...], path: str, require
 # ----------------------------------------------------------------------------- known fields
 # The fields OpenAI's realtime API defines for each object a client sends, GA and beta alike (either
 # dialect may send the other's names: both are read), and this server's vendor fields. A field the
-# server does not act on (tracing, include, prompt, reasoning, parallel_tool_calls, model, ...) is
-# accepted and ignored; a field outside these sets is an `unknown_parameter` error, as OpenAI's, and
-# the event does nothing. A session object as the server sends it (id, object, expires_at, ...)
-# may come back in a session.update.
+# server has nothing to do with is accepted with the values that ask nothing of it (model; tracing:
+# "auto" or its config, shape-checked -- this server's traces are OpenTelemetry's; include: none;
+# reasoning: effort "none"; prompt: null -- stored prompts live on OpenAI's platform) and refused,
+# naming it, with any other value; a field outside these sets is an `unknown_parameter` error, as
+# OpenAI's, and the event does nothing. A session object as the server sends it (id, object,
+# expires_at, ...) may come back in a session.update.
 
 VENDOR_FIELDS = frozenset({"temperature", "ignore_eos", "max_audio_frames"})
 SESSION_FIELDS = frozenset({
@@ -288,6 +292,7 @@ TRANSCRIPTION_KNOWN_FIELDS = frozenset({"model", "language", "prompt", "delay", 
 NOISE_REDUCTION_FIELDS = frozenset({"type", "strength"})    # refused unless null: not served
 TOOL_FIELDS = frozenset({"type", "name", "description", "parameters"})     # a realtime function tool
 TOOL_CHOICE_FIELDS = frozenset({"type", "name", "server_label"})            # function or mcp tool_choice
+TRACING_FIELDS = frozenset({"workflow_name", "group_id", "metadata"})
 
 
 def _known(obj: dict, fields: frozenset[str], path: str) -> None:
@@ -336,6 +341,22 @@ def _served_only(obj: dict, key: str, path: str, served: tuple, why: str) -> Non
     value = obj.get(key)
     if value is not None and not any(value == v and type(value) is type(v) for v in served):
         raise ProtocolError(f"'{path}.{key}' {quoted(value)} is not supported: {why}", param=f"{path}.{key}")
+
+
+def _asks_nothing(obj: dict, path: str) -> None:
+    """The fields the API defines for OpenAI's own platform: accepted only with values that ask
+    nothing of this server."""
+    _served_only(obj, "prompt", path, (), "stored prompts are not served (send 'instructions')")
+    _served_only(obj, "reasoning", path, ({"effort": "none"},), "the model does not reason first")
+    _served_only(obj, "include", path, ([],), "transcription log probabilities are not served")
+    tracing = obj.get("tracing")
+    if isinstance(tracing, dict):
+        _known(tracing, TRACING_FIELDS, f"{path}.tracing")
+        for key, kind in (("workflow_name", str), ("group_id", str), ("metadata", dict)):
+            _get(tracing, key, kind, f"{path}.tracing")
+    elif tracing not in (None, "auto"):
+        raise ProtocolError(f"'{path}.tracing' must be \"auto\", null or a tracing configuration object, got "
+                            f"{quoted(tracing)}", param=f"{path}.tracing")
 
 
 def _temperature(obj: dict, path: str) -> float | None:
@@ -487,6 +508,7 @@ def _session_patch(s: Any) -> SessionPatch:
     if s.get("type", "realtime") != "realtime":
         raise ProtocolError(f"'session.type' {quoted(s.get('type'))} is not supported; use \"realtime\"",
                             param="session.type")
+    _asks_nothing(s, "session")
     audio = _get(s, "audio", dict, "session") or {}
     _known(audio, SESSION_AUDIO_FIELDS, "session.audio")
     audio_in = _get(audio, "input", dict, "session.audio") or {}
@@ -530,6 +552,7 @@ def _session_patch(s: Any) -> SessionPatch:
                         temperature=_temperature(s, "session"), ignore_eos=ignore_eos,
                         max_audio_frames=_positive_int(s, "max_audio_frames", "session"),
                         tools=_tools(s, "session"), tool_choice=_tool_choice(s, "session"),
+                        parallel_tool_calls=_get(s, "parallel_tool_calls", bool, "session"),
                         truncation=_truncation(s.get("truncation"), "session.truncation"))
 
 
@@ -539,6 +562,7 @@ def _response_overrides(r: Any) -> ResponseOverrides:
     if not isinstance(r, dict):
         raise ProtocolError("'response' must be an object", code="invalid_type", param="response")
     _known(r, RESPONSE_FIELDS, "response")
+    _asks_nothing(r, "response")
     if r.get("input") is not None:
         raise ProtocolError("'response.input' is not supported; the reply always reads the conversation",
                             param="response.input")
@@ -570,7 +594,8 @@ def _response_overrides(r: Any) -> ResponseOverrides:
                              ignore_eos=_get(r, "ignore_eos", bool, "response"),
                              max_audio_frames=_positive_int(r, "max_audio_frames", "response"),
                              out_of_band=conversation == "none", metadata=metadata,
-                             tools=_tools(r, "response"), tool_choice=_tool_choice(r, "response"))
+                             tools=_tools(r, "response"), tool_choice=_tool_choice(r, "response"),
+                             parallel_tool_calls=_get(r, "parallel_tool_calls", bool, "response"))
 
 
 def _tools(obj: dict, path: str) -> tuple[Tool, ...] | None:

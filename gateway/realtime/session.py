@@ -87,8 +87,9 @@ class SessionConfig:
 
     def updated(self, patch: SessionPatch, speakers: dict[str, int]) -> "SessionConfig":
         changes: dict[str, Any] = {}
-        if patch.tools is not None or patch.tool_choice is not None:
-            changes["tools"] = realtime_tools(self.tools, patch.tools, patch.tool_choice, "session")
+        if patch.tools is not None or patch.tool_choice is not None or patch.parallel_tool_calls is not None:
+            changes["tools"] = realtime_tools(self.tools, patch.tools, patch.tool_choice, "session",
+                                              patch.parallel_tool_calls)
         if patch.voice is not None:
             changes["voice"] = check_voice(patch.voice, speakers, "session.audio.output.voice")
         if patch.turn_detection is not UNSET:
@@ -125,9 +126,11 @@ class SessionConfig:
                 **vendor}
 
 
-def realtime_tools(current: ToolOptions, tools: tuple[Tool, ...] | None, choice: Any, path: str) -> ToolOptions:
-    """`current` with a session.update's / response.create's tools and tool_choice on top (a
-    tool_choice naming a function is checked against the tools in effect)."""
+def realtime_tools(current: ToolOptions, tools: tuple[Tool, ...] | None, choice: Any, path: str,
+                   parallel: bool | None = None) -> ToolOptions:
+    """`current` with a session.update's / response.create's tools, tool_choice and
+    parallel_tool_calls on top (a tool_choice naming a function is checked against the tools in
+    effect)."""
     new_tools = current.tools if tools is None else tools
     try:
         if choice is None:      # kept, unless it names a function no longer offered
@@ -136,7 +139,8 @@ def realtime_tools(current: ToolOptions, tools: tuple[Tool, ...] | None, choice:
                 mode, function = "auto", None
         else:
             mode, function = tool_choice(choice, new_tools, f"{path}.tool_choice", nested=False)
-        opts = ToolOptions(tools=new_tools, choice=mode, function=function)
+        opts = ToolOptions(tools=new_tools, choice=mode, function=function,
+                           parallel=current.parallel if parallel is None else parallel)
     except APIError as e:
         raise ProtocolError(e.message, code=e.code or "invalid_value", param=e.param) from None
     return opts
@@ -176,8 +180,8 @@ class ResponseSettings:
                 max_output_tokens=pick("max_output_tokens"), temperature=pick("temperature"),
                 ignore_eos=pick("ignore_eos"), max_audio_frames=pick("max_audio_frames"),
                 out_of_band=o.out_of_band, metadata=o.metadata, truncation=session.truncation,
-                tools=session.tools if o.tools is None and o.tool_choice is None
-                else realtime_tools(session.tools, o.tools, o.tool_choice, "response"))
+                tools=session.tools if o.tools is None and o.tool_choice is None and o.parallel_tool_calls is None
+                else realtime_tools(session.tools, o.tools, o.tool_choice, "response", o.parallel_tool_calls))
         if s.ignore_eos and not s.max_output_tokens:
             raise ProtocolError("ignore_eos needs a finite max_output_tokens", param="response.max_output_tokens")
         if s.ignore_eos and s.audio_out and not s.max_audio_frames:
