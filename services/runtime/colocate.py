@@ -22,6 +22,7 @@ three at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -143,14 +144,19 @@ def build_stages(stage_args: dict[str, Any], priorities: dict[str, str]) -> list
             baseline = torch.cuda.memory_reserved(index)
         args.colocation = Colocation(name, stream, baseline)
         build, add_to_server, service_name = _parts(name)
-        if stream is not None:
-            with torch.cuda.stream(stream):
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 servicer = build(args)
+        except Exception as e:
+            log.critical("colocate: building the %s failed (%s); nothing serves", name, e)
+            for built in stages:
+                built.servicer.engine.stop()
+            raise
+        if stream is not None:
             used = torch.cuda.memory_reserved(stream.device) - baseline
             log.info("colocate: %s built on %s, stream priority %d (%s), %.2f GiB reserved by it, share %.3f",
                      name, device, stream.priority, priorities[name], used / 2**30, fractions[name])
         else:
-            servicer = build(args)
             log.info("colocate: %s built on %s", name, device)
         servicer.engine.stream = stream
         stages.append(_Stage(name, args, servicer, add_to_server, service_name))

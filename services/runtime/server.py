@@ -406,10 +406,14 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
         bind_grpc(health_server, opts.host, opts.health_port, None, f"{service_name} health", "--health-port")
     servicer.engine.start()
     metrics.CAPACITY.labels(servicer.engine.name).set(servicer.engine.max_active)
-    serve_metrics(opts.metrics_port, socket_host(opts.host), metrics_registry)
-    await server.start()
-    if health_server is not None:
-        await health_server.start()
+    try:
+        serve_metrics(opts.metrics_port, socket_host(opts.host), metrics_registry)
+        await server.start()
+        if health_server is not None:
+            await health_server.start()
+    except BaseException:      # a port taken since it was checked: the engine thread goes too
+        servicer.engine.stop()
+        raise
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s serving on port %d (%s)", service_name, port,
