@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
 import signal
 import socket
@@ -24,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 
 from conftest import STAGES, free_port, free_ports
+from voxpipe.bench.trace_path import CLIENT, SERVER, SpanReceiver
 from voxpipe import cli
 from voxpipe.errors import ConfigError
 from voxpipe.services.runtime import colocate
@@ -32,16 +34,21 @@ SERVICES = {"thinker": "voxpipe.v1.Thinker", "talker": "voxpipe.v1.Talker", "cod
 
 
 class ColocatedUp:
-    """`voxpipe up --colocate` (CPU, gateway on) as a real process, its output read as it comes."""
+    """`voxpipe up --colocate` (CPU, gateway on) as a real process, its output read as it comes,
+    its spans exported to `spans` (OTEL_SERVICE_NAME unset: each stage names its own service)."""
 
-    def __init__(self, model_dir) -> None:
+    def __init__(self, model_dir, spans: SpanReceiver) -> None:
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{spans.port}",
+               "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "100",
+               "OTEL_TRACES_SAMPLER": "always_on"}
+        env.pop("OTEL_SERVICE_NAME", None)
         first = free_ports(7)
         self.base, self.metrics, self.http_port = first, first + 3, first + 6
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "voxpipe.cli", "up", "--colocate", "--model", str(model_dir), "--device", "cpu",
              "--base-port", str(self.base), "--metrics-base-port", str(self.metrics),
              "--http-port", str(self.http_port)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.err: list[str] = []
         self.reader = threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True)
         self.reader.start()
@@ -70,8 +77,15 @@ class ColocatedUp:
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_model_dir):
-    up = ColocatedUp(tiny_model_dir)
+def spans():
+    receiver = SpanReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model_dir, spans):
+    up = ColocatedUp(tiny_model_dir, spans)
     yield up
     up.stop()
 
@@ -102,11 +116,27 @@ def _chat(base_url: str, model: str) -> tuple[str, bytes]:
     return audio.transcript, base64.b64decode(audio.data)
 
 
-def test_the_colocated_gateway_answers_with_the_bytes_of_the_separate_processes(colocated, gateway, tiny_model_dir):
+def test_the_colocated_gateway_answers_with_the_bytes_of_the_separate_processes(colocated, gateway, tiny_model_dir,
+                                                                                spans):
     model = tiny_model_dir.name        # the talker samples (its defaults), seeded
     here = _chat(f"http://127.0.0.1:{colocated.http_port}", model)
     apart = _chat(gateway.base_url, model)
     assert len(here[1]) > 44 and here == apart
+    # each stage's spans under its own service, in the gateway's trace: the servers' and the calls between them
+    want = {("voxpipe-thinker", "voxpipe.v1.Thinker/Generate", SERVER), ("voxpipe-talker", "voxpipe.v1.Talker/Generate",
+            SERVER), ("voxpipe-code2wav", "voxpipe.v1.Code2Wav/Decode", SERVER),
+            ("voxpipe-thinker", "voxpipe.v1.Talker/Generate", CLIENT), ("voxpipe-talker", "voxpipe.v1.Code2Wav/Decode",
+                                                                        CLIENT)}
+    deadline = time.monotonic() + 20
+    while True:
+        got = spans.snapshot()
+        traces = {s.trace_id for s in got if (s.service, s.name, s.kind) == ("voxpipe-gateway", "POST /v1/chat/completions",
+                                                                             SERVER)}
+        found = {(s.service, s.name, s.kind) for s in got if s.trace_id in traces}
+        if want <= found or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(traces) == 1 and want <= found, (traces, sorted(found))
     # the thinker called the talker and the talker code2wav over gRPC: each counts its own next-stage streams
     for stage, nxt in (("thinker", "talker"), ("talker", "code2wav")):
         text = httpx.get(f"http://127.0.0.1:{colocated.metrics + STAGES.index(stage)}/metrics", timeout=10).text

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 TRACER_NAME = "voxpipe"
 _enabled = False
 _stage_providers: dict = {}      # stage -> TracerProvider, for stages colocated in one process
-# the stage of each stage service (its spans' tracer: `tracer(stage)`)
+# the stage of each stage service (its spans' tracer: `stage_tracer(stage)`)
 STAGE_OF_SERVICE = {"voxpipe.v1.Thinker": "thinker", "voxpipe.v1.Talker": "talker", "voxpipe.v1.Code2Wav": "code2wav"}
 
 # the phase between "started" and "first output", per stage
@@ -69,7 +69,7 @@ def setup_tracing(default_service_name: str) -> bool:
 def setup_stage_tracing(stage: str) -> bool:
     """For stages colocated in one process (services/runtime/colocate.py): `stage`'s spans get a
     provider of their own, service.name voxpipe-STAGE (OTEL_SERVICE_NAME=NAME, one name for the
-    process: NAME-STAGE), as if the stage ran alone; `tracer(stage)` hands it out. Returns whether
+    process: NAME-STAGE), as if the stage ran alone; `stage_tracer(stage)` hands it out. Returns whether
     tracing is on."""
     global _enabled
     provider = _provider(f"voxpipe-{stage}", stage)
@@ -122,11 +122,15 @@ def shutdown() -> None:
             provider.shutdown()
 
 
-def tracer(stage: str | None = None) -> trace.Tracer:
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(TRACER_NAME)
+
+
+def stage_tracer(stage: str | None) -> trace.Tracer:
     """The tracer of `stage`'s spans: its own provider's when it is colocated with others
-    (setup_stage_tracing), else the process's."""
+    (setup_stage_tracing), else the process's (`tracer()`)."""
     provider = _stage_providers.get(stage) if stage is not None else None
-    return provider.get_tracer(TRACER_NAME) if provider is not None else trace.get_tracer(TRACER_NAME)
+    return provider.get_tracer(TRACER_NAME) if provider is not None else tracer()
 
 
 # ----------------------------------------------------------------------------- propagation
@@ -200,7 +204,7 @@ def traced_rpc(service: str, method: str) -> Callable:
                     await inner.aclose()    # at once, also when the caller closes us early
                 return
             parent = extract_metadata(context.invocation_metadata())
-            span = tracer(STAGE_OF_SERVICE.get(service)).start_span(f"{service}/{method}", context=parent,
+            span = stage_tracer(STAGE_OF_SERVICE.get(service)).start_span(f"{service}/{method}", context=parent,
                                                                      kind=SpanKind.SERVER,
                                        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method})
             current = trace.set_span_in_context(span, parent)
@@ -279,7 +283,7 @@ def record_phases(stage: str, req: Any, final: Any) -> None:
         if req.first_output is not None:
             phases.append(("decode", req.first_output, end))
     for name, t0, t1 in phases:
-        tracer(stage).start_span(name, context=parent, start_time=ns(t0),
+        stage_tracer(stage).start_span(name, context=parent, start_time=ns(t0),
                                  attributes=common).end(end_time=ns(max(t0, t1)))
 
     span.set_attribute("voxpipe.request_id", req.request_id)
