@@ -250,8 +250,7 @@ class StageEngine:
         device = getattr(self, "device", None)
         try:
             if device is not None and device.type == "cuda" and device.index is not None:
-                import torch   # Triton launches and graph replays on this stage's GPU (in-process: one per stage)
-
+                # Triton launches and graph replays on this stage's GPU (in-process: one per stage)
                 torch.cuda.set_device(device.index)
             if self.stream is not None:   # every kernel and graph replay of this thread's steps goes on it
                 torch.cuda.set_stream(self.stream)
