@@ -211,6 +211,14 @@ def _stage_args(tiny_model_dir, ports: dict[str, int], metrics: dict[str, int] |
     return cli.parse_colocated(args)
 
 
+def test_voxpipe_colocate_alone_chains_its_own_stages():
+    stage_args, priorities = cli.parse_colocated(cli.build_parser("colocate").parse_args(
+        ["colocate", "--talker-flags=--port 50062 --host 0.0.0.0", "--code2wav-flags=--port=50063 --max-batch 4"]))
+    assert [stage_args[s].port for s in STAGES] == [50051, 50062, 50063]     # `voxpipe STAGE`'s defaults otherwise
+    assert stage_args["thinker"].talker == "127.0.0.1:50062" and stage_args["talker"].code2wav == "127.0.0.1:50063"
+    assert stage_args["code2wav"].max_batch == 4 and priorities == {"thinker": "low", "talker": "high", "code2wav": "high"}
+
+
 def test_a_taken_port_is_refused_naming_the_stage_before_any_build(tiny_model_dir):
     ports = {s: free_port() for s in STAGES}
     with socket.socket() as taken:

@@ -92,8 +92,9 @@ def _colocate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_colocated(args) -> tuple[dict[str, argparse.Namespace], dict[str, str]]:
-    """`voxpipe colocate`'s stages, each one's flags parsed as `voxpipe STAGE` parses them, and their
-    stream priorities; ConfigError naming the stage or the flag that is wrong."""
+    """`voxpipe colocate`'s stages, each one's flags parsed as `voxpipe STAGE` parses them (but that
+    the thinker's --talker and the talker's --code2wav, unset, are the stages in this process), and
+    their stream priorities; ConfigError naming the stage or the flag that is wrong."""
     import shlex
 
     try:
@@ -111,6 +112,13 @@ def parse_colocated(args) -> tuple[dict[str, argparse.Namespace], dict[str, str]
         if unknown:
             raise ConfigError(f"--{stage}-flags: not a flag of `voxpipe {stage}`: {' '.join(unknown)[:200]}")
         stage_args[stage].command = stage
+    # a next stage not named is the one in this process (its --host as a client dials it)
+    for stage, nxt in (("thinker", "talker"), ("talker", "code2wav")):
+        if not getattr(stage_args[stage], nxt):
+            host = stage_args[nxt].host
+            host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+            setattr(stage_args[stage], nxt, f"[{host}]:{stage_args[nxt].port}" if ":" in host
+                    else f"{host}:{stage_args[nxt].port}")
     return stage_args, priorities
 
 
