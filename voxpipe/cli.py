@@ -85,10 +85,10 @@ def _stage_arguments(stage: str, parser: argparse.ArgumentParser) -> None:
 
 def _colocate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocate-priority", default="", metavar="PRIORITIES", help=COLOCATE_PRIORITY_HELP)
-    for stage in STAGES:
+    for port, stage in enumerate(STAGES, start=50051):
         p.add_argument(f"--{stage}-flags", default="", metavar="FLAGS",
                        help=f"the {stage}'s flags, as `voxpipe {stage}` takes them, in one word (quoted: "
-                            f"--{stage}-flags='--port 50051 --max-batch 64')")
+                            f"--{stage}-flags='--port {port} --max-batch 64')")
 
 
 def parse_colocated(args) -> tuple[dict[str, argparse.Namespace], dict[str, str]]:
