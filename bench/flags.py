@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from voxpipe.layout import MPS_PRIORITY_HELP, MPS_SM_HELP
+from voxpipe.layout import COLOCATE_HELP, COLOCATE_PRIORITY_HELP, MPS_PRIORITY_HELP, MPS_SM_HELP
 
 from . import conversation, live
 from .workload import WORKLOADS
@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split mode: run the three services under a CUDA MPS daemon started (and quit) by the bench")
     p.add_argument("--mps-sm-percent", default="", metavar="SHARES", help=MPS_SM_HELP + " (with --mps)")
     p.add_argument("--mps-priority", default="", metavar="PRIORITIES", help=MPS_PRIORITY_HELP + " (with --mps)")
+    p.add_argument("--colocate", action="store_true",
+                   help="modes split and gateway: " + COLOCATE_HELP + " (`voxpipe up --colocate`; not with --mps)")
+    p.add_argument("--colocate-priority", default="", metavar="PRIORITIES", help=COLOCATE_PRIORITY_HELP)
     p.add_argument("--ablation", action="store_true",
                    help="split mode at the first concurrency level once per optimization layer, adding one at a time")
     p.add_argument("--devices", default="", metavar="LAYOUT",

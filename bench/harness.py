@@ -26,7 +26,8 @@ from .report import ReferenceRun, section
 from .requests import RequestMaker
 from .workload import WORKLOADS, LevelResult, Workload, run_level
 from voxpipe import module_command
-from voxpipe.layout import MPS_PRIORITIES, Layout, LayoutError, mps_env, parse_mps_priorities, parse_sm_shares
+from voxpipe.layout import (MPS_PRIORITIES, Layout, LayoutError, colocate_spec, mps_env, parse_mps_priorities,
+                            parse_sm_shares)
 
 PRIORITY_NAMES = {level: name for name, level in MPS_PRIORITIES.items()}
 
@@ -56,6 +57,7 @@ class Plan:
     mps_priorities: dict[str, int]     # stage -> client priority under MPS (--mps-priority; 1: below normal)
     trace: bool = False                # --trace: the services' spans, each level's request path
     thinker_replicas: tuple[int, ...] = ()    # --thinker-replicas: one start of the services per count
+    colocate: dict[str, str] | None = None    # --colocate: stage -> stream priority (None: separate processes)
 
     @classmethod
     def of(cls, args) -> "Plan":
@@ -74,12 +76,18 @@ class Plan:
             if wl.temperature:
                 notes[wl.name].append("the transformers reference runs greedy (its cost per token and frame is "
                                       "that of sampling but for the draws)")
+        from voxpipe.cli import colocate_of
+
         try:
             layout = Layout.parse(args.devices, args.device)
             shares = parse_sm_shares(args.mps_sm_percent)
             priorities = parse_mps_priorities(args.mps_priority)
+            colocate = colocate_of(args, layout)
         except LayoutError as e:
             raise SystemExit(str(e)) from None
+        if colocate is not None and (args.mps or args.ablation or args.thinker_replicas):
+            raise SystemExit("--colocate runs the three stages in one process: not with --mps (one process needs "
+                             "no MPS), --ablation or --thinker-replicas")
         if shares and not args.mps:
             raise SystemExit("--mps-sm-percent limits the stages' share of the SMs under CUDA MPS: add --mps")
         if priorities and not args.mps:
@@ -104,7 +112,7 @@ class Plan:
                     layout.with_replicas("thinker", n)
             except LayoutError as e:
                 raise SystemExit(f"--thinker-replicas: {e}") from None
-        return cls(wls, modes, notes, layout, shares, priorities, args.trace, counts)
+        return cls(wls, modes, notes, layout, shares, priorities, args.trace, counts, colocate)
 
     def split_only(self, wl: Workload) -> "Plan":
         """This plan's layout and MPS settings for one workload in split mode alone (--ablation's levels)."""
@@ -343,7 +351,7 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
     stack = LocalStack(Path(model), "127.0.0.1", args.base_port, args.device, extra=extra,
                        metrics_ports=metrics_ports, http_port=http_port, layout=plan.layout,
                        stage_env=stage_env, gateway_env=spans.env("gateway") if spans is not None else None,
-                       gateway_extra=list(args.gateway_arg), stage_extra=stage_args(args))
+                       gateway_extra=list(args.gateway_arg), stage_extra=stage_args(args), colocate=plan.colocate)
     pages = dict(metrics_ports, **({"gateway": http_port} if http_port else {}))   # the gateway's GET /metrics too
     scrape = server_stats.combined(server_stats.http_source(pages), server_stats.registry_source())
 
@@ -351,13 +359,15 @@ def _run_split(args, cfg, plan: Plan, makers: dict[str, RequestMaker], model: st
         return {name: server_stats.thinker_counts(server_stats.http_source({name: port})())
                 for name, port in metrics_ports.items() if stack.stage_of[name] == "thinker"}
     t0 = time.perf_counter()
-    print(f"split: starting the stage services ({plan.layout.describe()})" + (" and the gateway" if http_port else ""),
+    print(f"split: starting the stage services ({plan.layout.describe()}"
+          + (f"; in one process, stream priorities {colocate_spec(plan.colocate)})" if plan.colocate else ")")
+          + (" and the gateway" if http_port else ""),
           flush=True)
     stack.start(timeout=300)
     print(f"split: services ready after {time.perf_counter() - t0:.1f} s", flush=True)
     info = {"startup_s": time.perf_counter() - t0}
     mem = gpu_memory_by_pid()
-    info["gpu_mem_gb"] = {name: mem.get(stack.procs[name].pid) for name in names}
+    info["gpu_mem_gb"] = {name: mem.get(stack.pid(name)) for name in names}     # colocated: one process's, each
     base_url = f"http://127.0.0.1:{http_port}"
     try:
         async def go():
@@ -623,6 +633,8 @@ def run(args) -> int:
                  if plan.sm_shares else "")
               + (f"; MPS client priority: {', '.join(f'{s} {PRIORITY_NAMES[p]}' for s, p in plan.mps_priorities.items())}"
                  if plan.mps_priorities else "")
+              + (f"; colocated in one process, CUDA stream priorities {colocate_spec(plan.colocate)}"
+                 if plan.colocate else "")
               + (f"; sampled at temperature {args.temperature:g}; " if args.temperature else "; greedy; ")
               + f"copy bandwidth {bw / 1e12:.2f} TB/s; "
               f"TTFP measured at the client: gateway = the openai SDK streaming chat completions (SSE) from the "
@@ -652,7 +664,8 @@ def run(args) -> int:
     (out / "results.json").write_text(json.dumps({
         "commit": commit, "device": device_name, "command": cmd, "copy_bandwidth": bw,
         "layout": {stage: list(ds) for stage, ds in plan.layout.devices.items()}, "gpus": len(plan.layout.gpus),
-        "sm_shares": plan.sm_shares, "mps_priorities": plan.mps_priorities, "reference": first.result if first else None,
+        "sm_shares": plan.sm_shares, "mps_priorities": plan.mps_priorities, "colocate": plan.colocate,
+        "reference": first.result if first else None,
         "references": {name: r.as_dict() for name, r in refs.items()},
         "workloads": {w.name: w.describe() for w in plan.workloads},
         "notes": plan.notes, "levels": [r.as_dict() for r in results], "live": live_report,

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from voxpipe import module_command, version
 from voxpipe.errors import ConfigError
-from voxpipe.layout import (MPS_PRIORITY_HELP, MPS_SM_HELP, Layout, LayoutError, memory_shares, mps_env,
+from voxpipe.layout import (COLOCATE_HELP, COLOCATE_PRIORITY_HELP, MPS_PRIORITY_HELP, MPS_SM_HELP, Layout, LayoutError,
+                            check_colocatable, colocate_spec, memory_shares, mps_env, parse_colocate_priorities,
                             parse_mps_priorities, parse_sm_shares)
 from voxpipe.services.runtime.listen import HOST_HELP, default_host, port_number
 from voxpipe.services.runtime.logs import FORMATS, LEVELS, level_name, setup_logging
@@ -41,19 +42,25 @@ def default_model_dir() -> Path:
 
 # ----------------------------------------------------------------------------- stage services
 
+def _stage_model(args) -> None:
+    """A stage's --model resolved: the released config with --load-format dummy, the tiny checkpoint
+    when none is given, a hub id fetched (or found in the cache)."""
+    if args.model is None:
+        if args.load_format == "dummy":
+            from voxpipe.services.runtime.config import released_config_path
+
+            args.model = str(released_config_path())
+        else:
+            args.model = str(default_model_dir())
+    from voxpipe.services.runtime.checkpoint import resolve_model
+
+    args.model = str(resolve_model(args.model, weights=args.load_format != "dummy"))
+
+
 def _stage_main(stage: str):
     def run(args) -> None:
         gc.disable()       # the imports and the build make long-lived objects only; serve_stage freezes them
-        if args.model is None:
-            if args.load_format == "dummy":
-                from voxpipe.services.runtime.config import released_config_path
-
-                args.model = str(released_config_path())
-            else:
-                args.model = str(default_model_dir())
-        from voxpipe.services.runtime.checkpoint import resolve_model
-
-        args.model = str(resolve_model(args.model, weights=args.load_format != "dummy"))
+        _stage_model(args)
         if stage == "thinker":
             from voxpipe.services.thinker import server
         elif stage == "talker":
@@ -74,6 +81,61 @@ def _stage_arguments(stage: str, parser: argparse.ArgumentParser) -> None:
     from voxpipe.services.runtime.flags import STAGE_ARGUMENTS     # light: no torch, no grpc
 
     STAGE_ARGUMENTS[stage](parser)
+
+
+def _colocate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--colocate-priority", default="", metavar="PRIORITIES", help=COLOCATE_PRIORITY_HELP)
+    for port, stage in enumerate(STAGES, start=50051):
+        p.add_argument(f"--{stage}-flags", default="", metavar="FLAGS",
+                       help=f"the {stage}'s flags, as `voxpipe {stage}` takes them, in one word (quoted: "
+                            f"--{stage}-flags='--port {port} --max-batch 64')")
+
+
+def parse_colocated(args) -> tuple[dict[str, argparse.Namespace], dict[str, str]]:
+    """`voxpipe colocate`'s stages, each one's flags parsed as `voxpipe STAGE` parses them (but that
+    the thinker's --talker and the talker's --code2wav, unset, are the stages in this process), and
+    their stream priorities; ConfigError naming the stage or the flag that is wrong."""
+    import shlex
+
+    try:
+        priorities = parse_colocate_priorities(args.colocate_priority)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    stage_args = {}
+    for stage in STAGES:
+        parser = argparse.ArgumentParser(prog=f"voxpipe colocate --{stage}-flags", exit_on_error=False)
+        _stage_arguments(stage, parser)
+        try:
+            stage_args[stage], unknown = parser.parse_known_args(shlex.split(getattr(args, f"{stage}_flags")))
+        except (ValueError, argparse.ArgumentError) as e:
+            raise ConfigError(f"--{stage}-flags: {e}") from None
+        if unknown:
+            raise ConfigError(f"--{stage}-flags: not a flag of `voxpipe {stage}`: {' '.join(unknown)[:200]}")
+        stage_args[stage].command = stage
+    # a next stage not named is the one in this process (its --host as a client dials it)
+    for stage, nxt in (("thinker", "talker"), ("talker", "code2wav")):
+        if not getattr(stage_args[stage], nxt):
+            host = stage_args[nxt].host
+            host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+            setattr(stage_args[stage], nxt, f"[{host}]:{stage_args[nxt].port}" if ":" in host
+                    else f"{host}:{stage_args[nxt].port}")
+    return stage_args, priorities
+
+
+def cmd_colocate(args) -> int:
+    """The three stage services in one process (services/runtime/colocate.py)."""
+    gc.disable()       # as `voxpipe STAGE`: the builds make long-lived objects only; colocate.run freezes them
+    stage_args, priorities = parse_colocated(args)
+    for stage_arg in stage_args.values():
+        _stage_model(stage_arg)
+    from voxpipe.services.runtime import colocate
+    from voxpipe.services.runtime.cuda_graphs import GraphCaptureError
+
+    try:
+        return colocate.run(stage_args, priorities)
+    except GraphCaptureError as e:
+        print(f"colocate: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 # ----------------------------------------------------------------------------- health
@@ -123,7 +185,7 @@ class LocalStack:
                  layout: Layout | None = None, gateway_extra: list[str] | None = None,
                  global_flags: list[str] | None = None, gateway_env: dict[str, str] | None = None,
                  stage_env: dict[str, dict[str, str]] | None = None, reflection: bool = True,
-                 stage_extra: dict[str, list[str]] | None = None) -> None:
+                 stage_extra: dict[str, list[str]] | None = None, colocate: dict[str, str] | None = None) -> None:
         """`layout`: replicas and devices per stage (default: one replica of each on `device`);
         ports are given out from `base_port` in process order. `metrics_ports`: by process name
         (a stage's name when it has one replica, see Layout.names). `extra`: flags of every stage
@@ -132,7 +194,9 @@ class LocalStack:
         environment for the gateway (VOXPIPE_API_KEY: a key stays off the command line); `stage_env`:
         more environment per stage, for each of its processes (voxpipe.layout.sm_share_env);
         `reflection`: gRPC server reflection on every stage and the Converse port (on: local development);
-        `stage_extra`: more flags per stage, after `extra`, for each of its processes."""
+        `stage_extra`: more flags per stage, after `extra`, for each of its processes; `colocate`: the
+        three stages in one process instead (`voxpipe colocate`, these stream priorities; one replica
+        of each on one device), each with the flags and ports it would have alone."""
         self.model, self.host, self.device = model, host, device
         self.layout = layout or Layout.parse("", device)
         self.stage_of = {name: stage for name, stage, _ in self.layout.processes()}
@@ -148,7 +212,10 @@ class LocalStack:
         self.stage_env = stage_env or {}
         self.http_port = http_port          # > 0: also run the gateway (OpenAI HTTP API) on this port
         self.reflection = ["--reflection" if reflection else "--no-reflection"]
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.colocate = colocate
+        if colocate is not None:
+            check_colocatable(self.layout)
+        self.procs: dict[str, subprocess.Popen] = {}     # by process name ("colocated": the three stages)
 
     def addresses(self, stage: str) -> list[str]:
         return [f"{self.host}:{self.ports[name]}" for name in self.layout.names(stage)]
@@ -175,23 +242,45 @@ class LocalStack:
             check_free("gateway HTTP", self.host, self.http_port, "--http-port")
             check_free("gateway Converse gRPC", self.host, grpc_port, "--grpc-port")
 
+    def stage_flags(self, name: str, stage: str, device: str, shares: dict[str, float]) -> list[str]:
+        """The flags of one stage process (after `voxpipe STAGE`)."""
+        flags = ["--model", str(self.model), "--host", self.host, "--port", str(self.ports[name]),
+                 "--device", device] + self.reflection + self.extra
+        if name in shares:      # a GPU shared with other stages: the thinker's KV pool is sized from it
+            flags.append(f"--gpu-memory-fraction={shares[name]}")
+        flags += self.stage_extra.get(stage, [])
+        if self.metrics_ports.get(name):
+            flags += ["--metrics-port", str(self.metrics_ports[name])]
+        return flags + self.next_stage_flags(stage)
+
+    def pid(self, name: str) -> int:
+        """The process id of a stage process (colocated: the one of all three) or of the gateway."""
+        return self.procs["colocated" if self.colocate is not None and name != "gateway" else name].pid
+
     def start(self, timeout: float = 300.0) -> None:
         given = any(f.startswith("--gpu-memory-fraction") for f in self.extra)
         shares = {} if given else memory_shares(self.layout)
-        for name, stage, device in self.layout.processes():
-            cmd = [*module_command("voxpipe.cli"), *self.global_flags, stage, "--model", str(self.model),
-                   "--host", self.host, "--port", str(self.ports[name]), "--device", device] + self.reflection + self.extra
-            if name in shares:      # a GPU shared with other stages: the thinker's KV pool is sized from it
-                cmd.append(f"--gpu-memory-fraction={shares[name]}")
-            cmd += self.stage_extra.get(stage, [])
-            if self.metrics_ports.get(name):
-                cmd += ["--metrics-port", str(self.metrics_ports[name])]
-            cmd += self.next_stage_flags(stage)
-            env = {**os.environ, **self.stage_env[stage]} if self.stage_env.get(stage) else None
-            self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+        if self.colocate is not None:
+            import shlex
+
+            cmd = [*module_command("voxpipe.cli"), *self.global_flags, "colocate",
+                   f"--colocate-priority={colocate_spec(self.colocate)}"]
+            cmd += [f"--{stage}-flags={shlex.join(self.stage_flags(name, stage, device, shares))}"
+                    for name, stage, device in self.layout.processes()]
+            env = {}
+            for stage in STAGES:      # one process: the stages' environments together (tracing's, say)
+                env.update(self.stage_env.get(stage, {}))
+            self.procs["colocated"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True,
+                                                       env={**os.environ, **env} if env else None)
+        else:
+            for name, stage, device in self.layout.processes():
+                cmd = [*module_command("voxpipe.cli"), *self.global_flags, stage,
+                       *self.stage_flags(name, stage, device, shares)]
+                env = {**os.environ, **self.stage_env[stage]} if self.stage_env.get(stage) else None
+                self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
         deadline = time.monotonic() + timeout
         for name, proc in list(self.procs.items()):
-            self._wait_ready(name, proc, deadline, timeout)
+            self._wait_ready(name, proc, deadline, timeout, count=len(STAGES) if name == "colocated" else 1)
         if self.http_port:
             cmd = [*module_command("voxpipe.cli"), *self.global_flags, "gateway", "--model", str(self.model),
                    "--host", self.host, "--http-port", str(self.http_port)] + self.reflection
@@ -200,11 +289,16 @@ class LocalStack:
             self.procs["gateway"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
             self._wait_ready("gateway", self.procs["gateway"], deadline, timeout)
 
-    def _wait_ready(self, name: str, proc: subprocess.Popen, deadline: float, timeout: float) -> None:
+    def _wait_ready(self, name: str, proc: subprocess.Popen, deadline: float, timeout: float,
+                    count: int = 1) -> None:
+        """Until `proc` printed `count` "ready on port" lines (colocated: one per stage)."""
         while True:
             line = proc.stdout.readline()
             if "ready on port" in line:
-                return
+                count -= 1
+                if not count:
+                    return
+                continue
             if not line and proc.poll() is not None:
                 self.stop()
                 raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready")
@@ -251,8 +345,12 @@ def cmd_up(args) -> int:
         layout = Layout.parse(args.devices, args.device)
         shares = parse_sm_shares(args.mps_sm_percent)
         priorities = parse_mps_priorities(args.mps_priority)
+        colocate = colocate_of(args, layout)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
+    if colocate is not None and (shares or priorities):
+        raise ConfigError("--mps-sm-percent / --mps-priority set what CUDA MPS gives each stage process; with "
+                          "--colocate the stages share one process: use --colocate-priority")
     metrics_ports = ({name: args.metrics_base_port + i for i, (name, _, _) in enumerate(layout.processes())}
                      if args.metrics_base_port else None)
     api_key = args.api_key or os.environ.get("VOXPIPE_API_KEY")
@@ -260,7 +358,7 @@ def cmd_up(args) -> int:
                        gateway_extra=gateway_flags, layout=layout, metrics_ports=metrics_ports,
                        global_flags=[f"--log-level={args.log_level}", f"--log-format={args.log_format}"],
                        gateway_env={"VOXPIPE_API_KEY": api_key} if api_key else None,
-                       stage_env=mps_env(shares, priorities), reflection=args.reflection)
+                       stage_env=mps_env(shares, priorities), reflection=args.reflection, colocate=colocate)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -276,7 +374,7 @@ def cmd_up(args) -> int:
         return 1
     for name, stage, device in stack.layout.processes():
         metrics = f", metrics http://{host}:{stack.metrics_ports[name]}/metrics" if stack.metrics_ports else ""
-        print(f"{name:9s} {host}:{stack.ports[name]}  {device}  (pid {stack.procs[name].pid}{metrics})", flush=True)
+        print(f"{name:9s} {host}:{stack.ports[name]}  {device}  (pid {stack.pid(name)}{metrics})", flush=True)
     if http_port:
         scheme = "https" if args.ssl_certfile else "http"
         print(f"gateway   {scheme}://{host}:{http_port}/v1  (pid {stack.procs['gateway'].pid}, metrics "
@@ -293,11 +391,25 @@ def cmd_up(args) -> int:
             time.sleep(0.2)
         dead = [s for s, p in stack.procs.items() if p.poll() is not None]
         if dead and not stop["now"]:
-            print(f"stopped: {', '.join(dead)} exited", file=sys.stderr)
+            print(f"stopped: {', '.join(dead)} exited" + (" (its log names the stage that stopped it)"
+                                                         if "colocated" in dead else ""), file=sys.stderr)
             return 1
         return 0
     finally:
         stack.stop()
+
+
+def colocate_of(args, layout: Layout) -> dict[str, str] | None:
+    """`--colocate`'s stream priorities by stage (None: separate processes); LayoutError for a
+    --colocate-priority without --colocate, a bad one, or a layout that is not one replica per stage
+    on one device."""
+    if not args.colocate:
+        if args.colocate_priority:
+            raise LayoutError("--colocate-priority sets the stream priorities of stages in one process: add --colocate")
+        return None
+    priorities = parse_colocate_priorities(args.colocate_priority)
+    check_colocatable(layout)
+    return priorities
 
 
 def _up_stage_flags(args) -> list[str]:
@@ -488,6 +600,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         _stage_arguments(stage, p)
         p.set_defaults(func=_stage_main(stage))
 
+    p = sub.add_parser("colocate", help="run the thinker, talker and code2wav gRPC services in one process "
+                                        "(each on its own port, its GPU work on a stream of its priority)")
+    _colocate_arguments(p)
+    p.set_defaults(func=cmd_colocate)
+
     p = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint in the released format")
     from voxpipe.tiny import add_arguments as tiny_args, run as tiny_run
 
@@ -507,6 +624,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "(DEV*N: N replicas sharing DEV; +: one device per replica)")
     p.add_argument("--mps-sm-percent", default="", metavar="SHARES", help=MPS_SM_HELP)
     p.add_argument("--mps-priority", default="", metavar="PRIORITIES", help=MPS_PRIORITY_HELP)
+    p.add_argument("--colocate", action="store_true", help=COLOCATE_HELP + " (`voxpipe colocate`)")
+    p.add_argument("--colocate-priority", default="", metavar="PRIORITIES", help=COLOCATE_PRIORITY_HELP)
     p.add_argument("--http-port", type=port_number, default=8000,
                    help="the gateway's OpenAI HTTP API port (0: no gateway; none with --say)")
     g = p.add_argument_group("passed on to the gateway")

@@ -186,3 +186,48 @@ def mps_env(shares: dict[str, int], priorities: dict[str, int]) -> dict[str, dic
     for stage, level in priorities.items():
         env[stage] = {**env.get(stage, {}), MPS_PRIORITY_ENV: str(level)}
     return env
+
+
+# `--colocate`: the three stages in one process on one GPU, each stage's engine on a CUDA stream of
+# its own priority (services/runtime/colocate.py): high = the greatest priority the GPU offers,
+# low = the least (torch.cuda.Stream.priority_range()). A talker or code2wav step's kernels are then
+# scheduled ahead of a thinker prefill's waiting ones.
+COLOCATE_LEVELS = ("low", "high")
+COLOCATE_DEFAULT = {"thinker": "low", "talker": "high", "code2wav": "high"}
+COLOCATE_HELP = ("the three stages in one process (one CUDA context, no MPS), each still its own gRPC service on "
+                 "its own port with its own health, metrics and flags; each stage's GPU work on a CUDA stream of "
+                 "its --colocate-priority (on the CPU: three servers in one process, no priorities)")
+COLOCATE_PRIORITY_HELP = ("with --colocate: the CUDA stream priority of each stage, low or high, e.g. "
+                          "thinker=low,talker=high (stages not named: thinker low, talker high, code2wav high)")
+
+
+def parse_colocate_priorities(spec: str) -> dict[str, str]:
+    """A `--colocate-priority` spec, e.g. `thinker=low,talker=high`: every stage's stream priority
+    level (COLOCATE_LEVELS), stages not named at COLOCATE_DEFAULT's. Raises LayoutError naming the bad part."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        stage, sep, value = part.partition("=")
+        if stage not in STAGES or not sep:
+            raise LayoutError(f"--colocate-priority: expected STAGE=PRIORITY with STAGE in {', '.join(STAGES)}, "
+                              f"got {part[:40]!r}")
+        if stage in out:
+            raise LayoutError(f"--colocate-priority: {stage} named twice")
+        if value not in COLOCATE_LEVELS:
+            raise LayoutError(f"--colocate-priority: {stage}: {value[:40]!r} is not one of {', '.join(COLOCATE_LEVELS)}")
+        out[stage] = value
+    return {**COLOCATE_DEFAULT, **out}
+
+
+def colocate_spec(priorities: dict[str, str]) -> str:
+    """The `--colocate-priority` spec of `priorities` (every stage named)."""
+    return ",".join(f"{stage}={priorities[stage]}" for stage in STAGES)
+
+
+def check_colocatable(layout: Layout) -> str:
+    """The one device of a layout whose stages can run in one process (one replica each, one device
+    for all); LayoutError otherwise."""
+    devices = {ds[0] for ds in layout.devices.values()}
+    if not layout.single or len(devices) != 1:
+        raise LayoutError(f"--colocate runs one replica of each stage, all on one device, in one process; "
+                          f"--devices gives {layout.describe()}")
+    return devices.pop()

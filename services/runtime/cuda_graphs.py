@@ -42,6 +42,16 @@ def captured(what: str, capture: Callable[[], object], eager_fallback: bool) -> 
         return None
 
 
+def capture_stream() -> "torch.cuda.Stream | None":
+    """The stream graphs are captured on: the thread's current stream when it is not the default one
+    (a colocated stage builds on its own stream of its priority, services/runtime/colocate.py), else
+    None (torch's own capture stream). A graph replays on the stream it is launched on, with that
+    stream's priority, wherever it was captured; capturing on the stage's stream keeps every kernel
+    of the stage on it."""
+    current = torch.cuda.current_stream()
+    return None if current == torch.cuda.default_stream(current.device) else current
+
+
 def graphs_available(device: torch.device) -> bool:
     """Whether engines on `device` build GraphedSteps (CUDA, or anywhere under EMULATE)."""
     return device.type == "cuda" or EMULATE
@@ -105,17 +115,17 @@ class GraphedStep:
     def _capture(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        pool = self.pool
+        pool, stream = self.pool, capture_stream()
         for n in reversed(self.batch_sizes):
             for kv in reversed(self.kv_lens):
                 ins = tuple(t[:n] for t in self.static)
-                side = torch.cuda.Stream()
+                side = torch.cuda.Stream(priority=torch.cuda.current_stream().priority)   # the warm-up run
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     fn(n, kv, *ins)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = fn(n, kv, *ins)
                 self.graphs[(n, kv)] = (graph, out)
         torch.cuda.synchronize()

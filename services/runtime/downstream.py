@@ -99,7 +99,7 @@ class NextStage:
         stream's affinity (its session: the replica of the session's previous stream, within its share)."""
         stub_cls = STUBS[self.stage]
         service = HEALTH_SERVICES[self.stage]
-        span = tracing.tracer().start_span(
+        span = tracing.stage_tracer(metrics.CALLER.get(self.stage)).start_span(
             f"{service}/{method}", kind=SpanKind.CLIENT,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
                         "voxpipe.request_id": request_id})

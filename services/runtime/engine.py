@@ -176,6 +176,9 @@ class StageEngine:
     bookkeeping, never during model compute."""
 
     name = "stage"
+    # the CUDA stream the engine thread runs its steps on (set before `start`; colocated stages: one of
+    # its own priority, services/runtime/colocate.py); None: the thread's default stream
+    stream: "torch.cuda.Stream | None" = None
 
     def __init__(self, max_active: int) -> None:
         self.max_active = max_active
@@ -247,9 +250,10 @@ class StageEngine:
         device = getattr(self, "device", None)
         try:
             if device is not None and device.type == "cuda" and device.index is not None:
-                import torch   # Triton launches and graph replays on this stage's GPU (in-process: one per stage)
-
+                # Triton launches and graph replays on this stage's GPU (in-process: one per stage)
                 torch.cuda.set_device(device.index)
+            if self.stream is not None:   # every kernel and graph replay of this thread's steps goes on it
+                torch.cuda.set_stream(self.stream)
             self.prepare()
         except BaseException as exc:     # start() raises it
             prepared.append(exc)

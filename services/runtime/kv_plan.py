@@ -37,7 +37,8 @@ class KVPlan:
 def kv_plan(args, stage: str, text: DecoderConfig, device: torch.device, dtype: torch.dtype, *,
             activation_reserve: int, max_tokens: int | None = None) -> tuple[KVPlan, int]:
     """The KV pool (--kv-cache-tokens, else on CUDA what --gpu-memory-fraction of the GPU leaves beside
-    the memory reserved so far and `activation_reserve` bytes, at most `max_tokens` positions, else on
+    the memory reserved so far (by this stage alone when colocated: `args.colocation`) and
+    `activation_reserve` bytes, at most `max_tokens` positions, else on
     the CPU twice the model's context) and the context (--max-len, default the model's
     max_position_embeddings, at most the pool). ConfigError with the numbers when they do not fit."""
     bs = args.kv_block_size
@@ -52,10 +53,15 @@ def kv_plan(args, stage: str, text: DecoderConfig, device: torch.device, dtype: 
         index = device.index if device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
         fraction = args.gpu_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
-        in_use = torch.cuda.memory_reserved(index)
+        # colocated with other stages in one process (services/runtime/colocate.py): what the stages
+        # built before this one reserved is theirs, out of their own shares, not counted again here
+        colocation = getattr(args, "colocation", None)
+        baseline = colocation.memory_baseline if colocation is not None else 0
+        in_use = torch.cuda.memory_reserved(index) - baseline
         left = fraction * total - in_use - activation_reserve
         blocks = max(int(left // per_block), 0)
-        how = (f"{fraction:.2f} of {total / 2**30:.1f} GiB, less {in_use / 2**30:.1f} GiB in use and "
+        how = (f"{fraction:.2f} of {total / 2**30:.1f} GiB, less {in_use / 2**30:.1f} GiB in use"
+               f"{' by this stage' if colocation is not None else ''} and "
                f"{activation_reserve / 2**30:.1f} GiB for activations")
         if max_tokens is not None and blocks * bs > max_tokens:
             blocks = -(-max_tokens // bs)

@@ -45,6 +45,7 @@ voxpipe_audio_cache_bytes{stage}    bytes of encoder outputs that cache holds on
 from __future__ import annotations
 
 import asyncio
+import copy
 import errno
 import weakref
 from collections.abc import Callable, Iterable
@@ -177,11 +178,45 @@ NEXT_STAGE_REPLICAS = NextStageReplicas()
 REGISTRY.register(NEXT_STAGE_REPLICAS)
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
-    """Expose /metrics on its own HTTP port (0 disables); PortInUse (--metrics-port) when it is taken."""
+# the stage a voxpipe_next_stage_* series belongs to: the one that calls the stage its label names
+CALLER = {"talker": "thinker", "code2wav": "talker"}
+
+
+class StageSeries:
+    """The series of REGISTRY that belong to one stage: those labelled with it, and the
+    voxpipe_next_stage_* ones of the stage it calls (labelled with that stage). For stages
+    colocated in one process (services/runtime/colocate.py): each one's --metrics-port serves its
+    own, as a process of its own would."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+
+    def _owner(self, family: str, labels: dict[str, str]) -> str | None:
+        stage = labels.get("stage")
+        return CALLER.get(stage) if family.startswith("voxpipe_next_stage") else stage
+
+    def collect(self):
+        for family in REGISTRY.collect():
+            samples = [s for s in family.samples if self._owner(family.name, s.labels) == self.stage]
+            if samples:
+                family = copy.copy(family)
+                family.samples = samples
+                yield family
+
+
+def stage_registry(stage: str) -> CollectorRegistry:
+    """What a colocated stage's --metrics-port serves (StageSeries)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StageSeries(stage))
+    return registry
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1", registry: CollectorRegistry | None = None) -> None:
+    """Expose /metrics on its own HTTP port (0 disables); PortInUse (--metrics-port) when it is taken.
+    `registry`: what it serves (default: REGISTRY, every series of the process)."""
     if port:
         try:
-            start_http_server(port, addr=host, registry=REGISTRY)
+            start_http_server(port, addr=host, registry=REGISTRY if registry is None else registry)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise PortInUse("metrics", host, port, "--metrics-port") from None

@@ -373,9 +373,12 @@ def bind_grpc(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | No
 
 
 async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc.aio.Server], None],
-                     service_name: str, opts: ServerOptions, ready: Callable[[int], None] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then: health NOT_SERVING, refuse new streams, let in-flight
-    streams finish for up to `grace_seconds`, stop the engine."""
+                     service_name: str, opts: ServerOptions, ready: Callable[[int], None] | None = None,
+                     stop: asyncio.Event | None = None, metrics_registry: Any = None) -> None:
+    """Serve until SIGTERM/SIGINT (or, given `stop`, until it is set: the caller owns the signals),
+    then: health NOT_SERVING, refuse new streams, let in-flight streams finish for up to
+    `grace_seconds`, stop the engine. `metrics_registry`: what --metrics-port serves (default: the
+    process's metrics.REGISTRY; colocated stages: each its own series, metrics.stage_registry)."""
     options = [
         ("grpc.max_send_message_length", opts.max_message_bytes),
         ("grpc.max_receive_message_length", opts.max_message_bytes),
@@ -391,7 +394,8 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     health_servicer = add_health_and_reflection(server, service_name, opts.reflection)
     port = bind_grpc(server, opts.host, opts.port, opts.tls, f"{service_name} gRPC", "--port")
     loop = asyncio.get_running_loop()
-    stop, fatal = asyncio.Event(), asyncio.Event()
+    own_signals = stop is None
+    stop, fatal = stop or asyncio.Event(), asyncio.Event()
     # a device error poisons the CUDA context: NOT_SERVING, then exit non-zero so Kubernetes restarts us
     servicer.engine.on_fatal = lambda exc: loop.call_soon_threadsafe(fatal.set)
     health_server = None
@@ -402,10 +406,14 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
         bind_grpc(health_server, opts.host, opts.health_port, None, f"{service_name} health", "--health-port")
     servicer.engine.start()
     metrics.CAPACITY.labels(servicer.engine.name).set(servicer.engine.max_active)
-    serve_metrics(opts.metrics_port, socket_host(opts.host))
-    await server.start()
-    if health_server is not None:
-        await health_server.start()
+    try:
+        serve_metrics(opts.metrics_port, socket_host(opts.host), metrics_registry)
+        await server.start()
+        if health_server is not None:
+            await health_server.start()
+    except BaseException:      # a port taken since it was checked: the engine thread goes too
+        servicer.engine.stop()
+        raise
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s serving on port %d (%s)", service_name, port,
@@ -413,7 +421,7 @@ async def run_server(servicer: StageServicer, add_to_server: Callable[[Any, grpc
     if ready is not None:
         ready(port)
     lag_watch = asyncio.ensure_future(metrics.watch_loop_lag(metrics.LOOP_LAG.labels(servicer.engine.name).observe))
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT) if own_signals else ():
         try:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
@@ -502,7 +510,8 @@ def stage_setup(args) -> StageSetup:
         check_free(f"{getattr(args, 'command', None) or 'stage'} {what}", opts.host, port, flag)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if args.gpu_memory_fraction and device.type == "cuda":   # a bare "cuda" is the current device
+    colocated = getattr(args, "colocation", None) is not None   # the process's cap: the colocated stages' sum
+    if args.gpu_memory_fraction and device.type == "cuda" and not colocated:   # a bare "cuda": the current device
         torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction,
                                                    device.index if device.index is not None else None)
     return StageSetup(opts=opts, tls=tls, device=device, dtype=dtype)

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 TRACER_NAME = "voxpipe"
 _enabled = False
+_stage_providers: dict = {}      # stage -> TracerProvider, for stages colocated in one process
+# the stage of each stage service (its spans' tracer: `stage_tracer(stage)`)
+STAGE_OF_SERVICE = {"voxpipe.v1.Thinker": "thinker", "voxpipe.v1.Talker": "talker", "voxpipe.v1.Code2Wav": "code2wav"}
 
 # the phase between "started" and "first output", per stage
 # the talker's: its prefill, and with a text prompt (sent before the text) also its wait for text row 0
@@ -55,16 +58,42 @@ def setup_tracing(default_service_name: str) -> bool:
     global _enabled
     if _enabled:
         return True
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    provider = _provider(default_service_name)
+    if provider is None:
         return False
+    trace.set_tracer_provider(provider)                   # flushed and shut down at exit
+    _enabled = True
+    return True
+
+
+def setup_stage_tracing(stage: str) -> bool:
+    """For stages colocated in one process (services/runtime/colocate.py): `stage`'s spans get a
+    provider of their own, service.name voxpipe-STAGE (OTEL_SERVICE_NAME=NAME, one name for the
+    process: NAME-STAGE), as if the stage ran alone; `stage_tracer(stage)` hands it out. Returns whether
+    tracing is on."""
+    global _enabled
+    provider = _provider(f"voxpipe-{stage}", stage)
+    if provider is None:
+        return False
+    _stage_providers[stage] = provider
+    _enabled = True
+    return True
+
+
+def _provider(default_service_name: str, stage: str | None = None):
+    """A TracerProvider exporting over OTLP/gRPC as the OTEL_* variables say, or None when tracing
+    is off (no endpoint, OTEL_SDK_DISABLED, another exporter or protocol). `stage`: its service.name
+    is the configured one with -STAGE appended (colocated stages)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
     exporters = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
     if "otlp" not in [e.strip() for e in exporters.split(",")] or not otlp_endpoint():
-        return False
+        return None
     protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
     if protocol != "grpc":
         log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s is not supported (only grpc); tracing stays off", protocol)
-        return False
+        return None
 
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -74,12 +103,12 @@ def setup_tracing(default_service_name: str) -> bool:
     resource = Resource.create()
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: default_service_name}))
+    elif stage is not None:
+        resource = resource.merge(Resource({SERVICE_NAME: f"{resource.attributes[SERVICE_NAME]}-{stage}"}))
     provider = TracerProvider(resource=resource)          # sampler: OTEL_TRACES_SAMPLER(_ARG)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))   # OTEL_BSP_*, OTEL_EXPORTER_OTLP_*
-    trace.set_tracer_provider(provider)                   # flushed and shut down at exit
-    _enabled = True
     log.info("tracing on: service %s -> %s", resource.attributes.get(SERVICE_NAME), otlp_endpoint())
-    return True
+    return provider
 
 
 def enabled() -> bool:
@@ -87,14 +116,21 @@ def enabled() -> bool:
 
 
 def shutdown() -> None:
-    """Flush and stop the exporter (also done at interpreter exit)."""
-    provider = trace.get_tracer_provider()
-    if hasattr(provider, "shutdown"):
-        provider.shutdown()
+    """Flush and stop the exporters (also done at interpreter exit)."""
+    for provider in (trace.get_tracer_provider(), *_stage_providers.values()):
+        if hasattr(provider, "shutdown"):
+            provider.shutdown()
 
 
 def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
+
+
+def stage_tracer(stage: str | None) -> trace.Tracer:
+    """The tracer of `stage`'s spans: its own provider's when it is colocated with others
+    (setup_stage_tracing), else the process's (`tracer()`)."""
+    provider = _stage_providers.get(stage) if stage is not None else None
+    return provider.get_tracer(TRACER_NAME) if provider is not None else tracer()
 
 
 # ----------------------------------------------------------------------------- propagation
@@ -168,7 +204,8 @@ def traced_rpc(service: str, method: str) -> Callable:
                     await inner.aclose()    # at once, also when the caller closes us early
                 return
             parent = extract_metadata(context.invocation_metadata())
-            span = tracer().start_span(f"{service}/{method}", context=parent, kind=SpanKind.SERVER,
+            span = stage_tracer(STAGE_OF_SERVICE.get(service)).start_span(f"{service}/{method}", context=parent,
+                                                                     kind=SpanKind.SERVER,
                                        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method})
             current = trace.set_span_in_context(span, parent)
             try:
@@ -246,7 +283,8 @@ def record_phases(stage: str, req: Any, final: Any) -> None:
         if req.first_output is not None:
             phases.append(("decode", req.first_output, end))
     for name, t0, t1 in phases:
-        tracer().start_span(name, context=parent, start_time=ns(t0), attributes=common).end(end_time=ns(max(t0, t1)))
+        stage_tracer(stage).start_span(name, context=parent, start_time=ns(t0),
+                                 attributes=common).end(end_time=ns(max(t0, t1)))
 
     span.set_attribute("voxpipe.request_id", req.request_id)
     if isinstance(final, Finished):
