@@ -244,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--thinker-arg", action="append", default=[], metavar="FLAG",
                    help="a flag for the served thinker (without --base-url; repeatable), e.g. "
                         "--thinker-arg=--no-draft-forced")
+    for stage in ("talker", "code2wav"):
+        p.add_argument(f"--{stage}-arg", action="append", default=[], metavar="FLAG",
+                       help=f"a flag for the served {stage} (without --base-url; repeatable), e.g. "
+                            f"--{stage}-arg=--kv-cache-tokens=8192 to size a stack that shares a smaller GPU")
     p.add_argument("--settle", type=float, default=0.25, metavar="SECONDS",
                    help="--first-delta: the pause after each request (the cancelled one before ends meanwhile)")
     args = p.parse_args(argv)
@@ -266,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 model, extra = make_tiny(Path(tmp), seed=0), []
             http_port = args.base_port + 99
             stack = LocalStack(model, "127.0.0.1", args.base_port, args.device, http_port=http_port, extra=extra,
-                               stage_extra={"thinker": args.thinker_arg})
+                               stage_extra={"thinker": args.thinker_arg, "talker": args.talker_arg,
+                                            "code2wav": args.code2wav_arg})
             stack.start(timeout=400)
             try:
                 result = run(f"http://127.0.0.1:{http_port}")
