@@ -163,21 +163,27 @@ MPS_PRIORITY_HELP = ("experimental: under CUDA MPS, the scheduling priority of e
                      "ignored without MPS); stages not named are normal")
 
 
-def parse_mps_priorities(spec: str) -> dict[str, int]:
-    """A `--mps-priority` spec, e.g. `thinker=below_normal`: per stage, its processes' client priority
-    under CUDA MPS (MPS_PRIORITIES). Raises LayoutError naming the bad part."""
-    out: dict[str, int] = {}
+def parse_stage_values(spec: str, flag: str, values) -> dict[str, str]:
+    """A `STAGE=VALUE,...` spec (--mps-priority, --colocate-priority): per stage named, its value (one
+    of `values`). Raises LayoutError naming `flag` and the bad part."""
+    out: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         stage, sep, value = part.partition("=")
         if stage not in STAGES or not sep:
-            raise LayoutError(f"--mps-priority: expected STAGE=PRIORITY with STAGE in {', '.join(STAGES)}, "
-                              f"got {part[:40]!r}")
+            raise LayoutError(f"{flag}: expected STAGE=PRIORITY with STAGE in {', '.join(STAGES)}, got {part[:40]!r}")
         if stage in out:
-            raise LayoutError(f"--mps-priority: {stage} named twice")
-        if value not in MPS_PRIORITIES:
-            raise LayoutError(f"--mps-priority: {stage}: {value[:40]!r} is not one of {', '.join(MPS_PRIORITIES)}")
-        out[stage] = MPS_PRIORITIES[value]
+            raise LayoutError(f"{flag}: {stage} named twice")
+        if value not in values:
+            raise LayoutError(f"{flag}: {stage}: {value[:40]!r} is not one of {', '.join(values)}")
+        out[stage] = value
     return out
+
+
+def parse_mps_priorities(spec: str) -> dict[str, int]:
+    """A `--mps-priority` spec, e.g. `thinker=below_normal`: per stage, its processes' client priority
+    under CUDA MPS (MPS_PRIORITIES). Raises LayoutError naming the bad part."""
+    return {stage: MPS_PRIORITIES[value]
+            for stage, value in parse_stage_values(spec, "--mps-priority", MPS_PRIORITIES).items()}
 
 
 def mps_env(shares: dict[str, int], priorities: dict[str, int]) -> dict[str, dict[str, str]]:
@@ -204,18 +210,7 @@ COLOCATE_PRIORITY_HELP = ("with --colocate: the CUDA stream priority of each sta
 def parse_colocate_priorities(spec: str) -> dict[str, str]:
     """A `--colocate-priority` spec, e.g. `thinker=low,talker=high`: every stage's stream priority
     level (COLOCATE_LEVELS), stages not named at COLOCATE_DEFAULT's. Raises LayoutError naming the bad part."""
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        stage, sep, value = part.partition("=")
-        if stage not in STAGES or not sep:
-            raise LayoutError(f"--colocate-priority: expected STAGE=PRIORITY with STAGE in {', '.join(STAGES)}, "
-                              f"got {part[:40]!r}")
-        if stage in out:
-            raise LayoutError(f"--colocate-priority: {stage} named twice")
-        if value not in COLOCATE_LEVELS:
-            raise LayoutError(f"--colocate-priority: {stage}: {value[:40]!r} is not one of {', '.join(COLOCATE_LEVELS)}")
-        out[stage] = value
-    return {**COLOCATE_DEFAULT, **out}
+    return {**COLOCATE_DEFAULT, **parse_stage_values(spec, "--colocate-priority", COLOCATE_LEVELS)}
 
 
 def colocate_spec(priorities: dict[str, str]) -> str:
