@@ -161,13 +161,14 @@ def _check_levels(levels: dict, want: set, prompt_tokens: int | None = None) -> 
 def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
     """seedtts-like and voice-in against one start of the services, in every mode, on the tiny
     checkpoint without its preprocessor_config.json (voice-in's features then come from config.json,
-    as for full-size dummy runs); each workload's reference gets the same prompt as its levels."""
+    as for full-size dummy runs); each workload's reference gets the same prompt as its levels, and
+    realtime (gateway mode only) takes seedtts-like's reference, the same model work, run once."""
     model = tmp_path / "tiny-no-preprocessor"
     model.mkdir()
     for f in tiny_model_dir.iterdir():
         if f.name != "preprocessor_config.json":
             (model / f.name).symlink_to(f)
-    _, res, md = _bench(tmp_path, model, "--workload", "seedtts-like,voice-in", "--modes", "gateway,split,inprocess",
+    proc, res, md = _bench(tmp_path, model, "--workload", "seedtts-like,voice-in,realtime", "--modes", "gateway,split,inprocess",
                         "--base-port", "free", "--devices", "thinker=cpu,talker=cpu,code2wav=cpu", "--trace",
                         # the bench's requests share their system turn: with the prefix cache they would skip
                         # the batched prefill from position 0 that this checks (the thinker alone takes the flag)
@@ -229,14 +230,26 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
     assert "#### voice-in: the voice clip + \"Please answer briefly.\"" in md
     assert "| TTFP p50 / p90 / p99 ms | RTF p50 / p90 / p99 | E2EL p50 / p90 / p99 s | TTFT p50 / p90 / p99 ms |" in md
 
+    # realtime: gateway mode only, and no second reference run (seedtts-like's is the same model work)
+    assert proc.stdout.count("transformers reference (") == 4       # seedtts-like's and voice-in's: starting, result
+    refs = res["references"]
+    assert refs["seedtts-like"]["result"] and refs["realtime"]["result"] == refs["seedtts-like"]["result"]
+    assert "same model work as seedtts-like" in refs["realtime"]["note"]
+    assert res["notes"]["realtime"] == ["not run in mode split, inprocess: the realtime WebSocket is the gateway's"]
+    levels = {(lv["mode"], lv["concurrency"]): lv for lv in res["levels"] if lv["workload"] == "realtime"}
+    _check_levels({("realtime", *k): lv for k, lv in levels.items()}, {("realtime", "gateway", c) for c in (1, 2)},
+                  prompt_tokens=100)
+
 
 def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_dir, tmp_path):
     """Two workloads against one start of the services, laid out as two talkers and two code2wavs
     (--devices, issue 14's layouts on the CPU), sampled (--temperature: chat, realtime and the gRPC
-    pipeline client each ask for it); realtime runs in gateway mode only and says so; its reference
-    is seedtts-like's (the same model work)."""
+    pipeline client each ask for it); realtime runs in gateway mode only and says so. No reference
+    (test_bench_runs_every_mode_and_reports checks that realtime shares seedtts-like's); the notes
+    still say that the reference would run greedy."""
     proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "seedtts-like,realtime", "--modes", "gateway,split",
-                           "--devices", "talker=cpu+cpu,code2wav=cpu*2", "--temperature", "0.9", "--base-port", "free")
+                           "--devices", "talker=cpu+cpu,code2wav=cpu*2", "--temperature", "0.9", "--base-port", "free",
+                           "--no-reference")
     assert proc.stdout.count("split: starting the stage services (thinker cpu; talker 2x (cpu, cpu); "
                              "code2wav 2x (cpu, cpu)) and the gateway") == 1
     assert res["layout"] == {"thinker": ["cpu"], "talker": ["cpu", "cpu"], "code2wav": ["cpu", "cpu"]}
@@ -256,9 +269,7 @@ def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_di
     assert res["notes"]["seedtts-like"] == [greedy_reference]
     assert "frames forced, sampled at temperature 0.9 (seed: the request's index)" in md
     assert "; sampled at temperature 0.9; copy bandwidth" in md and "; greedy; " not in md
-    refs = res["references"]
-    assert refs["seedtts-like"]["result"] and refs["realtime"]["result"] == refs["seedtts-like"]["result"]
-    assert "same model work as seedtts-like" in refs["realtime"]["note"]
+    assert res["references"] == {} and "transformers reference: not run (--no-reference)" in md
     assert "#### realtime: a 100-token text prompt over the realtime WebSocket" in md
     assert "not run in mode split: the realtime WebSocket is the gateway's" in md
 
