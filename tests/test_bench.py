@@ -8,6 +8,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
 
 from conftest import free_ports
 
@@ -128,7 +133,10 @@ def _without_leak_report(stderr: str) -> str:
                      if not line.lstrip().startswith(("- leaked", "nanobind:", "See https://nanobind")))
 
 
-def _bench(tmp_path, model, *flags: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict, str]:
+def _bench(tmp_path, model, *flags: str, timeout: float = 600, base_port: int | None = None
+           ) -> tuple[subprocess.CompletedProcess, dict, str]:
+    """`voxpipe bench` on the CPU at small size, its report under tmp_path/bench. `base_port`: the first
+    of _BENCH_PORTS ports set aside for it (default: a block free now)."""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "voxpipe.cli", "--log-level", "WARNING", "bench", "--model", str(model),
            "--load-format", "auto", "--device", "cpu", "--concurrency", "1,2", "--requests", "2", "--warmup", "1",
@@ -136,10 +144,57 @@ def _bench(tmp_path, model, *flags: str, timeout: float = 600) -> tuple[subproce
     if "--base-port" not in flags:
         cmd += ["--base-port", "free"]
     # a block of ports free now and below the ephemeral range (stages, the gateway at +99, metrics at +100)
-    cmd = [str(free_ports(_BENCH_PORTS)) if a == "free" else a for a in cmd]
+    cmd = [str(base_port or free_ports(_BENCH_PORTS)) if a == "free" else a for a in cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + _without_leak_report(proc.stderr)[-3000:]
     return proc, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+# The runs of the three tests below that start services and check no timing: two at a time, from the
+# first of those tests on (a bench on the tiny checkpoint keeps about one of CI's two cores busy, most
+# of it starting processes); each test checks its own run's outcome. Longest first. The voice-clip run
+# times the thinker against the appends: it runs alone, in its test.
+_PARALLEL_RUNS = {
+    "every_mode": ("--workload", "seedtts-like,voice-in,realtime", "--modes", "gateway,split,inprocess",
+                   "--devices", "thinker=cpu,talker=cpu,code2wav=cpu", "--trace",
+                   # the bench's requests share their system turn: with the prefix cache they would skip
+                   # the batched prefill from position 0 that this checks (the thinker alone takes the flag)
+                   "--thinker-arg=--no-prefix-cache"),
+    "thinker_replicas": ("--workload", "conversation,realtime-conversation", "--modes", "split,gateway",
+                         "--no-reference", "--thinker-replicas", "1,2", "--concurrency", "4", "--turns", "2",
+                         "--turn-tokens", "40", "--context-tokens", "0", "--realtime-pace", "0",
+                         "--text-tokens", "2", "--frames", "4"),
+    "replicas": ("--workload", "seedtts-like,realtime", "--modes", "gateway,split",
+                 "--devices", "talker=cpu+cpu,code2wav=cpu*2", "--temperature", "0.9", "--no-reference"),
+}
+
+
+@dataclass
+class _Run:
+    tmp: Path           # the run's folder: its report under bench/
+    future: Future
+
+    def result(self) -> tuple[subprocess.CompletedProcess, dict, str]:
+        return self.future.result()
+
+
+@pytest.fixture(scope="module")
+def bench_runs(tiny_model_dir, tmp_path_factory) -> dict[str, _Run]:
+    """_PARALLEL_RUNS started two at a time, each on its own block of ports; every_mode on the tiny
+    checkpoint without its preprocessor_config.json (voice-in's features then come from config.json,
+    as for full-size dummy runs)."""
+    no_preprocessor = tmp_path_factory.mktemp("tiny-no-preprocessor")
+    for f in tiny_model_dir.iterdir():
+        if f.name != "preprocessor_config.json":
+            (no_preprocessor / f.name).symlink_to(f)
+    first_port = free_ports(_BENCH_PORTS * len(_PARALLEL_RUNS))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {}
+        for i, (name, flags) in enumerate(_PARALLEL_RUNS.items()):
+            tmp = tmp_path_factory.mktemp(f"bench-{name}")
+            model = no_preprocessor if name == "every_mode" else tiny_model_dir
+            runs[name] = _Run(tmp, pool.submit(_bench, tmp, model, *flags, base_port=first_port + i * _BENCH_PORTS))
+        yield runs
 
 
 AUDIO_S = (6 * 1920 - 555) / 24000      # 6 frames forced
@@ -158,20 +213,12 @@ def _check_levels(levels: dict, want: set, prompt_tokens: int | None = None) -> 
             assert lv["prompt_tokens"] == prompt_tokens, key
 
 
-def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
-    """seedtts-like and voice-in against one start of the services, in every mode, on the tiny
-    checkpoint without its preprocessor_config.json (voice-in's features then come from config.json,
-    as for full-size dummy runs); each workload's reference gets the same prompt as its levels."""
-    model = tmp_path / "tiny-no-preprocessor"
-    model.mkdir()
-    for f in tiny_model_dir.iterdir():
-        if f.name != "preprocessor_config.json":
-            (model / f.name).symlink_to(f)
-    _, res, md = _bench(tmp_path, model, "--workload", "seedtts-like,voice-in", "--modes", "gateway,split,inprocess",
-                        "--base-port", "free", "--devices", "thinker=cpu,talker=cpu,code2wav=cpu", "--trace",
-                        # the bench's requests share their system turn: with the prefix cache they would skip
-                        # the batched prefill from position 0 that this checks (the thinker alone takes the flag)
-                        "--thinker-arg=--no-prefix-cache")
+def test_bench_runs_every_mode_and_reports(bench_runs):
+    """seedtts-like, voice-in and realtime against one start of the services, in every mode (realtime:
+    gateway only), on the tiny checkpoint without its preprocessor_config.json; each workload's
+    reference gets the same prompt as its levels, and realtime takes seedtts-like's reference, the
+    same model work, run once."""
+    proc, res, md = bench_runs["every_mode"].result()
     ref = res["reference"]
     assert ref == res["references"]["seedtts-like"]["result"]
     assert ref and ref["ttfp_s"] > 0 and ref["audio_s"] == AUDIO_S
@@ -229,14 +276,24 @@ def test_bench_runs_every_mode_and_reports(tiny_model_dir, tmp_path):
     assert "#### voice-in: the voice clip + \"Please answer briefly.\"" in md
     assert "| TTFP p50 / p90 / p99 ms | RTF p50 / p90 / p99 | E2EL p50 / p90 / p99 s | TTFT p50 / p90 / p99 ms |" in md
 
+    # realtime: gateway mode only, and no second reference run (seedtts-like's is the same model work)
+    assert proc.stdout.count("transformers reference (") == 4       # seedtts-like's and voice-in's: starting, result
+    refs = res["references"]
+    assert refs["seedtts-like"]["result"] and refs["realtime"]["result"] == refs["seedtts-like"]["result"]
+    assert "same model work as seedtts-like" in refs["realtime"]["note"]
+    assert res["notes"]["realtime"] == ["not run in mode split, inprocess: the realtime WebSocket is the gateway's"]
+    levels = {(lv["mode"], lv["concurrency"]): lv for lv in res["levels"] if lv["workload"] == "realtime"}
+    _check_levels({("realtime", *k): lv for k, lv in levels.items()}, {("realtime", "gateway", c) for c in (1, 2)},
+                  prompt_tokens=100)
 
-def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_dir, tmp_path):
+
+def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(bench_runs):
     """Two workloads against one start of the services, laid out as two talkers and two code2wavs
     (--devices, issue 14's layouts on the CPU), sampled (--temperature: chat, realtime and the gRPC
-    pipeline client each ask for it); realtime runs in gateway mode only and says so; its reference
-    is seedtts-like's (the same model work)."""
-    proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "seedtts-like,realtime", "--modes", "gateway,split",
-                           "--devices", "talker=cpu+cpu,code2wav=cpu*2", "--temperature", "0.9", "--base-port", "free")
+    pipeline client each ask for it); realtime runs in gateway mode only and says so. No reference
+    (test_bench_runs_every_mode_and_reports checks that realtime shares seedtts-like's); the notes
+    still say that the reference would run greedy."""
+    proc, res, md = bench_runs["replicas"].result()
     assert proc.stdout.count("split: starting the stage services (thinker cpu; talker 2x (cpu, cpu); "
                              "code2wav 2x (cpu, cpu)) and the gateway") == 1
     assert res["layout"] == {"thinker": ["cpu"], "talker": ["cpu", "cpu"], "code2wav": ["cpu", "cpu"]}
@@ -256,9 +313,7 @@ def test_bench_realtime_beside_seedtts_like_in_one_run_on_replicas(tiny_model_di
     assert res["notes"]["seedtts-like"] == [greedy_reference]
     assert "frames forced, sampled at temperature 0.9 (seed: the request's index)" in md
     assert "; sampled at temperature 0.9; copy bandwidth" in md and "; greedy; " not in md
-    refs = res["references"]
-    assert refs["seedtts-like"]["result"] and refs["realtime"]["result"] == refs["seedtts-like"]["result"]
-    assert "same model work as seedtts-like" in refs["realtime"]["note"]
+    assert res["references"] == {} and "transformers reference: not run (--no-reference)" in md
     assert "#### realtime: a 100-token text prompt over the realtime WebSocket" in md
     assert "not run in mode split: the realtime WebSocket is the gateway's" in md
 
@@ -287,15 +342,14 @@ def test_bench_realtime_with_the_voice_clip(tiny_model_dir, tmp_path):
     assert "% of the clip's audio tokens" in proc.stdout
 
 
-def test_bench_compares_one_thinker_replica_with_two(tiny_model_dir, tmp_path):
+def test_bench_compares_one_thinker_replica_with_two(bench_runs):
     """--thinker-replicas 1,2: the services started twice, with one thinker and with two; the chat
     conversation (split: prefix-aware choice) and the realtime voice sessions (gateway: session
     affinity) run against each start; the report sets the prefix hit rate with two replicas beside
     one's and gives the turns per replica and their spread."""
-    proc, res, md = _bench(tmp_path, tiny_model_dir, "--workload", "conversation,realtime-conversation",
-                           "--modes", "split,gateway", "--no-reference", "--thinker-replicas", "1,2", "--concurrency", "4",
-                           "--turns", "2", "--turn-tokens", "40", "--context-tokens", "0", "--realtime-pace", "0",
-                           "--text-tokens", "2", "--frames", "4")
+    run = bench_runs["thinker_replicas"]
+    proc, res, md = run.result()
+    tmp_path = run.tmp
     assert proc.stdout.count("split: starting the stage services (thinker cpu; talker cpu; code2wav cpu)") == 1
     assert proc.stdout.count("split: starting the stage services (thinker 2x (cpu, cpu); talker cpu; code2wav cpu)") == 1
     assert res["thinker_replicas"] == [1, 2] and [r["thinker_replicas"] for r in res["replica_runs"]] == [1, 2]

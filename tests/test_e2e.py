@@ -138,7 +138,7 @@ def test_rows_and_frames_never_reach_the_caller(stack, tokenizer, omni_config):
     assert next_stage_streams(stack, "talker", "code2wav") == before[1] + 1
 
 
-def test_say_lets_the_thinker_render_the_text_without_a_local_checkpoint(stack, tmp_path):
+def test_say_lets_the_thinker_render_the_text_without_a_local_checkpoint(stack, tiny_model_dir, tmp_path):
     """`voxpipe say TEXT` sends text: the thinker renders it with its own checkpoint's template, so the
     command needs no --model (with an empty VOXPIPE_HOME it must not even make the default one)."""
     import os
@@ -164,8 +164,10 @@ def test_say_lets_the_thinker_render_the_text_without_a_local_checkpoint(stack, 
 
     bad = tmp_path / "not.wav"
     bad.write_bytes(b"RIFF but not a wave file")
-    proc = subprocess.run(cmd[:-7] + ["--audio", str(bad), "--max-tokens", "2"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    # --audio renders the turn here, with --model's config (given: without it the command would first make
+    # the default tiny checkpoint in the empty VOXPIPE_HOME, a few seconds before the same refusal)
+    proc = subprocess.run(cmd[:-7] + ["--audio", str(bad), "--max-tokens", "2", "--model", str(tiny_model_dir)],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and f"error: --audio {bad}: not a RIFF/WAVE file" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 

@@ -550,13 +550,17 @@ def test_refused_streams_move_to_a_live_replica_and_the_audio_follows(replicas, 
     """A thinker whose talker set starts with a dead address, in front of a talker whose code2wav set
     starts with a dead address: the first request is refused by both dead ones (round robin starts
     on them), moves on at both hops, and the caller's audio stream goes where the talker's went."""
-    replicas.revive()
     code2wav = replicas.code2wavs[0]
     dead_talker, dead_code2wav = (f"127.0.0.1:{free_port()}" for _ in range(2))    # nobody listens there
     talker = StageProcess("talker", str(tiny_model_dir), args=["--code2wav", f"{dead_code2wav},{code2wav.address}"])
     thinker = StageProcess("thinker", str(tiny_model_dir), args=["--talker", f"{dead_talker},{talker.address}"])
     try:
-        start_all([talker, thinker])
+        for p in (talker, thinker):     # starting while the replicas a test before killed start again
+            p.launch()
+        replicas.revive()
+        deadline = time.monotonic() + 240
+        for p in (talker, thinker):
+            p.wait_ready(deadline)
         before = {p.address: p.finished_streams() for p in (talker, code2wav)}
 
         async def go():

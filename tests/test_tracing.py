@@ -104,11 +104,14 @@ def otel_env(service_name: str, receiver_port: int) -> dict[str, str]:
 
 
 class Processes:
+    """Processes started together (`start` launches one, `wait_ready` waits for every one launched)."""
+
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[str, list[str]] = {}     # command -> its stderr lines so far (also echoed)
+        self._starting: list[tuple[subprocess.Popen, str, str]] = []     # (process, its command, its ready line)
 
-    def start(self, cmd: list[str], env: dict[str, str], ready: str, timeout: float = 240.0) -> subprocess.Popen:
+    def start(self, cmd: list[str], env: dict[str, str], ready: str) -> subprocess.Popen:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs.append(proc)
         lines = self.logs.setdefault(cmd[3], [])
@@ -119,18 +122,23 @@ class Processes:
                 sys.stderr.write(line)
 
         threading.Thread(target=keep_stderr, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while True:
-            line = proc.stdout.readline()
-            if ready in line:
-                break
-            if not line and proc.poll() is not None:
-                raise RuntimeError(f"{cmd[3]} exited with code {proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{cmd[3]} not ready after {timeout:.0f} s")
-        # keep draining stdout so a chatty process never blocks on a full pipe
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        self._starting.append((proc, cmd[3], ready))
         return proc
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        for proc, name, ready in self._starting:
+            while True:
+                line = proc.stdout.readline()
+                if ready in line:
+                    break
+                if not line and proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} not ready after {timeout:.0f} s")
+            # keep draining stdout so a chatty process never blocks on a full pipe
+            threading.Thread(target=lambda p=proc: [None for _ in p.stdout], daemon=True).start()
+        self._starting.clear()
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -172,6 +180,7 @@ def traced_gateway(tiny_model_dir, otlp_receiver):
                      "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
                      "--thinker", f"127.0.0.1:{ports['thinker']}", "--code2wav", f"127.0.0.1:{ports['code2wav']}"],
                     otel_env(SERVICE_NAMES["gateway"], otlp_receiver.port), "ready on port")
+        procs.wait_ready()       # all four started at once (each dials the next when it first calls it)
         yield TracedGateway(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
                             {s: f"127.0.0.1:{p}" for s, p in ports.items()}, metrics_ports, procs.logs)
     finally:
