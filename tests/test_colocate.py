@@ -219,6 +219,23 @@ def test_voxpipe_colocate_alone_chains_its_own_stages():
     assert stage_args["code2wav"].max_batch == 4 and priorities == {"thinker": "low", "talker": "high", "code2wav": "high"}
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--talker-flags=--port 0"], "--talker-flags: --port 0"),
+    (["--code2wav-flags=--port=0"], "--code2wav-flags: --port 0"),
+])
+def test_a_next_stage_on_any_free_port_needs_its_address_given(flags, message):
+    """The thinker dials the talker in the process (and the talker code2wav) at its --port: with
+    --port 0 (any free port, known only once bound) that would be port 0; refused, naming the flag,
+    unless the caller's --talker / --code2wav says where the next stage is."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cli.parse_colocated(cli.build_parser("colocate").parse_args(["colocate", *flags]))
+    nxt = "talker" if "talker" in flags[0] else "code2wav"
+    caller = {"talker": "thinker", "code2wav": "talker"}[nxt]
+    stage_args, _ = cli.parse_colocated(cli.build_parser("colocate").parse_args(
+        ["colocate", *flags, f"--{caller}-flags=--{nxt} 127.0.0.1:50099"]))
+    assert getattr(stage_args[caller], nxt) == "127.0.0.1:50099" and stage_args[nxt].port == 0
+
+
 def test_a_taken_port_is_refused_naming_the_stage_before_any_build(tiny_model_dir):
     ports = {s: free_port() for s in STAGES}
     with socket.socket() as taken:
