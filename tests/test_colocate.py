@@ -268,6 +268,28 @@ def test_a_stage_that_cannot_serve_stops_the_others_and_is_named(tiny_model_dir,
     assert all(s.servicer.engine._thread is None or not s.servicer.engine._thread.is_alive() for s in stages)
 
 
+def test_one_process_gets_the_stages_environments_and_each_stage_its_own_service_name(tiny_model_dir):
+    """`bench --trace` gives each stage OTEL_SERVICE_NAME=STAGE (trace_path.SpanReceiver.env): in one
+    process one name would make every stage's spans "code2wav-STAGE" (the last stage's name, with
+    the stage appended); the stages' differing names are dropped, each stage names its own
+    (voxpipe-STAGE), and the variables they agree on are kept. Other variables that differ cannot
+    be one process's: refused, naming them."""
+    from voxpipe.layout import COLOCATE_DEFAULT
+
+    receiver = SpanReceiver()
+    try:
+        stack = cli.LocalStack(tiny_model_dir, "127.0.0.1", free_port(), "cpu", colocate=COLOCATE_DEFAULT,
+                               stage_env={s: receiver.env(s) for s in STAGES})
+        env = stack.colocated_env()
+        assert "OTEL_SERVICE_NAME" not in env and env["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith(str(receiver.port))
+    finally:
+        receiver.close()
+    stack = cli.LocalStack(tiny_model_dir, "127.0.0.1", free_port(), "cpu", colocate=COLOCATE_DEFAULT,
+                           stage_env={"talker": {"SOME_SETTING": "1"}, "code2wav": {"SOME_SETTING": "2"}})
+    with pytest.raises(ConfigError, match="SOME_SETTING"):
+        stack.colocated_env()
+
+
 def test_the_bench_takes_colocate_as_the_lead_runs_it():
     from voxpipe.bench.harness import Plan
 
