@@ -24,10 +24,17 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # the fields OpenAI defines for each role's message ('name' is accepted and checked, and not rendered: the
 # checkpoint's chat template has no place for a participant's name); an assistant message may be a reply
 # sent back as it came (its 'annotations', its audio's data / expires_at / transcript: the id names the
-# reply); anything else is a 400 naming it
+# reply); anything else is a 400 naming it. The openai SDK's own helpers (chat.completions.stream /
+# parse) add fields to the message they hand back -- its 'parsed', a call's 'index' (from the
+# stream's deltas), its function's 'parsed_arguments' -- and that message sent back as it came is
+# the SDK's documented next turn: those are accepted and not read (the content and the arguments
+# are the reply's words)
 FIELDS = {"system": {"role", "content", "name"}, "user": {"role", "content", "name"},
-          "assistant": {"role", "content", "name", "audio", "refusal", "tool_calls", "function_call", "annotations"},
+          "assistant": {"role", "content", "name", "audio", "refusal", "tool_calls", "function_call", "annotations",
+                        "parsed"},
           "tool": {"role", "content", "tool_call_id"}}
+CALL_FIELDS = {"id", "type", "function", "index"}
+CALL_FUNCTION_FIELDS = {"name", "arguments", "parsed_arguments"}
 AUDIO_REF_FIELDS = {"id", "data", "expires_at", "transcript"}
 PART_FIELDS = {"text": {"type", "text"}, "refusal": {"type", "refusal"}, "input_audio": {"type", "input_audio"}}
 MAX_ID_CHARS = 256
@@ -62,7 +69,7 @@ def _message(m: Any, param: str, transcripts: TranscriptStore, clips: ClipCache)
     if name is not None and (not isinstance(name, str) or not name or len(name) > 64):
         raise bad_request(f"'{param}.name' must be a string of 1 to 64 characters", param=f"{param}.name",
                           code="invalid_value")
-    if role == "assistant" and not isinstance(m.get("annotations", []), list):
+    if role == "assistant" and m.get("annotations") is not None and not isinstance(m["annotations"], list):
         raise bad_request(f"'{param}.annotations' must be an array", param=f"{param}.annotations", code="invalid_type")
     if m.get("function_call") is not None:
         raise bad_request(f"'{param}.function_call' is the deprecated form of a call: use 'tool_calls'",
@@ -109,8 +116,8 @@ def _tool_calls(raw: Any, param: str) -> list[ToolCall]:
         if not isinstance(c, dict) or c.get("type") != "function" or not isinstance(f, dict):
             raise bad_request(f"'{p}' must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
                               param=p, code="invalid_value")
-        _known_fields(c, {"id", "type", "function"}, p)
-        _known_fields(f, {"name", "arguments"}, f"{p}.function")
+        _known_fields(c, CALL_FIELDS, p)
+        _known_fields(f, CALL_FUNCTION_FIELDS, f"{p}.function")
         call_id, name, arguments = c.get("id"), f.get("name"), f.get("arguments")
         if not isinstance(call_id, str) or not call_id or len(call_id) > MAX_ID_CHARS:
             raise bad_request(f"'{p}.id' must be a string of 1 to {MAX_ID_CHARS} characters", param=f"{p}.id",

@@ -219,6 +219,23 @@ def test_voxpipe_colocate_alone_chains_its_own_stages():
     assert stage_args["code2wav"].max_batch == 4 and priorities == {"thinker": "low", "talker": "high", "code2wav": "high"}
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--talker-flags=--port 0"], "--talker-flags: --port 0"),
+    (["--code2wav-flags=--port=0"], "--code2wav-flags: --port 0"),
+])
+def test_a_next_stage_on_any_free_port_needs_its_address_given(flags, message):
+    """The thinker dials the talker in the process (and the talker code2wav) at its --port: with
+    --port 0 (any free port, known only once bound) that would be port 0; refused, naming the flag,
+    unless the caller's --talker / --code2wav says where the next stage is."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cli.parse_colocated(cli.build_parser("colocate").parse_args(["colocate", *flags]))
+    nxt = "talker" if "talker" in flags[0] else "code2wav"
+    caller = {"talker": "thinker", "code2wav": "talker"}[nxt]
+    stage_args, _ = cli.parse_colocated(cli.build_parser("colocate").parse_args(
+        ["colocate", *flags, f"--{caller}-flags=--{nxt} 127.0.0.1:50099"]))
+    assert getattr(stage_args[caller], nxt) == "127.0.0.1:50099" and stage_args[nxt].port == 0
+
+
 def test_a_taken_port_is_refused_naming_the_stage_before_any_build(tiny_model_dir):
     ports = {s: free_port() for s in STAGES}
     with socket.socket() as taken:
@@ -249,6 +266,28 @@ def test_a_stage_that_cannot_serve_stops_the_others_and_is_named(tiny_model_dir,
     assert any(r.levelname == "CRITICAL" and "the code2wav stage stopped" in r.getMessage()
                for r in caplog.records), caplog.text
     assert all(s.servicer.engine._thread is None or not s.servicer.engine._thread.is_alive() for s in stages)
+
+
+def test_one_process_gets_the_stages_environments_and_each_stage_its_own_service_name(tiny_model_dir):
+    """`bench --trace` gives each stage OTEL_SERVICE_NAME=STAGE (trace_path.SpanReceiver.env): in one
+    process one name would make every stage's spans "code2wav-STAGE" (the last stage's name, with
+    the stage appended); the stages' differing names are dropped, each stage names its own
+    (voxpipe-STAGE), and the variables they agree on are kept. Other variables that differ cannot
+    be one process's: refused, naming them."""
+    from voxpipe.layout import COLOCATE_DEFAULT
+
+    receiver = SpanReceiver()
+    try:
+        stack = cli.LocalStack(tiny_model_dir, "127.0.0.1", free_port(), "cpu", colocate=COLOCATE_DEFAULT,
+                               stage_env={s: receiver.env(s) for s in STAGES})
+        env = stack.colocated_env()
+        assert "OTEL_SERVICE_NAME" not in env and env["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith(str(receiver.port))
+    finally:
+        receiver.close()
+    stack = cli.LocalStack(tiny_model_dir, "127.0.0.1", free_port(), "cpu", colocate=COLOCATE_DEFAULT,
+                           stage_env={"talker": {"SOME_SETTING": "1"}, "code2wav": {"SOME_SETTING": "2"}})
+    with pytest.raises(ConfigError, match="SOME_SETTING"):
+        stack.colocated_env()
 
 
 def test_the_bench_takes_colocate_as_the_lead_runs_it():

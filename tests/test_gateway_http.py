@@ -306,7 +306,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav",
                                                                             "rate": 16000}}]}],
      "messages[0].content[0].input_audio.rate", "unknown_parameter"),
-    ([HI, {"role": "assistant", "tool_calls": [{**CALL, "index": 0}]}], "messages[1].tool_calls[0].index",
+    ([HI, {"role": "assistant", "tool_calls": [{**CALL, "idx": 0}]}], "messages[1].tool_calls[0].idx",
      "unknown_parameter"),
     ([HI, {"role": "assistant", "tool_calls": [{**CALL, "function": {**CALL["function"], "strict": True}}]}],
      "messages[1].tool_calls[0].function.strict", "unknown_parameter"),

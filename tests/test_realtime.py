@@ -665,6 +665,7 @@ def test_unknown_fields_are_refused_and_change_nothing(gateway, beta):
                                        include=[], prompt=None, reasoning={"effort": "none"},
                                        parallel_tool_calls=True, model=before["model"])
             await rt.update(tracing="auto")
+            await rt.update(reasoning={})      # the SDK's RealtimeReasoningParam with no effort: asks nothing
             turn = await text_turn(rt, "Still there?", max_output_tokens=2, parallel_tool_calls=True,
                                    metadata={"k": "v"})
             return before, errors, after, accepted, turn, rt.seen

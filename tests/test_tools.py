@@ -517,6 +517,43 @@ def test_the_sdk_sends_tools_and_a_tool_round_trip(client, model):
     assert spoken.choices[0].message.audio.data and "<tool_call>" not in spoken.choices[0].message.audio.transcript
 
 
+def _helper_message(client, **kw):
+    """The message of `client.chat.completions.stream(**kw)`'s final completion (cut by max_tokens
+    too: the SDK raises then, with the completion on the error)."""
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        try:
+            return stream.get_final_completion().choices[0].message
+        except openai.LengthFinishReasonError as e:
+            return e.completion.choices[0].message
+
+
+def test_the_sdk_stream_helpers_final_message_goes_back_as_it_came(client, model):
+    """The SDK's own stream helper (`client.chat.completions.stream`, get_final_completion) gives a
+    message that carries the helper's fields (`parsed`, a call's `index` and its function's
+    `parsed_arguments`) and `annotations: null`; sent back as the next turn's assistant message (as
+    the SDK's docs do with a reply) it is accepted and renders as the same turn written by hand."""
+    message = _helper_message(client, model=model, messages=MESSAGES, max_tokens=120, tools=TOOLS, temperature=1.0,
+                              seed=0, tool_choice={"type": "function", "function": {"name": "set_light"}},
+                              parallel_tool_calls=False)
+    call = message.tool_calls[0]
+    answer = {"role": "tool", "tool_call_id": call.id, "content": "It is sunny."}
+    by_hand = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                         "arguments": call.function.arguments}}]}
+    kw = dict(model=model, max_tokens=2, temperature=0, tools=TOOLS)
+    assert client.chat.completions.create(messages=[*MESSAGES, message, answer], **kw).usage.prompt_tokens == \
+        client.chat.completions.create(messages=[*MESSAGES, by_hand, answer], **kw).usage.prompt_tokens
+    # a text reply through the helper: annotations null, parsed null
+    text = _helper_message(client, model=model, messages=MESSAGES, max_tokens=3, temperature=0)
+    more = {"role": "user", "content": "And?"}
+    kw = dict(model=model, max_tokens=2, temperature=0)
+    assert client.chat.completions.create(messages=[*MESSAGES, text, more], **kw).usage.prompt_tokens == \
+        client.chat.completions.create(messages=[*MESSAGES, {"role": "assistant", "content": text.content}, more],
+                                       **kw).usage.prompt_tokens
+
+
 def post(gateway, body: dict) -> httpx.Response:
     return httpx.post(f"{gateway.base_url}/v1/chat/completions", json=body, timeout=120)
 

@@ -115,6 +115,9 @@ def parse_colocated(args) -> tuple[dict[str, argparse.Namespace], dict[str, str]
     # a next stage not named is the one in this process (its --host as a client dials it)
     for stage, nxt in (("thinker", "talker"), ("talker", "code2wav")):
         if not getattr(stage_args[stage], nxt):
+            if not stage_args[nxt].port:     # any free port: known only once bound, after the stages are built
+                raise ConfigError(f"--{nxt}-flags: --port 0 leaves the {stage} no address to dial the {nxt} at; "
+                                  f"give the {nxt} a port (or the {stage} its --{nxt} in --{stage}-flags)")
             host = stage_args[nxt].host
             host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
             setattr(stage_args[stage], nxt, f"[{host}]:{stage_args[nxt].port}" if ":" in host
@@ -253,6 +256,29 @@ class LocalStack:
             flags += ["--metrics-port", str(self.metrics_ports[name])]
         return flags + self.next_stage_flags(stage)
 
+    def colocated_env(self) -> dict[str, str] | None:
+        """The environment of the one colocated process: the stages' environments together (tracing's,
+        say; None: none given). An OTEL_SERVICE_NAME the stages do not share is dropped: each stage
+        then names its own service (voxpipe-STAGE, services/runtime/tracing.setup_stage_tracing) --
+        one name would label every stage's spans with the last stage's. Other variables the stages
+        set differently are a ConfigError naming them."""
+        env: dict[str, str] = {}
+        split: set[str] = set()
+        for stage in STAGES:
+            for key, value in self.stage_env.get(stage, {}).items():
+                if key in env and env[key] != value:
+                    split.add(key)
+                env.setdefault(key, value)
+        if split - {"OTEL_SERVICE_NAME"}:
+            raise ConfigError(f"--colocate: the stages' environments differ in {', '.join(sorted(split))}, "
+                              "which one process cannot")
+        if not env:
+            return None
+        env = {**os.environ, **env}
+        if split:
+            env.pop("OTEL_SERVICE_NAME", None)
+        return env
+
     def pid(self, name: str) -> int:
         """The process id of a stage process (colocated: the one of all three) or of the gateway."""
         return self.procs["colocated" if self.colocate is not None and name != "gateway" else name].pid
@@ -267,11 +293,8 @@ class LocalStack:
                    f"--colocate-priority={colocate_spec(self.colocate)}"]
             cmd += [f"--{stage}-flags={shlex.join(self.stage_flags(name, stage, device, shares))}"
                     for name, stage, device in self.layout.processes()]
-            env = {}
-            for stage in STAGES:      # one process: the stages' environments together (tracing's, say)
-                env.update(self.stage_env.get(stage, {}))
             self.procs["colocated"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True,
-                                                       env={**os.environ, **env} if env else None)
+                                                       env=self.colocated_env())
         else:
             for name, stage, device in self.layout.processes():
                 cmd = [*module_command("voxpipe.cli"), *self.global_flags, stage,

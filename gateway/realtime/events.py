@@ -251,7 +251,7 @@ def _get(obj: dict, key: str, kinds: type | tuple[type, ...], path: str, require
 # dialect may send the other's names: both are read), and this server's vendor fields. A field the
 # server has nothing to do with is accepted with the values that ask nothing of it (model; tracing:
 # "auto" or its config, shape-checked -- this server's traces are OpenTelemetry's; include: none;
-# reasoning: effort "none"; prompt: null -- stored prompts live on OpenAI's platform) and refused,
+# reasoning: no effort or effort "none"; prompt: null -- stored prompts live on OpenAI's platform) and refused,
 # naming it, with any other value; a field outside these sets is an `unknown_parameter` error, as
 # OpenAI's, and the event does nothing. A session object as the server sends it (id, object,
 # expires_at, ...) may come back in a session.update.
@@ -347,7 +347,8 @@ def _asks_nothing(obj: dict, path: str) -> None:
     """The fields the API defines for OpenAI's own platform: accepted only with values that ask
     nothing of this server."""
     _served_only(obj, "prompt", path, (), "stored prompts are not served (send 'instructions')")
-    _served_only(obj, "reasoning", path, ({"effort": "none"},), "the model does not reason first")
+    # {}: the SDK's RealtimeReasoningParam with no effort (its efforts, minimal to xhigh, all ask for some)
+    _served_only(obj, "reasoning", path, ({"effort": "none"}, {}), "the model does not reason first")
     _served_only(obj, "include", path, ([],), "transcription log probabilities are not served")
     tracing = obj.get("tracing")
     if isinstance(tracing, dict):

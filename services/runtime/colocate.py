@@ -141,6 +141,10 @@ def build_stages(stage_args: dict[str, Any], priorities: dict[str, str]) -> list
             torch.cuda.set_per_process_memory_fraction(min(1.0, caps[index]), index)
             with torch.cuda.device(index):
                 stream = torch.cuda.Stream(priority=stream_priority(priorities[name]))
+            # the earlier stages' cached free blocks go back first: an empty_cache during this build (each
+            # graph capture's, the allocator's before an OOM) would otherwise take them out of the
+            # baseline and so out of what this stage counts as its own (kv_plan: too large a KV pool)
+            torch.cuda.empty_cache()
             baseline = torch.cuda.memory_reserved(index)
         args.colocation = Colocation(name, stream, baseline)
         build, add_to_server, service_name = _parts(name)
