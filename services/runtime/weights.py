@@ -43,9 +43,36 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+# torch.nn.init's in-place initialisers: on the meta device they write nothing, but each one goes
+# through torch._refs, whose first call imports torch._dynamo (~2 s of CPU in every stage process)
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                 "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                 "sparse_")
+
+
+def _skipping_meta(fn: Callable) -> Callable:
+    def init(tensor, *args, **kwargs):
+        return tensor if isinstance(tensor, torch.Tensor) and tensor.is_meta else fn(tensor, *args, **kwargs)
+    return init
+
+
+@contextmanager
+def no_init():
+    """torch.nn.init's initialisers skip meta tensors (they have no values to set; any other tensor --
+    another thread's module meanwhile -- is initialised as always)."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS if hasattr(nn.init, name)}
+    for name, fn in saved.items():
+        setattr(nn.init, name, _skipping_meta(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def build_empty(factory: Callable[[], nn.Module], device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """Construct on the meta device (no memory, no init), then allocate uninitialised storage."""
-    with default_dtype(dtype), torch.device("meta"):
+    with default_dtype(dtype), torch.device("meta"), no_init():
         module = factory()
     return module.to_empty(device=device).eval().requires_grad_(False)
 
