@@ -36,7 +36,7 @@ the TTFT of the same prompt).
 instead drives a thinker engine in this process (the tiny checkpoint; --device) one request at a
 time and counts, per kind, the model forwards from its admission to its first delta as the gateway
 would send it (its ToolCallParser fed with the reply's text: the first `tool_calls` head; the first
-content for "plain", "tools-1" and "json_schema"), and the milliseconds to it (median, p90), under
+content for "plain" and "json_schema"; "tools-1": its first token), and the milliseconds to it (median, p90), under
 three settings: "off" (--no-draft-forced: jump-forward only), "draft" (drafts of forced text after
 the prefill's first token: --no-draft-prefill) and "prefill-draft" (the default: the text forced
 before any choice drafted in the prefill itself). Seeds 1..ROUNDS at temperature 1, each reply run
@@ -280,8 +280,6 @@ def forwards(rounds: int, device: str = "cpu", max_tokens: int = 96) -> dict:
         th, tokenizer = cfg.thinker, load_tokenizer(str(model_dir), cfg)
         model = load_module(lambda: ThinkerModel(th), str(model_dir), "thinker.", device=dev, dtype=torch.float32,
                             load_format="auto", ignore=("visual.",))
-    engine = ThinkerEngine(model, th, tokenizer, device=dev, max_active=8, max_len=2048, eos_ids=(th.tokens.im_end,),
-                           cuda_graphs=dev.type == "cuda")
     events: list[tuple[float, int]] = []        # (time, reply tokens made) at each forward's start and each step's end
     current: list[ThinkerJob] = []
     model.register_forward_pre_hook(lambda m, a: events.append((time.perf_counter(), -1 - len(current[0].generated))))
@@ -289,6 +287,8 @@ def forwards(rounds: int, device: str = "cpu", max_tokens: int = 96) -> dict:
 
     def first_delta_at(kind: str, opts, ids: list[int]) -> int:
         """Reply tokens needed for the kind's first delta (the gateway's parser on their text)."""
+        if kind == "tools-1":       # its first token (the time to it: TTFT)
+            return 1
         parser = opts.parser() if kind in ("required", "required-1", "named") else None
         for n in range(len(ids) + 1):
             text = tokenizer.decode(ids[:n])
@@ -299,18 +299,21 @@ def forwards(rounds: int, device: str = "cpu", max_tokens: int = 96) -> dict:
                 return n
         return len(ids) + 1
 
-    out: dict = {}
-    for setting, flags in DRAFT_SETTINGS.items():
-        engine.draft_forced, engine.draft_prefill = flags["draft_forced"], flags["draft_prefill"]
-        counts: dict[str, list[int]] = {k: [] for k in FORWARD_KINDS}
-        ms: dict[str, list[float]] = {k: [] for k in FORWARD_KINDS}
-        replies = []
-        for i in range(rounds + 1):          # round 0: the grammars' compiles, not counted
-            for kind in FORWARD_KINDS:
-                body = forward_request(kind, i)
-                opts = tool_options(body)
-                constraint = reply_constraint(response_format(body), opts, False)
-                prompt = render(tokenizer, th, user_turn(body["messages"][0]["content"]), tools=opts.prompt_tools).token_ids
+    # an engine a setting (each its own prefix cache: the tools' prefix is cached by round 0's requests),
+    # the settings alternated request by request (a load that drifts weighs on each alike)
+    engines = {setting: ThinkerEngine(model, th, tokenizer, device=dev, max_active=8, max_len=2048,
+                                      eos_ids=(th.tokens.im_end,), cuda_graphs=dev.type == "cuda", **flags)
+               for setting, flags in DRAFT_SETTINGS.items()}
+    counts = {s: {k: [] for k in FORWARD_KINDS} for s in engines}
+    ms: dict[str, dict[str, list[float]]] = {s: {k: [] for k in FORWARD_KINDS} for s in engines}
+    replies: dict[str, list[list[int]]] = {s: [] for s in engines}
+    for i in range(rounds + 1):          # round 0: the grammars' compiles, not counted
+        for kind in FORWARD_KINDS:
+            body = forward_request(kind, i)
+            opts = tool_options(body)
+            constraint = reply_constraint(response_format(body), opts, False)
+            prompt = render(tokenizer, th, user_turn(body["messages"][0]["content"]), tools=opts.prompt_tools).token_ids
+            for setting, engine in engines.items():
                 job = ThinkerJob(request_id=f"{kind}-{i}", outbox=Outbox(loop, limit=10 ** 6), prompt=prompt,
                                  max_tokens=max_tokens, params=SamplingParams(temperature=1.0, seed=i))
                 if constraint is not None:
@@ -330,21 +333,22 @@ def forwards(rounds: int, device: str = "cpu", max_tokens: int = 96) -> dict:
                 need = first_delta_at(kind, opts, job.generated)
                 # forwards begun before the reply held `need` tokens; the time it first held them
                 made = [(t, n if n >= 0 else -1 - n, n < 0) for t, n in events]
-                counts_before = sum(1 for t, n, fwd in made if fwd and n < need)
                 reached = next((t for t, n, _ in made if n >= need), None)
-                replies.append(job.generated)
+                replies[setting].append(job.generated)
                 if i:
-                    counts[kind].append(counts_before)
+                    counts[setting][kind].append(sum(1 for t, n, fwd in made if fwd and n < need))
                     if reached is not None:
-                        ms[kind].append((reached - t0) * 1e3)
+                        ms[setting][kind].append((reached - t0) * 1e3)
 
-        def stats(xs: list[float]) -> dict:
-            xs = sorted(xs)
-            return {"median_ms": round(statistics.median(xs), 1) if xs else None,
-                    "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 1) if xs else None}
-        out[setting] = {k: {"forwards": counts[k], "mean_forwards": round(statistics.mean(counts[k]), 2),
-                            **stats(ms[k])} for k in FORWARD_KINDS}
-        out[setting]["replies_sha256"] = hashlib.sha256(json.dumps(replies).encode()).hexdigest()
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {"median_ms": round(statistics.median(xs), 1) if xs else None,
+                "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 1) if xs else None}
+    out: dict = {}
+    for setting, engine in engines.items():
+        out[setting] = {k: {"forwards": counts[setting][k], "mean_forwards": round(statistics.mean(counts[setting][k]), 2),
+                            **stats(ms[setting][k])} for k in FORWARD_KINDS}
+        out[setting]["replies_sha256"] = hashlib.sha256(json.dumps(replies[setting]).encode()).hexdigest()
         out[setting]["drafts"] = dataclasses.asdict(engine.drafts)
     loop.close()
     return {"forwards": out, "rounds": rounds, "device": device, "max_tokens": max_tokens}

@@ -1210,3 +1210,22 @@ def test_a_deferred_accept_advances_the_matcher_at_its_next_use(tokenizer, omni_
     banned = (~allowed(b, grammars.vocab_size)[0]).nonzero().flatten().tolist()[0]
     later.defer(banned)
     assert not later.fill(b, 0) and later.refused and not later.accept(tok)
+
+
+def test_the_forwards_bench_counts_each_kinds_forwards_to_its_first_delta():
+    """bench/constrained_check --forwards at one round (its runs are a bench: bench/RESULTS.md): per
+    draft setting, each kind's forwards to its first delta; the three settings give the same replies,
+    a plain prompt's first token takes its prefill, a named call's head none (its opening is out
+    before the prefill), and a required call's head no more forwards with drafts than without, nor
+    with them in the prefill than after it."""
+    from voxpipe.bench.constrained_check import DRAFT_SETTINGS, FORWARD_KINDS, forwards
+
+    result = forwards(1, max_tokens=48)["forwards"]
+    assert set(result) == set(DRAFT_SETTINGS)
+    assert len({r["replies_sha256"] for r in result.values()}) == 1, result
+    for r in result.values():
+        assert all(len(r[k]["forwards"]) == 1 for k in FORWARD_KINDS), r
+        assert r["tools-1"]["forwards"] == [1] and r["named"]["forwards"] == [0], r
+    need = [result[s]["required"]["forwards"][0] for s in ("off", "draft", "prefill-draft")]
+    assert need[0] >= need[1] >= need[2] >= 1, need
+    assert result["prefill-draft"]["drafts"]["verified"] > 0 and result["off"]["drafts"]["verified"] == 0
