@@ -1229,3 +1229,16 @@ def test_the_forwards_bench_counts_each_kinds_forwards_to_its_first_delta():
     need = [result[s]["required"]["forwards"][0] for s in ("off", "draft", "prefill-draft")]
     assert need[0] >= need[1] >= need[2] >= 1, need
     assert result["prefill-draft"]["drafts"]["verified"] > 0 and result["off"]["drafts"]["verified"] == 0
+
+
+def test_the_draft_prefill_flag_parses_and_refuses_a_value(capsys):
+    """`voxpipe thinker --no-draft-prefill` (drafts after the first token only) and its default (on);
+    a value given to the switch is a usage error naming it."""
+    from voxpipe.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["thinker"]).draft_prefill is True
+    assert parser.parse_args(["thinker", "--no-draft-prefill"]).draft_prefill is False
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["thinker", "--draft-prefill=no"])
+    assert exc.value.code == 2 and "--draft-prefill" in capsys.readouterr().err
