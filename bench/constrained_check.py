@@ -29,12 +29,26 @@ has ended in the thinker (--settle seconds after it: a stream closed after its f
 cancelled, and its last decode steps would delay the next request's prefill). A first round (the
 grammars' compiles) is reported apart. Prints one JSON line: medians and p90 per kind, and the ratios
 of required / named to plain and to tools-1 (issue #22: the first tool_calls delta within noise of
-the TTFT of the same prompt)."""
+the TTFT of the same prompt).
+
+    python -m voxpipe.bench.constrained_check --forwards 15          # in process, tiny checkpoint, CPU
+
+instead drives a thinker engine in this process (the tiny checkpoint; --device) one request at a
+time and counts, per kind, the model forwards from its admission to its first delta as the gateway
+would send it (its ToolCallParser fed with the reply's text: the first `tool_calls` head; the first
+content for "plain" and "json_schema"; "tools-1": its first token), and the milliseconds to it (median, p90), under
+three settings: "off" (--no-draft-forced: jump-forward only), "draft" (drafts of forced text after
+the prefill's first token: --no-draft-prefill) and "prefill-draft" (the default: the text forced
+before any choice drafted in the prefill itself). Seeds 1..ROUNDS at temperature 1, each reply run
+to its end: a digest of each setting's replies (token ids) says whether the settings gave the same
+replies. "required-1" is "required" with the first tool alone.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -229,6 +243,117 @@ async def first_deltas(base_url: str, rounds: int, settle: float = 0.25) -> dict
     return {"first_delta": out, "ratios": ratios, "first_round_ms": first_round, "rounds": rounds, "settle_s": settle}
 
 
+FORWARD_KINDS = ("plain", "tools-1", "required", "required-1", "named", "json_schema")
+DRAFT_SETTINGS = {"off": dict(draft_forced=False, draft_prefill=False), "draft": dict(draft_forced=True, draft_prefill=False),
+                  "prefill-draft": dict(draft_forced=True, draft_prefill=True)}
+
+
+def forward_request(kind: str, i: int) -> dict:
+    """The chat request of `kind` (the first-delta prompts; "required-1": the first tool alone)."""
+    if kind == "json_schema":
+        return {**request(kind, i, "m", 256), "messages": first_delta_request("plain", i, "m")["messages"]}
+    if kind == "required-1":
+        return {**first_delta_request("required", i, "m"), "tools": TOOLS[:1]}
+    return first_delta_request("auto" if kind == "tools-1" else kind, i, "m")
+
+
+def forwards(rounds: int, device: str = "cpu", max_tokens: int = 96) -> dict:
+    """The in-process count of forwards (and ms) to each kind's first delta, per draft setting (see
+    the module docstring)."""
+    import torch
+
+    from voxpipe.gateway.response_format import reply_constraint, response_format
+    from voxpipe.gateway.tool_params import tool_options
+    from voxpipe.services.runtime.config import OmniConfig
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.runtime.sampling import SamplingParams
+    from voxpipe.services.runtime.weights import load_module
+    from voxpipe.services.thinker.engine import ThinkerEngine, ThinkerJob
+    from voxpipe.services.thinker.model import ThinkerModel
+    from voxpipe.services.thinker.prompt import load_tokenizer, render, user_turn
+    from voxpipe.tiny import make_tiny
+
+    dev = torch.device(device)
+    with tempfile.TemporaryDirectory(prefix="voxpipe-forwards-") as tmp:
+        model_dir = make_tiny(Path(tmp), seed=0)
+        cfg = OmniConfig.load(model_dir)
+        th, tokenizer = cfg.thinker, load_tokenizer(str(model_dir), cfg)
+        model = load_module(lambda: ThinkerModel(th), str(model_dir), "thinker.", device=dev, dtype=torch.float32,
+                            load_format="auto", ignore=("visual.",))
+    events: list[tuple[float, int]] = []        # (time, reply tokens made) at each forward's start and each step's end
+    current: list[ThinkerJob] = []
+    model.register_forward_pre_hook(lambda m, a: events.append((time.perf_counter(), -1 - len(current[0].generated))))
+    loop = asyncio.new_event_loop()
+
+    def first_delta_at(kind: str, opts, ids: list[int]) -> int:
+        """Reply tokens needed for the kind's first delta (the gateway's parser on their text)."""
+        if kind == "tools-1":       # its first token (the time to it: TTFT)
+            return 1
+        parser = opts.parser() if kind in ("required", "required-1", "named") else None
+        for n in range(len(ids) + 1):
+            text = tokenizer.decode(ids[:n])
+            if parser is None:
+                if text and not text.endswith("\ufffd"):
+                    return n
+            elif any(type(p).__name__ == "CallStart" for p in opts.parser().push(text)):
+                return n
+        return len(ids) + 1
+
+    # an engine a setting (each its own prefix cache: the tools' prefix is cached by round 0's requests),
+    # the settings alternated request by request (a load that drifts weighs on each alike)
+    engines = {setting: ThinkerEngine(model, th, tokenizer, device=dev, max_active=8, max_len=2048,
+                                      eos_ids=(th.tokens.im_end,), cuda_graphs=dev.type == "cuda", **flags)
+               for setting, flags in DRAFT_SETTINGS.items()}
+    counts = {s: {k: [] for k in FORWARD_KINDS} for s in engines}
+    ms: dict[str, dict[str, list[float]]] = {s: {k: [] for k in FORWARD_KINDS} for s in engines}
+    replies: dict[str, list[list[int]]] = {s: [] for s in engines}
+    for i in range(rounds + 1):          # round 0: the grammars' compiles, not counted
+        for kind in FORWARD_KINDS:
+            body = forward_request(kind, i)
+            opts = tool_options(body)
+            constraint = reply_constraint(response_format(body), opts, False)
+            prompt = render(tokenizer, th, user_turn(body["messages"][0]["content"]), tools=opts.prompt_tools).token_ids
+            for setting, engine in engines.items():
+                job = ThinkerJob(request_id=f"{kind}-{i}", outbox=Outbox(loop, limit=10 ** 6), prompt=prompt,
+                                 max_tokens=max_tokens, params=SamplingParams(temperature=1.0, seed=i))
+                if constraint is not None:
+                    job.matcher = engine.grammars.matcher(engine.grammars.compile(constraint))
+                t0 = time.perf_counter()
+                engine.open_reply(job)        # as the server does (compile pool), before the job is submitted
+                events[:] = [(t0, len(job.generated))]
+                current[:] = [job]
+                engine.submit(job)
+                while engine.has_work():
+                    engine.step()
+                    events.append((time.perf_counter(), len(job.generated)))
+                    with engine.lock:
+                        engine._reap_and_check()
+                while job.outbox.poll_timed() is not None:
+                    pass
+                need = first_delta_at(kind, opts, job.generated)
+                # forwards begun before the reply held `need` tokens; the time it first held them
+                made = [(t, n if n >= 0 else -1 - n, n < 0) for t, n in events]
+                reached = next((t for t, n, _ in made if n >= need), None)
+                replies[setting].append(job.generated)
+                if i:
+                    counts[setting][kind].append(sum(1 for t, n, fwd in made if fwd and n < need))
+                    if reached is not None:
+                        ms[setting][kind].append((reached - t0) * 1e3)
+
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {"median_ms": round(statistics.median(xs), 1) if xs else None,
+                "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 1) if xs else None}
+    out: dict = {}
+    for setting, engine in engines.items():
+        out[setting] = {k: {"forwards": counts[setting][k], "mean_forwards": round(statistics.mean(counts[setting][k]), 2),
+                            **stats(ms[setting][k])} for k in FORWARD_KINDS}
+        out[setting]["replies_sha256"] = hashlib.sha256(json.dumps(replies[setting]).encode()).hexdigest()
+        out[setting]["drafts"] = dataclasses.asdict(engine.drafts)
+    loop.close()
+    return {"forwards": out, "rounds": rounds, "device": device, "max_tokens": max_tokens}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=1000, help="requests (the three kinds in turn)")
@@ -241,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve the released config with full-size dummy weights (without --base-url; a GPU)")
     p.add_argument("--first-delta", type=int, metavar="ROUNDS",
                    help="time the first delta of each kind instead (ROUNDS requests a kind, one at a time)")
+    p.add_argument("--forwards", type=int, metavar="ROUNDS",
+                   help="count forwards (and ms) to each kind's first delta in process, per draft setting instead")
     p.add_argument("--thinker-arg", action="append", default=[], metavar="FLAG",
                    help="a flag for the served thinker (without --base-url; repeatable), e.g. "
                         "--thinker-arg=--no-draft-forced")
@@ -251,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=0.25, metavar="SECONDS",
                    help="--first-delta: the pause after each request (the cancelled one before ends meanwhile)")
     args = p.parse_args(argv)
+    if args.forwards:
+        print(json.dumps(forwards(args.forwards, args.device)), flush=True)
+        return 0
 
     def run(base_url: str) -> dict:
         if args.first_delta:

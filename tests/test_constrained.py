@@ -521,14 +521,18 @@ def engine(tiny_model_dir, tokenizer, omni_config):
 
 
 def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: int | None = None,
-             catch_up: bool = False, draft: bool = False, ended: list[int] | None = None) -> list:
-    """Each spec's job (prompt, constraint, opened: text its reply already began with, ...) run to
-    its end, jump-forward on or off (`catch_up`: engine.JUMP_FEED_ROWS 0 after the first step), the
-    drafts of forced text on or off (`draft`); a spec without a constraint is a free row: per job
-    (generated ids, finish reason or None), and the steps taken. `cancel_after`: the first job is
-    cancelled after that many steps. `ended`: filled with the step each job's reply ended in."""
+             catch_up: bool = False, draft: bool = False, ended: list[int] | None = None,
+             prefill_draft: bool = True, streams: list | None = None) -> list:
+    """Each spec's job (prompt, constraint, opened: text its reply already began with, talker_rows,
+    top_logprobs, ...) run to its end, jump-forward on or off (`catch_up`: engine.JUMP_FEED_ROWS 0
+    after the first step), the drafts of forced text on or off (`draft`; `prefill_draft`: the text
+    forced before any choice drafted in the prefill); a spec without a constraint is a free row: per
+    job (generated ids, finish reason or None), and the steps taken. `cancel_after`: the first job is
+    cancelled after that many steps. `ended`: filled with the step each job's reply ended in.
+    `streams`: filled with each job's TextOuts as sent (token ids, talker rows [n, H] or None, log
+    probabilities), joined."""
     from voxpipe.services.runtime.engine import Outbox
-    from voxpipe.services.runtime.outputs import Finished
+    from voxpipe.services.runtime.outputs import Finished, TextOut
     from voxpipe.services.runtime.sampling import SamplingParams
     from voxpipe.services.thinker import engine as thinker_engine
     from voxpipe.services.thinker.engine import ThinkerJob
@@ -537,13 +541,15 @@ def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: i
     monkeypatch.setattr(thinker_engine, "JUMP_TOKENS", 64 if jump else 0)
     monkeypatch.setattr(thinker_engine, "JUMP_FEED_ROWS", 8)
     monkeypatch.setattr(engine, "draft_forced", draft)
+    monkeypatch.setattr(engine, "draft_prefill", prefill_draft)
     loop = asyncio.new_event_loop()
     jobs = []
     for i, s in enumerate(specs):
         opened = encode_text(engine.tokenizer, s.get("opened", ""))
         job = ThinkerJob(request_id=f"j{i}", outbox=Outbox(loop, limit=10 ** 6), prompt=s["prompt"] + opened,
                          max_tokens=s.get("max_tokens", 120), stops=s.get("stops", ()),
-                         params=SamplingParams(temperature=s.get("temperature", 1.0), seed=i))
+                         params=SamplingParams(temperature=s.get("temperature", 1.0), seed=i),
+                         talker_rows=s.get("talker_rows", False), top_logprobs=s.get("top_logprobs"))
         if s["constraint"] is not None:
             job.matcher = engine.grammars.matcher(engine.grammars.compile(s["constraint"]))
         for t in opened:         # the reply began with `opened` (a prompt that ends inside it)
@@ -566,12 +572,19 @@ def run_jobs(engine, specs: list[dict], jump: bool, monkeypatch, cancel_after: i
             ended[:] = [e or (steps if job.done else 0) for e, job in zip(ended or [0] * len(jobs), jobs)]
     loop.run_until_complete(asyncio.sleep(0))      # the outboxes' deliveries
     out = []
+    if streams is not None:
+        streams.clear()
     for job in jobs:
         items = []
         while (got := job.outbox.poll_timed()) is not None:
             items.append(got[0])
         finals = [x.reason for x in items if isinstance(x, Finished)]
         out.append((list(job.generated), finals[0] if finals else None))
+        if streams is not None:
+            texts = [x for x in items if isinstance(x, TextOut)]
+            rows = [x.rows for x in texts if x.rows is not None]
+            streams.append(([t for x in texts for t in x.token_ids], torch.cat(rows) if rows else None,
+                            [lp for x in texts for lp in x.logprobs]))
     loop.close()
     return out, steps
 
@@ -697,6 +710,267 @@ def test_drafts_verified_in_graph_plans_give_the_tokens_of_decoding(tiny_model_d
     replays = graphed.runner.verify_graphs.replays
     drafted, _ = run_jobs(graphed, specs, True, monkeypatch, draft=True)
     assert drafted == decoded and graphed.runner.verify_graphs.replays > replays
+
+
+# ---------------------------------------------------------------- drafts in the prefill
+
+def _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache: bool = True, cuda_graphs: bool = False,
+                  deterministic: bool = False):
+    """A thinker engine of its own (its KV pool and prefix cache) on the tiny checkpoint
+    (`deterministic`: its model in the batch-invariant mode, as --deterministic serves it)."""
+    from voxpipe.services.runtime import determinism
+    from voxpipe.services.runtime.kv_plan import KVPlan
+    from voxpipe.services.runtime.weights import load_module
+    from voxpipe.services.thinker.engine import ThinkerEngine
+    from voxpipe.services.thinker.model import ThinkerModel
+
+    th = omni_config.thinker
+    model = load_module(lambda: ThinkerModel(th), str(tiny_model_dir), "thinker.", device=torch.device("cpu"),
+                        dtype=torch.float32, load_format="auto", ignore=("visual.",))
+    if deterministic:
+        determinism.apply(model)
+    return ThinkerEngine(model, th, tokenizer, device=torch.device("cpu"), max_active=8, max_len=1024,
+                         kv=KVPlan(blocks=8 * 1024 // 16, prefix_cache=prefix_cache), eos_ids=(th.tokens.im_end,),
+                         cuda_graphs=cuda_graphs)
+
+
+def _prefill_draft_specs(tokenizer, omni_config, text: str = "Book a table, then the weather.") -> list[dict]:
+    """`_draft_specs` (required with two tools, named, json_schema, greedy and sampled, two free rows),
+    a spoken reply (talker rows: no opening goes out before its prefill, so its whole forced head
+    is drafted) and stop strings among the first 8 (one step's admissions: the rows without an
+    opening share the padded prefill with the free rows; those with one are chunked), then required
+    with one tool, log probabilities (never drafted), and max_tokens that end the reply at its first
+    token or inside the draft."""
+    p = _prompt(tokenizer, omni_config, text)
+    base = [dict(s, prompt=p) for s in _draft_specs(tokenizer, omni_config)]
+    return base[:3] + base[4:5] + [
+        dict(prompt=p, constraint=tool_calls(FUNCTIONS), talker_rows=True, max_tokens=40),
+        dict(prompt=p, constraint=Constraint.json_schema(PROFILE), stops=('"ok"',), max_tokens=60)] + base[6:8] + [
+        base[3], base[5], dict(prompt=p, constraint=tool_calls(FUNCTIONS[:1]), max_tokens=60),
+        dict(prompt=p, constraint=tool_calls(FUNCTIONS), top_logprobs=2, max_tokens=30),
+        dict(prompt=p, constraint=tool_calls(FUNCTIONS), max_tokens=1),
+        dict(prompt=p, constraint=tool_calls(FUNCTIONS), temperature=0.0, max_tokens=9)]
+
+
+def _spy_prefills(engine, monkeypatch) -> list[tuple[str, int, int, int]]:
+    """Each prefill forward of the engine's runner as it runs: (path, jobs, free rows, drafted tokens
+    it verified)."""
+    seen = []
+    runner = engine.runner
+    prefill, chunks = runner.prefill, runner.prefill_chunks
+
+    def drafted(out) -> int:
+        return 0 if out.drafts is None else out.drafts.shape[0]
+
+    def spy_prefill(jobs):
+        free = sum(j.matcher is None for j in jobs)
+        out = prefill(jobs)
+        seen.append(("prefill", len(jobs), free, drafted(out)))
+        return out
+
+    def spy_chunks(parts):
+        free = sum(j.matcher is None for j, _, _ in parts)
+        out = chunks(parts)
+        seen.append(("chunks", len(parts), free, drafted(out.prefilled)))
+        return out
+    monkeypatch.setattr(runner, "prefill", spy_prefill)
+    monkeypatch.setattr(runner, "prefill_chunks", spy_chunks)
+    return seen
+
+
+def _same_streams(got: list, want: list, exact: bool = True) -> None:
+    """The jobs' TextOuts carry the same token ids and talker rows, bit for bit, and the same log
+    probabilities: bit for bit (`exact`), else the same tokens with values within float rounding
+    (in the default mode a row's numbers depend on the shape of the forwards it shares: the other
+    rows, as jump-forward and drafts take theirs out of the decode forward; --deterministic is the
+    mode where they do not)."""
+    assert len(got) == len(want)
+    for (ids, rows, logprobs), (ids0, rows0, logprobs0) in zip(got, want):
+        assert ids == ids0
+        assert (rows is None) == (rows0 is None) and (rows is None or torch.equal(rows, rows0))
+        if exact:
+            assert logprobs == logprobs0
+            continue
+        assert [(lp.token_id, [t for t, _ in lp.top]) for lp in logprobs] == \
+            [(lp.token_id, [t for t, _ in lp.top]) for lp in logprobs0]
+        values = [[lp.logprob, *(v for _, v in lp.top)] for lp in logprobs]
+        torch.testing.assert_close(values, [[lp.logprob, *(v for _, v in lp.top)] for lp in logprobs0],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _wrong_spelling(tokenizer, keep: int):
+    """A test-only `_spell`: the right spelling with '~' (allowed by no schema here) after its first
+    `keep` tokens, so that the model's choice differs from the draft there."""
+    from voxpipe.services.thinker.engine import ThinkerEngine
+
+    spell = ThinkerEngine._spell
+
+    def wrong(self, job, text):
+        right = spell(self, job, text)
+        return right[:keep] + encode_text(tokenizer, "~") + right[keep:]
+    return wrong
+
+
+def test_prefill_drafts_give_the_replies_of_decoding(tiny_model_dir, tokenizer, omni_config, monkeypatch):
+    """The text a grammar forces before any choice is drafted in the prompt's prefill (engine.open_reply,
+    runner.prefill): its last positions verify the draft, so a required call's name is chosen from
+    the prefill's logits. The replies are those of --no-draft-forced decoding, token for token, with
+    the same talker rows and log probabilities (greedy and seeded sampled rows; required with one or
+    two tools, named, json_schema, spoken, stop strings, max_tokens at the first token and inside the
+    draft), in one padded prefill beside free rows (log probabilities within float rounding: the
+    default mode's numbers depend on the forwards' shapes; bit for bit in the deterministic mode's
+    test); a draft the model's choice rejects at its first token or after one (a spelling it would
+    not choose) gives them too."""
+    from voxpipe.services.thinker.engine import ThinkerEngine
+
+    eng = _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache=False)
+    specs = _prefill_draft_specs(tokenizer, omni_config)
+    want, streams = [], []
+    decoded, decode_steps = run_jobs(eng, specs, True, monkeypatch, draft=False, streams=want)
+    seen = _spy_prefills(eng, monkeypatch)
+    before = dataclasses.replace(eng.drafts)
+    drafted, steps = run_jobs(eng, specs, True, monkeypatch, draft=True, streams=streams)
+    assert drafted == decoded
+    _same_streams(streams, want, exact=False)
+    # the first step: the opened rows chunked with their drafts, the others padded, the free ones among them
+    assert seen[0][0] == "chunks" and seen[0][3] > 0, seen
+    assert seen[1][:3] == ("prefill", 4, 2) and seen[1][3] > 0, seen
+    assert eng.drafts.accepted > before.accepted and steps <= decode_steps
+    for keep in (0, 1):
+        monkeypatch.setattr(ThinkerEngine, "_spell", _wrong_spelling(tokenizer, keep))
+        before = dataclasses.replace(eng.drafts)
+        seen.clear()
+        rejected, _ = run_jobs(eng, specs, True, monkeypatch, draft=True, streams=streams)
+        assert rejected == decoded, keep
+        _same_streams(streams, want, exact=False)
+        assert seen[0][3] > 0, seen
+        verifies, accepted = eng.drafts.verified - before.verified, eng.drafts.accepted - before.accepted
+        assert verifies and accepted <= keep * verifies, (keep, verifies, accepted)
+
+
+def test_prefill_drafts_keep_the_deterministic_modes_bits(tiny_model_dir, tokenizer, omni_config, monkeypatch):
+    """In the batch-invariant mode (--deterministic) drafts stay on, in the prefill and after it: a
+    row's bits do not depend on the forwards' shapes, so the replies -- with a row's log
+    probabilities beside drafted rows -- are those of --no-draft-forced bit for bit."""
+    eng = _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache=False, deterministic=True)
+    specs = _prefill_draft_specs(tokenizer, omni_config)
+    specs = specs[:2] + specs[4:8] + specs[11:]
+    want, streams = [], []
+    decoded, _ = run_jobs(eng, specs, True, monkeypatch, draft=False, streams=want)
+    seen = _spy_prefills(eng, monkeypatch)
+    drafted, _ = run_jobs(eng, specs, True, monkeypatch, draft=True, streams=streams)
+    assert drafted == decoded
+    _same_streams(streams, want)
+    assert any(d for *_, d in seen), seen
+
+
+def test_prefill_drafts_ride_on_a_chunked_prompts_last_chunk(tiny_model_dir, tokenizer, omni_config, monkeypatch):
+    """A prompt longer than the prefill chunk: its draft rides after its last chunk in the packed
+    forward (runner.prefill_chunks), beside free rows' chunks: the replies of --no-draft-forced."""
+    eng = _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache=False)
+    monkeypatch.setattr(eng.scheduler, "prefill_chunk", 8)
+    monkeypatch.setattr(eng.scheduler, "long_prompt", 8)
+    specs = _prefill_draft_specs(tokenizer, omni_config)
+    assert all(len(s["prompt"]) > 2 * 8 for s in specs)
+    want, streams = [], []
+    decoded, _ = run_jobs(eng, specs, True, monkeypatch, draft=False, streams=want)
+    seen = _spy_prefills(eng, monkeypatch)
+    drafted, _ = run_jobs(eng, specs, True, monkeypatch, draft=True, streams=streams)
+    assert drafted == decoded
+    _same_streams(streams, want, exact=False)
+    assert {path for path, *_ in seen} == {"chunks"} and any(d for *_, d in seen), seen
+    assert any(free and d for _, _, free, d in seen), seen      # free rows' chunks in a forward that verified drafts
+
+
+def _published_kv(engine) -> dict[bytes, list[torch.Tensor]]:
+    """The prefix cache's blocks by hash: each layer's keys and values [heads, block, dim]."""
+    pool, cache = engine.runner.blocks.pool, engine.runner.cache
+    return {h: [t[b].clone() for layer in range(len(cache.k)) for t in (cache.k[layer], cache.v[layer])]
+            for h, b in pool.by_hash.items()}
+
+
+def _prefilled_kv(engine, tokens: list[int]) -> dict[bytes, list[torch.Tensor]]:
+    """The keys and values of `tokens`' full blocks as a prefill of them all computes them (an engine
+    without a prefix cache), by the prefix hash of each block."""
+    from voxpipe.services.runtime.engine import Outbox
+    from voxpipe.services.thinker.engine import ThinkerJob
+
+    loop = asyncio.new_event_loop()
+    job = ThinkerJob(request_id="kv", outbox=Outbox(loop, limit=10 ** 6), prompt=list(tokens), max_tokens=1)
+    runner = engine.runner
+    assert runner.allocate(job)
+    runner.prefill([job])
+    cache = runner.cache
+    out = {h: [t[job.table.blocks[i]].clone() for layer in range(len(cache.k)) for t in (cache.k[layer], cache.v[layer])]
+           for i, h in enumerate(runner.blocks.hasher(job.prompt_ids(), ()))}
+    runner.release(job)
+    loop.close()
+    return out
+
+
+@pytest.mark.parametrize("keep", [None, 0, 1], ids=["accepted", "rejected-first", "rejected-second"])
+def test_prefill_drafts_and_the_prefix_cache(tiny_model_dir, tokenizer, omni_config, monkeypatch, keep):
+    """Prefill drafts on a miss (the padded prefill), a hit (the same prompts again: their cached
+    prefix, the rest and the draft chunked) and a partial hit (a prompt sharing their first blocks):
+    the replies of --no-draft-forced decoding on an engine without a prefix cache; the drafted
+    positions' keys reach the prefix cache only as far as the model's choices accepted them: every
+    published block holds the keys and values a prefill of its sequence's tokens computes (a
+    rejected draft's -- '~', a spelling the model would not choose -- never)."""
+    from voxpipe.services.thinker.engine import ThinkerEngine
+
+    phases = [_prefill_draft_specs(tokenizer, omni_config)[:8]] * 2 + [
+        _prefill_draft_specs(tokenizer, omni_config, "Book a table, then the weather, then a taxi.")[:8]]
+    plain = _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache=False)
+    cached = _fresh_engine(tiny_model_dir, tokenizer, omni_config)
+    hits, sequences = [], []
+    for specs in phases:
+        decoded, _ = run_jobs(plain, specs, True, monkeypatch, draft=False)
+        hit = cached.runner.blocks.stats.hit_tokens
+        seen = _spy_prefills(cached, monkeypatch)
+        if keep is not None:
+            monkeypatch.setattr(ThinkerEngine, "_spell", _wrong_spelling(tokenizer, keep))
+        drafted, _ = run_jobs(cached, specs, True, monkeypatch, draft=True)
+        monkeypatch.undo()      # the spies and the spelling
+        assert drafted == decoded
+        assert any(d for *_, d in seen), seen
+        hits.append(cached.runner.blocks.stats.hit_tokens - hit)
+        sequences += [s["prompt"] + ids for s, (ids, _) in zip(specs, drafted)]
+    p, q = phases[0][0]["prompt"], phases[2][0]["prompt"]
+    shared = next(i for i, (a, b) in enumerate(zip(p, q)) if a != b) // 16 * 16     # whole blocks
+    assert hits[0] == 0 and hits[1] >= 8 * ((len(p) - 1) // 16 * 16) and 8 * shared <= hits[2] < hits[1], hits
+    assert shared > 0
+    want: dict[bytes, list[torch.Tensor]] = {}
+    for seq in sequences:           # the last token has no keys
+        want.update(_prefilled_kv(plain, seq[:-1]))
+    got = _published_kv(cached)
+    assert got and set(got) <= set(want), len(set(got) - set(want))
+    for h, tensors in got.items():
+        for a, b in zip(tensors, want[h]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_drafts_in_graph_plans(tiny_model_dir, tokenizer, omni_config, monkeypatch):
+    """With the CUDA-graph plans (emulated on the CPU: cuda_graphs.EMULATE) a prompt prefilled from
+    position 0 replays a prefill graph and takes no draft (an eager forward would cost more than
+    the forward a draft saves); one going on from a cached prefix, its new tokens and draft within
+    a verify graph's rows, is prefilled and verified by the verify graphs: the replies of
+    --no-draft-forced decoding either way."""
+    from voxpipe.services.runtime import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+    graphed = _fresh_engine(tiny_model_dir, tokenizer, omni_config, cuda_graphs=True)
+    assert graphed.runner.verify_graphs is not None
+    plain = _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache=False)
+    specs = _prefill_draft_specs(tokenizer, omni_config)[:8]
+    decoded, _ = run_jobs(plain, specs, True, monkeypatch, draft=False)
+    seen = _spy_prefills(graphed, monkeypatch)
+    assert run_jobs(graphed, specs, True, monkeypatch, draft=True)[0] == decoded      # a miss: from position 0
+    assert seen and not any(d for *_, d in seen), seen
+    seen.clear()
+    replays = graphed.runner.verify_graphs.replays
+    assert run_jobs(graphed, specs, True, monkeypatch, draft=True)[0] == decoded      # a hit: chunked, verified
+    assert any(path == "chunks" and d for path, _, _, d in seen), seen
+    assert graphed.runner.verify_graphs.replays > replays
 
 
 def test_a_draft_takes_only_blocks_the_step_leaves_free(tiny_model_dir, tokenizer, omni_config, monkeypatch):
@@ -936,3 +1210,35 @@ def test_a_deferred_accept_advances_the_matcher_at_its_next_use(tokenizer, omni_
     banned = (~allowed(b, grammars.vocab_size)[0]).nonzero().flatten().tolist()[0]
     later.defer(banned)
     assert not later.fill(b, 0) and later.refused and not later.accept(tok)
+
+
+def test_the_forwards_bench_counts_each_kinds_forwards_to_its_first_delta():
+    """bench/constrained_check --forwards at one round (its runs are a bench: bench/RESULTS.md): per
+    draft setting, each kind's forwards to its first delta; the three settings give the same replies,
+    a plain prompt's first token takes its prefill, a named call's head none (its opening is out
+    before the prefill), and a required call's head no more forwards with drafts than without, nor
+    with them in the prefill than after it."""
+    from voxpipe.bench.constrained_check import DRAFT_SETTINGS, FORWARD_KINDS, forwards
+
+    result = forwards(1, max_tokens=48)["forwards"]
+    assert set(result) == set(DRAFT_SETTINGS)
+    assert len({r["replies_sha256"] for r in result.values()}) == 1, result
+    for r in result.values():
+        assert all(len(r[k]["forwards"]) == 1 for k in FORWARD_KINDS), r
+        assert r["tools-1"]["forwards"] == [1] and r["named"]["forwards"] == [0], r
+    need = [result[s]["required"]["forwards"][0] for s in ("off", "draft", "prefill-draft")]
+    assert need[0] >= need[1] >= need[2] >= 1, need
+    assert result["prefill-draft"]["drafts"]["verified"] > 0 and result["off"]["drafts"]["verified"] == 0
+
+
+def test_the_draft_prefill_flag_parses_and_refuses_a_value(capsys):
+    """`voxpipe thinker --no-draft-prefill` (drafts after the first token only) and its default (on);
+    a value given to the switch is a usage error naming it."""
+    from voxpipe.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["thinker"]).draft_prefill is True
+    assert parser.parse_args(["thinker", "--no-draft-prefill"]).draft_prefill is False
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["thinker", "--draft-prefill=no"])
+    assert exc.value.code == 2 and "--draft-prefill" in capsys.readouterr().err

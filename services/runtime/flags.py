@@ -128,6 +128,11 @@ def add_thinker_arguments(parser: argparse.ArgumentParser) -> None:
                              "write (a call's '<tool_call>\\n{\"name\": \"'), draft the tokenizer's own spelling and "
                              "verify it in the next forward, accepting the tokens the model itself chooses: the "
                              "same reply in fewer forwards (--no-draft-forced: one forward a token)")
+    parser.add_argument("--draft-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --draft-forced: the text a constrained reply's grammar forces before any choice "
+                             "(a call's '<tool_call>\\n{\"name\": \"') is drafted in the prompt's prefill, whose last "
+                             "positions verify it, so the call's name comes from the prefill's logits "
+                             "(--no-draft-prefill: drafted after the prefill's first token, as later forced text)")
     parser.add_argument("--talker-prompt-rows", action="store_true",
                         help="send a text prompt's user turns and the reply's text rows to the talker as embedding "
                              "rows (a 2,500-token conversation: 10 MB), as before talkers looked them up from their "

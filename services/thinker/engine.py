@@ -73,7 +73,8 @@ class ThinkerEngine(StageEngine):
                  cuda_graphs: bool = True,
                  prefill_batch: int = 8, prefill_tokens: int = 4096, prefill_graph_len: int = 512,
                  prefill_chunk: int = PREFILL_CHUNK, eager_fallback: bool = False,
-                 talker_prompt_ids: bool = True, audio_cache_bytes: int = 0, draft_forced: bool = True) -> None:
+                 talker_prompt_ids: bool = True, audio_cache_bytes: int = 0, draft_forced: bool = True,
+                 draft_prefill: bool = True) -> None:
         """A step prefills up to `prefill_batch` prompts with at most `prefill_tokens` padded tokens
         together; prompts up to `prefill_graph_len` tokens replay CUDA graphs. Longer prompts (and
         any longer than `prefill_chunk`) are prefilled in chunks packed into one row, at most
@@ -82,7 +83,8 @@ class ThinkerEngine(StageEngine):
         off: as rows (for talkers older than that). `kv`: the KV pool (default: room for `max_active`
         sequences of `max_len` positions). `audio_cache_bytes`: audio encoder outputs kept by clip
         content (audio_cache.py; 0: none). `draft_forced`: draft a grammar's forced text where more
-        than one spelling can write it (`_draft`)."""
+        than one spelling can write it (`_draft`); with `draft_prefill`, the text forced before any
+        choice rides in the prompt's prefill (`open_reply`)."""
         super().__init__(max_active)
         if kv is None:
             kv = KVPlan(blocks=-(-max_active * max_len // KVPlan.block_size))
@@ -106,6 +108,7 @@ class ThinkerEngine(StageEngine):
                                               or (self.runner.graphs is None and not on_cuda))
         if draft_forced and not self.draft_forced:
             log.warning("thinker: no verify graphs were captured (or CUDA graphs are off): drafts of forced text are off")
+        self.draft_prefill = draft_prefill
         self.drafts = DraftCounts()
 
     def prepare(self) -> None:
@@ -168,10 +171,23 @@ class ThinkerEngine(StageEngine):
         prefill's logits. They go out now: whatever the model computes, the reply begins with them
         (a named call's first `tool_calls` delta needs no forward; sent after the prefill it waited
         for those tokens' own prefill, +11.6 ms on the H200). Not for replies with stop strings,
-        talker rows or log probabilities (their first outputs are the prompt's)."""
-        if (job.matcher is None or job.generated or job.forced is not None or job.pending or job.adopts is not None
-                or job.stops or job.talker_rows or job.top_logprobs is not None):
+        talker rows or log probabilities (their first outputs are the prompt's).
+
+        Then the prefill's draft (`draft_prefill`): where the grammar goes on forcing a text that
+        more than one spelling can write (or, without an opening, forces any text), its spelling
+        (`_draft`) rides after the context in the prefill (runner.allocate keeps it where the blocks
+        and the forward take it), whose last positions verify it in the output step (`_verify`): a
+        required call's name chosen from the prefill's logits. Not for rows with log probabilities
+        (as `_jump`: each token's need its own decode step's logits)."""
+        if (job.matcher is None or job.generated or job.forced is not None or job.pending or job.adopts is not None):
             return
+        if not (job.stops or job.talker_rows or job.top_logprobs is not None):
+            self._open(job)
+        if self.draft_forced and self.draft_prefill and job.top_logprobs is None:
+            self._draft(job)
+
+    def _open(self, job: ThinkerJob) -> None:
+        """open_reply's forced opening: taken, out at once, prefilled with the prompt."""
         run: list[int] = []
         while len(run) < min(JUMP_TOKENS, job.max_tokens - 1):
             tok = job.matcher.forced()
@@ -299,7 +315,8 @@ class ThinkerEngine(StageEngine):
             if not sampled:
                 return
             jobs, logits = [jobs[i] for i in sampled], logits[torch.tensor(sampled, device=logits.device)]
-        self._output(jobs, logits, step)
+        # the prefill's drafts (a given reply has none): verified as a decode step's drafts
+        self._output(jobs, logits, step, prefilled.drafts)
 
     def _opened_noise(self, job: ThinkerJob, width: int) -> None:
         """The reply's forced opening (open_reply, already out) as if each token were decoded: a

@@ -115,10 +115,13 @@ def talker_prompt(cfg: ThinkerConfig, ids: torch.Tensor, embeds: torch.Tensor, h
 
 @dataclass
 class Prefilled:
-    """Prompts whose prefill ended: their logits at the last prompt position, and their talker prompts."""
+    """Prompts whose prefill ended: their logits at the last prompt position, and their talker prompts;
+    with drafts (jobs whose `draft` rode after their context: `prefill_draft`), the logits at each
+    drafted token, the jobs' in order."""
 
     logits: torch.Tensor                        # [n, V]
     prompts: list[TalkerPromptOut | None]       # per request: what the talker needs (talker_rows), else None
+    drafts: torch.Tensor | None = None          # [sum of the drafts' lengths, V], or None (no job drafted)
 
 
 @dataclass
@@ -351,7 +354,30 @@ class ThinkerRunner:
             job.cached_tokens = min(table.cached_tokens, len(job.prompt))
             metrics.PREFIX_TOKENS.labels("thinker", "queried").inc(len(job.prompt))
             metrics.PREFIX_TOKENS.labels("thinker", "hit").inc(job.cached_tokens)
+        if job.draft and not self.prefill_draft(job):
+            job.draft = []
         return True
+
+    def prefill_draft(self, job: ThinkerJob) -> bool:
+        """Whether the job's draft (engine.open_reply) rides in its prefill, after its context: its
+        first prefill only, the blocks for its positions taken now from what the pool has free (else
+        it is dropped: the prefill goes on without it, and the draft waits for the first token as a
+        decode step's does). With CUDA graphs, only where the verify graphs can take the prefill --
+        a cached prefix or a forced opening sends it down the chunked path (scheduler.py), its new
+        tokens and the draft within VERIFY_TOKENS, no hidden layer kept for the talker --: a prompt's
+        eager forward would cost more than the forward the draft saves. The drafted positions are past
+        the context, in the job's own blocks (a cached prefix ends before its last token): their keys
+        are published only as far as the verify accepts them (`kv_tokens`), the rest is overwritten
+        before any read."""
+        if job.text is not None or job.pending or job.prefilled >= job.prefill_target:
+            return False
+        if self.graphs is not None:
+            chunked = job.prefilled or job.generated
+            keep = job.talker_rows and (job.audio or job.streamed is not None)
+            if (self.verify_graphs is None or not chunked or keep
+                    or not self.verify_graphs.fits(1, job.prefill_target - job.prefilled + len(job.draft))):
+                return False
+        return self.blocks.grow(job.table, job.prefill_target + len(job.draft))
 
     def grow(self, job: ThinkerJob) -> bool:
         """Blocks for the job's next decode position (a forced run: its positions); False (nothing
@@ -443,19 +469,38 @@ class ThinkerRunner:
         return job.audio_digests
 
     def prefill(self, jobs: list[ThinkerJob]) -> Prefilled:
-        """One forward over the jobs' prompts (right-padded), from position 0, into their blocks."""
+        """One forward over the jobs' prompts (right-padded), from position 0, into their blocks. A
+        job's draft (`prefill_draft`: without CUDA graphs) rides after its prompt: the logits at its
+        prompt's last position and at each drafted token (Prefilled.drafts)."""
         dev = self.device
+        # prefill_draft kept none for this path with graphs; a row with log probabilities keeps the
+        # forward's shape the undrafted one (its numbers, not only its choices, go out)
+        if self.graphs is not None or any(j.top_logprobs is not None for j in jobs):
+            for j in jobs:
+                j.draft = []
         embeds = [self.embed(j) for j in jobs]
         audio = [bool(j.audio) for j in jobs]   # the server checked: features <=> audio placeholders
         keep = self.cfg.accept_hidden_layer if any(j.talker_rows and a for j, a in zip(jobs, audio)) else None
-        n, s = len(jobs), max(len(j.prompt) for j in jobs)
-        x = torch.nn.utils.rnn.pad_sequence(embeds, batch_first=True)                   # [n, s, H]
-        last = torch.tensor([len(j.prompt) - 1 for j in jobs]).to(dev, non_blocking=True)
+        drafted = max(len(j.draft) for j in jobs)
+        rows = [torch.cat((e, self.model.model.embed_tokens(torch.tensor(j.draft, device=dev)).to(e.dtype)))
+                if j.draft else e for j, e in zip(jobs, embeds)]
+        n, s = len(jobs), max(len(j.prompt) + len(j.draft) for j in jobs)
+        x = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)                   # [n, s, H]
+        if drafted:     # [n, 1 + drafted]: each prompt's last position, then its drafted tokens' (the last repeated)
+            at = [[len(j.prompt) - 1 + min(k, len(j.draft)) for k in range(1 + drafted)] for j in jobs]
+            last = torch.tensor(at).to(dev, non_blocking=True)
+        else:
+            last = torch.tensor([len(j.prompt) - 1 for j in jobs]).to(dev, non_blocking=True)
         g = self.prefill_graphs
+        drafts = None
         if g is not None and g.fits(n, s):   # padding rows and positions write the scratch block
             logits, hidden = g(n, s, x, last, self._tables(jobs, self.prefill_width))
         else:
             logits, hidden = self._prefill_fn(n, s, x, last, self._tables(jobs, self.blocks.blocks_for(s)), keep)
+            if drafted:      # logits [n, 1 + drafted, V]
+                pick = [(b, 1 + k) for b, j in enumerate(jobs) for k in range(len(j.draft))]
+                b, k = torch.tensor(pick).T.to(dev, non_blocking=True)
+                logits, drafts = logits[:, 0], logits[b, k]
         prompts = []
         for b, j in enumerate(jobs):
             j.generator = j.params.generator(dev)
@@ -467,7 +512,7 @@ class ThinkerRunner:
                     self._keep_rows(j, kept)
                 prompt = self._talker_prompt(j, embeds[b], kept)
             prompts.append(prompt)
-        return Prefilled(logits, prompts)
+        return Prefilled(logits, prompts, drafts)
 
     def _keep_rows(self, job: ThinkerJob, kept: torch.Tensor) -> None:
         """Hold the audio rows of the prompt's full blocks that the cache lacks (kept [P, H] on the
@@ -522,7 +567,10 @@ class ThinkerRunner:
         attending to its job's earlier positions (a cached prefix among them). A chunk's last position
         attends to every position of its context so far, so the logits there are finite exactly when
         nothing non-finite is in its blocks. A job resumed after a preemption ends its prefill without
-        outputs (its next token is already out): it is in `resumed`, not `done`."""
+        outputs (its next token is already out): it is in `resumed`, not `done`. A job's draft
+        (`prefill_draft`) rides after its last chunk: the logits at its context's last position and
+        at each drafted token (Prefilled.drafts, the done jobs' in order); with CUDA graphs only
+        where the verify graphs take the step's chunks, else the step's drafts are dropped."""
         dev = self.device
         for job, start, _ in chunks:
             if job.embeds is None:   # first chunk: the context's embeddings from here, kept until the last chunk
@@ -531,9 +579,23 @@ class ThinkerRunner:
         kept_by = [bool((job.talker_rows or job.pending) and (job.audio or job.streamed) and not job.generated)
                    for job, _, _ in chunks]
         keep = self.cfg.accept_hidden_layer if any(kept_by) else None
-        logits, hidden, rows_of, paths = self._extend(
-            [(job, job.embeds[start - job.embeds_from:start - job.embeds_from + length], start)
-             for job, start, length in chunks], keep)
+        parts = [(job, job.embeds[start - job.embeds_from:start - job.embeds_from + length], start)
+                 for job, start, length in chunks]
+        # a draft rides after its job's last chunk (never a resumed job's: preempt dropped it)
+        drafted = [len(job.draft) if start + length >= job.prefill_target and not job.pending else 0
+                   for job, start, length in chunks]
+        if any(drafted) and not self._chunk_drafts_fit(parts, drafted, keep):
+            drafted = [0] * len(chunks)
+        for (job, start, length), d in zip(chunks, drafted):
+            if not d and start + length >= job.prefill_target:
+                job.draft = []       # its prefill ends without it: drafted after its first token, if at all
+        drafts = None
+        if any(drafted):
+            parts = [(job, torch.cat((x, self.model.model.embed_tokens(torch.tensor(job.draft, device=dev)).to(x.dtype)))
+                      if d else x, start) for (job, x, start), d in zip(parts, drafted)]
+            logits, drafts, hidden, rows_of, paths = self._verify(parts, drafted, keep)
+        else:
+            logits, hidden, rows_of, paths = self._extend(parts, keep)
         for (job, start, length), path in zip(chunks, paths):
             job.chunks.append(ChunkAttended(start, length, path))
             metrics.PREFILL_CHUNKS.labels("thinker", path).inc()
@@ -573,7 +635,22 @@ class ThinkerRunner:
             prompts.append(prompt)
         if len(rows) < len(chunks):
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        return Chunked(done, Prefilled(logits, prompts), broken, resumed)
+        # the drafted parts are done jobs' (last chunks, first prefills): `drafts` is theirs, in order
+        return Chunked(done, Prefilled(logits, prompts, drafts), broken, resumed)
+
+    def _chunk_drafts_fit(self, parts: list[tuple[ThinkerJob, torch.Tensor, int]], drafted: list[int],
+                          keep: int | None) -> bool:
+        """Whether a step's packed chunks take their drafts (`drafted[i]` tokens after part i): not
+        beside a row with log probabilities (its numbers go out, not only its choices: the forward
+        keeps the undrafted shape, as in `prefill`); with CUDA graphs only through the verify graphs
+        (no hidden layer kept), as `feed` verifies a decode step's drafts."""
+        if any(job.top_logprobs is not None for job, _, _ in parts):
+            return False
+        if self.graphs is None:
+            return True
+        g = self.verify_graphs
+        return (keep is None and g is not None
+                and g.fits(len(parts), max(x.shape[0] + d for (_, x, _), d in zip(parts, drafted))))
 
     def _extend(self, parts: list[tuple[ThinkerJob, torch.Tensor, int]], keep: int | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[int, slice]], list[str]]:
@@ -624,37 +701,47 @@ class ThinkerRunner:
         if not any(job.draft for job in jobs):
             logits, _, _, _ = self._extend(parts, None)
         else:
-            logits, drafts = self._verify(parts)
+            logits, drafts, _, _, _ = self._verify(parts)
         for job in jobs:
             job.ahead = 0
         return jobs, logits, drafts
 
-    def _verify(self, parts: list[tuple[ThinkerJob, torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_extend` of rows that end with drafts: the logits [n, V] at each row's token before its
-        draft, and [sum of the drafts' lengths, V] at each drafted token (rows in order). A verify
-        graph when one fits, else packed into one row, eager."""
+    def _verify(self, parts: list[tuple[ThinkerJob, torch.Tensor, int]], drafted: list[int] | None = None,
+                keep: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[tuple[int, slice]], list[str]]:
+        """`_extend` of rows whose last `drafted[i]` rows are a draft (default: each job's `draft`):
+        the logits [n, V] at each row's token before its draft, [sum(drafted), V] at each drafted
+        token (rows in order), the `keep` hidden layer if asked, where each part's rows before its
+        draft are in it ((batch row, slice)), and the attention each part took. A verify graph when
+        one fits (no `keep`), else packed into one row, eager."""
         dev, jobs = self.device, [job for job, _, _ in parts]
+        if drafted is None:
+            drafted = [len(job.draft) for job in jobs]
         g = self.verify_graphs
         longest = max(x.shape[0] for _, x, _ in parts)
-        if g is not None and g.fits(len(parts), longest):
+        if keep is None and g is not None and g.fits(len(parts), longest):
             rows = ExtendRows.of([(x, start) for _, x, start in parts], dev)
-            at = [[x.shape[0] - 1 - len(job.draft) + min(k, len(job.draft)) for k in range(1 + DRAFT_TOKENS)]
-                  for job, x, _ in parts]
+            at = [[x.shape[0] - 1 - d + min(k, d) for k in range(1 + DRAFT_TOKENS)]
+                  for (_, x, _), d in zip(parts, drafted)]
             (hidden,) = g(len(parts), longest, rows.x, rows.start, rows.length, torch.tensor(at).to(dev, non_blocking=True),
                           self._tables(jobs, self.blocks.blocks_for(rows.reach)))     # [n, 1 + DRAFT_TOKENS, H]
             # each row's last token, then each drafted token, rows in order
-            pick = [(b, 0) for b in range(len(jobs))] + [(b, 1 + k) for b, job in enumerate(jobs)
-                                                         for k in range(len(job.draft))]
+            pick = [(b, 0) for b in range(len(jobs))] + [(b, 1 + k) for b, d in enumerate(drafted) for k in range(d)]
             b, k = torch.tensor(pick).T.to(dev, non_blocking=True)
             every = self.model.lm_head(hidden[b, k])
-            return every[:len(jobs)], every[len(jobs):]
+            return (every[:len(jobs)], every[len(jobs):], None,
+                    [(b, slice(0, x.shape[0] - d)) for b, ((_, x, _), d) in enumerate(zip(parts, drafted))],
+                    ["verify graph"] * len(parts))
         step = PagedPackedStep.pack([(job.table.blocks, start, x.shape[0]) for job, x, start in parts])
         ends = [sg.offset + sg.length - 1 for sg in step.segments]
-        at = [e - len(job.draft) for e, job in zip(ends, jobs)]
-        at += [e - len(job.draft) + 1 + k for e, job in zip(ends, jobs) for k in range(len(job.draft))]
+        at = [e - d for e, d in zip(ends, drafted)]
+        at += [e - d + 1 + k for e, d in zip(ends, drafted) for k in range(d)]
         x = torch.cat([x for _, x, _ in parts])[None]
-        every, _ = self.model(x, step.positions(dev), self.cache.packed(step), last=torch.tensor(at).to(dev, non_blocking=True))
-        return every[:len(jobs)], every[len(jobs):]
+        view = self.cache.packed(step)
+        every, hidden = self.model(x, step.positions(dev), view, keep_hidden=keep,
+                                   last=torch.tensor(at).to(dev, non_blocking=True))
+        return (every[:len(jobs)], every[len(jobs):], hidden,
+                [(0, slice(sg.offset, sg.offset + sg.length - d)) for sg, d in zip(step.segments, drafted)], view.paths)
 
     def decode(self, jobs: list[ThinkerJob]) -> tuple[list[ThinkerJob], torch.Tensor]:
         """One decode forward over `jobs` (each with a token to feed and a block for its position:

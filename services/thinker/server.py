@@ -363,6 +363,7 @@ def build(args) -> tuple[ThinkerServicer, OmniConfig]:
                            max_active=args.max_batch, max_len=max_len, eos_ids=(cfg.thinker.tokens.im_end,), kv=kv,
                            cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk, eager_fallback=args.eager_fallback,
                            talker_prompt_ids=not args.talker_prompt_rows, draft_forced=args.draft_forced,
+                           draft_prefill=args.draft_prefill,
                            audio_cache_bytes=int(args.audio_cache_mb * 1024 * 1024))
     metrics.KV_CAPACITY.labels("thinker").set(kv.tokens)
     talker = NextStage("talker", args.talker, max_message_bytes=setup.opts.max_message_bytes,
