@@ -908,6 +908,28 @@ def _prefilled_kv(engine, tokens: list[int]) -> dict[bytes, list[torch.Tensor]]:
     return out
 
 
+_PREFIX_REFERENCE: dict[str, list] = {}
+
+
+def _prefix_reference(tiny_model_dir, tokenizer, omni_config, monkeypatch) -> tuple[list, list, dict]:
+    """The prefix-cache test's phases (a miss, the same prompts again, a prompt sharing their first
+    blocks), each phase's --no-draft-forced replies on an engine without a prefix cache, and the keys
+    and values a prefill of every reply's sequence computes for its full blocks: the same whichever
+    draft is rejected, so made once for the module's three cases."""
+    if not _PREFIX_REFERENCE:
+        phases = [_prefill_draft_specs(tokenizer, omni_config)[:8]] * 2 + [
+            _prefill_draft_specs(tokenizer, omni_config, "Book a table, then the weather, then a taxi.")[:8]]
+        plain = _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache=False)
+        decoded = [run_jobs(plain, specs, True, monkeypatch, draft=False)[0] for specs in phases]
+        want: dict[bytes, list[torch.Tensor]] = {}
+        for specs, replies in zip(phases, decoded):
+            for spec, (ids, _) in zip(specs, replies):
+                want.update(_prefilled_kv(plain, (spec["prompt"] + ids)[:-1]))     # the last token has no keys
+        monkeypatch.undo()
+        _PREFIX_REFERENCE.update(phases=phases, decoded=decoded, want=[want])
+    return _PREFIX_REFERENCE["phases"], _PREFIX_REFERENCE["decoded"], _PREFIX_REFERENCE["want"][0]
+
+
 @pytest.mark.parametrize("keep", [None, 0, 1], ids=["accepted", "rejected-first", "rejected-second"])
 def test_prefill_drafts_and_the_prefix_cache(tiny_model_dir, tokenizer, omni_config, monkeypatch, keep):
     """Prefill drafts on a miss (the padded prefill), a hit (the same prompts again: their cached
@@ -918,13 +940,10 @@ def test_prefill_drafts_and_the_prefix_cache(tiny_model_dir, tokenizer, omni_con
     rejected draft's -- '~', a spelling the model would not choose -- never)."""
     from voxpipe.services.thinker.engine import ThinkerEngine
 
-    phases = [_prefill_draft_specs(tokenizer, omni_config)[:8]] * 2 + [
-        _prefill_draft_specs(tokenizer, omni_config, "Book a table, then the weather, then a taxi.")[:8]]
-    plain = _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache=False)
+    phases, reference, want = _prefix_reference(tiny_model_dir, tokenizer, omni_config, monkeypatch)
     cached = _fresh_engine(tiny_model_dir, tokenizer, omni_config)
-    hits, sequences = [], []
-    for specs in phases:
-        decoded, _ = run_jobs(plain, specs, True, monkeypatch, draft=False)
+    hits = []
+    for specs, decoded in zip(phases, reference):
         hit = cached.runner.blocks.stats.hit_tokens
         seen = _spy_prefills(cached, monkeypatch)
         if keep is not None:
@@ -934,14 +953,10 @@ def test_prefill_drafts_and_the_prefix_cache(tiny_model_dir, tokenizer, omni_con
         assert drafted == decoded
         assert any(d for *_, d in seen), seen
         hits.append(cached.runner.blocks.stats.hit_tokens - hit)
-        sequences += [s["prompt"] + ids for s, (ids, _) in zip(specs, drafted)]
     p, q = phases[0][0]["prompt"], phases[2][0]["prompt"]
     shared = next(i for i, (a, b) in enumerate(zip(p, q)) if a != b) // 16 * 16     # whole blocks
     assert hits[0] == 0 and hits[1] >= 8 * ((len(p) - 1) // 16 * 16) and 8 * shared <= hits[2] < hits[1], hits
     assert shared > 0
-    want: dict[bytes, list[torch.Tensor]] = {}
-    for seq in sequences:           # the last token has no keys
-        want.update(_prefilled_kv(plain, seq[:-1]))
     got = _published_kv(cached)
     assert got and set(got) <= set(want), len(set(got) - set(want))
     for h, tensors in got.items():
