@@ -125,15 +125,21 @@ class GatewayProcess:
                 raise RuntimeError(f"the gateway did not start (exit code {self.proc.returncode})")
 
     def stop(self) -> None:
-        import subprocess
+        stop_process(self.proc, 15)
 
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+def stop_process(proc, timeout: float) -> int:
+    """SIGTERM a process still running, wait up to `timeout` s for it, SIGKILL it past that; its exit code."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 @pytest.fixture(scope="session")

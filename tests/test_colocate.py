@@ -11,7 +11,6 @@ import asyncio
 import base64
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 
-from conftest import STAGES, free_port, free_ports
+from conftest import STAGES, free_port, free_ports, stop_process
 from voxpipe.bench.trace_path import CLIENT, SERVER, SpanReceiver
 from voxpipe import cli
 from voxpipe.errors import ConfigError
@@ -65,15 +64,9 @@ class ColocatedUp:
         return f"127.0.0.1:{self.base + STAGES.index(stage)}"
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, 60)
         self.reader.join(timeout=10)
-        return self.proc.returncode
+        return code
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from voxpipe.client import PipelineClient, SpeechRequest
+from conftest import stop_process
 
 TAG = f"vm{os.getpid() % 100000}"                   # namespace / interface prefix (names <= 15 chars)
 NET = f"10.77.{os.getpid() % 200 + 20}"              # this run's /24
@@ -158,13 +159,7 @@ class HostProcess:
                 raise RuntimeError(f"{self.name} did not start (exit code {self.proc.poll()})")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 @pytest.fixture(scope="module")

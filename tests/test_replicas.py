@@ -32,7 +32,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import GatewayProcess, free_port
+from conftest import GatewayProcess, free_port, stop_process
 from voxpipe.bench import conversation
 from voxpipe.bench.conversation import Conversation
 from voxpipe.client import AudioEvent, DoneEvent, PipelineClient, PipelineError, SpeechRequest, StageEvent
@@ -105,12 +105,7 @@ class StageProcess:
 
     def stop(self) -> None:
         if self.alive:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, 30)
 
 
 def start_all(procs: list[StageProcess], timeout: float = 240) -> None:
