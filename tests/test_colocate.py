@@ -229,6 +229,16 @@ def test_a_next_stage_on_any_free_port_needs_its_address_given(flags, message):
     assert getattr(stage_args[caller], nxt) == "127.0.0.1:50099" and stage_args[nxt].port == 0
 
 
+@pytest.mark.parametrize("host,dialled", [("0.0.0.0", "127.0.0.1:50098"), ("[::]", "[::1]:50098"),
+                                          ("::", "[::1]:50098"), ("10.1.2.3", "10.1.2.3:50098")])
+def test_a_next_stage_in_the_process_is_dialled_where_it_listens(host, dialled):
+    """The thinker's --talker, unset, is the talker in the process at its --host and --port: a bind-all
+    host (gRPC's "[::]" form included) dialled on the loopback of its family."""
+    stage_args, _ = cli.parse_colocated(cli.build_parser("colocate").parse_args(
+        ["colocate", f"--talker-flags=--host {host} --port 50098"]))
+    assert stage_args["thinker"].talker == dialled
+
+
 def test_a_taken_port_is_refused_naming_the_stage_before_any_build(tiny_model_dir):
     ports = {s: free_port() for s in STAGES}
     with socket.socket() as taken:

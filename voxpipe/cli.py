@@ -118,7 +118,9 @@ def parse_colocated(args) -> tuple[dict[str, argparse.Namespace], dict[str, str]
             if not stage_args[nxt].port:     # any free port: known only once bound, after the stages are built
                 raise ConfigError(f"--{nxt}-flags: --port 0 leaves the {stage} no address to dial the {nxt} at; "
                                   f"give the {nxt} a port (or the {stage} its --{nxt} in --{stage}-flags)")
-            host = stage_args[nxt].host
+            from voxpipe.services.runtime.listen import socket_host
+
+            host = socket_host(stage_args[nxt].host)      # a bind host ("[::]", "0.0.0.0") as one to dial
             host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
             setattr(stage_args[stage], nxt, f"[{host}]:{stage_args[nxt].port}" if ":" in host
                     else f"{host}:{stage_args[nxt].port}")
