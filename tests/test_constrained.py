@@ -715,7 +715,7 @@ def test_drafts_verified_in_graph_plans_give_the_tokens_of_decoding(tiny_model_d
 # ---------------------------------------------------------------- drafts in the prefill
 
 def _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache: bool = True, cuda_graphs: bool = False,
-                  deterministic: bool = False):
+                  deterministic: bool = False, blocks: int = 8 * 1024 // 16):
     """A thinker engine of its own (its KV pool and prefix cache) on the tiny checkpoint
     (`deterministic`: its model in the batch-invariant mode, as --deterministic serves it)."""
     from voxpipe.services.runtime import determinism
@@ -730,7 +730,7 @@ def _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache: bool = T
     if deterministic:
         determinism.apply(model)
     return ThinkerEngine(model, th, tokenizer, device=torch.device("cpu"), max_active=8, max_len=1024,
-                         kv=KVPlan(blocks=8 * 1024 // 16, prefix_cache=prefix_cache), eos_ids=(th.tokens.im_end,),
+                         kv=KVPlan(blocks=blocks, prefix_cache=prefix_cache), eos_ids=(th.tokens.im_end,),
                          cuda_graphs=cuda_graphs)
 
 
@@ -846,6 +846,23 @@ def test_prefill_drafts_give_the_replies_of_decoding(tiny_model_dir, tokenizer, 
         assert seen[0][3] > 0, seen
         verifies, accepted = eng.drafts.verified - before.verified, eng.drafts.accepted - before.accepted
         assert verifies and accepted <= keep * verifies, (keep, verifies, accepted)
+
+
+def test_prefill_drafts_in_a_pool_too_small_for_them(tiny_model_dir, tokenizer, omni_config, monkeypatch):
+    """A KV pool with room for a few of the step's sequences: prefill drafts that find no free blocks
+    are dropped at admission, rows are preempted and prefilled again (their drafts dropped), cached
+    blocks are evicted for newer ones -- and the replies stay those of --no-draft-forced decoding on
+    an engine whose pool holds everything."""
+    specs = _prefill_draft_specs(tokenizer, omni_config)
+    roomy = _fresh_engine(tiny_model_dir, tokenizer, omni_config, prefix_cache=False)
+    decoded, _ = run_jobs(roomy, specs, True, monkeypatch, draft=False)
+    longest = max(len(s["prompt"]) + s.get("max_tokens", 60) for s in specs)
+    small = _fresh_engine(tiny_model_dir, tokenizer, omni_config, blocks=3 * -(-longest // 16))
+    stats = small.runner.blocks.stats
+    for _ in range(2):           # the second time over blocks the first left cached
+        drafted, _ = run_jobs(small, specs, True, monkeypatch, draft=True)
+        assert drafted == decoded
+    assert stats.preempted > 0, "the pool was not small enough to preempt"
 
 
 def test_prefill_drafts_keep_the_deterministic_modes_bits(tiny_model_dir, tokenizer, omni_config, monkeypatch):
